@@ -1,0 +1,1 @@
+"""Mutation catalog and runner: every contract can go red."""

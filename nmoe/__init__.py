@@ -1,0 +1,1 @@
+"""nmoe: Mixture-of-Experts training as a spec-and-parity harness."""

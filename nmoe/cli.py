@@ -1,0 +1,41 @@
+"""`nmoe` entry point: one subcommand per job, each owned by the module that does the job."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "parity": ("parity.runner", "main", "run every parity contract (GPU) or self-checks + compiles (CPU)"),
+    "mutate": ("mutations.runner", "main", "run the mutation catalog and write a report"),
+    "bench": ("nmoe.benchcli", "main", "run the GPU benchmarks under bench/"),
+    "train": ("nmoe.train.loop", "main", "train a model from a TOML config (fast path only)"),
+    "prep": ("nmoe.train.prep", "main", "tokenize text into uint32 shards with a manifest"),
+    "runs": ("nmoe.train.metrics", "runs_main", "list experiment runs"),
+    "metrics": ("nmoe.train.metrics", "metrics_main", "summarise one run's metrics"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: nmoe COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<8} {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"nmoe: unknown command {name!r}\n{_usage()}", file=sys.stderr)
+        return 2
+    module, attr, _ = COMMANDS[name]
+    fn: Callable[[list[str]], int] = getattr(importlib.import_module(module), attr)
+    return fn(rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

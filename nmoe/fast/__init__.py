@@ -1,0 +1,1 @@
+"""The fast path: CuTeDSL kernels for sm_90a and sm_100a plus thin torch glue."""

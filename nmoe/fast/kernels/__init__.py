@@ -1,0 +1,1 @@
+"""CuTeDSL kernels."""

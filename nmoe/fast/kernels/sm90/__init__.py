@@ -1,0 +1,1 @@
+"""Kernels specific to sm_90a (Hopper)."""

@@ -1,0 +1,1 @@
+"""The spec: CPU pure-PyTorch reference of every op, readable like math."""

@@ -1,0 +1,1 @@
+"""Trainer: fast path only."""

@@ -1,0 +1,1 @@
+"""Parity harness: contracts between reference and fast path."""
