@@ -1,0 +1,257 @@
+"""Spec tests of reference/optim.py: float64 hand loops, torch.optim.AdamW, SVD oracle for Newton-Schulz."""
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from nmoe.reference.optim import (
+    TrainProgress,
+    adamw_step,
+    muon_scale,
+    muon_step,
+    newton_schulz5,
+    wsd_factor,
+    wsd_lr,
+)
+
+ABC = (3.4445, -4.7750, 2.0315)
+
+
+def gen(shape: tuple[int, ...], seed: int, scale: float = 1.0) -> Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale
+
+
+# ---------------------------------------------------------------- AdamW
+
+HP = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+
+
+def adamw_hand(
+    p: Tensor,
+    grads: list[Tensor],
+    lr: float,
+    b1: float,
+    b2: float,
+    eps: float,
+    wd: float,
+    decoupled: bool = True,
+    bias_correction: bool = True,
+) -> Tensor:
+    p, m, v = p.clone(), torch.zeros_like(p), torch.zeros_like(p)
+    for t, g in enumerate(grads, start=1):
+        if decoupled:
+            p = p - lr * wd * p
+        else:
+            g = g + wd * p
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        c1, c2 = (1 - b1**t, 1 - b2**t) if bias_correction else (1.0, 1.0)
+        p = p - lr * (m / c1) / (torch.sqrt(v / c2) + eps)
+    return p
+
+
+def run_adamw(p0: Tensor, grads: list[Tensor], dtype: torch.dtype = torch.float64) -> Tensor:
+    p = p0.to(dtype).clone()
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    for t, g in enumerate(grads, start=1):
+        assert adamw_step(p, g, m, v, t, **HP) is None  # type: ignore[func-returns-value]
+    return p
+
+
+@settings(max_examples=6, deadline=None)
+@given(n=st.integers(1, 40), steps=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_adamw_matches_float64_hand_loop(n: int, steps: int, seed: int) -> None:
+    p0 = gen((n,), seed)
+    grads = [gen((n,), seed + 1 + k) for k in range(steps)]
+    want = adamw_hand(p0, grads, 1e-2, 0.9, 0.95, 1e-8, 0.1)
+    assert torch.allclose(run_adamw(p0, grads), want, rtol=1e-13, atol=1e-15)
+    got32 = run_adamw(p0, [g.bfloat16() for g in grads], torch.float32)
+    want_bf16_grads = adamw_hand(p0, [g.bfloat16().double() for g in grads], 1e-2, 0.9, 0.95, 1e-8, 0.1)
+    assert torch.allclose(got32.double(), want_bf16_grads, rtol=1e-6, atol=1e-6)
+
+
+def test_adamw_matches_torch_optim() -> None:
+    p0 = gen((5, 7), 1)
+    grads = [gen((5, 7), 2 + k) for k in range(5)]
+    ref = torch.nn.Parameter(p0.clone())
+    opt = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for g in grads:
+        ref.grad = g.clone()
+        opt.step()
+    assert torch.allclose(run_adamw(p0, grads), ref.detach(), rtol=1e-12, atol=1e-14)
+
+
+def test_adamw_errors() -> None:
+    p = torch.zeros(3)
+    with pytest.raises(ValueError, match="fp32 master"):
+        adamw_step(p.bfloat16(), p, p.bfloat16(), p.bfloat16(), 1, **HP)
+    with pytest.raises(ValueError, match="state"):
+        adamw_step(p, p, torch.zeros(4), p.clone(), 1, **HP)
+    with pytest.raises(ValueError, match="grad shape"):
+        adamw_step(p, torch.zeros(4), p.clone(), p.clone(), 1, **HP)
+    with pytest.raises(ValueError, match="step=0"):
+        adamw_step(p, p.clone(), p.clone(), p.clone(), 0, **HP)
+
+
+def test_sep_adamw_coupled_weight_decay() -> None:
+    p0 = gen((6,), 3, 5.0)
+    grads = [gen((6,), 4 + k, 0.1) for k in range(4)]
+    correct = adamw_hand(p0, grads, 1e-2, 0.9, 0.95, 1e-8, 0.1)
+    mutated = adamw_hand(p0, grads, 1e-2, 0.9, 0.95, 1e-8, 0.1, decoupled=False)
+    assert not torch.allclose(correct, mutated, rtol=1e-4)
+    assert torch.allclose(run_adamw(p0, grads), correct, rtol=1e-13, atol=1e-15)
+
+
+def test_sep_adamw_no_bias_correction() -> None:
+    p0 = gen((6,), 5)
+    grads = [gen((6,), 6 + k) for k in range(3)]
+    correct = adamw_hand(p0, grads, 1e-2, 0.9, 0.95, 1e-8, 0.1)
+    mutated = adamw_hand(p0, grads, 1e-2, 0.9, 0.95, 1e-8, 0.1, bias_correction=False)
+    assert not torch.allclose(correct, mutated, rtol=1e-4)
+    assert torch.allclose(run_adamw(p0, grads), correct, rtol=1e-13, atol=1e-15)
+
+
+# ---------------------------------------------------------------- Newton-Schulz / Muon
+
+
+def ns_oracle(g: Tensor, abc: tuple[float, float, float] = ABC, steps: int = 5) -> Tensor:
+    """NS acts on singular values only: U p^steps(sigma / (||G||_F + 1e-7)) V^T, in float64."""
+    a, b, c = abc
+    u, s, vh = torch.linalg.svd(g.double(), full_matrices=False)
+    fro = torch.sqrt((s * s).sum(-1, keepdim=True))
+    x = s / (fro + 1e-7)
+    for _ in range(steps):
+        x = a * x + b * x**3 + c * x**5
+    out: Tensor = u @ torch.diag_embed(x) @ vh
+    return out
+
+
+@pytest.mark.parametrize("shape", [(16, 24), (24, 16), (3, 8, 12), (12, 12)])
+def test_ns5_matches_singular_value_oracle(shape: tuple[int, ...]) -> None:
+    g = gen(shape, sum(shape))
+    out = newton_schulz5(g.float())
+    assert out.dtype == torch.float32 and out.shape == g.shape
+    assert torch.allclose(out.double(), ns_oracle(g), atol=2e-5)
+    assert torch.allclose(newton_schulz5(g), ns_oracle(g), atol=1e-10)
+
+
+def test_ns5_singular_values_in_known_band() -> None:
+    # The quintic maps every normalised singular value in [0.01, 1] into [0.6818, 1.1344] after 5 steps
+    # (scalar iteration over a fine grid); a 32x64 Gaussian has normalised sigma_min ~ 0.05.
+    g = gen((32, 64), 9)
+    s = torch.linalg.svdvals(g)
+    assert float(s.min() / torch.linalg.matrix_norm(g)) > 0.01
+    sv = torch.linalg.svdvals(newton_schulz5(g.float()).double())
+    assert float(sv.min()) >= 0.68 and float(sv.max()) <= 1.135
+
+
+def test_ns5_errors() -> None:
+    with pytest.raises(ValueError, match="matrix"):
+        newton_schulz5(torch.zeros(4))
+    with pytest.raises(ValueError, match="steps"):
+        newton_schulz5(torch.zeros(4, 4), steps=0)
+
+
+def test_sep_muon_ns_coeffs_swapped() -> None:
+    g = gen((12, 20), 10)
+    correct = ns_oracle(g)
+    for perm in itertools.permutations(ABC):
+        if perm != ABC:
+            assert not torch.allclose(correct, ns_oracle(g, (perm[0], perm[1], perm[2])), atol=1e-2)
+    assert torch.allclose(newton_schulz5(g), correct, atol=1e-10)
+
+
+def muon_hand(p: Tensor, grads: list[Tensor], lr: float, mu: float, wd: float, nesterov: bool) -> Tensor:
+    p, buf = p.clone(), torch.zeros_like(p)
+    rows, cols = p.shape[-2:]
+    for g in grads:
+        buf = mu * buf + g
+        u = g + mu * buf if nesterov else buf
+        p = p * (1 - lr * wd) - lr * 0.2 * math.sqrt(max(rows, cols)) * ns_oracle(u)
+    return p
+
+
+@pytest.mark.parametrize(("shape", "nesterov"), [((8, 20), True), ((20, 8), False), ((2, 6, 10), True)])
+def test_muon_matches_float64_hand_loop(shape: tuple[int, ...], nesterov: bool) -> None:
+    p0 = gen(shape, 11)
+    grads = [gen(shape, 12 + k) for k in range(3)]
+    p, buf = p0.clone(), torch.zeros_like(p0)
+    for g in grads:
+        muon_step(p, g, buf, lr=0.02, momentum=0.95, weight_decay=0.1, nesterov=nesterov)
+    assert torch.allclose(p, muon_hand(p0, grads, 0.02, 0.95, 0.1, nesterov), atol=1e-10)
+
+
+def test_muon_scale_hand_values() -> None:
+    assert muon_scale((16, 64)) == pytest.approx(1.6, rel=1e-15)
+    assert muon_scale((8, 100, 25)) == pytest.approx(2.0, rel=1e-15)
+
+
+def test_muon_errors() -> None:
+    with pytest.raises(ValueError, match="adamw_step"):
+        muon_step(torch.zeros(4), torch.zeros(4), torch.zeros(4), 0.02, 0.95, 0.0)
+    with pytest.raises(ValueError, match="grad shape"):
+        muon_step(torch.zeros(4, 4), torch.zeros(4, 5), torch.zeros(4, 4), 0.02, 0.95, 0.0)
+    with pytest.raises(ValueError, match="state"):
+        muon_step(torch.zeros(4, 4), torch.zeros(4, 4), torch.zeros(4, 4).double(), 0.02, 0.95, 0.0)
+
+
+# ---------------------------------------------------------------- WSD by tokens
+
+WSD = {"warmup_tokens": 100, "total_tokens": 1000, "decay_fraction": 0.2, "min_lr_ratio": 0.1}
+
+
+@pytest.mark.parametrize(
+    ("tokens", "want"),
+    # warmup 0..100 linear; stable to 800; decay 800..1000 linear 1 -> 0.1; held at 0.1 past the end.
+    [
+        (0, 0.0),
+        (25, 0.25),
+        (100, 1.0),
+        (500, 1.0),
+        (800, 1.0),
+        (850, 0.775),
+        (900, 0.55),
+        (1000, 0.1),
+        (1500, 0.1),
+    ],
+)
+def test_wsd_hand_points(tokens: int, want: float) -> None:
+    prog = TrainProgress(step=3, tokens=tokens)
+    assert wsd_factor(prog, **WSD) == pytest.approx(want, abs=1e-15)  # type: ignore[arg-type]
+    assert wsd_lr(prog, 3e-4, **WSD) == pytest.approx(3e-4 * want, abs=1e-18)  # type: ignore[arg-type]
+
+
+def test_wsd_edge_configs() -> None:
+    assert wsd_factor(TrainProgress(0, 0), 0, 1000, 0.5, 0.0) == 1.0
+    assert wsd_factor(TrainProgress(9, 750), 0, 1000, 0.5, 0.0) == pytest.approx(0.5)
+    assert wsd_factor(TrainProgress(9, 2000), 10, 1000, 0.0, 0.0) == 1.0
+
+
+def test_wsd_errors() -> None:
+    with pytest.raises(ValueError, match="tokens >= 0"):
+        wsd_factor(TrainProgress(0, -1), **WSD)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="decay_fraction"):
+        wsd_factor(TrainProgress(0, 0), 100, 1000, 1.5, 0.1)
+    with pytest.raises(ValueError, match="shorten warmup"):
+        wsd_factor(TrainProgress(0, 0), 900, 1000, 0.2, 0.1)
+
+
+def test_sep_wsd_decay_by_steps() -> None:
+    # Variable-length batches: 9 steps have consumed 900 tokens of 1000 (decay starts at 800).
+    prog = TrainProgress(step=9, tokens=900)
+
+    def hand(x: float) -> float:
+        if x < 100:
+            return x / 100
+        return 1.0 if x <= 800 else 1.0 - 0.9 * min((x - 800) / 200, 1.0)
+
+    correct, mutated = hand(prog.tokens), hand(prog.step)
+    assert correct != pytest.approx(mutated)
+    assert wsd_factor(prog, **WSD) == pytest.approx(correct, abs=1e-15)  # type: ignore[arg-type]
+    same_tokens = TrainProgress(step=450, tokens=900)
+    assert wsd_factor(same_tokens, **WSD) == wsd_factor(prog, **WSD)  # type: ignore[arg-type]
