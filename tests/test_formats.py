@@ -185,8 +185,8 @@ def test_to_bf16_vs_ml_dtypes() -> None:
     with np.errstate(invalid="ignore"):
         want = x.astype(ml_dtypes.bfloat16).view(np.uint16)
     assert np.array_equal(got[fin], want[fin])
-    nans = F.to_bf16(t32([np.nan, -np.nan])).float()
-    assert torch.isnan(nans).all() and torch.signbit(nans).tolist() == [False, True]
+    nan_bits = F.to_bf16(t32([np.nan, -np.nan, np.float32(np.uint32(0x7F800001).view(F32))]))
+    assert nan_bits.view(torch.int16).tolist() == [0x7FC0] * 3
 
 
 def test_to_bf16_rejects_fp64_and_widens_bf16() -> None:

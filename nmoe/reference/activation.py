@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from nmoe.reference.formats import round_to
+
 
 def _acc_dtype(*ts: Tensor) -> torch.dtype:
     """fp32 for bf16/fp16/fp32 inputs; fp64 only when an input is fp64 (gradcheck)."""
@@ -27,7 +29,7 @@ def _relu(xf: Tensor) -> Tensor:
 def relu2(x: Tensor) -> Tensor:
     xf = x.to(_acc_dtype(x))
     r = _relu(xf)
-    return (r * r).to(x.dtype)
+    return round_to(r * r, x.dtype)
 
 
 def relu2_bwd(dy: Tensor, x: Tensor) -> Tensor:
@@ -35,7 +37,7 @@ def relu2_bwd(dy: Tensor, x: Tensor) -> Tensor:
         raise ValueError(f"relu2_bwd: dy {tuple(dy.shape)} != x {tuple(x.shape)}; pass matching tensors")
     acc = _acc_dtype(dy, x)
     two_r = 2 * _relu(x.to(acc))
-    return (dy.to(acc) * two_r).to(dy.dtype)
+    return round_to(dy.to(acc) * two_r, dy.dtype)
 
 
 def _split_interleaved(h: Tensor) -> tuple[Tensor, Tensor]:
@@ -53,7 +55,7 @@ def _sigmoid(g: Tensor) -> Tensor:
 def swiglu(h: Tensor) -> Tensor:
     acc = _acc_dtype(h)
     g, u = _split_interleaved(h.to(acc))
-    return (g * _sigmoid(g) * u).to(h.dtype)
+    return round_to(g * _sigmoid(g) * u, h.dtype)
 
 
 def swiglu_bwd(dy: Tensor, h: Tensor) -> Tensor:
@@ -66,4 +68,4 @@ def swiglu_bwd(dy: Tensor, h: Tensor) -> Tensor:
     silu = g * s
     dg = d * u * (s * (1 + g * (1 - s)))
     du = d * silu
-    return torch.stack((dg, du), dim=-1).flatten(-2).to(dy.dtype)
+    return round_to(torch.stack((dg, du), dim=-1).flatten(-2), dy.dtype)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from nmoe.reference.formats import round_to
+
 
 def _check(y: Tensor, w: Tensor) -> torch.dtype:
     if y.dim() != 3 or w.shape != y.shape[:2]:
@@ -32,7 +34,7 @@ def combine(y: Tensor, w: Tensor, routed_scale: float, shared: Tensor | None = N
         if shared.shape != acc.shape:
             raise ValueError(f"combine: shared {tuple(shared.shape)} must be [T,H] = {tuple(acc.shape)}")
         acc = acc + shared.to(acc_dt)
-    return acc.to(y.dtype)
+    return round_to(acc, y.dtype)
 
 
 def combine_bwd(dout: Tensor, y: Tensor, w: Tensor, routed_scale: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -41,6 +43,6 @@ def combine_bwd(dout: Tensor, y: Tensor, w: Tensor, routed_scale: float) -> tupl
     if dout.shape != (y.shape[0], y.shape[2]):
         raise ValueError(f"combine_bwd: dout {tuple(dout.shape)} must be [T,H] = {(y.shape[0], y.shape[2])}")
     g = dout.to(acc_dt) * torch.tensor(routed_scale, dtype=acc_dt)
-    dy = (g[:, None, :] * w.to(acc_dt)[:, :, None]).to(y.dtype)
+    dy = round_to(g[:, None, :] * w.to(acc_dt)[:, :, None], y.dtype)
     dw = (g[:, None, :] * y.to(acc_dt)).sum(dim=-1).to(w.dtype)
     return dy, dw, dout.clone()

@@ -9,6 +9,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+BF16_CANONICAL_NAN = 0x7FC0
+F32_CANONICAL_NAN = 0x7FC00000
+
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 MX_BLOCKS = (32, 128)
@@ -86,12 +89,27 @@ def _check_codes(codes: Tensor, who: str) -> None:
 
 
 def to_bf16(x: Tensor) -> Tensor:
-    """bf16 by round-to-nearest-even from fp32 bits; overflow goes to ±Inf (IEEE, as on every stack)."""
+    """bf16 by round-to-nearest-even from fp32 bits; overflow goes to ±Inf (IEEE, as on every stack).
+
+    Every NaN becomes the canonical 0x7FC0: NaN payloads differ across CPUs, GPUs and vector paths.
+    """
     xf = _f32(x, "to_bf16")
     bits = _bits(xf)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    out = torch.where(torch.isnan(xf), (bits >> 16) | 0x0040, rounded)
+    out = torch.where(torch.isnan(xf), torch.full_like(rounded, BF16_CANONICAL_NAN), rounded)
     return out.where(out < 2**15, out - 2**16).to(torch.int16).view(torch.bfloat16)
+
+
+def round_to(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """Round fp32 (or fp64, for gradcheck) math once to an op's output dtype, with canonical NaN bits."""
+    if dtype == torch.bfloat16:
+        return to_bf16(x)
+    if dtype == torch.float32:
+        xf = _f32(x, "round_to")
+        return torch.where(torch.isnan(xf), torch.tensor(F32_CANONICAL_NAN, dtype=torch.int32).view(torch.float32), xf)
+    if dtype == torch.float64:
+        return x.to(torch.float64)
+    raise ValueError(f"round_to: output dtype {dtype} is not in the spec; use bf16, fp32 (or fp64 for gradcheck)")
 
 
 def e4m3_encode(x: Tensor) -> Tensor:

@@ -1,0 +1,168 @@
+"""Fast relu2 fwd/bwd: CuTeDSL kernels (nmoe/fast/kernels/activation.py) behind torch custom ops.
+
+nmoe::relu2 carries autograd (bwd = nmoe::relu2_bwd) and a shape-only fake, so torch.compile and
+CUDA graphs capture it as one op. Kernels are compiled per (arch, dtype, vector width) on first use.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from nmoe.fast import runtime
+from nmoe.fast.runtime import KernelSpec
+
+_KERNEL_MODULE = "nmoe.fast.kernels.activation"
+_DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_VEC: dict[str, int] = {"bfloat16": 8, "float32": 4}
+_VEC_BYTES = 16
+
+
+@functools.cache
+def _source_sha256() -> str:
+    spec = importlib.util.find_spec(_KERNEL_MODULE)
+    if spec is None or spec.origin is None:
+        raise RuntimeError(f"{_KERNEL_MODULE} is missing from the installed nmoe package; reinstall nmoe")
+    return runtime.file_sha256(spec.origin)
+
+
+@functools.cache
+def _kernels(arch: str) -> ModuleType:
+    runtime.import_cutlass(arch)
+    return importlib.import_module(_KERNEL_MODULE)
+
+
+def _check(op: str, *ts: Tensor) -> str:
+    dtypes = {t.dtype for t in ts}
+    if len(dtypes) != 1 or ts[0].dtype not in _DTYPE_NAMES:
+        raise ValueError(
+            f"{op}: fast kernels take bf16 or fp32 inputs of one dtype, got {sorted(map(str, dtypes))}; "
+            "cast the inputs, or use nmoe.reference for other dtypes"
+        )
+    if any(t.shape != ts[0].shape for t in ts):
+        raise ValueError(f"{op}: shapes {[tuple(t.shape) for t in ts]} differ; pass tensors of one shape")
+    return _DTYPE_NAMES[ts[0].dtype]
+
+
+def _launch(kernel: str, ins: tuple[Tensor, ...], out: Tensor) -> None:
+    """Run `kernel` over the flattened contiguous tensors; 128-bit vectors when every pointer allows."""
+    arch = runtime.require_arch(*ins, out)
+    dtype_name = _check(kernel, *ins, out)
+    if not all(t.is_contiguous() for t in (*ins, out)):
+        raise ValueError(f"{kernel}: tensors must be contiguous; call .contiguous() first")
+    n = out.numel()
+    if n == 0:
+        return
+    aligned = all(t.data_ptr() % _VEC_BYTES == 0 for t in (*ins, out))
+    vec = _VEC[dtype_name] if aligned else 1
+    k = _kernels(arch)
+    key = runtime.cache_key(kernel, _source_sha256(), arch, {"dtype": dtype_name, "vec": vec})
+
+    def build() -> Any:
+        import cutlass.cute as cute
+
+        host, args = k.compile_args(kernel, dtype_name, vec)
+        return cute.compile(host, *args)
+
+    device = out.device
+    ex = runtime.kernel_cache().executor(key, build)
+    ptrs = [k.pointer(dtype_name, t.data_ptr(), vec) for t in (*ins, out)]
+    with torch.cuda.device(device):
+        ex(*ptrs, n, runtime.current_stream(device))
+
+
+def _relu2_impl(x: Tensor) -> Tensor:
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch("relu2_fwd", (x.contiguous(),), y)
+    return y
+
+
+def _relu2_fake(x: Tensor) -> Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _relu2_bwd_impl(dy: Tensor, x: Tensor) -> Tensor:
+    dx = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
+    _launch("relu2_bwd", (dy.contiguous(), x.contiguous()), dx)
+    return dx
+
+
+def _relu2_bwd_fake(dy: Tensor, x: Tensor) -> Tensor:
+    return torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
+
+
+_relu2_op = runtime.register_custom_op("nmoe::relu2", _relu2_impl, _relu2_fake)
+_relu2_bwd_op = runtime.register_custom_op("nmoe::relu2_bwd", _relu2_bwd_impl, _relu2_bwd_fake)
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    ctx.save_for_backward(inputs[0])
+
+
+def _backward(ctx: Any, grad: Tensor) -> Tensor:
+    (x,) = ctx.saved_tensors
+    out: Tensor = _relu2_bwd_op(grad, x)
+    return out
+
+
+_relu2_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def relu2(x: Tensor) -> Tensor:
+    """relu(x)^2 in fp32, rounded once to x.dtype; differentiable through relu2_bwd."""
+    out: Tensor = _relu2_op(x)
+    return out
+
+
+def relu2_bwd(dy: Tensor, x: Tensor) -> Tensor:
+    """dy * (2 * relu(x)) in fp32, rounded once to dy.dtype."""
+    out: Tensor = _relu2_bwd_op(dy, x)
+    return out
+
+
+def _ptx(kernel: str, dtype_name: str, arch: str) -> str:
+    k = _kernels(arch)
+    host, args = k.compile_args(kernel, dtype_name, _VEC[dtype_name])
+    return runtime.compile_ptx(host, args)
+
+
+# ftz would flush fp32 subnormal squares that bf16 keeps; PTX max/min return the non-NaN operand
+# (NaN must propagate); a bf16 multiply would skip the fp32 product; local memory means spills.
+_FORBID = (r"\.ftz\b", r"\b(max|min)(\.[a-zA-Z0-9]+)*\.(f32|bf16|bf16x2)\b", r"\bmul(\.rn)?\.bf16",
+           r"\b(ld|st)\.local\b")
+# 128-bit global accesses: sm_90a spells them v4.b32, sm_100a also v2.b64; sm_100a packs fp32
+# multiplies into mul.f32x2, which Hopper lacks.
+_LD128 = r"\bld\.global(\.nc)?\.(v4\.(b|f|u)32|v2\.(b|u)64)\b"
+_ST128 = r"\bst\.global\.(v4\.(b|f|u)32|v2\.(b|u)64)\b"
+_MUL_F32 = {"sm_90a": r"\bmul(\.rn)?\.f32\s", "sm_100a": r"\bmul(\.rn)?\.f32x2\s"}
+
+
+def _expect(dtype_name: str) -> dict[str, tuple[str, ...]]:
+    rounding = (r"\bcvt\.rn\.bf16x2\.f32\b",) if dtype_name == "bfloat16" else ()
+    return {
+        arch: (rf"\.target {arch}\b", _LD128, _ST128, _MUL_F32[arch], r"\bsetp\.nan\.f32\b", *rounding)
+        for arch in runtime.SUPPORTED_ARCHS
+    }
+
+
+def _spec(kernel: str, dtype_name: str) -> KernelSpec:
+    suffix = "" if dtype_name == "bfloat16" else "_f32"
+    return KernelSpec(
+        op="relu2",
+        name=f"{kernel}{suffix}",
+        compile=functools.partial(_ptx, kernel, dtype_name),
+        expect=_expect(dtype_name),
+        forbid={arch: _FORBID for arch in runtime.SUPPORTED_ARCHS},
+    )
+
+
+KERNELS: tuple[KernelSpec, ...] = tuple(
+    _spec(kernel, dtype_name) for dtype_name in ("bfloat16", "float32")
+    for kernel in ("relu2_fwd", "relu2_bwd")
+)

@@ -1,0 +1,152 @@
+"""CuTeDSL kernels for relu2 fwd/bwd: flat elementwise, one 128-bit vector per thread, guarded tail.
+
+Import only after nmoe.fast.runtime.import_cutlass(arch): the DSL fixes its target arch at first import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cuda.bindings.driver as cuda
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int16, Int32, Int64
+from cutlass.base_dsl.ast_helpers import range_constexpr
+from cutlass.base_dsl.typing import Constexpr
+from cutlass.cute.runtime import make_ptr
+from cutlass.cute.typing import Pointer
+
+THREADS = 256
+# The spec rounds every NaN to one canonical quiet NaN (payloads differ across CPUs and GPUs; the GPU's
+# cvt.rn.bf16x2.f32 alone would write 0x7FFF), so NaN results are selected explicitly.
+BF16_NAN_BITS = 0x7FC0
+F32_NAN_BITS = 0x7FC00000
+
+DTYPES: dict[str, Any] = {"bfloat16": BFloat16, "float32": Float32}
+
+
+# Pure dataflow helpers are plain functions traced inline; only code with dynamic `if`/loops needs
+# @cute.jit (its AST is rewritten into scf control flow).
+def _relu(x: cute.TensorSSA) -> cute.TensorSSA:
+    zero = cute.full_like(x, 0.0)
+    r: cute.TensorSSA = cute.where(x <= zero, zero, x)
+    return r
+
+
+def _out_bits(p: cute.TensorSSA, dtype_name: str) -> cute.TensorSSA:
+    """Round fp32 once to the output dtype's bits, every NaN canonical."""
+    if dtype_name == "bfloat16":
+        rounded = p.to(BFloat16).bitcast(Int16)
+        nan16: cute.TensorSSA = cute.where(p != p, cute.full_like(rounded, BF16_NAN_BITS), rounded)
+        return nan16
+    pb = p.bitcast(Int32)
+    nan32: cute.TensorSSA = cute.where(p != p, cute.full_like(pb, F32_NAN_BITS), pb)
+    return nan32
+
+
+def _fwd_bits(x: cute.TensorSSA, dtype_name: str) -> cute.TensorSSA:
+    r = _relu(x.to(Float32))
+    sq = r * r
+    return _out_bits(sq, dtype_name)
+
+
+def _bwd_bits(dy: cute.TensorSSA, x: cute.TensorSSA, dtype_name: str) -> cute.TensorSSA:
+    two_r = 2.0 * _relu(x.to(Float32))
+    p = dy.to(Float32) * two_r
+    return _out_bits(p, dtype_name)
+
+
+@cute.jit
+def _load_tail(m: cute.Tensor, base: Int64, n: Int64, vec: Constexpr[int]) -> cute.TensorSSA:
+    frag = cute.make_rmem_tensor((vec,), m.element_type)
+    frag.fill(0.0)
+    for j in range_constexpr(vec):
+        if base + j < n:
+            frag[j] = m[base + j]
+    v: cute.TensorSSA = frag.load()
+    return v
+
+
+@cute.jit
+def _store_tail(m: cute.Tensor, base: Int64, n: Int64, bits: cute.TensorSSA,
+                vec: Constexpr[int]) -> None:
+    frag = cute.make_rmem_tensor((vec,), bits.dtype)
+    frag.store(bits)
+    mb = cute.recast_tensor(m, bits.dtype)
+    for j in range_constexpr(vec):
+        if base + j < n:
+            mb[base + j] = frag[j]
+
+
+@cute.jit
+def _store_full(g: cute.Tensor, i: Int64, bits: cute.TensorSSA) -> None:
+    cute.recast_tensor(g[(None, i)], bits.dtype).store(bits)
+
+
+@cute.kernel
+def relu2_fwd_kernel(px: Pointer, py: Pointer, n: Int64,
+                     vec: Constexpr[int], dtype_name: Constexpr[str]) -> None:
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    i = Int64(bidx) * THREADS + Int64(tidx)
+    nfull = n // vec
+    mx = cute.make_tensor(px, cute.make_layout(n))
+    my = cute.make_tensor(py, cute.make_layout(n))
+    if i < nfull:
+        gx = cute.zipped_divide(mx, (vec,))
+        x = gx[(None, i)].load().reshape((vec,))
+        _store_full(cute.zipped_divide(my, (vec,)), i, _fwd_bits(x, dtype_name))
+    elif i == nfull:
+        x = _load_tail(mx, nfull * vec, n, vec)
+        _store_tail(my, nfull * vec, n, _fwd_bits(x, dtype_name), vec)
+
+
+@cute.kernel
+def relu2_bwd_kernel(pdy: Pointer, px: Pointer, pdx: Pointer, n: Int64,
+                     vec: Constexpr[int], dtype_name: Constexpr[str]) -> None:
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    i = Int64(bidx) * THREADS + Int64(tidx)
+    nfull = n // vec
+    mdy = cute.make_tensor(pdy, cute.make_layout(n))
+    mx = cute.make_tensor(px, cute.make_layout(n))
+    mdx = cute.make_tensor(pdx, cute.make_layout(n))
+    if i < nfull:
+        dy = cute.zipped_divide(mdy, (vec,))[(None, i)].load().reshape((vec,))
+        x = cute.zipped_divide(mx, (vec,))[(None, i)].load().reshape((vec,))
+        _store_full(cute.zipped_divide(mdx, (vec,)), i, _bwd_bits(dy, x, dtype_name))
+    elif i == nfull:
+        dy = _load_tail(mdy, nfull * vec, n, vec)
+        x = _load_tail(mx, nfull * vec, n, vec)
+        _store_tail(mdx, nfull * vec, n, _bwd_bits(dy, x, dtype_name), vec)
+
+
+def _grid(n: Int64, vec: int) -> list[Any]:
+    return [(n // vec + THREADS) // THREADS, 1, 1]
+
+
+@cute.jit
+def relu2_fwd_host(px: Pointer, py: Pointer, n: Int64, stream: cuda.CUstream,
+                   vec: Constexpr[int], dtype_name: Constexpr[str]) -> None:
+    relu2_fwd_kernel(px, py, n, vec, dtype_name).launch(
+        grid=_grid(n, vec), block=[THREADS, 1, 1], stream=stream
+    )
+
+
+@cute.jit
+def relu2_bwd_host(pdy: Pointer, px: Pointer, pdx: Pointer, n: Int64, stream: cuda.CUstream,
+                   vec: Constexpr[int], dtype_name: Constexpr[str]) -> None:
+    relu2_bwd_kernel(pdy, px, pdx, n, vec, dtype_name).launch(
+        grid=_grid(n, vec), block=[THREADS, 1, 1], stream=stream
+    )
+
+
+def pointer(dtype_name: str, address: int, vec: int) -> Any:
+    dtype = DTYPES[dtype_name]
+    return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=vec * dtype.width // 8)
+
+
+def compile_args(kernel: str, dtype_name: str, vec: int) -> tuple[Any, tuple[Any, ...]]:
+    n_ptrs = {"relu2_fwd": 2, "relu2_bwd": 3}[kernel]
+    host = {"relu2_fwd": relu2_fwd_host, "relu2_bwd": relu2_bwd_host}[kernel]
+    ptrs = tuple(pointer(dtype_name, 0, vec) for _ in range(n_ptrs))
+    return host, (*ptrs, Int64(0), cuda.CUstream(0), vec, dtype_name)

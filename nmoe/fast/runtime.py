@@ -1,0 +1,284 @@
+"""Fast-path runtime: arch guard, CuTeDSL import and compile cache, torch stream and custom-op glue.
+
+Nothing here imports `cutlass` at module import: the DSL fixes its target arch at its first import.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import hashlib
+import importlib.metadata
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+from torch._library.custom_ops import CustomOpDef
+
+SUPPORTED_ARCHS: tuple[str, ...] = ("sm_90a", "sm_100a")
+_ARCH_BY_CAPABILITY: dict[tuple[int, int], str] = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
+CACHE_ENV = "NMOE_KERNEL_CACHE"
+
+
+class ArchError(RuntimeError):
+    """A fast op was handed a tensor it cannot run on (CPU, wrong GPU, or a mismatched DSL arch)."""
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One compiled kernel of a fast op, checkable for PTX instructions on a machine without a GPU."""
+
+    op: str
+    name: str
+    compile: Callable[[str], str]
+    expect: Mapping[str, tuple[str, ...]]
+    forbid: Mapping[str, tuple[str, ...]]
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+def require_arch(*tensors: Tensor) -> str:
+    """Return the arch ("sm_90a" | "sm_100a") of the one CUDA device holding all tensors, else raise."""
+    if not tensors:
+        raise ValueError("require_arch needs at least one tensor")
+    device = tensors[0].device
+    for t in tensors:
+        if t.device.type != "cuda":
+            raise ArchError(
+                f"nmoe.fast runs on CUDA tensors on sm_90a/sm_100a GPUs, got a tensor on {t.device}; "
+                "for CPU use the spec ops in nmoe.reference (same names and signatures)"
+            )
+        if t.device != device:
+            raise ArchError(f"fast op inputs are on {device} and {t.device}; move them to one GPU")
+    major, minor = _capability(device)
+    arch = _ARCH_BY_CAPABILITY.get((major, minor))
+    if arch is None:
+        raise ArchError(
+            f"nmoe.fast needs sm_90a (H100/H200) or sm_100a (B200); {_device_name(device)} on {device} "
+            f"is sm_{major}{minor}. Run on a supported GPU, or use nmoe.reference for the spec math"
+        )
+    return arch
+
+
+def _check_arch(arch: str) -> None:
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(SUPPORTED_ARCHS)}")
+
+
+# CuTeDSL 4.8.1 facts the fast path is built on (each also noted where it bites):
+# - compiling needs no GPU: host args are fake (cute.runtime.make_ptr(dtype, 0, gmem, assumed_align=16)
+#   for pointers, cutlass.Int64(0) for scalars, cuda.CUstream(0)); Constexpr args are baked in and a
+#   compiled function is then called with the dynamic args only.
+# - the DSL re-parses each @cute.jit/@cute.kernel function's source, so kernels live in real files.
+# - pointer alignment (assumed_align) is what lets loads/stores become 128-bit vectors.
+# - no fast-math: float compares are ordered except != (unordered); mul.f32 without .ftz.
+def dsl_arch() -> str:
+    """The arch the imported DSL compiles for (read at its import from CUTE_DSL_ARCH, else the GPU)."""
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    return str(CuTeDSL._get_dsl().envar.arch)
+
+
+def import_cutlass(arch: str) -> None:
+    """Import cutlass targeting `arch`, or check that the already-imported DSL targets it.
+
+    CuTeDSL reads CUTE_DSL_ARCH once, at import; with neither it nor a GPU it silently picks sm_100a.
+    """
+    _check_arch(arch)
+    if "cutlass" not in sys.modules:
+        preset = os.environ.get("CUTE_DSL_ARCH")
+        if preset not in (None, "", arch):
+            raise ArchError(f"CUTE_DSL_ARCH={preset} but {arch} was requested; unset it or set it to {arch}")
+        os.environ["CUTE_DSL_ARCH"] = arch
+        import cutlass  # noqa: F401
+    current = dsl_arch()
+    if current != arch:
+        raise ArchError(
+            f"CuTeDSL in this process targets {current}, not {arch} (it fixes the arch at first import); "
+            f"compile {arch} in a fresh process, e.g. python -m nmoe.fast.compilecheck --arch {arch}"
+        )
+
+
+def compile_ptx(host: Any, args: tuple[Any, ...]) -> str:
+    """Compile a @cute.jit host function and return its PTX; needs no GPU.
+
+    --keep-ptx writes into --dump-dir only if that directory already exists (else silently nothing).
+    """
+    import cutlass.cute as cute
+
+    with tempfile.TemporaryDirectory(prefix="nmoe-ptx-") as d:
+        cute.compile(host, *args, options=f"--keep-ptx --dump-dir={d}")
+        paths = sorted(glob.glob(os.path.join(d, "*.ptx")))
+        if not paths:
+            raise RuntimeError(f"CuTeDSL wrote no PTX for {getattr(host, '__name__', host)}; rerun with "
+                               "CUTE_DSL_LOG_TO_CONSOLE=1 to see the compile log")
+        return "\n".join(Path(p).read_text() for p in paths)
+
+
+def file_sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+@functools.cache
+def dsl_version() -> str:
+    return importlib.metadata.version("nvidia-cutlass-dsl")
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """Compiled artifacts depend on the kernel source, the arch, the specialisation and the DSL version."""
+
+    kernel: str
+    source_sha256: str
+    arch: str
+    specialisation: tuple[tuple[str, str], ...]
+    dsl: str
+
+    @property
+    def digest(self) -> str:
+        text = repr((self.kernel, self.source_sha256, self.arch, self.specialisation, self.dsl))
+        return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+    @property
+    def stem(self) -> str:
+        return f"nmoe_{self.kernel}_{self.arch}_{self.digest}"
+
+
+def cache_key(kernel: str, source_sha256: str, arch: str, specialisation: Mapping[str, object]) -> CacheKey:
+    _check_arch(arch)
+    if not kernel.isidentifier():
+        raise ValueError(f"kernel name {kernel!r} must be a Python identifier (it names exported symbols)")
+    spec = tuple(sorted((k, repr(v)) for k, v in specialisation.items()))
+    return CacheKey(kernel, source_sha256, arch, spec, dsl_version())
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    key: CacheKey
+    how: Literal["compile", "disk"]
+    seconds: float
+
+
+def default_cache_dir() -> Path | None:
+    """NMOE_KERNEL_CACHE=off disables the disk cache; a path moves it; unset means the user cache dir."""
+    value = os.environ.get(CACHE_ENV, "")
+    if value.lower() in ("off", "0", "none"):
+        return None
+    if value:
+        return Path(value)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "nmoe" / "kernels"
+
+
+class KernelCache:
+    """Compiled kernels in memory, plus exported objects on disk so a new process skips the compile.
+
+    CuTeDSL 4.8.1 exports a compiled function (host launcher + cubin) with export_to_c(dir, name, prefix)
+    as one .o, and cutlass.cute.runtime.load_module(path) links it back in-process without a compiler.
+    """
+
+    def __init__(self, directory: Path | None) -> None:
+        self.directory = directory
+        self.events: list[CacheEvent] = []
+        self._compiled: dict[CacheKey, Any] = {}
+        self._executors: dict[CacheKey, Any] = {}
+        self._lock = threading.RLock()
+
+    def path(self, key: CacheKey) -> Path | None:
+        return None if self.directory is None else self.directory / f"{key.stem}.o"
+
+    def compiled(self, key: CacheKey, build: Callable[[], Any]) -> Any:
+        with self._lock:
+            fn = self._compiled.get(key)
+            if fn is None:
+                fn = self._load(key)
+                if fn is None:
+                    t0 = time.perf_counter()
+                    fn = build()
+                    self.events.append(CacheEvent(key, "compile", time.perf_counter() - t0))
+                    self._store(key, fn)
+                self._compiled[key] = fn
+            return fn
+
+    def executor(self, key: CacheKey, build: Callable[[], Any]) -> Any:
+        """CuTeDSL's CUDA-dialect functions load a context-free cudaLibrary onto every device, so one
+        executor serves all GPUs; it launches on the current device, which callers set."""
+        with self._lock:
+            ex = self._executors.get(key)
+            if ex is None:
+                ex = self.compiled(key, build).to()
+                self._executors[key] = ex
+            return ex
+
+    def _load(self, key: CacheKey) -> Any:
+        path = self.path(key)
+        if path is None or not path.exists():
+            return None
+        from cutlass.cute.runtime import load_module
+
+        t0 = time.perf_counter()
+        try:
+            fn = getattr(load_module(str(path)), key.stem)
+        except Exception as e:
+            raise RuntimeError(
+                f"cached kernel {path} failed to load ({e}); delete it or set {CACHE_ENV}=off"
+            ) from e
+        self.events.append(CacheEvent(key, "disk", time.perf_counter() - t0))
+        return fn
+
+    def _store(self, key: CacheKey, fn: Any) -> None:
+        path = self.path(key)
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".export-") as d:
+            try:
+                fn.export_to_c(d, key.stem, function_prefix=key.stem)
+            except Exception as e:
+                raise RuntimeError(
+                    f"exporting {key.stem} to the kernel cache {path.parent} failed ({e}); "
+                    f"set {CACHE_ENV}=off to keep compiled kernels in memory only"
+                ) from e
+            os.replace(os.path.join(d, f"{key.stem}.o"), path)
+
+
+_cache: KernelCache | None = None
+_cache_lock = threading.Lock()
+
+
+def kernel_cache() -> KernelCache:
+    global _cache
+    with _cache_lock:
+        if _cache is None:
+            _cache = KernelCache(default_cache_dir())
+        return _cache
+
+
+def current_stream(device: torch.device) -> Any:
+    """Kernels launch on torch's current stream so they order with torch work and CUDA-graph capture."""
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+
+
+def register_custom_op(
+    qualname: str, impl: Callable[..., Tensor], fake: Callable[..., Tensor]
+) -> CustomOpDef:
+    """Expose a fast op as one opaque torch op: torch.compile and CUDA graphs use `fake` for shapes."""
+    op = torch.library.custom_op(qualname, mutates_args=())(impl)
+    op.register_fake(fake)
+    return op
