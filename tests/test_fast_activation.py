@@ -79,7 +79,7 @@ def bwd_oracle(dy: U16, x: U16) -> U16:
 
 
 def bits16(t: Tensor) -> U16:
-    out: U16 = t.detach().contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
+    out: U16 = t.detach().contiguous().view(torch.int16).cpu().numpy().view(np.uint16).reshape(-1)
     return out
 
 
@@ -371,7 +371,8 @@ def test_disk_cache_round_trip_on_gpu(tmp_path: Path) -> None:
         "print(json.dumps({'sha': hashlib.sha256(y.tobytes()).hexdigest(),\n"
         "                  'how': [e.how for e in runtime.kernel_cache().events]}))\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT), runtime.CACHE_ENV: str(tmp_path)}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, runtime.CACHE_ENV: str(tmp_path)}
     runs = []
     for _ in range(2):
         proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
