@@ -1,0 +1,22 @@
+"""`nmoe bench`: run the pytest-benchmark suite under bench/ and write the results JSON."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+from nmoe.provenance import REPO_ROOT
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="nmoe bench", description=__doc__)
+    p.add_argument("--out", default="bench/results/latest.json", help="results JSON (DESIGN.md bench schema)")
+    p.add_argument("-k", dest="select", default=None, help="pytest -k expression selecting benchmarks")
+    args = p.parse_args(argv)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "bench", "--benchmark-disable-gc"]
+    if args.select:
+        cmd += ["-k", args.select]
+    env = dict(os.environ, NMOE_BENCH_OUT=os.path.abspath(args.out))
+    return subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=False).returncode
