@@ -229,7 +229,7 @@ class ScheduleConfig(_Section):
 class DataConfig(_Section):
     SECTION: ClassVar[str] = "data"
 
-    dataset_dir: str = _spec("data/tiny")
+    dataset_dir: str = _spec("data/default")
     mixture: str = _spec("")
     seq_len: int = _spec(32, lo=1)
     batch_size: int = _spec(2, lo=1)

@@ -1,0 +1,230 @@
+"""Checkpoints: DIR/step_N/{DCP files, meta.json, rank_R.pt (RNG)} and DIR/latest naming the newest one.
+A step directory appears only by renaming a finished one and `latest` is replaced atomically, so a crash
+at any point leaves the previous checkpoint resumable."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from nmoe.config import Config, diff, fingerprint, to_dict
+from nmoe.provenance import provenance
+from nmoe.train.optim import TrainOptimizer
+
+META: Final[str] = "meta.json"
+LATEST: Final[str] = "latest"
+FORMAT: Final[str] = "nmoe-checkpoint/1"
+
+
+class CheckpointError(RuntimeError):
+    """Unreadable, incomplete or incompatible checkpoint; the message names the path and the fix."""
+
+
+class CheckpointConfigMismatch(CheckpointError):
+    def __init__(self, path: Path, keys: list[str]) -> None:
+        self.path, self.keys = path, keys
+        super().__init__(
+            f"checkpoint {path} was written under a different config; differing keys: {', '.join(keys)}. "
+            "Resume with the original config, point checkpoint.dir elsewhere to start fresh, or set "
+            "checkpoint.allow_fingerprint_change = true to resume anyway"
+        )
+
+
+@dataclass(frozen=True)
+class Resumed:
+    path: Path
+    step: int
+    tokens: int
+    run_id: str
+    loader_state: dict[str, Any]
+    meta: dict[str, Any]
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    if _dist():
+        dist.barrier()
+
+
+def capture_rng() -> dict[str, Any]:
+    py = random.getstate()
+    np_state: tuple[Any, ...] = tuple(np.random.get_state())
+    out: dict[str, Any] = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], torch.from_numpy(np.asarray(np_state[1]).astype(np.int64)), *np_state[2:]],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    v, internal, gauss = state["python"]
+    random.setstate((v, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _app_state(model: nn.Module, optimizer: TrainOptimizer) -> dict[str, Any]:
+    return {"model": model.state_dict(), "optim": optimizer.named_state()}
+
+
+def _fsync_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save(
+    root: str | Path,
+    *,
+    step: int,
+    tokens: int,
+    model: nn.Module,
+    optimizer: TrainOptimizer,
+    loader_state: dict[str, Any],
+    cfg: Config,
+    run_id: str,
+    keep_last: int,
+    rank: int = 0,
+    world: int = 1,
+) -> Path:
+    """Write step `step` (collective when torch.distributed is initialised); returns its directory."""
+    root = Path(root)
+    final = step_dir(root, step)
+    partial = root / f".{final.name}.partial"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+    _barrier()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp_save(_app_state(model, optimizer), checkpoint_id=partial, no_dist=not _dist())
+    torch.save({"rank": rank, "rng": capture_rng()}, partial / f"rank_{rank:05d}.pt")
+    _barrier()
+    if rank == 0:
+        prov = provenance()
+        _fsync_json(partial / META, {
+            "format": FORMAT, "step": step, "tokens": tokens, "run_id": run_id, "world": world,
+            "fingerprint": fingerprint(cfg), "config": to_dict(cfg), "loader": loader_state,
+            "git_sha": prov["git_sha"], "git_dirty": prov["git_dirty"], "created_utc": prov["created_utc"],
+            "torch": prov["torch"],
+        })
+        if final.exists():
+            old = root / f".{final.name}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(partial, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(partial, final)
+        tmp = root / (LATEST + ".tmp")
+        tmp.write_text(final.name + "\n")
+        os.replace(tmp, root / LATEST)
+        _prune(root, keep_last, keep=final)
+    _barrier()
+    return final
+
+
+def _prune(root: Path, keep_last: int, keep: Path) -> None:
+    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
+    for p in steps[:-keep_last]:
+        if p != keep:
+            shutil.rmtree(p)
+
+
+def latest(root: str | Path) -> Path | None:
+    """The checkpoint `latest` names, or None for a fresh directory."""
+    root = Path(root)
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    path = root / pointer.read_text().strip()
+    if not (path / META).is_file():
+        raise CheckpointError(f"{pointer} names {path.name}, which is missing or incomplete; point it at an "
+                              f"existing step_* directory in {root} or remove it to start fresh")
+    return path
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    try:
+        meta: dict[str, Any] = json.loads((path / META).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable {META} ({e}); resume from another step_* directory") from e
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    return meta
+
+
+def check_config(path: Path, meta: dict[str, Any], cfg: Config) -> list[str]:
+    """Differing config keys; raises CheckpointConfigMismatch unless the config allows the change."""
+    if meta["fingerprint"] == fingerprint(cfg):
+        return []
+    keys = diff(meta["config"], to_dict(cfg))
+    if not cfg.checkpoint.allow_fingerprint_change:
+        raise CheckpointConfigMismatch(path, keys)
+    return keys
+
+
+def load(
+    path: str | Path,
+    *,
+    model: nn.Module,
+    optimizer: TrainOptimizer,
+    cfg: Config,
+    rank: int = 0,
+    world: int = 1,
+) -> Resumed:
+    """Restore model, optimizer and this rank's RNG in place; the caller restores the loader."""
+    path = Path(path)
+    meta = read_meta(path)
+    check_config(path, meta, cfg)
+    if meta["world"] != world:
+        raise CheckpointError(f"{path} was written by {meta['world']} ranks, this run has {world}; resume "
+                              "with the same world size")
+    state = _app_state(model, optimizer)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp_load(state, checkpoint_id=path, no_dist=not _dist())
+    except (Exception, CheckpointException) as e:
+        reason = ([ln for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__])[-1].strip()
+        raise CheckpointError(f"{path}: cannot load model/optimizer state into this model ({reason}); the "
+                              "model "
+                              "shape or parameter names changed since the checkpoint was written") from e
+    model.load_state_dict(state["model"])
+    rank_file = path / f"rank_{rank:05d}.pt"
+    if not rank_file.is_file():
+        raise CheckpointError(f"{rank_file} missing; the checkpoint is incomplete, resume from an older step")
+    restore_rng(torch.load(rank_file, weights_only=True)["rng"])
+    return Resumed(path, int(meta["step"]), int(meta["tokens"]), str(meta["run_id"]), dict(meta["loader"]),
+                   meta)

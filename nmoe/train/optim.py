@@ -1,0 +1,174 @@
+"""Param groups (dense / router / expert), AdamW or Muon steps, WSD by tokens: the spec's semantics
+(decoupled WD, bias-corrected AdamW, Nesterov Muon + Newton-Schulz 5, Moonlight's 0.2·sqrt(max dim)
+scale) so the fast optimizer can later be held to parity against it."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Final, Literal
+
+import torch
+from torch import Tensor, nn
+
+from nmoe.config import OptimConfig, ScheduleConfig
+
+Kind = Literal["dense", "router", "expert"]
+KINDS: Final[tuple[Kind, ...]] = ("dense", "router", "expert")
+NS5_COEFFS: Final[tuple[float, float, float]] = (3.4445, -4.7750, 2.0315)
+NS5_EPS: Final[float] = 1e-7
+MUON_RMS_MATCH: Final[float] = 0.2
+
+_ROUTER = re.compile(r"(^|\.)router[^.]*$|(^|\.)(router|gate)\.")
+_EXPERT = re.compile(r"(^|\.)experts(\.|$)")
+_ATTN = re.compile(r"(^|\.)(attn|attention|self_attn)\.")
+
+
+def param_kind(name: str, p: Tensor) -> Kind:
+    """Router weights by name; experts are the stacked [E, ...] tensors (or live under `experts.`)."""
+    if _ROUTER.search(name):
+        return "router"
+    if p.dim() == 3 or _EXPERT.search(name):
+        return "expert"
+    return "dense"
+
+
+def is_muon_param(name: str, p: Tensor) -> bool:
+    """Muon covers the attention projection matrices; vectors, embeddings, head and experts stay AdamW."""
+    return p.dim() == 2 and bool(_ATTN.search(name))
+
+
+def build_param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict[str, Any]]:
+    """Groups keyed by (kind, algorithm, decay); 1-D params (norm scales, biases) never decay."""
+    lr = {"dense": cfg.lr_dense, "router": cfg.lr_router, "expert": cfg.lr_expert}
+    wd = {"dense": cfg.weight_decay_dense, "router": cfg.weight_decay_router,
+          "expert": cfg.weight_decay_expert}
+    groups: dict[tuple[str, str, bool], dict[str, Any]] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        kind = param_kind(name, p)
+        algo = "muon" if cfg.name == "muon" and is_muon_param(name, p) else "adamw"
+        decay = p.dim() >= 2
+        key = (kind, algo, decay)
+        if key not in groups:
+            groups[key] = {"params": [], "names": [], "kind": kind, "algo": algo, "base_lr": lr[kind],
+                           "lr": lr[kind], "weight_decay": wd[kind] if decay else 0.0}
+        groups[key]["params"].append(p)
+        groups[key]["names"].append(name)
+    order: dict[str, int] = {k: i for i, k in enumerate(KINDS)}
+    return [groups[k] for k in sorted(groups, key=lambda k: (order[k[0]], k[1], not k[2]))]
+
+
+def newton_schulz5(g: Tensor, steps: int) -> Tensor:
+    """Orthogonalise the last two dims (≈ U Vᵀ of the SVD) in fp32; tall matrices iterate transposed."""
+    a, b, c = NS5_COEFFS
+    x = g.float()
+    tall = x.shape[-2] > x.shape[-1]
+    if tall:
+        x = x.mT
+    x = x / (torch.linalg.matrix_norm(x, ord="fro", keepdim=True) + NS5_EPS)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    out: Tensor = x.mT if tall else x
+    return out
+
+
+class TrainOptimizer(torch.optim.Optimizer):
+    """AdamW / Muon per group ("algo"); state is created eagerly so checkpoints load into it in place."""
+
+    def __init__(self, groups: list[dict[str, Any]], cfg: OptimConfig) -> None:
+        defaults = {"lr": 0.0, "base_lr": 0.0, "weight_decay": 0.0, "algo": "adamw", "kind": "dense",
+                    "names": []}
+        super().__init__(groups, defaults)
+        self.cfg = cfg
+        for group in self.param_groups:
+            if group["algo"] not in ("adamw", "muon"):
+                raise ValueError(f"param group algo {group['algo']!r}; use adamw or muon")
+            for p in group["params"]:
+                if p.dtype != torch.float32:
+                    raise ValueError(f"optimizer: param dtype {p.dtype}; keep fp32 master weights")
+                if group["algo"] == "muon":
+                    self.state[p] = {"momentum_buffer": torch.zeros_like(p)}
+                else:
+                    self.state[p] = {"step": torch.zeros((), dtype=torch.int64),
+                                     "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+    def set_lr_factor(self, factor: float) -> None:
+        for group in self.param_groups:
+            group["lr"] = group["base_lr"] * factor
+
+    def named_state(self) -> dict[str, dict[str, Tensor]]:
+        """{param name: {state key: tensor}}: the optimizer part of a checkpoint, keyed by FQN."""
+        out: dict[str, dict[str, Tensor]] = {}
+        for group in self.param_groups:
+            for name, p in zip(group["names"], group["params"], strict=True):
+                out[name] = dict(self.state[p])
+        return out
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = closure() if closure is not None else None
+        c = self.cfg
+        for group in self.param_groups:
+            lr, wd = float(group["lr"]), float(group["weight_decay"])
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad.to(p.dtype)
+                st = self.state[p]
+                if group["algo"] == "muon":
+                    buf = st["momentum_buffer"]
+                    buf.mul_(c.muon_momentum).add_(g)
+                    update = g + c.muon_momentum * buf
+                    ortho = newton_schulz5(update, c.muon_ns_steps).to(p.dtype)
+                    p.mul_(1.0 - lr * wd)
+                    p.sub_((lr * MUON_RMS_MATCH * math.sqrt(max(p.shape[-2], p.shape[-1]))) * ortho)
+                    continue
+                st["step"] += 1
+                t = int(st["step"])
+                m, v = st["exp_avg"], st["exp_avg_sq"]
+                p.mul_(1.0 - lr * wd)
+                m.mul_(c.beta1).add_(g, alpha=1.0 - c.beta1)
+                v.mul_(c.beta2).addcmul_(g, g, value=1.0 - c.beta2)
+                bias1 = 1.0 - c.beta1**t
+                bias2 = 1.0 - c.beta2**t
+                p.sub_(lr * (m / bias1) / ((v / bias2).sqrt() + c.eps))
+        return loss
+
+
+def grads(params: Iterable[Tensor]) -> Iterator[Tensor]:
+    return (p.grad for p in params if p.grad is not None)
+
+
+def clip_grad_norm(params: list[Tensor], max_norm: float) -> float:
+    """Global L2 norm in fp32 (reported always); grads are scaled only when max_norm > 0 and exceeded."""
+    gs = list(grads(params))
+    if not gs:
+        return 0.0
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in gs]))
+    norm = float(total)
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for g in gs:
+            g.mul_(scale)
+    return norm
+
+
+def wsd_factor(tokens: int, s: ScheduleConfig) -> float:
+    """LR multiplier for the step whose batch brings the total to `tokens`: linear warmup 0→1, flat, then
+    linear to min_lr_ratio over the last decay_fraction of total_tokens, held past the end."""
+    decay_tokens = s.decay_fraction * s.total_tokens
+    decay_start = s.total_tokens - decay_tokens
+    if tokens < s.warmup_tokens:
+        return tokens / s.warmup_tokens
+    if tokens <= decay_start or decay_tokens == 0:
+        return 1.0
+    frac = min((tokens - decay_start) / decay_tokens, 1.0)
+    return 1.0 - (1.0 - s.min_lr_ratio) * frac
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> TrainOptimizer:
+    return TrainOptimizer(build_param_groups(model, cfg), cfg)

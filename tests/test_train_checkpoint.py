@@ -1,0 +1,146 @@
+"""Checkpoints: DCP round trip without a process group, RNG capture, atomic `latest`, pruning, refusals."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nmoe.config import Config, OptimConfig, from_dict
+from nmoe.train import checkpoint as ckpt
+from nmoe.train.optim import TrainOptimizer, build_optimizer
+
+
+class Net(nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.lin = nn.Parameter(torch.randn(6, 4, generator=g))
+        self.norm = nn.Parameter(torch.ones(4))
+        self.router_bias: torch.Tensor
+        self.register_buffer("router_bias", torch.randn(3, generator=g))
+
+
+def trained(seed: int, cfg: Config) -> tuple[Net, TrainOptimizer]:
+    net = Net(seed)
+    opt = build_optimizer(net, cfg.optim)
+    for i in range(3):
+        loss = (net.lin.sum(0) * net.norm).pow(2).sum() * (i + 1)
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        opt.zero_grad()
+    return net, opt
+
+
+def make_cfg(tmp: Path, **optim: object) -> Config:
+    return from_dict({"checkpoint": {"dir": str(tmp / "ck"), "keep_last": 2},
+                      "optim": {"lr_dense": 0.01, **optim}}, env={})
+
+
+def save(
+    cfg: Config, net: Net, opt: TrainOptimizer, step: int, loader: dict[str, object] | None = None
+) -> Path:
+    return ckpt.save(cfg.checkpoint.dir, step=step, tokens=step * 64, model=net, optimizer=opt,
+                     loader_state=loader or {"global_seq": step}, cfg=cfg, run_id="r1",
+                     keep_last=cfg.checkpoint.keep_last)
+
+
+def test_round_trip_without_process_group(tmp_path: Path) -> None:
+    assert not dist.is_initialized()
+    cfg = make_cfg(tmp_path)
+    net, opt = trained(0, cfg)
+    path = save(cfg, net, opt, 10, {"global_seq": 40, "swrr": [0.25, -0.25]})
+    assert ckpt.latest(cfg.checkpoint.dir) == path
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["step"] == 10 and meta["tokens"] == 640 and len(meta["fingerprint"]) == 64
+    assert "git_sha" in meta and "git_dirty" in meta
+    other, other_opt = Net(99), build_optimizer(Net(99), cfg.optim)
+    other_opt = build_optimizer(other, cfg.optim)
+    r = ckpt.load(path, model=other, optimizer=other_opt, cfg=cfg)
+    assert (r.step, r.tokens, r.run_id) == (10, 640, "r1")
+    assert r.loader_state == {"global_seq": 40, "swrr": [0.25, -0.25]}
+    for (n, a), (_, b) in zip(net.state_dict().items(), other.state_dict().items(), strict=True):
+        assert torch.equal(a, b), n
+    want, got = opt.named_state(), other_opt.named_state()
+    assert want.keys() == got.keys() == {"lin", "norm"}
+    for name in want:
+        for key in want[name]:
+            assert torch.equal(want[name][key], got[name][key]), (name, key)
+
+
+def test_rng_states_are_restored(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path)
+    net, opt = trained(0, cfg)
+    random.seed(5)
+    np.random.seed(6)
+    torch.manual_seed(7)
+    path = save(cfg, net, opt, 1)
+    expect = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    ckpt.load(path, model=net, optimizer=opt, cfg=cfg)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expect
+
+
+def test_keep_last_and_atomic_pointer(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path)
+    net, opt = trained(0, cfg)
+    for step in (1, 2, 3, 3):
+        save(cfg, net, opt, step)
+    root = Path(cfg.checkpoint.dir)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002", "step_00000003"]
+    assert (root / "latest").read_text().strip() == "step_00000003"
+
+
+def test_partial_save_is_invisible(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = make_cfg(tmp_path)
+    net, opt = trained(0, cfg)
+    good = save(cfg, net, opt, 1)
+
+    def crash(*args: object, **kwargs: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt, "_fsync_json", crash)
+    with pytest.raises(OSError, match="disk full"):
+        save(cfg, net, opt, 2)
+    assert ckpt.latest(cfg.checkpoint.dir) == good
+    assert not ckpt.step_dir(Path(cfg.checkpoint.dir), 2).exists()
+
+
+def test_changed_config_is_refused_with_keys(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path)
+    net, opt = trained(0, cfg)
+    path = save(cfg, net, opt, 4)
+    changed = make_cfg(tmp_path, lr_dense=0.5, beta2=0.99)
+    with pytest.raises(ckpt.CheckpointConfigMismatch) as e:
+        ckpt.load(path, model=net, optimizer=build_optimizer(net, changed.optim), cfg=changed)
+    assert e.value.keys == ["optim.beta2", "optim.lr_dense"]
+    assert "optim.beta2, optim.lr_dense" in str(e.value) and "allow_fingerprint_change" in str(e.value)
+    allowed = from_dict({"checkpoint": {"dir": cfg.checkpoint.dir, "keep_last": 2,
+                                        "allow_fingerprint_change": True},
+                         "optim": {"lr_dense": 0.5}}, env={})
+    assert ckpt.load(path, model=net, optimizer=build_optimizer(net, allowed.optim), cfg=allowed).step == 4
+
+
+def test_dangling_pointer_and_shape_change_are_clear(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path)
+    net, opt = trained(0, cfg)
+    path = save(cfg, net, opt, 1)
+    wider = nn.Module()
+    wider.lin = nn.Parameter(torch.zeros(7, 4))
+    wider.norm = nn.Parameter(torch.ones(4))
+    wider.register_buffer("router_bias", torch.zeros(3))
+    changed = r"Size mismatch .*model\.lin\); the model shape or parameter names changed"
+    with pytest.raises(ckpt.CheckpointError, match=changed):
+        ckpt.load(path, model=wider, optimizer=build_optimizer(wider, OptimConfig(lr_dense=0.01)), cfg=cfg)
+    (Path(cfg.checkpoint.dir) / "latest").write_text("step_00000077\n")
+    with pytest.raises(ckpt.CheckpointError, match="missing or incomplete"):
+        ckpt.latest(cfg.checkpoint.dir)
+    assert ckpt.latest(tmp_path / "fresh") is None

@@ -1,0 +1,194 @@
+"""Training loop on CPU: loss goes down, exact resume, SIGTERM, config refusal, `nmoe train` GPU guard.
+Default runs drive a test-local MoE hashing o200k ids into 4096 buckets (fast on a shared CPU); the heavy
+test repeats them with the reference model built from configs/tiny.toml."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from nmoe.config import Config, load_config
+from nmoe.train import checkpoint as ckpt
+from nmoe.train import prep
+from nmoe.train.loop import TrainResult, gpu_problem, main, train
+from nmoe.train.metrics import ExperimentsDB, metrics_main, rank_db_path, runs_main
+
+REPO = Path(__file__).resolve().parent.parent
+BUCKETS = 4096
+
+
+class ToyMoE(nn.Module):
+    """Bigram-ish MoE over id % 4096: embed -> top-1 expert (router with aux-free bias) -> rmsnorm -> head."""
+
+    def __init__(self, vocab: int = BUCKETS, dim: int = 16, n_experts: int = 4, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.embed = nn.Parameter(torch.randn(vocab, dim, generator=g) * 0.02)
+        self.router_w = nn.Parameter(torch.randn(n_experts, dim, generator=g) * 0.5)
+        self.experts = nn.Parameter(torch.randn(n_experts, dim, dim, generator=g) * 0.1)
+        self.norm = nn.Parameter(torch.ones(dim))
+        self.head = nn.Parameter(torch.randn(vocab, dim, generator=g) * 0.02)
+        self.router_bias: Tensor
+        self.register_buffer("router_bias", torch.zeros(n_experts))
+        self.n_experts = n_experts
+        self.counts: Tensor | None = None
+
+    def forward(self, tokens: Tensor, targets: Tensor) -> Tensor:
+        v = self.embed.shape[0]
+        x = self.embed[tokens % v].reshape(-1, self.embed.shape[1])
+        scores = torch.sigmoid(x @ self.router_w.T)
+        ids = (scores.detach() + self.router_bias).argmax(-1)
+        w = scores.gather(1, ids[:, None])
+        x = x + w * torch.einsum("td,tod->to", x, self.experts[ids])
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
+        self.counts = torch.bincount(ids, minlength=self.n_experts)
+        return F.cross_entropy(x @ self.head.T, targets.reshape(-1) % v)
+
+    def router_counts(self) -> list[Tensor]:
+        assert self.counts is not None
+        return [self.counts]
+
+    @torch.no_grad()
+    def update_router_bias(self, counts: list[Tensor]) -> None:
+        c = counts[0]
+        self.router_bias.add_(1e-3 * torch.sign(c.sum() - self.n_experts * c).float()).clamp_(-1.0, 1.0)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("data") / "default"
+    assert prep.main(["--out", str(out), "--workers", "1", "--no-progress"]) == 0
+    return out
+
+
+def make_cfg(tmp: Path, dataset: Path, *extra: str, name: str = "run") -> Config:
+    return load_config(REPO / "configs" / "tiny.toml", env={}, overrides=[
+        f"--data.dataset_dir={dataset}", f"--checkpoint.dir={tmp / name / 'ckpt'}",
+        f"--metrics.db_path={tmp / 'experiments.sqlite'}", f"--metrics.dir={tmp / name / 'metrics'}",
+        "--checkpoint.every_steps=0", "--train.log_every=5", "--optim.lr_dense=0.02",
+        "--optim.lr_expert=0.02", "--optim.lr_router=0.02", "--schedule.warmup_tokens=128", *extra,
+    ])
+
+
+def run(cfg: Config, steps: int, model: nn.Module | None = None, **kw: object) -> TrainResult:
+    return train(cfg, model if model is not None else ToyMoE(), max_steps=steps, progress=False, **kw)  # type: ignore[arg-type]
+
+
+def test_twenty_steps_lower_the_loss_and_log(tmp_path: Path, dataset: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = make_cfg(tmp_path, dataset)
+    model = ToyMoE()
+    res = run(cfg, 20, model)
+    assert res.status == "stopped" and res.step == 20 and res.tokens == 20 * 64
+    assert len(res.losses) == 20
+    first, last = sum(res.losses[:3]) / 3, sum(res.losses[-3:]) / 3
+    assert last < first - 0.3, res.losses
+    assert res.checkpoint == ckpt.step_dir(Path(cfg.checkpoint.dir), 20)
+    assert float(model.router_bias.abs().sum()) > 0  # aux-loss-free update ran
+    db = ExperimentsDB(cfg.metrics.db_path)
+    (row,) = db.runs()
+    db.close()
+    assert row["id"] == res.run_id and row["status"] == "stopped" and row["last_step"] == 20
+    assert rank_db_path(cfg.metrics.dir, res.run_id, 0).is_file()
+    capsys.readouterr()
+    assert metrics_main([res.run_id, "--db", cfg.metrics.db_path]) == 0
+    out = capsys.readouterr().out
+    for tag in ("loss", "lr", "tokens_per_s", "ms_per_step", "grad_norm", "mem/max_rss_gb",
+                "router/model/load_cv", "router/model/bias_range"):
+        assert f"\n{tag} " in out, out
+    assert runs_main(["--db", cfg.metrics.db_path]) == 0
+    assert res.run_id in capsys.readouterr().out
+
+
+def test_resume_at_10_is_bitwise_identical(tmp_path: Path, dataset: Path) -> None:
+    full_model = ToyMoE()
+    full = run(make_cfg(tmp_path, dataset, name="full"), 20, full_model)
+    cfg = make_cfg(tmp_path, dataset, name="split")
+    first = run(cfg, 10)
+    assert first.step == 10 and first.checkpoint is not None
+    resumed_model = ToyMoE(seed=123)  # different init: everything must come from the checkpoint
+    second = run(cfg, 20, resumed_model)
+    assert second.resumed_from == first.checkpoint and second.run_id == first.run_id
+    assert first.losses == full.losses[:10]
+    assert second.losses == full.losses[10:]  # exact float equality, steps 11-20
+    resumed_state = resumed_model.state_dict()
+    for n, a in full_model.state_dict().items():
+        assert torch.equal(a, resumed_state[n]), n
+
+
+def test_sigterm_leaves_resumable_checkpoint(tmp_path: Path, dataset: Path) -> None:
+    cfg = make_cfg(tmp_path, dataset)
+
+    def kill_at_5(step: int, loss: float) -> None:
+        if step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    res = run(cfg, 20, on_step=kill_at_5)
+    assert res.status == "interrupted" and res.step == 5
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert ckpt.latest(cfg.checkpoint.dir) == ckpt.step_dir(Path(cfg.checkpoint.dir), 5)
+    again = run(cfg, 8)
+    assert again.resumed_from is not None and again.step == 8 and len(again.losses) == 3
+    db = ExperimentsDB(cfg.metrics.db_path)
+    (row,) = db.runs()
+    db.close()
+    assert row["resumes"] == 1 and row["status"] == "stopped"
+
+
+def test_changed_config_refuses_resume_with_keys(tmp_path: Path, dataset: Path) -> None:
+    run(make_cfg(tmp_path, dataset), 2)
+    changed = make_cfg(tmp_path, dataset, "--optim.lr_dense=0.5", "--data.seed=3")
+    with pytest.raises(ckpt.CheckpointConfigMismatch, match=r"data\.seed, optim\.lr_dense") as e:
+        run(changed, 4)
+    assert e.value.keys == ["data.seed", "optim.lr_dense"]
+    allowed = make_cfg(tmp_path, dataset, "--optim.lr_dense=0.5",
+                       "--checkpoint.allow_fingerprint_change=true")
+    assert run(allowed, 4).step == 4
+
+
+def test_periodic_checkpoints_and_keep_last(tmp_path: Path, dataset: Path) -> None:
+    cfg = make_cfg(tmp_path, dataset, "--checkpoint.every_steps=2", "--checkpoint.keep_last=2")
+    run(cfg, 7)
+    steps = sorted(p.name for p in Path(cfg.checkpoint.dir).glob("step_*"))
+    assert steps == ["step_00000006", "step_00000007"]
+
+
+def test_truncated_shard_is_a_clear_error(tmp_path: Path, dataset: Path) -> None:
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in dataset.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    shard = bad / "shard_00000.bin"
+    shard.write_bytes(shard.read_bytes()[:-4])
+    with pytest.raises(RuntimeError, match=r"shard_00000\.bin: missing or truncated .*nmoe prep --verify"):
+        run(make_cfg(tmp_path, bad), 1)
+
+
+@pytest.mark.skipif(gpu_problem() is None, reason="a supported GPU is present")
+def test_nmoe_train_without_gpu_stops_at_once(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(REPO / "configs" / "tiny.toml")]) == 2
+    err = capsys.readouterr().err
+    assert "sm_90a" in err and "sm_100a" in err and "no CUDA device" in err
+
+
+@pytest.mark.heavy
+def test_reference_tiny_model_twenty_steps_and_exact_resume(tmp_path: Path, dataset: Path) -> None:
+    from nmoe.reference.model import Model
+
+    full_cfg = make_cfg(tmp_path, dataset, "--optim.lr_dense=0.003", "--optim.lr_expert=0.003",
+                        "--optim.lr_router=0.003", name="ref_full")
+    full = run(full_cfg, 20, Model(full_cfg.model))
+    print("reference tiny 20-step losses:", [round(x, 4) for x in full.losses])
+    assert sum(full.losses[-3:]) / 3 < sum(full.losses[:3]) / 3
+    cfg = make_cfg(tmp_path, dataset, "--optim.lr_dense=0.003", "--optim.lr_expert=0.003",
+                   "--optim.lr_router=0.003", name="ref_split")
+    run(cfg, 10, Model(cfg.model))
+    second = run(cfg, 20, Model(cfg.model, seed=7))
+    assert second.losses == full.losses[10:]

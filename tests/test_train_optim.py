@@ -1,0 +1,167 @@
+"""Optimizer plumbing vs float64 oracles written here: AdamW, Muon/NS5, WSD, clipping, param groups."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from nmoe.config import OptimConfig, ScheduleConfig
+from nmoe.train.optim import (
+    build_optimizer,
+    build_param_groups,
+    clip_grad_norm,
+    is_muon_param,
+    param_kind,
+    wsd_factor,
+)
+
+
+class RefShaped(nn.Module):
+    """Parameter names and shapes laid out like the DeepSeek-shaped model (one dense, one MoE block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Parameter(torch.randn(50, 8))
+        self.layers = nn.ModuleList([nn.Module(), nn.Module()])
+        for i, blk in enumerate(self.layers):
+            blk.attn_norm = nn.Parameter(torch.ones(8))
+            blk.attn = nn.Module()
+            blk.attn.wq_a = nn.Parameter(torch.randn(6, 8))
+            blk.attn.q_norm = nn.Parameter(torch.ones(6))
+            blk.attn.wkv_b = nn.Parameter(torch.randn(12, 4))
+            blk.ffn = nn.Module()
+            if i == 0:
+                blk.ffn.w13 = nn.Parameter(torch.randn(16, 8))
+                blk.ffn.w2 = nn.Parameter(torch.randn(8, 8))
+            else:
+                blk.ffn.router_w = nn.Parameter(torch.randn(4, 8))
+                blk.ffn.w_up = nn.Parameter(torch.randn(4, 6, 8))
+                blk.ffn.w2 = nn.Parameter(torch.randn(4, 8, 3))
+                blk.ffn.shared_up = nn.Parameter(torch.randn(6, 8))
+        self.norm = nn.Parameter(torch.ones(8))
+        self.head = nn.Parameter(torch.randn(50, 8))
+
+
+def test_param_kinds_on_model_names() -> None:
+    m = RefShaped()
+    kinds = {n: param_kind(n, p) for n, p in m.named_parameters()}
+    assert kinds["layers.1.ffn.router_w"] == "router"
+    assert kinds["layers.1.ffn.w_up"] == kinds["layers.1.ffn.w2"] == "expert"
+    assert kinds["layers.0.ffn.w2"] == kinds["layers.1.ffn.shared_up"] == kinds["embed"] == "dense"
+    assert param_kind("model.layers.3.mlp.gate.weight", torch.zeros(4, 4)) == "router"
+    assert param_kind("model.layers.3.mlp.gate_proj.weight", torch.zeros(4, 4)) == "dense"
+    assert param_kind("moe.experts.0.w1", torch.zeros(4, 4)) == "expert"
+    params = dict(m.named_parameters())
+    assert is_muon_param("layers.0.attn.wq_a", params["layers.0.attn.wq_a"])
+    assert not is_muon_param("layers.0.attn.q_norm", params["layers.0.attn.q_norm"])
+    assert not is_muon_param("head", m.head)
+
+
+def test_groups_carry_separate_lr_and_wd() -> None:
+    cfg = OptimConfig(name="muon", lr_dense=1e-3, lr_router=2e-3, lr_expert=3e-3, weight_decay_dense=0.1,
+                      weight_decay_router=0.0, weight_decay_expert=0.05)
+    groups = build_param_groups(RefShaped(), cfg)
+    by = {(g["kind"], g["algo"], g["params"][0].dim() >= 2): g for g in groups}
+    muon = by[("dense", "muon", True)]
+    assert sorted(muon["names"]) == ["layers.0.attn.wkv_b", "layers.0.attn.wq_a", "layers.1.attn.wkv_b",
+                                     "layers.1.attn.wq_a"]
+    assert muon["lr"] == 1e-3 and muon["weight_decay"] == 0.1
+    nodecay = by[("dense", "adamw", False)]
+    assert all(p.dim() == 1 for p in nodecay["params"]) and nodecay["weight_decay"] == 0.0
+    router = by[("router", "adamw", True)]
+    assert router["names"] == ["layers.1.ffn.router_w"] and router["lr"] == 2e-3
+    expert = by[("expert", "adamw", True)]
+    assert expert["names"] == ["layers.1.ffn.w_up", "layers.1.ffn.w2"]
+    assert expert["lr"] == 3e-3 and expert["weight_decay"] == 0.05
+    n = sum(len(g["params"]) for g in groups)
+    assert n == len(list(RefShaped().parameters()))
+    opt = build_optimizer(RefShaped(), cfg)
+    opt.set_lr_factor(0.5)
+    assert [g["lr"] for g in opt.param_groups] == [g["base_lr"] * 0.5 for g in opt.param_groups]
+
+
+def adamw_oracle(p: np.ndarray, grads: list[np.ndarray], lr: float, b1: float, b2: float, eps: float,
+                 wd: float) -> np.ndarray:
+    m = np.zeros_like(p)
+    v = np.zeros_like(p)
+    for t, g in enumerate(grads, 1):
+        p = p * (1 - lr * wd)
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        p = p - lr * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+    return p
+
+
+def test_adamw_matches_float64_oracle() -> None:
+    cfg = OptimConfig(lr_dense=1e-2, weight_decay_dense=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
+    lin = nn.Linear(5, 3, bias=False)
+    p0 = lin.weight.detach().double().numpy().copy()
+    opt = build_optimizer(lin, cfg)
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(3, 5, generator=gen) for _ in range(4)]
+    for g in grads:
+        lin.weight.grad = g.clone()
+        opt.step()
+    want = adamw_oracle(p0, [g.double().numpy() for g in grads], 1e-2, 0.9, 0.95, 1e-8, 0.1)
+    np.testing.assert_allclose(lin.weight.detach().double().numpy(), want, rtol=2e-6, atol=1e-7)
+    assert int(opt.named_state()["weight"]["step"]) == 4
+
+
+def ns5_oracle(g: np.ndarray, steps: int) -> np.ndarray:
+    x = g.T if g.shape[0] > g.shape[1] else g
+    x = x / (np.linalg.norm(x) + 1e-7)
+    for _ in range(steps):
+        a = x @ x.T
+        x = 3.4445 * x + (-4.7750 * a + 2.0315 * a @ a) @ x
+    out: np.ndarray = x.T if g.shape[0] > g.shape[1] else x
+    return out
+
+
+@pytest.mark.parametrize("shape", [(4, 6), (7, 3)])
+def test_muon_matches_float64_oracle(shape: tuple[int, int]) -> None:
+    cfg = OptimConfig(name="muon", lr_dense=0.02, weight_decay_dense=0.01, muon_momentum=0.95,
+                      muon_ns_steps=5)
+    m = nn.Module()
+    m.attn = nn.Module()
+    m.attn.wo = nn.Parameter(torch.randn(*shape, generator=torch.Generator().manual_seed(2)))
+    p = m.attn.wo.detach().double().numpy().copy()
+    opt = build_optimizer(m, cfg)
+    assert opt.param_groups[0]["algo"] == "muon"
+    buf = np.zeros_like(p)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        g = torch.randn(*shape, generator=gen)
+        m.attn.wo.grad = g.clone()
+        opt.step()
+        gd = g.double().numpy()
+        buf = 0.95 * buf + gd
+        upd = ns5_oracle(gd + 0.95 * buf, 5)
+        p = p * (1 - 0.02 * 0.01) - 0.02 * 0.2 * math.sqrt(max(shape)) * upd
+    np.testing.assert_allclose(m.attn.wo.detach().double().numpy(), p, rtol=1e-4, atol=1e-5)
+
+
+def test_wsd_hand_values() -> None:
+    s = ScheduleConfig(warmup_tokens=100, total_tokens=1000, decay_fraction=0.2, min_lr_ratio=0.1)
+    cases = {0: 0.0, 50: 0.5, 100: 1.0, 800: 1.0, 900: 0.55, 1000: 0.1, 5000: 0.1}
+    for tokens, want in cases.items():
+        assert wsd_factor(tokens, s) == pytest.approx(want, abs=1e-12), tokens
+    flat = ScheduleConfig(warmup_tokens=0, total_tokens=10, decay_fraction=0.0, min_lr_ratio=0.1)
+    assert wsd_factor(0, flat) == wsd_factor(10, flat) == wsd_factor(99, flat) == 1.0
+
+
+def test_clip_grad_norm() -> None:
+    a, b = torch.zeros(1, requires_grad=True), torch.zeros(1, requires_grad=True)
+    a.grad, b.grad = torch.tensor([3.0]), torch.tensor([4.0])
+    assert clip_grad_norm([a, b], 1.0) == pytest.approx(5.0)
+    assert float(a.grad) == pytest.approx(0.6, rel=1e-5) and float(b.grad) == pytest.approx(0.8, rel=1e-5)
+    a.grad, b.grad = torch.tensor([3.0]), torch.tensor([4.0])
+    assert clip_grad_norm([a, b], 0.0) == pytest.approx(5.0) and float(a.grad) == 3.0
+
+
+def test_optimizer_refuses_low_precision_masters() -> None:
+    with pytest.raises(ValueError, match="fp32 master"):
+        build_optimizer(nn.Linear(2, 2).to(torch.bfloat16), OptimConfig())
