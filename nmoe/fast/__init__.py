@@ -1,3 +1,3 @@
 """The fast path: CuTeDSL kernels for sm_90a and sm_100a plus thin torch glue."""
 
-FAST_MODULES: tuple[str, ...] = ("nmoe.fast.activation",)
+FAST_MODULES: tuple[str, ...] = ("nmoe.fast.activation", "nmoe.fast.combine")

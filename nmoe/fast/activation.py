@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nmoe.fast import runtime
+from nmoe.fast import _swiglu, runtime
 from nmoe.fast.runtime import KernelSpec
 
 _KERNEL_MODULE = "nmoe.fast.kernels.activation"
@@ -162,7 +162,11 @@ def _spec(kernel: str, dtype_name: str) -> KernelSpec:
     )
 
 
-KERNELS: tuple[KernelSpec, ...] = tuple(
-    _spec(kernel, dtype_name) for dtype_name in ("bfloat16", "float32")
-    for kernel in ("relu2_fwd", "relu2_bwd")
+swiglu = _swiglu.swiglu
+swiglu_bwd = _swiglu.swiglu_bwd
+
+KERNELS: tuple[KernelSpec, ...] = (
+    *(_spec(kernel, dtype_name)
+      for dtype_name in ("bfloat16", "float32") for kernel in ("relu2_fwd", "relu2_bwd")),
+    *_swiglu.KERNELS,
 )

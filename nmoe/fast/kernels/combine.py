@@ -1,0 +1,172 @@
+"""CuTeDSL kernels for combine fwd/bwd, plus the explicitly rounded fp32 ops (`mul_rn`, `add_rn`).
+
+Import only after nmoe.fast.runtime.import_cutlass(arch): the DSL fixes its target arch at first import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cuda.bindings.driver as cuda
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int16, Int32, Int64
+from cutlass._mlir.dialects import llvm
+from cutlass._mlir_helpers.op import dsl_user_op
+from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
+from cutlass.base_dsl.typing import Constexpr
+from cutlass.cute.runtime import make_ptr
+from cutlass.cute.typing import Pointer
+
+THREADS = 128
+WARP = 32
+# The spec writes every NaN as one canonical quiet NaN (cvt.rn.bf16x2.f32 alone would write 0x7FFF).
+BF16_NAN_BITS = 0x7FC0
+F32_NAN_BITS = 0x7FC00000
+
+
+def _rn_intrinsic(name: str, a: Any, b: Any, loc: Any, ip: Any) -> Float32:
+    args = [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)]
+    return Float32(llvm.call_intrinsic(Float32.mlir_type, name, args, [], [], loc=loc, ip=ip))
+
+
+@dsl_user_op
+def mul_rn(a: Any, b: Any, *, loc: Any = None, ip: Any = None) -> Float32:
+    """fp32 product as `mul.rn.f32`: an explicit rounding mode forbids ptxas from fusing it into an FMA."""
+    return _rn_intrinsic("llvm.nvvm.mul.rn.f", a, b, loc, ip)
+
+
+@dsl_user_op
+def add_rn(a: Any, b: Any, *, loc: Any = None, ip: Any = None) -> Float32:
+    """fp32 sum as `add.rn.f32` (never contracted with a preceding multiply)."""
+    return _rn_intrinsic("llvm.nvvm.add.rn.f", a, b, loc, ip)
+
+
+def out_bits(v: cute.TensorSSA, dtype_name: str) -> cute.TensorSSA:
+    """fp32 rounded once (RNE) to the output dtype, as integer bits with every NaN canonical."""
+    if dtype_name == "bfloat16":
+        rounded = v.to(BFloat16).bitcast(Int16)
+        nan16: cute.TensorSSA = cute.where(v != v, cute.full_like(rounded, BF16_NAN_BITS), rounded)
+        return nan16
+    vb = v.bitcast(Int32)
+    nan32: cute.TensorSSA = cute.where(v != v, cute.full_like(vb, F32_NAN_BITS), vb)
+    return nan32
+
+
+@cute.jit
+def _load_f32(g: cute.Tensor, i: Int64, vec: Constexpr[int]) -> cute.Tensor:
+    src: Any = g[(None, i)]
+    frag: cute.Tensor = cute.make_rmem_tensor((vec,), Float32)
+    frag.store(src.load().reshape((vec,)).to(Float32))
+    return frag
+
+
+@cute.jit
+def _store_bits(g: cute.Tensor, i: Int64, v: cute.TensorSSA) -> None:
+    bits = out_bits(v, "bfloat16")
+    cute.recast_tensor(g[(None, i)], bits.dtype).store(bits)
+
+
+@cute.kernel
+def combine_fwd_kernel(py: Pointer, pw: Pointer, pshared: Pointer, pout: Pointer, t_rows: Int64, h: Int64,
+                       scale: Float32, k: Constexpr[int], vec: Constexpr[int],
+                       has_shared: Constexpr[bool]) -> None:
+    tidx, _, _ = cute.arch.thread_idx()
+    t_blk, chunk, _ = cute.arch.block_idx()
+    t = Int64(t_blk)
+    nvec = h // vec
+    hv = Int64(chunk) * THREADS + Int64(tidx)
+    if hv < nvec:
+        gy = cute.zipped_divide(cute.make_tensor(py, cute.make_layout(t_rows * k * h)), (vec,))
+        mw = cute.make_tensor(pw, cute.make_layout(t_rows * k))
+        gout = cute.zipped_divide(cute.make_tensor(pout, cute.make_layout(t_rows * h)), (vec,))
+        acc = cute.make_rmem_tensor((vec,), Float32)
+        for kk in range_constexpr(k):
+            yk = _load_f32(gy, (t * k + kk) * nvec + hv, vec)
+            wk = mw[t * k + kk]
+            for j in range_constexpr(vec):
+                if const_expr(kk == 0):
+                    acc[j] = mul_rn(wk, yk[j])
+                else:
+                    acc[j] = add_rn(acc[j], mul_rn(wk, yk[j]))
+        for j in range_constexpr(vec):
+            acc[j] = mul_rn(acc[j], scale)
+        if const_expr(has_shared):
+            gs = cute.zipped_divide(cute.make_tensor(pshared, cute.make_layout(t_rows * h)), (vec,))
+            sh = _load_f32(gs, t * nvec + hv, vec)
+            for j in range_constexpr(vec):
+                acc[j] = add_rn(acc[j], sh[j])
+        _store_bits(gout, t * nvec + hv, acc.load())
+
+
+@cute.kernel
+def combine_bwd_kernel(pdout: Pointer, py: Pointer, pw: Pointer, pdy: Pointer, pdw: Pointer, t_rows: Int64,
+                       h: Int64, scale: Float32, k: Constexpr[int], vec: Constexpr[int]) -> None:
+    """One warp per token: dy_k = bf16(g*w_k) with g = dout*scale, dw_k = warp-reduced sum_h g*y_k."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    lane = Int64(tidx % WARP)
+    t = Int64(bidx) * (THREADS // WARP) + Int64(tidx // WARP)
+    if t < t_rows:
+        nvec = h // vec
+        gdout = cute.zipped_divide(cute.make_tensor(pdout, cute.make_layout(t_rows * h)), (vec,))
+        gy = cute.zipped_divide(cute.make_tensor(py, cute.make_layout(t_rows * k * h)), (vec,))
+        gdy = cute.zipped_divide(cute.make_tensor(pdy, cute.make_layout(t_rows * k * h)), (vec,))
+        mw = cute.make_tensor(pw, cute.make_layout(t_rows * k))
+        mdw = cute.make_tensor(pdw, cute.make_layout(t_rows * k))
+        part = cute.make_rmem_tensor((k,), Float32)
+        part.fill(0.0)
+        for hv in range(lane, nvec, WARP):
+            g = _load_f32(gdout, t * nvec + hv, vec)
+            for j in range_constexpr(vec):
+                g[j] = mul_rn(g[j], scale)
+            for kk in range_constexpr(k):
+                yk = _load_f32(gy, (t * k + kk) * nvec + hv, vec)
+                wk = mw[t * k + kk]
+                dyk = cute.make_rmem_tensor((vec,), Float32)
+                for j in range_constexpr(vec):
+                    dyk[j] = mul_rn(g[j], wk)
+                    part[kk] = add_rn(part[kk], mul_rn(g[j], yk[j]))
+                _store_bits(gdy, (t * k + kk) * nvec + hv, dyk.load())
+        for kk in range_constexpr(k):
+            total = cute.arch.warp_reduction(part[kk], add_rn)
+            if lane == 0:
+                mdw[t * k + kk] = total
+
+
+@cute.jit
+def combine_fwd_host(py: Pointer, pw: Pointer, pshared: Pointer, pout: Pointer, t_rows: Int64, h: Int64,
+                     scale: Float32, stream: cuda.CUstream, k: Constexpr[int], vec: Constexpr[int],
+                     has_shared: Constexpr[bool]) -> None:
+    chunks = (h // vec + THREADS - 1) // THREADS
+    combine_fwd_kernel(py, pw, pshared, pout, t_rows, h, scale, k, vec, has_shared).launch(
+        grid=[t_rows, chunks, 1], block=[THREADS, 1, 1], stream=stream
+    )
+
+
+@cute.jit
+def combine_bwd_host(pdout: Pointer, py: Pointer, pw: Pointer, pdy: Pointer, pdw: Pointer, t_rows: Int64,
+                     h: Int64, scale: Float32, stream: cuda.CUstream, k: Constexpr[int],
+                     vec: Constexpr[int]) -> None:
+    warps = THREADS // WARP
+    combine_bwd_kernel(pdout, py, pw, pdy, pdw, t_rows, h, scale, k, vec).launch(
+        grid=[(t_rows + warps - 1) // warps, 1, 1], block=[THREADS, 1, 1], stream=stream
+    )
+
+
+def bf16_pointer(address: int, vec: int) -> Any:
+    return make_ptr(BFloat16, address, cute.AddressSpace.gmem, assumed_align=2 * vec)
+
+
+def f32_pointer(address: int) -> Any:
+    return make_ptr(Float32, address, cute.AddressSpace.gmem, assumed_align=4)
+
+
+def compile_args(kernel: str, k: int, vec: int, has_shared: bool) -> tuple[Any, tuple[Any, ...]]:
+    """Host function and placeholder arguments that fix one specialisation (k, vec, has_shared)."""
+    b, f = bf16_pointer(0, vec), f32_pointer(0)
+    scalars = (Int64(0), Int64(0), Float32(1.0), cuda.CUstream(0))
+    if kernel == "combine_fwd":
+        return combine_fwd_host, (b, f, b, b, *scalars, k, vec, has_shared)
+    if kernel == "combine_bwd":
+        return combine_bwd_host, (b, b, f, b, f, *scalars, k, vec)
+    raise ValueError(f"unknown combine kernel {kernel!r}; choose combine_fwd or combine_bwd")

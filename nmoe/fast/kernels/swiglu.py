@@ -1,0 +1,181 @@
+"""CuTeDSL kernels for interleaved swiglu fwd/bwd: flat over output pairs, 128-bit vectors, guarded tail.
+
+Every fp32 op the reference rounds separately is a separate `.rn` op here (no FMA contraction), so the only
+difference from the reference is expf's last bits. Import only after nmoe.fast.runtime.import_cutlass(arch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cuda.bindings.driver as cuda
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int64
+from cutlass.base_dsl.ast_helpers import range_constexpr
+from cutlass.base_dsl.typing import Constexpr
+from cutlass.cute.runtime import make_ptr
+from cutlass.cute.typing import Pointer
+
+from nmoe.fast.kernels.combine import add_rn, mul_rn, out_bits
+
+THREADS = 256
+DTYPES: dict[str, Any] = {"bfloat16": BFloat16, "float32": Float32}
+
+
+def _frag(vec: Constexpr[int]) -> cute.Tensor:
+    frag: cute.Tensor = cute.make_rmem_tensor((vec,), Float32)
+    return frag
+
+
+@cute.jit
+def _sigmoid(g: cute.Tensor, vec: Constexpr[int]) -> cute.Tensor:
+    """s = 1/(1+e) for g >= 0 else e/(1+e), e = exp(-|g|): the reference's subnormal-preserving form."""
+    gv = g.load()
+    e = cute.math.exp(-cute.math.absf(gv))  # type: ignore[attr-defined]
+    ef = _frag(vec)
+    ef.store(e)
+    den = _frag(vec)
+    for j in range_constexpr(vec):
+        den[j] = add_rn(1.0, ef[j])
+    s = _frag(vec)
+    s.store(cute.where(gv >= cute.full_like(gv, 0.0), cute.full_like(gv, 1.0), e) / den.load())
+    return s
+
+
+@cute.jit
+def _split(hf: cute.Tensor, vec: Constexpr[int]) -> tuple[cute.Tensor, cute.Tensor]:
+    g, u = _frag(vec), _frag(vec)
+    for j in range_constexpr(vec):
+        g[j] = hf[2 * j]
+        u[j] = hf[2 * j + 1]
+    return g, u
+
+
+@cute.jit
+def _fwd(hf: cute.Tensor, vec: Constexpr[int]) -> cute.Tensor:
+    g, u = _split(hf, vec)
+    s = _sigmoid(g, vec)
+    out = _frag(vec)
+    for j in range_constexpr(vec):
+        out[j] = mul_rn(mul_rn(g[j], s[j]), u[j])
+    return out
+
+
+@cute.jit
+def _bwd(df: cute.Tensor, hf: cute.Tensor, vec: Constexpr[int]) -> cute.Tensor:
+    """dg = (d*u) * (s*(1 + g*(1-s))), du = d*(g*s), interleaved like h, each product and sum rounded."""
+    g, u = _split(hf, vec)
+    s = _sigmoid(g, vec)
+    dh = _frag(2 * vec)
+    for j in range_constexpr(vec):
+        ds = mul_rn(s[j], add_rn(1.0, mul_rn(g[j], add_rn(1.0, -s[j]))))
+        dh[2 * j] = mul_rn(mul_rn(df[j], u[j]), ds)
+        dh[2 * j + 1] = mul_rn(df[j], mul_rn(g[j], s[j]))
+    return dh
+
+
+@cute.jit
+def _load_full(m: cute.Tensor, i: Int64, width: Constexpr[int]) -> cute.Tensor:
+    frag = _frag(width)
+    src: Any = cute.zipped_divide(m, (width,))[(None, i)]
+    frag.store(src.load().reshape((width,)).to(Float32))
+    return frag
+
+
+@cute.jit
+def _load_tail(m: cute.Tensor, base: Int64, n: Int64, width: Constexpr[int]) -> cute.Tensor:
+    frag = _frag(width)
+    frag.fill(Float32(0.0))
+    for j in range_constexpr(width):
+        if base + j < n:
+            x: Any = m[base + j]
+            frag[j] = x.to(Float32)
+    return frag
+
+
+@cute.jit
+def _store_full(m: cute.Tensor, i: Int64, v: cute.Tensor, width: Constexpr[int],
+                dtype_name: Constexpr[str]) -> None:
+    bits = out_bits(v.load(), dtype_name)
+    cute.recast_tensor(cute.zipped_divide(m, (width,))[(None, i)], bits.dtype).store(bits)
+
+
+@cute.jit
+def _store_tail(m: cute.Tensor, base: Int64, n: Int64, v: cute.Tensor, width: Constexpr[int],
+                dtype_name: Constexpr[str]) -> None:
+    bits = out_bits(v.load(), dtype_name)
+    frag = cute.make_rmem_tensor((width,), bits.dtype)
+    frag.store(bits)
+    mb = cute.recast_tensor(m, bits.dtype)
+    for j in range_constexpr(width):
+        if base + j < n:
+            mb[base + j] = frag[j]
+
+
+@cute.kernel
+def swiglu_fwd_kernel(ph: Pointer, py: Pointer, n: Int64, vec: Constexpr[int],
+                      dtype_name: Constexpr[str]) -> None:
+    """n = number of outputs; thread i owns outputs [i*vec, i*vec+vec) and their 2*vec interleaved inputs."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    i = Int64(bidx) * THREADS + Int64(tidx)
+    nfull = n // vec
+    mh = cute.make_tensor(ph, cute.make_layout(2 * n))
+    my = cute.make_tensor(py, cute.make_layout(n))
+    if i < nfull:
+        _store_full(my, i, _fwd(_load_full(mh, i, 2 * vec), vec), vec, dtype_name)
+    elif i == nfull:
+        hf = _load_tail(mh, 2 * nfull * vec, 2 * n, 2 * vec)
+        _store_tail(my, nfull * vec, n, _fwd(hf, vec), vec, dtype_name)
+
+
+@cute.kernel
+def swiglu_bwd_kernel(pdy: Pointer, ph: Pointer, pdh: Pointer, n: Int64, vec: Constexpr[int],
+                      dtype_name: Constexpr[str]) -> None:
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    i = Int64(bidx) * THREADS + Int64(tidx)
+    nfull = n // vec
+    mdy = cute.make_tensor(pdy, cute.make_layout(n))
+    mh = cute.make_tensor(ph, cute.make_layout(2 * n))
+    mdh = cute.make_tensor(pdh, cute.make_layout(2 * n))
+    if i < nfull:
+        dh = _bwd(_load_full(mdy, i, vec), _load_full(mh, i, 2 * vec), vec)
+        _store_full(mdh, i, dh, 2 * vec, dtype_name)
+    elif i == nfull:
+        df = _load_tail(mdy, nfull * vec, n, vec)
+        hf = _load_tail(mh, 2 * nfull * vec, 2 * n, 2 * vec)
+        _store_tail(mdh, 2 * nfull * vec, 2 * n, _bwd(df, hf, vec), 2 * vec, dtype_name)
+
+
+def _grid(n: Int64, vec: int) -> list[Any]:
+    return [(n // vec + THREADS) // THREADS, 1, 1]
+
+
+@cute.jit
+def swiglu_fwd_host(ph: Pointer, py: Pointer, n: Int64, stream: cuda.CUstream, vec: Constexpr[int],
+                    dtype_name: Constexpr[str]) -> None:
+    swiglu_fwd_kernel(ph, py, n, vec, dtype_name).launch(grid=_grid(n, vec), block=[THREADS, 1, 1],
+                                                        stream=stream)
+
+
+@cute.jit
+def swiglu_bwd_host(pdy: Pointer, ph: Pointer, pdh: Pointer, n: Int64, stream: cuda.CUstream,
+                    vec: Constexpr[int], dtype_name: Constexpr[str]) -> None:
+    swiglu_bwd_kernel(pdy, ph, pdh, n, vec, dtype_name).launch(grid=_grid(n, vec), block=[THREADS, 1, 1],
+                                                              stream=stream)
+
+
+def pointer(dtype_name: str, address: int, vec: int) -> Any:
+    dtype = DTYPES[dtype_name]
+    return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=vec * dtype.width // 8)
+
+
+def compile_args(kernel: str, dtype_name: str, vec: int) -> tuple[Any, tuple[Any, ...]]:
+    """Host function and placeholder arguments for one (kernel, dtype, vec) specialisation."""
+    p = pointer(dtype_name, 0, vec)
+    if kernel == "swiglu_fwd":
+        return swiglu_fwd_host, (p, p, Int64(0), cuda.CUstream(0), vec, dtype_name)
+    if kernel == "swiglu_bwd":
+        return swiglu_bwd_host, (p, p, p, Int64(0), cuda.CUstream(0), vec, dtype_name)
+    raise ValueError(f"unknown swiglu kernel {kernel!r}; choose swiglu_fwd or swiglu_bwd")
