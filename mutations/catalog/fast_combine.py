@@ -1,0 +1,41 @@
+"""combine.fast_*: defects in the CuTeDSL combine kernels (nmoe/fast/kernels/combine.py); GPU host only."""
+
+from __future__ import annotations
+
+from mutations.model import Mutation, sep_mutation
+
+FILE = "nmoe/fast/kernels/combine.py"
+TESTS = "tests/test_fast_combine.py"
+FWD_SUM = (
+    "            wk = mw[t * k + kk]\n"
+    "            for j in range_constexpr(vec):\n"
+    "                if const_expr(kk == 0):\n"
+    "                    acc[j] = mul_rn(wk, yk[j])\n"
+    "                else:\n"
+    "                    acc[j] = add_rn(acc[j], mul_rn(wk, yk[j]))\n"
+    "        for j in range_constexpr(vec):\n"
+    "            acc[j] = mul_rn(acc[j], scale)\n"
+)
+
+MUTATIONS: tuple[Mutation, ...] = (
+    sep_mutation(
+        "combine.fast_fma_contracted", FILE,
+        "                    acc[j] = add_rn(acc[j], mul_rn(wk, yk[j]))",
+        "                    acc[j] = acc[j] + wk * yk[j]",
+        "slot products summed with plain fp32 ops that ptxas contracts into FMA (product not rounded)",
+        TESTS, ("combine",), device="gpu",
+    ),
+    sep_mutation(
+        "combine.fast_scale_folded", FILE, FWD_SUM,
+        FWD_SUM.replace("wk = mw[t * k + kk]", "wk = mul_rn(mw[t * k + kk], scale)")
+        .replace("        for j in range_constexpr(vec):\n            acc[j] = mul_rn(acc[j], scale)\n", ""),
+        "fast combine folds routed_scale into each weight instead of scaling the fp32 sum", TESTS,
+        ("combine",), device="gpu",
+    ),
+    sep_mutation(
+        "combine.fast_bwd_scale_dropped", FILE,
+        "            for j in range_constexpr(vec):\n                g[j] = mul_rn(g[j], scale)\n",
+        "",
+        "fast combine backward forgets routed_scale in dy and dw", TESTS, ("combine",), device="gpu",
+    ),
+)
