@@ -602,3 +602,12 @@ def test_sep_e4m3_ties_away() -> None:
     assert (correct != mutated).all()
     assert np.array_equal(F.e4m3_encode(t32(mids)).numpy(), correct)
     assert np.array_equal(F.e4m3_encode(t32(-mids)).numpy(), correct | 0x80)
+
+
+def test_round_to_pins_canonical_nan_and_refuses_unknown_dtypes() -> None:
+    x = torch.tensor([1.0, float("nan"), -float("nan")], dtype=torch.float32)
+    assert F.round_to(x, torch.bfloat16).view(torch.int16).tolist()[1:] == [0x7FC0, 0x7FC0]
+    assert F.round_to(x, torch.float32).view(torch.int32).tolist()[1:] == [0x7FC00000, 0x7FC00000]
+    assert F.round_to(x.double(), torch.float64).dtype == torch.float64
+    with pytest.raises(ValueError, match="not in the spec"):
+        F.round_to(x, torch.float16)
