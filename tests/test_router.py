@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nmoe.reference import router as R
 from nmoe.reference.router import bias_update, expert_counts, router_logits, router_topk
 
 F32 = np.float32
@@ -216,3 +217,25 @@ def test_sep_bias_update_sign_flipped() -> None:
     assert not np.array_equal(correct, mutant)
     got = bias_update(torch.from_numpy(bias), torch.from_numpy(counts), 0.125, 1.0)
     assert np.array_equal(got.numpy(), correct)
+
+
+def test_pinned_exp_within_1_1_ulp_of_float64_exp() -> None:
+    """The spec's exp is checked against float64 exp, not against itself."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.cat([torch.rand(200_000, generator=g) * 190 - 102, torch.randn(50_000, generator=g)])
+    want = torch.exp(x.double())
+    got = R.pinned_exp(x).double()
+    finite = torch.isfinite(want.float()) & (want.float() != 0)
+    ulp = (torch.nextafter(want.float().abs(), torch.tensor(float("inf"))) - want.float().abs()).double()
+    assert float(((got - want).abs() / ulp)[finite].max()) < 1.1
+    special = R.pinned_exp(torch.tensor([0.0, float("-inf"), float("inf"), float("nan"), -104.5, 89.5]))
+    assert special[0] == 1.0 and special[1] == 0.0 and special[4] == 0.0
+    assert torch.isinf(special[2]) and torch.isinf(special[5]) and torch.isnan(special[3])
+
+
+def test_scores_bits_do_not_depend_on_position() -> None:
+    """The same logit scores the same bits in the SIMD body and the scalar tail (torch.sigmoid does not)."""
+    row = torch.full((1, 23), 0.3224487, dtype=torch.float32)
+    for func in ("sigmoid", "softmax"):
+        s = R.router_scores(row, func)
+        assert bool((s.view(torch.int32) == s.view(torch.int32)[0, 0]).all())

@@ -23,8 +23,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "router.softmax_unnormalised", FILE,
-        "    return picked / denom[:, None], ids",
-        "    return (picked if score_func == \"softmax\" else picked / denom[:, None]), ids",
+        "    return round_to(picked / denom[:, None], picked.dtype), ids",
+        "    return round_to(picked if score_func == \"softmax\" else picked / denom[:, None],"
+        " picked.dtype), ids",
         "softmax top-k weights not renormalised to sum 1 over the k picked experts", TESTS, ("router_topk",),
     ),
     sep_mutation(

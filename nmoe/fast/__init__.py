@@ -1,3 +1,8 @@
 """The fast path: CuTeDSL kernels for sm_90a and sm_100a plus thin torch glue."""
 
-FAST_MODULES: tuple[str, ...] = ("nmoe.fast.activation", "nmoe.fast.combine")
+FAST_MODULES: tuple[str, ...] = (
+    "nmoe.fast.activation",
+    "nmoe.fast.combine",
+    "nmoe.fast.router",
+    "nmoe.fast.dispatch",
+)

@@ -6,28 +6,10 @@ the row capacity is static (padded_rows) so shapes never depend on routing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-
-@dataclass(frozen=True)
-class Permuted:
-    xp: Tensor
-    counts: Tensor
-    offs: Tensor
-    slot: Tensor
-
-
-def padded_rows(n_slots: int, n_experts: int, align: int) -> int:
-    """Worst case of sum_e ceil(c_e/align)*align over all routings of n_slots slots."""
-    if n_slots < 0 or n_experts < 1 or align < 1:
-        raise ValueError(
-            f"padded_rows: need n_slots >= 0, n_experts >= 1, align >= 1; got {n_slots}, {n_experts}, {align}"
-        )
-    worst = n_slots + n_experts * (align - 1)
-    return -(-worst // align) * align
+from nmoe.layout import Permuted, padded_rows
 
 
 def _check_ids(ids: Tensor, n_experts: int) -> None:

@@ -106,10 +106,11 @@ def round_to(x: Tensor, dtype: torch.dtype) -> Tensor:
         return to_bf16(x)
     if dtype == torch.float32:
         xf = _f32(x, "round_to")
-        return torch.where(torch.isnan(xf), torch.tensor(F32_CANONICAL_NAN, dtype=torch.int32).view(torch.float32), xf)
+        nan = torch.tensor(F32_CANONICAL_NAN, dtype=torch.int32).view(torch.float32)
+        return torch.where(torch.isnan(xf), nan, xf)
     if dtype == torch.float64:
         return x.to(torch.float64)
-    raise ValueError(f"round_to: output dtype {dtype} is not in the spec; use bf16, fp32 (or fp64 for gradcheck)")
+    raise ValueError(f"round_to: output dtype {dtype} is not in the spec; use bf16, fp32 (fp64 for gradcheck)")
 
 
 def e4m3_encode(x: Tensor) -> Tensor:

@@ -1,15 +1,85 @@
 """Token-choice router: fp32 scores, top-k on biased scores, aux-loss-free bias update (DeepSeek-V3).
 
 Ties are broken toward the lower expert (and group) id by a stable descending sort, never by
-torch.topk, whose tie order is unspecified.
+torch.topk, whose tie order is unspecified. fp32 scores use a pinned exp built from round-to-nearest
+fp32 add/sub/mul/div only: torch's sigmoid/softmax bits depend on the SIMD path and element position.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
+from nmoe.reference.formats import round_to
+
 SCORE_FUNCS = ("sigmoid", "softmax")
+
+
+def _f32_const(bits: int) -> Tensor:
+    return torch.tensor([bits], dtype=torch.int32).view(torch.float32)[0]
+
+
+_LOG2E, _LN2_HI, _LN2_LO = _f32_const(0x3FB8AA3B), _f32_const(0x3F317200), _f32_const(0x35BFBE8E)
+_SHIFT = torch.tensor(12582912.0, dtype=torch.float32)
+_TAYLOR = tuple(torch.tensor(1.0 / m, dtype=torch.float32) for m in (5040.0, 720.0, 120.0, 24.0, 6.0, 2.0))
+_ONE = torch.tensor(1.0, dtype=torch.float32)
+
+
+def pinned_exp(x: Tensor) -> Tensor:
+    """fp32 exp: Cody-Waite reduction by ln2 (hi/lo), degree-7 Taylor in Horner form, two-step 2^n scale.
+
+    Within 1.1 ulp of exp; every step is one correctly rounded fp32 op, so any IEEE machine gets these bits.
+    """
+    xc = torch.clamp(x, -104.0, 89.0)
+    nf = (xc * _LOG2E + _SHIFT) - _SHIFT
+    n = torch.nan_to_num(nf).to(torch.int32)
+    r = (xc - nf * _LN2_HI) - nf * _LN2_LO
+    q = _TAYLOR[0].expand_as(r)
+    for c in _TAYLOR[1:]:
+        q = q * r + c
+    p = _ONE + (r + (r * r) * q)
+    a = n >> 1
+    res = (p * ((a + 127) << 23).view(torch.float32)) * ((n - a + 127) << 23).view(torch.float32)
+    res = torch.where(x < -104.0, 0.0, torch.where(x > 89.0, float("inf"), res))
+    return torch.where(torch.isnan(x), x, res)
+
+
+def _pinned_scores(logits: Tensor, score_func: str) -> Tensor:
+    if score_func == "sigmoid":
+        return torch.div(_ONE, _ONE + pinned_exp(-logits))
+    e = pinned_exp(logits - logits.amax(dim=-1, keepdim=True))
+    total = torch.zeros(logits.shape[0], dtype=torch.float32)
+    for j in range(logits.shape[1]):
+        total = total + e[:, j]
+    return torch.div(e, total[:, None])
+
+
+class _PinnedScores(torch.autograd.Function):
+    """Pinned forward bits; the backward is the analytic derivative of the exact sigmoid/softmax."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, score_func: str) -> Tensor:
+        s = _pinned_scores(logits.detach(), score_func)
+        ctx.save_for_backward(s)
+        ctx.score_func = score_func
+        return s
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+        (s,) = ctx.saved_tensors
+        if ctx.score_func == "sigmoid":
+            return g * s * (1 - s), None
+        return s * (g - (g * s).sum(dim=-1, keepdim=True)), None
+
+
+def router_scores(logits: Tensor, score_func: str) -> Tensor:
+    """sigmoid = 1/(1+exp(-x)); softmax = exp(x-max)/sum, the sum taken in ascending expert id."""
+    if logits.dtype == torch.float64:
+        return torch.sigmoid(logits) if score_func == "sigmoid" else torch.softmax(logits, dim=-1)
+    out: Tensor = _PinnedScores.apply(logits, score_func)  # type: ignore[no-untyped-call]
+    return out
 
 
 def router_logits(x: Tensor, wr: Tensor) -> Tensor:
@@ -54,7 +124,7 @@ def router_topk(
     if not 1 <= k <= avail:
         raise ValueError(f"router_topk: k={k} must lie in [1, {avail}] (experts reachable after group limit)")
 
-    scores = torch.sigmoid(logits) if score_func == "sigmoid" else torch.softmax(logits, dim=-1)
+    scores = router_scores(logits, score_func)
     biased = scores + bias.to(scores.dtype)
 
     if n_groups > 1:
@@ -70,7 +140,7 @@ def router_topk(
     denom = picked[:, 0]
     for j in range(1, k):
         denom = denom + picked[:, j]
-    return picked / denom[:, None], ids
+    return round_to(picked / denom[:, None], picked.dtype), ids
 
 
 def expert_counts(ids: Tensor, n_experts: int) -> Tensor:

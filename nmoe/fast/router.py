@@ -1,0 +1,222 @@
+"""Fast router top-k and expert counts: CuTeDSL kernels (nmoe/fast/kernels/router.py) behind torch custom ops.
+
+Scores follow a pinned IEEE-op formula (below) because torch's CPU sigmoid/softmax bits are not reproducible.
+"""
+
+# torch's CPU sigmoid/softmax bits change with the SIMD path and the element's tail position, so only a
+# formula of round-to-nearest fp32 add/sub/mul/div ops is reproducible bit for bit on any machine:
+#   exp(x): x < -104 -> 0, x > 89 -> inf, NaN -> x; else n = (x*LOG2E + 1.5*2^23) - 1.5*2^23,
+#           r = (x - n*LN2_HI) - n*LN2_LO, q = Horner(1/5040, 1/720, 1/120, 1/24, 1/6, 1/2) in r,
+#           p = 1 + (r + (r*r)*q), exp = (p * 2^(n>>1)) * 2^(n - (n>>1))
+#   sigmoid(x) = 1 / (1 + exp(-x));  softmax(x)_i = exp(x_i - max x) / (sum in ascending expert id)
+# LOG2E 0x3FB8AA3B, LN2_HI 0x3F317200, LN2_LO 0x35BFBE8E (fp32 bits). NaN logits or bias abort the
+# kernel (the spec raises), since raising needs a host sync.
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+from nmoe.fast import runtime
+from nmoe.fast.runtime import KernelSpec
+
+_KERNEL_MODULE = "nmoe.fast.kernels.router"
+SCORE_FUNCS = ("sigmoid", "softmax")
+MAX_EXPERTS = 1024
+MAX_K = 32
+MAX_GROUPS = 32
+
+
+@functools.cache
+def _source_sha256() -> str:
+    spec = importlib.util.find_spec(_KERNEL_MODULE)
+    if spec is None or spec.origin is None:
+        raise RuntimeError(f"{_KERNEL_MODULE} is missing from the installed nmoe package; reinstall nmoe")
+    return runtime.file_sha256(spec.origin)
+
+
+@functools.cache
+def _kernels(arch: str) -> ModuleType:
+    runtime.import_cutlass(arch)
+    return importlib.import_module(_KERNEL_MODULE)
+
+
+def check_topk_args(logits: Tensor, bias: Tensor, k: int, score_func: str, n_groups: int,
+                    topk_groups: int) -> None:
+    """The spec's argument checks plus the kernel's limits; shapes only, so no host sync."""
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(f"router_topk: logits must be fp32 [T,E], got {logits.dtype} {tuple(logits.shape)}; "
+                         "cast with .float() (the fast kernel reads fp32 only)")
+    e = logits.shape[1]
+    if bias.shape != (e,) or not bias.dtype.is_floating_point:
+        raise ValueError(f"router_topk: bias must be a float [E] = ({e},) tensor, got {bias.dtype} "
+                         f"{tuple(bias.shape)}")
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(f"router_topk: score_func {score_func!r} unknown; use one of {SCORE_FUNCS}")
+    if n_groups < 1 or e % n_groups != 0:
+        raise ValueError(f"router_topk: n_groups={n_groups} must be >= 1 and divide E={e}")
+    if n_groups > 1 and e // n_groups < 2:
+        raise ValueError(f"router_topk: group size {e // n_groups} < 2; top-2 group scores need >= 2")
+    if not 1 <= topk_groups <= n_groups:
+        raise ValueError(f"router_topk: topk_groups={topk_groups} must lie in [1, n_groups={n_groups}]")
+    avail = e if n_groups == 1 else topk_groups * (e // n_groups)
+    if not 1 <= k <= avail:
+        raise ValueError(f"router_topk: k={k} must lie in [1, {avail}] (experts reachable after group limit)")
+    if e > MAX_EXPERTS or k > MAX_K or n_groups > MAX_GROUPS:
+        raise ValueError(f"router_topk: the fast kernel takes E <= {MAX_EXPERTS}, k <= {MAX_K}, n_groups <= "
+                         f"{MAX_GROUPS}; got E={e}, k={k}, n_groups={n_groups}; raise the limits in "
+                         "nmoe/fast/kernels/router.py (registers grow with E/32, k and n_groups)")
+
+
+@functools.cache
+def _topk_executor(arch: str, e: int, k: int, softmax: bool, n_groups: int,
+                   topk_groups: int) -> tuple[ModuleType, Any]:
+    """Compiled once per (arch, shape class); memoised so a call costs no key hashing."""
+    kern = _kernels(arch)
+    spec = {"E": e, "k": k, "softmax": softmax, "n_groups": n_groups, "topk_groups": topk_groups}
+    key = runtime.cache_key("router_topk", _source_sha256(), arch, spec)
+
+    def build() -> Any:
+        import cutlass.cute as cute
+
+        host, args = kern.compile_args(e, k, softmax, n_groups, topk_groups)
+        return cute.compile(host, *args)
+
+    return kern, runtime.kernel_cache().executor(key, build)
+
+
+@functools.cache
+def _counts_executor(arch: str, n_experts: int, bits: int) -> tuple[ModuleType, Any]:
+    kern = _kernels(arch)
+    key = runtime.cache_key("expert_counts", _source_sha256(), arch, {"E": n_experts, "ids_bits": bits})
+
+    def build() -> Any:
+        import cutlass.cute as cute
+
+        host, args = kern.counts_args(n_experts, bits)
+        return cute.compile(host, *args)
+
+    return kern, runtime.kernel_cache().executor(key, build)
+
+
+def _router_topk_impl(logits: Tensor, bias: Tensor, k: int, score_func: str, n_groups: int,
+                      topk_groups: int) -> tuple[Tensor, Tensor]:
+    arch = runtime.require_arch(logits, bias)
+    check_topk_args(logits, bias, k, score_func, n_groups, topk_groups)
+    t, e = logits.shape
+    w = torch.empty(t, k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, k, dtype=torch.int64, device=logits.device)
+    if t == 0:
+        return w, ids
+    if t >= 2**31:
+        raise ValueError(f"router_topk: T={t} tokens exceed the kernel's int32 token index; split the batch")
+    lg = logits.contiguous()
+    b = bias.to(torch.float32).contiguous()
+    kern, ex = _topk_executor(arch, e, k, score_func == "softmax", n_groups, topk_groups)
+    with torch.cuda.device(logits.device):
+        ex(kern.f32_pointer(lg.data_ptr()), kern.f32_pointer(b.data_ptr()), kern.f32_pointer(w.data_ptr()),
+           kern.i64_pointer(ids.data_ptr()), t, runtime.current_stream(logits.device))
+    return w, ids
+
+
+def _router_topk_fake(logits: Tensor, bias: Tensor, k: int, score_func: str, n_groups: int,
+                      topk_groups: int) -> tuple[Tensor, Tensor]:
+    t = logits.shape[0]
+    return (torch.empty(t, k, dtype=torch.float32, device=logits.device),
+            torch.empty(t, k, dtype=torch.int64, device=logits.device))
+
+
+def _expert_counts_impl(ids: Tensor, n_experts: int) -> Tensor:
+    arch = runtime.require_arch(ids)
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"expert_counts: ids must be int32/int64, got {ids.dtype}")
+    if not 1 <= n_experts <= MAX_EXPERTS:
+        raise ValueError(f"expert_counts: n_experts={n_experts} must lie in [1, {MAX_EXPERTS}]")
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=ids.device)
+    flat = ids.reshape(-1).contiguous()
+    n = flat.numel()
+    if n == 0:
+        return counts
+    if n >= 2**31:
+        raise ValueError(f"expert_counts: {n} slots exceed the kernel's int32 slot index; split the batch")
+    bits = 64 if flat.dtype == torch.int64 else 32
+    kern, ex = _counts_executor(arch, n_experts, bits)
+    with torch.cuda.device(ids.device):
+        ex(kern.ids_pointer(flat.data_ptr(), bits), kern.i64_pointer(counts.data_ptr()), n,
+           runtime.current_stream(ids.device))
+    return counts
+
+
+def _expert_counts_fake(ids: Tensor, n_experts: int) -> Tensor:
+    return torch.empty(n_experts, dtype=torch.int64, device=ids.device)
+
+
+_topk_op = runtime.register_custom_op(
+    "nmoe::router_topk", cast(Callable[..., Tensor], _router_topk_impl),
+    cast(Callable[..., Tensor], _router_topk_fake),
+)
+_counts_op = runtime.register_custom_op("nmoe::expert_counts", _expert_counts_impl, _expert_counts_fake)
+
+
+def router_topk(logits: Tensor, bias: Tensor, k: int, score_func: str, n_groups: int = 1,
+                topk_groups: int = 1) -> tuple[Tensor, Tensor]:
+    """(weights fp32 [T,k], ids int64 [T,k]) in selection order; same contract as the spec op."""
+    out = cast(tuple[Tensor, Tensor], _topk_op(logits, bias, k, score_func, n_groups, topk_groups))
+    return out[0], out[1]
+
+
+def expert_counts(ids: Tensor, n_experts: int) -> Tensor:
+    """int64 [E] slots per expert; an id outside [0, E) aborts the kernel (the spec raises)."""
+    out: Tensor = _counts_op(ids, n_experts)
+    return out
+
+
+def _topk_ptx(e: int, k: int, score_func: str, n_groups: int, topk_groups: int, arch: str) -> str:
+    kern = _kernels(arch)
+    host, args = kern.compile_args(e, k, score_func == "softmax", n_groups, topk_groups)
+    return runtime.compile_ptx(host, args)
+
+
+def _counts_ptx(arch: str) -> str:
+    kern = _kernels(arch)
+    host, args = kern.counts_args(256, 64)
+    return runtime.compile_ptx(host, args)
+
+
+# Bitwise needs every fp32 op rounded on its own: no fma (contracted or not), no approximate
+# ex2/rcp/div, no flush-to-zero, no mul.f32/add.f32 without .rn (ptxas may fuse those), no
+# NaN-dropping max/min, and no spills. printf stages its arguments with st.local, so only ld.local.
+_SCORE_FORBID = (r"\bfma\.", r"\bex2\.", r"\brcp\.approx", r"\bdiv\.(approx|full)", r"\.ftz\b",
+                 r"\b(mul|add|sub)\.f32\b", r"\b(max|min)(\.[a-z0-9]+)*\.f32\b", r"\bld\.local\b")
+_SCORE_EXPECT = (r"\bmul\.rn\.f32\b", r"\badd\.rn\.f32\b", r"\bsub\.rn\.f32\b", r"\bdiv\.rn\.f32\b",
+                 r"\bcvt\.rzi\.s32\.f32\b", r"\bshfl\.sync\.bfly\.b32\b", r"\btrap;")
+
+
+def _topk_spec(name: str, e: int, k: int, score_func: str, n_groups: int, topk_groups: int) -> KernelSpec:
+    extra = (r"\bshfl\.sync\.idx\.b32\b",) if score_func == "softmax" else ()
+    return KernelSpec(
+        op="router_topk", name=name,
+        compile=functools.partial(_topk_ptx, e, k, score_func, n_groups, topk_groups),
+        expect={a: (rf"\.target {a}\b", *_SCORE_EXPECT, *extra) for a in runtime.SUPPORTED_ARCHS},
+        forbid={a: _SCORE_FORBID for a in runtime.SUPPORTED_ARCHS},
+    )
+
+
+KERNELS: tuple[KernelSpec, ...] = (
+    _topk_spec("router_topk_sigmoid_e256_k8_g8", 256, 8, "sigmoid", 8, 4),
+    _topk_spec("router_topk_softmax_e64_k6", 64, 6, "softmax", 1, 1),
+    KernelSpec(
+        op="expert_counts", name="expert_counts_e256",
+        compile=_counts_ptx,
+        expect={a: (rf"\.target {a}\b", r"\batom\.shared\.add\.u32\b", r"\batom\.global\.add\.u64\b",
+                    r"\btrap;") for a in runtime.SUPPORTED_ARCHS},
+        forbid={a: (r"\bld\.local\b",) for a in runtime.SUPPORTED_ARCHS},
+    ),
+)

@@ -1,0 +1,271 @@
+"""nmoe.fast.dispatch (permute, unpermute, padded_rows) against the spec: bitwise, no host sync."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from nmoe.fast import dispatch as fast
+from nmoe.fast.runtime import ArchError
+from nmoe.reference import dispatch as ref
+
+ROOT = Path(__file__).resolve().parents[1]
+gpu = pytest.mark.gpu
+
+
+def _routing(t: int, k: int, e: int, kind: str, seed: int) -> Tensor:
+    """Distinct experts per token, as a router produces: uniform, Zipf-skewed, or half the experts empty."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "one":
+        return torch.full((t, k), e - 1) if k == 1 else torch.stack([torch.arange(k)] * t) % e
+    if kind == "zipf":
+        w = 1.0 / torch.arange(1, e + 1, dtype=torch.float64) ** 1.2
+    elif kind == "empty":
+        w = (torch.arange(e) % 2 == 0).double()
+    else:
+        w = torch.ones(e, dtype=torch.float64)
+    if t == 0:
+        return torch.zeros(0, k, dtype=torch.int64)
+    return torch.multinomial(w.expand(t, e), k, replacement=False, generator=g)
+
+
+def _bytes(x: Tensor) -> Tensor:
+    return x.contiguous().view(torch.uint8)
+
+
+def _assert_permuted(got: fast.Permuted, want: ref.Permuted) -> None:
+    assert got.counts.dtype == got.offs.dtype == torch.int32 and got.slot.dtype == torch.int64
+    assert torch.equal(got.counts.cpu(), want.counts), "counts"
+    assert torch.equal(got.offs.cpu(), want.offs), "offs"
+    assert torch.equal(got.slot.cpu(), want.slot), "slot"
+    assert got.xp.dtype == want.xp.dtype and got.xp.shape == want.xp.shape
+    assert torch.equal(_bytes(got.xp.cpu()), _bytes(want.xp)), "xp"
+
+
+def _dirty_cache(nbytes: int) -> None:
+    """Leave NaN-filled blocks in torch's caching allocator so torch.empty in the op returns garbage."""
+    for _ in range(4):
+        torch.full((nbytes // 4 + 1024,), float("nan"), device="cuda")
+
+
+# ------------------------------------------------------------------ CPU
+
+
+def test_padded_rows_equals_the_spec() -> None:
+    for n in (0, 1, 7, 64, 1000):
+        for e in (1, 3, 64, 256):
+            for a in (1, 2, 8, 128):
+                assert fast.padded_rows(n, e, a) == ref.padded_rows(n, e, a)
+    with pytest.raises(ValueError, match="align >= 1"):
+        fast.padded_rows(4, 2, 0)
+
+
+def test_copy_shape_picks_the_widest_dividing_vector() -> None:
+    assert fast._copy_shape(4096, 0, 512) == ("i32", 4, 16)
+    assert fast._copy_shape(4096, 8, 512) == ("i32", 2, 8)
+    assert fast._copy_shape(6, 0, 0) == ("i16", 1, 2)
+    assert fast._copy_shape(3, 0, 0) == ("i8", 1, 1)
+    assert fast._copy_shape(0, 0, 0) == ("i32", 4, 16)
+
+
+def test_cpu_tensors_are_rejected_naming_the_reference() -> None:
+    with pytest.raises(ArchError, match=r"nmoe\.reference"):
+        fast.permute(torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.int64), 4, 1)
+    with pytest.raises(ArchError, match=r"nmoe\.reference"):
+        fast.unpermute(torch.zeros(2, 4), torch.zeros(2, dtype=torch.int64), 1, 2)
+
+
+def test_kernel_specs_cover_both_archs() -> None:
+    assert {s.op for s in fast.KERNELS} == {"permute", "unpermute"}
+    for s in fast.KERNELS:
+        assert set(s.expect) == set(s.forbid) == {"sm_90a", "sm_100a"}
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_kernels_compile_without_gpu(arch: str) -> None:
+    code = textwrap.dedent(f"""
+        import json
+        from nmoe.fast import compilecheck, dispatch
+        print(json.dumps([compilecheck.check(s, "{arch}") for s in dispatch.KERNELS]))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600, check=True)
+    import json
+
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [r["status"] for r in rows] == ["ok"] * len(rows), rows
+
+
+# ------------------------------------------------------------------ GPU
+
+CASES = [  # (T, K, E, align, H, dtype, ids dtype, routing)
+    (1, 1, 1, 1, 64, torch.bfloat16, torch.int64, "uniform"),
+    (1, 8, 256, 128, 128, torch.bfloat16, torch.int64, "uniform"),
+    (1000, 8, 256, 128, 256, torch.bfloat16, torch.int64, "zipf"),
+    (777, 6, 64, 8, 96, torch.float32, torch.int32, "uniform"),
+    (2049, 2, 16, 16, 3, torch.bfloat16, torch.int64, "empty"),
+    (300, 4, 8, 1, 5, torch.float32, torch.int32, "one"),
+    (5000, 8, 1024, 32, 40, torch.float16, torch.int64, "zipf"),
+    (0, 4, 8, 8, 64, torch.bfloat16, torch.int64, "uniform"),
+    (33, 3, 5, 4, 7, torch.uint8, torch.int64, "uniform"),
+    (4096, 1, 32, 64, 2048, torch.bfloat16, torch.int32, "zipf"),
+]
+
+
+def _x(t: int, h: int, dtype: torch.dtype, seed: int) -> Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.uint8:
+        return torch.randint(1, 256, (t, h), generator=g, dtype=torch.uint8)
+    return (torch.randn(t, h, generator=g) + 0.5).to(dtype)
+
+
+@gpu
+@pytest.mark.parametrize(("t", "k", "e", "align", "h", "dtype", "idt", "kind"), CASES)
+def test_permute_bitwise_vs_reference(t: int, k: int, e: int, align: int, h: int, dtype: torch.dtype,
+                                      idt: torch.dtype, kind: str) -> None:
+    ids = _routing(t, k, e, kind, seed=t + e).to(idt)
+    x = _x(t, h, dtype, seed=h)
+    want = ref.permute(x, ids, e, align)
+    _dirty_cache(want.xp.numel() * x.element_size())
+    _assert_permuted(fast.permute(x.cuda(), ids.cuda(), e, align), want)
+
+
+@gpu
+@pytest.mark.parametrize(("t", "k", "e", "align", "h", "dtype", "idt", "kind"), CASES)
+def test_unpermute_bitwise_vs_reference(t: int, k: int, e: int, align: int, h: int, dtype: torch.dtype,
+                                        idt: torch.dtype, kind: str) -> None:
+    ids = _routing(t, k, e, kind, seed=t + e + 1).to(idt)
+    slot = ref.permute(torch.zeros(t, 1), ids, e, align).slot
+    yp = _x(slot.numel(), h, dtype, seed=h + 1)
+    want = ref.unpermute(yp, slot, t, k)
+    got = fast.unpermute(yp.cuda(), slot.cuda(), t, k)
+    assert got.shape == want.shape and torch.equal(_bytes(got.cpu()), _bytes(want))
+
+
+@gpu
+def test_round_trip_on_unaligned_views() -> None:
+    """Offset views defeat 128-bit vectors; the op must still copy every byte."""
+    base = torch.randn(257 * 64 + 1, dtype=torch.bfloat16)
+    x = base[1:].view(257, 64)
+    ids = _routing(257, 4, 32, "zipf", seed=1)
+    want = ref.permute(x, ids, 32, 16)
+    got = fast.permute(x.cuda(), ids.cuda(), 32, 16)
+    _assert_permuted(got, want)
+    y = fast.unpermute(got.xp, got.slot, 257, 4).cpu()
+    assert torch.equal(y, x[:, None, :].expand(257, 4, 64))
+
+
+@gpu
+def test_sep_dispatch_fast_unstable_order() -> None:
+    """All slots of one expert: any order but (t, k) differs from the stable one."""
+    ids = torch.zeros(300, 2, dtype=torch.int64)
+    ids[:, 1] = 1
+    x = torch.arange(300, dtype=torch.float32)[:, None].repeat(1, 4)
+    want = ref.permute(x, ids, 2, 1)
+    stable = want.slot[:300]
+    assert torch.equal(stable, torch.arange(300) * 2)
+    warp_reversed = torch.cat([c.flip(0) for c in torch.split(stable, 32)])
+    assert not torch.equal(stable, stable.flip(0)) and not torch.equal(stable, warp_reversed)
+    _assert_permuted(fast.permute(x.cuda(), ids.cuda(), 2, 1), want)
+
+
+@gpu
+def test_sep_dispatch_fast_pad_rows_garbage() -> None:
+    ids = _routing(100, 4, 16, "zipf", seed=4)
+    x = torch.randn(100, 64) + 2
+    want = ref.permute(x, ids, 16, 32)
+    pad = want.slot < 0
+    assert int(pad.sum()) > 0 and bool((want.xp[pad] == 0).all())
+    garbage = torch.full_like(want.xp, float("nan"))
+    assert not torch.equal(_bytes(want.xp), _bytes(torch.where(pad[:, None], garbage, want.xp)))
+    _dirty_cache(want.xp.numel() * 4)
+    _assert_permuted(fast.permute(x.cuda(), ids.cuda(), 16, 32), want)
+
+
+@gpu
+def test_sep_dispatch_fast_offs_unpadded() -> None:
+    ids = _routing(50, 2, 8, "uniform", seed=2)
+    want = ref.permute(torch.zeros(50, 8), ids, 8, 8)
+    assert not torch.equal(want.offs, torch.cumsum(want.counts, 0).to(torch.int32))
+    _assert_permuted(fast.permute(torch.zeros(50, 8).cuda(), ids.cuda(), 8, 8), want)
+
+
+@gpu
+def test_dispatch_makes_no_host_sync() -> None:
+    x = torch.randn(512, 128, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(0, 64, (512, 8), device="cuda")
+    p = fast.permute(x, ids, 64, 16)
+    fast.unpermute(p.xp, p.slot, 512, 8)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        p = fast.permute(x, ids, 64, 16)
+        fast.unpermute(p.xp, p.slot, 512, 8)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@gpu
+def test_custom_ops_pass_opcheck() -> None:
+    x = torch.randn(40, 16, device="cuda")
+    ids = torch.randint(0, 8, (40, 2), device="cuda")
+    tests = ("test_schema", "test_faketensor")
+    torch.library.opcheck(torch.ops.nmoe.permute.default, (x, ids, 8, 4), test_utils=tests)
+    p = fast.permute(x, ids, 8, 4)
+    torch.library.opcheck(torch.ops.nmoe.unpermute.default, (p.xp, p.slot, 40, 2), test_utils=tests)
+
+
+def _run_expecting_abort(code: str, message: str) -> None:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode != 0, out.stdout + out.stderr
+    assert message in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+@gpu
+def test_out_of_range_ids_abort_like_the_spec_raises() -> None:
+    with pytest.raises(ValueError, match="lie in"):
+        ref.permute(torch.zeros(1, 4), torch.tensor([[0, 9]]), 8, 1)
+    _run_expecting_abort("""
+        import torch
+        from nmoe.fast.dispatch import permute
+        ids = torch.tensor([[0, 1], [2, -1], [3, 4]], device="cuda")
+        permute(torch.zeros(3, 4, device="cuda"), ids, 8, 1)
+        torch.cuda.synchronize()
+    """, "expert id -1 of slot 3")
+
+
+@gpu
+def test_bad_slot_map_aborts_like_the_spec_raises() -> None:
+    slot = torch.tensor([0, 1, 1, -1])
+    with pytest.raises(ValueError, match="once"):
+        ref.unpermute(torch.zeros(4, 2), slot, 3, 1)
+    _run_expecting_abort("""
+        import torch
+        from nmoe.fast.dispatch import unpermute
+        unpermute(torch.zeros(4, 2, device="cuda"), torch.tensor([0, 1, 1, -1], device="cuda"), 3, 1)
+        torch.cuda.synchronize()
+    """, "arrived")
+
+
+@gpu
+def test_sep_dispatch_fast_missing_slot_unchecked() -> None:
+    """A slot that never arrives (no duplicate elsewhere) must abort, as the spec raises."""
+    slot = torch.tensor([0, -1, 2, -1])
+    with pytest.raises(ValueError, match="once"):
+        ref.unpermute(torch.zeros(4, 2), slot, 3, 1)
+    _run_expecting_abort("""
+        import torch
+        from nmoe.fast.dispatch import unpermute
+        unpermute(torch.zeros(4, 2, device="cuda"), torch.tensor([0, -1, 2, -1], device="cuda"), 3, 1)
+        torch.cuda.synchronize()
+    """, "slot 1 arrived 0 times")
