@@ -110,7 +110,7 @@ def round_to(x: Tensor, dtype: torch.dtype) -> Tensor:
         return torch.where(torch.isnan(xf), nan, xf)
     if dtype == torch.float64:
         return x.to(torch.float64)
-    raise ValueError(f"round_to: output dtype {dtype} is not in the spec; use bf16, fp32 (fp64 for gradcheck)")
+    raise ValueError(f"round_to: output dtype {dtype} is not in the spec; use bf16 or fp32 (fp64: gradcheck)")
 
 
 def e4m3_encode(x: Tensor) -> Tensor:
