@@ -84,6 +84,7 @@ def record(
         row["baseline"] = {"name": baseline[0], "ms": baseline[1]}
         row["speedup"] = baseline[1] / ms
     _RESULTS.append(row)
+    _write()
     return row
 
 
@@ -223,10 +224,15 @@ def _require_gpu() -> None:
         pytest.skip("benchmarks need a CUDA GPU: not run")
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+def _write() -> None:
+    """Rewritten after every row, so a run stopped early still leaves what it measured."""
     out = os.environ.get("NMOE_BENCH_OUT")
     if not out or not _RESULTS:
         return
     doc = {"provenance": provenance(), "ceilings": _CEILINGS, "results": _RESULTS}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _write()

@@ -1,16 +1,15 @@
-"""Grouped GEMM forward, nmoe (CuTeDSL sm_90a) vs torch._grouped_mm (bf16, cuBLAS) in the same process.
-
-Shapes (T, H, I, E, K): rows M = T*K routed uniformly or Zipf(1.2)-skewed; up projection N = 2I (K = H), down
-projection N = H (K = I). Floor: 2*M*N*K FLOPs at the measured dense bf16 ceiling, or the bytes moved.
-"""
+"""Grouped GEMM fwd, nmoe (CuTeDSL sm_90a) vs torch._grouped_mm (bf16), same process: (T, H, I, E, K) rows
+M = T*K routed uniform or Zipf(1.2); up N = 2I (K = H), down N = H (K = I). GPU time from CUDA-graph
+replays; the _eager_call rows add host launch cost."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
 import torch
-from conftest import cuda_median_ms, record
+from conftest import baseline, capture, eager_call_ms, record, replay_median_ms
 from torch import Tensor
 
 CONFIGS = ((32768, 4096, 1024, 128, 8), (24576, 1536, 256, 128, 8), (32768, 4096, 512, 256, 8))
@@ -32,8 +31,7 @@ def _operands(cfg: tuple[int, ...], proj: str, routing: str) -> tuple[Tensor, Te
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(m, kk, device="cuda", dtype=torch.bfloat16, generator=g)
     w = torch.randn(e, n, kk, device="cuda", dtype=torch.bfloat16, generator=g) * kk**-0.5
-    counts = torch.tensor(_counts(m, e, routing))
-    offs = counts.cumsum(0).to(torch.int32).cuda()
+    offs = torch.tensor(_counts(m, e, routing)).cumsum(0).to(torch.int32).cuda()
     return x, w, offs, m, n, kk
 
 
@@ -44,19 +42,28 @@ def test_bench_grouped_gemm_fwd(benchmark: Any, cfg: tuple[int, ...], proj: str,
     from nmoe.fast.gemm import grouped_gemm
 
     x, w, offs, m, n, k = _operands(cfg, proj, routing)
-    wt = w.transpose(-2, -1)
-    ours = cuda_median_ms(lambda: grouped_gemm(x, w, offs))
-    theirs = cuda_median_ms(lambda: torch._grouped_mm(x, wt, offs=offs))
+    ours = functools.partial(grouped_gemm, x, w, offs)
+    theirs = functools.partial(torch._grouped_mm, x, w.transpose(-2, -1), offs=offs)
+    graph = capture(ours)
+    ms = replay_median_ms(graph)
+    base = baseline("torch._grouped_mm", theirs)
     flops = 2.0 * m * n * k
     nbytes = 2.0 * (m * k + w.numel() + m * n)
     t, h, i, e, topk = cfg
-    row = record(f"grouped_gemm_fwd_{proj}_{routing}",
-                 {"T": t, "H": h, "I": i, "E": e, "K": topk, "M": m, "N": n, "Kred": k},
-                 ours, flops=flops, nbytes=nbytes, baseline=("torch._grouped_mm", theirs))
+    shape = {"T": t, "H": h, "I": i, "E": e, "K": topk, "M": m, "N": n, "Kred": k}
+    name = f"grouped_gemm_fwd_{proj}_{routing}"
+    pick = None if base["ms"] is None else (str(base["name"]), float(base["ms"]))
+    row = record(name, shape, ms, flops=flops, nbytes=nbytes, baseline=pick)
+    row["baselines"] = [base]
+    eager_ms, host_ms = eager_call_ms(ours)
+    torch_ms, torch_host_ms = eager_call_ms(theirs)
+    eager = record(f"{name}_eager_call", shape, eager_ms, flops=flops, nbytes=nbytes,
+                   baseline=("torch._grouped_mm", torch_ms))
+    eager.update(host_ms=host_ms, baseline_host_ms=torch_host_ms)
     benchmark.extra_info.update(row)
 
     def run() -> None:
-        grouped_gemm(x, w, offs)
+        graph.replay()
         torch.cuda.synchronize()
 
     benchmark.pedantic(run, rounds=5, iterations=1, warmup_rounds=1)

@@ -8,7 +8,8 @@ from mutations.model import Mutation
 
 FAMILIES: tuple[str, ...] = (
     "formats", "activation", "combine", "router", "dispatch", "rdep", "gemm", "norm", "rope", "attention",
-    "loss", "optim", "moe", "model", "fast_activation", "fast_combine", "fast_swiglu",
+    "loss", "optim", "moe", "model", "fast_activation", "fast_combine", "fast_swiglu", "fast_router",
+    "fast_dispatch", "fast_gemm",
 )
 
 TESTS_BY_FILE: dict[str, tuple[str, ...]] = {

@@ -5,4 +5,5 @@ FAST_MODULES: tuple[str, ...] = (
     "nmoe.fast.combine",
     "nmoe.fast.router",
     "nmoe.fast.dispatch",
+    "nmoe.fast.gemm",
 )

@@ -1,0 +1,32 @@
+"""dispatch.fast_*: defects in the CuTeDSL permute/unpermute kernels; GPU host only."""
+
+from __future__ import annotations
+
+from mutations.model import Mutation, sep_mutation
+
+FILE = "nmoe/fast/kernels/dispatch.py"
+TESTS = "tests/test_fast_dispatch.py"
+
+MUTATIONS: tuple[Mutation, ...] = (
+    sep_mutation(
+        "dispatch.fast_unstable_order", FILE,
+        "return Int32(base + cute.arch.popc(before))",
+        "return Int32(base + cute.arch.popc(peers) - 1 - cute.arch.popc(before))",
+        "rows of one expert land in reverse (t, k) order within a warp", TESTS, ("permute",), device="gpu",
+    ),
+    sep_mutation(
+        "dispatch.fast_pad_rows_garbage", FILE,
+        "            d.fill(Int32(0))", "            pass",
+        "pad rows are left with stale memory instead of zeros", TESTS, ("permute",), device="gpu",
+    ),
+    sep_mutation(
+        "dispatch.fast_offs_unpadded", FILE,
+        "padded = (count + align - 1) // align * align", "padded = count",
+        "segment ends not padded to align", TESTS, ("permute",), device="gpu",
+    ),
+    sep_mutation(
+        "dispatch.fast_missing_slot_unchecked", FILE,
+        "        if n != 1:", "        if n > 1:",
+        "unpermute accepts a slot map in which a slot is missing", TESTS, ("unpermute",), device="gpu",
+    ),
+)

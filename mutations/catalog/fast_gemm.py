@@ -1,0 +1,46 @@
+"""gemm.fast_*: defects in the sm_90a CuTeDSL grouped GEMM kernels; GPU host only."""
+
+from __future__ import annotations
+
+from mutations.model import Mutation, sep_mutation
+
+FILE = "nmoe/fast/kernels/sm90/grouped_gemm.py"
+WGRAD = "nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py"
+TESTS = "tests/test_fast_gemm.py"
+
+MUTATIONS: tuple[Mutation, ...] = (
+    sep_mutation(
+        "gemm.fast_accumulate_bf16", FILE,
+        "                    warpgroup.wait_group(1)\n",
+        "                    warpgroup.wait_group(0)\n"
+        "                    acc.store(acc.load().to(BFloat16).to(Float32))\n",
+        "accumulator rounded to bf16 after every K tile", TESTS, ("grouped_gemm",), device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_skip_last_k_tile", FILE,
+        "    k_tiles = (k + BK - 1) // BK\n", "    k_tiles = (k - 1) // BK\n",
+        "the last (possibly partial) K tile is never multiplied", TESTS, ("grouped_gemm",), device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_group_boundary_off_by_one", FILE,
+        "        end = dsl_min(dsl_max(s_offs[e], Int32(0)), m_rows)",
+        "        end = dsl_min(dsl_max(s_offs[e] - 1, Int32(0)), m_rows)",
+        "each group's last row is given to the next group's expert", TESTS, ("grouped_gemm",), device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_tail_not_zeroed", FILE,
+        "    end = m_rows\n    if e < n_groups:", "    end = Int32(0)\n    if e < n_groups:",
+        "rows past offs[-1] keep stale output instead of zeros", TESTS, ("grouped_gemm",), device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_ragged_n_dropped", FILE,
+        "cols_valid = n - n_tile * bn", "cols_valid = (n // bn - n_tile) * bn",
+        "columns of a ragged last N tile are never stored", TESTS, ("grouped_gemm",), device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_wgrad_mask_dropped", WGRAD,
+        "                if valid < BK:\n", "                if valid < 0:\n",
+        "wgrad sums the next group's rows into a group's last K box", TESTS, ("grouped_gemm_wgrad",),
+        device="gpu",
+    ),
+)

@@ -1,0 +1,34 @@
+"""router.fast_*: defects in the CuTeDSL router top-k kernel (nmoe/fast/kernels/router.py); GPU host only."""
+
+from __future__ import annotations
+
+from mutations.model import Mutation, sep_mutation
+
+FILE = "nmoe/fast/kernels/router.py"
+TESTS = "tests/test_fast_router.py"
+
+MUTATIONS: tuple[Mutation, ...] = (
+    sep_mutation(
+        "router.fast_tie_breaks_high", FILE,
+        "(_ties(av, bv) & (ai < bi))", "(_ties(av, bv) & (ai > bi))",
+        "equal biased scores pick the higher expert id", TESTS, ("router_topk",), device="gpu",
+    ),
+    sep_mutation(
+        "router.fast_group_top1_only", FILE,
+        "group_score.append(_add(t1, t2))", "group_score.append(t1)",
+        "group score is the top-1 instead of the sum of the top-2 biased scores", TESTS, ("router_topk",),
+        device="gpu",
+    ),
+    sep_mutation(
+        "router.fast_weights_biased", FILE,
+        "bsc = _sel_f(take, scores[j], bsc)", "bsc = _sel_f(take, biased[j], bsc)",
+        "weights taken from biased scores instead of the unbiased ones", TESTS, ("router_topk",),
+        device="gpu",
+    ),
+    Mutation(
+        "router.fast_exp_fused", FILE,
+        "q = _add(_mul(q, r), Float32(c))", "q = Float32(q * r + Float32(c))",
+        "pinned exp's Horner step contracted into FMA (product not rounded): score bits drift from the spec",
+        tests=(f"{TESTS}::test_topk_bitwise_vs_pinned_oracle",), device="gpu", contracts=("router_topk",),
+    ),
+)

@@ -1,0 +1,502 @@
+"""Fast grouped GEMM fwd/dgrad/wgrad (bf16 in, fp32 accumulate): sm_90a CuTeDSL kernels as torch custom ops.
+The kernels read `offs` on the device, so routing changes neither sync the host nor recompile.
+GPU smoke test: `python -m nmoe.fast.gemm --selftest`."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import importlib.util
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from nmoe.fast import runtime
+from nmoe.fast.runtime import ArchError, KernelSpec
+
+_KERNEL_MODULE = "nmoe.fast.kernels.sm90.grouped_gemm"
+_WGRAD_MODULE = "nmoe.fast.kernels.sm90.grouped_gemm_wgrad"
+BM = 128
+BN_CHOICES = (128, 256)
+MAX_GROUPS = 1024
+_ALIGN = 8
+CHECK_OFFS_ENV = "NMOE_CHECK_OFFS"
+
+
+@functools.cache
+def _source_sha256(module: str = _KERNEL_MODULE) -> str:
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise RuntimeError(f"{module} is missing from the installed nmoe package; reinstall nmoe")
+    return runtime.file_sha256(spec.origin)
+
+
+def _require_sm90(arch: str, op: str) -> None:
+    if arch != "sm_90a":
+        raise ArchError(
+            f"{op}: this CuTeDSL grouped GEMM is not implemented for {arch} yet (it is a wgmma/TMA sm_90a "
+            "kernel); run on an H100/H200, use nmoe.fast.gemm_sm100 on a B200, or call torch._grouped_mm "
+            "explicitly where cuBLAS is acceptable"
+        )
+
+
+def _kernels(arch: str, module: str = _KERNEL_MODULE) -> ModuleType:
+    _require_sm90(arch, "grouped_gemm")
+    runtime.import_cutlass(arch)
+    return importlib.import_module(module)
+
+
+def pick_bn(n: int) -> int:
+    """Wide N tiles halve the A re-reads; they need N to fill them."""
+    return 256 if n % 256 == 0 and n >= 2048 else 128
+
+
+def tile_upper_bound(m: int, n: int, n_groups: int, bn: int) -> int:
+    """Most tiles any routing of m rows into n_groups groups (plus the zero tail) can make."""
+    return (-(-m // BM) + n_groups + 1) * -(-n // bn)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def _check_offs_on_host(op: str, offs: Tensor, m: int) -> None:
+    """Opt-in (NMOE_CHECK_OFFS=1) validation; it syncs the host, so the hot path leaves it off."""
+    if os.environ.get(CHECK_OFFS_ENV, "") not in ("1", "true") or torch.cuda.is_current_stream_capturing():
+        return
+    ends = offs.tolist()
+    starts = [0, *ends[:-1]]
+    if any(e < s for s, e in zip(starts, ends, strict=True)) or (ends and ends[-1] > m):
+        raise ValueError(f"{op}: offs {ends} must be non-decreasing, >= 0 and <= {m} rows; fix the counts")
+
+
+def _check(op: str, a: Tensor, w: Tensor, offs: Tensor, a_name: str, red_dim: int) -> None:
+    for name, t in ((a_name, a), ("w", w)):
+        if t.dtype != torch.bfloat16:
+            raise ValueError(f"{op}: {name} is {t.dtype}; the fast kernel takes bfloat16 (cast with "
+                             ".to(torch.bfloat16), or use nmoe.reference.gemm for other dtypes)")
+    if a.dim() != 2 or w.dim() != 3 or a.shape[1] != w.shape[red_dim]:
+        raise ValueError(f"{op}: need {a_name} [M, R] and w [E, N, K] with R = w.shape[{red_dim}], got "
+                         f"{tuple(a.shape)} and {tuple(w.shape)}")
+    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.numel() != w.shape[0]:
+        raise ValueError(f"{op}: offs must be int32 [{w.shape[0]}] cumulative group ends, got {offs.dtype} "
+                         f"{tuple(offs.shape)}; build it with torch.cumsum(counts, 0).to(torch.int32)")
+    if w.shape[0] > MAX_GROUPS:
+        raise ValueError(f"{op}: {w.shape[0]} groups exceed the kernel's table of {MAX_GROUPS}; split the "
+                         "experts into several calls")
+    if w.shape[1] % _ALIGN or w.shape[2] % _ALIGN:
+        raise ValueError(f"{op}: w's N={w.shape[1]} and K={w.shape[2]} must be multiples of {_ALIGN} (TMA "
+                         "needs 16-byte row strides); pad the expert weights")
+    if a.shape[0] >= 2**31:
+        raise ValueError(f"{op}: {a.shape[0]} rows exceed the kernel's int32 row coordinates; split M")
+
+
+def _aligned(op: str, name: str, t: Tensor) -> Tensor:
+    t = t.contiguous()
+    if t.data_ptr() % 16:
+        raise ValueError(f"{op}: {name} starts at a non-16-byte-aligned address (a sliced view); pass "
+                         f"{name}.clone() so TMA can read it")
+    return t
+
+
+def _launch(op: str, a: Tensor, w: Tensor, offs: Tensor, out: Tensor, w_k_major: bool,
+            bn: int | None = None) -> None:
+    """out[M, n] = per-group a[M, k] @ B_e^T with B_e = w[e] (K-major) or w[e]^T (dgrad)."""
+    arch = runtime.require_arch(a, w, offs, out)
+    _require_sm90(arch, op)
+    m, k = a.shape
+    n = out.shape[1]
+    if m == 0 or n == 0:
+        return
+    if k == 0 or w.shape[0] == 0:
+        out.zero_()
+        return
+    _check_offs_on_host(op, offs, m)
+    bn = pick_bn(n) if bn is None else bn
+    if bn not in BN_CHOICES:
+        raise ValueError(f"{op}: tile width {bn} unsupported; choose one of {BN_CHOICES}")
+    kmod = _kernels(arch)
+    name = "grouped_gemm_fwd" if w_k_major else "grouped_gemm_dgrad"
+    key = runtime.cache_key(name, _source_sha256(), arch, {"n": n, "k": k, "bn": bn})
+
+    def build() -> Any:
+        import cutlass.cute as cute
+
+        host, args = kmod.compile_args(n, k, bn, w_k_major)
+        return cute.compile(host, *args)
+
+    device = out.device
+    ex = runtime.kernel_cache().executor(key, build)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    n_ctas = min(_sm_count(index), tile_upper_bound(m, n, w.shape[0], bn))
+    from cutlass import BFloat16, Int32
+
+    ptrs = [kmod.pointer(BFloat16, t.data_ptr()) for t in (a, w, out)]
+    ptrs.append(kmod.pointer(Int32, offs.data_ptr(), 4))
+    with torch.cuda.device(device):
+        ex(*ptrs, m, w.shape[0], n_ctas, runtime.current_stream(device))
+
+
+def _launch_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, bn: int | None = None) -> None:
+    """dw[e] = dy[rows of e]^T @ x[rows of e]; groups without rows get zeros."""
+    arch = runtime.require_arch(dy, x, offs, dw)
+    _require_sm90(arch, "grouped_gemm_wgrad")
+    m = dy.shape[0]
+    n_groups, n, k = dw.shape
+    if dw.numel() == 0:
+        return
+    if m == 0:
+        dw.zero_()
+        return
+    _check_offs_on_host("grouped_gemm_wgrad", offs, m)
+    bn = pick_bn(k) if bn is None else bn
+    if bn not in BN_CHOICES:
+        raise ValueError(f"grouped_gemm_wgrad: tile width {bn} unsupported; choose one of {BN_CHOICES}")
+    kmod = _kernels(arch, _WGRAD_MODULE)
+    key = runtime.cache_key("grouped_gemm_wgrad", _source_sha256(_WGRAD_MODULE), arch,
+                            {"n": n, "k": k, "bn": bn})
+
+    def build() -> Any:
+        import cutlass.cute as cute
+
+        host, args = kmod.compile_args(n, k, bn)
+        return cute.compile(host, *args)
+
+    device = dw.device
+    ex = runtime.kernel_cache().executor(key, build)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    n_ctas = min(_sm_count(index), n_groups * -(-n // BM) * -(-k // bn))
+    from cutlass import BFloat16, Int32
+
+    ptrs = [kmod.pointer(BFloat16, t.data_ptr()) for t in (dy, x, dw)]
+    ptrs.append(kmod.pointer(Int32, offs.data_ptr(), 4))
+    with torch.cuda.device(device):
+        ex(*ptrs, m, n_groups, n_ctas, runtime.current_stream(device))
+
+
+def _check_wgrad(dy: Tensor, x: Tensor, offs: Tensor) -> None:
+    op = "grouped_gemm_wgrad"
+    for name, t in (("dy", dy), ("x", x)):
+        if t.dtype != torch.bfloat16:
+            raise ValueError(f"{op}: {name} is {t.dtype}; the fast kernel takes bfloat16 (cast with "
+                             ".to(torch.bfloat16), or use nmoe.reference.gemm for other dtypes)")
+    if dy.dim() != 2 or x.dim() != 2 or dy.shape[0] != x.shape[0]:
+        raise ValueError(f"{op}: need dy [M, N] and x [M, K], got {tuple(dy.shape)} and {tuple(x.shape)}")
+    if offs.dtype != torch.int32 or offs.dim() != 1:
+        raise ValueError(f"{op}: offs must be int32 [E] cumulative group ends, got {offs.dtype} "
+                         f"{tuple(offs.shape)}; build it with torch.cumsum(counts, 0).to(torch.int32)")
+    if offs.numel() > MAX_GROUPS:
+        raise ValueError(f"{op}: {offs.numel()} groups exceed the kernel's table of {MAX_GROUPS}; split the "
+                         "experts into several calls")
+    if dy.shape[1] % _ALIGN or x.shape[1] % _ALIGN:
+        raise ValueError(f"{op}: N={dy.shape[1]} and K={x.shape[1]} must be multiples of {_ALIGN} (TMA needs "
+                         "16-byte row strides); pad the expert weights")
+    if dy.shape[0] >= 2**31:
+        raise ValueError(f"{op}: {dy.shape[0]} rows exceed the kernel's int32 row coordinates; split M")
+
+
+def _fwd_impl(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    _check("grouped_gemm", x, w, offs, "x", 2)
+    y = torch.empty(x.shape[0], w.shape[1], dtype=torch.bfloat16, device=x.device)
+    _launch("grouped_gemm", _aligned("grouped_gemm", "x", x), _aligned("grouped_gemm", "w", w),
+            offs.contiguous(), y, True)
+    return y
+
+
+def _fwd_fake(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+def _dgrad_impl(dy: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    _check("grouped_gemm_dgrad", dy, w, offs, "dy", 1)
+    dx = torch.empty(dy.shape[0], w.shape[2], dtype=torch.bfloat16, device=dy.device)
+    _launch("grouped_gemm_dgrad", _aligned("grouped_gemm_dgrad", "dy", dy),
+            _aligned("grouped_gemm_dgrad", "w", w), offs.contiguous(), dx, False)
+    return dx
+
+
+def _dgrad_fake(dy: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    return dy.new_empty(dy.shape[0], w.shape[2])
+
+
+def _wgrad_impl(dy: Tensor, x: Tensor, offs: Tensor) -> Tensor:
+    _check_wgrad(dy, x, offs)
+    dw = torch.empty(offs.numel(), dy.shape[1], x.shape[1], dtype=torch.bfloat16, device=dy.device)
+    _launch_wgrad(_aligned("grouped_gemm_wgrad", "dy", dy), _aligned("grouped_gemm_wgrad", "x", x),
+                  offs.contiguous(), dw)
+    return dw
+
+
+def _wgrad_fake(dy: Tensor, x: Tensor, offs: Tensor) -> Tensor:
+    return dy.new_empty(offs.shape[0], dy.shape[1], x.shape[1])
+
+
+_fwd_op = runtime.register_custom_op("nmoe::grouped_gemm", _fwd_impl, _fwd_fake)
+_dgrad_op = runtime.register_custom_op("nmoe::grouped_gemm_dgrad", _dgrad_impl, _dgrad_fake)
+_wgrad_op = runtime.register_custom_op("nmoe::grouped_gemm_wgrad", _wgrad_impl, _wgrad_fake)
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    x, w, offs = inputs
+    ctx.save_for_backward(x, w, offs)
+
+
+def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+    x, w, offs = ctx.saved_tensors
+    dx = _dgrad_op(grad, w, offs) if ctx.needs_input_grad[0] else None
+    dw = _wgrad_op(grad, x, offs) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def grouped_gemm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    """y[rows of e] = x[rows of e] @ w[e]^T in fp32, rounded once to bf16; rows past offs[-1] are zero."""
+    out: Tensor = _fwd_op(x, w, offs)
+    return out
+
+
+def grouped_gemm_dgrad(dy: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    """dx[rows of e] = dy[rows of e] @ w[e] in fp32, rounded once to bf16; rows past offs[-1] are zero."""
+    out: Tensor = _dgrad_op(dy, w, offs)
+    return out
+
+
+def grouped_gemm_wgrad(dy: Tensor, x: Tensor, offs: Tensor) -> Tensor:
+    """dw[e] = dy[rows of e]^T @ x[rows of e] in fp32, rounded once to bf16; empty groups give zeros."""
+    out: Tensor = _wgrad_op(dy, x, offs)
+    return out
+
+
+def _ptx(n: int, k: int, bn: int, w_k_major: bool | None, arch: str) -> str:
+    """PTX of the fwd (w_k_major True), dgrad (False) or wgrad (None) kernel class."""
+    if w_k_major is None:
+        kmod = _kernels(arch, _WGRAD_MODULE)
+        host, args = kmod.compile_args(n, k, bn)
+    else:
+        kmod = _kernels(arch)
+        host, args = kmod.compile_args(n, k, bn, w_k_major)
+    return runtime.compile_ptx(host, args)
+
+
+# Hopper tensor-core MMA fed by the TMA engine; 128-bit epilogue stores; setmaxnreg for the producer/consumer
+# split; local memory would mean spilled accumulators.
+_EXPECT_SM90 = (r"\.target sm_90a\b", r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16",
+                r"cp\.async\.bulk\.tensor", r"\bst\.global\.v4\.b32\b", r"\bsetmaxnreg\.inc",
+                r"\bstmatrix\.sync")
+_FORBID_SM90 = (r"\b(ld|st)\.local\b", r"\bmma\.sync\b")
+
+
+# wgrad zeroes the rows of its last box that belong to the next group with ordinary stores, which the
+# tensor cores may read only after an async-proxy fence.
+_EXPECT_WGRAD = (*_EXPECT_SM90, r"\bfence\.proxy\.async\.shared::cta\b")
+
+
+def _spec(name: str, n: int, k: int, bn: int, w_k_major: bool | None) -> KernelSpec:
+    expect = _EXPECT_WGRAD if w_k_major is None else _EXPECT_SM90
+    return KernelSpec(
+        op="grouped_gemm",
+        name=name,
+        compile=functools.partial(_ptx, n, k, bn, w_k_major),
+        expect={"sm_90a": expect},
+        forbid={"sm_90a": _FORBID_SM90},
+    )
+
+
+# Representative classes: the up projection (N = 2I, K = H), the down projection, their dgrad and wgrad.
+KERNELS: tuple[KernelSpec, ...] = (
+    _spec("grouped_gemm_fwd_n128", 2048, 4096, 128, True),
+    _spec("grouped_gemm_fwd_n256", 4096, 1024, 256, True),
+    _spec("grouped_gemm_dgrad_n128", 1024, 4096, 128, False),
+    _spec("grouped_gemm_wgrad_n256", 2048, 4096, 256, None),
+)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU smoke test: python -m nmoe.fast.gemm --selftest
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _ref64(a: Tensor, w: Tensor, offs: Tensor, w_k_major: bool) -> tuple[Tensor, Tensor]:
+    """Per-group float64 matmul on the GPU and the |a||w| magnitudes for the error bound."""
+    n = w.shape[1] if w_k_major else w.shape[2]
+    ref = torch.zeros(a.shape[0], n, dtype=torch.float64, device=a.device)
+    mag = torch.zeros_like(ref)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        b = w[e].double().t() if w_k_major else w[e].double()
+        ref[start:end] = a[start:end].double() @ b
+        mag[start:end] = a[start:end].double().abs() @ b.abs()
+        start = end
+    return ref, mag
+
+
+def bf16_ulp(v: Tensor) -> Tensor:
+    """Spacing of bf16 at |v| (8 significant bits; subnormal spacing 2^-133 below 2^-126)."""
+    e = torch.floor(torch.log2(v.abs().double().clamp_min(2.0**-126)))
+    return torch.exp2(e - 7)
+
+
+def bound_ratio(out: Tensor, ref: Tensor, mag: Tensor, k: int) -> float:
+    """max |out - ref| / (1 ulp(bf16 ref) + 2 K 2^-24 |a||b|): the bound(1, 2) contract; <= 1 passes."""
+    if not out.numel():
+        return 0.0
+    err = (out.double() - ref.double()).abs()
+    if bool(err.isnan().any()):
+        return float("inf")
+    allowed = bf16_ulp(ref) + 2 * k * 2.0**-24 * mag.double()
+    return float((err / allowed).max())
+
+
+def _counts(m: int, e: int, kind: str, gen: torch.Generator) -> list[int]:
+    if kind == "uniform":
+        base = [m // e] * e
+        for i in range(m - sum(base)):
+            base[i] += 1
+        return base
+    if kind == "zipf":
+        p = [1.0 / (i + 1) ** 1.2 for i in range(e)]
+        s = sum(p)
+        c = [int(m * q / s) for q in p]
+        c[0] += m - sum(c)
+        return c
+    pattern = [0, 1, 2, 0, BM + 1, 1, BM, 0]
+    c = [pattern[i % len(pattern)] for i in range(e - 1)]
+    return [*c, max(0, m - sum(c))]
+
+
+def _offs(counts: Sequence[int], device: torch.device) -> Tensor:
+    return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+
+
+def _selftest_case(m: int, n: int, k: int, e: int, kind: str, w_k_major: bool, bn: int | None) -> float:
+    gen = torch.Generator().manual_seed(m * 7 + n + k + e)
+    dev = torch.device("cuda")
+    counts = _counts(m - 3, e, kind, gen)
+    offs = _offs(counts, dev)
+    a = torch.randn(m, k if w_k_major else n, generator=gen).to(torch.bfloat16).to(dev)
+    w = torch.randn(e, n, k, generator=gen).to(torch.bfloat16).to(dev)
+    out = torch.full((m, n if w_k_major else k), float("nan"), dtype=torch.bfloat16, device=dev)
+    _launch("selftest", a, w, offs, out, w_k_major, bn)
+    torch.cuda.synchronize()
+    ref, mag = _ref64(a, w, offs, w_k_major)
+    return bound_ratio(out, ref, mag, a.shape[1])
+
+
+def _time_ms(fn: Callable[[], object], reps: int = 10) -> float:
+    for _ in range(3):
+        fn()
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) / reps
+
+
+def _selftest_wgrad(m: int, n: int, k: int, e: int, kind: str) -> float:
+    gen = torch.Generator().manual_seed(m + n + k + e)
+    dev = torch.device("cuda")
+    offs = _offs(_counts(m - 3, e, kind, gen), dev)
+    dy = torch.randn(m, n, generator=gen).to(torch.bfloat16).to(dev)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(dev)
+    dw = torch.full((e, n, k), float("nan"), dtype=torch.bfloat16, device=dev)
+    _launch_wgrad(dy, x, offs, dw)
+    torch.cuda.synchronize()
+    worst, start = 0.0, 0
+    for g, end in enumerate(offs.tolist()):
+        a, b = dy[start:end].double(), x[start:end].double()
+        worst = max(worst, bound_ratio(dw[g], a.t() @ b, a.abs().t() @ b.abs(), max(end - start, 1)))
+        start = end
+    return worst
+
+
+def _report(what: str, shape: tuple[int, int, int, int], kind: str, bn: int | None, r: float,
+            t0: float) -> None:
+    m, n, k, e = shape
+    print(f"{what} M={m:5d} N={n:5d} K={k:5d} E={e:3d} {kind:7s} bn={bn}  bound ratio {r:.3f} "
+          f"{'ok' if r <= 1 else 'FAIL'}  ({time.perf_counter() - t0:.1f}s)", flush=True)
+
+
+def _bench_line(label: str, flops: float, ours: Callable[[], object], theirs: Callable[[], object]) -> None:
+    ms = _time_ms(ours)
+    line = f"bench {label}: nmoe {flops / ms / 1e9:6.1f} TFLOP/s ({ms:.3f} ms)"
+    try:
+        ms_t = _time_ms(theirs)
+        line += f"  torch._grouped_mm {flops / ms_t / 1e9:6.1f} TFLOP/s ({ms_t:.3f} ms)"
+    except (RuntimeError, AttributeError, TypeError) as err:
+        line += f"  torch._grouped_mm n/a ({type(err).__name__})"
+    print(line, flush=True)
+
+
+def selftest() -> int:
+    print(f"device {torch.cuda.get_device_name()}  cutlass-dsl {runtime.dsl_version()}", flush=True)
+    worst = 0.0
+    cases = [
+        (1000, 256, 128, 4, "uniform", True, None), (1000, 256, 200, 4, "zipf", True, None),
+        (777, 136, 72, 6, "sparse", True, None), (4096, 512, 1024, 16, "zipf", True, 128),
+        (4096, 512, 1024, 16, "zipf", True, 256), (3000, 4096, 256, 32, "uniform", True, None),
+        (1500, 512, 1024, 8, "zipf", False, None), (1500, 200, 256, 8, "sparse", False, 256),
+    ]
+    for m, n, k, e, kind, km, bn in cases:
+        t0 = time.perf_counter()
+        r = _selftest_case(m, n, k, e, kind, km, bn)
+        worst = max(worst, r)
+        _report("fwd  " if km else "dgrad", (m, n, k, e), kind, bn, r, t0)
+    for m, n, k, e, kind in ((3000, 256, 512, 8, "zipf"), (1200, 136, 200, 8, "sparse")):
+        t0 = time.perf_counter()
+        r = _selftest_wgrad(m, n, k, e, kind)
+        worst = max(worst, r)
+        _report("wgrad", (m, n, k, e), kind, None, r, t0)
+    for t, h, i, e, topk in ((32768, 4096, 1024, 128, 8), (24576, 1536, 256, 128, 8)):
+        m = t * topk
+        offs = _offs(_counts(m, e, "uniform", torch.Generator()), torch.device("cuda"))
+        for proj, n, k in (("up", 2 * i, h), ("down", h, i)):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16)
+            label = f"fwd {proj:4s} T={t} H={h} I={i} E={e}"
+            _bench_line(label, 2.0 * m * n * k, functools.partial(grouped_gemm, x, w, offs),
+                        functools.partial(torch._grouped_mm, x, w.transpose(-2, -1), offs=offs))
+            if proj == "up":
+                dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+                _bench_line(f"dgrad {proj:4s} T={t} H={h} I={i} E={e}", 2.0 * m * n * k,
+                            functools.partial(grouped_gemm_dgrad, dy, w, offs),
+                            functools.partial(torch._grouped_mm, dy, w, offs=offs))
+                _bench_line(f"wgrad {proj:4s} T={t} H={h} I={i} E={e}", 2.0 * m * n * k,
+                            functools.partial(grouped_gemm_wgrad, dy, x, offs),
+                            functools.partial(torch._grouped_mm, dy.t(), x, offs=offs))
+                del dy
+            del x, w
+    compiles = [ev.seconds for ev in runtime.kernel_cache().events if ev.how == "compile"]
+    print(f"compiled {len(compiles)} kernel classes: {sum(compiles):.1f}s in all, "
+          f"{max(compiles, default=0.0):.1f}s the slowest")
+    print(f"selftest {'PASSED' if worst <= 1 else 'FAILED'}: worst bound ratio {worst:.3f}")
+    return 0 if worst <= 1 else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m nmoe.fast.gemm", description=__doc__)
+    p.add_argument("--selftest", action="store_true", help="compile, check against fp32 and time (GPU)")
+    args = p.parse_args(argv)
+    if not args.selftest:
+        p.print_help()
+        return 2
+    if not torch.cuda.is_available():
+        print("selftest needs a CUDA GPU (sm_90a)", file=sys.stderr)
+        return 2
+    return selftest()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,286 @@
+"""sm_90a grouped GEMM over expert row segments (fwd, and dgrad via an N-major B): TMA, wgmma, persistent
+warp-specialised CTAs that derive their tile list from the device `offs`, so routing never syncs the host.
+Import only after nmoe.fast.runtime.import_cutlass("sm_90a")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cuda.bindings.driver as cuda
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
+from cutlass.base_dsl.typing import Constexpr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.runtime import make_ptr
+from cutlass.cute.typing import Pointer
+from cutlass.cutlass_dsl.cutlass import max as dsl_max
+from cutlass.cutlass_dsl.cutlass import min as dsl_min
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+BM = 128
+BK = 64
+K_BLOCKS = BK // 16
+WG_THREADS = 128
+CONSUMER_WGS = 2
+CONSUMER_THREADS = CONSUMER_WGS * WG_THREADS
+THREADS = WG_THREADS + CONSUMER_THREADS
+PRODUCER_REGS = 40
+CONSUMER_REGS = 232
+EPI_BARRIER_ID = 1
+MAX_GROUPS = 1024
+SMEM_BYTES = 232448
+VEC = 8
+
+
+def stages_for(bn: int) -> int:
+    """Operand pipeline depth that fits next to the epilogue tile, the offs table and the mbarriers."""
+    stage_bytes = (BM + bn) * BK * 2
+    fixed = BM * bn * 2 + MAX_GROUPS * 4 + 2048
+    return min(8, (SMEM_BYTES - fixed) // stage_bytes)
+
+
+@cute.jit
+def _group_end(s_offs: cute.Tensor, e: Int32, n_groups: Int32, m_rows: Int32) -> Int32:
+    """Row end of work group e: offs[e] for experts, m_rows for the zero-filled tail group e == n_groups."""
+    end = m_rows
+    if e < n_groups:
+        end = dsl_min(dsl_max(s_offs[e], Int32(0)), m_rows)
+    return end
+
+
+@cute.jit
+def _seek(s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, t: Int32, e: Int32, g_start: Int32,
+          g_end: Int32, before: Int32, here: Int32, n_tiles_n: Constexpr[int]
+          ) -> tuple[Int32, Int32, Int32, Int32, Int32]:
+    """Advance the group cursor until tile t lies in group e (e > n_groups: no work left). Tiles run group by
+    group (experts, then the rows past offs[-1] as group E, zero-filled), n fastest; a CTA's t only grows,
+    so the cursor only moves forward."""
+    while t >= before + here and e <= n_groups:
+        before = before + here
+        e = e + 1
+        g_start = g_end
+        g_end = g_start
+        if e <= n_groups:
+            g_end = dsl_max(_group_end(s_offs, e, n_groups, m_rows), g_start)
+        here = (g_end - g_start + (BM - 1)) // BM * n_tiles_n
+    return e, g_start, g_end, before, here
+
+
+@cute.jit
+def _issue_mmas(tiled_mma: cute.TiledMma, acc: cute.Tensor, t_ra: cute.Tensor, t_rb: cute.Tensor,
+                stage: Int32) -> None:
+    warpgroup.fence()
+    for kb in range_constexpr(K_BLOCKS):
+        cute.gemm(tiled_mma, acc, t_ra[(None, None, kb, stage)], t_rb[(None, None, kb, stage)], acc)
+    warpgroup.commit_group()
+
+
+@cute.kernel
+def grouped_gemm_kernel(
+    tma_atom_a: cute.CopyAtom, m_a: cute.Tensor, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
+    m_d: cute.Tensor, m_offs: cute.Tensor, m_rows: Int32, n_groups: Int32,
+    tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
+    d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
+    stages: Constexpr[int],
+) -> None:
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    n_ctas, _, _ = cute.arch.grid_dim()
+    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    if warp_idx == 0:
+        cpasync.prefetch_descriptor(tma_atom_a)
+        cpasync.prefetch_descriptor(tma_atom_b)
+
+    smem = SmemAllocator()
+    barriers = smem.allocate_array(Int64, stages * 2, byte_alignment=8)
+    s_offs = smem.allocate_tensor(Int32, cute.make_layout(MAX_GROUPS), 16)
+    s_a = smem.allocate_tensor(BFloat16, a_layout.outer, 1024, a_layout.inner)
+    s_b = smem.allocate_tensor(BFloat16, b_layout.outer, 1024, b_layout.inner)
+    s_d = smem.allocate_tensor(BFloat16, d_layout.outer, 1024, d_layout.inner)
+
+    for i in range(tidx, n_groups, THREADS):
+        s_offs[i] = m_offs[i]
+
+    tx_bytes = cute.size_in_bytes(BFloat16, cute.slice_(a_layout, (None, None, 0))) + cute.size_in_bytes(
+        BFloat16, cute.slice_(b_layout, (None, None, 0)))
+    # The pipeline's init ends in a CTA-wide barrier, which also publishes s_offs.
+    mainloop = pipeline.PipelineTmaAsync.create(
+        barrier_storage=barriers,
+        num_stages=stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_WGS * 4),
+        tx_count=tx_bytes,
+        cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+    )
+
+    n_tiles_n = (n + bn - 1) // bn
+    k_tiles = (k + BK - 1) // BK
+    s_a_flat = cute.group_modes(s_a, 0, 2)
+    s_b_flat = cute.group_modes(s_b, 0, 2)
+
+    # Cursor state: group e spans rows [g_start, g_end) and linear tiles [before, before + here).
+    e = Int32(-1)
+    g_start = Int32(0)
+    g_end = Int32(0)
+    before = Int32(0)
+    here = Int32(0)
+    t = Int32(bidx)
+
+    if warp_idx < 4:
+        cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+        if warp_idx == 0:
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+            e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before,
+                                                    here, n_tiles_n)
+            while e <= n_groups:
+                if e < n_groups:
+                    local = t - before
+                    m_tile = local // n_tiles_n
+                    n_tile = local - m_tile * n_tiles_n
+                    row0 = g_start + m_tile * BM
+                    g_a = cute.local_tile(cute.domain_offset((row0, 0), m_a), (BM, BK), (0, None))
+                    g_b = cute.local_tile(m_b[(None, None, e)], (bn, BK), (n_tile, None))
+                    t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1), s_a_flat,
+                                                       cute.group_modes(g_a, 0, 2))
+                    t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1), s_b_flat,
+                                                       cute.group_modes(g_b, 0, 2))
+                    for kt in range(k_tiles):
+                        mainloop.producer_acquire(state)
+                        bar = mainloop.producer_get_barrier(state)
+                        cute.copy(tma_atom_a, t_ga[(None, kt)], t_sa[(None, state.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_atom_b, t_gb[(None, kt)], t_sb[(None, state.index)], tma_bar_ptr=bar)
+                        mainloop.producer_commit(state)
+                        state.advance()
+                t = t + n_ctas
+                e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,
+                                                        before, here, n_tiles_n)
+            mainloop.producer_tail(state)
+    else:
+        cute.arch.setmaxregister_increase(CONSUMER_REGS)
+        ctid = tidx - WG_THREADS
+        wg = warp_idx // 4 - 1
+        thr_mma = tiled_mma.get_slice(wg * WG_THREADS)
+        t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
+        t_rb = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
+        acc_shape = thr_mma.partition_shape_C((BM, bn))
+        acc = cute.make_rmem_tensor(acc_shape, Float32)
+
+        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16)
+        r2s = cute.make_tiled_copy_S(stmatrix, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
+        thr_r2s = r2s.get_slice(ctid)
+        t_rs_d = thr_r2s.partition_D(s_d)
+        t_rs_acc = r2s.retile(acc)
+        # The retiled accumulator and the smem partition enumerate the same elements in the same flat order.
+        d_shape = thr_r2s.partition_S(s_d).shape
+        r_f = cute.make_rmem_tensor(d_shape, Float32)
+        r_d = cute.make_rmem_tensor(d_shape, BFloat16)
+
+        chunks_n = bn // VEC
+        s2g_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+        s2g = cute.make_tiled_copy_tv(
+            s2g_atom,
+            cute.make_layout((CONSUMER_THREADS // chunks_n, chunks_n), stride=(chunks_n, 1)),
+            cute.make_layout((1, VEC)),
+        )
+        thr_s2g = s2g.get_slice(ctid)
+        t_s_sd = thr_s2g.partition_S(s_d)
+        t_s_cd = thr_s2g.partition_D(cute.make_identity_tensor((BM, bn)))
+        epi_bar = pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID, num_threads=CONSUMER_THREADS)
+
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before,
+                                                here, n_tiles_n)
+        while e <= n_groups:
+            local = t - before
+            m_tile = local // n_tiles_n
+            n_tile = local - m_tile * n_tiles_n
+            row0 = g_start + m_tile * BM
+            acc.fill(0.0)
+            if e < n_groups and const_expr(k_tiles > 0):
+                mainloop.consumer_wait(read)
+                _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
+                read.advance()
+                for _kt in range(1, k_tiles):
+                    mainloop.consumer_wait(read)
+                    _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
+                    warpgroup.wait_group(1)
+                    mainloop.consumer_release(release)
+                    release.advance()
+                    read.advance()
+                warpgroup.wait_group(0)
+                mainloop.consumer_release(release)
+                release.advance()
+
+            # Epilogue: registers -> bf16 tile in smem -> 16-byte stores of the rows that belong to group e.
+            epi_bar.arrive_and_wait()
+            for v in range_constexpr(cute.size(r_f)):
+                r_f[v] = t_rs_acc[v]
+            r_d.store(r_f.load().to(BFloat16))
+            cute.copy(r2s, r_d, t_rs_d)
+            epi_bar.arrive_and_wait()
+            rows_valid = g_end - row0
+            cols_valid = n - n_tile * bn
+            g_d = cute.local_tile(cute.domain_offset((row0, 0), m_d), (BM, bn), (0, n_tile))
+            t_s_gd = thr_s2g.partition_D(g_d)
+            for i in range_constexpr(cute.size(t_s_sd, mode=[1])):
+                for j in range_constexpr(cute.size(t_s_sd, mode=[2])):
+                    coord = t_s_cd[(0, i, j)]
+                    if coord[0] < rows_valid and coord[1] < cols_valid:
+                        cute.copy(s2g_atom, t_s_sd[(None, i, j)], t_s_gd[(None, i, j)])
+
+            t = t + n_ctas
+            e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,
+                                                    before, here, n_tiles_n)
+
+
+@cute.jit
+def grouped_gemm_host(
+    px: Pointer, pw: Pointer, py: Pointer, poffs: Pointer, m_rows: Int32, n_groups: Int32, n_ctas: Int32,
+    stream: cuda.CUstream, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
+    w_k_major: Constexpr[bool],
+) -> None:
+    """y[M, n] = per-group x[M, k] @ B_e^T, B_e [n, k] read from w (K-major w [E, n, k], else w [E, k, n])."""
+    stages = stages_for(bn)
+    m_x = cute.make_tensor(px, cute.make_layout((m_rows, k), stride=(k, 1)))
+    if const_expr(w_k_major):
+        m_w = cute.make_tensor(pw, cute.make_layout((n, k, n_groups), stride=(k, 1, n * k)))
+    else:
+        m_w = cute.make_tensor(pw, cute.make_layout((n, k, n_groups), stride=(1, n, n * k)))
+    m_y = cute.make_tensor(py, cute.make_layout((m_rows, n), stride=(n, 1)))
+    m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
+
+    a_enum = LayoutEnum.ROW_MAJOR
+    b_enum = LayoutEnum.ROW_MAJOR if const_expr(w_k_major) else LayoutEnum.COL_MAJOR
+    tile = (BM, bn, BK)
+    tiled_mma = sm90_utils.make_trivial_tiled_mma(
+        BFloat16, BFloat16, a_enum.sm90_mma_major_mode(), b_enum.sm90_mma_major_mode(), Float32,
+        (CONSUMER_WGS, 1, 1), tiler_mn=(64, bn),
+    )
+    a_layout = sm90_utils.make_smem_layout_a(a_enum, tile, BFloat16, stages)
+    b_layout = sm90_utils.make_smem_layout_b(b_enum, tile, BFloat16, stages)
+    d_layout = cute.slice_(sm90_utils.make_smem_layout_epi(BFloat16, LayoutEnum.ROW_MAJOR, (BM, bn), 1),
+                           (None, None, 0))
+    tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensorTileG2SOp(), m_x, cute.slice_(a_layout, (None, None, 0)), (BM, BK))
+    tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensorTileG2SOp(), m_w, cute.slice_(b_layout, (None, None, 0)), (bn, BK))
+    grouped_gemm_kernel(
+        tma_atom_a, tma_a, tma_atom_b, tma_b, m_y, m_offs, m_rows, n_groups, tiled_mma, a_layout, b_layout,
+        d_layout, n, k, bn, stages,
+    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
+
+
+def pointer(dtype: Any, address: int, align: int = 16) -> Any:
+    """TMA needs 16-byte aligned operand bases; the offs table is read as scalars."""
+    return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def compile_args(n: int, k: int, bn: int, w_k_major: bool) -> tuple[Any, tuple[Any, ...]]:
+    ptrs = (pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(Int32, 0, 4))
+    return grouped_gemm_host, (*ptrs, Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k, bn, w_k_major)

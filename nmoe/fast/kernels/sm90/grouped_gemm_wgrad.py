@@ -1,0 +1,259 @@
+"""sm_90a grouped wgrad dw[e] = dy[rows of e]^T @ x[rows of e]: 64-row TMA boxes start at the group's first
+row; consumers zero the last box's rows that belong to the next group before the MMA reads them.
+Import only after nmoe.fast.runtime.import_cutlass("sm_90a")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cuda.bindings.driver as cuda
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass.base_dsl.ast_helpers import range_constexpr
+from cutlass.base_dsl.typing import Constexpr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.runtime import make_ptr
+from cutlass.cute.typing import Pointer
+from cutlass.cutlass_dsl.cutlass import max as dsl_max
+from cutlass.cutlass_dsl.cutlass import min as dsl_min
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+BM = 128
+BK = 64
+K_BLOCKS = BK // 16
+WG_THREADS = 128
+CONSUMER_WGS = 2
+CONSUMER_THREADS = CONSUMER_WGS * WG_THREADS
+THREADS = WG_THREADS + CONSUMER_THREADS
+PRODUCER_REGS = 40
+CONSUMER_REGS = 232
+EPI_BARRIER_ID = 1
+MASK_BARRIER_ID = 2
+MAX_GROUPS = 1024
+SMEM_BYTES = 232448
+VEC = 8
+
+
+def stages_for(bn: int) -> int:
+    stage_bytes = (BM + bn) * BK * 2
+    fixed = BM * bn * 2 + MAX_GROUPS * 4 + 2048
+    return min(8, (SMEM_BYTES - fixed) // stage_bytes)
+
+
+@cute.jit
+def _group_rows(s_offs: cute.Tensor, e: Int32, m_rows: Int32) -> tuple[Int32, Int32]:
+    """[start, end) of group e, clamped into [0, m_rows] and ordered so bad offs cannot reach memory."""
+    start = Int32(0)
+    if e > 0:
+        start = dsl_min(dsl_max(s_offs[e - 1], Int32(0)), m_rows)
+    end = dsl_max(dsl_min(dsl_max(s_offs[e], Int32(0)), m_rows), start)
+    return start, end
+
+
+@cute.jit
+def _zero_rows(s: cute.Tensor, stage: Int32, valid: Int32, rows: Constexpr[int], ctid: Int32) -> None:
+    """Zero s[i, r, stage] for r >= valid: consecutive threads take consecutive (contiguous) i."""
+    for idx in range(ctid, rows * (BK - valid), CONSUMER_THREADS):
+        r = valid + idx // rows
+        s[(idx - (idx // rows) * rows, r, stage)] = BFloat16(0.0)
+
+
+@cute.jit
+def _issue_mmas(tiled_mma: cute.TiledMma, acc: cute.Tensor, t_ra: cute.Tensor, t_rb: cute.Tensor,
+                stage: Int32) -> None:
+    warpgroup.fence()
+    for kb in range_constexpr(K_BLOCKS):
+        cute.gemm(tiled_mma, acc, t_ra[(None, None, kb, stage)], t_rb[(None, None, kb, stage)], acc)
+    warpgroup.commit_group()
+
+
+@cute.kernel
+def grouped_wgrad_kernel(
+    tma_atom_a: cute.CopyAtom, m_a: cute.Tensor, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
+    m_d: cute.Tensor, m_offs: cute.Tensor, m_rows: Int32, n_groups: Int32,
+    tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
+    d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
+    stages: Constexpr[int],
+) -> None:
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    n_ctas, _, _ = cute.arch.grid_dim()
+    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    if warp_idx == 0:
+        cpasync.prefetch_descriptor(tma_atom_a)
+        cpasync.prefetch_descriptor(tma_atom_b)
+
+    smem = SmemAllocator()
+    barriers = smem.allocate_array(Int64, stages * 2, byte_alignment=8)
+    s_offs = smem.allocate_tensor(Int32, cute.make_layout(MAX_GROUPS), 16)
+    s_a = smem.allocate_tensor(BFloat16, a_layout.outer, 1024, a_layout.inner)
+    s_b = smem.allocate_tensor(BFloat16, b_layout.outer, 1024, b_layout.inner)
+    s_d = smem.allocate_tensor(BFloat16, d_layout.outer, 1024, d_layout.inner)
+
+    for i in range(tidx, n_groups, THREADS):
+        s_offs[i] = m_offs[i]
+
+    tx_bytes = cute.size_in_bytes(BFloat16, cute.slice_(a_layout, (None, None, 0))) + cute.size_in_bytes(
+        BFloat16, cute.slice_(b_layout, (None, None, 0)))
+    # The pipeline's init ends in a CTA-wide barrier, which also publishes s_offs.
+    mainloop = pipeline.PipelineTmaAsync.create(
+        barrier_storage=barriers,
+        num_stages=stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_WGS * 4),
+        tx_count=tx_bytes,
+        cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+    )
+
+    tiles_m = (n + BM - 1) // BM
+    tiles_n = (k + bn - 1) // bn
+    tiles_per_group = tiles_m * tiles_n
+    s_a_flat = cute.group_modes(s_a, 0, 2)
+    s_b_flat = cute.group_modes(s_b, 0, 2)
+    total = n_groups * tiles_per_group
+
+    if warp_idx < 4:
+        cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+        if warp_idx == 0:
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+            for t in range(bidx, total, n_ctas):
+                e = t // tiles_per_group
+                local = t - e * tiles_per_group
+                m_tile = local // tiles_n
+                n_tile = local - m_tile * tiles_n
+                start, end = _group_rows(s_offs, e, m_rows)
+                g_a = cute.local_tile(cute.domain_offset((0, start), m_a), (BM, BK), (m_tile, None))
+                g_b = cute.local_tile(cute.domain_offset((0, start), m_b), (bn, BK), (n_tile, None))
+                t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1), s_a_flat,
+                                                   cute.group_modes(g_a, 0, 2))
+                t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1), s_b_flat,
+                                                   cute.group_modes(g_b, 0, 2))
+                for kt in range((end - start + BK - 1) // BK):
+                    mainloop.producer_acquire(state)
+                    bar = mainloop.producer_get_barrier(state)
+                    cute.copy(tma_atom_a, t_ga[(None, kt)], t_sa[(None, state.index)], tma_bar_ptr=bar)
+                    cute.copy(tma_atom_b, t_gb[(None, kt)], t_sb[(None, state.index)], tma_bar_ptr=bar)
+                    mainloop.producer_commit(state)
+                    state.advance()
+            mainloop.producer_tail(state)
+    else:
+        cute.arch.setmaxregister_increase(CONSUMER_REGS)
+        ctid = tidx - WG_THREADS
+        wg = warp_idx // 4 - 1
+        thr_mma = tiled_mma.get_slice(wg * WG_THREADS)
+        t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
+        t_rb = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, bn)), Float32)
+
+        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16)
+        r2s = cute.make_tiled_copy_S(stmatrix, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
+        thr_r2s = r2s.get_slice(ctid)
+        t_rs_d = thr_r2s.partition_D(s_d)
+        t_rs_acc = r2s.retile(acc)
+        d_shape = thr_r2s.partition_S(s_d).shape
+        r_f = cute.make_rmem_tensor(d_shape, Float32)
+        r_d = cute.make_rmem_tensor(d_shape, BFloat16)
+
+        chunks_n = bn // VEC
+        s2g_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+        s2g = cute.make_tiled_copy_tv(
+            s2g_atom,
+            cute.make_layout((CONSUMER_THREADS // chunks_n, chunks_n), stride=(chunks_n, 1)),
+            cute.make_layout((1, VEC)),
+        )
+        thr_s2g = s2g.get_slice(ctid)
+        t_s_sd = thr_s2g.partition_S(s_d)
+        t_s_cd = thr_s2g.partition_D(cute.make_identity_tensor((BM, bn)))
+        epi_bar = pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID, num_threads=CONSUMER_THREADS)
+        mask_bar = pipeline.NamedBarrier(barrier_id=MASK_BARRIER_ID, num_threads=CONSUMER_THREADS)
+
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        for t in range(bidx, total, n_ctas):
+            e = t // tiles_per_group
+            local = t - e * tiles_per_group
+            m_tile = local // tiles_n
+            n_tile = local - m_tile * tiles_n
+            start, end = _group_rows(s_offs, e, m_rows)
+            k_tiles = (end - start + BK - 1) // BK
+            acc.fill(0.0)
+            for kt in range(k_tiles):
+                mainloop.consumer_wait(read)
+                valid = end - start - kt * BK
+                if valid < BK:
+                    # The box ran past the group's last row: those rows belong to the next expert.
+                    _zero_rows(s_a, read.index, valid, BM, ctid)
+                    _zero_rows(s_b, read.index, valid, bn, ctid)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    mask_bar.arrive_and_wait()
+                _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
+                if kt > 0:
+                    warpgroup.wait_group(1)
+                    mainloop.consumer_release(release)
+                    release.advance()
+                read.advance()
+            if k_tiles > 0:
+                warpgroup.wait_group(0)
+                mainloop.consumer_release(release)
+                release.advance()
+
+            epi_bar.arrive_and_wait()
+            for v in range_constexpr(cute.size(r_f)):
+                r_f[v] = t_rs_acc[v]
+            r_d.store(r_f.load().to(BFloat16))
+            cute.copy(r2s, r_d, t_rs_d)
+            epi_bar.arrive_and_wait()
+            rows_valid = n - m_tile * BM
+            cols_valid = k - n_tile * bn
+            g_d = cute.local_tile(m_d[(None, None, e)], (BM, bn), (m_tile, n_tile))
+            t_s_gd = thr_s2g.partition_D(g_d)
+            for i in range_constexpr(cute.size(t_s_sd, mode=[1])):
+                for j in range_constexpr(cute.size(t_s_sd, mode=[2])):
+                    coord = t_s_cd[(0, i, j)]
+                    if coord[0] < rows_valid and coord[1] < cols_valid:
+                        cute.copy(s2g_atom, t_s_sd[(None, i, j)], t_s_gd[(None, i, j)])
+
+
+@cute.jit
+def grouped_wgrad_host(
+    pdy: Pointer, px: Pointer, pdw: Pointer, poffs: Pointer, m_rows: Int32, n_groups: Int32, n_ctas: Int32,
+    stream: cuda.CUstream, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
+) -> None:
+    """dw[E, n, k]: per group dy[rows, n]^T @ x[rows, k]; both operands enter as MN-major views."""
+    stages = stages_for(bn)
+    m_dyt = cute.make_tensor(pdy, cute.make_layout((n, m_rows), stride=(1, n)))
+    m_xt = cute.make_tensor(px, cute.make_layout((k, m_rows), stride=(1, k)))
+    m_dw = cute.make_tensor(pdw, cute.make_layout((n, k, n_groups), stride=(k, 1, n * k)))
+    m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
+
+    mn_major = LayoutEnum.COL_MAJOR
+    tile = (BM, bn, BK)
+    tiled_mma = sm90_utils.make_trivial_tiled_mma(
+        BFloat16, BFloat16, mn_major.sm90_mma_major_mode(), mn_major.sm90_mma_major_mode(), Float32,
+        (CONSUMER_WGS, 1, 1), tiler_mn=(64, bn),
+    )
+    a_layout = sm90_utils.make_smem_layout_a(mn_major, tile, BFloat16, stages)
+    b_layout = sm90_utils.make_smem_layout_b(mn_major, tile, BFloat16, stages)
+    d_layout = cute.slice_(sm90_utils.make_smem_layout_epi(BFloat16, LayoutEnum.ROW_MAJOR, (BM, bn), 1),
+                           (None, None, 0))
+    tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensorTileG2SOp(), m_dyt, cute.slice_(a_layout, (None, None, 0)), (BM, BK))
+    tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensorTileG2SOp(), m_xt, cute.slice_(b_layout, (None, None, 0)), (bn, BK))
+    grouped_wgrad_kernel(
+        tma_atom_a, tma_a, tma_atom_b, tma_b, m_dw, m_offs, m_rows, n_groups, tiled_mma, a_layout, b_layout,
+        d_layout, n, k, bn, stages,
+    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
+
+
+def pointer(dtype: Any, address: int, align: int = 16) -> Any:
+    return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def compile_args(n: int, k: int, bn: int) -> tuple[Any, tuple[Any, ...]]:
+    ptrs = (pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(Int32, 0, 4))
+    return grouped_wgrad_host, (*ptrs, Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k, bn)

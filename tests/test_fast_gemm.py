@@ -1,0 +1,582 @@
+"""nmoe.fast.gemm (sm_90a grouped GEMM): PTX compile checks on CPU; on GPU the bound(1, 2) contract against a
+float64 oracle written here: |fast - ref64| <= 1 ulp(bf16 at ref64) + 2 K 2^-24 (|A| |B|), elementwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from nmoe.fast import gemm, runtime
+from nmoe.fast.gemm import KERNELS, grouped_gemm, grouped_gemm_dgrad, grouped_gemm_wgrad
+from nmoe.fast.runtime import ArchError
+
+ROOT = Path(__file__).resolve().parents[1]
+U_ACC = 2.0**-24
+BK = 64
+gpu = pytest.mark.gpu
+
+# ---------------------------------------------------------------------------------------------------------
+# Oracle: per-group float64 products (exact for bf16 inputs up to the K-term sum) and the contract bound.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def ends_to_ranges(ends: Sequence[int]) -> list[tuple[int, int]]:
+    starts = [0, *ends[:-1]]
+    return list(zip(starts, ends, strict=True))
+
+
+def oracle(a: Tensor, b_of: Any, ends: Sequence[int], n: int) -> tuple[Tensor, Tensor]:
+    """ref[rows of e] = a[rows] @ b_of(e) in float64 and mag = |a| @ |b|; rows past the last end stay 0."""
+    ref = torch.zeros(a.shape[0], n, dtype=torch.float64, device=a.device)
+    mag = torch.zeros_like(ref)
+    for e, (s, t) in enumerate(ends_to_ranges(ends)):
+        if t > s:
+            b = b_of(e).double()
+            ref[s:t] = a[s:t].double() @ b
+            mag[s:t] = a[s:t].double().abs() @ b.abs()
+    return ref, mag
+
+
+def ulp_bf16(v: Tensor) -> Tensor:
+    """bf16 spacing at |v|: 2^(floor(log2|v|) - 7), and the subnormal spacing 2^-133 below 2^-126."""
+    return torch.exp2(torch.floor(torch.log2(v.abs().clamp_min(2.0**-126))) - 7)
+
+
+def excess(out: Tensor, ref: Tensor, mag: Tensor, k: int) -> Tensor:
+    """Elementwise |out - ref| / allowed; <= 1 everywhere is the contract. NaN counts as a violation."""
+    err = (out.double() - ref).abs()
+    allowed = ulp_bf16(ref) + 2 * k * U_ACC * mag
+    return torch.nan_to_num(err / allowed, nan=float("inf"))
+
+
+def assert_bound(out: Tensor, ref: Tensor, mag: Tensor, k: int) -> None:
+    ratio = excess(out, ref, mag, k)
+    worst = float(ratio.max()) if ratio.numel() else 0.0
+    if worst > 1:
+        idx = int(ratio.argmax())
+        r, c = divmod(idx, ratio.shape[1])
+        pytest.fail(f"bound(1,2) violated: ratio {worst:.3g} at row {r} col {c}: out {float(out[r, c])} "
+                    f"ref {float(ref[r, c])}")
+
+
+def violates(candidate: Tensor, ref: Tensor, mag: Tensor, k: int) -> bool:
+    return bool((excess(candidate, ref, mag, k) > 1).any())
+
+
+def zipf_counts(m: int, e: int, s: float = 1.2) -> list[int]:
+    p = [1.0 / (i + 1) ** s for i in range(e)]
+    c = [int(m * q / sum(p)) for q in p]
+    c[0] += m - sum(c)
+    return c
+
+
+def uniform_counts(m: int, e: int) -> list[int]:
+    return [m // e + (1 if i < m % e else 0) for i in range(e)]
+
+
+def cumsum(counts: Sequence[int]) -> list[int]:
+    out, acc = [], 0
+    for c in counts:
+        acc += c
+        out.append(acc)
+    return out
+
+
+def make(m: int, n: int, k: int, e: int, seed: int, scale: float = 1.0) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) * scale).to(torch.bfloat16).cuda()
+    w = (torch.randn(e, n, k, generator=g) * scale).to(torch.bfloat16).cuda()
+    return x, w
+
+
+def offs_of(ends: Sequence[int]) -> Tensor:
+    return torch.tensor(list(ends), dtype=torch.int32, device="cuda")
+
+
+def check_fwd(m: int, n: int, k: int, counts: Sequence[int], seed: int = 0, bn: int | None = None) -> None:
+    x, w = make(m, n, k, len(counts), seed)
+    ends = cumsum(counts)
+    if bn is None:
+        y = grouped_gemm(x, w, offs_of(ends))
+    else:
+        y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        gemm._launch("test", x, w, offs_of(ends), y, True, bn)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    ref, mag = oracle(x, lambda e: w[e].t(), ends, n)
+    assert_bound(y, ref, mag, k)
+
+
+def wgrad_oracle(dy: Tensor, x: Tensor, ends: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """ref[e] = dy[rows of e]^T @ x[rows of e] in float64 (zeros for empty groups) and |dy|^T @ |x|."""
+    ref = torch.zeros(len(ends), dy.shape[1], x.shape[1], dtype=torch.float64, device=dy.device)
+    mag = torch.zeros_like(ref)
+    for e, (s, t) in enumerate(ends_to_ranges(ends)):
+        ref[e] = dy[s:t].double().t() @ x[s:t].double()
+        mag[e] = dy[s:t].double().abs().t() @ x[s:t].double().abs()
+    return ref, mag
+
+
+def assert_wgrad_bound(dw: Tensor, ref: Tensor, mag: Tensor, ends: Sequence[int]) -> None:
+    for e, (s, t) in enumerate(ends_to_ranges(ends)):
+        assert_bound(dw[e], ref[e], mag[e], max(t - s, 1))
+
+
+def check_wgrad(m: int, n: int, k: int, counts: Sequence[int], seed: int = 0, bn: int | None = None) -> None:
+    g = torch.Generator().manual_seed(seed)
+    dy = torch.randn(m, n, generator=g).to(torch.bfloat16).cuda()
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).cuda()
+    ends = cumsum(counts)
+    if bn is None:
+        dw = grouped_gemm_wgrad(dy, x, offs_of(ends))
+    else:
+        dw = torch.full((len(counts), n, k), float("nan"), dtype=torch.bfloat16, device="cuda")
+        gemm._launch_wgrad(dy, x, offs_of(ends), dw, bn)
+    assert dw.shape == (len(counts), n, k) and dw.dtype == torch.bfloat16
+    ref, mag = wgrad_oracle(dy, x, ends)
+    assert_wgrad_bound(dw, ref, mag, ends)
+
+
+def check_dgrad(m: int, n: int, k: int, counts: Sequence[int], seed: int = 0, bn: int | None = None) -> None:
+    _, w = make(0, n, k, len(counts), seed)
+    dy = torch.randn(m, n, generator=torch.Generator().manual_seed(seed + 1)).to(torch.bfloat16).cuda()
+    ends = cumsum(counts)
+    if bn is None:
+        dx = grouped_gemm_dgrad(dy, w, offs_of(ends))
+    else:
+        dx = torch.full((m, k), float("nan"), dtype=torch.bfloat16, device="cuda")
+        gemm._launch("test", dy, w, offs_of(ends), dx, False, bn)
+    assert dx.shape == (m, k)
+    ref, mag = oracle(dy, lambda e: w[e], ends, k)
+    assert_bound(dx, ref, mag, n)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CPU: declarations, compile checks, refusals, fake shapes, the oracle and the schedule bound.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_kernels_declare_sm90_only() -> None:
+    assert {s.op for s in KERNELS} == {"grouped_gemm"}
+    assert len({s.name for s in KERNELS}) == len(KERNELS) >= 3
+    for spec in KERNELS:
+        assert set(spec.expect) == set(spec.forbid) == {"sm_90a"}
+        assert any("wgmma" in rx for rx in spec.expect["sm_90a"])
+        assert any("cp\\.async\\.bulk\\.tensor" in rx for rx in spec.expect["sm_90a"])
+        for rx in (*spec.expect["sm_90a"], *spec.forbid["sm_90a"]):
+            re.compile(rx)
+
+
+_COMPILE = """
+import json, sys
+from nmoe.fast import compilecheck, gemm
+print(json.dumps([compilecheck.check(s, sys.argv[1]) for s in gemm.KERNELS]))
+"""
+
+
+@pytest.fixture(scope="module")
+def compile_rows() -> dict[str, list[dict[str, Any]]]:
+    """Each arch in its own fresh process (the DSL fixes its arch at import), both at once."""
+    procs = {}
+    for arch in runtime.SUPPORTED_ARCHS:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "CUTE_DSL_ARCH": arch}
+        procs[arch] = subprocess.Popen([sys.executable, "-c", _COMPILE, arch], cwd=ROOT, env=env, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for arch, proc in procs.items():
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        rows[arch] = json.loads(out.strip().splitlines()[-1])
+    return rows
+
+
+def test_sm90a_kernels_compile_without_gpu(compile_rows: dict[str, list[dict[str, Any]]]) -> None:
+    rows = compile_rows["sm_90a"]
+    assert [r["kernel"] for r in rows] == [s.name for s in KERNELS]
+    for row in rows:
+        assert row["status"] == "ok", row
+        assert all(row["instructions"].values()) and not any(row["forbidden"].values()), row
+
+
+def test_sm100a_compile_refuses_naming_the_remedy(compile_rows: dict[str, list[dict[str, Any]]]) -> None:
+    for row in compile_rows["sm_100a"]:
+        assert row["status"] == "fail"
+        assert "not implemented for sm_100a yet" in row["error"] and "sm_90a" in row["error"]
+
+
+def test_sm100a_dispatch_raises() -> None:
+    with pytest.raises(ArchError, match=r"not implemented for sm_100a yet.*H100/H200"):
+        gemm._require_sm90("sm_100a", "grouped_gemm")
+
+
+def test_cpu_tensors_are_refused_naming_reference() -> None:
+    x = torch.zeros(4, 8, dtype=torch.bfloat16)
+    w = torch.zeros(2, 8, 8, dtype=torch.bfloat16)
+    offs = torch.tensor([2, 4], dtype=torch.int32)
+    with pytest.raises(ArchError, match=r"nmoe\.reference"):
+        grouped_gemm(x, w, offs)
+    with pytest.raises(ArchError, match=r"nmoe\.reference"):
+        grouped_gemm_dgrad(x, w, offs)
+    with pytest.raises(ArchError, match=r"nmoe\.reference"):
+        grouped_gemm_wgrad(x, x, offs)
+
+
+@pytest.mark.parametrize(("x", "w", "offs", "match"), [
+    ((4, 8), (2, 8, 8), torch.int64, "int32"),
+    ((4, 16), (2, 8, 8), torch.int32, r"R = w.shape"),
+    ((4, 12), (2, 8, 12), torch.int32, "multiples of 8"),
+])
+def test_bad_inputs_raise_with_fix(x: tuple[int, ...], w: tuple[int, ...], offs: torch.dtype,
+                                   match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        gemm._check("grouped_gemm", torch.zeros(x, dtype=torch.bfloat16),
+                    torch.zeros(w, dtype=torch.bfloat16), torch.zeros(w[0], dtype=offs), "x", 2)
+    with pytest.raises(ValueError, match="bfloat16"):
+        gemm._check("grouped_gemm", torch.zeros(4, 8), torch.zeros(2, 8, 8, dtype=torch.bfloat16),
+                    torch.zeros(2, dtype=torch.int32), "x", 2)
+
+
+def test_wgrad_bad_inputs_raise_with_fix() -> None:
+    bf = torch.bfloat16
+    with pytest.raises(ValueError, match=r"dy \[M, N\] and x \[M, K\]"):
+        gemm._check_wgrad(torch.zeros(4, 8, dtype=bf), torch.zeros(5, 8, dtype=bf),
+                          torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="multiples of 8"):
+        gemm._check_wgrad(torch.zeros(4, 12, dtype=bf), torch.zeros(4, 8, dtype=bf),
+                          torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="int32"):
+        gemm._check_wgrad(torch.zeros(4, 8, dtype=bf), torch.zeros(4, 8, dtype=bf), torch.zeros(2))
+    with pytest.raises(ValueError, match="split the experts"):
+        gemm._check_wgrad(torch.zeros(4, 8, dtype=bf), torch.zeros(4, 8, dtype=bf),
+                          torch.zeros(gemm.MAX_GROUPS + 1, dtype=torch.int32))
+
+
+def test_custom_ops_have_fake_shapes() -> None:
+    x = torch.empty(5, 24, device="meta", dtype=torch.bfloat16)
+    w = torch.empty(3, 40, 24, device="meta", dtype=torch.bfloat16)
+    offs = torch.empty(3, device="meta", dtype=torch.int32)
+    y = torch.ops.nmoe.grouped_gemm(x, w, offs)
+    assert (y.shape, y.dtype) == ((5, 40), torch.bfloat16)
+    dy = torch.empty(5, 40, device="meta", dtype=torch.bfloat16)
+    dx = torch.ops.nmoe.grouped_gemm_dgrad(dy, w, offs)
+    assert dx.shape == (5, 24)
+    dw = torch.ops.nmoe.grouped_gemm_wgrad(dy, x, offs)
+    assert (dw.shape, dw.dtype) == ((3, 40, 24), torch.bfloat16)
+
+
+def test_kernel_source_hash_covers_the_kernel_file() -> None:
+    import hashlib
+
+    kernels = ROOT / "nmoe" / "fast" / "kernels" / "sm90"
+    assert gemm._source_sha256() == hashlib.sha256((kernels / "grouped_gemm.py").read_bytes()).hexdigest()
+    wgrad = hashlib.sha256((kernels / "grouped_gemm_wgrad.py").read_bytes()).hexdigest()
+    assert gemm._source_sha256(gemm._WGRAD_MODULE) == wgrad
+
+
+def count_tiles(ends: Sequence[int], m: int, n: int, bn: int) -> int:
+    """Independent count of the kernel's work list: each 128-row block of each group and of the tail."""
+    tiles, start = 0, 0
+    for end in [*ends, m]:
+        tiles += len(range(start, end, 128)) * len(range(0, n, bn))
+        start = end
+    return tiles
+
+
+@settings(max_examples=60, deadline=None)
+@given(counts=st.lists(st.integers(0, 700), min_size=1, max_size=40), tail=st.integers(0, 300),
+       n=st.sampled_from([8, 128, 200, 256, 4096]), bn=st.sampled_from([128, 256]))
+def test_grid_bound_covers_every_routing(counts: list[int], tail: int, n: int, bn: int) -> None:
+    ends = cumsum(counts)
+    m = ends[-1] + tail
+    assert gemm.tile_upper_bound(m, n, len(counts), bn) >= count_tiles(ends, m, n, bn)
+
+
+def test_oracle_ulp_and_bound_hand_values() -> None:
+    v = torch.tensor([1.0, 1.5, 2.0, 255.0, 256.0, 0.0, 2.0**-130, -3.0], dtype=torch.float64)
+    assert ulp_bf16(v).tolist() == [2.0**-7, 2.0**-7, 2.0**-6, 1.0, 2.0, 2.0**-133, 2.0**-133, 2.0**-6]
+    ref = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    mag = torch.tensor([[2.0**20, 0.0]], dtype=torch.float64)
+    # allowed = 2^-7 + 2*8*2^-24*2^20 = 2^-7 + 1 for the first element; exactly 2^-133 for the zero.
+    assert float(excess(torch.tensor([[2.0, 0.0]]), ref, mag, 8)[0, 0]) == pytest.approx(1 / (1 + 2.0**-7))
+    assert violates(torch.tensor([[1.0, 2.0**-132]]), ref, mag, 8)
+    assert not violates(torch.tensor([[1.0, 0.0]]), ref, mag, 8)
+
+
+def test_uniform_and_zipf_counts() -> None:
+    assert uniform_counts(10, 4) == [3, 3, 2, 2]
+    z = zipf_counts(1000, 8)
+    assert sum(z) == 1000 and z == sorted(z, reverse=True) and z[0] > 3 * z[-1]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU: the forward and dgrad against the float64 oracle.
+# ---------------------------------------------------------------------------------------------------------
+
+
+@gpu
+def test_fwd_uniform() -> None:
+    check_fwd(2048, 512, 1024, uniform_counts(2048, 8))
+
+
+@gpu
+def test_fwd_zipf_skewed() -> None:
+    check_fwd(4000, 512, 1024, zipf_counts(4000, 32), seed=1)
+
+
+@gpu
+def test_fwd_empty_and_one_row_groups_and_ragged_m() -> None:
+    counts = [0, 1, 0, 0, 129, 1, 2, 127, 0, 1, 300, 0]
+    check_fwd(sum(counts) + 5, 512, 1024, counts, seed=2)
+
+
+@gpu
+@pytest.mark.parametrize("bn", [128, 256])
+def test_fwd_both_tile_widths_and_ragged_n_k(bn: int) -> None:
+    counts = [130, 0, 257, 3, 64]
+    check_fwd(sum(counts) + 2, 200, 72, counts, seed=3, bn=bn)
+    check_fwd(sum(counts), 512, 1024, counts, seed=4, bn=bn)
+
+
+@gpu
+def test_fwd_wide_tile_default_for_large_n() -> None:
+    assert gemm.pick_bn(4096) == 256
+    check_fwd(1000, 4096, 256, zipf_counts(1000, 8), seed=5)
+
+
+@gpu
+def test_fwd_rows_past_last_end_are_zero() -> None:
+    counts = [0, 5, 0]
+    x, w = make(300, 136, 72, 3, seed=6)
+    y = torch.full((300, 136), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gemm._launch("test", x, w, offs_of(cumsum(counts)), y, True)
+    assert bool((y[5:] == 0).all())
+    ref, mag = oracle(x, lambda e: w[e].t(), cumsum(counts), 136)
+    assert_bound(y, ref, mag, 72)
+
+
+@gpu
+@pytest.mark.parametrize("counts", [[0, 0, 0], [333], [0, 0, 333]])
+def test_fwd_degenerate_routings(counts: list[int]) -> None:
+    check_fwd(333, 256, 128, counts, seed=7)
+
+
+@gpu
+def test_fwd_many_groups() -> None:
+    counts = zipf_counts(6000, 256)
+    check_fwd(6000, 256, 256, counts, seed=8)
+
+
+@gpu
+@settings(max_examples=8, deadline=None)
+@given(counts=st.lists(st.integers(0, 300), min_size=1, max_size=12), tail=st.integers(0, 130),
+       nk=st.sampled_from([(136, 72), (256, 256)]), seed=st.integers(0, 2**31 - 1))
+def test_fwd_random_routings(counts: list[int], tail: int, nk: tuple[int, int], seed: int) -> None:
+    m = sum(counts) + tail
+    if m == 0:
+        return
+    check_fwd(m, nk[0], nk[1], counts, seed=seed)
+
+
+@gpu
+@pytest.mark.parametrize("counts", [[500, 0, 1, 700], zipf_counts(3000, 16)])
+def test_dgrad(counts: list[int]) -> None:
+    check_dgrad(sum(counts) + 3, 512, 1024, counts, seed=9)
+
+
+@gpu
+@pytest.mark.parametrize("bn", [128, 256])
+def test_dgrad_ragged_and_both_widths(bn: int) -> None:
+    check_dgrad(700, 136, 200, [0, 300, 1, 390], seed=10, bn=bn)
+
+
+@gpu
+@pytest.mark.parametrize("counts", [[500, 0, 1, 63, 64, 65, 700], zipf_counts(3000, 16), [0, 0, 0]])
+def test_wgrad(counts: list[int]) -> None:
+    check_wgrad(sum(counts) + 7, 256, 512, counts, seed=19)
+
+
+@gpu
+@pytest.mark.parametrize("bn", [128, 256])
+def test_wgrad_ragged_and_both_widths(bn: int) -> None:
+    check_wgrad(900, 136, 200, [0, 300, 1, 129, 0, 400], seed=20, bn=bn)
+
+
+@gpu
+def test_wgrad_long_group() -> None:
+    check_wgrad(20000, 128, 256, [17000, 3000], seed=21)
+
+
+@gpu
+def test_autograd_uses_dgrad_and_wgrad() -> None:
+    counts = [100, 0, 156]
+    ends = cumsum(counts)
+    x, w = make(260, 256, 128, 3, seed=11)
+    xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    dy = torch.randn(260, 256, device="cuda").to(torch.bfloat16)
+    torch.autograd.backward(grouped_gemm(xr, wr, offs_of(ends)), dy)
+    assert xr.grad is not None and wr.grad is not None
+    ref, mag = oracle(dy, lambda e: w[e], ends, 128)
+    assert_bound(xr.grad, ref, mag, 256)
+    wref, wmag = wgrad_oracle(dy, x, ends)
+    assert_wgrad_bound(wr.grad, wref, wmag, ends)
+
+
+@gpu
+def test_routing_change_needs_no_sync_and_no_recompile() -> None:
+    x, w = make(1024, 256, 256, 8, seed=12)
+    first = offs_of(cumsum(uniform_counts(1024, 8)))
+    grouped_gemm(x, w, first)
+    compiles = [ev for ev in runtime.kernel_cache().events if ev.how == "compile"]
+    ends = cumsum(zipf_counts(1000, 8))
+    second = offs_of(ends)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = grouped_gemm(x, w, second)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [ev for ev in runtime.kernel_cache().events if ev.how == "compile"] == compiles
+    ref, mag = oracle(x, lambda e: w[e].t(), ends, 256)
+    assert_bound(y, ref, mag, 256)
+
+
+@gpu
+def test_cuda_graph_replay_follows_new_offs() -> None:
+    x, w = make(1024, 256, 256, 8, seed=13)
+    offs = offs_of(cumsum(uniform_counts(1024, 8)))
+    grouped_gemm(x, w, offs)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = grouped_gemm(x, w, offs)
+    ends = cumsum([0, 500, 3, 0, 0, 200, 1, 250])
+    offs.copy_(offs_of(ends))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, mag = oracle(x, lambda e: w[e].t(), ends, 256)
+    assert_bound(y, ref, mag, 256)
+
+
+@gpu
+def test_under_torch_compile() -> None:
+    x, w = make(512, 256, 128, 4, seed=14)
+    ends = cumsum([100, 200, 0, 150])
+    y = torch.compile(lambda a, b, o: grouped_gemm(a, b, o), fullgraph=True)(x, w, offs_of(ends))
+    ref, mag = oracle(x, lambda e: w[e].t(), ends, 256)
+    assert_bound(y, ref, mag, 128)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Separating inputs for the GPU mutations of the kernel (anchors in nmoe/fast/kernels/sm90/grouped_gemm.py):
+# each test first shows the correct and the mutated formula differ beyond the bound, then checks the kernel.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _swamping_inputs(m: int, n: int, k: int, e: int) -> tuple[Tensor, Tensor]:
+    """Each row sums 1024 + (k - 1)/64: after the first K tile every tile adds ~1, below half a bf16 ulp."""
+    x = torch.ones(m, k, dtype=torch.bfloat16, device="cuda")
+    w = torch.full((e, n, k), 2.0**-6, dtype=torch.bfloat16, device="cuda")
+    w[:, :, 0] = 1024.0
+    return x, w
+
+
+@gpu
+def test_sep_gemm_fast_accumulate_bf16() -> None:
+    m, n, k, counts = 300, 256, 4096, [100, 200]
+    x, w = _swamping_inputs(m, n, k, 2)
+    ends = cumsum(counts)
+    ref, mag = oracle(x, lambda e: w[e].t(), ends, n)
+    tiles = [oracle(x[:, t:t + BK], lambda e, t=t: w[e, :, t:t + BK].t(), ends, n)[0]
+             for t in range(0, k, BK)]
+    acc = tiles[0] + tiles[1]
+    acc = acc.to(torch.bfloat16).double()
+    for tile in tiles[2:]:
+        acc = (acc + tile).to(torch.bfloat16).double()
+    assert violates(acc, ref, mag, k)
+    assert_bound(grouped_gemm(x, w, offs_of(ends)), ref, mag, k)
+
+
+@gpu
+@pytest.mark.parametrize("k", [200, 256])
+def test_sep_gemm_fast_skip_last_k_tile(k: int) -> None:
+    counts = [130, 70]
+    x, w = make(200, 256, k, 2, seed=15)
+    ends = cumsum(counts)
+    ref, mag = oracle(x, lambda e: w[e].t(), ends, 256)
+    last = (k - 1) // BK * BK
+    mutated, _ = oracle(x[:, :last], lambda e: w[e, :, :last].t(), ends, 256)
+    assert violates(mutated, ref, mag, k)
+    assert_bound(grouped_gemm(x, w, offs_of(ends)), ref, mag, k)
+
+
+@gpu
+def test_sep_gemm_fast_group_boundary_off_by_one() -> None:
+    counts = [129, 0, 1, 200, 77]
+    m = sum(counts) + 4
+    x, w = make(m, 256, 128, len(counts), seed=16)
+    ends = cumsum(counts)
+    ref, mag = oracle(x, lambda e: w[e].t(), ends, 256)
+    shifted, prev = [], 0
+    for end in ends:
+        prev = max(prev, min(max(end - 1, 0), m))
+        shifted.append(prev)
+    mutated, _ = oracle(x, lambda e: w[e].t(), shifted, 256)
+    assert violates(mutated, ref, mag, 128)
+    assert_bound(grouped_gemm(x, w, offs_of(ends)), ref, mag, 128)
+
+
+@gpu
+def test_sep_gemm_fast_tail_not_zeroed() -> None:
+    counts = [40, 0, 60]
+    x, w = make(250, 256, 128, 3, seed=17)
+    ends = cumsum(counts)
+    ref, mag = oracle(x, lambda e: w[e].t(), ends, 256)
+    y = torch.full((250, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
+    mutated = ref.clone()
+    mutated[100:] = float("nan")
+    assert violates(mutated, ref, mag, 128)
+    gemm._launch("test", x, w, offs_of(ends), y, True)
+    assert_bound(y, ref, mag, 128)
+
+
+@gpu
+def test_sep_gemm_fast_ragged_n_dropped() -> None:
+    counts = [90, 150]
+    x, w = make(240, 200, 64, 2, seed=18)
+    ends = cumsum(counts)
+    ref, mag = oracle(x, lambda e: w[e].t(), ends, 200)
+    y = torch.full((240, 200), float("nan"), dtype=torch.bfloat16, device="cuda")
+    mutated = ref.clone()
+    mutated[:, 128:] = float("nan")
+    assert violates(mutated, ref, mag, 64)
+    gemm._launch("test", x, w, offs_of(ends), y, True, 128)
+    assert_bound(y, ref, mag, 64)
+
+
+@gpu
+def test_sep_gemm_fast_wgrad_mask_dropped() -> None:
+    """Unmasked, the last 64-row box of a group also reduces the next group's rows (or the tail rows)."""
+    counts = [70, 100, 30]
+    m = sum(counts) + 20
+    g = torch.Generator().manual_seed(22)
+    dy = torch.randn(m, 136, generator=g).to(torch.bfloat16).cuda()
+    x = torch.randn(m, 72, generator=g).to(torch.bfloat16).cuda()
+    ends = cumsum(counts)
+    ref, mag = wgrad_oracle(dy, x, ends)
+    mutated = torch.zeros_like(ref)
+    for e, (s, t) in enumerate(ends_to_ranges(ends)):
+        t_box = s + -(-(t - s) // BK) * BK
+        mutated[e] = dy[s:t_box].double().t() @ x[s:t_box].double()
+    assert any(violates(mutated[e], ref[e], mag[e], t - s) for e, (s, t) in enumerate(ends_to_ranges(ends)))
+    assert_wgrad_bound(grouped_gemm_wgrad(dy, x, offs_of(ends)), ref, mag, ends)
