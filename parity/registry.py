@@ -347,9 +347,10 @@ ENTRIES: list[OpEntry] = [
         None,
         ("weights", "ids"),
         invariants=(o.router_topk_invariants,),
-        adversarial=("ties", "nan", "inf", "max", "zipf", "single_token", "k1"),
+        adversarial=("ties", "inf", "max", "zipf", "single_token", "k1"),
         dtypes=("fp32",),
-        note="no closed-form oracle: invariants (top-k set, order, tie-break, normalised weights)",
+        note="no closed-form oracle: invariants (top-k set, order, tie-break, normalised weights); NaN logits "
+        "trap the kernel (a dead CUDA context), so that case lives in a subprocess test of tests/test_fast_router.py",
     ),
     OpEntry(
         "bias_update",
