@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import platform
 import subprocess
 import sys
@@ -54,11 +55,17 @@ def gpu_info() -> tuple[str | None, str | None]:
 
 
 def provenance(command: str | None = None) -> dict[str, Any]:
-    """The `provenance` object of DESIGN.md's report schemas."""
+    """The `provenance` object of DESIGN.md's report schemas.
+
+    A host that receives the tree without .git takes the sha from NMOE_GIT_SHA (and NMOE_GIT_DIRTY).
+    """
     gpu, driver = gpu_info()
     dirty = _git("status", "--porcelain")
+    sha = _git("rev-parse", "HEAD")
+    if sha is None and os.environ.get("NMOE_GIT_SHA"):
+        sha, dirty = os.environ["NMOE_GIT_SHA"], os.environ.get("NMOE_GIT_DIRTY", "")
     return {
-        "git_sha": _git("rev-parse", "HEAD"),
+        "git_sha": sha,
         "git_dirty": None if dirty is None else bool(dirty),
         "created_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "host": platform.node(),

@@ -349,8 +349,9 @@ ENTRIES: list[OpEntry] = [
         invariants=(o.router_topk_invariants,),
         adversarial=("ties", "inf", "max", "zipf", "single_token", "k1"),
         dtypes=("fp32",),
-        note="no closed-form oracle: invariants (top-k set, order, tie-break, normalised weights); NaN logits "
-        "trap the kernel (a dead CUDA context), so that case lives in a subprocess test of tests/test_fast_router.py",
+        note="no closed-form oracle: invariants (top-k set, order, tie-break, normalised weights); "
+        "NaN logits trap the kernel (a dead CUDA context): that case is a subprocess test in "
+        "tests/test_fast_router.py",
     ),
     OpEntry(
         "bias_update",
