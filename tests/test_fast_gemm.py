@@ -211,7 +211,7 @@ def test_sm90a_kernels_compile_without_gpu(compile_rows: dict[str, list[dict[str
 
 def test_sm100a_compile_refuses_naming_the_remedy(compile_rows: dict[str, list[dict[str, Any]]]) -> None:
     for row in compile_rows["sm_100a"]:
-        assert row["status"] == "fail"
+        assert row["status"] == "not run"
         assert "not implemented for sm_100a yet" in row["error"] and "sm_90a" in row["error"]
 
 

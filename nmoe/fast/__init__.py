@@ -6,4 +6,5 @@ FAST_MODULES: tuple[str, ...] = (
     "nmoe.fast.router",
     "nmoe.fast.dispatch",
     "nmoe.fast.gemm",
+    "nmoe.fast.gemm_sm100",
 )

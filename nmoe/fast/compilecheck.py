@@ -46,6 +46,10 @@ def check(spec: KernelSpec, arch: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         ptx = spec.compile(arch)
+    except NotImplementedError as e:
+        row["status"] = "not run"
+        row["error"] = f"not applicable: {e}"
+        return row
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
         return row

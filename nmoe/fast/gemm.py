@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from nmoe.fast import runtime
-from nmoe.fast.runtime import ArchError, KernelSpec
+from nmoe.fast.runtime import ArchNotImplemented, KernelSpec
 
 _KERNEL_MODULE = "nmoe.fast.kernels.sm90.grouped_gemm"
 _WGRAD_MODULE = "nmoe.fast.kernels.sm90.grouped_gemm_wgrad"
@@ -40,7 +40,7 @@ def _source_sha256(module: str = _KERNEL_MODULE) -> str:
 
 def _require_sm90(arch: str, op: str) -> None:
     if arch != "sm_90a":
-        raise ArchError(
+        raise ArchNotImplemented(
             f"{op}: this CuTeDSL grouped GEMM is not implemented for {arch} yet (it is a wgmma/TMA sm_90a "
             "kernel); run on an H100/H200, use nmoe.fast.gemm_sm100 on a B200, or call torch._grouped_mm "
             "explicitly where cuBLAS is acceptable"
@@ -261,8 +261,38 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 def grouped_gemm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     """y[rows of e] = x[rows of e] @ w[e]^T in fp32, rounded once to bf16; rows past offs[-1] are zero."""
+    if runtime.require_arch(x, w, offs) == "sm_100a":
+        from nmoe.fast import gemm_sm100
+
+        return gemm_sm100.grouped_gemm(x, w, offs)
     out: Tensor = _fwd_op(x, w, offs)
     return out
+
+
+def grouped_gemm_fp8(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, offs: Tensor) -> Tensor:
+    """e4m3 experts: tcgen05 block-scaled MMA on sm_100a; the sm_90a wgmma fp8 kernel does not exist yet."""
+    if runtime.require_arch(xq, wq, offs) != "sm_100a":
+        raise ArchNotImplemented(
+            "grouped_gemm_fp8: the sm_90a fp8 grouped GEMM (1x128/128x128 scales, fp32 promotion per K "
+            "block) "
+            "is not implemented yet; use expert_dtype = \"bf16\" on H100/H200, or run fp8 on a B200"
+        )
+    from nmoe.fast import gemm_sm100
+
+    return gemm_sm100.grouped_gemm_fp8(xq, xs, wq, ws, offs)
+
+
+def grouped_gemm_nvfp4(x_packed: Tensor, x_bs: Tensor, x_ts: Tensor, w_packed: Tensor, w_bs: Tensor,
+                       w_ts: Tensor, offs: Tensor) -> Tensor:
+    """NVFP4 experts need sm_100a's block-scaled MMA; sm_90a has none, so it refuses with the remedy."""
+    if runtime.require_arch(x_packed, w_packed, offs) != "sm_100a":
+        raise ArchNotImplemented(
+            "grouped_gemm_nvfp4: sm_90a has no NVFP4 block-scaled MMA; use expert_dtype = \"bf16\" on "
+            "H100/H200, or run nvfp4 on a B200 (sm_100a)"
+        )
+    from nmoe.fast import gemm_sm100
+
+    return gemm_sm100.grouped_gemm_nvfp4(x_packed, x_bs, x_ts, w_packed, w_bs, w_ts, offs)
 
 
 def grouped_gemm_dgrad(dy: Tensor, w: Tensor, offs: Tensor) -> Tensor:

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from nmoe.fast import runtime
 from nmoe.fast.kernels.sm100 import scale_layout
-from nmoe.fast.runtime import ArchError, KernelSpec
+from nmoe.fast.runtime import ArchNotImplemented, KernelSpec
 
 ARCH = "sm_100a"
 _KERNEL_MODULE = "nmoe.fast.kernels.sm100.grouped_gemm"
@@ -43,7 +43,7 @@ def _source_sha256() -> str:
 
 def _require_sm100(arch: str, op: str) -> None:
     if arch != ARCH:
-        raise ArchError(_REMEDY[op].format(op=op, arch=arch))
+        raise ArchNotImplemented(_REMEDY[op].format(op=op, arch=arch))
 
 
 def _kernels(arch: str) -> ModuleType:

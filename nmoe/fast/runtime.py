@@ -32,6 +32,10 @@ class ArchError(RuntimeError):
     """A fast op was handed a tensor it cannot run on (CPU, wrong GPU, or a mismatched DSL arch)."""
 
 
+class ArchNotImplemented(ArchError, NotImplementedError):
+    """A supported GPU but no kernel for its arch: reported "not run", never a silent fallback."""
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """One compiled kernel of a fast op, checkable for PTX instructions on a machine without a GPU."""
