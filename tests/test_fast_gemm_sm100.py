@@ -216,7 +216,8 @@ def test_kernel_source_hash_covers_the_kernel_file() -> None:
     import hashlib
 
     path = ROOT / "nmoe/fast/kernels/sm100/grouped_gemm.py"
-    assert gemm_sm100._source_sha256() == hashlib.sha256(path.read_bytes()).hexdigest()
+    file_digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert gemm_sm100._source_sha256() == hashlib.sha256(file_digest.encode()).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -7,9 +7,6 @@ shape-only fake, so torch.compile and CUDA graphs capture each as one op.
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib
-import importlib.util
 from types import ModuleType
 from typing import Any
 
@@ -27,20 +24,12 @@ _VEC: dict[str, int] = {"bfloat16": 8, "float32": 4}
 _VEC_BYTES = 16
 
 
-@functools.cache
 def _source_sha256() -> str:
-    digest = hashlib.sha256()
-    for name in _SOURCE_MODULES:
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.origin is None:
-            raise RuntimeError(f"{name} is missing from the installed nmoe package; reinstall nmoe")
-        digest.update(runtime.file_sha256(spec.origin).encode())
-    return digest.hexdigest()
+    return runtime.sources_sha256(*_SOURCE_MODULES)
 
 
 def _kernels(arch: str) -> ModuleType:
-    runtime.import_cutlass(arch)
-    return importlib.import_module(_KERNEL_MODULE)
+    return runtime.kernel_module(_KERNEL_MODULE, arch)
 
 
 def _check_h(op: str, h: Tensor) -> str:

@@ -7,8 +7,6 @@ CUDA graphs capture it as one op. Kernels are compiled per (arch, dtype, vector 
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 from types import ModuleType
 from typing import Any
 
@@ -24,18 +22,12 @@ _VEC: dict[str, int] = {"bfloat16": 8, "float32": 4}
 _VEC_BYTES = 16
 
 
-@functools.cache
 def _source_sha256() -> str:
-    spec = importlib.util.find_spec(_KERNEL_MODULE)
-    if spec is None or spec.origin is None:
-        raise RuntimeError(f"{_KERNEL_MODULE} is missing from the installed nmoe package; reinstall nmoe")
-    return runtime.file_sha256(spec.origin)
+    return runtime.sources_sha256(_KERNEL_MODULE)
 
 
-@functools.cache
 def _kernels(arch: str) -> ModuleType:
-    runtime.import_cutlass(arch)
-    return importlib.import_module(_KERNEL_MODULE)
+    return runtime.kernel_module(_KERNEL_MODULE, arch)
 
 
 def _check(op: str, *ts: Tensor) -> str:

@@ -7,8 +7,6 @@ routed_scale multiplies the sum, never the weights. nmoe::combine carries autogr
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 from types import ModuleType
 from typing import Any
 
@@ -23,17 +21,12 @@ _VEC = 8
 _VEC_BYTES = 16
 
 
-@functools.cache
 def _source_sha256() -> str:
-    spec = importlib.util.find_spec(_KERNEL_MODULE)
-    if spec is None or spec.origin is None:
-        raise RuntimeError(f"{_KERNEL_MODULE} is missing from the installed nmoe package; reinstall nmoe")
-    return runtime.file_sha256(spec.origin)
+    return runtime.sources_sha256(_KERNEL_MODULE)
 
 
 def _kernels(arch: str) -> ModuleType:
-    runtime.import_cutlass(arch)
-    return importlib.import_module(_KERNEL_MODULE)
+    return runtime.kernel_module(_KERNEL_MODULE, arch)
 
 
 def _check(op: str, y: Tensor, w: Tensor) -> None:

@@ -7,9 +7,6 @@ No host sync: counts, offsets and ranks stay on device and every output shape fo
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib
-import importlib.util
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any, cast
@@ -26,22 +23,13 @@ MAX_EXPERTS = 1024
 _INT32_LIMIT = 2**31
 
 
-@functools.cache
 def _source_sha256() -> str:
     """The dispatch kernels import the trap helper from the router kernels, so both files key the cache."""
-    h = hashlib.sha256()
-    for name in _KERNEL_MODULES:
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.origin is None:
-            raise RuntimeError(f"{name} is missing from the installed nmoe package; reinstall nmoe")
-        h.update(runtime.file_sha256(spec.origin).encode())
-    return h.hexdigest()
+    return runtime.sources_sha256(*_KERNEL_MODULES)
 
 
-@functools.cache
 def _kernels(arch: str) -> ModuleType:
-    runtime.import_cutlass(arch)
-    return importlib.import_module(_KERNEL_MODULES[0])
+    return runtime.kernel_module(_KERNEL_MODULES[0], arch)
 
 
 def _copy_shape(row_bytes: int, *ptrs: int) -> tuple[str, int, int]:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
-import importlib.util
 import os
 import sys
 import time
@@ -30,12 +28,8 @@ _ALIGN = 8
 CHECK_OFFS_ENV = "NMOE_CHECK_OFFS"
 
 
-@functools.cache
 def _source_sha256(module: str = _KERNEL_MODULE) -> str:
-    spec = importlib.util.find_spec(module)
-    if spec is None or spec.origin is None:
-        raise RuntimeError(f"{module} is missing from the installed nmoe package; reinstall nmoe")
-    return runtime.file_sha256(spec.origin)
+    return runtime.sources_sha256(module)
 
 
 def _require_sm90(arch: str, op: str) -> None:
@@ -49,8 +43,7 @@ def _require_sm90(arch: str, op: str) -> None:
 
 def _kernels(arch: str, module: str = _KERNEL_MODULE) -> ModuleType:
     _require_sm90(arch, "grouped_gemm")
-    runtime.import_cutlass(arch)
-    return importlib.import_module(module)
+    return runtime.kernel_module(module, arch)
 
 
 def pick_bn(n: int) -> int:

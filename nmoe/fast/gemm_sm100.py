@@ -6,8 +6,6 @@ Same signatures as the reference grouped_gemm / _fp8 / _nvfp4; group sizes stay 
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 from types import ModuleType
 from typing import Any
 
@@ -33,12 +31,8 @@ _REMEDY = {
 }
 
 
-@functools.cache
 def _source_sha256() -> str:
-    spec = importlib.util.find_spec(_KERNEL_MODULE)
-    if spec is None or spec.origin is None:
-        raise RuntimeError(f"{_KERNEL_MODULE} is missing from the installed nmoe package; reinstall nmoe")
-    return runtime.file_sha256(spec.origin)
+    return runtime.sources_sha256(_KERNEL_MODULE)
 
 
 def _require_sm100(arch: str, op: str) -> None:
@@ -47,8 +41,7 @@ def _require_sm100(arch: str, op: str) -> None:
 
 
 def _kernels(arch: str) -> ModuleType:
-    runtime.import_cutlass(arch)
-    return importlib.import_module(_KERNEL_MODULE)
+    return runtime.kernel_module(_KERNEL_MODULE, arch)
 
 
 def pick_bn(fmt: str, n: int) -> int:

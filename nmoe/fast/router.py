@@ -15,8 +15,6 @@ Scores follow a pinned IEEE-op formula (below) because torch's CPU sigmoid/softm
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any, cast
@@ -34,18 +32,12 @@ MAX_K = 32
 MAX_GROUPS = 32
 
 
-@functools.cache
 def _source_sha256() -> str:
-    spec = importlib.util.find_spec(_KERNEL_MODULE)
-    if spec is None or spec.origin is None:
-        raise RuntimeError(f"{_KERNEL_MODULE} is missing from the installed nmoe package; reinstall nmoe")
-    return runtime.file_sha256(spec.origin)
+    return runtime.sources_sha256(_KERNEL_MODULE)
 
 
-@functools.cache
 def _kernels(arch: str) -> ModuleType:
-    runtime.import_cutlass(arch)
-    return importlib.import_module(_KERNEL_MODULE)
+    return runtime.kernel_module(_KERNEL_MODULE, arch)
 
 
 def check_topk_args(logits: Tensor, bias: Tensor, k: int, score_func: str, n_groups: int,

@@ -8,7 +8,9 @@ from __future__ import annotations
 import functools
 import glob
 import hashlib
+import importlib
 import importlib.metadata
+import importlib.util
 import os
 import sys
 import tempfile
@@ -17,6 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Literal
 
 import torch
@@ -138,6 +141,25 @@ def file_sha256(path: str | Path) -> str:
 
 
 @functools.cache
+@functools.cache
+def sources_sha256(*modules: str) -> str:
+    """One digest over every kernel file a fast op compiles from: a shared helper file keys the cache too."""
+    digest = hashlib.sha256()
+    for name in modules:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            raise RuntimeError(f"{name} is missing from the installed nmoe package; reinstall nmoe")
+        digest.update(file_sha256(spec.origin).encode())
+    return digest.hexdigest()
+
+
+@functools.cache
+def kernel_module(name: str, arch: str) -> ModuleType:
+    """The CuTeDSL kernel module `name`, imported with the DSL targeting `arch`."""
+    import_cutlass(arch)
+    return importlib.import_module(name)
+
+
 def dsl_version() -> str:
     return importlib.metadata.version("nvidia-cutlass-dsl")
 
