@@ -7,4 +7,6 @@ FAST_MODULES: tuple[str, ...] = (
     "nmoe.fast.dispatch",
     "nmoe.fast.gemm",
     "nmoe.fast.gemm_sm100",
+    "nmoe.fast.formats",
+    "nmoe.fast.norm",
 )

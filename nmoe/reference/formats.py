@@ -208,7 +208,7 @@ def dequantize_mxfp8(codes: Tensor, scales: Tensor, block: int) -> Tensor:
         raise ValueError(f"dequantize_mxfp8: scales {tuple(scales.shape)} do not match codes "
                          f"{tuple(codes.shape)} with block {block}; pass quantize_mxfp8's pair")
     vals = e4m3_decode(codes).reshape(*codes.shape[:-1], k // block, block)
-    return (vals * e8m0_decode(scales).unsqueeze(-1)).reshape(codes.shape)
+    return round_to(vals * e8m0_decode(scales).unsqueeze(-1), torch.float32).reshape(codes.shape)
 
 
 def quantize_mxfp8_weight(w: Tensor) -> tuple[Tensor, Tensor]:
@@ -235,7 +235,7 @@ def dequantize_mxfp8_weight(codes: Tensor, scales: Tensor) -> Tensor:
                          f"{tuple(codes.shape)}; pass quantize_mxfp8_weight's pair")
     vals = e4m3_decode(codes).reshape(*lead, n // WEIGHT_BLOCK, WEIGHT_BLOCK, k // WEIGHT_BLOCK, WEIGHT_BLOCK)
     scale = e8m0_decode(scales).unsqueeze(-2).unsqueeze(-1)
-    return (vals * scale).reshape(codes.shape)
+    return round_to(vals * scale, torch.float32).reshape(codes.shape)
 
 
 def nvfp4_tensor_scale(x: Tensor) -> Tensor:
@@ -280,4 +280,5 @@ def dequantize_nvfp4(packed: Tensor, block_scales: Tensor, tensor_scale: Tensor)
     if tensor_scale.dim() != 0 or tensor_scale.dtype != torch.float32:
         raise ValueError("dequantize_nvfp4: tensor_scale must be 0-dim fp32 (quantize_nvfp4's 3rd output)")
     vals = e2m1_decode(codes).reshape(*codes.shape[:-1], k // NVFP4_BLOCK, NVFP4_BLOCK)
-    return ((vals * e4m3_decode(block_scales).unsqueeze(-1)) * tensor_scale).reshape(codes.shape)
+    prod = (vals * e4m3_decode(block_scales).unsqueeze(-1)) * tensor_scale
+    return round_to(prod, torch.float32).reshape(codes.shape)

@@ -1,0 +1,250 @@
+"""CuTeDSL kernels for rmsnorm fwd/bwd: one CTA per row, the row held in registers, fp32 math.
+
+r = 1/sqrt.rn(mean + eps) with IEEE sqrt and division (each <= 1/2 fp32 ulp) instead of rsqrt.approx.
+dw is reduced deterministically: per-CTA fp32 partials, then a fixed-order column sum.
+Import only after nmoe.fast.runtime.import_cutlass(arch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float16, Float32, Int32, Int64
+from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
+from cutlass.base_dsl.typing import Constexpr
+from cutlass.cute.runtime import make_ptr
+from cutlass.cute.typing import Pointer
+
+# cute.math's rounding-mode ops are generated wrappers the stubs do not declare.
+_math: Any = cute.math
+RN: Any = _math.RoundingMode.NEAREST_EVEN
+WARP = 32
+DTYPES: dict[str, Any] = {"bfloat16": BFloat16, "float16": Float16, "float32": Float32}
+DW_THREADS = 256
+DW_VEC = 4
+
+
+def mul_rn(a: Any, b: Any) -> Float32:
+    """`mul.rn.f32`: explicit rounding, so the spec's separately rounded products stay separate."""
+    return Float32(_math.mul(Float32(a), Float32(b), rounding=RN))
+
+
+def add_rn(a: Any, b: Any) -> Float32:
+    return Float32(_math.add(Float32(a), Float32(b), rounding=RN))
+
+
+def div_rn(a: Any, b: Any) -> Float32:
+    return Float32(_math.div(Float32(a), Float32(b), rounding=RN))
+
+
+def inv_rms(sum_sq: Float32, d: int, eps: Float32) -> Float32:
+    """1/sqrt(sum/d + eps), every step correctly rounded: |rel err| <= ~2 fp32 ulp past the sum."""
+    ms = add_rn(div_rn(sum_sq, Float32(float(d))), eps)
+    return div_rn(1.0, Float32(_math.sqrt(ms, rounding=RN)))
+
+
+@cute.jit
+def _load_row(m: Any, row: Int64, out: cute.Tensor, tidx: Int32, d: Constexpr[int],
+              vec: Constexpr[int], nper: Constexpr[int], threads: Constexpr[int]) -> None:
+    """out[p*vec + j] = m[row, (tidx + p*threads)*vec + j] in fp32; zero past the row's end."""
+    nv = d // vec
+    g = cute.zipped_divide(m, (vec,))
+    for p in range_constexpr(nper):
+        v = Int64(tidx) + p * threads
+        if const_expr(threads * nper == nv):
+            xv = g[(None, row * nv + v)].load().reshape((vec,)).to(Float32)
+            for j in range_constexpr(vec):
+                out[p * vec + j] = xv[j]
+        else:
+            for j in range_constexpr(vec):
+                out[p * vec + j] = Float32(0.0)
+            if v < nv:
+                xv = g[(None, row * nv + v)].load().reshape((vec,)).to(Float32)
+                for j in range_constexpr(vec):
+                    out[p * vec + j] = xv[j]
+
+
+@cute.jit
+def _store_row(m: Any, row: Int64, vals: cute.Tensor, tidx: Int32, d: Constexpr[int],
+               vec: Constexpr[int], nper: Constexpr[int], threads: Constexpr[int]) -> None:
+    """One rounding of each fp32 value to m's dtype (RNE), vector stores."""
+    nv = d // vec
+    g = cute.zipped_divide(m, (vec,))
+    for p in range_constexpr(nper):
+        v = Int64(tidx) + p * threads
+        frag = cute.make_rmem_tensor((vec,), Float32)
+        for j in range_constexpr(vec):
+            frag[j] = vals[p * vec + j]
+        if const_expr(threads * nper == nv) or v < nv:
+            g[(None, row * nv + v)].store(frag.load().to(m.element_type))
+
+
+@cute.jit
+def _block_sum(vals: tuple[Float32, ...], red: Any, tidx: Int32,
+               threads: Constexpr[int]) -> tuple[Float32, ...]:
+    """CTA-wide sums of a few fp32 values: warp butterflies, then warp partials in a fixed order."""
+    nw = (threads + WARP - 1) // WARP
+    k = len(vals)
+    out = list(vals)
+    for i in range_constexpr(k):
+        off = WARP // 2
+        while const_expr(off > 0):
+            out[i] = out[i] + cute.arch.shuffle_sync_bfly(out[i], offset=off)
+            off = off // 2
+    if tidx % WARP == 0:
+        for i in range_constexpr(k):
+            red[i * nw + tidx // WARP] = out[i]
+    cute.arch.sync_threads()
+    for i in range_constexpr(k):
+        acc = red[i * nw]
+        for w in range_constexpr(1, nw):
+            acc = acc + red[i * nw + w]
+        out[i] = acc
+    cute.arch.sync_threads()
+    return tuple(out)
+
+
+@cute.kernel
+def rmsnorm_fwd_kernel(px: Pointer, pw: Pointer, py: Pointer, rows: Int64, eps: Float32, d: Constexpr[int],
+                       vec: Constexpr[int], nper: Constexpr[int], threads: Constexpr[int]) -> None:
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    row = Int64(bidx)
+    mx = cute.make_tensor(px, cute.make_layout(rows * d))
+    mw = cute.make_tensor(pw, cute.make_layout(d))
+    my = cute.make_tensor(py, cute.make_layout(rows * d))
+    red = cute.make_tensor(cute.arch.alloc_smem(Float32, (threads + WARP - 1) // WARP),
+                           cute.make_layout((threads + WARP - 1) // WARP))
+    xf = cute.make_rmem_tensor((nper * vec,), Float32)
+    wf = cute.make_rmem_tensor((nper * vec,), Float32)
+    _load_row(mx, row, xf, tidx, d, vec, nper, threads)
+    _load_row(mw, Int64(0), wf, tidx, d, vec, nper, threads)
+    ss = Float32(0.0)
+    for j in range_constexpr(nper * vec):
+        ss = ss + xf[j] * xf[j]
+    (ss,) = _block_sum((ss,), red, tidx, threads)
+    r = inv_rms(ss, d, eps)
+    y = cute.make_rmem_tensor((nper * vec,), Float32)
+    for j in range_constexpr(nper * vec):
+        y[j] = mul_rn(mul_rn(xf[j], r), wf[j])
+    _store_row(my, row, y, tidx, d, vec, nper, threads)
+
+
+@cute.jit
+def rmsnorm_fwd_host(px: Pointer, pw: Pointer, py: Pointer, rows: Int64, eps: Float32, stream: cuda.CUstream,
+                     d: Constexpr[int], vec: Constexpr[int], nper: Constexpr[int], threads: Constexpr[int],
+                     x_dtype: Constexpr[str], w_dtype: Constexpr[str]) -> None:
+    rmsnorm_fwd_kernel(px, pw, py, rows, eps, d, vec, nper, threads).launch(
+        grid=[rows, 1, 1], block=[threads, 1, 1], stream=stream
+    )
+
+
+@cute.kernel
+def rmsnorm_bwd_kernel(pdy: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw: Pointer, rows: Int64,
+                       eps: Float32, d: Constexpr[int], vec: Constexpr[int], nper: Constexpr[int],
+                       threads: Constexpr[int]) -> None:
+    """Rows bidx, bidx + grid, ...: dx = r*(g - x*(r*r)*mean(g*x)), g = dy*w; this CTA's dw partial sum
+    of dy*(x*r) goes to row bidx of the fp32 workspace pdw."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    gdim, _, _ = cute.arch.grid_dim()
+    mdy = cute.make_tensor(pdy, cute.make_layout(rows * d))
+    mx = cute.make_tensor(px, cute.make_layout(rows * d))
+    mw = cute.make_tensor(pw, cute.make_layout(d))
+    mdx = cute.make_tensor(pdx, cute.make_layout(rows * d))
+    mdw = cute.make_tensor(pdw, cute.make_layout(Int64(gdim) * d))
+    red = cute.make_tensor(cute.arch.alloc_smem(Float32, 2 * ((threads + WARP - 1) // WARP)),
+                           cute.make_layout(2 * ((threads + WARP - 1) // WARP)))
+    wf = cute.make_rmem_tensor((nper * vec,), Float32)
+    _load_row(mw, Int64(0), wf, tidx, d, vec, nper, threads)
+    dwf = cute.make_rmem_tensor((nper * vec,), Float32)
+    dwf.fill(0.0)
+    xf = cute.make_rmem_tensor((nper * vec,), Float32)
+    gf = cute.make_rmem_tensor((nper * vec,), Float32)
+    stride = Int64(gdim)
+    for it in cutlass.range((rows - Int64(bidx) + stride - 1) // stride):  # type: ignore[attr-defined]
+        row = Int64(bidx) + it * stride
+        _load_row(mx, row, xf, tidx, d, vec, nper, threads)
+        _load_row(mdy, row, gf, tidx, d, vec, nper, threads)
+        ss = Float32(0.0)
+        gx = Float32(0.0)
+        for j in range_constexpr(nper * vec):
+            ss = ss + xf[j] * xf[j]
+            gx = gx + mul_rn(gf[j], wf[j]) * xf[j]
+        ss, gx = _block_sum((ss, gx), red, tidx, threads)
+        r = inv_rms(ss, d, eps)
+        s = div_rn(gx, Float32(float(d)))
+        rr = mul_rn(r, r)
+        for j in range_constexpr(nper * vec):
+            dwf[j] = add_rn(dwf[j], mul_rn(gf[j], mul_rn(xf[j], r)))
+            gf[j] = mul_rn(r, add_rn(mul_rn(gf[j], wf[j]), -mul_rn(mul_rn(xf[j], rr), s)))
+        _store_row(mdx, row, gf, tidx, d, vec, nper, threads)
+    _store_row(mdw, Int64(bidx), dwf, tidx, d, vec, nper, threads)
+
+
+@cute.jit
+def rmsnorm_bwd_host(pdy: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw: Pointer, rows: Int64,
+                     eps: Float32, ctas: Int32, stream: cuda.CUstream, d: Constexpr[int], vec: Constexpr[int],
+                     nper: Constexpr[int], threads: Constexpr[int], x_dtype: Constexpr[str],
+                     w_dtype: Constexpr[str]) -> None:
+    rmsnorm_bwd_kernel(pdy, px, pw, pdx, pdw, rows, eps, d, vec, nper, threads).launch(
+        grid=[ctas, 1, 1], block=[threads, 1, 1], stream=stream
+    )
+
+
+@cute.kernel
+def rmsnorm_dw_kernel(pparts: Pointer, pdw: Pointer, nparts: Int32, d: Int64, vec: Constexpr[int]) -> None:
+    """dw[c] = sum over the CTA partials in index order (deterministic), one rounding to w's dtype."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    cv = Int64(bidx) * DW_THREADS + Int64(tidx)
+    nv = d // vec
+    if cv < nv:
+        gp = cute.zipped_divide(cute.make_tensor(pparts, cute.make_layout(Int64(nparts) * d)), (vec,))
+        gdw = cute.zipped_divide(cute.make_tensor(pdw, cute.make_layout(d)), (vec,))
+        acc = cute.make_rmem_tensor((vec,), Float32)
+        acc.fill(0.0)
+        for p in cutlass.range(nparts):  # type: ignore[attr-defined]
+            part = gp[(None, Int64(p) * nv + cv)].load().reshape((vec,))
+            for j in range_constexpr(vec):
+                acc[j] = add_rn(acc[j], part[j])
+        gdw[(None, cv)].store(acc.load().to(gdw.element_type))
+
+
+@cute.jit
+def rmsnorm_dw_host(pparts: Pointer, pdw: Pointer, nparts: Int32, d: Int64, stream: cuda.CUstream,
+                    vec: Constexpr[int], w_dtype: Constexpr[str]) -> None:
+    rmsnorm_dw_kernel(pparts, pdw, nparts, d, vec).launch(
+        grid=[(d // vec + DW_THREADS - 1) // DW_THREADS, 1, 1], block=[DW_THREADS, 1, 1], stream=stream
+    )
+
+
+def pointer(dtype_name: str, address: int, align: int) -> Any:
+    return make_ptr(DTYPES[dtype_name], address, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def _align(dtype_name: str, vec: int) -> int:
+    return min(16, vec * int(DTYPES[dtype_name].width) // 8)
+
+
+def pointers(kernel: str, addresses: tuple[int, ...], spec: dict[str, Any]) -> list[Any]:
+    """Typed pointers of `kernel`'s tensors in argument order; alignment = one vector (<= 16 bytes)."""
+    x, w, vec = spec.get("x_dtype", ""), spec["w_dtype"], spec["vec"]
+    names = {"rmsnorm_fwd": (x, w, x), "rmsnorm_bwd": (x, x, w, x, "float32"),
+             "rmsnorm_dw": ("float32", w)}[kernel]
+    return [pointer(n, a, _align(n, vec)) for n, a in zip(names, addresses, strict=True)]
+
+
+def compile_args(kernel: str, spec: dict[str, Any]) -> tuple[Any, tuple[Any, ...]]:
+    """Host function and fake arguments (null pointers, zero sizes) that compile `kernel` without a GPU."""
+    fake = pointers(kernel, (0,) * {"rmsnorm_fwd": 3, "rmsnorm_bwd": 5, "rmsnorm_dw": 2}[kernel], spec)
+    s = cuda.CUstream(0)
+    if kernel == "rmsnorm_dw":
+        return rmsnorm_dw_host, (*fake, Int32(1), Int64(0), s, spec["vec"], spec["w_dtype"])
+    row = (spec["d"], spec["vec"], spec["nper"], spec["threads"], spec["x_dtype"], spec["w_dtype"])
+    if kernel == "rmsnorm_fwd":
+        return rmsnorm_fwd_host, (*fake, Int64(0), Float32(0.0), s, *row)
+    return rmsnorm_bwd_host, (*fake, Int64(0), Float32(0.0), Int32(1), s, *row)

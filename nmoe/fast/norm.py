@@ -1,0 +1,243 @@
+"""Fast rmsnorm fwd/bwd: CuTeDSL kernels (nmoe/fast/kernels/norm.py) behind torch custom ops.
+
+nmoe::rmsnorm carries autograd (bwd = nmoe::rmsnorm_bwd). Kernels are specialised per (D, dtypes, vector
+width): one CTA per row with the row in registers; dw is summed per CTA, then over CTAs in a fixed order.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+from nmoe.fast import runtime
+from nmoe.fast.runtime import KernelSpec
+
+_KERNEL_MODULE = "nmoe.fast.kernels.norm"
+_DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "bfloat16", torch.float16: "float16",
+                                        torch.float32: "float32"}
+_VEC_BYTES = 16
+_MAX_THREADS = 1024
+_TARGET_THREADS = 256
+BWD_TARGET_THREADS = 1024
+_MAX_REGS_PER_ROW = 64  # fp32 values of one row a thread may hold before it would spill
+_BWD_THREADS_PER_SM = 1024
+_DW_VEC = 4
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """How one row of width d maps onto a CTA: `threads` lanes each holding `nper` vectors of `vec`."""
+
+    d: int
+    vec: int
+    nper: int
+    threads: int
+
+
+def plan_row(d: int, vec: int, target_threads: int = _TARGET_THREADS) -> RowPlan:
+    """Fewest vectors per thread that keeps the CTA at <= target_threads lanes (<= 1024 for wide rows).
+    The bwd targets 1024: it holds three row-sized arrays per thread, and fewer lanes would spill."""
+    nv = d // vec
+    nper = -(-nv // target_threads)
+    if nper * vec > 32:
+        nper = -(-nv // _MAX_THREADS)
+    if nper * vec > _MAX_REGS_PER_ROW:
+        raise ValueError(f"rmsnorm: D={d} needs {nper * vec} fp32 registers per thread "
+                         f"(> {_MAX_REGS_PER_ROW}) in the fast kernel; use nmoe.reference.norm for "
+                         "such wide rows")
+    threads = -(-nv // nper)
+    return RowPlan(d, vec, nper, -(-threads // 32) * 32)
+
+
+def _source_sha256() -> str:
+    return runtime.sources_sha256(_KERNEL_MODULE)
+
+
+def _kernels(arch: str) -> ModuleType:
+    return runtime.kernel_module(_KERNEL_MODULE, arch)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def _launch(kernel: str, spec: dict[str, Any], tensors: tuple[Tensor, ...], scalars: tuple[Any, ...]) -> None:
+    arch = runtime.require_arch(*tensors)
+    k = _kernels(arch)
+    key = runtime.cache_key(kernel, _source_sha256(), arch, spec)
+
+    def build() -> Any:
+        import cutlass.cute as cute
+
+        host, args = k.compile_args(kernel, spec)
+        return cute.compile(host, *args)
+
+    device = tensors[0].device
+    ex = runtime.kernel_cache().executor(key, build)
+    ptrs = k.pointers(kernel, tuple(t.data_ptr() for t in tensors), spec)
+    with torch.cuda.device(device):
+        ex(*ptrs, *scalars, runtime.current_stream(device))
+
+
+def _check(x: Tensor, w: Tensor, eps: float) -> None:
+    if x.dim() < 1 or w.shape != (x.shape[-1],):
+        raise ValueError(
+            f"rmsnorm: weight shape {tuple(w.shape)} must be ({x.shape[-1] if x.dim() else '?'},), "
+            f"the last dim of x {tuple(x.shape)}; pass a 1-D weight of the normalised width"
+        )
+    if not eps >= 0.0:
+        raise ValueError(f"rmsnorm: eps={eps} must be >= 0; pass the model's norm_eps (e.g. 1e-6)")
+    for name, t in (("x", x), ("w", w)):
+        if t.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"rmsnorm: fast kernels take fp32/bf16/fp16 {name}, got {t.dtype}; cast it, "
+                             "or use nmoe.reference.norm")
+
+
+def _contig(t: Tensor, nbytes: int) -> Tensor:
+    t = t.contiguous()
+    return t if t.data_ptr() % nbytes == 0 else t.clone()
+
+
+def _spec(x: Tensor, w: Tensor, target_threads: int = _TARGET_THREADS) -> tuple[dict[str, Any], RowPlan]:
+    d = x.shape[-1]
+    vec = _VEC_BYTES // x.element_size()
+    plan = plan_row(d, vec if d % vec == 0 else 1, target_threads)
+    return ({"d": d, "vec": plan.vec, "nper": plan.nper, "threads": plan.threads,
+             "x_dtype": _DTYPE_NAMES[x.dtype], "w_dtype": _DTYPE_NAMES[w.dtype]}, plan)
+
+
+def _rmsnorm_impl(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    _check(x, w, eps)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return y
+    spec, plan = _spec(x, w)
+    align = plan.vec * x.element_size()
+    xc, wc = _contig(x, align), _contig(w, min(_VEC_BYTES, plan.vec * w.element_size()))
+    _launch("rmsnorm_fwd", spec, (xc, wc, y), (x.numel() // plan.d, eps))
+    return y
+
+
+def _rmsnorm_fake(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _rmsnorm_bwd_impl(dy: Tensor, x: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    _check(x, w, eps)
+    if dy.shape != x.shape:
+        raise ValueError(f"rmsnorm_bwd: dy shape {tuple(dy.shape)} must equal x shape {tuple(x.shape)}")
+    if dy.dtype != x.dtype:
+        raise ValueError(f"rmsnorm_bwd: dy is {dy.dtype} but x is {x.dtype}; cast dy to x's dtype")
+    d = x.shape[-1]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dw = torch.zeros(w.shape, dtype=w.dtype, device=w.device)
+    rows = x.numel() // d if d else 0
+    if rows == 0:
+        return dx, dw
+    spec, plan = _spec(x, w, BWD_TARGET_THREADS)
+    align = plan.vec * x.element_size()
+    xc, dyc = _contig(x, align), _contig(dy, align)
+    wc = _contig(w, min(_VEC_BYTES, plan.vec * w.element_size()))
+    runtime.require_arch(dy, x, w)
+    ctas = min(rows, _sm_count(x.device) * max(1, _BWD_THREADS_PER_SM // plan.threads))
+    parts = torch.empty((ctas, d), dtype=torch.float32, device=x.device)
+    _launch("rmsnorm_bwd", spec, (dyc, xc, wc, dx, parts), (rows, eps, ctas))
+    dw_vec = _DW_VEC if d % _DW_VEC == 0 else 1
+    _launch("rmsnorm_dw", {"vec": dw_vec, "w_dtype": spec["w_dtype"]}, (parts, dw), (ctas, d))
+    return dx, dw
+
+
+def _rmsnorm_bwd_fake(dy: Tensor, x: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            torch.empty(w.shape, dtype=w.dtype, device=w.device))
+
+
+_rmsnorm_op = runtime.register_custom_op("nmoe::rmsnorm", _rmsnorm_impl, _rmsnorm_fake)
+_rmsnorm_bwd_op = runtime.register_custom_op(
+    "nmoe::rmsnorm_bwd", cast(Callable[..., Tensor], _rmsnorm_bwd_impl),
+    cast(Callable[..., Tensor], _rmsnorm_bwd_fake))
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    x, w, eps = inputs
+    ctx.save_for_backward(x, w)
+    ctx.eps = eps
+
+
+def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+    x, w = ctx.saved_tensors
+    dx, dw = _rmsnorm_bwd_op(grad.to(x.dtype), x, w, ctx.eps)
+    return dx, dw, None
+
+
+_rmsnorm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def rmsnorm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """y = x * (1/sqrt(mean(x^2) + eps)) * w in fp32, one rounding to x.dtype; differentiable."""
+    out: Tensor = _rmsnorm_op(x, w, eps)
+    return out
+
+
+def rmsnorm_bwd(dy: Tensor, x: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(dx, dw): dx = r*(g - x*r^2*mean(g*x)), g = dy*w, rounded to x.dtype; dw = sum_rows dy*x*r."""
+    out: tuple[Tensor, Tensor] = _rmsnorm_bwd_op(dy, x, w, eps)
+    return out
+
+
+def _ptx(kernel: str, spec: dict[str, Any], arch: str) -> str:
+    host, args = _kernels(arch).compile_args(kernel, spec)
+    return runtime.compile_ptx(host, args)
+
+
+# rsqrt.approx / sqrt.approx / div.approx / div.full are not correctly rounded (r must be 1/sqrt.rn);
+# ftz would zero subnormal x (the spec scales them up by r); local memory means the row spilled.
+_FORBID = (r"\b(rsqrt|sqrt|rcp|div|ex2|lg2)\.approx\b", r"\bdiv\.full\b", r"\.ftz\b", r"\b(ld|st)\.local\b")
+_LD128 = r"\bld\.global(\.nc)?\.(v4\.(b|f|u)32|v2\.(b|u)64)\b"
+_ST128 = r"\bst\.global\.(v4\.(b|f|u)32|v2\.(b|u)64)\b"
+_ROW = (_LD128, _ST128, r"\bshfl\.sync\.bfly\.b32\b", r"\bbar\.sync\b", r"\bsqrt\.rn\.f32\b",
+        r"\bdiv\.rn\.f32\b", r"\bmul\.rn\.f32\b")
+_BF16_OUT = r"\bcvt\.rn\.bf16x2\.f32\b"
+# (D, x dtype, w dtype) of the compile checks: the benchmark widths, DeepSeek-V3's 7168, a ragged width.
+_CHECKED = ((4096, "bfloat16", "bfloat16"), (1536, "bfloat16", "float32"), (7168, "bfloat16", "bfloat16"),
+            (4096, "float32", "float32"))
+
+
+def _row_spec(d: int, x_dtype: str, w_dtype: str, target_threads: int = _TARGET_THREADS) -> dict[str, Any]:
+    vec = _VEC_BYTES // {"bfloat16": 2, "float16": 2, "float32": 4}[x_dtype]
+    plan = plan_row(d, vec if d % vec == 0 else 1, target_threads)
+    return {"d": d, "vec": plan.vec, "nper": plan.nper, "threads": plan.threads, "x_dtype": x_dtype,
+            "w_dtype": w_dtype}
+
+
+def _norm_spec(op: str, name: str, kernel: str, spec: dict[str, Any], expect: tuple[str, ...]) -> KernelSpec:
+    return KernelSpec(
+        op=op, name=name, compile=functools.partial(_ptx, kernel, spec),
+        expect={arch: (rf"\.target {arch}\b", *expect) for arch in runtime.SUPPORTED_ARCHS},
+        forbid={arch: _FORBID for arch in runtime.SUPPORTED_ARCHS},
+    )
+
+
+def _kernel_specs() -> tuple[KernelSpec, ...]:
+    out: list[KernelSpec] = []
+    for d, xd, wd in _CHECKED:
+        tag = f"d{d}_{xd[0]}{xd[-2:]}_{wd[0]}{wd[-2:]}"
+        cvt = (_BF16_OUT,) if xd == "bfloat16" else ()
+        out.append(_norm_spec("rmsnorm", f"rmsnorm_fwd_{tag}", "rmsnorm_fwd", _row_spec(d, xd, wd),
+                              (*_ROW, *cvt)))
+        out.append(_norm_spec("rmsnorm_bwd", f"rmsnorm_bwd_{tag}", "rmsnorm_bwd",
+                              _row_spec(d, xd, wd, BWD_TARGET_THREADS),
+                              (*_ROW, r"\badd\.rn\.f32\b", *cvt)))
+    out.append(_norm_spec("rmsnorm_bwd", "rmsnorm_dw_bf16", "rmsnorm_dw",
+                          {"vec": _DW_VEC, "w_dtype": "bfloat16"}, (_LD128, r"\badd\.rn\.f32\b", _BF16_OUT)))
+    return tuple(out)
+
+
+KERNELS: tuple[KernelSpec, ...] = _kernel_specs()
