@@ -1,0 +1,24 @@
+"""rmsnorm.fast_*: defects in the CuTeDSL rmsnorm kernels (nmoe/fast/kernels/norm.py); GPU host only."""
+
+from __future__ import annotations
+
+from mutations.model import Mutation, sep_mutation
+
+FILE = "nmoe/fast/kernels/norm.py"
+TESTS = "tests/test_fast_norm.py"
+
+MUTATIONS: tuple[Mutation, ...] = (
+    sep_mutation(
+        "rmsnorm.fast_eps_outside_sqrt", FILE,
+        "    ms = add_rn(div_rn(sum_sq, Float32(float(d))), eps)\n"
+        "    return div_rn(1.0, Float32(_math.sqrt(ms, rounding=RN)))",
+        "    ms = div_rn(sum_sq, Float32(float(d)))\n"
+        "    return div_rn(1.0, add_rn(Float32(_math.sqrt(ms, rounding=RN)), eps))",
+        "eps added after the square root", TESTS, ("rmsnorm",), device="gpu",
+    ),
+    sep_mutation(
+        "rmsnorm_bwd.fast_dw_partial_dropped", FILE,
+        "cutlass.range(nparts)", "cutlass.range(1)",
+        "dw keeps only the first row-block's partial sum", TESTS, ("rmsnorm_bwd",), device="gpu",
+    ),
+)
