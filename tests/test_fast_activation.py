@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 import torch
+from fastcompile import compile_rows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
@@ -127,25 +128,14 @@ def test_kernel_source_hash_covers_the_kernel_file() -> None:
 
 
 @pytest.fixture(scope="module")
-def compile_rows() -> dict[str, list[dict[str, Any]]]:
-    """`python -m nmoe.fast.compilecheck` in one fresh process per arch, both at once."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("CUTE_DSL_ARCH", None)
-    procs = {arch: subprocess.Popen([sys.executable, "-m", "nmoe.fast.compilecheck", "--arch", arch,
-                                     "--ops", "relu2", "--json"], cwd=ROOT, env=env, text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for arch in runtime.SUPPORTED_ARCHS}
-    rows: dict[str, list[dict[str, Any]]] = {}
-    for arch, proc in procs.items():
-        out, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err[-3000:]
-        rows[arch] = json.loads(out)
-    return rows
+def relu2_compile_rows() -> dict[str, list[dict[str, Any]]]:
+    return compile_rows("nmoe.fast.activation", [k.name for k in RELU2_KERNELS])
 
 
 @pytest.mark.parametrize("arch", runtime.SUPPORTED_ARCHS)
-def test_compilecheck_relu2_ok_without_gpu(compile_rows: dict[str, list[dict[str, Any]]], arch: str) -> None:
-    rows = compile_rows[arch]
+def test_compilecheck_relu2_ok_without_gpu(relu2_compile_rows: dict[str, list[dict[str, Any]]],
+                                           arch: str) -> None:
+    rows = relu2_compile_rows[arch]
     assert sorted(r["kernel"] for r in rows) == sorted(k.name for k in RELU2_KERNELS)
     for row in rows:
         assert row["status"] == "ok", row

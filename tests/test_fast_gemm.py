@@ -3,17 +3,14 @@ float64 oracle written here: |fast - ref64| <= 1 ulp(bf16 at ref64) + 2 K 2^-24 
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from fastcompile import compile_rows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
@@ -178,39 +175,21 @@ def test_kernels_declare_sm90_only() -> None:
             re.compile(rx)
 
 
-_COMPILE = """
-import json, sys
-from nmoe.fast import compilecheck, gemm
-print(json.dumps([compilecheck.check(s, sys.argv[1]) for s in gemm.KERNELS]))
-"""
-
-
 @pytest.fixture(scope="module")
-def compile_rows() -> dict[str, list[dict[str, Any]]]:
-    """Each arch in its own fresh process (the DSL fixes its arch at import), both at once."""
-    procs = {}
-    for arch in runtime.SUPPORTED_ARCHS:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "CUTE_DSL_ARCH": arch}
-        procs[arch] = subprocess.Popen([sys.executable, "-c", _COMPILE, arch], cwd=ROOT, env=env, text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    rows: dict[str, list[dict[str, Any]]] = {}
-    for arch, proc in procs.items():
-        out, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err[-3000:]
-        rows[arch] = json.loads(out.strip().splitlines()[-1])
-    return rows
+def gemm_compile_rows() -> dict[str, list[dict[str, Any]]]:
+    return compile_rows("nmoe.fast.gemm")
 
 
-def test_sm90a_kernels_compile_without_gpu(compile_rows: dict[str, list[dict[str, Any]]]) -> None:
-    rows = compile_rows["sm_90a"]
+def test_sm90a_kernels_compile_without_gpu(gemm_compile_rows: dict[str, list[dict[str, Any]]]) -> None:
+    rows = gemm_compile_rows["sm_90a"]
     assert [r["kernel"] for r in rows] == [s.name for s in KERNELS]
     for row in rows:
         assert row["status"] == "ok", row
         assert all(row["instructions"].values()) and not any(row["forbidden"].values()), row
 
 
-def test_sm100a_compile_refuses_naming_the_remedy(compile_rows: dict[str, list[dict[str, Any]]]) -> None:
-    for row in compile_rows["sm_100a"]:
+def test_sm100a_compile_refuses_naming_the_remedy(gemm_compile_rows: dict[str, list[dict[str, Any]]]) -> None:
+    for row in gemm_compile_rows["sm_100a"]:
         assert row["status"] == "not run"
         assert "not implemented for sm_100a yet" in row["error"] and "sm_90a" in row["error"]
 

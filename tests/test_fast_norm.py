@@ -5,12 +5,8 @@ separating inputs for the kernel's mutations."""
 from __future__ import annotations
 
 import hashlib
-import json
 import math
-import os
 import re
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 import torch
+from fastcompile import assert_rows_ok, compile_rows
 from torch import Tensor
 
 from nmoe.fast import norm as fast
@@ -141,45 +138,15 @@ def test_row_plan_covers_the_row_within_limits(d: int, vec: int) -> None:
     assert p.threads * p.nper * p.vec >= d > (p.threads - 32) * p.nper * p.vec - p.nper * p.vec * 32
 
 
-_CHECK = (
-    "import json, os, sys\n"
-    "os.environ['CUTE_DSL_ARCH'] = sys.argv[1]\n"
-    "from nmoe.fast import compilecheck, norm\n"
-    "names = set(sys.argv[2].split(',')) if sys.argv[2] else None\n"
-    "print(json.dumps([compilecheck.check(s, sys.argv[1]) for s in norm.KERNELS\n"
-    "                  if names is None or s.name in names]))\n"
-)
-
-
-def compile_rows(names: str) -> dict[str, list[dict[str, Any]]]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("CUTE_DSL_ARCH", None)
-    procs = {a: subprocess.Popen([sys.executable, "-c", _CHECK, a, names], cwd=ROOT, env=env, text=True,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for a in runtime.SUPPORTED_ARCHS}
-    out: dict[str, list[dict[str, Any]]] = {}
-    for arch, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=900)
-        assert proc.returncode == 0, stderr[-3000:]
-        out[arch] = json.loads(stdout.strip().splitlines()[-1])
-    return out
-
-
-def assert_rows_ok(rows: dict[str, list[dict[str, Any]]], n: int) -> None:
-    for arch, rs in rows.items():
-        assert len(rs) == n
-        for row in rs:
-            assert row["status"] == "ok" and row["arch"] == arch and row["error"] is None, row
-            assert all(row["instructions"].values()) and not any(row["forbidden"].values()), row
-
-
 def test_compile_rmsnorm_fwd_without_gpu() -> None:
-    assert_rows_ok(compile_rows("rmsnorm_fwd_d4096_b16_b16"), 1)
+    for arch, rows in compile_rows("nmoe.fast.norm", ["rmsnorm_fwd_d4096_b16_b16"]).items():
+        assert_rows_ok(rows, arch, 1)
 
 
 @pytest.mark.heavy
 def test_compile_all_norm_kernels_without_gpu() -> None:
-    assert_rows_ok(compile_rows(""), len(fast.KERNELS))
+    for arch, rows in compile_rows("nmoe.fast.norm").items():
+        assert_rows_ok(rows, arch, len(fast.KERNELS))
 
 
 @pytest.mark.parametrize("call", [lambda x, w: fast.rmsnorm(x, w, 1e-6),
