@@ -20,6 +20,7 @@ MXFP8_BLOCK_SM100: Final[int] = 32
 MXFP8_BLOCK_SM90: Final[int] = 128
 FP8_WEIGHT_BLOCK: Final[int] = 128
 NVFP4_BLOCK: Final[int] = 16
+MX_BLOCKS: Final[tuple[int, ...]] = (MXFP8_BLOCK_SM100, MXFP8_BLOCK_SM90)
 
 O200K_HARMONY: Final[str] = "o200k_harmony"
 O200K_HARMONY_VOCAB: Final[int] = 201088

@@ -170,10 +170,11 @@ def test_kernels_declare_both_archs_and_contract_names() -> None:
                 re.compile(rx)
 
 
-def test_kernel_source_hash_covers_the_kernel_file() -> None:
-    path = ROOT / "nmoe" / "fast" / "kernels" / "formats.py"
-    file_digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    assert fast._source_sha256() == hashlib.sha256(file_digest.encode()).hexdigest()
+def test_kernel_source_hash_covers_the_kernel_file_and_constants() -> None:
+    digest = hashlib.sha256()
+    for path in (ROOT / "nmoe" / "fast" / "kernels" / "formats.py", ROOT / "nmoe" / "constants.py"):
+        digest.update(hashlib.sha256(path.read_bytes()).hexdigest().encode())
+    assert fast._source_sha256() == digest.hexdigest()
 
 
 def test_compile_mx_quant_without_gpu() -> None:

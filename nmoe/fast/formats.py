@@ -14,6 +14,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from nmoe.constants import FP8_WEIGHT_BLOCK as WEIGHT_BLOCK
+from nmoe.constants import MX_BLOCKS, NVFP4_BLOCK
 from nmoe.fast import runtime
 from nmoe.fast.runtime import KernelSpec
 
@@ -21,16 +23,13 @@ _KERNEL_MODULE = "nmoe.fast.kernels.formats"
 _DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "bfloat16", torch.float16: "float16",
                                         torch.float32: "float32"}
 _VEC: dict[str, int] = {"bfloat16": 8, "float16": 8, "float32": 4}
-MX_BLOCKS = (32, 128)
-WEIGHT_BLOCK = 128
-NVFP4_BLOCK = 16
 _CODE_VEC = 8
 _AMAX_CTAS_PER_SM = 8
 _THREADS = 256
 
 
 def _source_sha256() -> str:
-    return runtime.sources_sha256(_KERNEL_MODULE)
+    return runtime.sources_sha256(_KERNEL_MODULE, "nmoe.constants")
 
 
 def _kernels(arch: str) -> ModuleType:

@@ -9,14 +9,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from nmoe.constants import E2M1_MAX, E4M3_MAX, MX_BLOCKS, NVFP4_BLOCK
+from nmoe.constants import FP8_WEIGHT_BLOCK as WEIGHT_BLOCK
+
 BF16_CANONICAL_NAN = 0x7FC0
 F32_CANONICAL_NAN = 0x7FC00000
 
-E4M3_MAX = 448.0
-E2M1_MAX = 6.0
-MX_BLOCKS = (32, 128)
-NVFP4_BLOCK = 16
-WEIGHT_BLOCK = 128
 
 _F32_MANT = 23
 _F32_BIAS = 127

@@ -20,6 +20,9 @@ from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 from cutlass.cutlass_dsl import select_
 
+from nmoe.constants import E4M3_MAX, NVFP4_BLOCK
+from nmoe.constants import FP8_WEIGHT_BLOCK as WEIGHT_BLOCK
+
 THREADS = 256
 # cute.math's rounding-mode ops are generated wrappers the stubs do not declare.
 _math: Any = cute.math
@@ -27,14 +30,11 @@ RN: Any = _math.RoundingMode.NEAREST_EVEN
 DTYPES: dict[str, Any] = {"bfloat16": BFloat16, "float16": Float16, "float32": Float32}
 RAW: dict[str, Any] = {"bfloat16": Int16, "float16": Int16, "float32": Int32}
 # fp32 bit patterns the encoders compare against (non-negative floats order like their bits).
-WEIGHT_BLOCK = 128
-NVFP4_BLOCK = 16
 F32_INF = 0x7F800000
 F32_448 = 0x43E00000
 F32_6 = 0x40C00000
 F32_MIN_E4M3_NORMAL = 0x3C800000  # 2^-6
 F32_MANT_1_75 = 0x600000
-E4M3_MAX = 448.0
 SIGN_BYTES = -2139062144  # 0x80808080
 F32_ONE = 0x3F800000  # e2m1's smallest normal
 # Adding 2^14 (ulp 2^-9) or 2^22 (ulp 0.5) rounds |v| onto the e4m3 / e2m1 subnormal grid, RNE, exactly.

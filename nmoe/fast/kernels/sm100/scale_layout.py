@@ -21,11 +21,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from nmoe.constants import FP8_WEIGHT_BLOCK, MXFP8_BLOCK_SM100
+
 SF_ROWS = 128
 SF_COLS = 4
 ATOM_BYTES = SF_ROWS * SF_COLS
-FP8_WEIGHT_BLOCK = 128
-MX_BLOCK = 32
 # Scale columns per kernel k-tile (tile K / scale block): MXFP8 128/32, NVFP4 256/16.
 COLS_MULTIPLE = {"mxfp8": 4, "nvfp4": 16}
 
@@ -98,10 +98,10 @@ def pack_grouped_rows(scales: Tensor, offs: Tensor, cols_multiple: int = SF_COLS
 
 def expand_fp8_act_scales(xs: Tensor) -> Tensor:
     """1x128 e8m0 activation scales [M, K/128] -> the equal 1x32 MX scales [M, K/32] (exact: bytes repeat)."""
-    return xs.repeat_interleave(FP8_WEIGHT_BLOCK // MX_BLOCK, dim=-1)
+    return xs.repeat_interleave(FP8_WEIGHT_BLOCK // MXFP8_BLOCK_SM100, dim=-1)
 
 
 def expand_fp8_weight_scales(ws: Tensor) -> Tensor:
     """128x128 e8m0 weight scales [E, N/128, K/128] -> the equal 1x32 MX scales [E, N, K/32]."""
     rows = ws.repeat_interleave(FP8_WEIGHT_BLOCK, dim=-2)
-    return rows.repeat_interleave(FP8_WEIGHT_BLOCK // MX_BLOCK, dim=-1)
+    return rows.repeat_interleave(FP8_WEIGHT_BLOCK // MXFP8_BLOCK_SM100, dim=-1)
