@@ -100,21 +100,9 @@ def _swiglu_bwd_fake(dy: Tensor, h: Tensor) -> Tensor:
     return h.new_empty(h.shape)
 
 
-_swiglu_op = runtime.register_custom_op("nmoe::swiglu", _swiglu_impl, _swiglu_fake)
-_swiglu_bwd_op = runtime.register_custom_op("nmoe::swiglu_bwd", _swiglu_bwd_impl, _swiglu_bwd_fake)
-
-
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    ctx.save_for_backward(inputs[0])
-
-
-def _backward(ctx: Any, grad: Tensor) -> Tensor:
-    (h,) = ctx.saved_tensors
-    out: Tensor = _swiglu_bwd_op(grad, h)
-    return out
-
-
-_swiglu_op.register_autograd(_backward, setup_context=_setup_context)
+_swiglu_op, _swiglu_bwd_op = runtime.register_activation_ops(
+    "swiglu", (_swiglu_impl, _swiglu_fake), (_swiglu_bwd_impl, _swiglu_bwd_fake)
+)
 
 
 def swiglu(h: Tensor) -> Tensor:

@@ -89,21 +89,9 @@ def _relu2_bwd_fake(dy: Tensor, x: Tensor) -> Tensor:
     return torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
 
 
-_relu2_op = runtime.register_custom_op("nmoe::relu2", _relu2_impl, _relu2_fake)
-_relu2_bwd_op = runtime.register_custom_op("nmoe::relu2_bwd", _relu2_bwd_impl, _relu2_bwd_fake)
-
-
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    ctx.save_for_backward(inputs[0])
-
-
-def _backward(ctx: Any, grad: Tensor) -> Tensor:
-    (x,) = ctx.saved_tensors
-    out: Tensor = _relu2_bwd_op(grad, x)
-    return out
-
-
-_relu2_op.register_autograd(_backward, setup_context=_setup_context)
+_relu2_op, _relu2_bwd_op = runtime.register_activation_ops(
+    "relu2", (_relu2_impl, _relu2_fake), (_relu2_bwd_impl, _relu2_bwd_fake)
+)
 
 
 def relu2(x: Tensor) -> Tensor:

@@ -308,3 +308,24 @@ def register_custom_op(
     op = torch.library.custom_op(qualname, mutates_args=())(impl)
     op.register_fake(fake)
     return op
+
+
+def register_activation_ops(
+    name: str,
+    fwd: tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]],
+    bwd: tuple[Callable[[Tensor, Tensor], Tensor], Callable[[Tensor, Tensor], Tensor]],
+) -> tuple[CustomOpDef, CustomOpDef]:
+    """nmoe::<name> (impl, fake) and nmoe::<name>_bwd(dy, x); autograd of the first calls the second."""
+    fwd_op = register_custom_op(f"nmoe::{name}", *fwd)
+    bwd_op = register_custom_op(f"nmoe::{name}_bwd", *bwd)
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.save_for_backward(inputs[0])
+
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        out: Tensor = bwd_op(grad, x)
+        return out
+
+    fwd_op.register_autograd(backward, setup_context=setup_context)
+    return fwd_op, bwd_op
