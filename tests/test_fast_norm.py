@@ -392,7 +392,7 @@ def test_sep_rmsnorm_bwd_fast_dw_partial_dropped() -> None:
     x, w = make(t, d, torch.bfloat16, torch.float32, 1.0, 6)
     dy = make(t, d, torch.bfloat16, torch.float32, 1.0, 7)[0]
     plan = fast.plan_row(d, 8, fast.BWD_TARGET_THREADS)
-    ctas = min(t, fast._sm_count(torch.device("cuda")) * max(1, 1024 // plan.threads))
+    ctas = min(t, runtime.sm_count(torch.device("cuda")) * max(1, 1024 // plan.threads))
     assert ctas < t
     xd, dyd = f64(x), f64(dy)
     r = 1.0 / np.sqrt((xd * xd).mean(-1, keepdims=True) + 1e-6)

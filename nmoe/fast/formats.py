@@ -36,28 +36,8 @@ def _kernels(arch: str) -> ModuleType:
     return runtime.kernel_module(_KERNEL_MODULE, arch)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
-
-
-def _launch(kernel: str, spec: dict[str, Any], tensors: tuple[Tensor, ...], scalars: tuple[int, ...]) -> None:
-    """Compile (once per arch and specialisation) and launch `kernel` on torch's current stream."""
-    arch = runtime.require_arch(*tensors)
-    k = _kernels(arch)
-    key = runtime.cache_key(kernel, _source_sha256(), arch, spec)
-
-    def build() -> Any:
-        import cutlass.cute as cute
-
-        host, args = k.compile_args(kernel, spec)
-        return cute.compile(host, *args)
-
-    device = tensors[0].device
-    ex = runtime.kernel_cache().executor(key, build)
-    ptrs = k.pointers(kernel, tuple(t.data_ptr() for t in tensors), spec)
-    with torch.cuda.device(device):
-        ex(*ptrs, *scalars, runtime.current_stream(device))
+def _launch(kernel: str, spec: dict[str, Any], tensors: tuple[Tensor, ...], scalars: tuple[Any, ...]) -> None:
+    runtime.launch(_kernels(runtime.require_arch(*tensors)), _source_sha256(), kernel, spec, tensors, scalars)
 
 
 def _aligned(t: Tensor, nbytes: int) -> Tensor:
@@ -203,7 +183,7 @@ def _quantize_nvfp4_impl(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         xa = _aligned(x, 16)
         runtime.require_arch(x)
         amax = torch.zeros(1, dtype=torch.int32, device=x.device)
-        ctas = max(1, min(-(-nvec // _THREADS), _AMAX_CTAS_PER_SM * _sm_count(x.device)))
+        ctas = max(1, min(-(-nvec // _THREADS), _AMAX_CTAS_PER_SM * runtime.sm_count(x.device)))
         _launch("nvfp4_amax", {"vec": vec, "dtype_name": dtype_name}, (xa, amax), (nvec, ctas))
         spec = {"vec": vec, "group": NVFP4_BLOCK // vec, "dtype_name": dtype_name}
         _launch("nvfp4_quant", spec, (xa, amax, packed, scales, g), (nvec,))

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from nmoe.fast import runtime
-from nmoe.fast.runtime import ArchNotImplemented, KernelSpec
+from nmoe.fast.runtime import ArchNotImplemented, KernelSpec, tma_aligned
 
 _KERNEL_MODULE = "nmoe.fast.kernels.sm90.grouped_gemm"
 _WGRAD_MODULE = "nmoe.fast.kernels.sm90.grouped_gemm_wgrad"
@@ -56,11 +56,6 @@ def tile_upper_bound(m: int, n: int, n_groups: int, bn: int) -> int:
     return (-(-m // BM) + n_groups + 1) * -(-n // bn)
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).multi_processor_count)
-
-
 def _check_offs_on_host(op: str, offs: Tensor, m: int) -> None:
     """Opt-in (NMOE_CHECK_OFFS=1) validation; it syncs the host, so the hot path leaves it off."""
     if os.environ.get(CHECK_OFFS_ENV, "") not in ("1", "true") or torch.cuda.is_current_stream_capturing():
@@ -92,14 +87,6 @@ def _check(op: str, a: Tensor, w: Tensor, offs: Tensor, a_name: str, red_dim: in
         raise ValueError(f"{op}: {a.shape[0]} rows exceed the kernel's int32 row coordinates; split M")
 
 
-def _aligned(op: str, name: str, t: Tensor) -> Tensor:
-    t = t.contiguous()
-    if t.data_ptr() % 16:
-        raise ValueError(f"{op}: {name} starts at a non-16-byte-aligned address (a sliced view); pass "
-                         f"{name}.clone() so TMA can read it")
-    return t
-
-
 def _launch(op: str, a: Tensor, w: Tensor, offs: Tensor, out: Tensor, w_k_major: bool,
             bn: int | None = None) -> None:
     """out[M, n] = per-group a[M, k] @ B_e^T with B_e = w[e] (K-major) or w[e]^T (dgrad)."""
@@ -128,8 +115,7 @@ def _launch(op: str, a: Tensor, w: Tensor, offs: Tensor, out: Tensor, w_k_major:
 
     device = out.device
     ex = runtime.kernel_cache().executor(key, build)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    n_ctas = min(_sm_count(index), tile_upper_bound(m, n, w.shape[0], bn))
+    n_ctas = min(runtime.sm_count(device), tile_upper_bound(m, n, w.shape[0], bn))
     from cutlass import BFloat16, Int32
 
     ptrs = [kmod.pointer(BFloat16, t.data_ptr()) for t in (a, w, out)]
@@ -165,8 +151,7 @@ def _launch_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, bn: int | Non
 
     device = dw.device
     ex = runtime.kernel_cache().executor(key, build)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    n_ctas = min(_sm_count(index), n_groups * -(-n // BM) * -(-k // bn))
+    n_ctas = min(runtime.sm_count(device), n_groups * -(-n // BM) * -(-k // bn))
     from cutlass import BFloat16, Int32
 
     ptrs = [kmod.pointer(BFloat16, t.data_ptr()) for t in (dy, x, dw)]
@@ -199,7 +184,7 @@ def _check_wgrad(dy: Tensor, x: Tensor, offs: Tensor) -> None:
 def _fwd_impl(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     _check("grouped_gemm", x, w, offs, "x", 2)
     y = torch.empty(x.shape[0], w.shape[1], dtype=torch.bfloat16, device=x.device)
-    _launch("grouped_gemm", _aligned("grouped_gemm", "x", x), _aligned("grouped_gemm", "w", w),
+    _launch("grouped_gemm", tma_aligned("grouped_gemm", "x", x), tma_aligned("grouped_gemm", "w", w),
             offs.contiguous(), y, True)
     return y
 
@@ -211,8 +196,8 @@ def _fwd_fake(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
 def _dgrad_impl(dy: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     _check("grouped_gemm_dgrad", dy, w, offs, "dy", 1)
     dx = torch.empty(dy.shape[0], w.shape[2], dtype=torch.bfloat16, device=dy.device)
-    _launch("grouped_gemm_dgrad", _aligned("grouped_gemm_dgrad", "dy", dy),
-            _aligned("grouped_gemm_dgrad", "w", w), offs.contiguous(), dx, False)
+    _launch("grouped_gemm_dgrad", tma_aligned("grouped_gemm_dgrad", "dy", dy),
+            tma_aligned("grouped_gemm_dgrad", "w", w), offs.contiguous(), dx, False)
     return dx
 
 
@@ -223,7 +208,7 @@ def _dgrad_fake(dy: Tensor, w: Tensor, offs: Tensor) -> Tensor:
 def _wgrad_impl(dy: Tensor, x: Tensor, offs: Tensor) -> Tensor:
     _check_wgrad(dy, x, offs)
     dw = torch.empty(offs.numel(), dy.shape[1], x.shape[1], dtype=torch.bfloat16, device=dy.device)
-    _launch_wgrad(_aligned("grouped_gemm_wgrad", "dy", dy), _aligned("grouped_gemm_wgrad", "x", x),
+    _launch_wgrad(tma_aligned("grouped_gemm_wgrad", "dy", dy), tma_aligned("grouped_gemm_wgrad", "x", x),
                   offs.contiguous(), dw)
     return dw
 

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from nmoe.fast import runtime
 from nmoe.fast.kernels.sm100 import scale_layout
-from nmoe.fast.runtime import ArchNotImplemented, KernelSpec
+from nmoe.fast.runtime import ArchNotImplemented, KernelSpec, tma_aligned
 
 ARCH = "sm_100a"
 _KERNEL_MODULE = "nmoe.fast.kernels.sm100.grouped_gemm"
@@ -54,11 +54,6 @@ def tile_upper_bound(m: int, n: int, n_groups: int, bn: int) -> int:
     return (-(-m // BM) + n_groups + 1) * -(-n // bn)
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).multi_processor_count)
-
-
 def _u8(name: str, op: str, t: Tensor, allowed: tuple[torch.dtype, ...]) -> Tensor:
     if t.dtype not in allowed:
         raise ValueError(f"{op}: {name} is {t.dtype}; pass one of {[str(d) for d in allowed]} (bit patterns)")
@@ -77,14 +72,6 @@ def _check_shapes(op: str, m: int, n: int, k: int, n_groups: int, k_mult: int) -
                          "rows, whole scale blocks); pad the expert weights")
     if m >= 2**31 or (m + BM * (n_groups + 1)) >= 2**31:
         raise ValueError(f"{op}: {m} rows exceed the kernel's int32 row coordinates; split M")
-
-
-def _aligned(op: str, name: str, t: Tensor) -> Tensor:
-    t = t.contiguous()
-    if t.data_ptr() % 16:
-        raise ValueError(f"{op}: {name} starts at a non-16-byte-aligned address (a sliced view); pass "
-                         f"{name}.clone() so TMA can read it")
-    return t
 
 
 def _launch(fmt: str, a: Tensor, b: Tensor, sfa: Tensor, sfb: Tensor, offs: Tensor,
@@ -110,8 +97,7 @@ def _launch(fmt: str, a: Tensor, b: Tensor, sfa: Tensor, sfb: Tensor, offs: Tens
 
     device = out.device
     ex = runtime.kernel_cache().executor(key, build)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    n_ctas = min(_sm_count(index), tile_upper_bound(m, n, n_groups, bn))
+    n_ctas = min(runtime.sm_count(device), tile_upper_bound(m, n, n_groups, bn))
     ptrs = kmod.pointers(fmt, a.data_ptr(), b.data_ptr(), sfa.data_ptr(), sfb.data_ptr(), out.data_ptr(),
                          offs.data_ptr(), scales[0].data_ptr(), scales[1].data_ptr())
     with torch.cuda.device(device):
@@ -132,7 +118,7 @@ def _bf16_impl(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     _check_shapes(op, m, n, k, e, _ALIGN)
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     dummy = offs.new_zeros(4, dtype=torch.float32)
-    _launch("bf16", _aligned(op, "x", x), _aligned(op, "w", w), dummy, dummy, offs.contiguous(),
+    _launch("bf16", tma_aligned(op, "x", x), tma_aligned(op, "w", w), dummy, dummy, offs.contiguous(),
             (dummy, dummy), y, k, 0)
     return y
 
@@ -169,8 +155,8 @@ def _fp8_impl(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, offs: Tensor) -> T
     sfb = scale_layout.pack_atoms(ws32, cols)
     y = torch.empty(m, n, dtype=torch.bfloat16, device=xq.device)
     one = offs.new_ones(1, dtype=torch.float32)
-    _launch("mxfp8", _aligned(op, "xq", a), _aligned(op, "wq", b), sfa, sfb, offs.contiguous(), (one, one),
-            y, k, scale_layout.grouped_row_blocks(m, e))
+    _launch("mxfp8", tma_aligned(op, "xq", a), tma_aligned(op, "wq", b), sfa, sfb, offs.contiguous(),
+            (one, one), y, k, scale_layout.grouped_row_blocks(m, e))
     return y
 
 
@@ -198,7 +184,7 @@ def _nvfp4_impl(x_packed: Tensor, x_bs: Tensor, x_ts: Tensor, w_packed: Tensor, 
             raise ValueError(f"{op}: {name} must be one fp32 tensor scale (quantize_nvfp4's third output)")
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x_packed.device)
     cols = scale_layout.COLS_MULTIPLE["nvfp4"]
-    _launch("nvfp4", _aligned(op, "x_packed", a), _aligned(op, "w_packed", b),
+    _launch("nvfp4", tma_aligned(op, "x_packed", a), tma_aligned(op, "w_packed", b),
             scale_layout.pack_grouped_rows(xbs, offs, cols), scale_layout.pack_atoms(wbs, cols),
             offs.contiguous(),
             (x_ts.contiguous(), w_ts.contiguous()), y, k, scale_layout.grouped_row_blocks(m, e))

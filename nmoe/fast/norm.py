@@ -63,27 +63,8 @@ def _kernels(arch: str) -> ModuleType:
     return runtime.kernel_module(_KERNEL_MODULE, arch)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
-
-
 def _launch(kernel: str, spec: dict[str, Any], tensors: tuple[Tensor, ...], scalars: tuple[Any, ...]) -> None:
-    arch = runtime.require_arch(*tensors)
-    k = _kernels(arch)
-    key = runtime.cache_key(kernel, _source_sha256(), arch, spec)
-
-    def build() -> Any:
-        import cutlass.cute as cute
-
-        host, args = k.compile_args(kernel, spec)
-        return cute.compile(host, *args)
-
-    device = tensors[0].device
-    ex = runtime.kernel_cache().executor(key, build)
-    ptrs = k.pointers(kernel, tuple(t.data_ptr() for t in tensors), spec)
-    with torch.cuda.device(device):
-        ex(*ptrs, *scalars, runtime.current_stream(device))
+    runtime.launch(_kernels(runtime.require_arch(*tensors)), _source_sha256(), kernel, spec, tensors, scalars)
 
 
 def _check(x: Tensor, w: Tensor, eps: float) -> None:
@@ -146,7 +127,7 @@ def _rmsnorm_bwd_impl(dy: Tensor, x: Tensor, w: Tensor, eps: float) -> tuple[Ten
     xc, dyc = _contig(x, align), _contig(dy, align)
     wc = _contig(w, min(_VEC_BYTES, plan.vec * w.element_size()))
     runtime.require_arch(dy, x, w)
-    ctas = min(rows, _sm_count(x.device) * max(1, _BWD_THREADS_PER_SM // plan.threads))
+    ctas = min(rows, runtime.sm_count(x.device) * max(1, _BWD_THREADS_PER_SM // plan.threads))
     parts = torch.empty((ctas, d), dtype=torch.float32, device=x.device)
     _launch("rmsnorm_bwd", spec, (dyc, xc, wc, dx, parts), (rows, eps, ctas))
     dw_vec = _DW_VEC if d % _DW_VEC == 0 else 1

@@ -301,6 +301,47 @@ def current_stream(device: torch.device) -> Any:
     return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of `device` (the current CUDA device when it carries no index)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def tma_aligned(op: str, name: str, t: Tensor) -> Tensor:
+    """Contiguous `t` whose base is 16-byte aligned, as TMA needs; a sliced view is refused with the fix."""
+    t = t.contiguous()
+    if t.data_ptr() % 16:
+        raise ValueError(f"{op}: {name} starts at a non-16-byte-aligned address (a sliced view); pass "
+                         f"{name}.clone() so TMA can read it")
+    return t
+
+
+def launch(kernels: ModuleType, source_sha256: str, kernel: str, spec: dict[str, Any],
+           tensors: tuple[Tensor, ...], scalars: tuple[Any, ...]) -> None:
+    """Compile `kernel` once per (arch, spec) via kernels.compile_args and launch it on the current stream.
+
+    `kernels` follows the module convention compile_args(kernel, spec) / pointers(kernel, addresses, spec).
+    """
+    arch = require_arch(*tensors)
+    key = cache_key(kernel, source_sha256, arch, spec)
+
+    def build() -> Any:
+        import cutlass.cute as cute
+
+        host, args = kernels.compile_args(kernel, spec)
+        return cute.compile(host, *args)
+
+    device = tensors[0].device
+    ex = kernel_cache().executor(key, build)
+    ptrs = kernels.pointers(kernel, tuple(t.data_ptr() for t in tensors), spec)
+    with torch.cuda.device(device):
+        ex(*ptrs, *scalars, current_stream(device))
+
+
 def register_custom_op(
     qualname: str, impl: Callable[..., Tensor], fake: Callable[..., Tensor]
 ) -> CustomOpDef:
