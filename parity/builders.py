@@ -416,7 +416,8 @@ def _gemm_groups(q: Params, g: torch.Generator, adv: str | None) -> tuple[int, T
 
 
 def _gemm_q(p: Params, adv: str | None) -> dict[str, Any]:
-    return with_adv(p, adv, **({"K": 1} if adv == "k1" else {}))
+    """k1 for GEMMs: K = 8, one partial K tile and the narrowest rows the TMA fast path takes (16 bytes)."""
+    return with_adv(p, adv, **({"K": 8} if adv == "k1" else {}))
 
 
 def make_grouped_gemm(p: Params, g: torch.Generator, adv: str | None) -> Inputs:

@@ -174,7 +174,7 @@ ROUTING_ADV = ("empty_expert", "single_token", "k1", "zipf")
 GEMM_ADV = ("zero", "empty_expert", "single_token", "k1", "nan", "inf", "denormal", "max", "zipf")
 
 
-def _quant(block: int, archs: tuple[str, ...]) -> list[OpEntry]:
+def _quant(block: int) -> list[OpEntry]:
     return [
         OpEntry(
             f"quantize_mxfp8_{block}",
@@ -187,7 +187,6 @@ def _quant(block: int, archs: tuple[str, ...]) -> list[OpEntry]:
             ("codes", "scales"),
             adversarial=("nan", "inf", "denormal", "max", "ties", "zero"),
             dtypes=("fp32", "bf16"),
-            archs=archs,
         ),
         OpEntry(
             f"dequantize_mxfp8_{block}",
@@ -199,14 +198,13 @@ def _quant(block: int, archs: tuple[str, ...]) -> list[OpEntry]:
             o.dequantize_mxfp8,
             adversarial=("nan", "max", "denormal"),
             dtypes=("fp32",),
-            archs=archs,
         ),
     ]
 
 
 ENTRIES: list[OpEntry] = [
-    *_quant(32, ("sm_100a",)),
-    *_quant(128, ARCHS),
+    *_quant(32),
+    *_quant(128),
     OpEntry(
         "quantize_mxfp8_w128",
         "formats",
@@ -241,7 +239,6 @@ ENTRIES: list[OpEntry] = [
         ("packed", "block_scales", "tensor_scale"),
         adversarial=("nan", "inf", "denormal", "max", "ties", "zero"),
         dtypes=("fp32", "bf16"),
-        archs=("sm_100a",),
     ),
     OpEntry(
         "dequantize_nvfp4",
@@ -253,7 +250,6 @@ ENTRIES: list[OpEntry] = [
         o.dequantize_nvfp4,
         adversarial=("max", "denormal"),
         dtypes=("fp32",),
-        archs=("sm_100a",),
     ),
     OpEntry(
         "relu2",

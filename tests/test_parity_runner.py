@@ -80,7 +80,7 @@ def test_not_run_is_never_counted_as_pass(tmp_path: Path) -> None:
     assert isinstance(cases, list) and cases
     assert all(c["status"] == "not run" and "no fast implementation" in c["reason"] for c in cases)
     assert rep["summary"] == {**rep["summary"], "passed": 0, "failed": 0, "not_run": len(cases)}
-    rc2, rep2 = _run(tmp_path, "--ops", "quantize_nvfp4", "--mode", "parity", "--device", "cpu", "--arch",
+    rc2, rep2 = _run(tmp_path, "--ops", "grouped_gemm_nvfp4", "--mode", "parity", "--device", "cpu", "--arch",
                      "sm_90a", "--cases", "1")
     assert rc2 == 0 and all("sm_100a only" in c["reason"] for c in rep2["cases"])
 
