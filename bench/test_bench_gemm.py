@@ -67,3 +67,31 @@ def test_bench_grouped_gemm_fwd(benchmark: Any, cfg: tuple[int, ...], proj: str,
         torch.cuda.synchronize()
 
     benchmark.pedantic(run, rounds=5, iterations=1, warmup_rounds=1)
+
+
+@pytest.mark.parametrize("act", ["swiglu", "relu2"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "T{}_H{}_I{}_E{}_K{}".format(*c))
+def test_bench_grouped_gemm_act(benchmark: Any, cfg: tuple[int, ...], act: str) -> None:
+    """Up projection with the activation fused into the epilogue vs the unfused nmoe composition."""
+    from nmoe.fast import activation
+    from nmoe.fast.gemm import grouped_gemm, grouped_gemm_act
+
+    x, w, offs, m, n, k = _operands(cfg, "up", "uniform")
+    fn = getattr(activation, act)
+    graph = capture(functools.partial(grouped_gemm_act, x, w, offs, act))
+    ms = replay_median_ms(graph)
+    base = baseline("nmoe grouped_gemm + activation", lambda: fn(grouped_gemm(x, w, offs)))
+    width = n // 2 if act == "swiglu" else n
+    t, h, i, e, topk = cfg
+    shape = {"T": t, "H": h, "I": i, "E": e, "K": topk, "M": m, "N": n, "Kred": k}
+    pick = None if base["ms"] is None else (str(base["name"]), float(base["ms"]))
+    row = record(f"grouped_gemm_act_{act}_up_uniform", shape, ms, flops=2.0 * m * n * k,
+                 nbytes=2.0 * (m * k + w.numel() + m * n + m * width), baseline=pick)
+    row["baselines"] = [base]
+    benchmark.extra_info.update(row)
+
+    def run() -> None:
+        graph.replay()
+        torch.cuda.synchronize()
+
+    benchmark.pedantic(run, rounds=5, iterations=1, warmup_rounds=1)

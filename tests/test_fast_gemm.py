@@ -1,9 +1,13 @@
 """nmoe.fast.gemm (sm_90a grouped GEMM): PTX compile checks on CPU; on GPU the bound(1, 2) contract against a
-float64 oracle written here: |fast - ref64| <= 1 ulp(bf16 at ref64) + 2 K 2^-24 (|A| |B|), elementwise."""
+float64 oracle written here: |fast - ref64| <= 1 ulp(bf16 at ref64) + 2 K 2^-24 (|A| |B|), elementwise.
+The fused-activation fwd must equal the unfused fast composition bit for bit, and meet grouped_gemm_act."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,8 +20,13 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from nmoe.fast import gemm, runtime
-from nmoe.fast.gemm import KERNELS, grouped_gemm, grouped_gemm_dgrad, grouped_gemm_wgrad
+from nmoe.fast.activation import relu2, swiglu
+from nmoe.fast.gemm import KERNELS, grouped_gemm, grouped_gemm_act, grouped_gemm_dgrad, grouped_gemm_wgrad
 from nmoe.fast.runtime import ArchError
+from parity import oracles
+from parity.compare import interval
+from parity.inputs import Inputs
+from parity.registry import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[1]
 U_ACC = 2.0**-24
@@ -165,8 +174,10 @@ def check_dgrad(m: int, n: int, k: int, counts: Sequence[int], seed: int = 0, bn
 
 
 def test_kernels_declare_sm90_only() -> None:
-    assert {s.op for s in KERNELS} == {"grouped_gemm"}
+    assert {s.op for s in KERNELS} == {"grouped_gemm", "grouped_gemm_act"}
     assert len({s.name for s in KERNELS}) == len(KERNELS) >= 3
+    fused = {s.name for s in KERNELS if s.op == "grouped_gemm_act"}
+    assert fused == {f"grouped_gemm_act_{a}_n{bn}" for a in gemm.ACTIVATIONS for bn in gemm.BN_CHOICES}
     for spec in KERNELS:
         assert set(spec.expect) == set(spec.forbid) == {"sm_90a"}
         assert any("wgmma" in rx for rx in spec.expect["sm_90a"])
@@ -252,6 +263,72 @@ def test_custom_ops_have_fake_shapes() -> None:
     assert dx.shape == (5, 24)
     dw = torch.ops.nmoe.grouped_gemm_wgrad(dy, x, offs)
     assert (dw.shape, dw.dtype) == ((3, 40, 24), torch.bfloat16)
+    for act, width in (("swiglu", 20), ("relu2", 40)):
+        a, h = torch.ops.nmoe.grouped_gemm_act(x, w, offs, act)
+        assert (a.shape, h.shape, a.dtype, h.dtype) == ((5, width), (5, 40), torch.bfloat16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("act", ["swiglu", "relu2"])
+def test_fused_autograd_keeps_h_and_differentiates_x_and_w(act: str) -> None:
+    x = torch.empty(5, 24, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.empty(3, 40, 24, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    a, h = torch.ops.nmoe.grouped_gemm_act(x, w, torch.empty(3, device="meta", dtype=torch.int32), act)
+    assert a.requires_grad and not h.requires_grad
+    torch.autograd.backward(a, torch.empty_like(a))
+    assert x.grad is not None and w.grad is not None
+    assert (x.grad.shape, w.grad.shape) == ((5, 24), (3, 40, 24))
+
+
+def test_fused_activation_refuses_unknown_activation_and_odd_n() -> None:
+    x = torch.zeros(4, 8, dtype=torch.bfloat16)
+    offs = torch.tensor([2, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="'swiglu' or 'relu2'"):
+        grouped_gemm_act(x, torch.zeros(2, 8, 8, dtype=torch.bfloat16), offs, "gelu")
+    with pytest.raises(ValueError, match=r"even N.*interleave w1 and w3 into w13"):
+        grouped_gemm_act(x, torch.zeros(2, 7, 8, dtype=torch.bfloat16), offs, "swiglu")
+    with pytest.raises(ValueError, match="'swiglu' or 'relu2'"):
+        torch.ops.nmoe.grouped_gemm_act(x.to("meta"), torch.empty(2, 8, 8, device="meta"), offs.to("meta"),
+                                        "silu")
+    with pytest.raises(ArchError, match=r"nmoe\.reference"):
+        grouped_gemm_act(x, torch.zeros(2, 8, 8, dtype=torch.bfloat16), offs, "relu2")
+
+
+_BROKEN_PAIRING = """
+from nmoe.fast import runtime
+runtime.import_cutlass("sm_90a")
+import cutlass.cute as cute
+from nmoe.fast.kernels.sm90 import grouped_gemm as g
+right = g.store_copy
+
+def column_major_threads(bn, width):
+    atom, tiled = right(bn, width)
+    rows = g.CONSUMER_THREADS // (bn // g.VEC)
+    threads = cute.make_layout((rows, bn // g.VEC), stride=(1, rows))
+    wrong = cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, width)))
+    return (atom, tiled) if width == g.VEC else (atom, wrong)
+
+@cute.jit
+def main():
+    g.check_pairing(128, "swiglu")
+    g.check_pairing(256, "relu2")
+    print("correct pairing accepted", flush=True)
+    g.store_copy = column_major_threads
+    g.check_pairing(128, "swiglu")
+
+cute.compile(main)
+"""
+
+
+def test_epilogue_pairing_check_rejects_misaligned_output_chunks(tmp_path: Path) -> None:
+    """The trace-time pairing proof accepts the real store copies and rejects a transposed output copy."""
+    (tmp_path / "broken_pairing.py").write_text(_BROKEN_PAIRING)
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    env.pop("CUTE_DSL_ARCH", None)
+    proc = subprocess.run([sys.executable, "broken_pairing.py"], cwd=tmp_path, env=env, text=True,
+                          capture_output=True, timeout=600)
+    assert "correct pairing accepted" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode != 0 and "swiglu epilogue pairing broken" in proc.stdout + proc.stderr
 
 
 def test_kernel_source_hash_covers_the_kernel_file() -> None:
@@ -259,12 +336,15 @@ def test_kernel_source_hash_covers_the_kernel_file() -> None:
 
     kernels = ROOT / "nmoe" / "fast" / "kernels" / "sm90"
 
-    def digest(name: str) -> str:
-        file_digest = hashlib.sha256((kernels / name).read_bytes()).hexdigest()
-        return hashlib.sha256(file_digest.encode()).hexdigest()
+    def digest(*paths: Path) -> str:
+        h = hashlib.sha256()
+        for path in paths:
+            h.update(hashlib.sha256(path.read_bytes()).hexdigest().encode())
+        return h.hexdigest()
 
-    assert gemm._source_sha256() == digest("grouped_gemm.py")
-    assert gemm._source_sha256(gemm._WGRAD_MODULE) == digest("grouped_gemm_wgrad.py")
+    shared = [ROOT / "nmoe" / "fast" / "kernels" / f"{m}.py" for m in ("activation", "swiglu", "combine")]
+    assert gemm._source_sha256() == digest(kernels / "grouped_gemm.py", *shared)
+    assert gemm._source_sha256(gemm._WGRAD_MODULE) == digest(kernels / "grouped_gemm_wgrad.py")
 
 
 def count_tiles(ends: Sequence[int], m: int, n: int, bn: int) -> int:
@@ -461,6 +541,140 @@ def test_under_torch_compile() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# GPU: the fused-activation forward (bit for bit the unfused fast composition, and inside the grouped_gemm_act
+# bound against float64) and its autograd.
+# ---------------------------------------------------------------------------------------------------------
+
+FAST_ACT = {"swiglu": swiglu, "relu2": relu2}
+ACTS = pytest.mark.parametrize("act", ["swiglu", "relu2"])
+
+
+def bits(t: Tensor) -> Tensor:
+    return t.contiguous().view(torch.int16)
+
+
+def assert_act_bound(a: Tensor, x: Tensor, w: Tensor, ends: Sequence[int], act: str) -> None:
+    """The parity contract: GEMM bound plus h's rounding pushed through act as an interval, then n ULPs."""
+    contract = REGISTRY["grouped_gemm_act"].contract
+    offs = torch.tensor(list(ends), dtype=torch.int32)
+    (expect,) = oracles.grouped_gemm_act(Inputs((x.cpu(), w.cpu(), offs, act)), contract)
+    assert expect is not None and expect.lo is not None and expect.hi is not None
+    verdict = interval(a.cpu(), expect.lo, expect.hi, contract.n)
+    assert verdict.passed, verdict.detail
+
+
+def fused(x: Tensor, w: Tensor, offs: Tensor, act: str, bn: int | None) -> tuple[Tensor, Tensor]:
+    """(a, h) from one fused launch; outputs start as NaN so an element the kernel skips cannot pass."""
+    if bn is None:
+        a, h = torch.ops.nmoe.grouped_gemm_act(x, w, offs, act)
+        return a, h
+    width = w.shape[1] // 2 if act == "swiglu" else w.shape[1]
+    a = torch.full((x.shape[0], width), float("nan"), dtype=torch.bfloat16, device="cuda")
+    h = torch.full((x.shape[0], w.shape[1]), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gemm._launch("test", x, w, offs, h, True, bn, act_out=a, activation=act)
+    return a, h
+
+
+def check_act(m: int, n: int, k: int, counts: Sequence[int], act: str, seed: int = 0,
+              bn: int | None = None) -> None:
+    x, w = make(m, n, k, len(counts), seed)
+    ends = cumsum(counts)
+    offs = offs_of(ends)
+    a, h = fused(x, w, offs, act, bn)
+    h_plain = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gemm._launch("test", x, w, offs, h_plain, True, bn)
+    assert torch.equal(bits(h), bits(h_plain))
+    assert torch.equal(bits(a), bits(FAST_ACT[act](h_plain)))
+    if bn is None:
+        assert torch.equal(bits(grouped_gemm_act(x, w, offs, act)), bits(a))
+    assert_act_bound(a, x, w, ends, act)
+
+
+@gpu
+@ACTS
+def test_act_uniform_and_zipf(act: str) -> None:
+    check_act(1024, 512, 256, uniform_counts(1024, 8), act, seed=30)
+    check_act(1500, 512, 256, zipf_counts(1500, 16), act, seed=31)
+
+
+@gpu
+@ACTS
+def test_act_empty_and_one_row_groups_and_ragged_m(act: str) -> None:
+    counts = [0, 1, 0, 0, 129, 1, 2, 127, 0, 1, 300, 0]
+    check_act(sum(counts) + 5, 256, 128, counts, act, seed=32)
+
+
+@gpu
+@ACTS
+@pytest.mark.parametrize("bn", [128, 256])
+def test_act_both_tile_widths_and_ragged_n(act: str, bn: int) -> None:
+    counts = [130, 0, 257, 3, 64]
+    check_act(sum(counts) + 2, 200, 72, counts, act, seed=33, bn=bn)
+    check_act(sum(counts), 520, 256, counts, act, seed=34, bn=bn)
+
+
+@gpu
+@ACTS
+@pytest.mark.parametrize("counts", [[0, 0, 0], [333], [0, 0, 333]])
+def test_act_degenerate_routings(act: str, counts: list[int]) -> None:
+    check_act(333, 256, 128, counts, act, seed=35)
+
+
+@gpu
+@ACTS
+def test_act_wide_tile_default_large_n(act: str) -> None:
+    check_act(2048, 4096, 256, zipf_counts(2048, 32), act, seed=36)
+
+
+def unfused(x: Tensor, w: Tensor, offs: Tensor, act: str) -> Tensor:
+    out: Tensor = FAST_ACT[act](grouped_gemm(x, w, offs))
+    return out
+
+
+@gpu
+@ACTS
+def test_act_autograd_matches_the_unfused_composition_bitwise(act: str) -> None:
+    """Same backward kernels on the same h and da: dx and dw agree with the unfused fast path bit for bit."""
+    counts = [100, 0, 1, 155, 300]
+    offs = offs_of(cumsum(counts))
+    x, w = make(sum(counts) + 3, 264, 136, len(counts), seed=37)
+    grads = []
+    for fn in (grouped_gemm_act, unfused):
+        xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        a = fn(xr, wr, offs, act)
+        da = torch.randn(a.shape, generator=torch.Generator().manual_seed(38)).to(torch.bfloat16).cuda()
+        torch.autograd.backward(a, da)
+        assert xr.grad is not None and wr.grad is not None
+        grads.append((a.detach(), xr.grad, wr.grad))
+    for got, want in zip(*grads, strict=True):
+        assert torch.equal(bits(got), bits(want))
+
+
+@gpu
+@ACTS
+def test_act_cuda_graph_replay_follows_new_offs(act: str) -> None:
+    x, w = make(1024, 256, 256, 8, seed=39)
+    offs = offs_of(cumsum(uniform_counts(1024, 8)))
+    grouped_gemm_act(x, w, offs, act)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        a = grouped_gemm_act(x, w, offs, act)
+    offs.copy_(offs_of(cumsum([0, 500, 3, 0, 0, 200, 1, 250])))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(bits(a), bits(unfused(x, w, offs, act)))
+
+
+@gpu
+def test_act_under_torch_compile() -> None:
+    x, w = make(512, 256, 128, 4, seed=40)
+    offs = offs_of(cumsum([100, 200, 0, 150]))
+    a = torch.compile(lambda p, q, o: grouped_gemm_act(p, q, o, "swiglu"), fullgraph=True)(x, w, offs)
+    assert torch.equal(bits(a), bits(unfused(x, w, offs, "swiglu")))
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Separating inputs for the GPU mutations of the kernel (anchors in nmoe/fast/kernels/sm90/grouped_gemm.py):
 # each test first shows the correct and the mutated formula differ beyond the bound, then checks the kernel.
 # ---------------------------------------------------------------------------------------------------------
@@ -563,3 +777,21 @@ def test_sep_gemm_fast_wgrad_mask_dropped() -> None:
         mutated[e] = dy[s:t_box].double().t() @ x[s:t_box].double()
     assert any(violates(mutated[e], ref[e], mag[e], t - s) for e, (s, t) in enumerate(ends_to_ranges(ends)))
     assert_wgrad_bound(grouped_gemm_wgrad(dy, x, offs_of(ends)), ref, mag, ends)
+
+
+@gpu
+def test_sep_gemm_fast_epilogue_act_swapped() -> None:
+    """silu(gate) * up against silu(up) * gate on the same bf16 h: they differ, so bitwise equality with the
+    unfused swiglu (and the interval bound) pins which column of each pair is the gate."""
+    counts = [70, 0, 130]
+    x, w = make(200, 256, 128, 3, seed=41)
+    offs = offs_of(cumsum(counts))
+    h = grouped_gemm(x, w, offs)
+    g, u = h[:, 0::2].double().cpu(), h[:, 1::2].double().cpu()
+    right = (g * torch.sigmoid(g) * u).to(torch.bfloat16)
+    swapped = (u * torch.sigmoid(u) * g).to(torch.bfloat16)
+    assert float((bits(right) != bits(swapped)).double().mean()) > 0.5
+    a, h_fused = fused(x, w, offs, "swiglu", None)
+    assert torch.equal(bits(h_fused), bits(h))
+    assert torch.equal(bits(a), bits(swiglu(h)))
+    assert_act_bound(a, x, w, cumsum(counts), "swiglu")

@@ -38,6 +38,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "columns of a ragged last N tile are never stored", TESTS, ("grouped_gemm",), device="gpu",
     ),
     sep_mutation(
+        "gemm.fast_epilogue_act_swapped", FILE,
+        "        hf.store(h.to(Float32))\n",
+        "        for v in range_constexpr(VEC):\n            hf[v] = r_h[v ^ 1].to(Float32)\n",
+        "the fused swiglu epilogue takes silu of the up column and multiplies the gate (gate/up swapped)",
+        TESTS, ("grouped_gemm_act",), device="gpu",
+    ),
+    sep_mutation(
         "gemm.fast_wgrad_mask_dropped", WGRAD,
         "                if valid < BK:\n", "                if valid < 0:\n",
         "wgrad sums the next group's rows into a group's last K box", TESTS, ("grouped_gemm_wgrad",),

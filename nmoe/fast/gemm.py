@@ -1,5 +1,6 @@
-"""Fast grouped GEMM fwd/dgrad/wgrad (bf16 in, fp32 accumulate): sm_90a CuTeDSL kernels as torch custom ops.
-The kernels read `offs` on the device, so routing changes neither sync the host nor recompile.
+"""Fast grouped GEMM fwd/dgrad/wgrad (bf16 in, fp32 accumulate) and the fwd with swiglu/relu2 fused into its
+epilogue: sm_90a CuTeDSL kernels as torch custom ops. The kernels read `offs` on the device, so routing
+changes neither sync the host nor recompile.
 GPU smoke test: `python -m nmoe.fast.gemm --selftest`."""
 
 from __future__ import annotations
@@ -17,10 +18,14 @@ import torch
 from torch import Tensor
 
 from nmoe.fast import runtime
+from nmoe.fast.activation import relu2_bwd, swiglu_bwd
 from nmoe.fast.runtime import ArchNotImplemented, KernelSpec, tma_aligned
 
 _KERNEL_MODULE = "nmoe.fast.kernels.sm90.grouped_gemm"
 _WGRAD_MODULE = "nmoe.fast.kernels.sm90.grouped_gemm_wgrad"
+# the fused epilogue traces the standalone activation kernels' element math: those files key the cache too
+_EPILOGUE_MODULES = ("nmoe.fast.kernels.activation", "nmoe.fast.kernels.swiglu", "nmoe.fast.kernels.combine")
+ACTIVATIONS = ("swiglu", "relu2")
 BM = 128
 BN_CHOICES = (128, 256)
 MAX_GROUPS = 1024
@@ -29,6 +34,8 @@ CHECK_OFFS_ENV = "NMOE_CHECK_OFFS"
 
 
 def _source_sha256(module: str = _KERNEL_MODULE) -> str:
+    if module == _KERNEL_MODULE:
+        return runtime.sources_sha256(module, *_EPILOGUE_MODULES)
     return runtime.sources_sha256(module)
 
 
@@ -88,16 +95,19 @@ def _check(op: str, a: Tensor, w: Tensor, offs: Tensor, a_name: str, red_dim: in
 
 
 def _launch(op: str, a: Tensor, w: Tensor, offs: Tensor, out: Tensor, w_k_major: bool,
-            bn: int | None = None) -> None:
-    """out[M, n] = per-group a[M, k] @ B_e^T with B_e = w[e] (K-major) or w[e]^T (dgrad)."""
-    arch = runtime.require_arch(a, w, offs, out)
+            bn: int | None = None, act_out: Tensor | None = None, activation: str = "none") -> None:
+    """out[M, n] = per-group a[M, k] @ B_e^T with B_e = w[e] (K-major) or w[e]^T (dgrad); with an
+    activation the same kernel also writes act_out = act(out) (both zero where out is)."""
+    outs = (out,) if act_out is None else (out, act_out)
+    arch = runtime.require_arch(a, w, offs, *outs)
     _require_sm90(arch, op)
     m, k = a.shape
     n = out.shape[1]
     if m == 0 or n == 0:
         return
     if k == 0 or w.shape[0] == 0:
-        out.zero_()
+        for t in outs:
+            t.zero_()
         return
     _check_offs_on_host(op, offs, m)
     bn = pick_bn(n) if bn is None else bn
@@ -105,12 +115,14 @@ def _launch(op: str, a: Tensor, w: Tensor, offs: Tensor, out: Tensor, w_k_major:
         raise ValueError(f"{op}: tile width {bn} unsupported; choose one of {BN_CHOICES}")
     kmod = _kernels(arch)
     name = "grouped_gemm_fwd" if w_k_major else "grouped_gemm_dgrad"
+    if activation != "none":
+        name = f"grouped_gemm_fwd_{activation}"
     key = runtime.cache_key(name, _source_sha256(), arch, {"n": n, "k": k, "bn": bn})
 
     def build() -> Any:
         import cutlass.cute as cute
 
-        host, args = kmod.compile_args(n, k, bn, w_k_major)
+        host, args = kmod.compile_args(n, k, bn, w_k_major, activation)
         return cute.compile(host, *args)
 
     device = out.device
@@ -118,7 +130,7 @@ def _launch(op: str, a: Tensor, w: Tensor, offs: Tensor, out: Tensor, w_k_major:
     n_ctas = min(runtime.sm_count(device), tile_upper_bound(m, n, w.shape[0], bn))
     from cutlass import BFloat16, Int32
 
-    ptrs = [kmod.pointer(BFloat16, t.data_ptr()) for t in (a, w, out)]
+    ptrs = [kmod.pointer(BFloat16, t.data_ptr()) for t in (a, w, out, outs[-1])]
     ptrs.append(kmod.pointer(Int32, offs.data_ptr(), 4))
     with torch.cuda.device(device):
         ex(*ptrs, m, w.shape[0], n_ctas, runtime.current_stream(device))
@@ -237,6 +249,58 @@ def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Non
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _act_width(w: Tensor, activation: str) -> int:
+    """Columns of act(h) for h [M, N]: swiglu pairs interleaved rows (2i gate, 2i+1 up), relu2 keeps N."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"grouped_gemm_act: activation {activation!r} unknown; use 'swiglu' or 'relu2'")
+    n = w.shape[1] if w.dim() == 3 else 0
+    if activation == "swiglu":
+        if w.dim() != 3 or n % 2:
+            raise ValueError(f"grouped_gemm_act: swiglu needs w [E, 2I, K] with even N (rows 2i = gate_i, "
+                             f"2i+1 = up_i interleaved), got {tuple(w.shape)}; interleave w1 and w3 into w13")
+        return n // 2
+    return n
+
+
+def _act_impl(x: Tensor, w: Tensor, offs: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+    width = _act_width(w, activation)
+    _check("grouped_gemm_act", x, w, offs, "x", 2)
+    h = torch.empty(x.shape[0], w.shape[1], dtype=torch.bfloat16, device=x.device)
+    a = torch.empty(x.shape[0], width, dtype=torch.bfloat16, device=x.device)
+    op = "grouped_gemm_act"
+    _launch(op, tma_aligned(op, "x", x), tma_aligned(op, "w", w), offs.contiguous(), h, True, act_out=a,
+            activation=activation)
+    return a, h
+
+
+def _act_fake(x: Tensor, w: Tensor, offs: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+    width = _act_width(w, activation)
+    return x.new_empty(x.shape[0], width), x.new_empty(x.shape[0], w.shape[1])
+
+
+_act_op = runtime.register_custom_op("nmoe::grouped_gemm_act", _act_impl, _act_fake)
+
+
+def _act_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    x, w, offs, activation = inputs
+    h = output[1]
+    ctx.save_for_backward(x, w, offs, h)
+    ctx.activation = activation
+    ctx.mark_non_differentiable(h)
+    ctx.set_materialize_grads(False)
+
+
+def _act_backward(ctx: Any, da: Tensor, _: Tensor | None) -> tuple[Tensor | None, Tensor | None, None, None]:
+    x, w, offs, h = ctx.saved_tensors
+    dh = swiglu_bwd(da, h) if ctx.activation == "swiglu" else relu2_bwd(da, h)
+    dx = _dgrad_op(dh, w, offs) if ctx.needs_input_grad[0] else None
+    dw = _wgrad_op(dh, x, offs) if ctx.needs_input_grad[1] else None
+    return dx, dw, None, None
+
+
+_act_op.register_autograd(_act_backward, setup_context=_act_setup_context)
+
+
 def grouped_gemm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     """y[rows of e] = x[rows of e] @ w[e]^T in fp32, rounded once to bf16; rows past offs[-1] are zero."""
     if runtime.require_arch(x, w, offs) == "sm_100a":
@@ -245,6 +309,20 @@ def grouped_gemm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
         return gemm_sm100.grouped_gemm(x, w, offs)
     out: Tensor = _fwd_op(x, w, offs)
     return out
+
+
+def grouped_gemm_act(x: Tensor, w: Tensor, offs: Tensor, activation: str) -> Tensor:
+    """act(grouped_gemm(x, w, offs)) from one kernel (swiglu [M, N/2], relu2 [M, N]) that also writes h,
+    so the activation never re-reads h from memory and the backward keeps h instead of recomputing it."""
+    _act_width(w, activation)
+    arch = runtime.require_arch(x, w, offs)
+    if arch != "sm_90a":
+        raise ArchNotImplemented(
+            f"grouped_gemm_act: the fused epilogue is an sm_90a kernel, not implemented for {arch} yet; "
+            f"compose nmoe.fast.activation.{activation}(nmoe.fast.gemm.grouped_gemm(x, w, offs)) there"
+        )
+    a: Tensor = _act_op(x, w, offs, activation)[0]
+    return a
 
 
 def grouped_gemm_fp8(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, offs: Tensor) -> Tensor:
@@ -285,14 +363,14 @@ def grouped_gemm_wgrad(dy: Tensor, x: Tensor, offs: Tensor) -> Tensor:
     return out
 
 
-def _ptx(n: int, k: int, bn: int, w_k_major: bool | None, arch: str) -> str:
-    """PTX of the fwd (w_k_major True), dgrad (False) or wgrad (None) kernel class."""
+def _ptx(n: int, k: int, bn: int, w_k_major: bool | None, activation: str, arch: str) -> str:
+    """PTX of the fwd (w_k_major True, optionally with a fused activation), dgrad (False) or wgrad (None)."""
     if w_k_major is None:
         kmod = _kernels(arch, _WGRAD_MODULE)
         host, args = kmod.compile_args(n, k, bn)
     else:
         kmod = _kernels(arch)
-        host, args = kmod.compile_args(n, k, bn, w_k_major)
+        host, args = kmod.compile_args(n, k, bn, w_k_major, activation)
     return runtime.compile_ptx(host, args)
 
 
@@ -309,23 +387,36 @@ _FORBID_SM90 = (r"\b(ld|st)\.local\b", r"\bmma\.sync\b")
 _EXPECT_WGRAD = (*_EXPECT_SM90, r"\bfence\.proxy\.async\.shared::cta\b")
 
 
-def _spec(name: str, n: int, k: int, bn: int, w_k_major: bool | None) -> KernelSpec:
+# The fused epilogue must round like the standalone activations: canonical NaN selects, no ftz arithmetic
+# (libdevice expf's ex2.approx.ftz acts on a range-reduced argument and is exempt), IEEE division.
+_EXPECT_EPILOGUE = (*_EXPECT_SM90, r"\bsetp\.nan\.f32\b")
+_FORBID_EPILOGUE = (*_FORBID_SM90, r"\b(mul|add|sub|div|fma)(\.r[nzmp])?\.ftz\.f32\b",
+                    r"\bdiv\.(approx|full)(\.ftz)?\.f32\b")
+
+
+def _spec(name: str, n: int, k: int, bn: int, w_k_major: bool | None, activation: str = "none") -> KernelSpec:
     expect = _EXPECT_WGRAD if w_k_major is None else _EXPECT_SM90
+    fused = activation != "none"
     return KernelSpec(
-        op="grouped_gemm",
+        op="grouped_gemm_act" if fused else "grouped_gemm",
         name=name,
-        compile=functools.partial(_ptx, n, k, bn, w_k_major),
-        expect={"sm_90a": expect},
-        forbid={"sm_90a": _FORBID_SM90},
+        compile=functools.partial(_ptx, n, k, bn, w_k_major, activation),
+        expect={"sm_90a": _EXPECT_EPILOGUE if fused else expect},
+        forbid={"sm_90a": _FORBID_EPILOGUE if fused else _FORBID_SM90},
     )
 
 
-# Representative classes: the up projection (N = 2I, K = H), the down projection, their dgrad and wgrad.
+# Representative classes: the up projection (N = 2I, K = H), the down projection, their dgrad and wgrad, and
+# the up projection with each fused activation at both tile widths.
 KERNELS: tuple[KernelSpec, ...] = (
     _spec("grouped_gemm_fwd_n128", 2048, 4096, 128, True),
     _spec("grouped_gemm_fwd_n256", 4096, 1024, 256, True),
     _spec("grouped_gemm_dgrad_n128", 1024, 4096, 128, False),
     _spec("grouped_gemm_wgrad_n256", 2048, 4096, 256, None),
+    _spec("grouped_gemm_act_swiglu_n128", 2048, 4096, 128, True, "swiglu"),
+    _spec("grouped_gemm_act_swiglu_n256", 4096, 1024, 256, True, "swiglu"),
+    _spec("grouped_gemm_act_relu2_n128", 1024, 4096, 128, True, "relu2"),
+    _spec("grouped_gemm_act_relu2_n256", 4096, 1024, 256, True, "relu2"),
 )
 
 

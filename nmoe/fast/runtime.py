@@ -343,7 +343,8 @@ def launch(kernels: ModuleType, source_sha256: str, kernel: str, spec: dict[str,
 
 
 def register_custom_op(
-    qualname: str, impl: Callable[..., Tensor], fake: Callable[..., Tensor]
+    qualname: str, impl: Callable[..., Tensor | tuple[Tensor, ...]],
+    fake: Callable[..., Tensor | tuple[Tensor, ...]],
 ) -> CustomOpDef:
     """Expose a fast op as one opaque torch op: torch.compile and CUDA graphs use `fake` for shapes."""
     op = torch.library.custom_op(qualname, mutates_args=())(impl)

@@ -43,7 +43,8 @@ def _out_bits(p: cute.TensorSSA, dtype_name: str) -> cute.TensorSSA:
     return nan32
 
 
-def _fwd_bits(x: cute.TensorSSA, dtype_name: str) -> cute.TensorSSA:
+def relu2_bits(x: cute.TensorSSA, dtype_name: str) -> cute.TensorSSA:
+    """relu2 of one vector as output bits; the grouped GEMM's fused epilogue calls it too."""
     r = _relu(x.to(Float32))
     sq = r * r
     return _out_bits(sq, dtype_name)
@@ -94,10 +95,10 @@ def relu2_fwd_kernel(px: Pointer, py: Pointer, n: Int64,
     if i < nfull:
         gx = cute.zipped_divide(mx, (vec,))
         x = gx[(None, i)].load().reshape((vec,))
-        _store_full(cute.zipped_divide(my, (vec,)), i, _fwd_bits(x, dtype_name))
+        _store_full(cute.zipped_divide(my, (vec,)), i, relu2_bits(x, dtype_name))
     elif i == nfull:
         x = _load_tail(mx, nfull * vec, n, vec)
-        _store_tail(my, nfull * vec, n, _fwd_bits(x, dtype_name), vec)
+        _store_tail(my, nfull * vec, n, relu2_bits(x, dtype_name), vec)
 
 
 @cute.kernel

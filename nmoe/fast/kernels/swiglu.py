@@ -52,7 +52,8 @@ def _split(hf: cute.Tensor, vec: Constexpr[int]) -> tuple[cute.Tensor, cute.Tens
 
 
 @cute.jit
-def _fwd(hf: cute.Tensor, vec: Constexpr[int]) -> cute.Tensor:
+def swiglu_pairs(hf: cute.Tensor, vec: Constexpr[int]) -> cute.Tensor:
+    """vec outputs from 2*vec interleaved fp32 inputs; the grouped GEMM's fused epilogue calls it too."""
     g, u = _split(hf, vec)
     s = _sigmoid(g, vec)
     out = _frag(vec)
@@ -123,10 +124,10 @@ def swiglu_fwd_kernel(ph: Pointer, py: Pointer, n: Int64, vec: Constexpr[int],
     mh = cute.make_tensor(ph, cute.make_layout(2 * n))
     my = cute.make_tensor(py, cute.make_layout(n))
     if i < nfull:
-        _store_full(my, i, _fwd(_load_full(mh, i, 2 * vec), vec), vec, dtype_name)
+        _store_full(my, i, swiglu_pairs(_load_full(mh, i, 2 * vec), vec), vec, dtype_name)
     elif i == nfull:
         hf = _load_tail(mh, 2 * nfull * vec, 2 * n, 2 * vec)
-        _store_tail(my, nfull * vec, n, _fwd(hf, vec), vec, dtype_name)
+        _store_tail(my, nfull * vec, n, swiglu_pairs(hf, vec), vec, dtype_name)
 
 
 @cute.kernel

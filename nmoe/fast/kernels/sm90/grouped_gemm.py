@@ -1,16 +1,17 @@
 """sm_90a grouped GEMM over expert row segments (fwd, and dgrad via an N-major B): TMA, wgmma, persistent
 warp-specialised CTAs that derive their tile list from the device `offs`, so routing never syncs the host.
+The fwd optionally fuses swiglu or relu2 into its epilogue (writing both h and act(h)).
 Import only after nmoe.fast.runtime.import_cutlass("sm_90a")."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Int16, Int32, Int64
 from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -20,6 +21,10 @@ from cutlass.cutlass_dsl.cutlass import max as dsl_max
 from cutlass.cutlass_dsl.cutlass import min as dsl_min
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
+
+from nmoe.fast.kernels.activation import relu2_bits
+from nmoe.fast.kernels.combine import out_bits
+from nmoe.fast.kernels.swiglu import swiglu_pairs
 
 BM = 128
 BK = 64
@@ -34,6 +39,8 @@ EPI_BARRIER_ID = 1
 MAX_GROUPS = 1024
 SMEM_BYTES = 232448
 VEC = 8
+# h columns per output column of each fused epilogue ("none": the plain GEMM).
+EPILOGUES: dict[str, int] = {"none": 1, "swiglu": 2, "relu2": 1}
 
 
 def stages_for(bn: int) -> int:
@@ -41,6 +48,64 @@ def stages_for(bn: int) -> int:
     stage_bytes = (BM + bn) * BK * 2
     fixed = BM * bn * 2 + MAX_GROUPS * 4 + 2048
     return min(8, (SMEM_BYTES - fixed) // stage_bytes)
+
+
+def store_copy(bn: int, width: int) -> tuple[cute.CopyAtom, cute.TiledCopy]:
+    """Epilogue stores: consumer threads tile the BM x bn h tile in 8-column chunks, each thread writing
+    `width` contiguous bf16 of its chunk's output (8 for h and relu2, 4 for swiglu)."""
+    chunks_n = bn // VEC
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=16 * width)
+    tiled = cute.make_tiled_copy_tv(
+        atom,
+        cute.make_layout((CONSUMER_THREADS // chunks_n, chunks_n), stride=(chunks_n, 1)),
+        cute.make_layout((1, width)),
+    )
+    return atom, tiled
+
+
+def check_pairing(bn: int, act: str) -> None:
+    """Trace-time proof over every consumer thread and chunk that output element (r, c) is computed from h
+    columns ratio*c .. ratio*c + ratio - 1 of row r (swiglu: the (gate, up) pair) through identity tensors."""
+    ratio = EPILOGUES[act]
+    _, h_copy = store_copy(bn, VEC)
+    _, a_copy = store_copy(bn, VEC // ratio)
+    h_id = cute.make_identity_tensor((BM, bn))
+    a_id = cute.make_identity_tensor((BM, bn // ratio))
+
+    def fail(what: str) -> NoReturn:
+        raise RuntimeError(f"{act} epilogue pairing broken: {what}; rebuild both copies with store_copy")
+
+    # A partition is its thread's base coordinate plus a thread-independent layout: check each half.
+    h0 = h_copy.get_slice(0).partition_D(h_id)
+    a0 = a_copy.get_slice(0).partition_D(a_id)
+    if h0.shape[1:] != a0.shape[1:]:
+        fail(f"h chunks {h0.shape} and output chunks {a0.shape} iterate differently")
+    for t in range(CONSUMER_THREADS):
+        h = h_copy.get_slice(t).partition_D(h_id)
+        a = a_copy.get_slice(t).partition_D(a_id)
+        (hr, hc), (ar, ac) = h.iterator, a.iterator
+        if str(h.layout) != str(h0.layout) or str(a.layout) != str(a0.layout) or (hr, hc) != (ar, ratio * ac):
+            fail(f"thread {t} starts at h {(hr, hc)} and output {(ar, ac)}")
+    for i in range(cute.size(h0, mode=[1])):
+        for j in range(cute.size(h0, mode=[2])):
+            for v in range(VEC // ratio):
+                r, c = a0.layout((v, i, j))
+                for p in range(ratio):
+                    if tuple(h0.layout((ratio * v + p, i, j))) != (r, ratio * c + p):
+                        fail(f"output offset {(r, c)} would read h offset {h0.layout((ratio * v + p, i, j))}")
+
+
+@cute.jit
+def _act_chunk(r_h: cute.Tensor, r_a: cute.Tensor, act: Constexpr[str]) -> None:
+    """a = act(h) of one chunk of VEC bf16 h columns, by the standalone activation kernels' own math."""
+    h = r_h.load().reshape((VEC,))
+    if const_expr(act == "relu2"):
+        bits = relu2_bits(h, "bfloat16")
+    else:
+        hf = cute.make_rmem_tensor((VEC,), Float32)
+        hf.store(h.to(Float32))
+        bits = out_bits(swiglu_pairs(hf, VEC // 2).load(), "bfloat16")
+    cute.recast_tensor(r_a, Int16).store(bits.reshape(r_a.shape))
 
 
 @cute.jit
@@ -82,10 +147,10 @@ def _issue_mmas(tiled_mma: cute.TiledMma, acc: cute.Tensor, t_ra: cute.Tensor, t
 @cute.kernel
 def grouped_gemm_kernel(
     tma_atom_a: cute.CopyAtom, m_a: cute.Tensor, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
-    m_d: cute.Tensor, m_offs: cute.Tensor, m_rows: Int32, n_groups: Int32,
+    m_d: cute.Tensor, m_act: cute.Tensor, m_offs: cute.Tensor, m_rows: Int32, n_groups: Int32,
     tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
     d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
-    stages: Constexpr[int],
+    stages: Constexpr[int], act: Constexpr[str],
 ) -> None:
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
@@ -179,14 +244,14 @@ def grouped_gemm_kernel(
         r_f = cute.make_rmem_tensor(d_shape, Float32)
         r_d = cute.make_rmem_tensor(d_shape, BFloat16)
 
-        chunks_n = bn // VEC
-        s2g_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
-        s2g = cute.make_tiled_copy_tv(
-            s2g_atom,
-            cute.make_layout((CONSUMER_THREADS // chunks_n, chunks_n), stride=(chunks_n, 1)),
-            cute.make_layout((1, VEC)),
-        )
+        s2g_atom, s2g = store_copy(bn, VEC)
         thr_s2g = s2g.get_slice(ctid)
+        act_cols = bn // EPILOGUES[act]
+        act_atom, act_copy = store_copy(bn, VEC // EPILOGUES[act])
+        thr_act = act_copy.get_slice(ctid)
+        r_h = cute.make_rmem_tensor(thr_s2g.partition_S(s_d)[(None, 0, 0)].shape, BFloat16)
+        a_chunk = thr_act.partition_D(cute.make_identity_tensor((BM, act_cols)))[(None, 0, 0)]
+        r_a = cute.make_rmem_tensor(a_chunk.shape, BFloat16)
         t_s_sd = thr_s2g.partition_S(s_d)
         t_s_cd = thr_s2g.partition_D(cute.make_identity_tensor((BM, bn)))
         epi_bar = pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID, num_threads=CONSUMER_THREADS)
@@ -228,11 +293,24 @@ def grouped_gemm_kernel(
             cols_valid = n - n_tile * bn
             g_d = cute.local_tile(cute.domain_offset((row0, 0), m_d), (BM, bn), (0, n_tile))
             t_s_gd = thr_s2g.partition_D(g_d)
-            for i in range_constexpr(cute.size(t_s_sd, mode=[1])):
-                for j in range_constexpr(cute.size(t_s_sd, mode=[2])):
-                    coord = t_s_cd[(0, i, j)]
-                    if coord[0] < rows_valid and coord[1] < cols_valid:
-                        cute.copy(s2g_atom, t_s_sd[(None, i, j)], t_s_gd[(None, i, j)])
+            if const_expr(act == "none"):
+                for i in range_constexpr(cute.size(t_s_sd, mode=[1])):
+                    for j in range_constexpr(cute.size(t_s_sd, mode=[2])):
+                        coord = t_s_cd[(0, i, j)]
+                        if coord[0] < rows_valid and coord[1] < cols_valid:
+                            cute.copy(s2g_atom, t_s_sd[(None, i, j)], t_s_gd[(None, i, j)])
+            else:
+                # h chunk: smem -> registers -> global, then act of the same bf16 registers to global.
+                g_a = cute.local_tile(cute.domain_offset((row0, 0), m_act), (BM, act_cols), (0, n_tile))
+                t_s_ga = thr_act.partition_D(g_a)
+                for i in range_constexpr(cute.size(t_s_sd, mode=[1])):
+                    for j in range_constexpr(cute.size(t_s_sd, mode=[2])):
+                        coord = t_s_cd[(0, i, j)]
+                        if coord[0] < rows_valid and coord[1] < cols_valid:
+                            cute.copy(s2g_atom, t_s_sd[(None, i, j)], r_h)
+                            cute.copy(s2g_atom, r_h, t_s_gd[(None, i, j)])
+                            _act_chunk(r_h, r_a, act)
+                            cute.copy(act_atom, r_a, t_s_ga[(None, i, j)])
 
             t = t + n_ctas
             e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,
@@ -241,18 +319,23 @@ def grouped_gemm_kernel(
 
 @cute.jit
 def grouped_gemm_host(
-    px: Pointer, pw: Pointer, py: Pointer, poffs: Pointer, m_rows: Int32, n_groups: Int32, n_ctas: Int32,
-    stream: cuda.CUstream, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
-    w_k_major: Constexpr[bool],
+    px: Pointer, pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer, m_rows: Int32, n_groups: Int32,
+    n_ctas: Int32, stream: cuda.CUstream, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
+    w_k_major: Constexpr[bool], act: Constexpr[str],
 ) -> None:
-    """y[M, n] = per-group x[M, k] @ B_e^T, B_e [n, k] read from w (K-major w [E, n, k], else w [E, k, n])."""
+    """y[M, n] = per-group x[M, k] @ B_e^T, B_e [n, k] read from w (K-major w [E, n, k], else w [E, k, n]);
+    with act != "none" also a[M, n / ratio] = act(y) (pa is ignored for "none")."""
     stages = stages_for(bn)
+    if const_expr(act != "none"):
+        check_pairing(bn, act)
     m_x = cute.make_tensor(px, cute.make_layout((m_rows, k), stride=(k, 1)))
     if const_expr(w_k_major):
         m_w = cute.make_tensor(pw, cute.make_layout((n, k, n_groups), stride=(k, 1, n * k)))
     else:
         m_w = cute.make_tensor(pw, cute.make_layout((n, k, n_groups), stride=(1, n, n * k)))
     m_y = cute.make_tensor(py, cute.make_layout((m_rows, n), stride=(n, 1)))
+    n_act = n // EPILOGUES[act]
+    m_a = cute.make_tensor(pa, cute.make_layout((m_rows, n_act), stride=(n_act, 1)))
     m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
 
     a_enum = LayoutEnum.ROW_MAJOR
@@ -271,8 +354,8 @@ def grouped_gemm_host(
     tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
         cpasync.CopyBulkTensorTileG2SOp(), m_w, cute.slice_(b_layout, (None, None, 0)), (bn, BK))
     grouped_gemm_kernel(
-        tma_atom_a, tma_a, tma_atom_b, tma_b, m_y, m_offs, m_rows, n_groups, tiled_mma, a_layout, b_layout,
-        d_layout, n, k, bn, stages,
+        tma_atom_a, tma_a, tma_atom_b, tma_b, m_y, m_a, m_offs, m_rows, n_groups, tiled_mma, a_layout,
+        b_layout, d_layout, n, k, bn, stages, act,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
 
 
@@ -281,6 +364,10 @@ def pointer(dtype: Any, address: int, align: int = 16) -> Any:
     return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
 
 
-def compile_args(n: int, k: int, bn: int, w_k_major: bool) -> tuple[Any, tuple[Any, ...]]:
-    ptrs = (pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(Int32, 0, 4))
-    return grouped_gemm_host, (*ptrs, Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k, bn, w_k_major)
+def compile_args(n: int, k: int, bn: int, w_k_major: bool, act: str = "none") -> tuple[Any, tuple[Any, ...]]:
+    if act not in EPILOGUES or (act != "none" and not w_k_major):
+        raise ValueError(f"grouped GEMM epilogue {act!r} (w_k_major={w_k_major}) unsupported; the fwd takes "
+                         f"one of {sorted(EPILOGUES)}, dgrad only 'none'")
+    ptrs = (*(pointer(BFloat16, 0) for _ in range(4)), pointer(Int32, 0, 4))
+    return grouped_gemm_host, (*ptrs, Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k, bn, w_k_major,
+                               act)
