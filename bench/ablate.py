@@ -1,0 +1,150 @@
+"""Where grouped-GEMM time goes: each ablation is one named source edit (a stage left out, a knob forced),
+timed in its own copy of the tree against the unedited baseline of the same run. Compiles run in parallel,
+timings one at a time. Usage (GPU): python -m bench.ablate --out FILE.json"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mutations.execute import child_env, copy_tree
+from mutations.model import Mutation, apply
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL = "nmoe/fast/kernels/sm90/grouped_gemm.py"
+GLUE = "nmoe/fast/gemm.py"
+ABLATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "ablate.no_epilogue_stores", KERNEL,
+        "                        if coord[0] < rows_valid and coord[1] < cols_valid:\n"
+        "                            cute.copy(s2g_atom, t_s_sd[(None, i, j)], t_s_gd[(None, i, j)])",
+        "                        if coord[0] < rows_valid and coord[1] < cols_valid and rows_valid < 0:\n"
+        "                            cute.copy(s2g_atom, t_s_sd[(None, i, j)], t_s_gd[(None, i, j)])",
+        "plain fwd epilogue without its global stores: their share of the time",
+    ),
+    Mutation(
+        "ablate.one_stage_less", KERNEL,
+        "    return min(8, (SMEM_BYTES - fixed) // stage_bytes)",
+        "    return min(8, (SMEM_BYTES - fixed) // stage_bytes) - 1",
+        "operand pipeline one stage shallower: how much depth matters",
+    ),
+    Mutation(
+        "ablate.bn128", GLUE,
+        "    return 256 if n % 256 == 0 and n >= 2048 else 128",
+        "    return 128",
+        "N tile 128 everywhere (deeper pipeline, more A re-reads)",
+    ),
+    Mutation(
+        "ablate.bn256", GLUE,
+        "    return 256 if n % 256 == 0 and n >= 2048 else 128",
+        "    return 256 if n % 256 == 0 else 128",
+        "N tile 256 wherever N allows (fewer A re-reads, shallower pipeline)",
+    ),
+)
+SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
+    (32768, 4096, 1024, 128, 8), (24576, 1536, 256, 128, 8), (32768, 4096, 512, 256, 8),
+)
+
+
+def _problems() -> list[tuple[str, int, int, int, int]]:
+    """(label, M, N, K, E) of the up (N = 2I, K = H) and down (N = H, K = I) projections, uniform routing."""
+    out = []
+    for t, h, i, e, k in SHAPES:
+        out.append((f"up T={t} H={h} I={i} E={e}", t * k, 2 * i, h, e))
+        out.append((f"down T={t} H={h} I={i} E={e}", t * k, h, i, e))
+    return out
+
+
+def _time(m: int, n: int, k: int, e: int, compile_only: bool) -> float:
+    import torch
+
+    from bench.conftest import cuda_median_ms
+    from nmoe.fast import gemm
+
+    offs = torch.full((e,), m // e, dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16)
+    if compile_only:
+        gemm.grouped_gemm(x, w, offs)
+        torch.cuda.synchronize()
+        return 0.0
+    return cuda_median_ms(lambda: gemm.grouped_gemm(x, w, offs))
+
+
+def child(compile_only: bool) -> None:
+    from nmoe.fast.gemm import pick_bn
+
+    for label, m, n, k, e in _problems():
+        ms = _time(m, n, k, e, compile_only)
+        if not compile_only:
+            row = {"shape": label, "ms": ms, "tflops": 2.0 * m * n * k / ms / 1e9, "bn": pick_bn(n)}
+            print(json.dumps(row), flush=True)
+
+
+def _run(copy: Path, compile_only: bool) -> subprocess.Popen[str]:
+    env = child_env(copy, "gpu", 2)
+    env["NMOE_KERNEL_CACHE"] = str(copy / ".kernels")
+    cmd = [sys.executable, "-m", "bench.ablate", "--child"] + (["--compile-only"] if compile_only else [])
+    return subprocess.Popen(cmd, cwd=copy, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.ablate", description=__doc__)
+    p.add_argument("--out", type=Path, help="JSON file for the timings")
+    p.add_argument("--only", default="", help="comma-separated ablation ids (default: all)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        child(args.compile_only)
+        return 0
+    chosen = [a for a in ABLATIONS if not args.only or a.id in args.only.split(",")]
+    tmp = Path(tempfile.mkdtemp(prefix="nmoe-ablate-"))
+    copies: dict[str, Path] = {}
+    for name, edit in [("baseline", None), *((a.id, a) for a in chosen)]:
+        copy = tmp / name
+        copy_tree(ROOT, copy)
+        shutil.copytree(ROOT / "bench", copy / "bench",
+                        ignore=shutil.ignore_patterns("results", "__pycache__"))
+        if edit is not None:
+            path = copy / edit.file
+            path.write_text(apply(path.read_text(encoding="utf-8"), edit), encoding="utf-8")
+        copies[name] = copy
+    failed = {n: out for n, proc in [(n, _run(c, True)) for n, c in copies.items()]
+              if (out := proc.communicate()[0]) and proc.returncode}
+    rows: dict[str, Any] = {}
+    for name, copy in copies.items():
+        if name in failed:
+            rows[name] = {"error": failed[name][-2000:]}
+            continue
+        out, _ = _run(copy, False).communicate()
+        timed = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        rows[name] = timed or {"error": out[-2000:]}
+    shutil.rmtree(tmp, ignore_errors=True)
+    notes = {a.id: a.description for a in chosen}
+    base = {r["shape"]: r["ms"] for r in rows["baseline"]} if isinstance(rows["baseline"], list) else {}
+    for name, rs in rows.items():
+        for r in rs if isinstance(rs, list) else []:
+            ratio = base.get(r["shape"], float("nan")) / r["ms"]
+            print(f"{name:26s} {r['shape']:34s} bn={r['bn']:3d} {r['tflops']:6.1f} TFLOP/s  "
+                  f"x{ratio:.3f} vs baseline")
+        if not isinstance(rs, list):
+            print(f"{name}: failed\n{rs['error']}")
+    if args.out:
+        from nmoe.provenance import provenance
+
+        args.out.write_text(json.dumps({"provenance": provenance(" ".join(["python -m bench.ablate",
+                                        *(argv or sys.argv[1:])])), "notes": notes, "rows": rows}, indent=1))
+    return 0 if all(isinstance(rs, list) for rs in rows.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
