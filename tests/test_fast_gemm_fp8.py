@@ -194,20 +194,25 @@ def test_sm100a_compile_is_not_run_naming_the_dispatcher(rows: dict[str, list[di
 
 
 _PROBE = r'''
-import json, os, shutil, subprocess, sys, tempfile
+import itertools, json, os, re, shutil, subprocess, sys, tempfile
 from nmoe.fast import gemm_fp8, runtime
 runtime.import_cutlass("sm_90a")
 import cutlass.cute as cute
 from cutlass.base_dsl.ast_helpers import range_constexpr
 from nmoe.fast.kernels.sm90 import grouped_gemm_fp8 as k
 
-out = {"ptxas": None, "coords": []}
-if shutil.which("ptxas"):
-    out["ptxas"] = {}
-    for spec in gemm_fp8.KERNELS:
+OPS = (r"setmaxnreg\.inc|ld\.global\.b8|mbarrier\.try_wait|wgmma\.fence|wgmma\.mma_async|"
+       r"wgmma\.wait_group\.sync\.aligned\s+\d|fma\.rn\.f32|stmatrix")
+out = {"ptxas": None, "coords": [], "ops": {}}
+for spec in gemm_fp8.KERNELS:
+    ptx = spec.compile("sm_90a")
+    ops = [re.sub(r"\s+", " ", o) for o in re.findall(OPS, ptx)]
+    out["ops"][spec.name] = [[op, len(list(run))] for op, run in itertools.groupby(ops)]
+    if shutil.which("ptxas"):
+        out["ptxas"] = out["ptxas"] or {}
         with tempfile.TemporaryDirectory() as d:
             src = os.path.join(d, "k.ptx")
-            open(src, "w").write(spec.compile("sm_90a"))
+            open(src, "w").write(ptx)
             p = subprocess.run(["ptxas", "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
                                capture_output=True, text=True)
             out["ptxas"][spec.name] = {"rc": p.returncode, "log": (p.stdout + p.stderr)[-3000:]}
@@ -254,6 +259,16 @@ def test_sm90a_ptx_assembles_without_spills(probe: dict[str, Any]) -> None:
         assert "0 bytes spill stores, 0 bytes spill loads" in res["log"], (name, res["log"])
         regs = int(re.findall(r"Used (\d+) registers", res["log"])[-1])
         assert regs <= 232, (name, regs)
+
+
+def test_consumer_loop_waits_before_promoting(probe: dict[str, Any]) -> None:
+    """Per K block: the 3 scale bytes load before the stage wait (hidden under TMA and MMA), one batch of 4
+    k32 wgmmas, wait_group 0, then one FMA per accumulator value (64), then the next block or the epilogue."""
+    body = [["ld.global.b8", 3], ["mbarrier.try_wait", 1], ["wgmma.fence", 1], ["wgmma.mma_async", 4],
+            ["wgmma.wait_group.sync.aligned 0", 1], ["fma.rn.f32", 64], ["stmatrix", 8]]
+    for name, ops in probe["ops"].items():
+        consumer = ops[[op for op, _ in ops].index("setmaxnreg.inc") + 1:]
+        assert consumer[: len(body)] == body, (name, consumer)
 
 
 def test_accumulator_rows_are_what_the_promotion_assumes(probe: dict[str, Any]) -> None:
