@@ -204,7 +204,9 @@ def grouped_gemm_fp8_kernel(
                 row_lo = dsl_min(row0 + t_c[((0, 0, 0), 0, 0)][0], m_rows - 1)
                 row_hi = dsl_min(row0 + t_c[((0, 1, 0), 0, 0)][0], m_rows - 1)
                 for kt in range(k_tiles):
-                    # Scale bytes load while the block's operands arrive and its wgmmas run.
+                    # 3 scale bytes per thread and block, read straight from global (L1 after first touch):
+                    # xs's 1-byte columns are too narrow for a TMA box without a transposed copy. Loaded
+                    # before the stage wait, so the latency hides under the TMA and the wgmmas.
                     b_lo = _byte(m_xs, (row_lo, kt))
                     b_hi = _byte(m_xs, (row_hi, kt))
                     b_w = _byte(m_ws, (n_tile, kt, e))
