@@ -23,10 +23,10 @@ GLUE = "nmoe/fast/gemm.py"
 ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
         "ablate.no_epilogue_stores", KERNEL,
-        "                        if coord[0] < rows_valid and coord[1] < cols_valid:\n"
-        "                            cute.copy(s2g_atom, t_s_sd[(None, i, j)], t_s_gd[(None, i, j)])",
-        "                        if coord[0] < rows_valid and coord[1] < cols_valid and rows_valid < 0:\n"
-        "                            cute.copy(s2g_atom, t_s_sd[(None, i, j)], t_s_gd[(None, i, j)])",
+        "                if coord[0] < rows_valid and coord[1] < cols_valid:\n"
+        "                    cute.copy(epi.s2g_atom, epi.t_s_sd[(None, i, j)], t_s_gd[(None, i, j)])",
+        "                if coord[0] < rows_valid and coord[1] < cols_valid and rows_valid < 0:\n"
+        "                    cute.copy(epi.s2g_atom, epi.t_s_sd[(None, i, j)], t_s_gd[(None, i, j)])",
         "plain fwd epilogue without its global stores: their share of the time",
     ),
     Mutation(

@@ -6,6 +6,7 @@ FAST_MODULES: tuple[str, ...] = (
     "nmoe.fast.router",
     "nmoe.fast.dispatch",
     "nmoe.fast.gemm",
+    "nmoe.fast.gemm_fp8",
     "nmoe.fast.gemm_sm100",
     "nmoe.fast.formats",
     "nmoe.fast.norm",

@@ -326,13 +326,11 @@ def grouped_gemm_act(x: Tensor, w: Tensor, offs: Tensor, activation: str) -> Ten
 
 
 def grouped_gemm_fp8(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, offs: Tensor) -> Tensor:
-    """e4m3 experts: tcgen05 block-scaled MMA on sm_100a; the sm_90a wgmma fp8 kernel does not exist yet."""
-    if runtime.require_arch(xq, wq, offs) != "sm_100a":
-        raise ArchNotImplemented(
-            "grouped_gemm_fp8: the sm_90a fp8 grouped GEMM (1x128/128x128 scales, fp32 promotion per K "
-            "block) "
-            "is not implemented yet; use expert_dtype = \"bf16\" on H100/H200, or run fp8 on a B200"
-        )
+    """e4m3 experts: wgmma with fp32 promotion per 128-K block on sm_90a, tcgen05 block-scaled on sm_100a."""
+    if runtime.require_arch(xq, wq, offs) == "sm_90a":
+        from nmoe.fast import gemm_fp8
+
+        return gemm_fp8.grouped_gemm_fp8(xq, xs, wq, ws, offs)
     from nmoe.fast import gemm_sm100
 
     return gemm_sm100.grouped_gemm_fp8(xq, xs, wq, ws, offs)

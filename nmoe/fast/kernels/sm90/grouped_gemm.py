@@ -5,7 +5,7 @@ Import only after nmoe.fast.runtime.import_cutlass("sm_90a")."""
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
@@ -135,6 +135,83 @@ def _seek(s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, t: Int32, e: Int3
     return e, g_start, g_end, before, here
 
 
+class Epilogue(NamedTuple):
+    """A consumer thread's share of the bf16 output path (and of act(h) when fused), built once per kernel."""
+
+    r2s: cute.TiledCopy
+    t_rs_d: cute.Tensor
+    t_rs_acc: cute.Tensor
+    r_f: cute.Tensor
+    r_d: cute.Tensor
+    s2g_atom: cute.CopyAtom
+    thr_s2g: Any
+    t_s_sd: cute.Tensor
+    t_s_cd: cute.Tensor
+    bar: pipeline.NamedBarrier
+    act_atom: cute.CopyAtom
+    thr_act: Any
+    r_h: cute.Tensor
+    r_a: cute.Tensor
+
+
+def epilogue_copies(tiled_mma: cute.TiledMma, acc: cute.Tensor, s_d: cute.Tensor, ctid: Int32, bn: int,
+                    act: str = "none") -> Epilogue:
+    """stmatrix from the fp32 accumulator into the bf16 smem tile, then 16-byte smem -> global chunks."""
+    stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16)
+    r2s = cute.make_tiled_copy_S(stmatrix, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
+    thr_r2s = r2s.get_slice(ctid)
+    # The retiled accumulator and the smem partition enumerate the same elements in the same flat order.
+    d_shape = thr_r2s.partition_S(s_d).shape
+    s2g_atom, s2g = store_copy(bn, VEC)
+    thr_s2g = s2g.get_slice(ctid)
+    act_atom, act_copy = store_copy(bn, VEC // EPILOGUES[act])
+    thr_act = act_copy.get_slice(ctid)
+    a_chunk = thr_act.partition_D(cute.make_identity_tensor((BM, bn // EPILOGUES[act])))[(None, 0, 0)]
+    return Epilogue(
+        r2s, thr_r2s.partition_D(s_d), r2s.retile(acc), cute.make_rmem_tensor(d_shape, Float32),
+        cute.make_rmem_tensor(d_shape, BFloat16), s2g_atom, thr_s2g, thr_s2g.partition_S(s_d),
+        thr_s2g.partition_D(cute.make_identity_tensor((BM, bn))),
+        pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID, num_threads=CONSUMER_THREADS),
+        act_atom, thr_act, cute.make_rmem_tensor(thr_s2g.partition_S(s_d)[(None, 0, 0)].shape, BFloat16),
+        cute.make_rmem_tensor(a_chunk.shape, BFloat16),
+    )
+
+
+@cute.jit
+def store_tile(epi: Epilogue, m_d: cute.Tensor, m_act: cute.Tensor, row0: Int32, n_tile: Int32,
+               row_end: Int32, n: Constexpr[int], bn: Constexpr[int], act: Constexpr[str]) -> None:
+    """Registers -> bf16 tile in smem -> 16-byte global stores of the rows below row_end, columns below n;
+    a fused act(h) is computed from the same bf16 h chunk in registers and stored beside it."""
+    epi.bar.arrive_and_wait()
+    for v in range_constexpr(cute.size(epi.r_f)):
+        epi.r_f[v] = epi.t_rs_acc[v]
+    epi.r_d.store(epi.r_f.load().to(BFloat16))
+    cute.copy(epi.r2s, epi.r_d, epi.t_rs_d)
+    epi.bar.arrive_and_wait()
+    rows_valid = row_end - row0
+    cols_valid = n - n_tile * bn
+    g_d = cute.local_tile(cute.domain_offset((row0, 0), m_d), (BM, bn), (0, n_tile))
+    t_s_gd = epi.thr_s2g.partition_D(g_d)
+    if const_expr(act == "none"):
+        for i in range_constexpr(cute.size(epi.t_s_sd, mode=[1])):
+            for j in range_constexpr(cute.size(epi.t_s_sd, mode=[2])):
+                coord: Any = epi.t_s_cd[(0, i, j)]
+                if coord[0] < rows_valid and coord[1] < cols_valid:
+                    cute.copy(epi.s2g_atom, epi.t_s_sd[(None, i, j)], t_s_gd[(None, i, j)])
+    else:
+        act_cols = bn // EPILOGUES[act]
+        g_a = cute.local_tile(cute.domain_offset((row0, 0), m_act), (BM, act_cols), (0, n_tile))
+        t_s_ga = epi.thr_act.partition_D(g_a)
+        for i in range_constexpr(cute.size(epi.t_s_sd, mode=[1])):
+            for j in range_constexpr(cute.size(epi.t_s_sd, mode=[2])):
+                coord_a: Any = epi.t_s_cd[(0, i, j)]
+                if coord_a[0] < rows_valid and coord_a[1] < cols_valid:
+                    cute.copy(epi.s2g_atom, epi.t_s_sd[(None, i, j)], epi.r_h)
+                    cute.copy(epi.s2g_atom, epi.r_h, t_s_gd[(None, i, j)])
+                    _act_chunk(epi.r_h, epi.r_a, act)
+                    cute.copy(epi.act_atom, epi.r_a, t_s_ga[(None, i, j)])
+
+
 @cute.jit
 def _issue_mmas(tiled_mma: cute.TiledMma, acc: cute.Tensor, t_ra: cute.Tensor, t_rb: cute.Tensor,
                 stage: Int32) -> None:
@@ -234,27 +311,7 @@ def grouped_gemm_kernel(
         acc_shape = thr_mma.partition_shape_C((BM, bn))
         acc = cute.make_rmem_tensor(acc_shape, Float32)
 
-        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16)
-        r2s = cute.make_tiled_copy_S(stmatrix, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
-        thr_r2s = r2s.get_slice(ctid)
-        t_rs_d = thr_r2s.partition_D(s_d)
-        t_rs_acc = r2s.retile(acc)
-        # The retiled accumulator and the smem partition enumerate the same elements in the same flat order.
-        d_shape = thr_r2s.partition_S(s_d).shape
-        r_f = cute.make_rmem_tensor(d_shape, Float32)
-        r_d = cute.make_rmem_tensor(d_shape, BFloat16)
-
-        s2g_atom, s2g = store_copy(bn, VEC)
-        thr_s2g = s2g.get_slice(ctid)
-        act_cols = bn // EPILOGUES[act]
-        act_atom, act_copy = store_copy(bn, VEC // EPILOGUES[act])
-        thr_act = act_copy.get_slice(ctid)
-        r_h = cute.make_rmem_tensor(thr_s2g.partition_S(s_d)[(None, 0, 0)].shape, BFloat16)
-        a_chunk = thr_act.partition_D(cute.make_identity_tensor((BM, act_cols)))[(None, 0, 0)]
-        r_a = cute.make_rmem_tensor(a_chunk.shape, BFloat16)
-        t_s_sd = thr_s2g.partition_S(s_d)
-        t_s_cd = thr_s2g.partition_D(cute.make_identity_tensor((BM, bn)))
-        epi_bar = pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID, num_threads=CONSUMER_THREADS)
+        epi = epilogue_copies(tiled_mma, acc, s_d, ctid, bn, act)
 
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
@@ -282,35 +339,7 @@ def grouped_gemm_kernel(
                 mainloop.consumer_release(release)
                 release.advance()
 
-            # Epilogue: registers -> bf16 tile in smem -> 16-byte stores of the rows that belong to group e.
-            epi_bar.arrive_and_wait()
-            for v in range_constexpr(cute.size(r_f)):
-                r_f[v] = t_rs_acc[v]
-            r_d.store(r_f.load().to(BFloat16))
-            cute.copy(r2s, r_d, t_rs_d)
-            epi_bar.arrive_and_wait()
-            rows_valid = g_end - row0
-            cols_valid = n - n_tile * bn
-            g_d = cute.local_tile(cute.domain_offset((row0, 0), m_d), (BM, bn), (0, n_tile))
-            t_s_gd = thr_s2g.partition_D(g_d)
-            if const_expr(act == "none"):
-                for i in range_constexpr(cute.size(t_s_sd, mode=[1])):
-                    for j in range_constexpr(cute.size(t_s_sd, mode=[2])):
-                        coord = t_s_cd[(0, i, j)]
-                        if coord[0] < rows_valid and coord[1] < cols_valid:
-                            cute.copy(s2g_atom, t_s_sd[(None, i, j)], t_s_gd[(None, i, j)])
-            else:
-                # h chunk: smem -> registers -> global, then act of the same bf16 registers to global.
-                g_a = cute.local_tile(cute.domain_offset((row0, 0), m_act), (BM, act_cols), (0, n_tile))
-                t_s_ga = thr_act.partition_D(g_a)
-                for i in range_constexpr(cute.size(t_s_sd, mode=[1])):
-                    for j in range_constexpr(cute.size(t_s_sd, mode=[2])):
-                        coord = t_s_cd[(0, i, j)]
-                        if coord[0] < rows_valid and coord[1] < cols_valid:
-                            cute.copy(s2g_atom, t_s_sd[(None, i, j)], r_h)
-                            cute.copy(s2g_atom, r_h, t_s_gd[(None, i, j)])
-                            _act_chunk(r_h, r_a, act)
-                            cute.copy(act_atom, r_a, t_s_ga[(None, i, j)])
+            store_tile(epi, m_d, m_act, row0, n_tile, g_end, n, bn, act)
 
             t = t + n_ctas
             e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,

@@ -1,0 +1,45 @@
+"""gemm.fast_fp8_*: defects in the sm_90a fp8 grouped GEMM kernel (scales, promotion, K blocks); GPU only."""
+
+from __future__ import annotations
+
+from mutations.model import Mutation, sep_mutation
+
+FILE = "nmoe/fast/kernels/sm90/grouped_gemm_fp8.py"
+TESTS = "tests/test_fast_gemm_fp8.py"
+CONTRACTS = ("grouped_gemm_fp8",)
+
+MUTATIONS: tuple[Mutation, ...] = (
+    sep_mutation(
+        "gemm.fast_fp8_scale_wrong_operand", FILE,
+        "                row_lo = dsl_min(row0 + t_c[((0, 0, 0), 0, 0)][0], m_rows - 1)\n"
+        "                row_hi = dsl_min(row0 + t_c[((0, 1, 0), 0, 0)][0], m_rows - 1)\n",
+        "                row_lo = dsl_min(row0 + t_c[((0, 0, 0), 0, 0)][1], m_rows - 1)\n"
+        "                row_hi = dsl_min(row0 + t_c[((0, 1, 0), 0, 0)][1], m_rows - 1)\n",
+        "the activation scale is looked up by the output column instead of the row", TESTS, CONTRACTS,
+        device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_fp8_no_promotion", FILE,
+        "    tiled_mma.set(warpgroup.Field.ACCUMULATE, False)\n",
+        "    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)\n",
+        "the per-block accumulator is never reset, so each block's scales multiply the running sum",
+        TESTS, CONTRACTS, device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_fp8_skip_last_k_block", FILE,
+        "    k_tiles = k // BK\n", "    k_tiles = k // BK - 1\n",
+        "the last 128-wide K block (and its scales) is never multiplied", TESTS, CONTRACTS, device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_fp8_weight_scale_first_n_block", FILE,
+        "b_w = _byte(m_ws, (n_tile, kt, e))", "b_w = _byte(m_ws, (0, kt, e))",
+        "every N tile uses the weight scale of the expert's first 128 output columns", TESTS, CONTRACTS,
+        device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_fp8_nan_scale_as_inf", FILE,
+        "return Float32(i2f(sel(b == E8M0_NAN, F32_QNAN, e8m0_value_bits(b))))",
+        "return Float32(i2f(e8m0_value_bits(b)))",
+        "e8m0 byte 255 decodes as +Inf (b << 23) instead of NaN", TESTS, CONTRACTS, device="gpu",
+    ),
+)

@@ -1,0 +1,261 @@
+"""sm_90a grouped GEMM fwd on e4m3 experts with 1x128 (x) / 128x128 (w) e8m0 scales: one K tile per scale
+block, its wgmma sum promoted to an fp32 accumulator with the block's scales (as in DeepSeek-V3).
+Import only after nmoe.fast.runtime.import_cutlass("sm_90a")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cuda.bindings.driver as cuda
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8
+from cutlass.base_dsl.ast_helpers import range_constexpr
+from cutlass.base_dsl.typing import Constexpr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.typing import Pointer
+from cutlass.cutlass_dsl.cutlass import min as dsl_min
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from nmoe.constants import E8M0_NAN, FP8_WEIGHT_BLOCK, MXFP8_BLOCK_SM90
+from nmoe.fast.kernels.formats import F32_QNAN, e8m0_value_bits, i2f, sel
+from nmoe.fast.kernels.sm90.grouped_gemm import (
+    BM,
+    CONSUMER_REGS,
+    CONSUMER_WGS,
+    MAX_GROUPS,
+    PRODUCER_REGS,
+    SMEM_BYTES,
+    THREADS,
+    WG_THREADS,
+    _seek,
+    epilogue_copies,
+    pointer,
+    store_tile,
+)
+
+# One K tile per activation scale block and one N tile per weight scale block.
+BK = MXFP8_BLOCK_SM90
+BN = FP8_WEIGHT_BLOCK
+K_BLOCKS = BK // 32
+
+
+def stages_for() -> int:
+    """Operand pipeline depth that fits next to the epilogue tile, the offs table and the mbarriers."""
+    stage_bytes = (BM + BN) * BK
+    fixed = BM * BN * 2 + MAX_GROUPS * 4 + 2048
+    return min(8, (SMEM_BYTES - fixed) // stage_bytes)
+
+
+def _byte(t: cute.Tensor, coord: Any) -> Int32:
+    """A Uint8 element as 0..255: the DSL widens Uint8 with sign extension, hence the mask."""
+    v: Any = t[coord]
+    return Int32(v.to(Int32) & 0xFF)
+
+
+def make_tiled_mma() -> cute.TiledMma:
+    """e4m3 x e4m3 -> fp32 wgmma, both operands K-major (fp8 wgmma has no other mode), one WG per 64 rows."""
+    k_major = LayoutEnum.ROW_MAJOR.sm90_mma_major_mode()
+    return sm90_utils.make_trivial_tiled_mma(Float8E4M3FN, Float8E4M3FN, k_major, k_major, Float32,
+                                             (CONSUMER_WGS, 1, 1), tiler_mn=(64, BN))
+
+
+@cute.jit
+def _scale(b: Int32) -> Float32:
+    """e8m0 byte -> 2^(b-127) in fp32; 255 is NaN (b << 23 would make it +Inf)."""
+    return Float32(i2f(sel(b == E8M0_NAN, F32_QNAN, e8m0_value_bits(b))))
+
+
+@cute.jit
+def _block_mma(tiled_mma: cute.TiledMma, blk: cute.Tensor, t_ra: cute.Tensor, t_rb: cute.Tensor,
+               stage: Int32) -> cute.TiledMma:
+    """One scale block's k32 wgmmas into `blk`, the first overwriting it, and wait for them. Returns the MMA
+    so the caller rebinds it: its ACCUMULATE field is staged state the loop must carry."""
+    warpgroup.fence()
+    tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+    for kb in range_constexpr(K_BLOCKS):
+        cute.gemm(tiled_mma, blk, t_ra[(None, None, kb, stage)], t_rb[(None, None, kb, stage)], blk)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)
+    return tiled_mma
+
+
+@cute.jit
+def _promote(acc: cute.Tensor, blk: cute.Tensor, s_lo: Float32, s_hi: Float32) -> None:
+    """acc += blk * s, s by row: wgmma's fragment value (j, i, c) sits at row 8i of the thread's row pair."""
+    a: Any = acc
+    p: Any = blk
+    for c in range_constexpr(cute.size(acc, mode=[0, 2])):
+        for j in range_constexpr(2):
+            lo = ((j, 0, c), 0, 0)
+            hi = ((j, 1, c), 0, 0)
+            a[lo] = p[lo] * s_lo + a[lo]
+            a[hi] = p[hi] * s_hi + a[hi]
+
+
+@cute.kernel
+def grouped_gemm_fp8_kernel(
+    tma_atom_a: cute.CopyAtom, m_a: cute.Tensor, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
+    m_xs: cute.Tensor, m_ws: cute.Tensor, m_d: cute.Tensor, m_offs: cute.Tensor, m_rows: Int32,
+    n_groups: Int32, tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
+    d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], stages: Constexpr[int],
+) -> None:
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    n_ctas, _, _ = cute.arch.grid_dim()
+    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    if warp_idx == 0:
+        cpasync.prefetch_descriptor(tma_atom_a)
+        cpasync.prefetch_descriptor(tma_atom_b)
+
+    smem = SmemAllocator()
+    barriers = smem.allocate_array(Int64, stages * 2, byte_alignment=8)
+    s_offs = smem.allocate_tensor(Int32, cute.make_layout(MAX_GROUPS), 16)
+    s_a = smem.allocate_tensor(Float8E4M3FN, a_layout.outer, 1024, a_layout.inner)
+    s_b = smem.allocate_tensor(Float8E4M3FN, b_layout.outer, 1024, b_layout.inner)
+    s_d = smem.allocate_tensor(BFloat16, d_layout.outer, 1024, d_layout.inner)
+
+    for i in range(tidx, n_groups, THREADS):
+        s_offs[i] = m_offs[i]
+
+    tx_bytes = cute.size_in_bytes(Float8E4M3FN, cute.slice_(a_layout, (None, None, 0))) + cute.size_in_bytes(
+        Float8E4M3FN, cute.slice_(b_layout, (None, None, 0)))
+    # The pipeline's init ends in a CTA-wide barrier, which also publishes s_offs.
+    mainloop = pipeline.PipelineTmaAsync.create(
+        barrier_storage=barriers,
+        num_stages=stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_WGS * 4),
+        tx_count=tx_bytes,
+        cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+    )
+
+    n_tiles_n = n // BN
+    k_tiles = k // BK
+    s_a_flat = cute.group_modes(s_a, 0, 2)
+    s_b_flat = cute.group_modes(s_b, 0, 2)
+
+    # Cursor state: group e spans rows [g_start, g_end) and linear tiles [before, before + here).
+    e = Int32(-1)
+    g_start = Int32(0)
+    g_end = Int32(0)
+    before = Int32(0)
+    here = Int32(0)
+    t = Int32(bidx)
+
+    if warp_idx < 4:
+        cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+        if warp_idx == 0:
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+            e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before,
+                                                    here, n_tiles_n)
+            while e <= n_groups:
+                if e < n_groups:
+                    local = t - before
+                    m_tile = local // n_tiles_n
+                    n_tile = local - m_tile * n_tiles_n
+                    row0 = g_start + m_tile * BM
+                    g_a = cute.local_tile(cute.domain_offset((row0, 0), m_a), (BM, BK), (0, None))
+                    g_b = cute.local_tile(m_b[(None, None, e)], (BN, BK), (n_tile, None))
+                    t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1), s_a_flat,
+                                                       cute.group_modes(g_a, 0, 2))
+                    t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1), s_b_flat,
+                                                       cute.group_modes(g_b, 0, 2))
+                    for kt in range(k_tiles):
+                        mainloop.producer_acquire(state)
+                        bar = mainloop.producer_get_barrier(state)
+                        cute.copy(tma_atom_a, t_ga[(None, kt)], t_sa[(None, state.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_atom_b, t_gb[(None, kt)], t_sb[(None, state.index)], tma_bar_ptr=bar)
+                        mainloop.producer_commit(state)
+                        state.advance()
+                t = t + n_ctas
+                e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,
+                                                        before, here, n_tiles_n)
+            mainloop.producer_tail(state)
+    else:
+        cute.arch.setmaxregister_increase(CONSUMER_REGS)
+        ctid = tidx - WG_THREADS
+        wg = warp_idx // 4 - 1
+        thr_mma = tiled_mma.get_slice(wg * WG_THREADS)
+        t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
+        t_rb = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
+        acc_shape = thr_mma.partition_shape_C((BM, BN))
+        assert acc_shape == ((2, 2, BN // 8), 1, 1), f"_promote assumes wgmma's m64 fragment, got {acc_shape}"
+        acc = cute.make_rmem_tensor(acc_shape, Float32)
+        blk = cute.make_rmem_tensor(acc_shape, Float32)
+        # Tile coordinates (row, col) of this thread's accumulator values; its rows are those of (j, 0|1, c).
+        t_c = tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor((BM, BN)))
+        epi = epilogue_copies(tiled_mma, acc, s_d, ctid, BN)
+
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before,
+                                                here, n_tiles_n)
+        while e <= n_groups:
+            local = t - before
+            m_tile = local // n_tiles_n
+            n_tile = local - m_tile * n_tiles_n
+            row0 = g_start + m_tile * BM
+            acc.fill(0.0)
+            if e < n_groups:
+                # Rows past the group are computed, then masked at the store; past M they read row M - 1.
+                row_lo = dsl_min(row0 + t_c[((0, 0, 0), 0, 0)][0], m_rows - 1)
+                row_hi = dsl_min(row0 + t_c[((0, 1, 0), 0, 0)][0], m_rows - 1)
+                for kt in range(k_tiles):
+                    # 3 scale bytes per thread and block, read straight from global (L1 after first touch):
+                    # xs's 1-byte columns are too narrow for a TMA box without a transposed copy. Loaded
+                    # before the stage wait, so the latency hides under the TMA and the wgmmas.
+                    b_lo = _byte(m_xs, (row_lo, kt))
+                    b_hi = _byte(m_xs, (row_hi, kt))
+                    b_w = _byte(m_ws, (n_tile, kt, e))
+                    mainloop.consumer_wait(read)
+                    tiled_mma = _block_mma(tiled_mma, blk, t_ra, t_rb, read.index)
+                    mainloop.consumer_release(read)
+                    read.advance()
+                    s_w = _scale(b_w)
+                    _promote(acc, blk, _scale(b_lo) * s_w, _scale(b_hi) * s_w)
+            store_tile(epi, m_d, m_d, row0, n_tile, g_end, n, BN, "none")
+            t = t + n_ctas
+            e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,
+                                                    before, here, n_tiles_n)
+
+
+@cute.jit
+def grouped_gemm_fp8_host(
+    px: Pointer, pw: Pointer, pxs: Pointer, pws: Pointer, py: Pointer, poffs: Pointer, m_rows: Int32,
+    n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream, n: Constexpr[int], k: Constexpr[int],
+) -> None:
+    """y[M, n] = per-group dequant(xq)[M, k] @ dequant(wq[e])^T; codes K-major, scales row-major bytes."""
+    stages = stages_for()
+    kb = k // BK
+    m_x = cute.make_tensor(px, cute.make_layout((m_rows, k), stride=(k, 1)))
+    m_w = cute.make_tensor(pw, cute.make_layout((n, k, n_groups), stride=(k, 1, n * k)))
+    m_xs = cute.make_tensor(pxs, cute.make_layout((m_rows, kb), stride=(kb, 1)))
+    nb = n // BN
+    m_ws = cute.make_tensor(pws, cute.make_layout((nb, kb, n_groups), stride=(kb, 1, nb * kb)))
+    m_y = cute.make_tensor(py, cute.make_layout((m_rows, n), stride=(n, 1)))
+    m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
+
+    k_major = LayoutEnum.ROW_MAJOR
+    tile = (BM, BN, BK)
+    tiled_mma = make_tiled_mma()
+    a_layout = sm90_utils.make_smem_layout_a(k_major, tile, Float8E4M3FN, stages)
+    b_layout = sm90_utils.make_smem_layout_b(k_major, tile, Float8E4M3FN, stages)
+    d_layout = cute.slice_(sm90_utils.make_smem_layout_epi(BFloat16, LayoutEnum.ROW_MAJOR, (BM, BN), 1),
+                           (None, None, 0))
+    tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensorTileG2SOp(), m_x, cute.slice_(a_layout, (None, None, 0)), (BM, BK))
+    tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensorTileG2SOp(), m_w, cute.slice_(b_layout, (None, None, 0)), (BN, BK))
+    grouped_gemm_fp8_kernel(
+        tma_atom_a, tma_a, tma_atom_b, tma_b, m_xs, m_ws, m_y, m_offs, m_rows, n_groups, tiled_mma, a_layout,
+        b_layout, d_layout, n, k, stages,
+    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
+
+
+def compile_args(n: int, k: int) -> tuple[Any, tuple[Any, ...]]:
+    ptrs = (pointer(Float8E4M3FN, 0), pointer(Float8E4M3FN, 0), pointer(Uint8, 0, 1), pointer(Uint8, 0, 1),
+            pointer(BFloat16, 0), pointer(Int32, 0, 4))
+    return grouped_gemm_fp8_host, (*ptrs, Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k)
