@@ -89,6 +89,14 @@ def record(
     return row
 
 
+def append_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A row that is no timing (an op not run, a summary) goes in the same results file, with ms None."""
+    row.setdefault("ms", None)
+    _RESULTS.append(row)
+    _write()
+    return row
+
+
 def capture(step: Callable[[], object]) -> torch.cuda.CUDAGraph:
     """`step` run once eagerly on a side stream (compiles kernels, warms the allocator), then captured."""
     side = torch.cuda.Stream()
@@ -102,14 +110,15 @@ def capture(step: Callable[[], object]) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def replay_median_ms(graph: torch.cuda.CUDAGraph, calls: int = 1, replays: int = REPLAYS) -> float:
+def replay_median_ms(graph: torch.cuda.CUDAGraph, calls: int = 1, replays: int = REPLAYS,
+                     reps: int = REPS) -> float:
     """GPU ms per op call: `replays` back-to-back replays of a `calls`-call graph per L2-flushed sample."""
 
     def run() -> None:
         for _ in range(replays):
             graph.replay()
 
-    return cuda_median_ms(run) / (replays * calls)
+    return cuda_median_ms(run, reps=reps) / (replays * calls)
 
 
 def eager_call_ms(step: Callable[[], object], calls: int = 1, samples: int = 5) -> tuple[float, float]:
@@ -153,12 +162,13 @@ def try_compile(fn: Callable[..., Any], *warm_args: Any) -> tuple[Callable[..., 
     return cfn, f"compiled in {time.perf_counter() - t0:.1f} s"
 
 
-def baseline(name: str, step: Callable[[], object] | None, calls: int = 1, note: str = "") -> dict[str, Any]:
+def baseline(name: str, step: Callable[[], object] | None, calls: int = 1, note: str = "",
+             reps: int = REPS) -> dict[str, Any]:
     """A CUDA-graph-timed baseline entry; an absent step, or one failing to capture, is recorded missing."""
     if step is None:
         return {"name": name, "ms": None, "missing": note}
     try:
-        ms = replay_median_ms(capture(step), calls)
+        ms = replay_median_ms(capture(step), calls, reps=reps)
     except Exception as e:
         return {"name": name, "ms": None, "missing": f"CUDA graph capture/replay failed: {_why(e)}"}
     return {"name": name, "ms": ms, "timing": "cuda_graph", "note": note}

@@ -1,0 +1,118 @@
+"""bench/gemmplan.py on CPU: the grouped GEMM bench's shapes, group sizes, FLOP/byte counts, rep budget,
+geomean and baseline call shapes are right before a GPU run spends time on them."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gemmplan", ROOT / "bench" / "gemmplan.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+plan = _load()
+
+
+@pytest.mark.parametrize("routing", ["uniform", "zipf1.2"])
+@pytest.mark.parametrize("cfg", plan.CONFIGS)
+def test_routed_counts_cover_every_row(cfg: tuple[int, ...], routing: str) -> None:
+    t, _, _, e, k = cfg
+    c = plan.routed_counts(t * k, e, routing)
+    assert len(c) == e and sum(c) == t * k and min(c) > 0
+    if routing == "uniform":
+        assert max(c) - min(c) <= 1
+    else:
+        assert all(a >= b for a, b in itertools.pairwise(c))
+        assert c[0] > 100 * c[-1]
+
+
+def test_zipf_counts_follow_the_power_law() -> None:
+    c = plan.routed_counts(1_000_000, 8, "zipf1.2")
+    assert c[1] == pytest.approx(c[3] * (4 / 2) ** 1.2, rel=1e-4)
+    assert plan.routed_counts(10, 4, "uniform") == [3, 3, 2, 2]
+    with pytest.raises(ValueError, match="routing"):
+        plan.routed_counts(10, 4, "skewed")
+
+
+def test_projection_dims_flops_and_bytes() -> None:
+    cfg = plan.CONFIGS[0]
+    assert plan.proj_dims(cfg, "up") == (262144, 2048, 4096)
+    assert plan.proj_dims(cfg, "down") == (262144, 4096, 1024)
+    with pytest.raises(ValueError, match="projection"):
+        plan.proj_dims(cfg, "gate")
+    m, n, k = plan.proj_dims(cfg, "up")
+    assert plan.gemm_flops(m, n, k) == 4398046511104.0
+    assert plan.pass_bytes(m, n, k, 128) == 5368709120.0
+    assert plan.fp8_bytes(256, 256, 512, 2) == 256 * 512 + 2 * 256 * 512 + 256 * 4 + 2 * 2 * 4 + 2 * 256 * 256
+
+
+def test_activation_shapes() -> None:
+    cfg = plan.CONFIGS[1]
+    assert plan.act_dims(cfg, "swiglu") == (196608, 512, 1536)
+    assert plan.act_dims(cfg, "relu2") == (196608, 256, 1536)
+    assert plan.act_out_cols("swiglu", 512) == 256 and plan.act_out_cols("relu2", 256) == 256
+    assert plan.act_bytes("swiglu", 4, 8, 16, 2) == 2 * (4 * 16 + 2 * 8 * 16 + 4 * 4)
+    with pytest.raises(ValueError, match="activation"):
+        plan.act_dims(cfg, "gelu")
+
+
+def test_timed_reps_and_input_copies() -> None:
+    assert plan.timed_reps(0.5, 20, 3, 250.0) == 20
+    assert plan.timed_reps(6.0, 20, 3, 250.0) == 13
+    assert plan.timed_reps(100.0, 20, 3, 250.0) == 5
+    assert plan.timed_reps(100.0, 3, 3, 250.0) == 3
+    assert plan.timed_reps(0.0, 7, 3, 250.0) == 7
+    assert plan.input_copies(600e6, 256 * 2**20) == 1
+    assert plan.input_copies(100 * 2**20, 256 * 2**20) == 3
+
+
+def test_geomean() -> None:
+    assert plan.geomean([2.0, 8.0]) == pytest.approx(4.0)
+    assert plan.geomean([1.2]) == pytest.approx(1.2)
+    for bad in ([], [1.0, 0.0]):
+        with pytest.raises(ValueError, match="geomean"):
+            plan.geomean(bad)
+
+
+@pytest.mark.parametrize("pass_", ["fwd", "dgrad", "wgrad"])
+def test_baselines_match_our_output_shapes_and_flops(pass_: str) -> None:
+    m, n, k, e = 64, 48, 32, 4
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    offs = torch.empty(e, device="meta", dtype=torch.int32)
+    a = torch.empty(m, k if pass_ == "fwd" else n, **meta)
+    b = torch.empty(m, k, **meta) if pass_ == "wgrad" else torch.empty(e, n, k, **meta)
+    ours = {"fwd": (m, n), "dgrad": (m, k), "wgrad": (e, n, k)}[pass_]
+    assert tuple(plan.grouped_mm(pass_, a, b, offs).shape) == ours
+    dense = {"fwd": ((m, n), k), "dgrad": ((m, k), n), "wgrad": ((n, k), m)}[pass_]
+    out = plan.dense_mm(pass_, a, b)
+    assert tuple(out.shape) == dense[0]
+    assert 2 * out.shape[0] * out.shape[1] * dense[1] == plan.gemm_flops(m, n, k)
+
+
+def test_grouped_mm_wgrad_is_per_group_dy_t_x() -> None:
+    g = torch.Generator().manual_seed(0)
+    counts = [5, 0, 11, 16]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    dy = torch.randn(32, 16, generator=g).bfloat16()
+    x = torch.randn(32, 24, generator=g).bfloat16()
+    try:
+        got = plan.grouped_mm("wgrad", dy, x, offs).float()
+    except (NotImplementedError, RuntimeError) as err:
+        pytest.skip(f"torch._grouped_mm has no CPU kernel in this torch: {err}")
+    start = 0
+    for i, end in enumerate(offs.tolist()):
+        want = dy[start:end].float().t() @ x[start:end].float()
+        torch.testing.assert_close(got[i], want, rtol=2e-2, atol=2e-2)
+        start = end
