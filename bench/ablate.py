@@ -65,7 +65,7 @@ def _problems() -> list[tuple[str, int, int, int, int]]:
 def _time(m: int, n: int, k: int, e: int, compile_only: bool) -> float:
     import torch
 
-    from bench.conftest import cuda_median_ms
+    from bench.conftest import capture, replay_median_ms
     from nmoe.fast import gemm
 
     offs = torch.full((e,), m // e, dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
@@ -75,7 +75,7 @@ def _time(m: int, n: int, k: int, e: int, compile_only: bool) -> float:
         gemm.grouped_gemm(x, w, offs)
         torch.cuda.synchronize()
         return 0.0
-    return cuda_median_ms(lambda: gemm.grouped_gemm(x, w, offs))
+    return replay_median_ms(capture(lambda: gemm.grouped_gemm(x, w, offs)))
 
 
 def child(compile_only: bool) -> None:
@@ -109,7 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = [a for a in ABLATIONS if not args.only or a.id in args.only.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="nmoe-ablate-"))
     copies: dict[str, Path] = {}
-    for name, edit in [("baseline", None), *((a.id, a) for a in chosen)]:
+    variants = [("baseline", None), *((a.id, a) for a in chosen), ("baseline_again", None)]
+    for name, edit in variants:
         copy = tmp / name
         copy_tree(ROOT, copy)
         shutil.copytree(ROOT / "bench", copy / "bench",
