@@ -22,12 +22,17 @@ KERNEL = "nmoe/fast/kernels/sm90/grouped_gemm.py"
 GLUE = "nmoe/fast/gemm.py"
 ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
-        "ablate.no_epilogue_stores", KERNEL,
-        "                if coord[0] < rows_valid and coord[1] < cols_valid:\n"
-        "                    cute.copy(epi.s2g_atom, epi.t_s_sd[(None, i, j)], t_s_gd[(None, i, j)])",
-        "                if coord[0] < rows_valid and coord[1] < cols_valid and rows_valid < 0:\n"
-        "                    cute.copy(epi.s2g_atom, epi.t_s_sd[(None, i, j)], t_s_gd[(None, i, j)])",
-        "plain fwd epilogue without its global stores: their share of the time",
+        "ablate.no_tma_stores", KERNEL,
+        "                if warp_idx == STORE_WARP:\n                    cute.copy(epi.tma_atom",
+        "                if warp_idx == STORE_WARP and rows_valid < 0:\n"
+        "                    cute.copy(epi.tma_atom",
+        "full tiles skip their TMA stores: the output's share of the time under uniform routing",
+    ),
+    Mutation(
+        "ablate.masked_stores", KERNEL,
+        "    tma_ok = rows_valid >= BM and cols_valid >= bn\n",
+        "    tma_ok = rows_valid >= BM and cols_valid >= bn and rows_valid < 0\n",
+        "full tiles leave through the masked per-thread stores instead of TMA",
     ),
     Mutation(
         "ablate.one_stage_less", KERNEL,

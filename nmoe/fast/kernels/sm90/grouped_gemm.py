@@ -39,6 +39,12 @@ EPI_BARRIER_ID = 1
 MAX_GROUPS = 1024
 SMEM_BYTES = 232448
 VEC = 8
+# The output leaves through EPI_BUFS swizzled BM x EPI_N subtiles: small enough to leave room for a deeper
+# operand pipeline, double-buffered so a subtile's TMA store overlaps the next one's stmatrix.
+EPI_N = 32
+EPI_BUFS = 2
+EPI_SMEM_BYTES = BM * EPI_N * 2 * EPI_BUFS
+STORE_WARP = 4
 # h columns per output column of each fused epilogue ("none": the plain GEMM).
 EPILOGUES: dict[str, int] = {"none": 1, "swiglu": 2, "relu2": 1}
 
@@ -46,8 +52,22 @@ EPILOGUES: dict[str, int] = {"none": 1, "swiglu": 2, "relu2": 1}
 def stages_for(bn: int) -> int:
     """Operand pipeline depth that fits next to the epilogue tile, the offs table and the mbarriers."""
     stage_bytes = (BM + bn) * BK * 2
-    fixed = BM * bn * 2 + MAX_GROUPS * 4 + 2048
+    fixed = EPI_SMEM_BYTES + MAX_GROUPS * 4 + 2048
     return min(8, (SMEM_BYTES - fixed) // stage_bytes)
+
+
+def epi_smem_layout() -> cute.ComposedLayout:
+    layout: cute.ComposedLayout = sm90_utils.make_smem_layout_epi(BFloat16, LayoutEnum.ROW_MAJOR, (BM, EPI_N),
+                                                                  EPI_BUFS)
+    return layout
+
+
+def epi_tma(m_y: cute.Tensor) -> tuple[cute.CopyAtom, cute.Tensor]:
+    """TMA store of one output subtile; full tiles leave this way, asynchronously, tiles cut by a group end or
+    the last N columns through masked per-thread stores."""
+    layout = cute.slice_(epi_smem_layout(), (None, None, 0))
+    atom, tensor = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), m_y, layout, (BM, EPI_N))
+    return atom, tensor
 
 
 def store_copy(bn: int, width: int) -> tuple[cute.CopyAtom, cute.TiledCopy]:
@@ -136,7 +156,7 @@ def _seek(s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, t: Int32, e: Int3
 
 
 class Epilogue(NamedTuple):
-    """A consumer thread's share of the bf16 output path (and of act(h) when fused), built once per kernel."""
+    """A consumer thread's share of the output path (and of act(h) when fused), built once per kernel."""
 
     r2s: cute.TiledCopy
     t_rs_d: cute.Tensor
@@ -152,64 +172,96 @@ class Epilogue(NamedTuple):
     thr_act: Any
     r_h: cute.Tensor
     r_a: cute.Tensor
+    s_d: cute.Tensor
+    tma_atom: cute.CopyAtom
 
 
-def epilogue_copies(tiled_mma: cute.TiledMma, acc: cute.Tensor, s_d: cute.Tensor, ctid: Int32, bn: int,
-                    act: str = "none") -> Epilogue:
-    """stmatrix from the fp32 accumulator into the bf16 smem tile, then 16-byte smem -> global chunks."""
+def epilogue_copies(tiled_mma: cute.TiledMma, acc: cute.Tensor, s_d: cute.Tensor, ctid: Int32,
+                    tma_atom: cute.CopyAtom, act: str = "none") -> Epilogue:
+    """stmatrix from the fp32 accumulator into a bf16 smem subtile (s_d: BM x EPI_N x EPI_BUFS), then a TMA
+    store or 16-byte masked smem -> global chunks."""
     stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16)
     r2s = cute.make_tiled_copy_S(stmatrix, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
     thr_r2s = r2s.get_slice(ctid)
-    # The retiled accumulator and the smem partition enumerate the same elements in the same flat order.
-    d_shape = thr_r2s.partition_S(s_d).shape
-    s2g_atom, s2g = store_copy(bn, VEC)
+    # The retiled accumulator enumerates the subtiles one after another, each in the smem partition's order.
+    d_shape = thr_r2s.partition_S(s_d).shape[:3]
+    s2g_atom, s2g = store_copy(EPI_N, VEC)
     thr_s2g = s2g.get_slice(ctid)
-    act_atom, act_copy = store_copy(bn, VEC // EPILOGUES[act])
+    act_atom, act_copy = store_copy(EPI_N, VEC // EPILOGUES[act])
     thr_act = act_copy.get_slice(ctid)
-    a_chunk = thr_act.partition_D(cute.make_identity_tensor((BM, bn // EPILOGUES[act])))[(None, 0, 0)]
+    a_chunk = thr_act.partition_D(cute.make_identity_tensor((BM, EPI_N // EPILOGUES[act])))[(None, 0, 0)]
+    t_s_sd = thr_s2g.partition_S(s_d)
     return Epilogue(
         r2s, thr_r2s.partition_D(s_d), r2s.retile(acc), cute.make_rmem_tensor(d_shape, Float32),
-        cute.make_rmem_tensor(d_shape, BFloat16), s2g_atom, thr_s2g, thr_s2g.partition_S(s_d),
-        thr_s2g.partition_D(cute.make_identity_tensor((BM, bn))),
+        cute.make_rmem_tensor(d_shape, BFloat16), s2g_atom, thr_s2g, t_s_sd,
+        thr_s2g.partition_D(cute.make_identity_tensor((BM, EPI_N))),
         pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID, num_threads=CONSUMER_THREADS),
-        act_atom, thr_act, cute.make_rmem_tensor(thr_s2g.partition_S(s_d)[(None, 0, 0)].shape, BFloat16),
-        cute.make_rmem_tensor(a_chunk.shape, BFloat16),
+        act_atom, thr_act, cute.make_rmem_tensor(t_s_sd[(None, 0, 0, 0)].shape, BFloat16),
+        cute.make_rmem_tensor(a_chunk.shape, BFloat16), s_d, tma_atom,
     )
 
 
 @cute.jit
-def store_tile(epi: Epilogue, m_d: cute.Tensor, m_act: cute.Tensor, row0: Int32, n_tile: Int32,
-               row_end: Int32, n: Constexpr[int], bn: Constexpr[int], act: Constexpr[str]) -> None:
-    """Registers -> bf16 tile in smem -> 16-byte global stores of the rows below row_end, columns below n;
-    a fused act(h) is computed from the same bf16 h chunk in registers and stored beside it."""
-    epi.bar.arrive_and_wait()
-    for v in range_constexpr(cute.size(epi.r_f)):
-        epi.r_f[v] = epi.t_rs_acc[v]
-    epi.r_d.store(epi.r_f.load().to(BFloat16))
-    cute.copy(epi.r2s, epi.r_d, epi.t_rs_d)
-    epi.bar.arrive_and_wait()
+def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.Tensor, row0: Int32,
+               n_tile: Int32, row_end: Int32, n: Constexpr[int], bn: Constexpr[int],
+               act: Constexpr[str]) -> None:
+    """The tile's rows below row_end and columns below n, one EPI_N subtile at a time: registers -> bf16
+    smem subtile -> TMA store (full tiles) or masked 16-byte stores; a fused act(h) is computed from the same
+    bf16 h chunk in registers and stored beside it."""
+    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     rows_valid = row_end - row0
     cols_valid = n - n_tile * bn
-    g_d = cute.local_tile(cute.domain_offset((row0, 0), m_d), (BM, bn), (0, n_tile))
-    t_s_gd = epi.thr_s2g.partition_D(g_d)
-    if const_expr(act == "none"):
-        for i in range_constexpr(cute.size(epi.t_s_sd, mode=[1])):
-            for j in range_constexpr(cute.size(epi.t_s_sd, mode=[2])):
-                coord: Any = epi.t_s_cd[(0, i, j)]
-                if coord[0] < rows_valid and coord[1] < cols_valid:
-                    cute.copy(epi.s2g_atom, epi.t_s_sd[(None, i, j)], t_s_gd[(None, i, j)])
-    else:
-        act_cols = bn // EPILOGUES[act]
-        g_a = cute.local_tile(cute.domain_offset((row0, 0), m_act), (BM, act_cols), (0, n_tile))
-        t_s_ga = epi.thr_act.partition_D(g_a)
-        for i in range_constexpr(cute.size(epi.t_s_sd, mode=[1])):
-            for j in range_constexpr(cute.size(epi.t_s_sd, mode=[2])):
-                coord_a: Any = epi.t_s_cd[(0, i, j)]
-                if coord_a[0] < rows_valid and coord_a[1] < cols_valid:
-                    cute.copy(epi.s2g_atom, epi.t_s_sd[(None, i, j)], epi.r_h)
-                    cute.copy(epi.s2g_atom, epi.r_h, t_s_gd[(None, i, j)])
-                    _act_chunk(epi.r_h, epi.r_a, act)
-                    cute.copy(epi.act_atom, epi.r_a, t_s_ga[(None, i, j)])
+    tma_ok = rows_valid >= BM and cols_valid >= bn
+    g_tile = cute.local_tile(cute.domain_offset((row0, 0), tma_d), (BM, bn), (0, n_tile))
+    b_sd, b_gd = cpasync.tma_partition(epi.tma_atom, 0, cute.make_layout(1), cute.group_modes(epi.s_d, 0, 2),
+                                       cute.zipped_divide(g_tile, (BM, EPI_N)))
+    ratio = EPILOGUES[act]
+    size_sub = cute.size(epi.r_f)
+    for sub in range_constexpr(bn // EPI_N):
+        buf = sub % EPI_BUFS
+        for v in range_constexpr(size_sub):
+            epi.r_f[v] = epi.t_rs_acc[sub * size_sub + v]
+        epi.r_d.store(epi.r_f.load().to(BFloat16))
+        cute.copy(epi.r2s, epi.r_d, epi.t_rs_d[(None, None, None, buf)])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        epi.bar.arrive_and_wait()
+        sub_n = n_tile * (bn // EPI_N) + sub
+        g_d = cute.local_tile(cute.domain_offset((row0, 0), m_d), (BM, EPI_N), (0, sub_n))
+        t_s_gd = epi.thr_s2g.partition_D(g_d)
+        if const_expr(act == "none"):
+            if tma_ok:
+                if warp_idx == STORE_WARP:
+                    cute.copy(epi.tma_atom, b_sd[(None, buf)], b_gd[(None, (0, sub))])
+                    cute.arch.cp_async_bulk_commit_group()
+                    cute.arch.cp_async_bulk_wait_group(EPI_BUFS - 1, read=True)
+            else:
+                for i in range_constexpr(cute.size(epi.t_s_sd, mode=[1])):
+                    for j in range_constexpr(cute.size(epi.t_s_sd, mode=[2])):
+                        coord: Any = epi.t_s_cd[(0, i, j)]
+                        if coord[0] < rows_valid and coord[1] < cols_valid - sub * EPI_N:
+                            cute.copy(epi.s2g_atom, epi.t_s_sd[(None, i, j, buf)], t_s_gd[(None, i, j)])
+                if warp_idx == STORE_WARP:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+        else:
+            g_a = cute.local_tile(cute.domain_offset((row0, 0), m_act), (BM, EPI_N // ratio), (0, sub_n))
+            t_s_ga = epi.thr_act.partition_D(g_a)
+            for i in range_constexpr(cute.size(epi.t_s_sd, mode=[1])):
+                for j in range_constexpr(cute.size(epi.t_s_sd, mode=[2])):
+                    coord_a: Any = epi.t_s_cd[(0, i, j)]
+                    if coord_a[0] < rows_valid and coord_a[1] < cols_valid - sub * EPI_N:
+                        cute.copy(epi.s2g_atom, epi.t_s_sd[(None, i, j, buf)], epi.r_h)
+                        cute.copy(epi.s2g_atom, epi.r_h, t_s_gd[(None, i, j)])
+                        _act_chunk(epi.r_h, epi.r_a, act)
+                        cute.copy(epi.act_atom, epi.r_a, t_s_ga[(None, i, j)])
+        epi.bar.arrive_and_wait()
+
+
+@cute.jit
+def drain_stores() -> None:
+    """Outstanding TMA stores complete before the CTA exits."""
+    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    if warp_idx == STORE_WARP:
+        cute.arch.cp_async_bulk_wait_group(0)
 
 
 @cute.jit
@@ -224,10 +276,10 @@ def _issue_mmas(tiled_mma: cute.TiledMma, acc: cute.Tensor, t_ra: cute.Tensor, t
 @cute.kernel
 def grouped_gemm_kernel(
     tma_atom_a: cute.CopyAtom, m_a: cute.Tensor, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
-    m_d: cute.Tensor, m_act: cute.Tensor, m_offs: cute.Tensor, m_rows: Int32, n_groups: Int32,
-    tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
-    d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
-    stages: Constexpr[int], act: Constexpr[str],
+    tma_atom_d: cute.CopyAtom, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.Tensor, m_offs: cute.Tensor,
+    m_rows: Int32, n_groups: Int32, tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout,
+    b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int],
+    bn: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
 ) -> None:
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
@@ -236,6 +288,7 @@ def grouped_gemm_kernel(
     if warp_idx == 0:
         cpasync.prefetch_descriptor(tma_atom_a)
         cpasync.prefetch_descriptor(tma_atom_b)
+        cpasync.prefetch_descriptor(tma_atom_d)
 
     smem = SmemAllocator()
     barriers = smem.allocate_array(Int64, stages * 2, byte_alignment=8)
@@ -311,7 +364,7 @@ def grouped_gemm_kernel(
         acc_shape = thr_mma.partition_shape_C((BM, bn))
         acc = cute.make_rmem_tensor(acc_shape, Float32)
 
-        epi = epilogue_copies(tiled_mma, acc, s_d, ctid, bn, act)
+        epi = epilogue_copies(tiled_mma, acc, s_d, ctid, tma_atom_d, act)
 
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
@@ -339,11 +392,12 @@ def grouped_gemm_kernel(
                 mainloop.consumer_release(release)
                 release.advance()
 
-            store_tile(epi, m_d, m_act, row0, n_tile, g_end, n, bn, act)
+            store_tile(epi, tma_d, m_d, m_act, row0, n_tile, g_end, n, bn, act)
 
             t = t + n_ctas
             e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,
                                                     before, here, n_tiles_n)
+        drain_stores()
 
 
 @cute.jit
@@ -356,7 +410,7 @@ def grouped_gemm_host(
     with act != "none" also a[M, n / ratio] = act(y) (pa is ignored for "none")."""
     stages = stages_for(bn)
     if const_expr(act != "none"):
-        check_pairing(bn, act)
+        check_pairing(EPI_N, act)
     m_x = cute.make_tensor(px, cute.make_layout((m_rows, k), stride=(k, 1)))
     if const_expr(w_k_major):
         m_w = cute.make_tensor(pw, cute.make_layout((n, k, n_groups), stride=(k, 1, n * k)))
@@ -376,15 +430,14 @@ def grouped_gemm_host(
     )
     a_layout = sm90_utils.make_smem_layout_a(a_enum, tile, BFloat16, stages)
     b_layout = sm90_utils.make_smem_layout_b(b_enum, tile, BFloat16, stages)
-    d_layout = cute.slice_(sm90_utils.make_smem_layout_epi(BFloat16, LayoutEnum.ROW_MAJOR, (BM, bn), 1),
-                           (None, None, 0))
     tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
         cpasync.CopyBulkTensorTileG2SOp(), m_x, cute.slice_(a_layout, (None, None, 0)), (BM, BK))
     tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
         cpasync.CopyBulkTensorTileG2SOp(), m_w, cute.slice_(b_layout, (None, None, 0)), (bn, BK))
+    tma_atom_d, tma_d = epi_tma(m_y)
     grouped_gemm_kernel(
-        tma_atom_a, tma_a, tma_atom_b, tma_b, m_y, m_a, m_offs, m_rows, n_groups, tiled_mma, a_layout,
-        b_layout, d_layout, n, k, bn, stages, act,
+        tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, m_y, m_a, m_offs, m_rows, n_groups,
+        tiled_mma, a_layout, b_layout, epi_smem_layout(), n, k, bn, stages, act,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
 
 

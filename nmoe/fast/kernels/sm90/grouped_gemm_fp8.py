@@ -25,12 +25,16 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     BM,
     CONSUMER_REGS,
     CONSUMER_WGS,
+    EPI_SMEM_BYTES,
     MAX_GROUPS,
     PRODUCER_REGS,
     SMEM_BYTES,
     THREADS,
     WG_THREADS,
     _seek,
+    drain_stores,
+    epi_smem_layout,
+    epi_tma,
     epilogue_copies,
     pointer,
     store_tile,
@@ -45,7 +49,7 @@ K_BLOCKS = BK // 32
 def stages_for() -> int:
     """Operand pipeline depth that fits next to the epilogue tile, the offs table and the mbarriers."""
     stage_bytes = (BM + BN) * BK
-    fixed = BM * BN * 2 + MAX_GROUPS * 4 + 2048
+    fixed = EPI_SMEM_BYTES + MAX_GROUPS * 4 + 2048
     return min(8, (SMEM_BYTES - fixed) // stage_bytes)
 
 
@@ -99,7 +103,8 @@ def _promote(acc: cute.Tensor, blk: cute.Tensor, s_lo: Float32, s_hi: Float32) -
 @cute.kernel
 def grouped_gemm_fp8_kernel(
     tma_atom_a: cute.CopyAtom, m_a: cute.Tensor, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
-    m_xs: cute.Tensor, m_ws: cute.Tensor, m_d: cute.Tensor, m_offs: cute.Tensor, m_rows: Int32,
+    m_xs: cute.Tensor, m_ws: cute.Tensor, tma_atom_d: cute.CopyAtom, tma_d: cute.Tensor, m_d: cute.Tensor,
+    m_offs: cute.Tensor, m_rows: Int32,
     n_groups: Int32, tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
     d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], stages: Constexpr[int],
 ) -> None:
@@ -110,6 +115,7 @@ def grouped_gemm_fp8_kernel(
     if warp_idx == 0:
         cpasync.prefetch_descriptor(tma_atom_a)
         cpasync.prefetch_descriptor(tma_atom_b)
+        cpasync.prefetch_descriptor(tma_atom_d)
 
     smem = SmemAllocator()
     barriers = smem.allocate_array(Int64, stages * 2, byte_alignment=8)
@@ -188,7 +194,7 @@ def grouped_gemm_fp8_kernel(
         blk = cute.make_rmem_tensor(acc_shape, Float32)
         # Tile coordinates (row, col) of this thread's accumulator values; its rows are those of (j, 0|1, c).
         t_c = tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor((BM, BN)))
-        epi = epilogue_copies(tiled_mma, acc, s_d, ctid, BN)
+        epi = epilogue_copies(tiled_mma, acc, s_d, ctid, tma_atom_d)
 
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
         e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before,
@@ -216,10 +222,11 @@ def grouped_gemm_fp8_kernel(
                     read.advance()
                     s_w = _scale(b_w)
                     _promote(acc, blk, _scale(b_lo) * s_w, _scale(b_hi) * s_w)
-            store_tile(epi, m_d, m_d, row0, n_tile, g_end, n, BN, "none")
+            store_tile(epi, tma_d, m_d, m_d, row0, n_tile, g_end, n, BN, "none")
             t = t + n_ctas
             e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,
                                                     before, here, n_tiles_n)
+        drain_stores()
 
 
 @cute.jit
@@ -243,15 +250,13 @@ def grouped_gemm_fp8_host(
     tiled_mma = make_tiled_mma()
     a_layout = sm90_utils.make_smem_layout_a(k_major, tile, Float8E4M3FN, stages)
     b_layout = sm90_utils.make_smem_layout_b(k_major, tile, Float8E4M3FN, stages)
-    d_layout = cute.slice_(sm90_utils.make_smem_layout_epi(BFloat16, LayoutEnum.ROW_MAJOR, (BM, BN), 1),
-                           (None, None, 0))
     tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
         cpasync.CopyBulkTensorTileG2SOp(), m_x, cute.slice_(a_layout, (None, None, 0)), (BM, BK))
     tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
         cpasync.CopyBulkTensorTileG2SOp(), m_w, cute.slice_(b_layout, (None, None, 0)), (BN, BK))
     grouped_gemm_fp8_kernel(
-        tma_atom_a, tma_a, tma_atom_b, tma_b, m_xs, m_ws, m_y, m_offs, m_rows, n_groups, tiled_mma, a_layout,
-        b_layout, d_layout, n, k, stages,
+        tma_atom_a, tma_a, tma_atom_b, tma_b, m_xs, m_ws, *epi_tma(m_y), m_y, m_offs, m_rows, n_groups,
+        tiled_mma, a_layout, b_layout, epi_smem_layout(), n, k, stages,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
 
 
