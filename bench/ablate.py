@@ -42,15 +42,9 @@ ABLATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ablate.bn128", GLUE,
-        "    return 256 if n % 256 == 0 and n >= 2048 else 128",
+        "    return 256 if n % 256 == 0 else 128",
         "    return 128",
         "N tile 128 everywhere (deeper pipeline, more A re-reads)",
-    ),
-    Mutation(
-        "ablate.bn256", GLUE,
-        "    return 256 if n % 256 == 0 and n >= 2048 else 128",
-        "    return 256 if n % 256 == 0 else 128",
-        "N tile 256 wherever N allows (fewer A re-reads, shallower pipeline)",
     ),
 )
 SHAPES: tuple[tuple[int, int, int, int, int], ...] = (

@@ -55,7 +55,7 @@ def _kernels(arch: str, module: str = _KERNEL_MODULE) -> ModuleType:
 
 def pick_bn(n: int) -> int:
     """Wide N tiles halve the A re-reads; they need N to fill them."""
-    return 256 if n % 256 == 0 and n >= 2048 else 128
+    return 256 if n % 256 == 0 else 128
 
 
 def tile_upper_bound(m: int, n: int, n_groups: int, bn: int) -> int:
