@@ -241,7 +241,7 @@ def _write() -> None:
     if not out or not _RESULTS:
         return
     if not _PROVENANCE:
-        _PROVENANCE.update(provenance())
+        _PROVENANCE.update(provenance(os.environ.get("NMOE_BENCH_COMMAND")))
     doc = {"provenance": _PROVENANCE, "ceilings": _CEILINGS, "results": _RESULTS}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(doc, indent=2) + "\n")

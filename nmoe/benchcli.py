@@ -18,5 +18,6 @@ def main(argv: list[str]) -> int:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "bench", "--benchmark-disable-gc"]
     if args.select:
         cmd += ["-k", args.select]
-    env = dict(os.environ, NMOE_BENCH_OUT=os.path.abspath(args.out))
+    env = dict(os.environ, NMOE_BENCH_OUT=os.path.abspath(args.out),
+               NMOE_BENCH_COMMAND=" ".join(["nmoe bench", *argv]))
     return subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=False).returncode
