@@ -46,7 +46,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "gemm.fast_wgrad_mask_dropped", WGRAD,
-        "                if valid < BK:\n", "                if valid < 0:\n",
+        "    if valid < BK:\n", "    if valid < 0:\n",
         "wgrad sums the next group's rows into a group's last K box", TESTS, ("grouped_gemm_wgrad",),
         device="gpu",
     ),

@@ -34,9 +34,8 @@ CHECK_OFFS_ENV = "NMOE_CHECK_OFFS"
 
 
 def _source_sha256(module: str = _KERNEL_MODULE) -> str:
-    if module == _KERNEL_MODULE:
-        return runtime.sources_sha256(module, *_EPILOGUE_MODULES)
-    return runtime.sources_sha256(module)
+    """The wgrad kernel shares the fwd file's MMA issue; the fused epilogue traces the activation files."""
+    return runtime.sources_sha256(*dict.fromkeys((module, _KERNEL_MODULE, *_EPILOGUE_MODULES)))
 
 
 def _require_sm90(arch: str, op: str) -> None:

@@ -21,9 +21,10 @@ from cutlass.cutlass_dsl.cutlass import min as dsl_min
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
+from nmoe.fast.kernels.sm90.grouped_gemm import _issue_mmas
+
 BM = 128
 BK = 64
-K_BLOCKS = BK // 16
 WG_THREADS = 128
 CONSUMER_WGS = 2
 CONSUMER_THREADS = CONSUMER_WGS * WG_THREADS
@@ -62,12 +63,14 @@ def _zero_rows(s: cute.Tensor, stage: Int32, valid: Int32, rows: Constexpr[int],
 
 
 @cute.jit
-def _issue_mmas(tiled_mma: cute.TiledMma, acc: cute.Tensor, t_ra: cute.Tensor, t_rb: cute.Tensor,
-                stage: Int32) -> None:
-    warpgroup.fence()
-    for kb in range_constexpr(K_BLOCKS):
-        cute.gemm(tiled_mma, acc, t_ra[(None, None, kb, stage)], t_rb[(None, None, kb, stage)], acc)
-    warpgroup.commit_group()
+def _mask_tail(s_a: cute.Tensor, s_b: cute.Tensor, stage: Int32, valid: Int32, bn: Constexpr[int],
+               ctid: Int32, bar: pipeline.NamedBarrier) -> None:
+    """A box that runs past the group's last row holds the next expert's rows: zero them before the MMA."""
+    if valid < BK:
+        _zero_rows(s_a, stage, valid, BM, ctid)
+        _zero_rows(s_b, stage, valid, bn, ctid)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        bar.arrive_and_wait()
 
 
 @cute.kernel
@@ -181,22 +184,19 @@ def grouped_wgrad_kernel(
             start, end = _group_rows(s_offs, e, m_rows)
             k_tiles = (end - start + BK - 1) // BK
             acc.fill(0.0)
-            for kt in range(k_tiles):
+            if k_tiles > 0:
                 mainloop.consumer_wait(read)
-                valid = end - start - kt * BK
-                if valid < BK:
-                    # The box ran past the group's last row: those rows belong to the next expert.
-                    _zero_rows(s_a, read.index, valid, BM, ctid)
-                    _zero_rows(s_b, read.index, valid, bn, ctid)
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    mask_bar.arrive_and_wait()
+                _mask_tail(s_a, s_b, read.index, end - start, bn, ctid, mask_bar)
                 _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
-                if kt > 0:
+                read.advance()
+                for kt in range(1, k_tiles):
+                    mainloop.consumer_wait(read)
+                    _mask_tail(s_a, s_b, read.index, end - start - kt * BK, bn, ctid, mask_bar)
+                    _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
                     warpgroup.wait_group(1)
                     mainloop.consumer_release(release)
                     release.advance()
-                read.advance()
-            if k_tiles > 0:
+                    read.advance()
                 warpgroup.wait_group(0)
                 mainloop.consumer_release(release)
                 release.advance()
