@@ -344,7 +344,8 @@ def test_kernel_source_hash_covers_the_kernel_file() -> None:
 
     shared = [ROOT / "nmoe" / "fast" / "kernels" / f"{m}.py" for m in ("activation", "swiglu", "combine")]
     assert gemm._source_sha256() == digest(kernels / "grouped_gemm.py", *shared)
-    assert gemm._source_sha256(gemm._WGRAD_MODULE) == digest(kernels / "grouped_gemm_wgrad.py")
+    assert gemm._source_sha256(gemm._WGRAD_MODULE) == digest(
+        kernels / "grouped_gemm_wgrad.py", kernels / "grouped_gemm.py", *shared)
 
 
 def count_tiles(ends: Sequence[int], m: int, n: int, bn: int) -> int:
