@@ -1,7 +1,8 @@
 """CuTeDSL kernels for MX-FP8 (1xB and 128x128 blocks) and NVFP4 quantize/dequantize, bit-exact.
 
-Rounding to e4m3/e2m1 is integer arithmetic on fp32 bits plus one exact `add.rn` for the subnormal grid;
-no hardware narrowing cvt is used. Import only after nmoe.fast.runtime.import_cutlass(arch).
+Rounding to e4m3/e2m1 is exact fp32 arithmetic (integer rounding of the bits, or Veltkamp's split) plus
+one exact `add.rn` for the subnormal grid; no hardware narrowing cvt is used.
+Import only after nmoe.fast.runtime.import_cutlass(arch).
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ F32_ONE = 0x3F800000  # e2m1's smallest normal
 # Adding 2^14 (ulp 2^-9) or 2^22 (ulp 0.5) rounds |v| onto the e4m3 / e2m1 subnormal grid, RNE, exactly.
 E4M3_SUB_MAGIC = 16384.0
 E4M3_SUB_MAGIC_BITS = 0x46800000
+# Veltkamp's splitter 2^20 + 1 and the e4m3 rebias 2^-120, both exact in fp32 (see e4m3_mag_byte).
+E4M3_REBIAS = 2.0**-120
+E4M3_SPLIT = 1048577.0 * E4M3_REBIAS
 E2M1_SUB_MAGIC = 4194304.0
 E2M1_SUB_MAGIC_BITS = 0x4A800000
 # torch's CPU float ops (the reference) give these NaN bits; a GPU mul would give 0x7FFFFFFF instead.
@@ -68,6 +72,10 @@ def mul_rn(a: Any, b: Any) -> Float32:
 
 def add_rn(a: Any, b: Any) -> Float32:
     return Float32(_math.add(Float32(a), Float32(b), rounding=RN))
+
+
+def fma_rn(a: Any, b: Any, c: Any) -> Float32:
+    return Float32(_math.fma(Float32(a), Float32(b), Float32(c), rounding=RN))
 
 
 def div_rn(a: Any, b: Any) -> Float32:
@@ -139,14 +147,14 @@ def mx_byte(amax: Int32) -> Int32:
 
 
 def e4m3_mag_byte(v: Float32) -> Int32:
-    """Byte 0 of the result is the RNE e4m3 magnitude code of the finite fp32 v (|v| clamped to 448).
-
-    Normal range: the integer rounding of e4m3_mag with the -960 rebias folded into the add as +64 << 20
-    (byte 0 of 1024 + code is the code); subnormal range: byte 0 of fp32(|v| + 2^14) is the code.
-    """
+    """Byte 3 is the RNE e4m3 code of |v| clamped to 448: below 2^-6 byte 0 of fp32(|v| + 2^14), above
+    Veltkamp's split (c = 2^20 + 1) of |v| * 2^-120, whose bits are code << 20 (checked for all finite
+    fp32). Float ops and IMADs keep it off the ALU pipe, which bounds the MX-FP8 quantizers."""
     a = f2i(cute.arch.fmin(Float32(cute.math.absf(v)), E4M3_MAX))
-    normal = (a + (0x7FFFF + (64 << 20)) + ((a >> 20) & 1)) >> 20
-    sub = f2i(add_rn(i2f(a), E4M3_SUB_MAGIC))
+    m = i2f(a)
+    c_m = mul_rn(m, E4M3_SPLIT)
+    normal = f2i(add_rn(c_m, fma_rn(m, E4M3_REBIAS, -c_m))) << 4
+    sub = f2i(add_rn(m, E4M3_SUB_MAGIC)) << 24
     return sel(a < F32_MIN_E4M3_NORMAL, sub, normal)
 
 
@@ -155,8 +163,8 @@ def prmt(a: Any, b: Any, selector: int) -> Int32:
 
 
 def pack_bytes(m0: Int32, m1: Int32, m2: Int32, m3: Int32) -> Int32:
-    """Byte 0 of each of four registers, packed little-endian into one word (3 PRMTs)."""
-    return prmt(prmt(m0, m1, 0x0040), prmt(m2, m3, 0x0040), 0x5410)
+    """Byte 3 of each of four registers, packed little-endian into one word (3 PRMTs)."""
+    return prmt(prmt(m0, m1, 0x0073), prmt(m2, m3, 0x0073), 0x5410)
 
 
 def sign_bytes(words: Any, q: int, dtype_name: str) -> Int32:
@@ -193,7 +201,7 @@ def _mx_encode(vals: cute.TensorSSA, words: cute.TensorSSA, amax: Int32, out: cu
             for k in range_constexpr(4):
                 j = 4 * q + k
                 nan = (f2i(vals[j]) & 0x7FFFFFFF) > F32_INF
-                code = sel(nan, 0x7F, mags[j] & 0x7F) | (sign_bit(words, j, dtype_name) << 7)
+                code = sel(nan, 0x7F, (mags[j] >> 24) & 0x7F) | (sign_bit(words, j, dtype_name) << 7)
                 word = word | (code << (8 * k))
             out[q] = sel(amax == 0, 0, word)
 
