@@ -12,7 +12,7 @@ from typing import Any
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float16, Float32, Int16, Int32, Int64, Uint8
+from cutlass import BFloat16, Float16, Float32, Int16, Int32, Int64, Uint8, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass._mlir_helpers.op import dsl_user_op
 from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
@@ -25,6 +25,7 @@ from nmoe.constants import E4M3_MAX, NVFP4_BLOCK
 from nmoe.constants import FP8_WEIGHT_BLOCK as WEIGHT_BLOCK
 
 THREADS = 256
+MX_VECS = 2  # vectors each mx_quant thread loads before encoding: twice the bytes in flight
 # cute.math's rounding-mode ops are generated wrappers the stubs do not declare.
 _math: Any = cute.math
 RN: Any = _math.RoundingMode.NEAREST_EVEN
@@ -112,6 +113,10 @@ def cutlass_min(a: Any, b: Any) -> Int32:
 
 def cutlass_max(a: Any, b: Any) -> Int32:
     return sel(Int32(a) > Int32(b), a, b)
+
+
+def cutlass_min64(a: Any, b: Any) -> Int64:
+    return Int64(select_(Int64(a) < Int64(b), Int64(a), Int64(b)))
 
 
 def e4m3_value_bits(c: Int32) -> Int32:
@@ -234,44 +239,53 @@ def _group_max(v: Int32, group: Constexpr[int]) -> Int32:
 
 @cute.jit
 def _abs_max(vals: cute.TensorSSA, amax: Int32, vec: Constexpr[int]) -> Int32:
+    """max(amax, |vals| as fp32 bits) on doubled bits: the doubling (an IMAD) drops the sign bit
+    instead of an AND on the ALU pipe, which the encoder keeps busy."""
+    twice = Uint32(amax) * 2
     for j in range_constexpr(vec):
-        amax = cutlass_max(amax, f2i(vals[j]) & 0x7FFFFFFF)
-    return amax
+        b = Uint32(f2i(vals[j])) * 2
+        twice = Uint32(select_(b > twice, b, twice))
+    return Int32(twice >> 1)
 
 
 @cute.kernel
 def mx_quant_kernel(px: Pointer, pq: Pointer, ps: Pointer, nvec: Int64, vec: Constexpr[int],
                     group: Constexpr[int], dtype_name: Constexpr[str]) -> None:
     """`group` lanes of one warp hold one block of group*vec elements; their max meets by shuffles.
-    Lanes past the end run on zeros so every lane joins the shuffles."""
+    Each thread loads MX_VECS CTA-strided vectors up front (each warp load stays contiguous); lanes past
+    the end re-read the last vector, so the loads need no branch, and store nothing."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
-    i = Int64(bidx) * THREADS + Int64(tidx)
     n = nvec * vec
     gx = cute.zipped_divide(cute.make_tensor(px, cute.make_layout(n)), (vec,))
     gq = cute.zipped_divide(cute.make_tensor(pq, cute.make_layout(n)), (vec,))
     ms = cute.make_tensor(ps, cute.make_layout(nvec // group))
     nw = vec * DTYPES[dtype_name].width // 32
-    raw = cute.make_rmem_tensor((nw,), Int32)
-    raw.fill(0)
-    if i < nvec:
-        raw.store(gx[(None, i)].load().reshape((vec,)).bitcast(Int32))
-    words = raw.load()
-    vals = words.bitcast(DTYPES[dtype_name]).to(Float32)
-    amax = _group_max(_abs_max(vals, Int32(0), vec), group)
-    out = cute.make_rmem_tensor((vec // 4,), Int32)
-    _mx_encode(vals, words, amax, out, vec, dtype_name)
-    if i < nvec:
-        cute.recast_tensor(gq[(None, i)], Int32).store(out.load())
-        if tidx % group == 0:
-            ms[i // group] = Uint8(mx_byte(amax))
+    raws = []
+    for p in range_constexpr(MX_VECS):
+        i = (Int64(bidx) * MX_VECS + p) * THREADS + Int64(tidx)
+        raw = cute.make_rmem_tensor((nw,), Int32)
+        raw.store(gx[(None, cutlass_min64(i, nvec - 1))].load().reshape((vec,)).bitcast(Int32))
+        raws.append(raw)
+    for p in range_constexpr(MX_VECS):
+        i = (Int64(bidx) * MX_VECS + p) * THREADS + Int64(tidx)
+        words = raws[p].load()
+        vals = words.bitcast(DTYPES[dtype_name]).to(Float32)
+        amax = _group_max(_abs_max(vals, Int32(0), vec), group)
+        out = cute.make_rmem_tensor((vec // 4,), Int32)
+        _mx_encode(vals, words, amax, out, vec, dtype_name)
+        if i < nvec:
+            cute.recast_tensor(gq[(None, i)], Int32).store(out.load())
+            if tidx % group == 0:
+                ms[i // group] = Uint8(mx_byte(amax))
 
 
 @cute.jit
 def mx_quant_host(px: Pointer, pq: Pointer, ps: Pointer, nvec: Int64, stream: cuda.CUstream,
                   vec: Constexpr[int], group: Constexpr[int], dtype_name: Constexpr[str]) -> None:
     mx_quant_kernel(px, pq, ps, nvec, vec, group, dtype_name).launch(
-        grid=[(nvec + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream
+        grid=[(nvec + THREADS * MX_VECS - 1) // (THREADS * MX_VECS), 1, 1], block=[THREADS, 1, 1],
+        stream=stream
     )
 
 
