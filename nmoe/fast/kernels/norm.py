@@ -17,14 +17,16 @@ from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
+from cutlass.cutlass_dsl import select_
 
 # cute.math's rounding-mode ops are generated wrappers the stubs do not declare.
 _math: Any = cute.math
 RN: Any = _math.RoundingMode.NEAREST_EVEN
 WARP = 32
 DTYPES: dict[str, Any] = {"bfloat16": BFloat16, "float16": Float16, "float32": Float32}
-DW_THREADS = 256
+DW_THREADS = 64  # small CTAs spread the few dw columns over more SMs
 DW_VEC = 4
+DW_UNROLL = 16  # partial-sum loads in flight per thread; the adds stay in index order
 
 
 def mul_rn(a: Any, b: Any) -> Float32:
@@ -241,7 +243,9 @@ def rmsnorm_bwd_host(pdy: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw: 
 
 @cute.kernel
 def rmsnorm_dw_kernel(pparts: Pointer, pdw: Pointer, nparts: Int32, d: Int64, vec: Constexpr[int]) -> None:
-    """dw[c] = sum over the CTA partials in index order (deterministic), one rounding to w's dtype."""
+    """dw[c] = sum over the CTA partials in index order (deterministic), one rounding to w's dtype.
+    DW_UNROLL partials load at once (indices clamped in range) before their in-order adds: the chain of
+    nparts dependent adds waits on one load latency per chunk instead of per partial."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     cv = Int64(bidx) * DW_THREADS + Int64(tidx)
@@ -251,10 +255,16 @@ def rmsnorm_dw_kernel(pparts: Pointer, pdw: Pointer, nparts: Int32, d: Int64, ve
         gdw = cute.zipped_divide(cute.make_tensor(pdw, cute.make_layout(d)), (vec,))
         acc = cute.make_rmem_tensor((vec,), Float32)
         acc.fill(0.0)
-        for p in cutlass.range(nparts):  # type: ignore[attr-defined]
-            part = gp[(None, Int64(p) * nv + cv)].load().reshape((vec,))
-            for j in range_constexpr(vec):
-                acc[j] = add_rn(acc[j], part[j])
+        for c in cutlass.range((nparts + DW_UNROLL - 1) // DW_UNROLL):  # type: ignore[attr-defined]
+            base = c * DW_UNROLL
+            parts = []
+            for u in range_constexpr(DW_UNROLL):
+                last = Int32(select_(base + u < nparts, base + u, nparts - 1))
+                parts.append(gp[(None, Int64(last) * nv + cv)].load().reshape((vec,)))
+            for u in range_constexpr(DW_UNROLL):
+                if base + u < nparts:
+                    for j in range_constexpr(vec):
+                        acc[j] = add_rn(acc[j], parts[u][j])
         gdw[(None, cv)].store(acc.load().to(gdw.element_type))
 
 
