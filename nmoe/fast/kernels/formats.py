@@ -26,6 +26,7 @@ from nmoe.constants import FP8_WEIGHT_BLOCK as WEIGHT_BLOCK
 
 THREADS = 256
 MX_VECS = 2  # vectors each mx_quant thread loads before encoding: twice the bytes in flight
+AMAX_VECS = 4  # loads in flight per thread in nvfp4_amax_kernel
 # cute.math's rounding-mode ops are generated wrappers the stubs do not declare.
 _math: Any = cute.math
 RN: Any = _math.RoundingMode.NEAREST_EVEN
@@ -396,7 +397,9 @@ def mxw_dequant_host(pq: Pointer, ps: Pointer, py: Pointer, rows: Int64, k: Int6
 @cute.kernel
 def nvfp4_amax_kernel(px: Pointer, pamax: Pointer, nvec: Int64, vec: Constexpr[int],
                       dtype_name: Constexpr[str]) -> None:
-    """Grid-stride max of finite |x| as fp32 bits, one atomic max per warp (non-negative bits order)."""
+    """Grid-stride max of finite |x| as fp32 bits, one atomic max per warp (non-negative bits order).
+    AMAX_VECS loads issue before any is read; indices past the end re-read the last vector (a max
+    ignores repeats), so no branch holds the loads apart."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     gdim, _, _ = cute.arch.grid_dim()
@@ -404,10 +407,13 @@ def nvfp4_amax_kernel(px: Pointer, pamax: Pointer, nvec: Int64, vec: Constexpr[i
     stride = Int64(gdim) * THREADS
     first = Int64(bidx) * THREADS + Int64(tidx)
     amax = Int32(0)
-    for it in cutlass.range((nvec + stride - 1) // stride):  # type: ignore[attr-defined]
-        i = first + it * stride
-        if i < nvec:
-            xv = gx[(None, i)].load().reshape((vec,)).to(Float32)
+    for it in cutlass.range((nvec + stride * AMAX_VECS - 1) // (stride * AMAX_VECS)):  # type: ignore[attr-defined]
+        xs = []
+        for k in range_constexpr(AMAX_VECS):
+            i = first + (it * AMAX_VECS + k) * stride
+            xs.append(gx[(None, cutlass_min64(i, nvec - 1))].load().reshape((vec,)))
+        for k in range_constexpr(AMAX_VECS):
+            xv = xs[k].to(Float32)
             for j in range_constexpr(vec):
                 a = f2i(xv[j]) & 0x7FFFFFFF
                 amax = cutlass_max(amax, sel(a < F32_INF, a, 0))
