@@ -12,7 +12,7 @@ from typing import Any
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float16, Float32, Int16, Int32, Int64, Uint8, Uint32
+from cutlass import BFloat16, Float16, Float32, Int32, Int64, Uint8, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass._mlir_helpers.op import dsl_user_op
 from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
@@ -31,7 +31,6 @@ AMAX_VECS = 4  # loads in flight per thread in nvfp4_amax_kernel
 _math: Any = cute.math
 RN: Any = _math.RoundingMode.NEAREST_EVEN
 DTYPES: dict[str, Any] = {"bfloat16": BFloat16, "float16": Float16, "float32": Float32}
-RAW: dict[str, Any] = {"bfloat16": Int16, "float16": Int16, "float32": Int32}
 # fp32 bit patterns the encoders compare against (non-negative floats order like their bits).
 F32_INF = 0x7F800000
 F32_448 = 0x43E00000
@@ -215,18 +214,6 @@ def _mx_encode(vals: cute.TensorSSA, words: cute.TensorSSA, amax: Int32, out: cu
 def e8m0_value_bits(b: Int32) -> Int32:
     """fp32 bits of 2^(b-127) for b in [0, 254] (b = 0 is the subnormal 2^-127)."""
     return sel(b == 0, F32_QUIET_BIT, b << 23)
-
-
-@cute.jit
-def _load_vec(g: Any, i: Int64, valid: Any, xf: cute.Tensor, raw: cute.Tensor,
-              vec: Constexpr[int], dtype_name: Constexpr[str]) -> None:
-    """Widen one vector to fp32 (exact) and keep its raw bits sign-extended: NaN signs come from those."""
-    xf.fill(Float32(0.0))
-    raw.fill(Int32(0))
-    if valid:
-        xv = g[(None, i)].load().reshape((vec,))
-        xf.store(xv.to(Float32))
-        raw.store(xv.bitcast(RAW[dtype_name]).to(Int32))
 
 
 @cute.jit
@@ -434,44 +421,45 @@ def nvfp4_amax_host(px: Pointer, pamax: Pointer, nvec: Int64, ctas: Int32, strea
 def nvfp4_quant_kernel(px: Pointer, pamax: Pointer, pq: Pointer, ps: Pointer, pg: Pointer, nvec: Int64,
                        vec: Constexpr[int], group: Constexpr[int], dtype_name: Constexpr[str]) -> None:
     """Pinned fp32 order: g = amax/2688; s_b = e4m3((amax_b/6)/g); codes = e2m1(x/(s_b*g)), `group` lanes
-    per 16-element block; NaN/Inf blocks get scale 0x7F and codes 0."""
+    per 16-element block; NaN/Inf blocks get scale 0x7F and codes 0. Each thread takes MX_VECS vectors
+    as mx_quant does (loads first, index clamped), sharing g and the index math between them."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
-    i = Int64(bidx) * THREADS + Int64(tidx)
     n = nvec * vec
     gx = cute.zipped_divide(cute.make_tensor(px, cute.make_layout(n)), (vec,))
     gq = cute.zipped_divide(cute.make_tensor(pq, cute.make_layout(n // 2)), (vec // 2,))
     ms = cute.make_tensor(ps, cute.make_layout(n // NVFP4_BLOCK))
+    xs = []
+    for p in range_constexpr(MX_VECS):
+        i = (Int64(bidx) * MX_VECS + p) * THREADS + Int64(tidx)
+        xs.append(gx[(None, cutlass_min64(i, nvec - 1))].load().reshape((vec,)))
     g = div_rn(i2f(cute.make_tensor(pamax, cute.make_layout(1))[0]), 448.0 * 6.0)
-    xf = cute.make_rmem_tensor((vec,), Float32)
-    raw = cute.make_rmem_tensor((vec,), Int32)
-    _load_vec(gx, i, i < nvec, xf, raw, vec, dtype_name)
-    amax = Int32(0)
-    bad = Int32(0)
-    for j in range_constexpr(vec):
-        a = f2i(xf[j]) & 0x7FFFFFFF
-        amax = cutlass_max(amax, a)
-        bad = cutlass_max(bad, sel(a < F32_INF, 0, 1))
-    amax = _group_max(amax, group)
-    bad = _group_max(bad, group)
-    s_real = div_rn(div_rn(i2f(amax), 6.0), g)
-    s_code = sel(f2i(g) > 0, e4m3_mag(f2i(s_real)), 0)
-    denom = mul_rn(i2f(e4m3_value_bits(s_code)), g)
-    ok = (bad == 0) & (f2i(denom) > 0)
-    safe = i2f(sel(ok, f2i(denom), F32_ONE))
-    codes = cute.make_rmem_tensor((vec,), Int32)
-    for j in range_constexpr(vec):
-        mag = e2m1_mag(f2i(div_rn(xf[j], safe)) & 0x7FFFFFFF)
-        codes[j] = sel(ok, mag | sel(raw[j] < 0, 8, 0), 0)
-    packed = cute.make_rmem_tensor((vec // 2,), Uint8)
-    for j in range_constexpr(vec // 2):
-        packed[j] = Uint8(codes[2 * j] | (codes[2 * j + 1] << 4))
-    if i < nvec:
-        gq[(None, i)].store(packed.load())
-        if tidx % group == 0:
-            ms[i // group] = Uint8(sel(bad == 0, s_code, 0x7F))
-        if i == 0:
-            cute.make_tensor(pg, cute.make_layout(1))[0] = g
+    for p in range_constexpr(MX_VECS):
+        i = (Int64(bidx) * MX_VECS + p) * THREADS + Int64(tidx)
+        xf = xs[p].to(Float32)
+        amax = Int32(0)
+        for j in range_constexpr(vec):
+            amax = cutlass_max(amax, f2i(xf[j]) & 0x7FFFFFFF)
+        amax = _group_max(amax, group)
+        bad = sel(amax < F32_INF, 0, 1)
+        s_real = div_rn(div_rn(i2f(amax), 6.0), g)
+        s_code = sel(f2i(g) > 0, e4m3_mag(f2i(s_real)), 0)
+        denom = mul_rn(i2f(e4m3_value_bits(s_code)), g)
+        ok = (bad == 0) & (f2i(denom) > 0)
+        safe = i2f(sel(ok, f2i(denom), F32_ONE))
+        codes = cute.make_rmem_tensor((vec,), Int32)
+        for j in range_constexpr(vec):
+            mag = e2m1_mag(f2i(div_rn(xf[j], safe)) & 0x7FFFFFFF)
+            codes[j] = sel(ok, mag | sel(f2i(xf[j]) < 0, 8, 0), 0)
+        packed = cute.make_rmem_tensor((vec // 2,), Uint8)
+        for j in range_constexpr(vec // 2):
+            packed[j] = Uint8(codes[2 * j] | (codes[2 * j + 1] << 4))
+        if i < nvec:
+            gq[(None, i)].store(packed.load())
+            if tidx % group == 0:
+                ms[i // group] = Uint8(sel(bad == 0, s_code, 0x7F))
+            if i == 0:
+                cute.make_tensor(pg, cute.make_layout(1))[0] = g
 
 
 @cute.jit
@@ -479,7 +467,8 @@ def nvfp4_quant_host(px: Pointer, pamax: Pointer, pq: Pointer, ps: Pointer, pg: 
                      stream: cuda.CUstream, vec: Constexpr[int], group: Constexpr[int],
                      dtype_name: Constexpr[str]) -> None:
     nvfp4_quant_kernel(px, pamax, pq, ps, pg, nvec, vec, group, dtype_name).launch(
-        grid=[(nvec + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream
+        grid=[(nvec + THREADS * MX_VECS - 1) // (THREADS * MX_VECS), 1, 1], block=[THREADS, 1, 1],
+        stream=stream
     )
 
 
