@@ -25,7 +25,7 @@ from nmoe.constants import E4M3_MAX, NVFP4_BLOCK
 from nmoe.constants import FP8_WEIGHT_BLOCK as WEIGHT_BLOCK
 
 THREADS = 256
-MX_VECS = 2  # vectors each mx_quant thread loads before encoding: twice the bytes in flight
+QUANT_VECS = 2  # vectors each mx_quant / nvfp4_quant thread loads before encoding: twice the bytes in flight
 AMAX_VECS = 4  # loads in flight per thread in nvfp4_amax_kernel
 # cute.math's rounding-mode ops are generated wrappers the stubs do not declare.
 _math: Any = cute.math
@@ -240,7 +240,7 @@ def _abs_max(vals: cute.TensorSSA, amax: Int32, vec: Constexpr[int]) -> Int32:
 def mx_quant_kernel(px: Pointer, pq: Pointer, ps: Pointer, nvec: Int64, vec: Constexpr[int],
                     group: Constexpr[int], dtype_name: Constexpr[str]) -> None:
     """`group` lanes of one warp hold one block of group*vec elements; their max meets by shuffles.
-    Each thread loads MX_VECS CTA-strided vectors up front (each warp load stays contiguous); lanes past
+    Each thread loads QUANT_VECS CTA-strided vectors up front (each warp load stays contiguous); lanes past
     the end re-read the last vector, so the loads need no branch, and store nothing."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
@@ -250,13 +250,13 @@ def mx_quant_kernel(px: Pointer, pq: Pointer, ps: Pointer, nvec: Int64, vec: Con
     ms = cute.make_tensor(ps, cute.make_layout(nvec // group))
     nw = vec * DTYPES[dtype_name].width // 32
     raws = []
-    for p in range_constexpr(MX_VECS):
-        i = (Int64(bidx) * MX_VECS + p) * THREADS + Int64(tidx)
+    for p in range_constexpr(QUANT_VECS):
+        i = (Int64(bidx) * QUANT_VECS + p) * THREADS + Int64(tidx)
         raw = cute.make_rmem_tensor((nw,), Int32)
         raw.store(gx[(None, cutlass_min64(i, nvec - 1))].load().reshape((vec,)).bitcast(Int32))
         raws.append(raw)
-    for p in range_constexpr(MX_VECS):
-        i = (Int64(bidx) * MX_VECS + p) * THREADS + Int64(tidx)
+    for p in range_constexpr(QUANT_VECS):
+        i = (Int64(bidx) * QUANT_VECS + p) * THREADS + Int64(tidx)
         words = raws[p].load()
         vals = words.bitcast(DTYPES[dtype_name]).to(Float32)
         amax = _group_max(_abs_max(vals, Int32(0), vec), group)
@@ -272,7 +272,7 @@ def mx_quant_kernel(px: Pointer, pq: Pointer, ps: Pointer, nvec: Int64, vec: Con
 def mx_quant_host(px: Pointer, pq: Pointer, ps: Pointer, nvec: Int64, stream: cuda.CUstream,
                   vec: Constexpr[int], group: Constexpr[int], dtype_name: Constexpr[str]) -> None:
     mx_quant_kernel(px, pq, ps, nvec, vec, group, dtype_name).launch(
-        grid=[(nvec + THREADS * MX_VECS - 1) // (THREADS * MX_VECS), 1, 1], block=[THREADS, 1, 1],
+        grid=[(nvec + THREADS * QUANT_VECS - 1) // (THREADS * QUANT_VECS), 1, 1], block=[THREADS, 1, 1],
         stream=stream
     )
 
@@ -421,7 +421,7 @@ def nvfp4_amax_host(px: Pointer, pamax: Pointer, nvec: Int64, ctas: Int32, strea
 def nvfp4_quant_kernel(px: Pointer, pamax: Pointer, pq: Pointer, ps: Pointer, pg: Pointer, nvec: Int64,
                        vec: Constexpr[int], group: Constexpr[int], dtype_name: Constexpr[str]) -> None:
     """Pinned fp32 order: g = amax/2688; s_b = e4m3((amax_b/6)/g); codes = e2m1(x/(s_b*g)), `group` lanes
-    per 16-element block; NaN/Inf blocks get scale 0x7F and codes 0. Each thread takes MX_VECS vectors
+    per 16-element block; NaN/Inf blocks get scale 0x7F and codes 0. Each thread takes QUANT_VECS vectors
     as mx_quant does (loads first, index clamped), sharing g and the index math between them."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
@@ -430,12 +430,12 @@ def nvfp4_quant_kernel(px: Pointer, pamax: Pointer, pq: Pointer, ps: Pointer, pg
     gq = cute.zipped_divide(cute.make_tensor(pq, cute.make_layout(n // 2)), (vec // 2,))
     ms = cute.make_tensor(ps, cute.make_layout(n // NVFP4_BLOCK))
     xs = []
-    for p in range_constexpr(MX_VECS):
-        i = (Int64(bidx) * MX_VECS + p) * THREADS + Int64(tidx)
+    for p in range_constexpr(QUANT_VECS):
+        i = (Int64(bidx) * QUANT_VECS + p) * THREADS + Int64(tidx)
         xs.append(gx[(None, cutlass_min64(i, nvec - 1))].load().reshape((vec,)))
     g = div_rn(i2f(cute.make_tensor(pamax, cute.make_layout(1))[0]), 448.0 * 6.0)
-    for p in range_constexpr(MX_VECS):
-        i = (Int64(bidx) * MX_VECS + p) * THREADS + Int64(tidx)
+    for p in range_constexpr(QUANT_VECS):
+        i = (Int64(bidx) * QUANT_VECS + p) * THREADS + Int64(tidx)
         xf = xs[p].to(Float32)
         amax = Int32(0)
         for j in range_constexpr(vec):
@@ -467,7 +467,7 @@ def nvfp4_quant_host(px: Pointer, pamax: Pointer, pq: Pointer, ps: Pointer, pg: 
                      stream: cuda.CUstream, vec: Constexpr[int], group: Constexpr[int],
                      dtype_name: Constexpr[str]) -> None:
     nvfp4_quant_kernel(px, pamax, pq, ps, pg, nvec, vec, group, dtype_name).launch(
-        grid=[(nvec + THREADS * MX_VECS - 1) // (THREADS * MX_VECS), 1, 1], block=[THREADS, 1, 1],
+        grid=[(nvec + THREADS * QUANT_VECS - 1) // (THREADS * QUANT_VECS), 1, 1], block=[THREADS, 1, 1],
         stream=stream
     )
 
