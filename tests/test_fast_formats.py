@@ -673,12 +673,15 @@ def division_free_byte(amax_bits: U32) -> npt.NDArray[np.int64]:
 
 
 def kernel_mag_byte(v: F32) -> npt.NDArray[np.int64]:
-    """The kernel's e4m3 magnitude (kernels/formats.py e4m3_mag_byte): integer rounding above 2^-6, one
-    fp32 add of 2^14 below; byte 0 of the result is the code."""
-    a = np.minimum(np.abs(v), np.float32(448.0)).view(np.uint32).astype(np.int64)
-    normal = (a + (0x7FFFF + (64 << 20)) + ((a >> 20) & 1)) >> 20
-    sub = (a.astype(np.uint32).view(np.float32) + np.float32(16384.0)).astype(np.float32).view(np.uint32)
-    out: npt.NDArray[np.int64] = np.where(a < 0x3C800000, sub.astype(np.int64), normal) & 0xFF
+    """The kernel's e4m3 magnitude (kernels/formats.py e4m3_mag_byte): above 2^-6 Veltkamp's split of
+    m * 2^-120, whose bits are code << 20 (the fma is exact in float64 then rounded once); below, one
+    fp32 add of 2^14, whose byte 0 is the code."""
+    m = np.minimum(np.abs(v), np.float32(448.0))
+    c_m = (m * np.float32(1048577 * 2.0**-120)).astype(np.float32)
+    d = (m.astype(np.float64) * 2.0**-120 - c_m.astype(np.float64)).astype(np.float32)
+    normal = ((c_m + d).astype(np.float32).view(np.uint32) >> 20).astype(np.int64)
+    sub = (m + np.float32(16384.0)).astype(np.float32).view(np.uint32).astype(np.int64)
+    out: npt.NDArray[np.int64] = np.where(m.view(np.uint32) < 0x3C800000, sub, normal) & 0xFF
     return out
 
 

@@ -55,6 +55,11 @@ def plan_row(d: int, vec: int, target_threads: int = _TARGET_THREADS) -> RowPlan
     return RowPlan(d, vec, nper, -(-threads // 32) * 32)
 
 
+def bwd_ctas_per_sm(threads: int) -> int:
+    """Resident bwd CTAs per SM the grid is sized for; the kernel is compiled to fit that many."""
+    return max(1, _BWD_THREADS_PER_SM // threads)
+
+
 def _source_sha256() -> str:
     return runtime.sources_sha256(_KERNEL_MODULE)
 
@@ -123,11 +128,12 @@ def _rmsnorm_bwd_impl(dy: Tensor, x: Tensor, w: Tensor, eps: float) -> tuple[Ten
     if rows == 0:
         return dx, dw
     spec, plan = _spec(x, w, BWD_TARGET_THREADS)
+    spec["ctas_per_sm"] = bwd_ctas_per_sm(plan.threads)
     align = plan.vec * x.element_size()
     xc, dyc = _contig(x, align), _contig(dy, align)
     wc = _contig(w, min(_VEC_BYTES, plan.vec * w.element_size()))
     runtime.require_arch(dy, x, w)
-    ctas = min(rows, runtime.sm_count(x.device) * max(1, _BWD_THREADS_PER_SM // plan.threads))
+    ctas = min(rows, runtime.sm_count(x.device) * spec["ctas_per_sm"])
     parts = torch.empty((ctas, d), dtype=torch.float32, device=x.device)
     _launch("rmsnorm_bwd", spec, (dyc, xc, wc, dx, parts), (rows, eps, ctas))
     dw_vec = _DW_VEC if d % _DW_VEC == 0 else 1
@@ -213,8 +219,9 @@ def _kernel_specs() -> tuple[KernelSpec, ...]:
         cvt = (_BF16_OUT,) if xd == "bfloat16" else ()
         out.append(_norm_spec("rmsnorm", f"rmsnorm_fwd_{tag}", "rmsnorm_fwd", _row_spec(d, xd, wd),
                               (*_ROW, *cvt)))
-        out.append(_norm_spec("rmsnorm_bwd", f"rmsnorm_bwd_{tag}", "rmsnorm_bwd",
-                              _row_spec(d, xd, wd, BWD_TARGET_THREADS),
+        bwd = _row_spec(d, xd, wd, BWD_TARGET_THREADS)
+        bwd["ctas_per_sm"] = bwd_ctas_per_sm(bwd["threads"])
+        out.append(_norm_spec("rmsnorm_bwd", f"rmsnorm_bwd_{tag}", "rmsnorm_bwd", bwd,
                               (*_ROW, r"\badd\.rn\.f32\b", *cvt)))
     out.append(_norm_spec("rmsnorm_bwd", "rmsnorm_dw_bf16", "rmsnorm_dw",
                           {"vec": _DW_VEC, "w_dtype": "bfloat16"}, (_LD128, r"\badd\.rn\.f32\b", _BF16_OUT)))

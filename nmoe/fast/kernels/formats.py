@@ -1,7 +1,8 @@
 """CuTeDSL kernels for MX-FP8 (1xB and 128x128 blocks) and NVFP4 quantize/dequantize, bit-exact.
 
-Rounding to e4m3/e2m1 is integer arithmetic on fp32 bits plus one exact `add.rn` for the subnormal grid;
-no hardware narrowing cvt is used. Import only after nmoe.fast.runtime.import_cutlass(arch).
+Rounding to e4m3/e2m1 is exact fp32 arithmetic (integer rounding of the bits, or Veltkamp's split) plus
+one exact `add.rn` for the subnormal grid; no hardware narrowing cvt is used.
+Import only after nmoe.fast.runtime.import_cutlass(arch).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float16, Float32, Int16, Int32, Int64, Uint8
+from cutlass import BFloat16, Float16, Float32, Int32, Int64, Uint8, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass._mlir_helpers.op import dsl_user_op
 from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
@@ -24,11 +25,12 @@ from nmoe.constants import E4M3_MAX, NVFP4_BLOCK
 from nmoe.constants import FP8_WEIGHT_BLOCK as WEIGHT_BLOCK
 
 THREADS = 256
+QUANT_VECS = 2  # vectors each mx_quant / nvfp4_quant thread loads before encoding: twice the bytes in flight
+AMAX_VECS = 4  # loads in flight per thread in nvfp4_amax_kernel
 # cute.math's rounding-mode ops are generated wrappers the stubs do not declare.
 _math: Any = cute.math
 RN: Any = _math.RoundingMode.NEAREST_EVEN
 DTYPES: dict[str, Any] = {"bfloat16": BFloat16, "float16": Float16, "float32": Float32}
-RAW: dict[str, Any] = {"bfloat16": Int16, "float16": Int16, "float32": Int32}
 # fp32 bit patterns the encoders compare against (non-negative floats order like their bits).
 F32_INF = 0x7F800000
 F32_448 = 0x43E00000
@@ -40,6 +42,9 @@ F32_ONE = 0x3F800000  # e2m1's smallest normal
 # Adding 2^14 (ulp 2^-9) or 2^22 (ulp 0.5) rounds |v| onto the e4m3 / e2m1 subnormal grid, RNE, exactly.
 E4M3_SUB_MAGIC = 16384.0
 E4M3_SUB_MAGIC_BITS = 0x46800000
+# Veltkamp's splitter 2^20 + 1 and the e4m3 rebias 2^-120, both exact in fp32 (see e4m3_mag_byte).
+E4M3_REBIAS = 2.0**-120
+E4M3_SPLIT = 1048577.0 * E4M3_REBIAS
 E2M1_SUB_MAGIC = 4194304.0
 E2M1_SUB_MAGIC_BITS = 0x4A800000
 # torch's CPU float ops (the reference) give these NaN bits; a GPU mul would give 0x7FFFFFFF instead.
@@ -68,6 +73,10 @@ def mul_rn(a: Any, b: Any) -> Float32:
 
 def add_rn(a: Any, b: Any) -> Float32:
     return Float32(_math.add(Float32(a), Float32(b), rounding=RN))
+
+
+def fma_rn(a: Any, b: Any, c: Any) -> Float32:
+    return Float32(_math.fma(Float32(a), Float32(b), Float32(c), rounding=RN))
 
 
 def div_rn(a: Any, b: Any) -> Float32:
@@ -106,6 +115,10 @@ def cutlass_max(a: Any, b: Any) -> Int32:
     return sel(Int32(a) > Int32(b), a, b)
 
 
+def cutlass_min64(a: Any, b: Any) -> Int64:
+    return Int64(select_(Int64(a) < Int64(b), Int64(a), Int64(b)))
+
+
 def e4m3_value_bits(c: Int32) -> Int32:
     """Exact fp32 bits of the e4m3 code c (0..255), NaN codes excluded by the caller."""
     e = (c >> 3) & 0xF
@@ -139,14 +152,14 @@ def mx_byte(amax: Int32) -> Int32:
 
 
 def e4m3_mag_byte(v: Float32) -> Int32:
-    """Byte 0 of the result is the RNE e4m3 magnitude code of the finite fp32 v (|v| clamped to 448).
-
-    Normal range: the integer rounding of e4m3_mag with the -960 rebias folded into the add as +64 << 20
-    (byte 0 of 1024 + code is the code); subnormal range: byte 0 of fp32(|v| + 2^14) is the code.
-    """
+    """Byte 3 is the RNE e4m3 code of |v| clamped to 448: below 2^-6 byte 0 of fp32(|v| + 2^14), above
+    Veltkamp's split (c = 2^20 + 1) of |v| * 2^-120, whose bits are code << 20 (checked for all finite
+    fp32). Float ops and IMADs keep it off the ALU pipe, which bounds the MX-FP8 quantizers."""
     a = f2i(cute.arch.fmin(Float32(cute.math.absf(v)), E4M3_MAX))
-    normal = (a + (0x7FFFF + (64 << 20)) + ((a >> 20) & 1)) >> 20
-    sub = f2i(add_rn(i2f(a), E4M3_SUB_MAGIC))
+    m = i2f(a)
+    c_m = mul_rn(m, E4M3_SPLIT)
+    normal = f2i(add_rn(c_m, fma_rn(m, E4M3_REBIAS, -c_m))) << 4
+    sub = f2i(add_rn(m, E4M3_SUB_MAGIC)) << 24
     return sel(a < F32_MIN_E4M3_NORMAL, sub, normal)
 
 
@@ -155,8 +168,8 @@ def prmt(a: Any, b: Any, selector: int) -> Int32:
 
 
 def pack_bytes(m0: Int32, m1: Int32, m2: Int32, m3: Int32) -> Int32:
-    """Byte 0 of each of four registers, packed little-endian into one word (3 PRMTs)."""
-    return prmt(prmt(m0, m1, 0x0040), prmt(m2, m3, 0x0040), 0x5410)
+    """Byte 3 of each of four registers, packed little-endian into one word (3 PRMTs)."""
+    return prmt(prmt(m0, m1, 0x0073), prmt(m2, m3, 0x0073), 0x5410)
 
 
 def sign_bytes(words: Any, q: int, dtype_name: str) -> Int32:
@@ -193,7 +206,7 @@ def _mx_encode(vals: cute.TensorSSA, words: cute.TensorSSA, amax: Int32, out: cu
             for k in range_constexpr(4):
                 j = 4 * q + k
                 nan = (f2i(vals[j]) & 0x7FFFFFFF) > F32_INF
-                code = sel(nan, 0x7F, mags[j] & 0x7F) | (sign_bit(words, j, dtype_name) << 7)
+                code = sel(nan, 0x7F, (mags[j] >> 24) & 0x7F) | (sign_bit(words, j, dtype_name) << 7)
                 word = word | (code << (8 * k))
             out[q] = sel(amax == 0, 0, word)
 
@@ -201,18 +214,6 @@ def _mx_encode(vals: cute.TensorSSA, words: cute.TensorSSA, amax: Int32, out: cu
 def e8m0_value_bits(b: Int32) -> Int32:
     """fp32 bits of 2^(b-127) for b in [0, 254] (b = 0 is the subnormal 2^-127)."""
     return sel(b == 0, F32_QUIET_BIT, b << 23)
-
-
-@cute.jit
-def _load_vec(g: Any, i: Int64, valid: Any, xf: cute.Tensor, raw: cute.Tensor,
-              vec: Constexpr[int], dtype_name: Constexpr[str]) -> None:
-    """Widen one vector to fp32 (exact) and keep its raw bits sign-extended: NaN signs come from those."""
-    xf.fill(Float32(0.0))
-    raw.fill(Int32(0))
-    if valid:
-        xv = g[(None, i)].load().reshape((vec,))
-        xf.store(xv.to(Float32))
-        raw.store(xv.bitcast(RAW[dtype_name]).to(Int32))
 
 
 @cute.jit
@@ -226,44 +227,53 @@ def _group_max(v: Int32, group: Constexpr[int]) -> Int32:
 
 @cute.jit
 def _abs_max(vals: cute.TensorSSA, amax: Int32, vec: Constexpr[int]) -> Int32:
+    """max(amax, |vals| as fp32 bits) on doubled bits: the doubling (an IMAD) drops the sign bit
+    instead of an AND on the ALU pipe, which the encoder keeps busy."""
+    twice = Uint32(amax) * 2
     for j in range_constexpr(vec):
-        amax = cutlass_max(amax, f2i(vals[j]) & 0x7FFFFFFF)
-    return amax
+        b = Uint32(f2i(vals[j])) * 2
+        twice = Uint32(select_(b > twice, b, twice))
+    return Int32(twice >> 1)
 
 
 @cute.kernel
 def mx_quant_kernel(px: Pointer, pq: Pointer, ps: Pointer, nvec: Int64, vec: Constexpr[int],
                     group: Constexpr[int], dtype_name: Constexpr[str]) -> None:
     """`group` lanes of one warp hold one block of group*vec elements; their max meets by shuffles.
-    Lanes past the end run on zeros so every lane joins the shuffles."""
+    Each thread loads QUANT_VECS CTA-strided vectors up front (each warp load stays contiguous); lanes past
+    the end re-read the last vector, so the loads need no branch, and store nothing."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
-    i = Int64(bidx) * THREADS + Int64(tidx)
     n = nvec * vec
     gx = cute.zipped_divide(cute.make_tensor(px, cute.make_layout(n)), (vec,))
     gq = cute.zipped_divide(cute.make_tensor(pq, cute.make_layout(n)), (vec,))
     ms = cute.make_tensor(ps, cute.make_layout(nvec // group))
     nw = vec * DTYPES[dtype_name].width // 32
-    raw = cute.make_rmem_tensor((nw,), Int32)
-    raw.fill(0)
-    if i < nvec:
-        raw.store(gx[(None, i)].load().reshape((vec,)).bitcast(Int32))
-    words = raw.load()
-    vals = words.bitcast(DTYPES[dtype_name]).to(Float32)
-    amax = _group_max(_abs_max(vals, Int32(0), vec), group)
-    out = cute.make_rmem_tensor((vec // 4,), Int32)
-    _mx_encode(vals, words, amax, out, vec, dtype_name)
-    if i < nvec:
-        cute.recast_tensor(gq[(None, i)], Int32).store(out.load())
-        if tidx % group == 0:
-            ms[i // group] = Uint8(mx_byte(amax))
+    raws = []
+    for p in range_constexpr(QUANT_VECS):
+        i = (Int64(bidx) * QUANT_VECS + p) * THREADS + Int64(tidx)
+        raw = cute.make_rmem_tensor((nw,), Int32)
+        raw.store(gx[(None, cutlass_min64(i, nvec - 1))].load().reshape((vec,)).bitcast(Int32))
+        raws.append(raw)
+    for p in range_constexpr(QUANT_VECS):
+        i = (Int64(bidx) * QUANT_VECS + p) * THREADS + Int64(tidx)
+        words = raws[p].load()
+        vals = words.bitcast(DTYPES[dtype_name]).to(Float32)
+        amax = _group_max(_abs_max(vals, Int32(0), vec), group)
+        out = cute.make_rmem_tensor((vec // 4,), Int32)
+        _mx_encode(vals, words, amax, out, vec, dtype_name)
+        if i < nvec:
+            cute.recast_tensor(gq[(None, i)], Int32).store(out.load())
+            if tidx % group == 0:
+                ms[i // group] = Uint8(mx_byte(amax))
 
 
 @cute.jit
 def mx_quant_host(px: Pointer, pq: Pointer, ps: Pointer, nvec: Int64, stream: cuda.CUstream,
                   vec: Constexpr[int], group: Constexpr[int], dtype_name: Constexpr[str]) -> None:
     mx_quant_kernel(px, pq, ps, nvec, vec, group, dtype_name).launch(
-        grid=[(nvec + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream
+        grid=[(nvec + THREADS * QUANT_VECS - 1) // (THREADS * QUANT_VECS), 1, 1], block=[THREADS, 1, 1],
+        stream=stream
     )
 
 
@@ -374,7 +384,9 @@ def mxw_dequant_host(pq: Pointer, ps: Pointer, py: Pointer, rows: Int64, k: Int6
 @cute.kernel
 def nvfp4_amax_kernel(px: Pointer, pamax: Pointer, nvec: Int64, vec: Constexpr[int],
                       dtype_name: Constexpr[str]) -> None:
-    """Grid-stride max of finite |x| as fp32 bits, one atomic max per warp (non-negative bits order)."""
+    """Grid-stride max of finite |x| as fp32 bits, one atomic max per warp (non-negative bits order).
+    AMAX_VECS loads issue before any is read; indices past the end re-read the last vector (a max
+    ignores repeats), so no branch holds the loads apart."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     gdim, _, _ = cute.arch.grid_dim()
@@ -382,10 +394,13 @@ def nvfp4_amax_kernel(px: Pointer, pamax: Pointer, nvec: Int64, vec: Constexpr[i
     stride = Int64(gdim) * THREADS
     first = Int64(bidx) * THREADS + Int64(tidx)
     amax = Int32(0)
-    for it in cutlass.range((nvec + stride - 1) // stride):  # type: ignore[attr-defined]
-        i = first + it * stride
-        if i < nvec:
-            xv = gx[(None, i)].load().reshape((vec,)).to(Float32)
+    for it in cutlass.range((nvec + stride * AMAX_VECS - 1) // (stride * AMAX_VECS)):  # type: ignore[attr-defined]
+        xs = []
+        for k in range_constexpr(AMAX_VECS):
+            i = first + (it * AMAX_VECS + k) * stride
+            xs.append(gx[(None, cutlass_min64(i, nvec - 1))].load().reshape((vec,)))
+        for k in range_constexpr(AMAX_VECS):
+            xv = xs[k].to(Float32)
             for j in range_constexpr(vec):
                 a = f2i(xv[j]) & 0x7FFFFFFF
                 amax = cutlass_max(amax, sel(a < F32_INF, a, 0))
@@ -406,44 +421,45 @@ def nvfp4_amax_host(px: Pointer, pamax: Pointer, nvec: Int64, ctas: Int32, strea
 def nvfp4_quant_kernel(px: Pointer, pamax: Pointer, pq: Pointer, ps: Pointer, pg: Pointer, nvec: Int64,
                        vec: Constexpr[int], group: Constexpr[int], dtype_name: Constexpr[str]) -> None:
     """Pinned fp32 order: g = amax/2688; s_b = e4m3((amax_b/6)/g); codes = e2m1(x/(s_b*g)), `group` lanes
-    per 16-element block; NaN/Inf blocks get scale 0x7F and codes 0."""
+    per 16-element block; NaN/Inf blocks get scale 0x7F and codes 0. Each thread takes QUANT_VECS vectors
+    as mx_quant does (loads first, index clamped), sharing g and the index math between them."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
-    i = Int64(bidx) * THREADS + Int64(tidx)
     n = nvec * vec
     gx = cute.zipped_divide(cute.make_tensor(px, cute.make_layout(n)), (vec,))
     gq = cute.zipped_divide(cute.make_tensor(pq, cute.make_layout(n // 2)), (vec // 2,))
     ms = cute.make_tensor(ps, cute.make_layout(n // NVFP4_BLOCK))
+    xs = []
+    for p in range_constexpr(QUANT_VECS):
+        i = (Int64(bidx) * QUANT_VECS + p) * THREADS + Int64(tidx)
+        xs.append(gx[(None, cutlass_min64(i, nvec - 1))].load().reshape((vec,)))
     g = div_rn(i2f(cute.make_tensor(pamax, cute.make_layout(1))[0]), 448.0 * 6.0)
-    xf = cute.make_rmem_tensor((vec,), Float32)
-    raw = cute.make_rmem_tensor((vec,), Int32)
-    _load_vec(gx, i, i < nvec, xf, raw, vec, dtype_name)
-    amax = Int32(0)
-    bad = Int32(0)
-    for j in range_constexpr(vec):
-        a = f2i(xf[j]) & 0x7FFFFFFF
-        amax = cutlass_max(amax, a)
-        bad = cutlass_max(bad, sel(a < F32_INF, 0, 1))
-    amax = _group_max(amax, group)
-    bad = _group_max(bad, group)
-    s_real = div_rn(div_rn(i2f(amax), 6.0), g)
-    s_code = sel(f2i(g) > 0, e4m3_mag(f2i(s_real)), 0)
-    denom = mul_rn(i2f(e4m3_value_bits(s_code)), g)
-    ok = (bad == 0) & (f2i(denom) > 0)
-    safe = i2f(sel(ok, f2i(denom), F32_ONE))
-    codes = cute.make_rmem_tensor((vec,), Int32)
-    for j in range_constexpr(vec):
-        mag = e2m1_mag(f2i(div_rn(xf[j], safe)) & 0x7FFFFFFF)
-        codes[j] = sel(ok, mag | sel(raw[j] < 0, 8, 0), 0)
-    packed = cute.make_rmem_tensor((vec // 2,), Uint8)
-    for j in range_constexpr(vec // 2):
-        packed[j] = Uint8(codes[2 * j] | (codes[2 * j + 1] << 4))
-    if i < nvec:
-        gq[(None, i)].store(packed.load())
-        if tidx % group == 0:
-            ms[i // group] = Uint8(sel(bad == 0, s_code, 0x7F))
-        if i == 0:
-            cute.make_tensor(pg, cute.make_layout(1))[0] = g
+    for p in range_constexpr(QUANT_VECS):
+        i = (Int64(bidx) * QUANT_VECS + p) * THREADS + Int64(tidx)
+        xf = xs[p].to(Float32)
+        amax = Int32(0)
+        for j in range_constexpr(vec):
+            amax = cutlass_max(amax, f2i(xf[j]) & 0x7FFFFFFF)
+        amax = _group_max(amax, group)
+        bad = sel(amax < F32_INF, 0, 1)
+        s_real = div_rn(div_rn(i2f(amax), 6.0), g)
+        s_code = sel(f2i(g) > 0, e4m3_mag(f2i(s_real)), 0)
+        denom = mul_rn(i2f(e4m3_value_bits(s_code)), g)
+        ok = (bad == 0) & (f2i(denom) > 0)
+        safe = i2f(sel(ok, f2i(denom), F32_ONE))
+        codes = cute.make_rmem_tensor((vec,), Int32)
+        for j in range_constexpr(vec):
+            mag = e2m1_mag(f2i(div_rn(xf[j], safe)) & 0x7FFFFFFF)
+            codes[j] = sel(ok, mag | sel(f2i(xf[j]) < 0, 8, 0), 0)
+        packed = cute.make_rmem_tensor((vec // 2,), Uint8)
+        for j in range_constexpr(vec // 2):
+            packed[j] = Uint8(codes[2 * j] | (codes[2 * j + 1] << 4))
+        if i < nvec:
+            gq[(None, i)].store(packed.load())
+            if tidx % group == 0:
+                ms[i // group] = Uint8(sel(bad == 0, s_code, 0x7F))
+            if i == 0:
+                cute.make_tensor(pg, cute.make_layout(1))[0] = g
 
 
 @cute.jit
@@ -451,7 +467,8 @@ def nvfp4_quant_host(px: Pointer, pamax: Pointer, pq: Pointer, ps: Pointer, pg: 
                      stream: cuda.CUstream, vec: Constexpr[int], group: Constexpr[int],
                      dtype_name: Constexpr[str]) -> None:
     nvfp4_quant_kernel(px, pamax, pq, ps, pg, nvec, vec, group, dtype_name).launch(
-        grid=[(nvec + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream
+        grid=[(nvec + THREADS * QUANT_VECS - 1) // (THREADS * QUANT_VECS), 1, 1], block=[THREADS, 1, 1],
+        stream=stream
     )
 
 

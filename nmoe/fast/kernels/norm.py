@@ -17,14 +17,16 @@ from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
+from cutlass.cutlass_dsl import select_
 
 # cute.math's rounding-mode ops are generated wrappers the stubs do not declare.
 _math: Any = cute.math
 RN: Any = _math.RoundingMode.NEAREST_EVEN
 WARP = 32
 DTYPES: dict[str, Any] = {"bfloat16": BFloat16, "float16": Float16, "float32": Float32}
-DW_THREADS = 256
+DW_THREADS = 64  # small CTAs spread the few dw columns over more SMs
 DW_VEC = 4
+DW_UNROLL = 16  # partial-sum loads in flight per thread; the adds stay in index order
 
 
 def mul_rn(a: Any, b: Any) -> Float32:
@@ -65,6 +67,24 @@ def _load_row(m: Any, row: Int64, out: cute.Tensor, tidx: Int32, d: Constexpr[in
                 xv = g[(None, row * nv + v)].load().reshape((vec,)).to(Float32)
                 for j in range_constexpr(vec):
                     out[p * vec + j] = xv[j]
+
+
+@cute.jit
+def _load_raw(m: Any, row: Int64, out: cute.Tensor, tidx: Int32, d: Constexpr[int],
+              vec: Constexpr[int], nper: Constexpr[int], threads: Constexpr[int]) -> None:
+    """_load_row without the widening: the registers stay loads in flight until first read."""
+    nv = d // vec
+    g = cute.zipped_divide(m, (vec,))
+    outv: Any = cute.zipped_divide(out, (vec,))
+    for p in range_constexpr(nper):
+        v = Int64(tidx) + p * threads
+        dst = outv[(None, p)]
+        if const_expr(threads * nper == nv):
+            dst.store(g[(None, row * nv + v)].load())
+        else:
+            dst.fill(0.0)
+            if v < nv:
+                dst.store(g[(None, row * nv + v)].load())
 
 
 @cute.jit
@@ -146,8 +166,9 @@ def rmsnorm_fwd_host(px: Pointer, pw: Pointer, py: Pointer, rows: Int64, eps: Fl
 def rmsnorm_bwd_kernel(pdy: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw: Pointer, rows: Int64,
                        eps: Float32, d: Constexpr[int], vec: Constexpr[int], nper: Constexpr[int],
                        threads: Constexpr[int]) -> None:
-    """Rows bidx, bidx + grid, ...: dx = r*(g - x*(r*r)*mean(g*x)), g = dy*w; this CTA's dw partial sum
-    of dy*(x*r) goes to row bidx of the fp32 workspace pdw."""
+    """Rows bidx, bidx + grid, ...: dx = r*(g - x*(r*r)*mean(g*x)), g = dy*w; dw partials of dy*(x*r) sit
+    in shared memory (freeing registers for the resident-CTA target), then go to row bidx of pdw. The next
+    row's x and dy load before this row's reductions, hiding their latency behind barriers and math."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     gdim, _, _ = cute.arch.grid_dim()
@@ -160,15 +181,26 @@ def rmsnorm_bwd_kernel(pdy: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw
                            cute.make_layout(2 * ((threads + WARP - 1) // WARP)))
     wf = cute.make_rmem_tensor((nper * vec,), Float32)
     _load_row(mw, Int64(0), wf, tidx, d, vec, nper, threads)
-    dwf = cute.make_rmem_tensor((nper * vec,), Float32)
-    dwf.fill(0.0)
+    nk = nper * vec
+    ck = 4 if nk % 4 == 0 else 1
+    dws = cute.zipped_divide(cute.make_tensor(cute.arch.alloc_smem(Float32, threads * nk, 4 * ck),
+                                              cute.make_layout(threads * nk)), (ck,))
+    for c in range_constexpr(nk // ck):
+        dws[(None, c * threads + Int32(tidx))].fill(0.0)
+    xn = cute.make_rmem_tensor((nper * vec,), mx.element_type)
+    gn = cute.make_rmem_tensor((nper * vec,), mx.element_type)
+    _load_raw(mx, Int64(bidx), xn, tidx, d, vec, nper, threads)
+    _load_raw(mdy, Int64(bidx), gn, tidx, d, vec, nper, threads)
     xf = cute.make_rmem_tensor((nper * vec,), Float32)
     gf = cute.make_rmem_tensor((nper * vec,), Float32)
     stride = Int64(gdim)
     for it in cutlass.range((rows - Int64(bidx) + stride - 1) // stride):  # type: ignore[attr-defined]
         row = Int64(bidx) + it * stride
-        _load_row(mx, row, xf, tidx, d, vec, nper, threads)
-        _load_row(mdy, row, gf, tidx, d, vec, nper, threads)
+        xf.store(xn.load().to(Float32))
+        gf.store(gn.load().to(Float32))
+        if row + stride < rows:
+            _load_raw(mx, row + stride, xn, tidx, d, vec, nper, threads)
+            _load_raw(mdy, row + stride, gn, tidx, d, vec, nper, threads)
         ss = Float32(0.0)
         gx = Float32(0.0)
         for j in range_constexpr(nper * vec):
@@ -178,26 +210,42 @@ def rmsnorm_bwd_kernel(pdy: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw
         r = inv_rms(ss, d, eps)
         s = div_rn(gx, Float32(float(d)))
         rr = mul_rn(r, r)
-        for j in range_constexpr(nper * vec):
-            dwf[j] = add_rn(dwf[j], mul_rn(gf[j], mul_rn(xf[j], r)))
+        for c in range_constexpr(nk // ck):
+            acc = dws[(None, c * threads + Int32(tidx))]
+            part = cute.make_rmem_tensor((ck,), Float32)
+            part.store(acc.load())
+            for k in range_constexpr(ck):
+                j = c * ck + k
+                part[k] = add_rn(part[k], mul_rn(gf[j], mul_rn(xf[j], r)))
+            acc.store(part.load())
+        for j in range_constexpr(nk):
             gf[j] = mul_rn(r, add_rn(mul_rn(gf[j], wf[j]), -mul_rn(mul_rn(xf[j], rr), s)))
         _store_row(mdx, row, gf, tidx, d, vec, nper, threads)
-    _store_row(mdw, Int64(bidx), dwf, tidx, d, vec, nper, threads)
+    for c in range_constexpr(nk // ck):
+        part = dws[(None, c * threads + Int32(tidx))].load()
+        for k in range_constexpr(ck):
+            gf[c * ck + k] = part[k]
+    _store_row(mdw, Int64(bidx), gf, tidx, d, vec, nper, threads)
 
 
 @cute.jit
 def rmsnorm_bwd_host(pdy: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw: Pointer, rows: Int64,
                      eps: Float32, ctas: Int32, stream: cuda.CUstream, d: Constexpr[int], vec: Constexpr[int],
                      nper: Constexpr[int], threads: Constexpr[int], x_dtype: Constexpr[str],
-                     w_dtype: Constexpr[str]) -> None:
+                     w_dtype: Constexpr[str], ctas_per_sm: Constexpr[int]) -> None:
+    """The grid is sized for ctas_per_sm resident CTAs: .minnctapersm makes ptxas fit the registers to it
+    (a CTA that does not fit would run in a second wave). The carveout stays the driver's default."""
     rmsnorm_bwd_kernel(pdy, px, pw, pdx, pdw, rows, eps, d, vec, nper, threads).launch(
-        grid=[ctas, 1, 1], block=[threads, 1, 1], stream=stream
+        grid=[ctas, 1, 1], block=[threads, 1, 1], stream=stream, min_blocks_per_mp=ctas_per_sm,
+        preferred_smem_carveout=-1
     )
 
 
 @cute.kernel
 def rmsnorm_dw_kernel(pparts: Pointer, pdw: Pointer, nparts: Int32, d: Int64, vec: Constexpr[int]) -> None:
-    """dw[c] = sum over the CTA partials in index order (deterministic), one rounding to w's dtype."""
+    """dw[c] = sum over the CTA partials in index order (deterministic), one rounding to w's dtype.
+    DW_UNROLL partials load at once (indices clamped in range) before their in-order adds: the chain of
+    nparts dependent adds waits on one load latency per chunk instead of per partial."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     cv = Int64(bidx) * DW_THREADS + Int64(tidx)
@@ -207,10 +255,16 @@ def rmsnorm_dw_kernel(pparts: Pointer, pdw: Pointer, nparts: Int32, d: Int64, ve
         gdw = cute.zipped_divide(cute.make_tensor(pdw, cute.make_layout(d)), (vec,))
         acc = cute.make_rmem_tensor((vec,), Float32)
         acc.fill(0.0)
-        for p in cutlass.range(nparts):  # type: ignore[attr-defined]
-            part = gp[(None, Int64(p) * nv + cv)].load().reshape((vec,))
-            for j in range_constexpr(vec):
-                acc[j] = add_rn(acc[j], part[j])
+        for c in cutlass.range((nparts + DW_UNROLL - 1) // DW_UNROLL):  # type: ignore[attr-defined]
+            base = c * DW_UNROLL
+            parts = []
+            for u in range_constexpr(DW_UNROLL):
+                last = Int32(select_(base + u < nparts, base + u, nparts - 1))
+                parts.append(gp[(None, Int64(last) * nv + cv)].load().reshape((vec,)))
+            for u in range_constexpr(DW_UNROLL):
+                if base + u < nparts:
+                    for j in range_constexpr(vec):
+                        acc[j] = add_rn(acc[j], parts[u][j])
         gdw[(None, cv)].store(acc.load().to(gdw.element_type))
 
 
@@ -247,4 +301,4 @@ def compile_args(kernel: str, spec: dict[str, Any]) -> tuple[Any, tuple[Any, ...
     row = (spec["d"], spec["vec"], spec["nper"], spec["threads"], spec["x_dtype"], spec["w_dtype"])
     if kernel == "rmsnorm_fwd":
         return rmsnorm_fwd_host, (*fake, Int64(0), Float32(0.0), s, *row)
-    return rmsnorm_bwd_host, (*fake, Int64(0), Float32(0.0), Int32(1), s, *row)
+    return rmsnorm_bwd_host, (*fake, Int64(0), Float32(0.0), Int32(1), s, *row, spec["ctas_per_sm"])
