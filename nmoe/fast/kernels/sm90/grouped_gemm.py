@@ -265,6 +265,48 @@ def drain_stores() -> None:
 
 
 @cute.jit
+def produce_tiles(mainloop: pipeline.PipelineTmaAsync, tma_atom_a: cute.CopyAtom, m_a: cute.Tensor,
+                  tma_atom_b: cute.CopyAtom, m_b: cute.Tensor, s_a: cute.Tensor, s_b: cute.Tensor,
+                  s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, t: Int32, n_ctas: Int32,
+                  n_tiles_n: Constexpr[int], k_tiles: Constexpr[int], bn: Constexpr[int], bk: Constexpr[int],
+                  stages: Constexpr[int]) -> None:
+    """The producer warp: TMA loads of every K box of this CTA's tiles (t, t + n_ctas, ...) into the ring."""
+    s_a_flat = cute.group_modes(s_a, 0, 2)
+    s_b_flat = cute.group_modes(s_b, 0, 2)
+    e = Int32(-1)
+    g_start = Int32(0)
+    g_end = Int32(0)
+    before = Int32(0)
+    here = Int32(0)
+    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+    e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
+                                            n_tiles_n)
+    while e <= n_groups:
+        if e < n_groups:
+            local = t - before
+            m_tile = local // n_tiles_n
+            n_tile = local - m_tile * n_tiles_n
+            row0 = g_start + m_tile * BM
+            g_a = cute.local_tile(cute.domain_offset((row0, 0), m_a), (BM, bk), (0, None))
+            g_b = cute.local_tile(m_b[(None, None, e)], (bn, bk), (n_tile, None))
+            t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1), s_a_flat,
+                                               cute.group_modes(g_a, 0, 2))
+            t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1), s_b_flat,
+                                               cute.group_modes(g_b, 0, 2))
+            for kt in range(k_tiles):
+                mainloop.producer_acquire(state)
+                bar = mainloop.producer_get_barrier(state)
+                cute.copy(tma_atom_a, t_ga[(None, kt)], t_sa[(None, state.index)], tma_bar_ptr=bar)
+                cute.copy(tma_atom_b, t_gb[(None, kt)], t_sb[(None, state.index)], tma_bar_ptr=bar)
+                mainloop.producer_commit(state)
+                state.advance()
+        t = t + n_ctas
+        e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
+                                                n_tiles_n)
+    mainloop.producer_tail(state)
+
+
+@cute.jit
 def _issue_mmas(tiled_mma: cute.TiledMma, acc: cute.Tensor, t_ra: cute.Tensor, t_rb: cute.Tensor,
                 stage: Int32) -> None:
     warpgroup.fence()
@@ -314,8 +356,6 @@ def grouped_gemm_kernel(
 
     n_tiles_n = (n + bn - 1) // bn
     k_tiles = (k + BK - 1) // BK
-    s_a_flat = cute.group_modes(s_a, 0, 2)
-    s_b_flat = cute.group_modes(s_b, 0, 2)
 
     # Cursor state: group e spans rows [g_start, g_end) and linear tiles [before, before + here).
     e = Int32(-1)
@@ -328,32 +368,8 @@ def grouped_gemm_kernel(
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         if warp_idx == 0:
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-            e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before,
-                                                    here, n_tiles_n)
-            while e <= n_groups:
-                if e < n_groups:
-                    local = t - before
-                    m_tile = local // n_tiles_n
-                    n_tile = local - m_tile * n_tiles_n
-                    row0 = g_start + m_tile * BM
-                    g_a = cute.local_tile(cute.domain_offset((row0, 0), m_a), (BM, BK), (0, None))
-                    g_b = cute.local_tile(m_b[(None, None, e)], (bn, BK), (n_tile, None))
-                    t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1), s_a_flat,
-                                                       cute.group_modes(g_a, 0, 2))
-                    t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1), s_b_flat,
-                                                       cute.group_modes(g_b, 0, 2))
-                    for kt in range(k_tiles):
-                        mainloop.producer_acquire(state)
-                        bar = mainloop.producer_get_barrier(state)
-                        cute.copy(tma_atom_a, t_ga[(None, kt)], t_sa[(None, state.index)], tma_bar_ptr=bar)
-                        cute.copy(tma_atom_b, t_gb[(None, kt)], t_sb[(None, state.index)], tma_bar_ptr=bar)
-                        mainloop.producer_commit(state)
-                        state.advance()
-                t = t + n_ctas
-                e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,
-                                                        before, here, n_tiles_n)
-            mainloop.producer_tail(state)
+            produce_tiles(mainloop, tma_atom_a, m_a, tma_atom_b, m_b, s_a, s_b, s_offs, n_groups, m_rows,
+                          Int32(bidx), n_ctas, n_tiles_n, k_tiles, bn, BK, stages)
     else:
         cute.arch.setmaxregister_increase(CONSUMER_REGS)
         ctid = tidx - WG_THREADS
