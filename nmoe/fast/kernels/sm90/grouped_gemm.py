@@ -265,6 +265,34 @@ def drain_stores() -> None:
 
 
 @cute.jit
+def cta_setup(m_offs: cute.Tensor, n_groups: Int32, ab_dtype: Constexpr[Any], a_layout: cute.ComposedLayout,
+              b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout, stages: Constexpr[int]
+              ) -> tuple[cute.Tensor, cute.Tensor, cute.Tensor, cute.Tensor, pipeline.PipelineTmaAsync]:
+    """A grouped-GEMM CTA's shared memory (mbarriers, offs table, operand ring, output staging) and the TMA
+    pipeline whose init ends in a CTA-wide barrier, which also publishes the offs table."""
+    tidx, _, _ = cute.arch.thread_idx()
+    smem = SmemAllocator()
+    barriers = smem.allocate_array(Int64, stages * 2, byte_alignment=8)
+    s_offs = smem.allocate_tensor(Int32, cute.make_layout(MAX_GROUPS), 16)
+    s_a = smem.allocate_tensor(ab_dtype, a_layout.outer, 1024, a_layout.inner)
+    s_b = smem.allocate_tensor(ab_dtype, b_layout.outer, 1024, b_layout.inner)
+    s_d = smem.allocate_tensor(BFloat16, d_layout.outer, 1024, d_layout.inner)
+    for i in range(tidx, n_groups, THREADS):
+        s_offs[i] = m_offs[i]
+    tx_bytes = cute.size_in_bytes(ab_dtype, cute.slice_(a_layout, (None, None, 0))) + cute.size_in_bytes(
+        ab_dtype, cute.slice_(b_layout, (None, None, 0)))
+    mainloop = pipeline.PipelineTmaAsync.create(
+        barrier_storage=barriers,
+        num_stages=stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_WGS * 4),
+        tx_count=tx_bytes,
+        cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+    )
+    return s_offs, s_a, s_b, s_d, mainloop
+
+
+@cute.jit
 def produce_tiles(mainloop: pipeline.PipelineTmaAsync, tma_atom_a: cute.CopyAtom, m_a: cute.Tensor,
                   tma_atom_b: cute.CopyAtom, m_b: cute.Tensor, s_a: cute.Tensor, s_b: cute.Tensor,
                   s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, t: Int32, n_ctas: Int32,
@@ -332,27 +360,8 @@ def grouped_gemm_kernel(
         cpasync.prefetch_descriptor(tma_atom_b)
         cpasync.prefetch_descriptor(tma_atom_d)
 
-    smem = SmemAllocator()
-    barriers = smem.allocate_array(Int64, stages * 2, byte_alignment=8)
-    s_offs = smem.allocate_tensor(Int32, cute.make_layout(MAX_GROUPS), 16)
-    s_a = smem.allocate_tensor(BFloat16, a_layout.outer, 1024, a_layout.inner)
-    s_b = smem.allocate_tensor(BFloat16, b_layout.outer, 1024, b_layout.inner)
-    s_d = smem.allocate_tensor(BFloat16, d_layout.outer, 1024, d_layout.inner)
-
-    for i in range(tidx, n_groups, THREADS):
-        s_offs[i] = m_offs[i]
-
-    tx_bytes = cute.size_in_bytes(BFloat16, cute.slice_(a_layout, (None, None, 0))) + cute.size_in_bytes(
-        BFloat16, cute.slice_(b_layout, (None, None, 0)))
-    # The pipeline's init ends in a CTA-wide barrier, which also publishes s_offs.
-    mainloop = pipeline.PipelineTmaAsync.create(
-        barrier_storage=barriers,
-        num_stages=stages,
-        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_WGS * 4),
-        tx_count=tx_bytes,
-        cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-    )
+    s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
+                                                stages)
 
     n_tiles_n = (n + bn - 1) // bn
     k_tiles = (k + BK - 1) // BK

@@ -10,13 +10,12 @@ import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint8
 from cutlass.base_dsl.ast_helpers import range_constexpr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.typing import Pointer
 from cutlass.cutlass_dsl.cutlass import min as dsl_min
-from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from nmoe.constants import E8M0_NAN, FP8_WEIGHT_BLOCK, MXFP8_BLOCK_SM90
@@ -32,6 +31,7 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     THREADS,
     WG_THREADS,
     _seek,
+    cta_setup,
     drain_stores,
     epi_smem_layout,
     epi_tma,
@@ -118,27 +118,8 @@ def grouped_gemm_fp8_kernel(
         cpasync.prefetch_descriptor(tma_atom_b)
         cpasync.prefetch_descriptor(tma_atom_d)
 
-    smem = SmemAllocator()
-    barriers = smem.allocate_array(Int64, stages * 2, byte_alignment=8)
-    s_offs = smem.allocate_tensor(Int32, cute.make_layout(MAX_GROUPS), 16)
-    s_a = smem.allocate_tensor(Float8E4M3FN, a_layout.outer, 1024, a_layout.inner)
-    s_b = smem.allocate_tensor(Float8E4M3FN, b_layout.outer, 1024, b_layout.inner)
-    s_d = smem.allocate_tensor(BFloat16, d_layout.outer, 1024, d_layout.inner)
-
-    for i in range(tidx, n_groups, THREADS):
-        s_offs[i] = m_offs[i]
-
-    tx_bytes = cute.size_in_bytes(Float8E4M3FN, cute.slice_(a_layout, (None, None, 0))) + cute.size_in_bytes(
-        Float8E4M3FN, cute.slice_(b_layout, (None, None, 0)))
-    # The pipeline's init ends in a CTA-wide barrier, which also publishes s_offs.
-    mainloop = pipeline.PipelineTmaAsync.create(
-        barrier_storage=barriers,
-        num_stages=stages,
-        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_WGS * 4),
-        tx_count=tx_bytes,
-        cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-    )
+    s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, Float8E4M3FN, a_layout, b_layout, d_layout,
+                                                stages)
 
     n_tiles_n = n // BN
     k_tiles = k // BK

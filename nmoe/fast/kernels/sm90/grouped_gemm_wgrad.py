@@ -10,7 +10,7 @@ import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Int32
 from cutlass.base_dsl.ast_helpers import range_constexpr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -18,10 +18,9 @@ from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 from cutlass.cutlass_dsl.cutlass import max as dsl_max
 from cutlass.cutlass_dsl.cutlass import min as dsl_min
-from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from nmoe.fast.kernels.sm90.grouped_gemm import _issue_mmas
+from nmoe.fast.kernels.sm90.grouped_gemm import _issue_mmas, cta_setup
 
 BM = 128
 BK = 64
@@ -89,27 +88,8 @@ def grouped_wgrad_kernel(
         cpasync.prefetch_descriptor(tma_atom_a)
         cpasync.prefetch_descriptor(tma_atom_b)
 
-    smem = SmemAllocator()
-    barriers = smem.allocate_array(Int64, stages * 2, byte_alignment=8)
-    s_offs = smem.allocate_tensor(Int32, cute.make_layout(MAX_GROUPS), 16)
-    s_a = smem.allocate_tensor(BFloat16, a_layout.outer, 1024, a_layout.inner)
-    s_b = smem.allocate_tensor(BFloat16, b_layout.outer, 1024, b_layout.inner)
-    s_d = smem.allocate_tensor(BFloat16, d_layout.outer, 1024, d_layout.inner)
-
-    for i in range(tidx, n_groups, THREADS):
-        s_offs[i] = m_offs[i]
-
-    tx_bytes = cute.size_in_bytes(BFloat16, cute.slice_(a_layout, (None, None, 0))) + cute.size_in_bytes(
-        BFloat16, cute.slice_(b_layout, (None, None, 0)))
-    # The pipeline's init ends in a CTA-wide barrier, which also publishes s_offs.
-    mainloop = pipeline.PipelineTmaAsync.create(
-        barrier_storage=barriers,
-        num_stages=stages,
-        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_WGS * 4),
-        tx_count=tx_bytes,
-        cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-    )
+    s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
+                                                stages)
 
     tiles_m = (n + BM - 1) // BM
     tiles_n = (k + bn - 1) // bn
