@@ -46,4 +46,23 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a block holding NaN/Inf gets a finite scale instead of e4m3 NaN", TESTS, ("quantize_nvfp4",),
         device="gpu",
     ),
+    sep_mutation(
+        "mxfp8_weight.fast_one_warp_amax", FILE,
+        "        amax = cutlass_max(amax, red[w])\n", "        amax = cutlass_max(amax, red[tidx // 32])\n",
+        "each warp of the 128x128 weight quantizer scales its rows by its own max, not the block's",
+        TESTS, ("quantize_mxfp8_w128",), device="gpu",
+    ),
+    sep_mutation(
+        "mxfp8.fast_dequant_nan_scale_ignored", FILE,
+        " | (b == 255) | ", " | ",
+        "dequantize reads scale byte 255 as the exponent 2^128 (Inf) instead of NaN", TESTS,
+        ("dequantize_mxfp8_32", "dequantize_mxfp8_w128"), device="gpu",
+    ),
+    sep_mutation(
+        "nvfp4.fast_dequant_zero_times_inf", FILE,
+        "nan = ((s & 0x7F) == 0x7F) | (ga > F32_INF) | ((r & 0x7FFFFFFF) > F32_INF)",
+        "nan = ((s & 0x7F) == 0x7F) | (ga > F32_INF)",
+        "NVFP4 dequantize lets the GPU's 0 * Inf bits (0x7FFFFFFF) out instead of the canonical NaN", TESTS,
+        ("dequantize_nvfp4",), device="gpu",
+    ),
 )
