@@ -1,7 +1,6 @@
-"""Fast grouped GEMM fwd/dgrad/wgrad (bf16 in, fp32 accumulate) and the fwd with swiglu/relu2 fused into its
-epilogue: sm_90a CuTeDSL kernels as torch custom ops. The kernels read `offs` on the device, so routing
-changes neither sync the host nor recompile.
-GPU smoke test: `python -m nmoe.fast.gemm --selftest`."""
+"""Fast grouped GEMM fwd/dgrad/wgrad (bf16 in, fp32 accumulate), the fwd optionally with swiglu/relu2 fused:
+sm_90a CuTeDSL kernels as torch custom ops that read `offs` on the device, so routing changes neither sync
+the host nor recompile. GPU smoke test: `python -m nmoe.fast.gemm --selftest`."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""CuTeDSL kernels for MX-FP8 (1xB and 128x128 blocks) and NVFP4 quantize/dequantize, bit-exact.
-
-Rounding to e4m3/e2m1 is exact fp32 arithmetic (integer rounding of the bits, or Veltkamp's split) plus
-one exact `add.rn` for the subnormal grid; no hardware narrowing cvt is used.
-Import only after nmoe.fast.runtime.import_cutlass(arch).
-"""
+"""CuTeDSL kernels for MX-FP8 (1xB and 128x128 blocks) and NVFP4 quantize/dequantize, bit-exact: exact fp32
+rounding (integer on the bits, or Veltkamp's split) plus one exact `add.rn` for the subnormal grid, no
+hardware narrowing cvt. Import only after nmoe.fast.runtime.import_cutlass(arch)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""sm_90a grouped GEMM over expert row segments (fwd, and dgrad via an N-major B): TMA, wgmma, persistent
-warp-specialised CTAs that derive their tile list from the device `offs`, so routing never syncs the host.
-The fwd optionally fuses swiglu or relu2 into its epilogue (writing both h and act(h)).
-Import only after nmoe.fast.runtime.import_cutlass("sm_90a")."""
+"""sm_90a grouped GEMM over expert row segments (fwd, optionally writing act(h) too; dgrad via an N-major B):
+persistent warp-specialised TMA/wgmma CTAs whose tile list comes from the device `offs`, so routing never
+syncs the host. Import only after nmoe.fast.runtime.import_cutlass("sm_90a")."""
 
 from __future__ import annotations
 
