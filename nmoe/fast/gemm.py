@@ -67,6 +67,21 @@ def _check_offs_on_host(op: str, offs: Tensor, m: int) -> None:
         raise ValueError(f"{op}: offs {ends} must be non-decreasing, >= 0 and <= {m} rows; fix the counts")
 
 
+def check_routing(op: str, offs: Tensor, n_groups: int | None, m: int) -> None:
+    """The checks every grouped kernel shares: offs int32 [E] (E = n_groups where the weights fix it), the
+    group table's size, and int32 row coordinates."""
+    e = offs.numel() if n_groups is None else n_groups
+    want = "E" if n_groups is None else str(e)
+    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.numel() != e:
+        raise ValueError(f"{op}: offs must be int32 [{want}] cumulative group ends, got {offs.dtype} "
+                         f"{tuple(offs.shape)}; build it with torch.cumsum(counts, 0).to(torch.int32)")
+    if e > MAX_GROUPS:
+        raise ValueError(f"{op}: {e} groups exceed the kernel's table of {MAX_GROUPS}; split the "
+                         "experts into several calls")
+    if m >= 2**31:
+        raise ValueError(f"{op}: {m} rows exceed the kernel's int32 row coordinates; split M")
+
+
 def _check(op: str, a: Tensor, w: Tensor, offs: Tensor, a_name: str, red_dim: int) -> None:
     for name, t in ((a_name, a), ("w", w)):
         if t.dtype != torch.bfloat16:
@@ -75,17 +90,10 @@ def _check(op: str, a: Tensor, w: Tensor, offs: Tensor, a_name: str, red_dim: in
     if a.dim() != 2 or w.dim() != 3 or a.shape[1] != w.shape[red_dim]:
         raise ValueError(f"{op}: need {a_name} [M, R] and w [E, N, K] with R = w.shape[{red_dim}], got "
                          f"{tuple(a.shape)} and {tuple(w.shape)}")
-    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.numel() != w.shape[0]:
-        raise ValueError(f"{op}: offs must be int32 [{w.shape[0]}] cumulative group ends, got {offs.dtype} "
-                         f"{tuple(offs.shape)}; build it with torch.cumsum(counts, 0).to(torch.int32)")
-    if w.shape[0] > MAX_GROUPS:
-        raise ValueError(f"{op}: {w.shape[0]} groups exceed the kernel's table of {MAX_GROUPS}; split the "
-                         "experts into several calls")
+    check_routing(op, offs, w.shape[0], a.shape[0])
     if w.shape[1] % _ALIGN or w.shape[2] % _ALIGN:
         raise ValueError(f"{op}: w's N={w.shape[1]} and K={w.shape[2]} must be multiples of {_ALIGN} (TMA "
                          "needs 16-byte row strides); pad the expert weights")
-    if a.shape[0] >= 2**31:
-        raise ValueError(f"{op}: {a.shape[0]} rows exceed the kernel's int32 row coordinates; split M")
 
 
 def _launch(op: str, a: Tensor, w: Tensor, offs: Tensor, out: Tensor, w_k_major: bool,
@@ -174,17 +182,10 @@ def _check_wgrad(dy: Tensor, x: Tensor, offs: Tensor) -> None:
                              ".to(torch.bfloat16), or use nmoe.reference.gemm for other dtypes)")
     if dy.dim() != 2 or x.dim() != 2 or dy.shape[0] != x.shape[0]:
         raise ValueError(f"{op}: need dy [M, N] and x [M, K], got {tuple(dy.shape)} and {tuple(x.shape)}")
-    if offs.dtype != torch.int32 or offs.dim() != 1:
-        raise ValueError(f"{op}: offs must be int32 [E] cumulative group ends, got {offs.dtype} "
-                         f"{tuple(offs.shape)}; build it with torch.cumsum(counts, 0).to(torch.int32)")
-    if offs.numel() > MAX_GROUPS:
-        raise ValueError(f"{op}: {offs.numel()} groups exceed the kernel's table of {MAX_GROUPS}; split the "
-                         "experts into several calls")
+    check_routing(op, offs, None, dy.shape[0])
     if dy.shape[1] % _ALIGN or x.shape[1] % _ALIGN:
         raise ValueError(f"{op}: N={dy.shape[1]} and K={x.shape[1]} must be multiples of {_ALIGN} (TMA needs "
                          "16-byte row strides); pad the expert weights")
-    if dy.shape[0] >= 2**31:
-        raise ValueError(f"{op}: {dy.shape[0]} rows exceed the kernel's int32 row coordinates; split M")
 
 
 def _fwd_impl(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:

@@ -66,14 +66,7 @@ def _check(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor,
         raise ValueError(f"{op}: scales {tuple(sa.shape)} / {tuple(sb.shape)} must be [{m}, {k // K_BLOCK}] "
                          f"/ [{e}, {n // BN}, {k // K_BLOCK}] (x 1x128, w 128x128 blocks); quantize with "
                          "quantize_mxfp8(x, 128) and quantize_mxfp8_weight(w)")
-    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.numel() != e:
-        raise ValueError(f"{op}: offs must be int32 [{e}] cumulative group ends, got {offs.dtype} "
-                         f"{tuple(offs.shape)}; build it with torch.cumsum(counts, 0).to(torch.int32)")
-    if e > gemm.MAX_GROUPS:
-        raise ValueError(f"{op}: {e} groups exceed the kernel's table of {gemm.MAX_GROUPS}; split the "
-                         "experts into several calls")
-    if m >= 2**31:
-        raise ValueError(f"{op}: {m} rows exceed the kernel's int32 row coordinates; split M")
+    gemm.check_routing(op, offs, e, m)
     return a, sa, b, sb
 
 
