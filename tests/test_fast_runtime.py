@@ -158,7 +158,7 @@ _PROBE = """
     import cutlass.cute as cute
     key = runtime.cache_key("relu2_fwd", activation._source_sha256(), arch, {"dtype": "bfloat16", "vec": 8})
     def build():
-        host, args = k.compile_args("relu2_fwd", "bfloat16", 8)
+        host, args = k.compile_args("relu2_fwd", {"dtype": "bfloat16", "vec": 8})
         return cute.compile(host, *args)
     def fail():
         raise AssertionError("compiled although the disk cache holds the kernel")

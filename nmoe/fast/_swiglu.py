@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 from types import ModuleType
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -42,26 +41,13 @@ def _check_h(op: str, h: Tensor) -> str:
 
 def _launch(kernel: str, ins: tuple[Tensor, ...], out: Tensor, n: int) -> None:
     """Run `kernel` over n output pairs of contiguous tensors; 128-bit vectors when every pointer allows."""
-    arch = runtime.require_arch(*ins, out)
+    runtime.require_arch(*ins, out)
     dtype_name = _DTYPE_NAMES[out.dtype]
     if n == 0:
         return
     aligned = all(t.data_ptr() % _VEC_BYTES == 0 for t in (*ins, out))
-    vec = _VEC[dtype_name] if aligned else 1
-    k = _kernels(arch)
-    key = runtime.cache_key(kernel, _source_sha256(), arch, {"dtype": dtype_name, "vec": vec})
-
-    def build() -> Any:
-        import cutlass.cute as cute
-
-        host, args = k.compile_args(kernel, dtype_name, vec)
-        return cute.compile(host, *args)
-
-    device = out.device
-    ex = runtime.kernel_cache().executor(key, build)
-    ptrs = [k.pointer(dtype_name, t.data_ptr(), vec) for t in (*ins, out)]
-    with torch.cuda.device(device):
-        ex(*ptrs, n, runtime.current_stream(device))
+    spec = {"dtype": dtype_name, "vec": _VEC[dtype_name] if aligned else 1}
+    runtime.launch(_KERNEL_MODULE, _source_sha256(), kernel, spec, (*ins, out), (n,))
 
 
 def _out_shape(h: Tensor) -> list[int]:
@@ -119,7 +105,7 @@ def swiglu_bwd(dy: Tensor, h: Tensor) -> Tensor:
 
 def _ptx(kernel: str, dtype_name: str, arch: str) -> str:
     k = _kernels(arch)
-    host, args = k.compile_args(kernel, dtype_name, _VEC[dtype_name])
+    host, args = k.compile_args(kernel, {"dtype": dtype_name, "vec": _VEC[dtype_name]})
     return runtime.compile_ptx(host, args)
 
 

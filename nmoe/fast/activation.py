@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 from types import ModuleType
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -44,7 +43,7 @@ def _check(op: str, *ts: Tensor) -> str:
 
 def _launch(kernel: str, ins: tuple[Tensor, ...], out: Tensor) -> None:
     """Run `kernel` over the flattened contiguous tensors; 128-bit vectors when every pointer allows."""
-    arch = runtime.require_arch(*ins, out)
+    runtime.require_arch(*ins, out)
     dtype_name = _check(kernel, *ins, out)
     if not all(t.is_contiguous() for t in (*ins, out)):
         raise ValueError(f"{kernel}: tensors must be contiguous; call .contiguous() first")
@@ -52,21 +51,8 @@ def _launch(kernel: str, ins: tuple[Tensor, ...], out: Tensor) -> None:
     if n == 0:
         return
     aligned = all(t.data_ptr() % _VEC_BYTES == 0 for t in (*ins, out))
-    vec = _VEC[dtype_name] if aligned else 1
-    k = _kernels(arch)
-    key = runtime.cache_key(kernel, _source_sha256(), arch, {"dtype": dtype_name, "vec": vec})
-
-    def build() -> Any:
-        import cutlass.cute as cute
-
-        host, args = k.compile_args(kernel, dtype_name, vec)
-        return cute.compile(host, *args)
-
-    device = out.device
-    ex = runtime.kernel_cache().executor(key, build)
-    ptrs = [k.pointer(dtype_name, t.data_ptr(), vec) for t in (*ins, out)]
-    with torch.cuda.device(device):
-        ex(*ptrs, n, runtime.current_stream(device))
+    spec = {"dtype": dtype_name, "vec": _VEC[dtype_name] if aligned else 1}
+    runtime.launch(_KERNEL_MODULE, _source_sha256(), kernel, spec, (*ins, out), (n,))
 
 
 def _relu2_impl(x: Tensor) -> Tensor:
@@ -108,7 +94,7 @@ def relu2_bwd(dy: Tensor, x: Tensor) -> Tensor:
 
 def _ptx(kernel: str, dtype_name: str, arch: str) -> str:
     k = _kernels(arch)
-    host, args = k.compile_args(kernel, dtype_name, _VEC[dtype_name])
+    host, args = k.compile_args(kernel, {"dtype": dtype_name, "vec": _VEC[dtype_name]})
     return runtime.compile_ptx(host, args)
 
 

@@ -69,7 +69,7 @@ def _kernels(arch: str) -> ModuleType:
 
 
 def _launch(kernel: str, spec: dict[str, Any], tensors: tuple[Tensor, ...], scalars: tuple[Any, ...]) -> None:
-    runtime.launch(_kernels(runtime.require_arch(*tensors)), _source_sha256(), kernel, spec, tensors, scalars)
+    runtime.launch(_KERNEL_MODULE, _source_sha256(), kernel, spec, tensors, scalars)
 
 
 def _check(x: Tensor, w: Tensor, eps: float) -> None:

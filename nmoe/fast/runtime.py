@@ -141,7 +141,6 @@ def file_sha256(path: str | Path) -> str:
 
 
 @functools.cache
-@functools.cache
 def sources_sha256(*modules: str) -> str:
     """One digest over every kernel file a fast op compiles from: a shared helper file keys the cache too."""
     digest = hashlib.sha256()
@@ -320,13 +319,12 @@ def tma_aligned(op: str, name: str, t: Tensor) -> Tensor:
     return t
 
 
-def launch(kernels: ModuleType, source_sha256: str, kernel: str, spec: dict[str, Any],
+def launch(module: str, source_sha256: str, kernel: str, spec: dict[str, Any],
            tensors: tuple[Tensor, ...], scalars: tuple[Any, ...]) -> None:
-    """Compile `kernel` once per (arch, spec) via kernels.compile_args and launch it on the current stream.
-
-    `kernels` follows the module convention compile_args(kernel, spec) / pointers(kernel, addresses, spec).
-    """
+    """Compile `kernel` of kernel module `module` once per (arch, spec) and launch it on the current stream;
+    the module follows the convention compile_args(kernel, spec) / pointers(kernel, addresses, spec)."""
     arch = require_arch(*tensors)
+    kernels = kernel_module(module, arch)
     key = cache_key(kernel, source_sha256, arch, spec)
 
     def build() -> Any:

@@ -146,8 +146,14 @@ def pointer(dtype_name: str, address: int, vec: int) -> Any:
     return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=vec * dtype.width // 8)
 
 
-def compile_args(kernel: str, dtype_name: str, vec: int) -> tuple[Any, tuple[Any, ...]]:
-    n_ptrs = {"relu2_fwd": 2, "relu2_bwd": 3}[kernel]
-    host = {"relu2_fwd": relu2_fwd_host, "relu2_bwd": relu2_bwd_host}[kernel]
-    ptrs = tuple(pointer(dtype_name, 0, vec) for _ in range(n_ptrs))
-    return host, (*ptrs, Int64(0), cuda.CUstream(0), vec, dtype_name)
+HOSTS: dict[str, tuple[Any, int]] = {"relu2_fwd": (relu2_fwd_host, 2), "relu2_bwd": (relu2_bwd_host, 3)}
+
+
+def pointers(kernel: str, addresses: tuple[int, ...], spec: dict[str, Any]) -> list[Any]:
+    return [pointer(spec["dtype"], a, spec["vec"]) for a in addresses]
+
+
+def compile_args(kernel: str, spec: dict[str, Any]) -> tuple[Any, tuple[Any, ...]]:
+    host, n_ptrs = HOSTS[kernel]
+    ptrs = pointers(kernel, (0,) * n_ptrs, spec)
+    return host, (*ptrs, Int64(0), cuda.CUstream(0), spec["vec"], spec["dtype"])

@@ -172,11 +172,16 @@ def pointer(dtype_name: str, address: int, vec: int) -> Any:
     return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=vec * dtype.width // 8)
 
 
-def compile_args(kernel: str, dtype_name: str, vec: int) -> tuple[Any, tuple[Any, ...]]:
-    """Host function and placeholder arguments for one (kernel, dtype, vec) specialisation."""
-    p = pointer(dtype_name, 0, vec)
-    if kernel == "swiglu_fwd":
-        return swiglu_fwd_host, (p, p, Int64(0), cuda.CUstream(0), vec, dtype_name)
-    if kernel == "swiglu_bwd":
-        return swiglu_bwd_host, (p, p, p, Int64(0), cuda.CUstream(0), vec, dtype_name)
+HOSTS: dict[str, tuple[Any, int]] = {"swiglu_fwd": (swiglu_fwd_host, 2), "swiglu_bwd": (swiglu_bwd_host, 3)}
+
+
+def pointers(kernel: str, addresses: tuple[int, ...], spec: dict[str, Any]) -> list[Any]:
+    return [pointer(spec["dtype"], a, spec["vec"]) for a in addresses]
+
+
+def compile_args(kernel: str, spec: dict[str, Any]) -> tuple[Any, tuple[Any, ...]]:
+    """Host function and placeholder arguments for one (kernel, {dtype, vec}) specialisation."""
+    host, n_ptrs = HOSTS[kernel]
+    ptrs = pointers(kernel, (0,) * n_ptrs, spec)
+    return host, (*ptrs, Int64(0), cuda.CUstream(0), spec["vec"], spec["dtype"])
     raise ValueError(f"unknown swiglu kernel {kernel!r}; choose swiglu_fwd or swiglu_bwd")
