@@ -36,8 +36,8 @@ ABLATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ablate.one_stage_less", KERNEL,
-        "    return min(8, (SMEM_BYTES - fixed) // stage_bytes)",
-        "    return min(8, (SMEM_BYTES - fixed) // stage_bytes) - 1",
+        "    return min(8, (SMEM_BYTES - epi_bytes - MAX_GROUPS * 4 - 2048) // stage_bytes)",
+        "    return min(8, (SMEM_BYTES - epi_bytes - MAX_GROUPS * 4 - 2048) // stage_bytes) - 1",
         "operand pipeline one stage shallower: how much depth matters",
     ),
     Mutation(

@@ -48,11 +48,13 @@ STORE_WARP = 4
 EPILOGUES: dict[str, int] = {"none": 1, "swiglu": 2, "relu2": 1}
 
 
+def pipeline_stages(stage_bytes: int, epi_bytes: int = EPI_SMEM_BYTES) -> int:
+    """Operand pipeline depth that fits next to the output staging, the offs table and the mbarriers."""
+    return min(8, (SMEM_BYTES - epi_bytes - MAX_GROUPS * 4 - 2048) // stage_bytes)
+
+
 def stages_for(bn: int) -> int:
-    """Operand pipeline depth that fits next to the epilogue tile, the offs table and the mbarriers."""
-    stage_bytes = (BM + bn) * BK * 2
-    fixed = EPI_SMEM_BYTES + MAX_GROUPS * 4 + 2048
-    return min(8, (SMEM_BYTES - fixed) // stage_bytes)
+    return pipeline_stages((BM + bn) * BK * 2)
 
 
 def epi_smem_layout() -> cute.ComposedLayout:

@@ -24,10 +24,7 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     BM,
     CONSUMER_REGS,
     CONSUMER_WGS,
-    EPI_SMEM_BYTES,
-    MAX_GROUPS,
     PRODUCER_REGS,
-    SMEM_BYTES,
     THREADS,
     WG_THREADS,
     _seek,
@@ -36,6 +33,7 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     epi_smem_layout,
     epi_tma,
     epilogue_copies,
+    pipeline_stages,
     pointer,
     produce_tiles,
     store_tile,
@@ -48,10 +46,7 @@ K_BLOCKS = BK // 32
 
 
 def stages_for() -> int:
-    """Operand pipeline depth that fits next to the epilogue tile, the offs table and the mbarriers."""
-    stage_bytes = (BM + BN) * BK
-    fixed = EPI_SMEM_BYTES + MAX_GROUPS * 4 + 2048
-    return min(8, (SMEM_BYTES - fixed) // stage_bytes)
+    return pipeline_stages((BM + BN) * BK)
 
 
 def _byte(t: cute.Tensor, coord: Any) -> Int32:

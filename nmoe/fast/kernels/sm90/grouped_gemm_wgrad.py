@@ -20,27 +20,28 @@ from cutlass.cutlass_dsl.cutlass import max as dsl_max
 from cutlass.cutlass_dsl.cutlass import min as dsl_min
 from cutlass.tensor_utils import LayoutEnum
 
-from nmoe.fast.kernels.sm90.grouped_gemm import _issue_mmas, cta_setup
+from nmoe.fast.kernels.sm90.grouped_gemm import (
+    BK,
+    BM,
+    CONSUMER_REGS,
+    CONSUMER_THREADS,
+    CONSUMER_WGS,
+    EPI_BARRIER_ID,
+    PRODUCER_REGS,
+    THREADS,
+    VEC,
+    WG_THREADS,
+    _issue_mmas,
+    cta_setup,
+    pipeline_stages,
+)
 
-BM = 128
-BK = 64
-WG_THREADS = 128
-CONSUMER_WGS = 2
-CONSUMER_THREADS = CONSUMER_WGS * WG_THREADS
-THREADS = WG_THREADS + CONSUMER_THREADS
-PRODUCER_REGS = 40
-CONSUMER_REGS = 232
-EPI_BARRIER_ID = 1
 MASK_BARRIER_ID = 2
-MAX_GROUPS = 1024
-SMEM_BYTES = 232448
-VEC = 8
 
 
 def stages_for(bn: int) -> int:
-    stage_bytes = (BM + bn) * BK * 2
-    fixed = BM * bn * 2 + MAX_GROUPS * 4 + 2048
-    return min(8, (SMEM_BYTES - fixed) // stage_bytes)
+    """wgrad still stages its whole BM x bn output tile in shared memory."""
+    return pipeline_stages((BM + bn) * BK * 2, BM * bn * 2)
 
 
 @cute.jit
