@@ -244,3 +244,36 @@ def test_compilecheck_row_fails(spec: runtime.KernelSpec, needle: str) -> None:
     row = compilecheck.check(spec, "sm_90a")
     assert row["status"] == "fail"
     assert needle in row["error"]
+
+
+_LAUNCH_PROBE = """
+    import contextlib, json
+    import torch
+    from nmoe.fast import activation, runtime
+
+    calls = []
+
+    class Cache:
+        def executor(self, key, build):
+            build()
+            spec = dict(key.specialisation)
+            return lambda *args: calls.append((key.kernel, spec, [type(a).__name__ for a in args], args[-2:]))
+
+    runtime.require_arch = lambda *ts: "sm_90a"
+    runtime.kernel_cache = lambda: Cache()
+    runtime.current_stream = lambda device: "stream"
+    torch.cuda.device = lambda device: contextlib.nullcontext()
+    x = torch.ones(1000, dtype=torch.bfloat16)
+    activation._launch("relu2_fwd", (x,), torch.empty_like(x))
+    print(json.dumps(calls))
+"""
+
+
+def test_launch_compiles_with_the_spec_and_passes_pointers_scalars_stream() -> None:
+    """runtime.launch wiring without a GPU: a real compile from compile_args(kernel, spec), then typed
+    pointers from pointers(kernel, addresses, spec), the scalars and the stream, in that order."""
+    proc = _python(_LAUNCH_PROBE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [(kernel, spec, types, tail)] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert kernel == "relu2_fwd" and spec == {"dtype": "'bfloat16'", "vec": "8"}
+    assert len(types) == 4 and tail == [1000, "stream"]

@@ -120,22 +120,13 @@ def _launch(op: str, a: Tensor, w: Tensor, offs: Tensor, out: Tensor, w_k_major:
     if activation != "none":
         name = f"grouped_gemm_fwd_{activation}"
     key = runtime.cache_key(name, _source_sha256(), arch, {"n": n, "k": k, "bn": bn})
-
-    def build() -> Any:
-        import cutlass.cute as cute
-
-        host, args = kmod.compile_args(n, k, bn, w_k_major, activation)
-        return cute.compile(host, *args)
-
-    device = out.device
-    ex = runtime.kernel_cache().executor(key, build)
-    n_ctas = min(runtime.sm_count(device), tile_upper_bound(m, n, w.shape[0], bn))
+    n_ctas = min(runtime.sm_count(out.device), tile_upper_bound(m, n, w.shape[0], bn))
     from cutlass import BFloat16, Int32
 
     ptrs = [kmod.pointer(BFloat16, t.data_ptr()) for t in (a, w, out, outs[-1])]
     ptrs.append(kmod.pointer(Int32, offs.data_ptr(), 4))
-    with torch.cuda.device(device):
-        ex(*ptrs, m, w.shape[0], n_ctas, runtime.current_stream(device))
+    runtime.run_compiled(key, lambda: kmod.compile_args(n, k, bn, w_k_major, activation), out.device,
+                         (*ptrs, m, w.shape[0], n_ctas))
 
 
 def _launch_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, bn: int | None = None) -> None:
@@ -156,22 +147,12 @@ def _launch_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, bn: int | Non
     kmod = _kernels(arch, _WGRAD_MODULE)
     key = runtime.cache_key("grouped_gemm_wgrad", _source_sha256(_WGRAD_MODULE), arch,
                             {"n": n, "k": k, "bn": bn})
-
-    def build() -> Any:
-        import cutlass.cute as cute
-
-        host, args = kmod.compile_args(n, k, bn)
-        return cute.compile(host, *args)
-
-    device = dw.device
-    ex = runtime.kernel_cache().executor(key, build)
-    n_ctas = min(runtime.sm_count(device), n_groups * -(-n // BM) * -(-k // bn))
+    n_ctas = min(runtime.sm_count(dw.device), n_groups * -(-n // BM) * -(-k // bn))
     from cutlass import BFloat16, Int32
 
     ptrs = [kmod.pointer(BFloat16, t.data_ptr()) for t in (dy, x, dw)]
     ptrs.append(kmod.pointer(Int32, offs.data_ptr(), 4))
-    with torch.cuda.device(device):
-        ex(*ptrs, m, n_groups, n_ctas, runtime.current_stream(device))
+    runtime.run_compiled(key, lambda: kmod.compile_args(n, k, bn), dw.device, (*ptrs, m, n_groups, n_ctas))
 
 
 def _check_wgrad(dy: Tensor, x: Tensor, offs: Tensor) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 from types import ModuleType
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -82,23 +81,13 @@ def _launch(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, offs: Tensor, y: Ten
         return
     gemm._check_offs_on_host("grouped_gemm_fp8", offs, m)
     key = runtime.cache_key("grouped_gemm_fp8_sm90", _source_sha256(), arch, {"n": n, "k": k})
-
-    def build() -> Any:
-        import cutlass.cute as cute
-
-        host, args = kmod.compile_args(n, k)
-        return cute.compile(host, *args)
-
-    device = y.device
-    ex = runtime.kernel_cache().executor(key, build)
-    n_ctas = min(runtime.sm_count(device), gemm.tile_upper_bound(m, n, n_groups, BN))
+    n_ctas = min(runtime.sm_count(y.device), gemm.tile_upper_bound(m, n, n_groups, BN))
     from cutlass import BFloat16, Float8E4M3FN, Int32, Uint8
 
     ptrs = (kmod.pointer(Float8E4M3FN, xq.data_ptr()), kmod.pointer(Float8E4M3FN, wq.data_ptr()),
             kmod.pointer(Uint8, xs.data_ptr(), 1), kmod.pointer(Uint8, ws.data_ptr(), 1),
             kmod.pointer(BFloat16, y.data_ptr()), kmod.pointer(Int32, offs.data_ptr(), 4))
-    with torch.cuda.device(device):
-        ex(*ptrs, m, n_groups, n_ctas, runtime.current_stream(device))
+    runtime.run_compiled(key, lambda: kmod.compile_args(n, k), y.device, (*ptrs, m, n_groups, n_ctas))
 
 
 def _impl(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, offs: Tensor) -> Tensor:

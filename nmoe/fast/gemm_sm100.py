@@ -88,20 +88,11 @@ def _launch(fmt: str, a: Tensor, b: Tensor, sfa: Tensor, sfb: Tensor, offs: Tens
     kmod = _kernels(ARCH)
     name = f"grouped_gemm_sm100_{fmt}"
     key = runtime.cache_key(name, _source_sha256(), ARCH, {"n": n, "k": k, "bn": bn})
-
-    def build() -> Any:
-        import cutlass.cute as cute
-
-        host, args = kmod.compile_args(fmt, n, k, bn)
-        return cute.compile(host, *args)
-
-    device = out.device
-    ex = runtime.kernel_cache().executor(key, build)
-    n_ctas = min(runtime.sm_count(device), tile_upper_bound(m, n, n_groups, bn))
+    n_ctas = min(runtime.sm_count(out.device), tile_upper_bound(m, n, n_groups, bn))
     ptrs = kmod.pointers(fmt, a.data_ptr(), b.data_ptr(), sfa.data_ptr(), sfb.data_ptr(), out.data_ptr(),
                          offs.data_ptr(), scales[0].data_ptr(), scales[1].data_ptr())
-    with torch.cuda.device(device):
-        ex(*ptrs, m, n_groups, sf_blocks, n_ctas, runtime.current_stream(device))
+    runtime.run_compiled(key, lambda: kmod.compile_args(fmt, n, k, bn), out.device,
+                         (*ptrs, m, n_groups, sf_blocks, n_ctas))
 
 
 def _bf16_impl(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:

@@ -325,19 +325,25 @@ def launch(module: str, source_sha256: str, kernel: str, spec: dict[str, Any],
     the module follows the convention compile_args(kernel, spec) / pointers(kernel, addresses, spec)."""
     arch = require_arch(*tensors)
     kernels = kernel_module(module, arch)
-    key = cache_key(kernel, source_sha256, arch, spec)
+    ptrs = kernels.pointers(kernel, tuple(t.data_ptr() for t in tensors), spec)
+    run_compiled(cache_key(kernel, source_sha256, arch, spec), lambda: kernels.compile_args(kernel, spec),
+                 tensors[0].device, (*ptrs, *scalars))
+
+
+def run_compiled(key: CacheKey, compile_args: Callable[[], tuple[Any, tuple[Any, ...]]], device: torch.device,
+                 args: tuple[Any, ...]) -> None:
+    """Compile once per key (compile_args() gives the host function and fake arguments), then call it with
+    `args` and the device's current stream, on that device."""
 
     def build() -> Any:
         import cutlass.cute as cute
 
-        host, args = kernels.compile_args(kernel, spec)
-        return cute.compile(host, *args)
+        host, fake = compile_args()
+        return cute.compile(host, *fake)
 
-    device = tensors[0].device
     ex = kernel_cache().executor(key, build)
-    ptrs = kernels.pointers(kernel, tuple(t.data_ptr() for t in tensors), spec)
     with torch.cuda.device(device):
-        ex(*ptrs, *scalars, current_stream(device))
+        ex(*args, current_stream(device))
 
 
 def register_custom_op(
