@@ -16,8 +16,9 @@ from nmoe.fast import runtime
 from nmoe.fast.runtime import KernelSpec
 
 _KERNEL_MODULE = "nmoe.fast.kernels.swiglu"
-# the swiglu kernels import the .rn helpers from the combine kernel module: both key the cache
-_SOURCE_MODULES = (_KERNEL_MODULE, "nmoe.fast.kernels.combine")
+# the swiglu kernels import the .rn helpers from the combine kernels and the launch convention from the
+# activation kernels: all three key the cache
+_SOURCE_MODULES = (_KERNEL_MODULE, "nmoe.fast.kernels.combine", "nmoe.fast.kernels.activation")
 _DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _VEC: dict[str, int] = {"bfloat16": 8, "float32": 4}
 _VEC_BYTES = 16

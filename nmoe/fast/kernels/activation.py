@@ -150,10 +150,19 @@ HOSTS: dict[str, tuple[Any, int]] = {"relu2_fwd": (relu2_fwd_host, 2), "relu2_bw
 
 
 def pointers(kernel: str, addresses: tuple[int, ...], spec: dict[str, Any]) -> list[Any]:
+    """The elementwise kernels (relu2, swiglu) take every operand in the spec's dtype, `vec`-aligned."""
     return [pointer(spec["dtype"], a, spec["vec"]) for a in addresses]
 
 
-def compile_args(kernel: str, spec: dict[str, Any]) -> tuple[Any, tuple[Any, ...]]:
-    host, n_ptrs = HOSTS[kernel]
+def elementwise_args(hosts: dict[str, tuple[Any, int]], kernel: str,
+                     spec: dict[str, Any]) -> tuple[Any, tuple[Any, ...]]:
+    """Host function and placeholder arguments (null pointers, n = 0) of an elementwise kernel."""
+    if kernel not in hosts:
+        raise ValueError(f"unknown elementwise kernel {kernel!r}; choose one of {sorted(hosts)}")
+    host, n_ptrs = hosts[kernel]
     ptrs = pointers(kernel, (0,) * n_ptrs, spec)
     return host, (*ptrs, Int64(0), cuda.CUstream(0), spec["vec"], spec["dtype"])
+
+
+def compile_args(kernel: str, spec: dict[str, Any]) -> tuple[Any, tuple[Any, ...]]:
+    return elementwise_args(HOSTS, kernel, spec)

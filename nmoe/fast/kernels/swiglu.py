@@ -10,16 +10,16 @@ from typing import Any
 
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int64
+from cutlass import Float32, Int64
 from cutlass.base_dsl.ast_helpers import range_constexpr
 from cutlass.base_dsl.typing import Constexpr
-from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 
+from nmoe.fast.kernels.activation import elementwise_args
+from nmoe.fast.kernels.activation import pointers as pointers
 from nmoe.fast.kernels.combine import add_rn, mul_rn, out_bits
 
 THREADS = 256
-DTYPES: dict[str, Any] = {"bfloat16": BFloat16, "float32": Float32}
 
 
 def _frag(vec: Constexpr[int]) -> cute.Tensor:
@@ -167,21 +167,8 @@ def swiglu_bwd_host(pdy: Pointer, ph: Pointer, pdh: Pointer, n: Int64, stream: c
                                                               stream=stream)
 
 
-def pointer(dtype_name: str, address: int, vec: int) -> Any:
-    dtype = DTYPES[dtype_name]
-    return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=vec * dtype.width // 8)
-
-
 HOSTS: dict[str, tuple[Any, int]] = {"swiglu_fwd": (swiglu_fwd_host, 2), "swiglu_bwd": (swiglu_bwd_host, 3)}
 
 
-def pointers(kernel: str, addresses: tuple[int, ...], spec: dict[str, Any]) -> list[Any]:
-    return [pointer(spec["dtype"], a, spec["vec"]) for a in addresses]
-
-
 def compile_args(kernel: str, spec: dict[str, Any]) -> tuple[Any, tuple[Any, ...]]:
-    """Host function and placeholder arguments for one (kernel, {dtype, vec}) specialisation."""
-    host, n_ptrs = HOSTS[kernel]
-    ptrs = pointers(kernel, (0,) * n_ptrs, spec)
-    return host, (*ptrs, Int64(0), cuda.CUstream(0), spec["vec"], spec["dtype"])
-    raise ValueError(f"unknown swiglu kernel {kernel!r}; choose swiglu_fwd or swiglu_bwd")
+    return elementwise_args(HOSTS, kernel, spec)
