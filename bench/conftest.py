@@ -84,9 +84,7 @@ def record(
     if baseline is not None:
         row["baseline"] = {"name": baseline[0], "ms": baseline[1]}
         row["speedup"] = baseline[1] / ms
-    _RESULTS.append(row)
-    _write()
-    return row
+    return append_row(row)
 
 
 def append_row(row: dict[str, Any]) -> dict[str, Any]:
