@@ -31,6 +31,7 @@ TILE = WARPS * ITEMS * LANES
 THREADS = WARPS * LANES
 SCAN_THREADS = 1024
 ROW_WARPS = 4
+COPY_VECS = 4  # vectors a lane loads before it stores any: a load cannot pass a store that may alias
 MAX_EXPERTS = 1024
 UNIT_TYPES: dict[str, Any] = {"i32": Int32, "i16": Int16, "i8": Int8}
 # (unit type, units per vector): the widest copy the row length and the pointers allow.
@@ -226,12 +227,23 @@ def _row_views(p: Pointer, n_rows: Int64, row_units: Int32, vec: int) -> cute.Te
 @cute.jit
 def _copy_row(src: cute.Tensor, dst: cute.Tensor, src_row: Int64, dst_row: Int64, row_vecs: Int32,
               lane: Int32, zero: Boolean) -> None:
-    for v in dsl.range(lane, row_vecs, LANES, unroll=4):
-        d = cast(cute.Tensor, dst[(None, dst_row * Int64(row_vecs) + Int64(v))])
+    """Each lane moves COPY_VECS vectors per step, all loaded (index clamped to the row) before the
+    first store, so the loads overlap instead of waiting on each other's stores."""
+    for v0 in dsl.range(lane, row_vecs, LANES * COPY_VECS):
         if zero:
-            d.fill(Int32(0))
+            for c in range_constexpr(COPY_VECS):
+                if v0 + c * LANES < row_vecs:
+                    d = cast(cute.Tensor, dst[(None, dst_row * Int64(row_vecs) + Int64(v0 + c * LANES))])
+                    d.fill(Int32(0))
         else:
-            d.store(cast(cute.Tensor, src[(None, src_row * Int64(row_vecs) + Int64(v))]).load())
+            vals = []
+            for c in range_constexpr(COPY_VECS):
+                v = dmin(v0 + c * LANES, row_vecs - 1)
+                vals.append(cast(cute.Tensor, src[(None, src_row * Int64(row_vecs) + Int64(v))]).load())
+            for c in range_constexpr(COPY_VECS):
+                if v0 + c * LANES < row_vecs:
+                    cast(cute.Tensor, dst[(None, dst_row * Int64(row_vecs) + Int64(v0 + c * LANES))]).store(
+                        vals[c])
 
 
 @cute.kernel

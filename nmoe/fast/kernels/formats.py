@@ -277,8 +277,9 @@ def mx_quant_host(px: Pointer, pq: Pointer, ps: Pointer, nvec: Int64, stream: cu
 @cute.kernel
 def mxw_quant_kernel(px: Pointer, pq: Pointer, ps: Pointer, rows: Int64, k: Int64, vec: Constexpr[int],
                      dtype_name: Constexpr[str]) -> None:
-    """One CTA per 128x128 block, `tpr` lanes per row: pass 1 reduces the block's max |x| (warp shuffles,
-    then warp maxima in shared memory); pass 2 reads the block again (L2-resident) and encodes it."""
+    """One CTA per 128x128 block, `tpr` lanes per row. Each thread loads all its vectors up front and
+    keeps them in registers: the block's max |x| meets by warp shuffles and shared memory, then the
+    same registers are encoded, so the block is read from memory once."""
     tpr = WEIGHT_BLOCK // vec
     passes = WEIGHT_BLOCK * tpr // THREADS
     tidx, _, _ = cute.arch.thread_idx()
@@ -289,9 +290,15 @@ def mxw_quant_kernel(px: Pointer, pq: Pointer, ps: Pointer, rows: Int64, k: Int6
     ms = cute.make_tensor(ps, cute.make_layout((rows // WEIGHT_BLOCK) * (k // WEIGHT_BLOCK)))
     first = (Int64(by) * WEIGHT_BLOCK + Int64(tidx // tpr)) * kv + Int64(bx) * tpr + Int64(tidx % tpr)
     step = Int64(THREADS // tpr) * kv
+    nw = vec * DTYPES[dtype_name].width // 32
+    raws = []
+    for p in range_constexpr(passes):
+        raw = cute.make_rmem_tensor((nw,), Int32)
+        raw.store(gx[(None, first + p * step)].load().reshape((vec,)).bitcast(Int32))
+        raws.append(raw)
     amax = Int32(0)
     for p in range_constexpr(passes):
-        amax = _abs_max(gx[(None, first + p * step)].load().reshape((vec,)).to(Float32), amax, vec)
+        amax = _abs_max(raws[p].load().bitcast(DTYPES[dtype_name]).to(Float32), amax, vec)
     amax = _group_max(amax, 32)
     red = cute.make_tensor(cute.arch.alloc_smem(Int32, THREADS // 32), cute.make_layout(THREADS // 32))
     if tidx % 32 == 0:
@@ -300,9 +307,9 @@ def mxw_quant_kernel(px: Pointer, pq: Pointer, ps: Pointer, rows: Int64, k: Int6
     for w in range_constexpr(THREADS // 32):
         amax = cutlass_max(amax, red[w])
     out = cute.make_rmem_tensor((vec // 4,), Int32)
-    for p in cutlass.range(passes, unroll=2):  # type: ignore[attr-defined]
-        xv = gx[(None, first + p * step)].load().reshape((vec,))
-        _mx_encode(xv.to(Float32), xv.bitcast(Int32), amax, out, vec, dtype_name)
+    for p in range_constexpr(passes):
+        words = raws[p].load()
+        _mx_encode(words.bitcast(DTYPES[dtype_name]).to(Float32), words, amax, out, vec, dtype_name)
         cute.recast_tensor(gq[(None, first + p * step)], Int32).store(out.load())
     if tidx == 0:
         ms[Int64(by) * (k // WEIGHT_BLOCK) + Int64(bx)] = Uint8(mx_byte(amax))
@@ -516,9 +523,9 @@ SIGNATURES: dict[str, tuple[Any, tuple[tuple[str, int], ...], tuple[Any, ...], t
                  ("vec", "group", "dtype_name")),
     "mxw_quant": (mxw_quant_host, (("x", 16), ("uint8", -1), ("uint8", 1)), (Int64, Int64),
                   ("vec", "dtype_name")),
-    "mx_dequant": (mx_dequant_host, (("uint8", 8), ("uint8", 1), ("float32", 16)), (Int64,),
+    "mx_dequant": (mx_dequant_host, (("uint8", -1), ("uint8", 1), ("float32", 16)), (Int64,),
                    ("vec", "block")),
-    "mxw_dequant": (mxw_dequant_host, (("uint8", 8), ("uint8", 1), ("float32", 16)), (Int64, Int64),
+    "mxw_dequant": (mxw_dequant_host, (("uint8", -1), ("uint8", 1), ("float32", 16)), (Int64, Int64),
                     ("vec",)),
     "nvfp4_amax": (nvfp4_amax_host, (("x", 16), ("int32", 4)), (Int64, Int32), ("vec", "dtype_name")),
     "nvfp4_quant": (nvfp4_quant_host, (("x", 16), ("int32", 4), ("uint8", -2), ("uint8", 1), ("float32", 4)),
