@@ -54,19 +54,28 @@ def gpu_info() -> tuple[str | None, str | None]:
     return name, driver
 
 
-def provenance(command: str | None = None) -> dict[str, Any]:
-    """The `provenance` object of DESIGN.md's report schemas.
+def _env_commit() -> tuple[str | None, bool | None]:
+    sha = os.environ.get("NMOE_GIT_SHA", "")
+    if not sha:
+        return None, None
+    flag = os.environ.get("NMOE_GIT_DIRTY", "")
+    if flag not in ("0", "1"):
+        raise ValueError(f"NMOE_GIT_DIRTY={flag!r}: set it to 0 (tree as committed) or 1 (local edits) "
+                         "beside NMOE_GIT_SHA")
+    return sha, flag == "1"
 
-    A host that receives the tree without .git takes the sha from NMOE_GIT_SHA (and NMOE_GIT_DIRTY).
-    """
+
+def provenance(command: str | None = None) -> dict[str, Any]:
+    """The `provenance` object of DESIGN.md's report schemas. NMOE_GIT_SHA (with NMOE_GIT_DIRTY 0 or 1)
+    names the commit of a tree copied without .git or with a stale one, and wins over git when set."""
     gpu, driver = gpu_info()
-    dirty = _git("status", "--porcelain")
-    sha = _git("rev-parse", "HEAD")
-    if sha is None and os.environ.get("NMOE_GIT_SHA"):
-        sha, dirty = os.environ["NMOE_GIT_SHA"], os.environ.get("NMOE_GIT_DIRTY", "")
+    sha, dirty = _env_commit()
+    if sha is None:
+        status = _git("status", "--porcelain")
+        sha, dirty = _git("rev-parse", "HEAD"), None if status is None else bool(status)
     return {
         "git_sha": sha,
-        "git_dirty": None if dirty is None else bool(dirty),
+        "git_dirty": dirty,
         "created_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "host": platform.node(),
         "gpu": gpu,

@@ -23,7 +23,7 @@ _KERNEL_MODULE = "nmoe.fast.kernels.formats"
 _DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "bfloat16", torch.float16: "float16",
                                         torch.float32: "float32"}
 _VEC: dict[str, int] = {"bfloat16": 8, "float16": 8, "float32": 4}
-_CODE_VEC = 16
+_CODE_VEC = 8
 _AMAX_CTAS_PER_SM = 8
 _THREADS = 256
 
@@ -327,9 +327,10 @@ def _kernel_specs() -> tuple[KernelSpec, ...]:
             (_LD128, _SHFL, _DIV_RN, _MUL_RN, _ADD_RN, _PACKED_ST[vec], _SCALE_ST)))
     for block in MX_BLOCKS:
         out.append(_quant_spec(f"dequantize_mxfp8_{block}", f"mx_dequant_b{block}", "mx_dequant",
-                               {"vec": _CODE_VEC, "block": block}, (_LD128, _ST128, _MUL_RN)))
+                               {"vec": _CODE_VEC, "block": block}, (r"\bld\.global\.(v2\.b32|b64)\b",
+                                                                     _ST128, _MUL_RN)))
     out.append(_quant_spec("dequantize_mxfp8_w128", "mxw_dequant", "mxw_dequant", {"vec": _CODE_VEC},
-                           (_LD128, _ST128, _MUL_RN)))
+                           (r"\bld\.global\.(v2\.b32|b64)\b", _ST128, _MUL_RN)))
     out.append(_quant_spec("dequantize_nvfp4", "nvfp4_dequant", "nvfp4_dequant", {},
                            (r"\bld\.global\.(v2\.b32|b64)\b", _ST128, _MUL_RN)))
     return tuple(out)

@@ -101,8 +101,7 @@ def combine_fwd_kernel(py: Pointer, pw: Pointer, pshared: Pointer, pout: Pointer
 @cute.kernel
 def combine_bwd_kernel(pdout: Pointer, py: Pointer, pw: Pointer, pdy: Pointer, pdw: Pointer, t_rows: Int64,
                        h: Int64, scale: Float32, k: Constexpr[int], vec: Constexpr[int]) -> None:
-    """One warp per token: dy_k = bf16(g*w_k) with g = dout*scale, dw_k = warp-reduced sum_h g*y_k.
-    Every slot's y vector is loaded before the first dy store, which the loads could not pass."""
+    """One warp per token: dy_k = bf16(g*w_k) with g = dout*scale, dw_k = warp-reduced sum_h g*y_k."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     lane = Int64(tidx % WARP)
@@ -116,19 +115,13 @@ def combine_bwd_kernel(pdout: Pointer, py: Pointer, pw: Pointer, pdy: Pointer, p
         mdw = cute.make_tensor(pdw, cute.make_layout(t_rows * k))
         part = cute.make_rmem_tensor((k,), Float32)
         part.fill(0.0)
-        ws = cute.make_rmem_tensor((k,), Float32)
-        for kk in range_constexpr(k):
-            ws[kk] = mw[t * k + kk]
         for hv in range(lane, nvec, WARP):
             g = _load_f32(gdout, t * nvec + hv, vec)
-            ys = []
-            for kk in range_constexpr(k):
-                ys.append(_load_f32(gy, (t * k + kk) * nvec + hv, vec))
             for j in range_constexpr(vec):
                 g[j] = mul_rn(g[j], scale)
             for kk in range_constexpr(k):
-                yk = ys[kk]
-                wk = ws[kk]
+                yk = _load_f32(gy, (t * k + kk) * nvec + hv, vec)
+                wk = mw[t * k + kk]
                 dyk = cute.make_rmem_tensor((vec,), Float32)
                 for j in range_constexpr(vec):
                     dyk[j] = mul_rn(g[j], wk)
