@@ -109,6 +109,7 @@ def _permute_impl(x: Tensor, ids: Tensor, n_experts: int, align: int) -> _Four:
     n_tiles = -(-n_slots // kern.TILE)
     tile = torch.empty(max(n_experts * n_tiles, 1), dtype=torch.int32, device=dev)
     start = torch.empty(n_experts, dtype=torch.int32, device=dev)
+    row_of = torch.empty(max(n_slots, 1), dtype=torch.int32, device=dev)
     row_bytes = h * x.element_size()
     unit, vec, width = _copy_shape(row_bytes, xc.data_ptr(), xp.data_ptr())
     ids_bits = 64 if idc.dtype == torch.int64 else 32
@@ -120,7 +121,7 @@ def _permute_impl(x: Tensor, ids: Tensor, n_experts: int, align: int) -> _Four:
            kern.pointer(ut, xc.data_ptr(), width), kern.pointer(i32, tile.data_ptr(), 4),
            kern.pointer(i32, counts.data_ptr(), 4), kern.pointer(i32, offs.data_ptr(), 4),
            kern.pointer(i32, start.data_ptr(), 4), kern.pointer(kern.Int64, slot.data_ptr(), 8),
-           kern.pointer(ut, xp.data_ptr(), width),
+           kern.pointer(i32, row_of.data_ptr(), 4), kern.pointer(ut, xp.data_ptr(), width),
            n_slots, n_tiles, t, n_rows, k, align, row_bytes // width, runtime.current_stream(dev))
     return xp, counts, offs, slot
 

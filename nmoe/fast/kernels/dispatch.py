@@ -19,7 +19,6 @@ from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
-from cutlass.cutlass_dsl.cutlass import max as dmax
 from cutlass.cutlass_dsl.cutlass import min as dmin
 
 from nmoe.fast.kernels.router import trap
@@ -173,17 +172,19 @@ def _rank_step(cnt: cute.Tensor, e: Int32, lane_lt: Int32) -> Int32:
 
 
 @cute.jit
-def _write_slot(mslot: cute.Tensor, mtile: cute.Tensor, mstart: cute.Tensor, cnt: cute.Tensor,
-                e: Int32, s: Int32, rank: Int32, tile: Int32, n_tiles: Int32) -> None:
+def _write_slot(mslot: cute.Tensor, mrow: cute.Tensor, mtile: cute.Tensor, mstart: cute.Tensor,
+                cnt: cute.Tensor, e: Int32, s: Int32, rank: Int32, tile: Int32, n_tiles: Int32) -> None:
     if e >= 0:
         dest = Int32(mstart[e]) + Int32(mtile[e * n_tiles + tile]) + Int32(cnt[e]) + rank
         mslot[dest] = Int64(s)
+        mrow[s] = dest
 
 
 @cute.kernel
-def rank_kernel(pids: Pointer, ptile: Pointer, pstart: Pointer, pslot: Pointer, n_slots: Int32,
-                n_tiles: Int32, n_rows: Int32, n_experts: Constexpr[int]) -> None:
-    """slot[row] = s for every real slot, row = segment start + slots of the same expert before s."""
+def rank_kernel(pids: Pointer, ptile: Pointer, pstart: Pointer, pslot: Pointer, prow: Pointer,
+                n_slots: Int32, n_tiles: Int32, n_rows: Int32, n_experts: Constexpr[int]) -> None:
+    """slot[row] = s and row_of[s] = row for every real slot, row = segment start + slots of the same
+    expert before s."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     lane = Int32(tidx) % LANES
@@ -214,8 +215,9 @@ def rank_kernel(pids: Pointer, ptile: Pointer, pstart: Pointer, pslot: Pointer, 
     mtile = cute.make_tensor(ptile, cute.make_layout(n_experts * n_tiles))
     mstart = cute.make_tensor(pstart, cute.make_layout(n_experts))
     mslot = cute.make_tensor(pslot, cute.make_layout(n_rows))
+    mrow = cute.make_tensor(prow, cute.make_layout(n_slots))
     for it in range_constexpr(ITEMS):
-        _write_slot(mslot, mtile, mstart, cnt, es[it], slots[it], ranks[it], Int32(bidx), n_tiles)
+        _write_slot(mslot, mrow, mtile, mstart, cnt, es[it], slots[it], ranks[it], Int32(bidx), n_tiles)
 
 
 def _row_views(p: Pointer, n_rows: Int64, row_units: Int32, vec: int) -> cute.Tensor:
@@ -247,20 +249,33 @@ def _copy_row(src: cute.Tensor, dst: cute.Tensor, src_row: Int64, dst_row: Int64
 
 
 @cute.kernel
-def gather_rows_kernel(px: Pointer, pslot: Pointer, pxp: Pointer, n_src: Int32, n_rows: Int32,
-                       top_k: Int32, row_vecs: Int32, vec: Constexpr[int]) -> None:
-    """xp[r] = x[slot[r] // K], or zeros where slot[r] = -1 (pad and tail rows)."""
+def spread_rows_kernel(px: Pointer, pslot: Pointer, prow: Pointer, pxp: Pointer, n_src: Int32,
+                       n_rows: Int32, top_k: Int32, row_vecs: Int32, vec: Constexpr[int]) -> None:
+    """Warp w stores x[w] to its K rows row_of[w*K + k], each vector loaded once: x is read in one pass,
+    where a gather in row order reads each token K times, far apart. Pad rows (slot -1) get zeros."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     lane = Int32(tidx) % LANES
-    r = Int32(bidx) * ROW_WARPS + Int32(tidx) // LANES
-    rc = dmin(r, n_rows - 1)
-    mslot = cute.make_tensor(pslot, cute.make_layout(n_rows))
-    s = Int64(mslot[rc])
+    w = Int32(bidx) * ROW_WARPS + Int32(tidx) // LANES
     src = _row_views(px, Int64(n_src), row_vecs * vec, vec)
     dst = _row_views(pxp, Int64(n_rows), row_vecs * vec, vec)
-    if r < n_rows:
-        _copy_row(src, dst, dmax(s, Int64(0)) // Int64(top_k), Int64(r), row_vecs, lane, s < 0)
+    if w < n_src:
+        mrow = cute.make_tensor(prow, cute.make_layout(n_src * top_k))
+        for v0 in dsl.range(lane, row_vecs, LANES * COPY_VECS):
+            vals = []
+            for c in range_constexpr(COPY_VECS):
+                v = dmin(v0 + c * LANES, row_vecs - 1)
+                vals.append(cast(cute.Tensor, src[(None, Int64(w) * Int64(row_vecs) + Int64(v))]).load())
+            for kk in dsl.range(top_k):
+                r = Int64(mrow[w * top_k + kk])
+                for c in range_constexpr(COPY_VECS):
+                    if v0 + c * LANES < row_vecs:
+                        cast(cute.Tensor, dst[(None, r * Int64(row_vecs) + Int64(v0 + c * LANES))]).store(
+                            vals[c])
+    if w < n_rows:
+        mslot = cute.make_tensor(pslot, cute.make_layout(n_rows))
+        if Int64(mslot[w]) < 0:
+            _copy_row(dst, dst, Int64(w), Int64(w), row_vecs, lane, Boolean(True))
 
 
 @cute.kernel
@@ -314,7 +329,7 @@ def _blocks(n: Int32, per: int) -> Int32:
 
 @cute.jit
 def permute_host(pids: Pointer, px: Pointer, ptile: Pointer, pcounts: Pointer, poffs: Pointer,
-                 pstart: Pointer, pslot: Pointer, pxp: Pointer, n_slots: Int32, n_tiles: Int32,
+                 pstart: Pointer, pslot: Pointer, prow: Pointer, pxp: Pointer, n_slots: Int32, n_tiles: Int32,
                  n_tokens: Int32, n_rows: Int32, top_k: Int32, align: Int32, row_vecs: Int32,
                  stream: cuda.CUstream, n_experts: Constexpr[int], vec: Constexpr[int],
                  has_slots: Constexpr[bool], has_rows: Constexpr[bool]) -> None:
@@ -327,10 +342,10 @@ def permute_host(pids: Pointer, px: Pointer, ptile: Pointer, pcounts: Pointer, p
     scan_kernel(ptile, pcounts, poffs, pstart, n_tiles, align, n_experts).launch(
         grid=[1, 1, 1], block=[SCAN_THREADS, 1, 1], stream=stream)
     if const_expr(has_slots):
-        rank_kernel(pids, ptile, pstart, pslot, n_slots, n_tiles, n_rows, n_experts).launch(
+        rank_kernel(pids, ptile, pstart, pslot, prow, n_slots, n_tiles, n_rows, n_experts).launch(
             grid=[n_tiles, 1, 1], block=[THREADS, 1, 1], stream=stream)
     if const_expr(has_rows):
-        gather_rows_kernel(px, pslot, pxp, n_tokens, n_rows, top_k, row_vecs, vec).launch(
+        spread_rows_kernel(px, pslot, prow, pxp, n_tokens, n_rows, top_k, row_vecs, vec).launch(
             grid=[_blocks(n_rows, ROW_WARPS), 1, 1], block=[ROW_WARPS * LANES, 1, 1], stream=stream)
 
 
@@ -360,7 +375,7 @@ def permute_args(n_experts: int, ids_bits: int, unit: str, vec: int, has_slots: 
     align = vec * ut.width // 8
     ptrs = (pointer(ids_type(ids_bits), 0, ids_bits // 8), pointer(ut, 0, align), pointer(Int32, 0, 4),
             pointer(Int32, 0, 4), pointer(Int32, 0, 4), pointer(Int32, 0, 4), pointer(Int64, 0, 8),
-            pointer(ut, 0, align))
+            pointer(Int32, 0, 4), pointer(ut, 0, align))
     ints = tuple(Int32(0) for _ in range(7))
     return permute_host, (*ptrs, *ints, cuda.CUstream(0), n_experts, vec, has_slots, has_rows)
 
