@@ -233,6 +233,14 @@ def _abs_max(vals: cute.TensorSSA, amax: Int32, vec: Constexpr[int]) -> Int32:
     return Int32(twice >> 1)
 
 
+@cute.jit
+def _load_words(gx: Any, i: Int64, vec: Constexpr[int], dtype_name: Constexpr[str]) -> cute.Tensor:
+    """Vector i as raw 32-bit words in registers: the encoder needs both the values and their bits."""
+    raw: cute.Tensor = cute.make_rmem_tensor((vec * DTYPES[dtype_name].width // 32,), Int32)
+    raw.store(gx[(None, i)].load().reshape((vec,)).bitcast(Int32))
+    return raw
+
+
 @cute.kernel
 def mx_quant_kernel(px: Pointer, pq: Pointer, ps: Pointer, nvec: Int64, vec: Constexpr[int],
                     group: Constexpr[int], dtype_name: Constexpr[str]) -> None:
@@ -245,13 +253,10 @@ def mx_quant_kernel(px: Pointer, pq: Pointer, ps: Pointer, nvec: Int64, vec: Con
     gx = cute.zipped_divide(cute.make_tensor(px, cute.make_layout(n)), (vec,))
     gq = cute.zipped_divide(cute.make_tensor(pq, cute.make_layout(n)), (vec,))
     ms = cute.make_tensor(ps, cute.make_layout(nvec // group))
-    nw = vec * DTYPES[dtype_name].width // 32
     raws = []
     for p in range_constexpr(QUANT_VECS):
         i = (Int64(bidx) * QUANT_VECS + p) * THREADS + Int64(tidx)
-        raw = cute.make_rmem_tensor((nw,), Int32)
-        raw.store(gx[(None, cutlass_min64(i, nvec - 1))].load().reshape((vec,)).bitcast(Int32))
-        raws.append(raw)
+        raws.append(_load_words(gx, cutlass_min64(i, nvec - 1), vec, dtype_name))
     for p in range_constexpr(QUANT_VECS):
         i = (Int64(bidx) * QUANT_VECS + p) * THREADS + Int64(tidx)
         words = raws[p].load()
@@ -290,12 +295,9 @@ def mxw_quant_kernel(px: Pointer, pq: Pointer, ps: Pointer, rows: Int64, k: Int6
     ms = cute.make_tensor(ps, cute.make_layout((rows // WEIGHT_BLOCK) * (k // WEIGHT_BLOCK)))
     first = (Int64(by) * WEIGHT_BLOCK + Int64(tidx // tpr)) * kv + Int64(bx) * tpr + Int64(tidx % tpr)
     step = Int64(THREADS // tpr) * kv
-    nw = vec * DTYPES[dtype_name].width // 32
     raws = []
     for p in range_constexpr(passes):
-        raw = cute.make_rmem_tensor((nw,), Int32)
-        raw.store(gx[(None, first + p * step)].load().reshape((vec,)).bitcast(Int32))
-        raws.append(raw)
+        raws.append(_load_words(gx, first + p * step, vec, dtype_name))
     amax = Int32(0)
     for p in range_constexpr(passes):
         amax = _abs_max(raws[p].load().bitcast(DTYPES[dtype_name]).to(Float32), amax, vec)
