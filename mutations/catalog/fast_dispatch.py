@@ -16,7 +16,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "dispatch.fast_pad_rows_garbage", FILE,
-        "            d.fill(Int32(0))", "            pass",
+        "        d.fill(Int32(0))", "        pass",
         "pad rows are left with stale memory instead of zeros", TESTS, ("permute",), device="gpu",
     ),
     sep_mutation(

@@ -14,7 +14,7 @@ from typing import Any, cast
 import cuda.bindings.driver as cuda
 import cutlass.base_dsl.ast_helpers as dsl
 import cutlass.cute as cute
-from cutlass import Boolean, Int8, Int16, Int32, Int64
+from cutlass import Int8, Int16, Int32, Int64
 from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.runtime import make_ptr
@@ -30,7 +30,7 @@ TILE = WARPS * ITEMS * LANES
 THREADS = WARPS * LANES
 SCAN_THREADS = 1024
 ROW_WARPS = 4
-COPY_VECS = 4  # vectors a lane loads before it stores any: a load cannot pass a store that may alias
+COPY_VECS = 4  # vectors a lane loads before it stores any (see _load_vecs)
 MAX_EXPERTS = 1024
 UNIT_TYPES: dict[str, Any] = {"i32": Int32, "i16": Int16, "i8": Int8}
 # (unit type, units per vector): the widest copy the row length and the pointers allow.
@@ -227,25 +227,35 @@ def _row_views(p: Pointer, n_rows: Int64, row_units: Int32, vec: int) -> cute.Te
 
 
 @cute.jit
+def _load_vecs(src: cute.Tensor, row: Int64, v0: Int32, row_vecs: Int32) -> list[Any]:
+    """Vectors v0 + c*LANES of one row, all loaded before any store (index clamped to the row): a load
+    cannot pass a store that may alias it, so interleaving them would serialise the loads."""
+    vals = []
+    for c in range_constexpr(COPY_VECS):
+        v = dmin(v0 + c * LANES, row_vecs - 1)
+        vals.append(cast(cute.Tensor, src[(None, row * Int64(row_vecs) + Int64(v))]).load())
+    return vals
+
+
+@cute.jit
+def _store_vecs(dst: cute.Tensor, row: Int64, v0: Int32, row_vecs: Int32, vals: list[Any]) -> None:
+    for c in range_constexpr(COPY_VECS):
+        if v0 + c * LANES < row_vecs:
+            cast(cute.Tensor, dst[(None, row * Int64(row_vecs) + Int64(v0 + c * LANES))]).store(vals[c])
+
+
+@cute.jit
 def _copy_row(src: cute.Tensor, dst: cute.Tensor, src_row: Int64, dst_row: Int64, row_vecs: Int32,
-              lane: Int32, zero: Boolean) -> None:
-    """Each lane moves COPY_VECS vectors per step, all loaded (index clamped to the row) before the
-    first store, so the loads overlap instead of waiting on each other's stores."""
+              lane: Int32) -> None:
     for v0 in dsl.range(lane, row_vecs, LANES * COPY_VECS):
-        if zero:
-            for c in range_constexpr(COPY_VECS):
-                if v0 + c * LANES < row_vecs:
-                    d = cast(cute.Tensor, dst[(None, dst_row * Int64(row_vecs) + Int64(v0 + c * LANES))])
-                    d.fill(Int32(0))
-        else:
-            vals = []
-            for c in range_constexpr(COPY_VECS):
-                v = dmin(v0 + c * LANES, row_vecs - 1)
-                vals.append(cast(cute.Tensor, src[(None, src_row * Int64(row_vecs) + Int64(v))]).load())
-            for c in range_constexpr(COPY_VECS):
-                if v0 + c * LANES < row_vecs:
-                    cast(cute.Tensor, dst[(None, dst_row * Int64(row_vecs) + Int64(v0 + c * LANES))]).store(
-                        vals[c])
+        _store_vecs(dst, dst_row, v0, row_vecs, _load_vecs(src, src_row, v0, row_vecs))
+
+
+@cute.jit
+def _zero_row(dst: cute.Tensor, row: Int64, row_vecs: Int32, lane: Int32) -> None:
+    for v in dsl.range(lane, row_vecs, LANES, unroll=4):
+        d = cast(cute.Tensor, dst[(None, row * Int64(row_vecs) + Int64(v))])
+        d.fill(Int32(0))
 
 
 @cute.kernel
@@ -262,20 +272,13 @@ def spread_rows_kernel(px: Pointer, pslot: Pointer, prow: Pointer, pxp: Pointer,
     if w < n_src:
         mrow = cute.make_tensor(prow, cute.make_layout(n_src * top_k))
         for v0 in dsl.range(lane, row_vecs, LANES * COPY_VECS):
-            vals = []
-            for c in range_constexpr(COPY_VECS):
-                v = dmin(v0 + c * LANES, row_vecs - 1)
-                vals.append(cast(cute.Tensor, src[(None, Int64(w) * Int64(row_vecs) + Int64(v))]).load())
+            vals = _load_vecs(src, Int64(w), v0, row_vecs)
             for kk in dsl.range(top_k):
-                r = Int64(mrow[w * top_k + kk])
-                for c in range_constexpr(COPY_VECS):
-                    if v0 + c * LANES < row_vecs:
-                        cast(cute.Tensor, dst[(None, r * Int64(row_vecs) + Int64(v0 + c * LANES))]).store(
-                            vals[c])
+                _store_vecs(dst, Int64(mrow[w * top_k + kk]), v0, row_vecs, vals)
     if w < n_rows:
         mslot = cute.make_tensor(pslot, cute.make_layout(n_rows))
         if Int64(mslot[w]) < 0:
-            _copy_row(dst, dst, Int64(w), Int64(w), row_vecs, lane, Boolean(True))
+            _zero_row(dst, Int64(w), row_vecs, lane)
 
 
 @cute.kernel
@@ -307,7 +310,7 @@ def _scatter_one(src: cute.Tensor, dst: cute.Tensor, mseen: cute.Tensor, s: Int6
     if s >= 0:
         if lane == 0:
             cute.arch.atomic_add((mseen.iterator + s).llvm_ptr, Int32(1))
-        _copy_row(src, dst, r, s, row_vecs, lane, Boolean(False))
+        _copy_row(src, dst, r, s, row_vecs, lane)
 
 
 @cute.kernel
