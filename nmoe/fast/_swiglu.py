@@ -118,24 +118,12 @@ _LD128 = r"\bld\.global(\.nc)?\.(v4\.(b|f|u)32|v2\.(b|u)64|v8\.(b|f|u)32)\b"
 _ST128 = r"\bst\.global\.(v4\.(b|f|u)32|v2\.(b|u)64|v8\.(b|f|u)32)\b"
 
 
-def _expect(dtype_name: str) -> dict[str, tuple[str, ...]]:
-    rounding = (r"\bcvt\.rn\.bf16x2\.f32\b",) if dtype_name == "bfloat16" else ()
-    return {
-        arch: (rf"\.target {arch}\b", _LD128, _ST128, r"\bmul\.rn\.f32\b", r"\badd\.rn\.f32\b",
-               r"\bdiv\.rn\.f32\b", *rounding)
-        for arch in runtime.SUPPORTED_ARCHS
-    }
-
-
 def _spec(kernel: str, dtype_name: str) -> KernelSpec:
     suffix = "" if dtype_name == "bfloat16" else "_f32"
-    return KernelSpec(
-        op="swiglu",
-        name=f"{kernel}{suffix}",
-        compile=functools.partial(_ptx, kernel, dtype_name),
-        expect=_expect(dtype_name),
-        forbid={arch: _FORBID for arch in runtime.SUPPORTED_ARCHS},
-    )
+    rounding = (r"\bcvt\.rn\.bf16x2\.f32\b",) if dtype_name == "bfloat16" else ()
+    return runtime.portable_spec(
+        "swiglu", f"{kernel}{suffix}", functools.partial(_ptx, kernel, dtype_name),
+        (_LD128, _ST128, r"\bmul\.rn\.f32\b", r"\badd\.rn\.f32\b", r"\bdiv\.rn\.f32\b", *rounding), _FORBID)
 
 
 KERNELS: tuple[KernelSpec, ...] = tuple(

@@ -102,30 +102,16 @@ def _ptx(kernel: str, dtype_name: str, arch: str) -> str:
 # (NaN must propagate); a bf16 multiply would skip the fp32 product; local memory means spills.
 _FORBID = (r"\.ftz\b", r"\b(max|min)(\.[a-zA-Z0-9]+)*\.(f32|bf16|bf16x2)\b", r"\bmul(\.rn)?\.bf16",
            r"\b(ld|st)\.local\b")
-# 128-bit global accesses: sm_90a spells them v4.b32, sm_100a also v2.b64; sm_100a packs fp32
-# multiplies into mul.f32x2, which Hopper lacks.
-_LD128 = r"\bld\.global(\.nc)?\.(v4\.(b|f|u)32|v2\.(b|u)64)\b"
-_ST128 = r"\bst\.global\.(v4\.(b|f|u)32|v2\.(b|u)64)\b"
-_MUL_F32 = {"sm_90a": r"\bmul(\.rn)?\.f32\s", "sm_100a": r"\bmul(\.rn)?\.f32x2\s"}
-
-
-def _expect(dtype_name: str) -> dict[str, tuple[str, ...]]:
-    rounding = (r"\bcvt\.rn\.bf16x2\.f32\b",) if dtype_name == "bfloat16" else ()
-    return {
-        arch: (rf"\.target {arch}\b", _LD128, _ST128, _MUL_F32[arch], r"\bsetp\.nan\.f32\b", *rounding)
-        for arch in runtime.SUPPORTED_ARCHS
-    }
+# sm_100a packs fp32 multiplies into mul.f32x2, which Hopper lacks.
+_MUL_F32 = {"sm_90a": (r"\bmul(\.rn)?\.f32\s",), "sm_100a": (r"\bmul(\.rn)?\.f32x2\s",)}
 
 
 def _spec(kernel: str, dtype_name: str) -> KernelSpec:
     suffix = "" if dtype_name == "bfloat16" else "_f32"
-    return KernelSpec(
-        op="relu2",
-        name=f"{kernel}{suffix}",
-        compile=functools.partial(_ptx, kernel, dtype_name),
-        expect=_expect(dtype_name),
-        forbid={arch: _FORBID for arch in runtime.SUPPORTED_ARCHS},
-    )
+    rounding = (r"\bcvt\.rn\.bf16x2\.f32\b",) if dtype_name == "bfloat16" else ()
+    return runtime.portable_spec("relu2", f"{kernel}{suffix}", functools.partial(_ptx, kernel, dtype_name),
+                                 (runtime.LD128, runtime.ST128, r"\bsetp\.nan\.f32\b", *rounding), _FORBID,
+                                 _MUL_F32)
 
 
 swiglu = _swiglu.swiglu

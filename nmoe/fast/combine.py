@@ -157,18 +157,12 @@ def _ptx(kernel: str, k: int, has_shared: bool, arch: str) -> str:
 # f32x2), an unrounded mul/add that ptxas may fuse, ftz, or local memory (spills) is a defect.
 FORBID_FMA = r"\bfma\.rn\.f32\b|\bfma\.f32\b"
 _FORBID = (FORBID_FMA, r"\bfma(\.\w+)*\.f32x2\b", r"\b(mul|add)\.f32\b", r"\.ftz\b", r"\b(ld|st)\.local\b")
-_LD128 = r"\bld\.global(\.nc)?\.(v4\.(b|f|u)32|v2\.(b|u)64)\b"
-_ST128 = r"\bst\.global\.(v4\.(b|f|u)32|v2\.(b|u)64)\b"
-
-
-def _expect(*extra: str) -> dict[str, tuple[str, ...]]:
-    common = (_LD128, _ST128, r"mul\.rn\.f32", r"\bcvt\.rn\.bf16x2\.f32\b", *extra)
-    return {arch: (rf"\.target {arch}\b", *common) for arch in runtime.SUPPORTED_ARCHS}
 
 
 def _spec(name: str, kernel: str, k: int, has_shared: bool, *extra: str) -> KernelSpec:
-    return KernelSpec(op="combine", name=name, compile=functools.partial(_ptx, kernel, k, has_shared),
-                      expect=_expect(*extra), forbid={arch: _FORBID for arch in runtime.SUPPORTED_ARCHS})
+    expect = (runtime.LD128, runtime.ST128, r"mul\.rn\.f32", r"\bcvt\.rn\.bf16x2\.f32\b", *extra)
+    return runtime.portable_spec("combine", name, functools.partial(_ptx, kernel, k, has_shared), expect,
+                                 _FORBID)
 
 
 KERNELS: tuple[KernelSpec, ...] = (

@@ -206,11 +206,8 @@ _ST128 = r"\bst\.global\.v4\.(b|u|s)32\b"
 
 
 def _spec(op: str, name: str, compile: Callable[[str], str], expect: tuple[str, ...]) -> KernelSpec:
-    return KernelSpec(
-        op=op, name=name, compile=compile,
-        expect={a: (rf"\.target {a}\b", r"\btrap;", *expect) for a in runtime.SUPPORTED_ARCHS},
-        forbid={a: (r"\bld\.local\b", r"\batom\.global\.add\.u64\b") for a in runtime.SUPPORTED_ARCHS},
-    )
+    return runtime.portable_spec(op, name, compile, (r"\btrap;", *expect),
+                                 (r"\bld\.local\b", r"\batom\.global\.add\.u64\b"))
 
 
 KERNELS: tuple[KernelSpec, ...] = (

@@ -282,9 +282,7 @@ def _ptx(kernel: str, spec: dict[str, Any], arch: str) -> str:
 # appears only on the MX-FP8 path for ordinary blocks, whose NaN lanes are rewritten afterwards.
 _FORBID = (r"\bcvt\.[a-z.]*\.(e4m3x2|e2m1x2|e5m2x2|ue8m0x2)\b", r"\.ftz\b", r"\.approx\b", r"\bdiv\.full\b",
            r"\b(mul|add|sub|fma)\.f32\b", r"\b(ld|st)\.local\b")
-# 128-bit global loads (sm_90a spells them v4.b32, sm_100a also v2.b64).
-_LD128 = r"\bld\.global(\.nc)?\.(v4\.(b|f|u)32|v2\.(b|u)64)\b"
-_ST128 = r"\bst\.global\.(v4\.(b|f|u)32|v2\.(b|u)64)\b"
+_LD128, _ST128 = runtime.LD128, runtime.ST128
 _DIV_RN = r"\bdiv\.rn\.f32\b"
 _MUL_RN = r"\bmul\.rn\.f32\b"
 _ADD_RN = r"\badd\.rn\.f32\b"
@@ -299,11 +297,7 @@ _FP_SUFFIX = {"bfloat16": "", "float32": "_f32"}
 
 
 def _quant_spec(op: str, name: str, kernel: str, spec: dict[str, Any], expect: tuple[str, ...]) -> KernelSpec:
-    return KernelSpec(
-        op=op, name=name, compile=functools.partial(_ptx, kernel, spec),
-        expect={arch: (rf"\.target {arch}\b", *expect) for arch in runtime.SUPPORTED_ARCHS},
-        forbid={arch: _FORBID for arch in runtime.SUPPORTED_ARCHS},
-    )
+    return runtime.portable_spec(op, name, functools.partial(_ptx, kernel, spec), expect, _FORBID)
 
 
 def _kernel_specs() -> tuple[KernelSpec, ...]:

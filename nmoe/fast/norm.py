@@ -187,9 +187,7 @@ def _ptx(kernel: str, spec: dict[str, Any], arch: str) -> str:
 # rsqrt.approx / sqrt.approx / div.approx / div.full are not correctly rounded (r must be 1/sqrt.rn);
 # ftz would zero subnormal x (the spec scales them up by r); local memory means the row spilled.
 _FORBID = (r"\b(rsqrt|sqrt|rcp|div|ex2|lg2)\.approx\b", r"\bdiv\.full\b", r"\.ftz\b", r"\b(ld|st)\.local\b")
-_LD128 = r"\bld\.global(\.nc)?\.(v4\.(b|f|u)32|v2\.(b|u)64)\b"
-_ST128 = r"\bst\.global\.(v4\.(b|f|u)32|v2\.(b|u)64)\b"
-_ROW = (_LD128, _ST128, r"\bshfl\.sync\.bfly\.b32\b", r"\bbar\.sync\b", r"\bsqrt\.rn\.f32\b",
+_ROW = (runtime.LD128, runtime.ST128, r"\bshfl\.sync\.bfly\.b32\b", r"\bbar\.sync\b", r"\bsqrt\.rn\.f32\b",
         r"\bdiv\.rn\.f32\b", r"\bmul\.rn\.f32\b")
 _BF16_OUT = r"\bcvt\.rn\.bf16x2\.f32\b"
 # (D, x dtype, w dtype) of the compile checks: the benchmark widths, DeepSeek-V3's 7168, a ragged width.
@@ -205,11 +203,7 @@ def _row_spec(d: int, x_dtype: str, w_dtype: str, target_threads: int = _TARGET_
 
 
 def _norm_spec(op: str, name: str, kernel: str, spec: dict[str, Any], expect: tuple[str, ...]) -> KernelSpec:
-    return KernelSpec(
-        op=op, name=name, compile=functools.partial(_ptx, kernel, spec),
-        expect={arch: (rf"\.target {arch}\b", *expect) for arch in runtime.SUPPORTED_ARCHS},
-        forbid={arch: _FORBID for arch in runtime.SUPPORTED_ARCHS},
-    )
+    return runtime.portable_spec(op, name, functools.partial(_ptx, kernel, spec), expect, _FORBID)
 
 
 def _kernel_specs() -> tuple[KernelSpec, ...]:
@@ -223,8 +217,9 @@ def _kernel_specs() -> tuple[KernelSpec, ...]:
         bwd["ctas_per_sm"] = bwd_ctas_per_sm(bwd["threads"])
         out.append(_norm_spec("rmsnorm_bwd", f"rmsnorm_bwd_{tag}", "rmsnorm_bwd", bwd,
                               (*_ROW, r"\badd\.rn\.f32\b", *cvt)))
-    out.append(_norm_spec("rmsnorm_bwd", "rmsnorm_dw_bf16", "rmsnorm_dw",
-                          {"vec": _DW_VEC, "w_dtype": "bfloat16"}, (_LD128, r"\badd\.rn\.f32\b", _BF16_OUT)))
+    dw = {"vec": _DW_VEC, "w_dtype": "bfloat16"}
+    out.append(_norm_spec("rmsnorm_bwd", "rmsnorm_dw_bf16", "rmsnorm_dw", dw,
+                          (runtime.LD128, r"\badd\.rn\.f32\b", _BF16_OUT)))
     return tuple(out)
 
 

@@ -193,22 +193,15 @@ _SCORE_EXPECT = (r"\bmul\.rn\.f32\b", r"\badd\.rn\.f32\b", r"\bsub\.rn\.f32\b", 
 
 def _topk_spec(name: str, e: int, k: int, score_func: str, n_groups: int, topk_groups: int) -> KernelSpec:
     extra = (r"\bshfl\.sync\.idx\.b32\b",) if score_func == "softmax" else ()
-    return KernelSpec(
-        op="router_topk", name=name,
-        compile=functools.partial(_topk_ptx, e, k, score_func, n_groups, topk_groups),
-        expect={a: (rf"\.target {a}\b", *_SCORE_EXPECT, *extra) for a in runtime.SUPPORTED_ARCHS},
-        forbid={a: _SCORE_FORBID for a in runtime.SUPPORTED_ARCHS},
-    )
+    return runtime.portable_spec("router_topk", name,
+                                 functools.partial(_topk_ptx, e, k, score_func, n_groups, topk_groups),
+                                 (*_SCORE_EXPECT, *extra), _SCORE_FORBID)
 
 
 KERNELS: tuple[KernelSpec, ...] = (
     _topk_spec("router_topk_sigmoid_e256_k8_g8", 256, 8, "sigmoid", 8, 4),
     _topk_spec("router_topk_softmax_e64_k6", 64, 6, "softmax", 1, 1),
-    KernelSpec(
-        op="expert_counts", name="expert_counts_e256",
-        compile=_counts_ptx,
-        expect={a: (rf"\.target {a}\b", r"\batom\.shared\.add\.u32\b", r"\batom\.global\.add\.u64\b",
-                    r"\btrap;") for a in runtime.SUPPORTED_ARCHS},
-        forbid={a: (r"\bld\.local\b",) for a in runtime.SUPPORTED_ARCHS},
-    ),
+    runtime.portable_spec("expert_counts", "expert_counts_e256", _counts_ptx,
+                          (r"\batom\.shared\.add\.u32\b", r"\batom\.global\.add\.u64\b", r"\btrap;"),
+                          (r"\bld\.local\b",)),
 )

@@ -50,6 +50,23 @@ class KernelSpec:
     forbid: Mapping[str, tuple[str, ...]]
 
 
+# 128-bit global accesses: sm_90a spells them v4.b32, sm_100a also v2.b64.
+LD128 = r"\bld\.global(\.nc)?\.(v4\.(b|f|u)32|v2\.(b|u)64)\b"
+ST128 = r"\bst\.global\.(v4\.(b|f|u)32|v2\.(b|u)64)\b"
+
+
+def portable_spec(op: str, name: str, compile: Callable[[str], str], expect: tuple[str, ...],
+                  forbid: tuple[str, ...],
+                  per_arch: Mapping[str, tuple[str, ...]] | None = None) -> KernelSpec:
+    """A kernel built for every supported arch: its PTX names the .target and holds `expect` (plus
+    per_arch[arch]) and nothing of `forbid`."""
+    return KernelSpec(
+        op=op, name=name, compile=compile,
+        expect={a: (rf"\.target {a}\b", *expect, *(per_arch or {}).get(a, ())) for a in SUPPORTED_ARCHS},
+        forbid={a: forbid for a in SUPPORTED_ARCHS},
+    )
+
+
 def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
