@@ -20,6 +20,7 @@ import hypothesis
 import torch
 from torch import Tensor
 
+from nmoe.fast.arch import arch_of
 from nmoe.provenance import REPO_ROOT, provenance
 from parity import report as rep
 from parity.compare import (
@@ -50,7 +51,6 @@ from parity.tree import clone, flatten, to_cpu, to_device, upcast
 
 COMPILECHECK = "nmoe.fast.compilecheck"
 COMPILE_TIMEOUT_S = 900
-CAPABILITY_ARCH = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
 
 
 @dataclass(frozen=True)
@@ -491,7 +491,7 @@ def detect_arch() -> tuple[str | None, str]:
     if not torch.cuda.is_available():
         return None, "no CUDA device on this host"
     cap = torch.cuda.get_device_capability()
-    arch = CAPABILITY_ARCH.get((int(cap[0]), int(cap[1])))
+    arch = arch_of(cap)
     return arch, "" if arch else f"GPU sm_{cap[0]}{cap[1]} is neither sm_90a nor sm_100a"
 
 

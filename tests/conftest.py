@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nmoe.fast.arch import arch_of
+
 
 def _gpu_skip_reason() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device: fast-path execution not run (CPU compiles are checked by `nmoe parity`)"
     major, minor = torch.cuda.get_device_capability()
-    if (major, minor) not in ((9, 0), (10, 0)):
+    if arch_of((major, minor)) is None:
         return f"GPU sm_{major}{minor} is not sm_90a/sm_100a: fast-path execution not run"
     return None
 

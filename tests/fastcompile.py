@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from nmoe.fast import runtime
+from nmoe.fast.arch import SUPPORTED_ARCHS
 
 ROOT = Path(__file__).resolve().parents[1]
 _CODE = (
@@ -30,7 +30,7 @@ def compile_rows(module: str, names: Iterable[str] = ()) -> dict[str, list[dict[
     env.pop("CUTE_DSL_ARCH", None)
     procs = {arch: subprocess.Popen([sys.executable, "-c", _CODE, arch, module, ",".join(names)], cwd=ROOT,
                                     env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for arch in runtime.SUPPORTED_ARCHS}
+             for arch in SUPPORTED_ARCHS}
     rows: dict[str, list[dict[str, Any]]] = {}
     for arch, proc in procs.items():
         out, err = proc.communicate(timeout=900)

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from nmoe.fast import FAST_MODULES, activation, runtime
 from nmoe.fast.activation import KERNELS, relu2, relu2_bwd
-from nmoe.fast.runtime import ArchError
+from nmoe.fast.arch import SUPPORTED_ARCHS, ArchError
 
 ROOT = Path(__file__).resolve().parents[1]
 U16 = npt.NDArray[np.uint16]
@@ -114,8 +114,8 @@ def test_kernels_declare_both_archs() -> None:
     assert names == ["relu2_bwd", "relu2_bwd_f32", "relu2_fwd", "relu2_fwd_f32"]
     assert len({k.name for k in KERNELS}) == len(KERNELS)
     for spec in KERNELS:
-        assert set(spec.expect) == set(spec.forbid) == set(runtime.SUPPORTED_ARCHS)
-        for arch in runtime.SUPPORTED_ARCHS:
+        assert set(spec.expect) == set(spec.forbid) == set(SUPPORTED_ARCHS)
+        for arch in SUPPORTED_ARCHS:
             assert spec.expect[arch], (spec.name, arch)
             for rx in (*spec.expect[arch], *spec.forbid[arch]):
                 re.compile(rx)
@@ -132,7 +132,7 @@ def relu2_compile_rows() -> dict[str, list[dict[str, Any]]]:
     return compile_rows("nmoe.fast.activation", [k.name for k in RELU2_KERNELS])
 
 
-@pytest.mark.parametrize("arch", runtime.SUPPORTED_ARCHS)
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 def test_compilecheck_relu2_ok_without_gpu(relu2_compile_rows: dict[str, list[dict[str, Any]]],
                                            arch: str) -> None:
     rows = relu2_compile_rows[arch]

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from nmoe.fast import combine as fast
 from nmoe.fast import runtime
+from nmoe.fast.arch import SUPPORTED_ARCHS
 from nmoe.reference import combine as ref
 from parity.compare import ulp_of
 
@@ -105,7 +106,7 @@ def test_kernel_specs_forbid_fma_and_expect_rn() -> None:
     assert {s.name for s in fast.KERNELS} == {"combine_fwd", "combine_fwd_k1", "combine_bwd"}
     for spec in fast.KERNELS:
         assert spec.op == "combine"
-        for arch in runtime.SUPPORTED_ARCHS:
+        for arch in SUPPORTED_ARCHS:
             assert fast.FORBID_FMA in spec.forbid[arch]
             assert r"mul\.rn\.f32" in spec.expect[arch]
     forbid = fast.KERNELS[0].forbid["sm_100a"]
@@ -151,7 +152,7 @@ print(json.dumps(rows))
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("arch", runtime.SUPPORTED_ARCHS)
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 def test_compiles_without_gpu_and_sass_has_no_ffma(arch: str) -> None:
     """PTX: declared expect/forbid rows are ok. SASS (ptxas + nvdisasm when installed): no FFMA/FFMA2."""
     env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}

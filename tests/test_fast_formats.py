@@ -19,8 +19,7 @@ from fastcompile import assert_rows_ok, compile_rows
 from torch import Tensor
 
 from nmoe.fast import formats as fast
-from nmoe.fast import runtime
-from nmoe.fast.runtime import ArchError
+from nmoe.fast.arch import SUPPORTED_ARCHS, ArchError
 from nmoe.reference import formats as ref
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,8 +162,8 @@ def test_kernels_declare_both_archs_and_contract_names() -> None:
     assert {k.op for k in fast.KERNELS} == REGISTRY_OPS
     assert len({k.name for k in fast.KERNELS}) == len(fast.KERNELS)
     for spec in fast.KERNELS:
-        assert set(spec.expect) == set(spec.forbid) == set(runtime.SUPPORTED_ARCHS)
-        for arch in runtime.SUPPORTED_ARCHS:
+        assert set(spec.expect) == set(spec.forbid) == set(SUPPORTED_ARCHS)
+        for arch in SUPPORTED_ARCHS:
             assert any("e4m3x2" in rx for rx in spec.forbid[arch])
             for rx in (*spec.expect[arch], *spec.forbid[arch]):
                 re.compile(rx)

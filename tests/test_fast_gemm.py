@@ -21,8 +21,8 @@ from torch import Tensor
 
 from nmoe.fast import gemm, runtime
 from nmoe.fast.activation import relu2, swiglu
+from nmoe.fast.arch import ArchError
 from nmoe.fast.gemm import KERNELS, grouped_gemm, grouped_gemm_act, grouped_gemm_dgrad, grouped_gemm_wgrad
-from nmoe.fast.runtime import ArchError
 from parity import oracles
 from parity.compare import interval
 from parity.inputs import Inputs

@@ -22,8 +22,8 @@ from test_fast_gemm import cumsum, ends_to_ranges, ulp_bf16, uniform_counts, zip
 from torch import Tensor
 
 from nmoe.fast import gemm, gemm_fp8, runtime
+from nmoe.fast.arch import ArchError
 from nmoe.fast.gemm_fp8 import KERNELS, grouped_gemm_fp8
-from nmoe.fast.runtime import ArchError
 from parity.registry import FP8_SM90
 
 ROOT = Path(__file__).resolve().parents[1]

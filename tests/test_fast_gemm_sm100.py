@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from nmoe.fast import gemm_sm100, runtime
+from nmoe.fast.arch import ArchError
 from nmoe.fast.gemm_sm100 import KERNELS, grouped_gemm, grouped_gemm_fp8, grouped_gemm_nvfp4
 from nmoe.fast.kernels.sm100 import scale_layout
-from nmoe.fast.runtime import ArchError
 
 ROOT = Path(__file__).resolve().parents[1]
 

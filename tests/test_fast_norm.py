@@ -20,7 +20,7 @@ from torch import Tensor
 
 from nmoe.fast import norm as fast
 from nmoe.fast import runtime
-from nmoe.fast.runtime import ArchError
+from nmoe.fast.arch import SUPPORTED_ARCHS, ArchError
 
 ROOT = Path(__file__).resolve().parents[1]
 F64 = npt.NDArray[np.float64]
@@ -111,8 +111,8 @@ def test_kernels_declare_both_archs() -> None:
     assert {k.op for k in fast.KERNELS} == {"rmsnorm", "rmsnorm_bwd"}
     assert len({k.name for k in fast.KERNELS}) == len(fast.KERNELS)
     for spec in fast.KERNELS:
-        assert set(spec.expect) == set(spec.forbid) == set(runtime.SUPPORTED_ARCHS)
-        for arch in runtime.SUPPORTED_ARCHS:
+        assert set(spec.expect) == set(spec.forbid) == set(SUPPORTED_ARCHS)
+        for arch in SUPPORTED_ARCHS:
             assert any("rsqrt" in rx for rx in spec.forbid[arch])
             for rx in (*spec.expect[arch], *spec.forbid[arch]):
                 re.compile(rx)

@@ -19,7 +19,7 @@ from fastcompile import assert_rows_ok, compile_rows
 from torch import Tensor
 
 from nmoe.fast import router as fast
-from nmoe.fast.runtime import ArchError
+from nmoe.fast.arch import ArchError
 from nmoe.reference import router as ref
 
 ROOT = Path(__file__).resolve().parents[1]

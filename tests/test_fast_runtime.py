@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from nmoe.fast import compilecheck, runtime
-from nmoe.fast.runtime import ArchError, CacheKey, KernelCache
+from nmoe.fast.arch import ArchError
+from nmoe.fast.runtime import CacheKey, KernelCache
 
 ROOT = Path(__file__).resolve().parents[1]
 

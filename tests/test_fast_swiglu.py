@@ -14,6 +14,7 @@ from torch import Tensor
 
 from nmoe.fast import _swiglu as fast
 from nmoe.fast import runtime
+from nmoe.fast.arch import SUPPORTED_ARCHS
 from nmoe.reference import activation as ref
 from parity.compare import round_once, ulp_distance
 
@@ -89,7 +90,7 @@ def test_kernel_specs() -> None:
     assert {s.name for s in fast.KERNELS} == {"swiglu_fwd", "swiglu_bwd", "swiglu_fwd_f32", "swiglu_bwd_f32"}
     for spec in fast.KERNELS:
         assert spec.op == "swiglu"
-        for arch in runtime.SUPPORTED_ARCHS:
+        for arch in SUPPORTED_ARCHS:
             assert r"\bmul\.rn\.f32\b" in spec.expect[arch] and r"\bdiv\.rn\.f32\b" in spec.expect[arch]
 
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from nmoe.fast import FAST_MODULES, runtime
+from nmoe.fast.arch import SUPPORTED_ARCHS
 from nmoe.fast.runtime import KernelSpec
 
 
@@ -70,7 +71,7 @@ def check(spec: KernelSpec, arch: str) -> dict[str, Any]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m nmoe.fast.compilecheck", description=__doc__)
-    p.add_argument("--arch", required=True, choices=runtime.SUPPORTED_ARCHS)
+    p.add_argument("--arch", required=True, choices=SUPPORTED_ARCHS)
     p.add_argument("--ops", default="", help="comma-separated op names (default: all)")
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     return p

@@ -14,7 +14,8 @@ from torch import Tensor
 
 from nmoe.fast import runtime
 from nmoe.fast.activation import relu2_bwd, swiglu_bwd
-from nmoe.fast.runtime import ArchNotImplemented, KernelSpec, tma_aligned
+from nmoe.fast.arch import ArchNotImplemented
+from nmoe.fast.runtime import KernelSpec, tma_aligned
 
 _KERNEL_MODULE = "nmoe.fast.kernels.sm90.grouped_gemm"
 _WGRAD_MODULE = "nmoe.fast.kernels.sm90.grouped_gemm_wgrad"

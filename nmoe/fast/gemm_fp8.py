@@ -11,7 +11,8 @@ from torch import Tensor
 
 from nmoe.constants import FP8_WEIGHT_BLOCK, MXFP8_BLOCK_SM90
 from nmoe.fast import gemm, runtime
-from nmoe.fast.runtime import ArchNotImplemented, KernelSpec, tma_aligned
+from nmoe.fast.arch import ArchNotImplemented
+from nmoe.fast.runtime import KernelSpec, tma_aligned
 
 ARCH = "sm_90a"
 _KERNEL_MODULE = "nmoe.fast.kernels.sm90.grouped_gemm_fp8"

@@ -13,8 +13,9 @@ import torch
 from torch import Tensor
 
 from nmoe.fast import runtime
+from nmoe.fast.arch import ArchNotImplemented
 from nmoe.fast.kernels.sm100 import scale_layout
-from nmoe.fast.runtime import ArchNotImplemented, KernelSpec, tma_aligned
+from nmoe.fast.runtime import KernelSpec, tma_aligned
 
 ARCH = "sm_100a"
 _KERNEL_MODULE = "nmoe.fast.kernels.sm100.grouped_gemm"

@@ -26,17 +26,9 @@ import torch
 from torch import Tensor
 from torch._library.custom_ops import CustomOpDef
 
-SUPPORTED_ARCHS: tuple[str, ...] = ("sm_90a", "sm_100a")
-_ARCH_BY_CAPABILITY: dict[tuple[int, int], str] = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
+from nmoe.fast.arch import SUPPORTED_ARCHS, ArchError, arch_of, check_arch
+
 CACHE_ENV = "NMOE_KERNEL_CACHE"
-
-
-class ArchError(RuntimeError):
-    """A fast op was handed a tensor it cannot run on (CPU, wrong GPU, or a mismatched DSL arch)."""
-
-
-class ArchNotImplemented(ArchError, NotImplementedError):
-    """A supported GPU but no kernel for its arch: reported "not run", never a silent fallback."""
 
 
 @dataclass(frozen=True)
@@ -89,18 +81,13 @@ def require_arch(*tensors: Tensor) -> str:
         if t.device != device:
             raise ArchError(f"fast op inputs are on {device} and {t.device}; move them to one GPU")
     major, minor = _capability(device)
-    arch = _ARCH_BY_CAPABILITY.get((major, minor))
+    arch = arch_of((major, minor))
     if arch is None:
         raise ArchError(
             f"nmoe.fast needs sm_90a (H100/H200) or sm_100a (B200); {_device_name(device)} on {device} "
             f"is sm_{major}{minor}. Run on a supported GPU, or use nmoe.reference for the spec math"
         )
     return arch
-
-
-def _check_arch(arch: str) -> None:
-    if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(SUPPORTED_ARCHS)}")
 
 
 # CuTeDSL 4.8.1 facts the fast path is built on (each also noted where it bites):
@@ -122,7 +109,7 @@ def import_cutlass(arch: str) -> None:
 
     CuTeDSL reads CUTE_DSL_ARCH once, at import; with neither it nor a GPU it silently picks sm_100a.
     """
-    _check_arch(arch)
+    check_arch(arch)
     if "cutlass" not in sys.modules:
         preset = os.environ.get("CUTE_DSL_ARCH")
         if preset not in (None, "", arch):
@@ -201,7 +188,7 @@ class CacheKey:
 
 
 def cache_key(kernel: str, source_sha256: str, arch: str, specialisation: Mapping[str, object]) -> CacheKey:
-    _check_arch(arch)
+    check_arch(arch)
     if not kernel.isidentifier():
         raise ValueError(f"kernel name {kernel!r} must be a Python identifier (it names exported symbols)")
     spec = tuple(sorted((k, repr(v)) for k, v in specialisation.items()))

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nmoe.config import Config, ConfigError, load_config
+from nmoe.fast.arch import arch_of
 from nmoe.train import checkpoint as ckpt
 from nmoe.train.data import build_loader
 from nmoe.train.metrics import (
@@ -36,7 +37,6 @@ from nmoe.train.metrics import (
 )
 from nmoe.train.optim import build_optimizer, clip_grad_norm, param_kind, wsd_factor
 
-SUPPORTED_ARCHS: Final[dict[tuple[int, int], str]] = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
 GPU_NEEDED: Final[str] = (
     "needs an NVIDIA GPU with sm_90a (H100/H200) or sm_100a (B200) and a CUDA build of torch, since it "
     "trains with the CuTeDSL fast path"
@@ -83,7 +83,7 @@ def gpu_problem() -> str | None:
     if not torch.cuda.is_available():
         return f"{GPU_NEEDED}; found no CUDA device (torch {torch.__version__})"
     cap = torch.cuda.get_device_capability()
-    if cap not in SUPPORTED_ARCHS:
+    if arch_of(cap) is None:
         return f"{GPU_NEEDED}; found {torch.cuda.get_device_name()} (sm_{cap[0]}{cap[1]})"
     return None
 
