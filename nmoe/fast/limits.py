@@ -1,0 +1,28 @@
+"""Sizes the kernels are built around and the glue checks against: one home, no cutlass import.
+
+Kernel modules and torch glue both read these, so a check can never drift from the kernel it guards.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+VEC_BYTES: Final[int] = 16
+"""Widest global access (128-bit); a pointer aligned to it lets a kernel move whole vectors."""
+
+MAX_EXPERTS: Final[int] = 1024
+"""Experts the router and dispatch kernels hold per-expert state for in shared memory."""
+ROUTER_MAX_K: Final[int] = 32
+ROUTER_MAX_GROUPS: Final[int] = 32
+
+GEMM_BM: Final[int] = 128
+"""M tile of every grouped GEMM (sm_90a and sm_100a): groups are padded to it in tile counts."""
+GEMM_BN_CHOICES: Final[tuple[int, ...]] = (128, 256)
+GEMM_MAX_GROUPS: Final[int] = 1024
+"""Groups the grouped GEMM's shared-memory offs table holds."""
+GEMM_ALIGN: Final[int] = 8
+"""bf16 elements per 16-byte TMA row stride."""
+
+SF_ROWS: Final[int] = 128
+SF_COLS: Final[int] = 4
+"""sm_100a block-scaled MMA reads scales in atoms of SF_ROWS rows x SF_COLS K blocks."""
