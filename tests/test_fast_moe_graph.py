@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from nmoe.fast.combine import combine
 from nmoe.fast.dispatch import permute, unpermute
 from nmoe.fast.router import expert_counts, router_topk
 
@@ -63,9 +64,6 @@ def test_graph_router_permute_unpermute_replays_new_routing() -> None:
 
 @gpu
 def test_graph_with_combine_replays_new_routing() -> None:
-    fast_combine = pytest.importorskip(
-        "nmoe.fast.combine", reason="nmoe.fast.combine (the fast combine op) is not in this tree yet"
-    )
     static_logits = _logits(0, 0.0)
     bias = torch.zeros(E).cuda()
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16).cuda()
@@ -75,7 +73,7 @@ def test_graph_with_combine_replays_new_routing() -> None:
         w, ids = router_topk(static_logits, bias, K, "sigmoid", 8, 4)
         p = permute(x, ids, E, ALIGN)
         y = unpermute(p.xp, p.slot, T, K)
-        out: Tensor = fast_combine.combine(y, w, 2.5, shared)
+        out: Tensor = combine(y, w, 2.5, shared)
         return w, ids, out
 
     _check_replays(step, static_logits)
