@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from nmoe.train import prep
-from nmoe.train import tokenizer as tok
+from nmoe.data import prep
+from nmoe.data import tokenizer as tok
 
 CORPUS_TOKENS = 1_361_327
 CORPUS_DOCS = 42
