@@ -67,7 +67,7 @@ def record(
     flops: float | None = None,
     baseline: tuple[str, float] | None = None,
 ) -> dict[str, Any]:
-    """Add one result row (DESIGN.md bench schema); the floor comes from the bytes/FLOPs and the ceilings."""
+    """Add one result row (docs/reports.md); the floor comes from the bytes/FLOPs and the ceilings."""
     ceil = ceilings()
     row: dict[str, Any] = {"name": name, "shape": shape, "ms": ms}
     floors = []

@@ -42,7 +42,7 @@ class Mutation:
         return self.id.split(".", 1)[0]
 
     def sep_test_name(self) -> str:
-        """Name of the separating test DESIGN.md asks for: test_sep_<id with dots -> underscores>."""
+        """Name of the separating test docs/design.md asks for: test_sep_<id with dots -> underscores>."""
         return "test_sep_" + self.id.replace(".", "_")
 
 

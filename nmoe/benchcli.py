@@ -12,7 +12,7 @@ from nmoe.provenance import REPO_ROOT
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="nmoe bench", description=__doc__)
-    p.add_argument("--out", default="bench/results/latest.json", help="results JSON (DESIGN.md bench schema)")
+    p.add_argument("--out", default="bench/results/latest.json", help="results JSON (docs/reports.md)")
     p.add_argument("-k", dest="select", default=None, help="pytest -k expression selecting benchmarks")
     args = p.parse_args(argv)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "bench", "--benchmark-disable-gc"]

@@ -66,7 +66,7 @@ def _env_commit() -> tuple[str | None, bool | None]:
 
 
 def provenance(command: str | None = None) -> dict[str, Any]:
-    """The `provenance` object of DESIGN.md's report schemas. NMOE_GIT_SHA (with NMOE_GIT_DIRTY 0 or 1)
+    """The `provenance` object of every report (docs/reports.md). NMOE_GIT_SHA (with NMOE_GIT_DIRTY 0 or 1)
     names the commit of a tree copied without .git or with a stale one, and wins over git when set."""
     gpu, driver = gpu_info()
     sha, dirty = _env_commit()

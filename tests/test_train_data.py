@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nmoe.train import prep
+from nmoe.data import prep
 from nmoe.train.data import (
     DataError,
     Loader,

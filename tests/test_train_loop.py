@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nmoe.config import Config, load_config
+from nmoe.data import prep
 from nmoe.train import checkpoint as ckpt
-from nmoe.train import prep
 from nmoe.train.loop import TrainResult, gpu_problem, main, train
 from nmoe.train.metrics import ExperimentsDB, metrics_main, rank_db_path, runs_main
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from nmoe.train.prep import PrepError, read_manifest
+from nmoe.data.prep import PrepError, read_manifest
 
 STATE_VERSION: Final[int] = 1
 _M64: Final[int] = (1 << 64) - 1

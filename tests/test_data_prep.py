@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import subprocess
 import sys
 import types
 import unicodedata
@@ -13,8 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from nmoe.train import prep
-from nmoe.train import tokenizer as tok
+from nmoe.data import prep
+from nmoe.data import tokenizer as tok
 
 CORPUS_TOKENS = 1_361_327
 CORPUS_DOCS = 42
@@ -34,6 +35,15 @@ def small_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("prep") / "a"
     assert prep.main(["--out", str(out), "--workers", "1", "--shard-bytes", "1000000", "--no-progress"]) == 0
     return out
+
+
+def test_data_imports_no_fast_path_spec_parity_or_trainer() -> None:
+    """nmoe/data runs on any machine, apart from the model (docs/design.md, dependency rules)."""
+    code = ("import sys; import nmoe.data.prep, nmoe.data.tokenizer, nmoe.config; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('parity', 'cutlass') "
+            "or m.startswith(('nmoe.fast', 'nmoe.reference', 'nmoe.train'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_embedded_corpus_is_real_and_licensed() -> None:

@@ -24,7 +24,7 @@ from typing import IO, Any, Final
 import numpy as np
 
 from nmoe.constants import O200K_HARMONY, O200K_HARMONY_VOCAB
-from nmoe.train import tokenizer as tok
+from nmoe.data import tokenizer as tok
 
 FORMAT: Final[str] = "nmoe-shards/1"
 CORPUS_DIR: Final[Path] = Path(__file__).resolve().parent / "corpus"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import tiktoken
 
-from nmoe.train import tokenizer as tok
+from nmoe.data import tokenizer as tok
 
 SAMPLE = "Shall I compare thee to a summer’s day? Ça va — 日本語, naïve café, 12345 tabs\tand\nnewlines 🙂"
 

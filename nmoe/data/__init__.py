@@ -1,0 +1,1 @@
+"""Data preparation: the tokenizer, `nmoe prep` and the embedded corpus, apart from training."""
