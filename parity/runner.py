@@ -163,7 +163,7 @@ def detect_arch() -> tuple[str | None, str]:
         return None, "no CUDA device on this host"
     cap = torch.cuda.get_device_capability()
     arch = arch_of(cap)
-    return arch, "" if arch else f"GPU sm_{cap[0]}{cap[1]} is neither sm_90a nor sm_100a"
+    return arch, "" if arch else f"GPU sm_{cap[0]}{cap[1]} is none of {', '.join(ARCHS)}"
 
 
 def run(opts: Options, command: str = "nmoe parity") -> dict[str, Any]:

@@ -4,6 +4,9 @@ op injected through the registry API, compile selection and row collection, and 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ from parity import cli, compiles, inputs, registry, report
 from parity.builders import square_ties
 from parity.cases import build, make_cases
 
+ROOT = Path(__file__).resolve().parents[1]
 BF = torch.bfloat16
 
 
@@ -186,6 +190,38 @@ def test_compilecheck_lists_its_kernels_by_op(capsys: pytest.CaptureFixture[str]
         compilecheck.main(["--arch", "sm_90a", "--ops", "no_such_op"])
     with pytest.raises(SystemExit):
         compilecheck.main(["--ops", "relu2"])
+
+
+TEST_ONLY = ("pytest", "_pytest", "ml_dtypes", "pytest_benchmark", "coverage", "pytest_cov", "ruff", "mypy")
+
+_BLOCK = f"""
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {TEST_ONLY!r}:
+            raise ModuleNotFoundError(f"test-only package {{name}} imported on the main path")
+sys.meta_path.insert(0, Block())
+"""
+
+
+def test_main_command_needs_no_test_only_package(tmp_path: Path) -> None:
+    """`nmoe parity` (with its compile processes) on the runtime dependencies alone: a sitecustomize on the
+    path makes every test-only package unimportable in the runner and in its children."""
+    (tmp_path / "sitecustomize.py").write_text(_BLOCK)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COV_CORE_", "COVERAGE_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
+    probe = subprocess.run([sys.executable, "-c", "import pytest"], env=env, capture_output=True, text=True,
+                           check=False)
+    assert probe.returncode != 0 and "test-only package pytest" in probe.stderr
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "nmoe.cli", "parity", "--ops", "relu2", "--cases", "1", "--no-db", "--quiet",
+           "--report", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep["summary"]["passed"] > 0 and rep["summary"]["not_run"] == len(registry.ARCHS)
+    assert rep["compile"] and all(r["status"] == "ok" for r in rep["compile"]), rep["compile"]
 
 
 def test_report_validation_and_strict_json(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ TIMEOUT_S = 900.0
 class Inventory:
     """The kernels of each registry op (`KernelSpec.op` -> kernel names); modules that fail to import."""
 
-    kernels: dict[str, tuple[str, ...]]
+    kernels: Mapping[str, tuple[str, ...]]
     broken: tuple[tuple[str, str], ...]
 
     def to_json(self) -> dict[str, Any]:
