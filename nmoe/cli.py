@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "parity": ("parity.runner", "main", "run every parity contract (GPU) or self-checks + compiles (CPU)"),
+    "parity": ("parity.cli", "main", "run every parity contract (GPU) or self-checks + compiles (CPU)"),
     "mutate": ("mutations.runner", "main", "run the mutation catalog and write a report"),
     "bench": ("nmoe.benchcli", "main", "run the GPU benchmarks under bench/"),
     "train": ("nmoe.train.loop", "main", "train a model from a TOML config (fast path only)"),

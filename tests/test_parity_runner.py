@@ -1,11 +1,13 @@
 """`nmoe parity` end to end on a CPU: reports, DuckDB history, "not run" accounting, exit codes on a wrong
-op injected through the registry API, compile-row collection, and the input generators."""
+op injected through the registry API, compile selection and row collection, and the input generators."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +16,13 @@ import pytest
 import torch
 from torch import Tensor
 
-from parity import inputs, registry, report, runner
+from nmoe.fast import compilecheck
+from nmoe.fast.compilecheck import Inventory, Selection
+from parity import cli, compiles, inputs, registry, report
 from parity.builders import square_ties
+from parity.cases import build, make_cases
 
+ROOT = Path(__file__).resolve().parents[1]
 BF = torch.bfloat16
 
 
@@ -40,7 +46,7 @@ def _relu2_square_dropped(x: Tensor) -> Tensor:
 def _run(tmp_path: Path, *args: str) -> tuple[int, dict[str, Any]]:
     out = tmp_path / "r.json"
     db = str(tmp_path / "h.duckdb")
-    rc = runner.main([*args, "--report", str(out), "--db", db, "--quiet", "--no-compile"])
+    rc = cli.main([*args, "--report", str(out), "--db", db, "--quiet", "--no-compile"])
     return rc, json.loads(out.read_text())
 
 
@@ -66,7 +72,7 @@ def test_selfcheck_writes_schema_valid_report_and_duckdb_rows(tmp_path: Path,
             len(cpu), 0, len(fast))
     finally:
         con.close()
-    assert runner.main(["--history", "--db", str(tmp_path / "h.duckdb"), "--ops", "relu2"]) == 0
+    assert cli.main(["--history", "--db", str(tmp_path / "h.duckdb"), "--ops", "relu2"]) == 0
     hist = capsys.readouterr().out
     assert "relu2" in hist and "permute" not in hist
 
@@ -94,7 +100,7 @@ def test_parity_mode_without_gpu_is_not_run(tmp_path: Path) -> None:
 
 def test_wrong_fast_op_fails_and_exits_nonzero(tmp_path: Path) -> None:
     entry = registry.REGISTRY["relu2"]
-    built = [runner.build(entry, case) for case in runner.make_cases(entry, 2, 0, big=False)]
+    built = [build(entry, case) for case in make_cases(entry, 2, 0, big=False)]
     assert any(not torch.equal(_relu2_correct(i.args[0]), _relu2_square_dropped(i.args[0])) for i in built)
     args = ("--ops", "relu2", "--mode", "parity", "--device", "cpu", "--arch", "sm_100a", "--cases", "2")
     with registry.override("relu2", fast=_relu2_square_dropped):
@@ -135,20 +141,87 @@ def test_compile_rows_from_fresh_processes(tmp_path: Path, monkeypatch: pytest.M
     (tmp_path / "fake_cc.py").write_text(textwrap.dedent("""
         import json, sys
         arch = sys.argv[sys.argv.index("--arch") + 1]
+        print("noise a kernel compile may print")
         print(json.dumps([{"op": "relu2", "kernel": "k", "arch": arch, "status": "ok", "seconds": 0.1,
-                           "instructions": {"x": True}, "error": None}]))
+                           "instructions": {"x": True}, "error": None, "argv": sys.argv[1:]}]))
     """))
     (tmp_path / "broken_cc.py").write_text("raise SystemExit(3)\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    monkeypatch.setattr(runner, "COMPILECHECK", "fake_cc")
-    rows = runner.collect_compiles(runner.start_compiles(["sm_90a", "sm_100a"], None), time.perf_counter())
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
+    rows = compilecheck.compile_rows(["sm_90a", "sm_100a"], Selection(ops=("relu2",)), "fake_cc")
     assert [(r["arch"], r["status"]) for r in rows] == [("sm_90a", "ok"), ("sm_100a", "ok")]
-    monkeypatch.setattr(runner, "COMPILECHECK", "broken_cc")
-    rows = runner.collect_compiles(runner.start_compiles(["sm_90a"], None), time.perf_counter())
+    assert rows[0]["argv"] == ["--arch", "sm_90a", "--json", "--ops", "relu2"]
+    rows = compilecheck.compile_rows(["sm_90a"], Selection(), "broken_cc")
     assert rows[0]["status"] == "fail" and "exited 3" in rows[0]["error"]
-    monkeypatch.setattr(runner, "COMPILECHECK", "no_such_compilecheck")
-    rows = runner.collect_compiles(runner.start_compiles(["sm_100a"], None), time.perf_counter())
+    rows = compilecheck.compile_rows(["sm_100a"], Selection(), "no_such_compilecheck")
     assert rows[0]["status"] == "not run"
+    assert all(report.validate(report.build({k: None for k in report.PROVENANCE_KEYS}, [], [r], {})) == []
+               for r in rows)
+
+
+def test_selection_argv() -> None:
+    sel = Selection(ops=("a", "b"), modules=("nmoe.fast.norm",), kernels=("k",), ptx_dir="d")
+    assert sel.argv() == ["--ops", "a,b", "--modules", "nmoe.fast.norm", "--kernels", "k", "--ptx-dir", "d"]
+    assert Selection().argv() == []
+
+
+def test_compiles_are_selected_by_kernel_spec_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each KernelSpec names its registry op: relu2_bwd compiles its own kernel, not relu2's."""
+    kernels = {"relu2": ("relu2_fwd",), "relu2_bwd": ("relu2_bwd",), "combine_bwd": ("combine_bwd",)}
+    inv = Inventory(kernels, ())
+    monkeypatch.setattr(compilecheck, "inventory", lambda: inv)
+    assert compiles.selection(registry.select(["relu2_bwd", "combine_bwd"]), True) == Selection(
+        ops=("relu2_bwd", "combine_bwd"))
+    assert compiles.selection(registry.select(["relu2", "permute"]), True) == Selection(ops=("relu2",))
+    assert compiles.selection(registry.select(["permute", "rope"]), True) is None
+    assert compiles.selection(registry.select(["permute"]), False) == Selection()
+    broken = Inventory({}, (("nmoe.fast.activation", "ImportError: x"),))
+    monkeypatch.setattr(compilecheck, "inventory", lambda: broken)
+    assert compiles.selection(registry.select(["relu2", "rope"]), True) == Selection(ops=("relu2",))
+
+
+def test_compilecheck_lists_its_kernels_by_op(capsys: pytest.CaptureFixture[str]) -> None:
+    assert compilecheck.main(["--list"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    inv = compilecheck.inventory()
+    assert listed == inv.to_json() and listed["broken"] == []
+    assert all(listed["ops"].values()) and set(listed["ops"]) == set(inv.kernels)
+    with pytest.raises(SystemExit):
+        compilecheck.main(["--arch", "sm_90a", "--ops", "no_such_op"])
+    with pytest.raises(SystemExit):
+        compilecheck.main(["--ops", "relu2"])
+
+
+TEST_ONLY = ("pytest", "_pytest", "ml_dtypes", "pytest_benchmark", "coverage", "pytest_cov", "ruff", "mypy")
+
+_BLOCK = f"""
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {TEST_ONLY!r}:
+            raise ModuleNotFoundError(f"test-only package {{name}} imported on the main path")
+sys.meta_path.insert(0, Block())
+"""
+
+
+def test_main_command_needs_no_test_only_package(tmp_path: Path) -> None:
+    """`nmoe parity` (with its compile processes) on the runtime dependencies alone: a sitecustomize on the
+    path makes every test-only package unimportable in the runner and in its children."""
+    (tmp_path / "sitecustomize.py").write_text(_BLOCK)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COV_CORE_", "COVERAGE_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
+    probe = subprocess.run([sys.executable, "-c", "import pytest"], env=env, capture_output=True, text=True,
+                           check=False)
+    assert probe.returncode != 0 and "test-only package pytest" in probe.stderr
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "nmoe.cli", "parity", "--ops", "relu2", "--cases", "1", "--no-db", "--quiet",
+           "--report", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep["summary"]["passed"] > 0 and rep["summary"]["not_run"] == len(registry.ARCHS)
+    assert rep["compile"] and all(r["status"] == "ok" for r in rep["compile"]), rep["compile"]
 
 
 def test_report_validation_and_strict_json(tmp_path: Path) -> None:
@@ -164,10 +237,10 @@ def test_report_validation_and_strict_json(tmp_path: Path) -> None:
 
 
 def test_usage_errors() -> None:
-    assert runner.main(["--ops", "no_such_op", "--no-db"]) == 2
-    assert runner.main(["--mode", "parity", "--device", "cpu", "--no-db"]) == 2
+    assert cli.main(["--ops", "no_such_op", "--no-db"]) == 2
+    assert cli.main(["--mode", "parity", "--device", "cpu", "--no-db"]) == 2
     with pytest.raises(SystemExit):
-        runner.main(["--arch", "sm_80"])
+        cli.main(["--arch", "sm_80"])
 
 
 # ----------------------------------------------------------------------------------------------------------
