@@ -16,6 +16,10 @@ E8M0_MIN_BYTE: Final[int] = 1
 E8M0_MAX_BYTE: Final[int] = 254
 E8M0_NAN: Final[int] = 255
 
+BF16_CANONICAL_NAN: Final[int] = 0x7FC0
+F32_CANONICAL_NAN: Final[int] = 0x7FC00000
+"""The one NaN the spec writes: payloads differ across CPUs, GPUs and vector paths."""
+
 MXFP8_BLOCK_SM100: Final[int] = 32
 MXFP8_BLOCK_SM90: Final[int] = 128
 FP8_WEIGHT_BLOCK: Final[int] = 128

@@ -5,6 +5,7 @@ from __future__ import annotations
 from mutations.model import Mutation, sep_mutation
 
 FILE = "nmoe/fast/kernels/activation.py"
+PRIMS = "nmoe/fast/kernels/prims.py"
 TESTS = "tests/test_fast_activation.py"
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -29,10 +30,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         device="gpu",
     ),
     sep_mutation(
-        "relu2.fast_nan_bits_canonical", FILE,
-        "        nan16: cute.TensorSSA = cute.where(p != p, cute.full_like(rounded, BF16_NAN_BITS), rounded)",
-        "        nan16: cute.TensorSSA = rounded",
-        "bf16 NaN left with the GPU cvt's bits 0x7FFF instead of the spec's canonical NaN", TESTS,
+        "relu2.fast_nan_bits_canonical", PRIMS,
+        "cute.where(v != v, cute.full_like(rounded, BF16_CANONICAL_NAN), rounded)",
+        "rounded",
+        "bf16 NaN left with the GPU cvt's bits 0x7FFF instead of the spec's canonical NaN (in the shared "
+        "out_bits, so every bf16-writing kernel)", TESTS,
         ("relu2",), device="gpu",
     ),
     sep_mutation(

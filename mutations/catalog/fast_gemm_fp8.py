@@ -38,7 +38,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "gemm.fast_fp8_nan_scale_as_inf", FILE,
-        "return Float32(i2f(sel(b == E8M0_NAN, F32_QNAN, e8m0_value_bits(b))))",
+        "return Float32(i2f(sel(b == E8M0_NAN, F32_CANONICAL_NAN, e8m0_value_bits(b))))",
         "return Float32(i2f(e8m0_value_bits(b)))",
         "e8m0 byte 255 decodes as +Inf (b << 23) instead of NaN", TESTS, CONTRACTS, device="gpu",
     ),

@@ -11,9 +11,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     sep_mutation(
         "rmsnorm.fast_eps_outside_sqrt", FILE,
         "    ms = add_rn(div_rn(sum_sq, Float32(float(d))), eps)\n"
-        "    return div_rn(1.0, Float32(_math.sqrt(ms, rounding=RN)))",
+        "    return div_rn(1.0, sqrt_rn(ms))",
         "    ms = div_rn(sum_sq, Float32(float(d)))\n"
-        "    return div_rn(1.0, add_rn(Float32(_math.sqrt(ms, rounding=RN)), eps))",
+        "    return div_rn(1.0, add_rn(sqrt_rn(ms), eps))",
         "eps added after the square root", TESTS, ("rmsnorm",), device="gpu",
     ),
     sep_mutation(

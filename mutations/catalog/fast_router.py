@@ -15,7 +15,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "router.fast_group_top1_only", FILE,
-        "group_score.append(_add(t1, t2))", "group_score.append(t1)",
+        "group_score.append(add_rn(t1, t2))", "group_score.append(t1)",
         "group score is the top-1 instead of the sum of the top-2 biased scores", TESTS, ("router_topk",),
         device="gpu",
     ),
@@ -27,7 +27,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "router.fast_exp_fused", FILE,
-        "q = _add(_mul(q, r), Float32(c))", "q = Float32(q * r + Float32(c))",
+        "q = add_rn(mul_rn(q, r), Float32(c))", "q = Float32(q * r + Float32(c))",
         "pinned exp's Horner step contracted into FMA (product not rounded): score bits drift from the spec",
         tests=(f"{TESTS}::test_topk_bitwise_vs_pinned_oracle",), device="gpu", contracts=("router_topk",),
     ),

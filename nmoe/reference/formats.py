@@ -9,12 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from nmoe.constants import E2M1_MAX, E4M3_MAX, MX_BLOCKS, NVFP4_BLOCK
+from nmoe.constants import BF16_CANONICAL_NAN, E2M1_MAX, E4M3_MAX, F32_CANONICAL_NAN, MX_BLOCKS, NVFP4_BLOCK
 from nmoe.constants import FP8_WEIGHT_BLOCK as WEIGHT_BLOCK
-
-BF16_CANONICAL_NAN = 0x7FC0
-F32_CANONICAL_NAN = 0x7FC00000
-
 
 _F32_MANT = 23
 _F32_BIAS = 127

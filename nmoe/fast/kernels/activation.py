@@ -9,18 +9,15 @@ from typing import Any
 
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int16, Int32, Int64
+from cutlass import BFloat16, Float32, Int64
 from cutlass.base_dsl.ast_helpers import range_constexpr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 
-THREADS = 256
-# The spec rounds every NaN to one canonical quiet NaN (payloads differ across CPUs and GPUs; the GPU's
-# cvt.rn.bf16x2.f32 alone would write 0x7FFF), so NaN results are selected explicitly.
-BF16_NAN_BITS = 0x7FC0
-F32_NAN_BITS = 0x7FC00000
+from nmoe.fast.kernels.prims import out_bits
 
+THREADS = 256
 DTYPES: dict[str, Any] = {"bfloat16": BFloat16, "float32": Float32}
 
 
@@ -32,28 +29,17 @@ def _relu(x: cute.TensorSSA) -> cute.TensorSSA:
     return r
 
 
-def _out_bits(p: cute.TensorSSA, dtype_name: str) -> cute.TensorSSA:
-    """Round fp32 once to the output dtype's bits, every NaN canonical."""
-    if dtype_name == "bfloat16":
-        rounded = p.to(BFloat16).bitcast(Int16)
-        nan16: cute.TensorSSA = cute.where(p != p, cute.full_like(rounded, BF16_NAN_BITS), rounded)
-        return nan16
-    pb = p.bitcast(Int32)
-    nan32: cute.TensorSSA = cute.where(p != p, cute.full_like(pb, F32_NAN_BITS), pb)
-    return nan32
-
-
 def relu2_bits(x: cute.TensorSSA, dtype_name: str) -> cute.TensorSSA:
     """relu2 of one vector as output bits; the grouped GEMM's fused epilogue calls it too."""
     r = _relu(x.to(Float32))
     sq = r * r
-    return _out_bits(sq, dtype_name)
+    return out_bits(sq, dtype_name)
 
 
 def _bwd_bits(dy: cute.TensorSSA, x: cute.TensorSSA, dtype_name: str) -> cute.TensorSSA:
     two_r = 2.0 * _relu(x.to(Float32))
     p = dy.to(Float32) * two_r
-    return _out_bits(p, dtype_name)
+    return out_bits(p, dtype_name)
 
 
 @cute.jit

@@ -1,4 +1,4 @@
-"""CuTeDSL kernels for combine fwd/bwd, plus the explicitly rounded fp32 ops (`mul_rn`, `add_rn`).
+"""CuTeDSL kernels for combine fwd/bwd: every product and sum rounded separately, as the spec orders them.
 
 Import only after nmoe.fast.runtime.import_cutlass(arch): the DSL fixes its target arch at first import.
 """
@@ -9,47 +9,16 @@ from typing import Any
 
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int16, Int32, Int64
-from cutlass._mlir.dialects import llvm
-from cutlass._mlir_helpers.op import dsl_user_op
+from cutlass import BFloat16, Float32, Int64
 from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 
+from nmoe.fast.kernels.prims import add_rn, mul_rn, out_bits
+
 THREADS = 128
 WARP = 32
-# The spec writes every NaN as one canonical quiet NaN (cvt.rn.bf16x2.f32 alone would write 0x7FFF).
-BF16_NAN_BITS = 0x7FC0
-F32_NAN_BITS = 0x7FC00000
-
-
-def _rn_intrinsic(name: str, a: Any, b: Any, loc: Any, ip: Any) -> Float32:
-    args = [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)]
-    return Float32(llvm.call_intrinsic(Float32.mlir_type, name, args, [], [], loc=loc, ip=ip))
-
-
-@dsl_user_op
-def mul_rn(a: Any, b: Any, *, loc: Any = None, ip: Any = None) -> Float32:
-    """fp32 product as `mul.rn.f32`: an explicit rounding mode forbids ptxas from fusing it into an FMA."""
-    return _rn_intrinsic("llvm.nvvm.mul.rn.f", a, b, loc, ip)
-
-
-@dsl_user_op
-def add_rn(a: Any, b: Any, *, loc: Any = None, ip: Any = None) -> Float32:
-    """fp32 sum as `add.rn.f32` (never contracted with a preceding multiply)."""
-    return _rn_intrinsic("llvm.nvvm.add.rn.f", a, b, loc, ip)
-
-
-def out_bits(v: cute.TensorSSA, dtype_name: str) -> cute.TensorSSA:
-    """fp32 rounded once (RNE) to the output dtype, as integer bits with every NaN canonical."""
-    if dtype_name == "bfloat16":
-        rounded = v.to(BFloat16).bitcast(Int16)
-        nan16: cute.TensorSSA = cute.where(v != v, cute.full_like(rounded, BF16_NAN_BITS), rounded)
-        return nan16
-    vb = v.bitcast(Int32)
-    nan32: cute.TensorSSA = cute.where(v != v, cute.full_like(vb, F32_NAN_BITS), vb)
-    return nan32
 
 
 @cute.jit

@@ -21,7 +21,7 @@ from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 from cutlass.cutlass_dsl.cutlass import min as dmin
 
-from nmoe.fast.kernels.router import trap
+from nmoe.fast.kernels.prims import trap
 
 LANES = 32
 WARPS = 8
@@ -31,7 +31,6 @@ THREADS = WARPS * LANES
 SCAN_THREADS = 1024
 ROW_WARPS = 4
 COPY_VECS = 4  # vectors a lane loads before it stores any (see _load_vecs)
-MAX_EXPERTS = 1024
 UNIT_TYPES: dict[str, Any] = {"i32": Int32, "i16": Int16, "i8": Int8}
 # (unit type, units per vector): the widest copy the row length and the pointers allow.
 COPY_SHAPES: dict[int, tuple[str, int]] = {16: ("i32", 4), 8: ("i32", 2), 4: ("i32", 1), 2: ("i16", 1),

@@ -10,23 +10,19 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float16, Float32, Int32, Int64, Uint8, Uint32
-from cutlass._mlir.dialects import llvm
-from cutlass._mlir_helpers.op import dsl_user_op
 from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 from cutlass.cutlass_dsl import select_
 
-from nmoe.constants import E4M3_MAX, NVFP4_BLOCK
+from nmoe.constants import E4M3_MAX, F32_CANONICAL_NAN, NVFP4_BLOCK
 from nmoe.constants import FP8_WEIGHT_BLOCK as WEIGHT_BLOCK
+from nmoe.fast.kernels.prims import add_rn, div_rn, f2i, fma_rn, i2f, mul_rn, sel
 
 THREADS = 256
 QUANT_VECS = 2  # vectors each mx_quant / nvfp4_quant thread loads before encoding: twice the bytes in flight
 AMAX_VECS = 4  # loads in flight per thread in nvfp4_amax_kernel
-# cute.math's rounding-mode ops are generated wrappers the stubs do not declare.
-_math: Any = cute.math
-RN: Any = _math.RoundingMode.NEAREST_EVEN
 DTYPES: dict[str, Any] = {"bfloat16": BFloat16, "float16": Float16, "float32": Float32}
 # fp32 bit patterns the encoders compare against (non-negative floats order like their bits).
 F32_INF = 0x7F800000
@@ -44,41 +40,7 @@ E4M3_REBIAS = 2.0**-120
 E4M3_SPLIT = 1048577.0 * E4M3_REBIAS
 E2M1_SUB_MAGIC = 4194304.0
 E2M1_SUB_MAGIC_BITS = 0x4A800000
-# torch's CPU float ops (the reference) give these NaN bits; a GPU mul would give 0x7FFFFFFF instead.
-F32_QNAN = 0x7FC00000
 F32_QUIET_BIT = 0x00400000
-
-
-@dsl_user_op
-def f2i(x: Any, *, loc: Any = None, ip: Any = None) -> Int32:
-    return Int32(llvm.bitcast(Int32.mlir_type, Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
-
-
-@dsl_user_op
-def i2f(x: Any, *, loc: Any = None, ip: Any = None) -> Float32:
-    return Float32(llvm.bitcast(Float32.mlir_type, Int32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
-
-
-def sel(c: Any, a: Any, b: Any) -> Int32:
-    return Int32(select_(c, Int32(a), Int32(b)))
-
-
-def mul_rn(a: Any, b: Any) -> Float32:
-    """`mul.rn.f32`: the explicit rounding mode keeps ptxas from contracting it into an FMA."""
-    return Float32(_math.mul(Float32(a), Float32(b), rounding=RN))
-
-
-def add_rn(a: Any, b: Any) -> Float32:
-    return Float32(_math.add(Float32(a), Float32(b), rounding=RN))
-
-
-def fma_rn(a: Any, b: Any, c: Any) -> Float32:
-    return Float32(_math.fma(Float32(a), Float32(b), Float32(c), rounding=RN))
-
-
-def div_rn(a: Any, b: Any) -> Float32:
-    """IEEE-correct fp32 division (`div.rn.f32`, subnormals kept), like torch's CPU division."""
-    return Float32(_math.div(Float32(a), Float32(b), rounding=RN))
 
 
 def rne_code(a: Int32, mbits: int, min_normal: int, magic: float, magic_bits: int) -> Int32:
@@ -335,7 +297,7 @@ def _mx_dequant_vec(gq: Any, gy: Any, i: Int64, b: Int32, vec: Constexpr[int]) -
         c = cv[j].to(Int32) & 0xFF
         r = f2i(mul_rn(i2f(e4m3_value_bits(c)), scale))
         nan = ((c & 0x7F) == 0x7F) | (b == 255) | ((r & 0x7FFFFFFF) > F32_INF)
-        out[j] = sel(nan, F32_QNAN, r)
+        out[j] = sel(nan, F32_CANONICAL_NAN, r)
     cute.recast_tensor(gy[(None, i)], Int32).store(out.load())
 
 
@@ -501,7 +463,7 @@ def nvfp4_dequant_kernel(pq: Pointer, ps: Pointer, pg: Pointer, py: Pointer, nbl
             prod = mul_rn(i2f(e2m1_value_bits(c)), sv)
             r = f2i(mul_rn(prod, g))
             nan = ((s & 0x7F) == 0x7F) | (ga > F32_INF) | ((r & 0x7FFFFFFF) > F32_INF)
-            out[j] = sel(nan, F32_QNAN, r)
+            out[j] = sel(nan, F32_CANONICAL_NAN, r)
         cute.recast_tensor(gy[(None, i)], Int32).store(out.load())
 
 

@@ -19,33 +19,18 @@ from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 from cutlass.cutlass_dsl import select_
 
-# cute.math's rounding-mode ops are generated wrappers the stubs do not declare.
-_math: Any = cute.math
-RN: Any = _math.RoundingMode.NEAREST_EVEN
+from nmoe.fast.kernels.prims import add_rn, div_rn, mul_rn, sqrt_rn
+
 WARP = 32
 DTYPES: dict[str, Any] = {"bfloat16": BFloat16, "float16": Float16, "float32": Float32}
 DW_THREADS = 64  # small CTAs spread the few dw columns over more SMs
-DW_VEC = 4
 DW_UNROLL = 16  # partial-sum loads in flight per thread; the adds stay in index order
-
-
-def mul_rn(a: Any, b: Any) -> Float32:
-    """`mul.rn.f32`: explicit rounding, so the spec's separately rounded products stay separate."""
-    return Float32(_math.mul(Float32(a), Float32(b), rounding=RN))
-
-
-def add_rn(a: Any, b: Any) -> Float32:
-    return Float32(_math.add(Float32(a), Float32(b), rounding=RN))
-
-
-def div_rn(a: Any, b: Any) -> Float32:
-    return Float32(_math.div(Float32(a), Float32(b), rounding=RN))
 
 
 def inv_rms(sum_sq: Float32, d: int, eps: Float32) -> Float32:
     """1/sqrt(sum/d + eps), every step correctly rounded: |rel err| <= ~2 fp32 ulp past the sum."""
     ms = add_rn(div_rn(sum_sq, Float32(float(d))), eps)
-    return div_rn(1.0, Float32(_math.sqrt(ms, rounding=RN)))
+    return div_rn(1.0, sqrt_rn(ms))
 
 
 @cute.jit

@@ -5,16 +5,12 @@ Import only after nmoe.fast.runtime.import_cutlass(arch): the DSL fixes its targ
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import cuda.bindings.driver as cuda
 import cutlass.base_dsl.ast_helpers as dsl
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64
-from cutlass._mlir.dialects import llvm
-from cutlass._mlir.extras import types as T
-from cutlass._mlir_helpers.op import dsl_user_op as _untyped_user_op
 from cutlass.base_dsl.ast_helpers import range_constexpr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.runtime import make_ptr
@@ -22,22 +18,11 @@ from cutlass.cute.typing import Pointer
 from cutlass.cutlass_dsl.cutlass import min as dmin
 from cutlass.cutlass_dsl.cutlass import select_
 
+from nmoe.fast.kernels.prims import add_rn, canonical_nan, div_rn, i2f, mul_rn, sel, sub_rn, trap
+
 WARPS = 4
 LANES = 32
-MAX_EXPERTS = 1024
-MAX_K = 32
-MAX_GROUPS = 32
 INVALID_ID = 1 << 30
-_TYPES: Any = T
-_Fn = TypeVar("_Fn", bound=Callable[..., Any])
-
-
-def dsl_user_op(fn: _Fn) -> _Fn:
-    """CuTeDSL's op decorator (it threads loc/ip), typed for mypy."""
-    return cast(_Fn, _untyped_user_op(fn))
-
-# The spec writes every NaN weight as the canonical 0x7FC00000 (PTX alone would write 0x7FFFFFFF).
-CANONICAL_NAN_BITS = 0x7FC00000
 
 # Pinned exp (see nmoe.fast.router): Cody-Waite split of ln2, degree-7 Taylor, 2^n in two exact steps.
 EXP_LO = -104.0
@@ -49,50 +34,8 @@ ROUND_SHIFTER = 12582912.0
 TAYLOR = (1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5)
 
 
-@dsl_user_op
-def _rn(op: str, a: Float32, b: Float32, *, loc: Any = None, ip: Any = None) -> Float32:
-    """One IEEE op rounded to nearest even; inline PTX so neither LLVM nor ptxas contracts it into fma."""
-    res = llvm.inline_asm(
-        _TYPES.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-        f"{op}.rn.f32 $0, $1, $2;", "=f,f,f", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
-    )
-    return Float32(res)
-
-
-def _add(a: Float32, b: Float32) -> Float32:
-    return Float32(_rn("add", a, b))
-
-
-def _sub(a: Float32, b: Float32) -> Float32:
-    return Float32(_rn("sub", a, b))
-
-
-def _mul(a: Float32, b: Float32) -> Float32:
-    return Float32(_rn("mul", a, b))
-
-
-def _div(a: Float32, b: Float32) -> Float32:
-    return Float32(_rn("div", a, b))
-
-
-@dsl_user_op
-def _bits_to_f32(i: Int32, *, loc: Any = None, ip: Any = None) -> Float32:
-    return Float32(llvm.bitcast(_TYPES.f32(), Int32(i).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
-
-
-@dsl_user_op
-def trap(*, loc: Any = None, ip: Any = None) -> None:
-    """Abort the kernel: the CUDA error surfaces at the next sync, as torch's device asserts do."""
-    llvm.intr_trap(loc=loc, ip=ip)
-
-
 def _sel_f(c: Boolean, a: Float32 | float, b: Float32 | float) -> Float32:
     return Float32(select_(c, Float32(a), Float32(b)))
-
-
-def _sel_i(c: Boolean, a: Int32 | int, b: Int32 | int) -> Int32:
-    return Int32(select_(c, Int32(a), Int32(b)))
 
 
 def _isnan(x: Float32) -> Boolean:
@@ -102,16 +45,16 @@ def _isnan(x: Float32) -> Boolean:
 def pinned_exp(x: Float32) -> Float32:
     """exp(x) from round-to-nearest fp32 add/sub/mul only, so any IEEE machine reproduces its bits."""
     xc = _sel_f(x < EXP_LO, EXP_LO, _sel_f(x > EXP_HI, EXP_HI, x))
-    nf = _sub(_add(_mul(xc, Float32(LOG2E)), Float32(ROUND_SHIFTER)), Float32(ROUND_SHIFTER))
+    nf = sub_rn(add_rn(mul_rn(xc, Float32(LOG2E)), Float32(ROUND_SHIFTER)), Float32(ROUND_SHIFTER))
     n = Int32(nf)
-    r = _sub(_sub(xc, _mul(nf, Float32(LN2_HI))), _mul(nf, Float32(LN2_LO)))
+    r = sub_rn(sub_rn(xc, mul_rn(nf, Float32(LN2_HI))), mul_rn(nf, Float32(LN2_LO)))
     q = Float32(TAYLOR[0])
     for c in TAYLOR[1:]:
-        q = _add(_mul(q, r), Float32(c))
-    p = _add(Float32(1.0), _add(r, _mul(_mul(r, r), q)))
+        q = add_rn(mul_rn(q, r), Float32(c))
+    p = add_rn(Float32(1.0), add_rn(r, mul_rn(mul_rn(r, r), q)))
     a = n >> 1
     b = n - a
-    res = _mul(_mul(p, _bits_to_f32((a + 127) << 23)), _bits_to_f32((b + 127) << 23))
+    res = mul_rn(mul_rn(p, i2f((a + 127) << 23)), i2f((b + 127) << 23))
     res = _sel_f(x < EXP_LO, 0.0, _sel_f(x > EXP_HI, float("inf"), res))
     return _sel_f(_isnan(x), x, res)
 
@@ -161,7 +104,7 @@ def _warp_argmax(v: Float32, i: Int32, s: Float32) -> tuple[Float32, Int32, Floa
         oi = _bfly(i, off)
         os_ = _bfly(s, off)
         take = _beats(ov, oi, v, i)
-        v, i, s = _sel_f(take, ov, v), _sel_i(take, oi, i), _sel_f(take, os_, s)
+        v, i, s = _sel_f(take, ov, v), sel(take, oi, i), _sel_f(take, os_, s)
         off //= 2
     return v, i, s
 
@@ -188,7 +131,7 @@ def _route_token(mlog: cute.Tensor, mbias: cute.Tensor, row: Int64, lane: Int32,
         e = lane + j * LANES
         full = (j + 1) * LANES <= n_experts
         ok = Boolean(True) if full else Boolean(e < n_experts)
-        ec = e if full else _sel_i(ok, e, n_experts - 1)
+        ec = e if full else sel(ok, e, n_experts - 1)
         x = Float32(mlog[row + Int64(ec)])
         b = Float32(mbias[ec])
         bad = bad | (ok & (_isnan(x) | _isnan(b)))
@@ -202,16 +145,16 @@ def _route_token(mlog: cute.Tensor, mbias: cute.Tensor, row: Int64, lane: Int32,
         for j in range(cols):
             m = _sel_f(valid[j] & _gt(xs[j], m), xs[j], m)
         m = _warp_max(m)
-        ex = [pinned_exp(_sub(xs[j], m)) for j in range(cols)]
+        ex = [pinned_exp(sub_rn(xs[j], m)) for j in range(cols)]
         total = Float32(0.0)
         for j in range(cols):
             for src in range(LANES):
                 if j * LANES + src < n_experts:
-                    total = _add(total, cute.arch.shuffle_sync(ex[j], src))
-        scores = [_div(ex[j], total) for j in range(cols)]
+                    total = add_rn(total, cute.arch.shuffle_sync(ex[j], src))
+        scores = [div_rn(ex[j], total) for j in range(cols)]
     else:
-        scores = [_div(Float32(1.0), _add(Float32(1.0), pinned_exp(Float32(-xs[j])))) for j in range(cols)]
-    biased = [_add(scores[j], bs[j]) for j in range(cols)]
+        scores = [div_rn(1.0, add_rn(1.0, pinned_exp(Float32(-xs[j])))) for j in range(cols)]
+    biased = [add_rn(scores[j], bs[j]) for j in range(cols)]
 
     if n_groups > 1:
         group_score: list[Float32] = []
@@ -225,7 +168,7 @@ def _route_token(mlog: cute.Tensor, mbias: cute.Tensor, row: Int64, lane: Int32,
                 t2 = _sel_f(b1, t1, _sel_f(b2, biased[j], t2))
                 t1 = _sel_f(b1, biased[j], t1)
             t1, t2 = _top2_merge(t1, t2)
-            group_score.append(_add(t1, t2))
+            group_score.append(add_rn(t1, t2))
         keep = Int32(0)
         for _ in range(topk_groups):
             best_v = Float32(float("-inf"))
@@ -234,7 +177,7 @@ def _route_token(mlog: cute.Tensor, mbias: cute.Tensor, row: Int64, lane: Int32,
                 free = ((keep >> g) & 1) == 0
                 take = free & ((best_g < 0) | _gt(group_score[g], best_v))
                 best_v = _sel_f(take, group_score[g], best_v)
-                best_g = _sel_i(take, g, best_g)
+                best_g = sel(take, g, best_g)
             keep = keep | (Int32(1) << best_g)
         for j in range(cols):
             kept = ((keep >> ((lane + j * LANES) // gsize)) & 1) == 1
@@ -252,23 +195,23 @@ def _route_token(mlog: cute.Tensor, mbias: cute.Tensor, row: Int64, lane: Int32,
             cand = valid[j] & (((taken >> j) & 1) == 0)
             take = cand & _beats(biased[j], e, bv, bi)
             bv = _sel_f(take, biased[j], bv)
-            bi = _sel_i(take, e, bi)
+            bi = sel(take, e, bi)
             bsc = _sel_f(take, scores[j], bsc)
         bv, bi, bsc = _warp_argmax(bv, bi, bsc)
         mine = (bi % LANES) == lane
-        taken = taken | _sel_i(mine, Int32(1) << (bi // LANES), 0)
+        taken = taken | sel(mine, Int32(1) << (bi // LANES), 0)
         picked_ids.append(bi)
         picked.append(bsc)
 
     denom = picked[0]
     for kk in range(1, k):
-        denom = _add(denom, picked[kk])
+        denom = add_rn(denom, picked[kk])
     my_w = Float32(0.0)
     my_i = Int32(0)
     for kk in range(k):
-        my_w = _sel_f(lane == kk, _div(picked[kk], denom), my_w)
-        my_i = _sel_i(lane == kk, picked_ids[kk], my_i)
-    return _sel_f(_isnan(my_w), _bits_to_f32(Int32(CANONICAL_NAN_BITS)), my_w), my_i
+        my_w = _sel_f(lane == kk, div_rn(picked[kk], denom), my_w)
+        my_i = sel(lane == kk, picked_ids[kk], my_i)
+    return _sel_f(_isnan(my_w), canonical_nan(), my_w), my_i
 
 
 @cute.jit

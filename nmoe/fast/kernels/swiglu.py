@@ -17,7 +17,7 @@ from cutlass.cute.typing import Pointer
 
 from nmoe.fast.kernels.activation import elementwise_args
 from nmoe.fast.kernels.activation import pointers as pointers
-from nmoe.fast.kernels.combine import add_rn, mul_rn, out_bits
+from nmoe.fast.kernels.prims import add_rn, mul_rn, out_bits
 
 THREADS = 256
 

@@ -29,9 +29,9 @@ from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 from cutlass.memory import SmemAllocator, TmemAllocator
 
-BM = 128
-SF_ROWS = 128
-SF_COLS = 4
+from nmoe.fast.limits import GEMM_BM as BM
+from nmoe.fast.limits import SF_ROWS
+
 MMA_PER_TILE_K = 4
 EPI_WARPS = 4
 MMA_WARP = 4

@@ -22,10 +22,11 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from nmoe.fast.kernels.activation import relu2_bits
-from nmoe.fast.kernels.combine import out_bits
+from nmoe.fast.kernels.prims import out_bits
 from nmoe.fast.kernels.swiglu import swiglu_pairs
+from nmoe.fast.limits import GEMM_BM as BM
+from nmoe.fast.limits import GEMM_MAX_GROUPS as MAX_GROUPS
 
-BM = 128
 BK = 64
 K_BLOCKS = BK // 16
 WG_THREADS = 128
@@ -35,7 +36,6 @@ THREADS = WG_THREADS + CONSUMER_THREADS
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 EPI_BARRIER_ID = 1
-MAX_GROUPS = 1024
 SMEM_BYTES = 232448
 VEC = 8
 # The output leaves through EPI_BUFS swizzled BM x EPI_N subtiles: small enough to leave room for a deeper

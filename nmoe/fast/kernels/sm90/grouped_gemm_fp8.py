@@ -18,10 +18,10 @@ from cutlass.cute.typing import Pointer
 from cutlass.cutlass_dsl.cutlass import min as dsl_min
 from cutlass.tensor_utils import LayoutEnum
 
-from nmoe.constants import E8M0_NAN, FP8_WEIGHT_BLOCK, MXFP8_BLOCK_SM90
-from nmoe.fast.kernels.formats import F32_QNAN, e8m0_value_bits, i2f, sel
+from nmoe.constants import E8M0_NAN, F32_CANONICAL_NAN, FP8_WEIGHT_BLOCK, MXFP8_BLOCK_SM90
+from nmoe.fast.kernels.formats import e8m0_value_bits
+from nmoe.fast.kernels.prims import i2f, sel
 from nmoe.fast.kernels.sm90.grouped_gemm import (
-    BM,
     CONSUMER_REGS,
     CONSUMER_WGS,
     PRODUCER_REGS,
@@ -38,6 +38,7 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     produce_tiles,
     store_tile,
 )
+from nmoe.fast.limits import GEMM_BM as BM
 
 # One K tile per activation scale block and one N tile per weight scale block.
 BK = MXFP8_BLOCK_SM90
@@ -65,7 +66,7 @@ def make_tiled_mma() -> cute.TiledMma:
 @cute.jit
 def _scale(b: Int32) -> Float32:
     """e8m0 byte -> 2^(b-127) in fp32; 255 is NaN (b << 23 would make it +Inf)."""
-    return Float32(i2f(sel(b == E8M0_NAN, F32_QNAN, e8m0_value_bits(b))))
+    return Float32(i2f(sel(b == E8M0_NAN, F32_CANONICAL_NAN, e8m0_value_bits(b))))
 
 
 @cute.jit

@@ -22,7 +22,6 @@ from cutlass.tensor_utils import LayoutEnum
 
 from nmoe.fast.kernels.sm90.grouped_gemm import (
     BK,
-    BM,
     CONSUMER_REGS,
     CONSUMER_THREADS,
     CONSUMER_WGS,
@@ -35,6 +34,7 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     cta_setup,
     pipeline_stages,
 )
+from nmoe.fast.limits import GEMM_BM as BM
 
 MASK_BARRIER_ID = 2
 

@@ -1,0 +1,102 @@
+"""Device building blocks the kernels share: explicitly rounded fp32 ops, canonical NaN bits, bit casts, trap.
+
+Import only after nmoe.fast.runtime.import_cutlass(arch): the DSL fixes its target arch at first import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int16, Int32
+from cutlass._mlir.dialects import llvm, nvvm
+from cutlass._mlir_helpers.op import dsl_user_op as _untyped_user_op
+from cutlass.cutlass_dsl import select_
+
+from nmoe.constants import BF16_CANONICAL_NAN, F32_CANONICAL_NAN
+
+_NVVM: Any = nvvm  # the generated dialect module has no stubs
+
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
+def dsl_user_op(fn: _Fn) -> _Fn:
+    """CuTeDSL's op decorator (it threads loc/ip), typed for mypy."""
+    return cast(_Fn, _untyped_user_op(fn))
+
+
+@dsl_user_op
+def _rn(op: str, *operands: Any, loc: Any = None, ip: Any = None) -> Float32:
+    """One fp32 op rounded to nearest even; the explicit rounding keeps ptxas from fusing it into an FMA."""
+    args = [Float32(x).ir_value(loc=loc, ip=ip) for x in operands]
+    name = f"llvm.nvvm.{op}.rn.f"
+    return Float32(llvm.call_intrinsic(Float32.mlir_type, name, args, [], [], loc=loc, ip=ip))
+
+
+def add_rn(a: Any, b: Any) -> Float32:
+    """`add.rn.f32`; also the reduction op of warp sums that must round like the spec's sequential adds."""
+    return _rn("add", a, b)
+
+
+@dsl_user_op
+def sub_rn(a: Any, b: Any, *, loc: Any = None, ip: Any = None) -> Float32:
+    """`sub.rn.f32`: LLVM has no sub.rn intrinsic, the NVVM dialect op lowers to one."""
+    x, y = Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)
+    return Float32(_NVVM.subf(x, y, rnd=_NVVM.FPRoundingMode.RN, loc=loc, ip=ip))
+
+
+def mul_rn(a: Any, b: Any) -> Float32:
+    return _rn("mul", a, b)
+
+
+def div_rn(a: Any, b: Any) -> Float32:
+    """IEEE-correct fp32 division (`div.rn.f32`, subnormals kept), like torch's CPU division."""
+    return _rn("div", a, b)
+
+
+def fma_rn(a: Any, b: Any, c: Any) -> Float32:
+    return _rn("fma", a, b, c)
+
+
+def sqrt_rn(a: Any) -> Float32:
+    return _rn("sqrt", a)
+
+
+@dsl_user_op
+def f2i(x: Any, *, loc: Any = None, ip: Any = None) -> Int32:
+    return Int32(llvm.bitcast(Int32.mlir_type, Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def i2f(x: Any, *, loc: Any = None, ip: Any = None) -> Float32:
+    return Float32(llvm.bitcast(Float32.mlir_type, Int32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+def sel(c: Any, a: Any, b: Any) -> Int32:
+    return Int32(select_(c, Int32(a), Int32(b)))
+
+
+@dsl_user_op
+def trap(*, loc: Any = None, ip: Any = None) -> None:
+    """Abort the kernel: the CUDA error surfaces at the next sync, as torch's device asserts do."""
+    llvm.intr_trap(loc=loc, ip=ip)
+
+
+def canonical_nan() -> Float32:
+    """The spec's one fp32 NaN; GPU arithmetic alone writes 0x7FFFFFFF."""
+    return i2f(Int32(F32_CANONICAL_NAN))
+
+
+def out_bits(v: cute.TensorSSA, dtype_name: str) -> cute.TensorSSA:
+    """fp32 rounded once (RNE) to the output dtype, as integer bits with every NaN canonical.
+
+    cvt.rn.bf16x2.f32 alone would write NaN as 0x7FFF.
+    """
+    if dtype_name == "bfloat16":
+        rounded = v.to(BFloat16).bitcast(Int16)
+        nan16: cute.TensorSSA = cute.where(v != v, cute.full_like(rounded, BF16_CANONICAL_NAN), rounded)
+        return nan16
+    vb = v.bitcast(Int32)
+    nan32: cute.TensorSSA = cute.where(v != v, cute.full_like(vb, F32_CANONICAL_NAN), vb)
+    return nan32
