@@ -232,17 +232,25 @@ def bitwise(fast: Tensor, ref: Tensor, what: str = "out") -> Verdict:
     worst: dict[str, float] = {"mismatches": float(diff.sum())}
     if fast.dtype in FORMATS and fast.numel():
         worst["ulp"] = float(ulp_distance(fast, ref).max())
-    detail = f"{what}: {int(diff.sum())} of {diff.numel()} elements differ in bits{_where(diff)}"
+    gap = f" (up to {worst['ulp']:g} ULP apart)" if "ulp" in worst else ""
+    detail = f"{what}: {int(diff.sum())} of {diff.numel()} elements differ in bits{gap}{_where(diff)}"
     return Verdict(not bool(diff.any()), worst, "" if not bool(diff.any()) else detail)
 
 
 def ulp(fast: Tensor, ref64: Tensor, n: float, what: str = "out") -> Verdict:
-    """ULP distance of fast from the float64 reference rounded once to fast.dtype; pass iff <= n."""
+    """ULP distance of fast from the float64 reference rounded once to fast.dtype; pass iff <= n.
+
+    n = 0 is the bitwise contract: the bits must equal the once-rounded reference (±0 and NaN payloads count).
+    """
     bad = _shape_check(fast, ref64, what)
     if bad is not None:
         return bad
     if fast.numel() == 0:
         return Verdict(True, {"ulp": 0.0})
+    if n == 0 and ref64.dtype != fast.dtype:
+        return bitwise(fast, round_once(ref64, fast.dtype), what)
+    if n == 0:
+        return bitwise(fast, ref64, what)
     d = ulp_distance(fast, round_once(ref64, fast.dtype))
     worst = float(d.max())
     ok = worst <= n

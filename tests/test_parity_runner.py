@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from parity import inputs, registry, report, runner
-from parity.builders import square_ties
+from parity.ops.activation import square_ties
 
 BF = torch.bfloat16
 
