@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any
 
 import torch
@@ -24,8 +25,8 @@ from parity.inputs import (
     S,
     dt,
     e4m3_midpoints,
-    e4m3_values,
     pick,
+    pow2,
     randint,
     randn,
     space,
@@ -33,7 +34,6 @@ from parity.inputs import (
     uniform,
 )
 from parity.oracles import (
-    E2M1,
     F64,
     Expect,
     d,
@@ -97,6 +97,8 @@ def make_quantize_mxfp8_w128(p: Params, g: torch.Generator, adv: str | None) -> 
 
 
 def make_quantize_nvfp4(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
+    """adv=underflow: g is subnormal (amax ~ 2^-130), so fp32(s_b*g) is 0 for small s_b, and blocks 2^-24
+    below the largest get s_b = 0."""
     m, k = p["M"], p["KB"] * 16
     if adv == "ties":
         per = [m, k // 16, 16]
@@ -108,6 +110,10 @@ def make_quantize_nvfp4(p: Params, g: torch.Generator, adv: str | None) -> Input
         x = (mids * torch.pow(2.0, j)).reshape(m, k)
         x.reshape(-1)[0] = 2688.0 * 2.0 ** int(j.max())
         x = x.to(dt(p["dtype"]))
+    elif adv == "underflow":
+        blocks = randn([m, k // 16, 16], torch.float64, g) * pow2([m, k // 16, 1], -20, -13, g)
+        blocks[0, 0, 0] = 3.0
+        x = (blocks * 2.0**-132).reshape(m, k).to(dt(p["dtype"]))
     else:
         x = _quant_x([m, k], 16, p, g, adv)
     return Inputs((x,), shape={"M": m, "K": k}, dtype=p["dtype"])
@@ -219,36 +225,64 @@ def dequantize_mxfp8_weight(inp: Inputs, c: Contract) -> list[Expect | None]:
     return [spec_out(dequant_mx(codes, scales, 128, 128), torch.float32)]
 
 
-def _e2m1_codes(q: Tensor) -> Tensor:
-    """RNE e2m1 code (bit 3 = sign) of float64 values already clamped to ±6, by nearest-grid search."""
-    a = q.abs().unsqueeze(-1)
-    dist = (a - E2M1).abs()
-    best = dist.min(-1, keepdim=True).values
-    tied = dist == best
-    even = tied & (torch.arange(8) % 2 == 0)
-    idx = torch.where(tied.sum(-1) > 1, even.to(torch.int64).argmax(-1), dist.argmin(-1))
-    return (idx | (torch.signbit(q).to(torch.int64) << 3)).to(torch.uint8)
+def _fp32(v: float) -> float:
+    """One IEEE fp32 rounding of a float64 result of fp32 operands (53 >= 2*24 + 2: no double rounding)."""
+    try:
+        return float(struct.unpack("f", struct.pack("f", v))[0])
+    except OverflowError:
+        return math.copysign(math.inf, v)
+
+
+def _grid(ebits: int, mbits: int, bias: int) -> list[float]:
+    """Non-negative values of a minifloat by code (sign bit excluded), subnormals where the exponent is 0."""
+    out = []
+    for e in range(2**ebits):
+        for m in range(2**mbits):
+            out.append(m * 2.0 ** (1 - bias - mbits) if e == 0 else (1 + m / 2**mbits) * 2.0 ** (e - bias))
+    return out
+
+
+E4M3_GRID = _grid(4, 3, 7)[:0x7F]
+E2M1_GRID = _grid(2, 1, 1)
+
+
+def _nearest_even(v: float, grid: list[float]) -> int:
+    """The code of the grid value nearest v (v inside the grid's range); a tie goes to the even code."""
+    return min(range(len(grid)), key=lambda c: (abs(grid[c] - v), c % 2))
 
 
 def quantize_nvfp4(inp: Inputs, c: Contract) -> list[Expect | None]:
-    """g = amax/2688; s_b = e4m3((amax_b/6)/g); codes = e2m1(clamp(x/(s_b*g))), each op one fp32 rounding."""
+    """Block by block in Python floats from the spec text (docs/spec-corners.md): g = amax/2688 over finite
+    elements; a block holding NaN/Inf gets scale 0x7F and codes 0; s_b = e4m3(clamp((amax_b/6)/g, 0, 448)),
+    0 when g = 0; where fp32(s_b*g) is 0 the codes are +0, else e2m1(clamp(x/(s_b*g), ±6)), sign kept."""
     (x,) = inp.args
-    xd = d(x)
-    fin = torch.isfinite(xd)
-    g = f32(torch.where(fin, xd.abs(), 0.0).amax() / 2688.0) if xd.numel() else torch.zeros((), dtype=F64)
-    xb = xd.reshape(*x.shape[:-1], x.shape[-1] // 16, 16)
-    finite = torch.isfinite(xb).all(-1, keepdim=True)
-    xb = torch.where(finite, xb, 0.0)
-    amax_b = xb.abs().amax(-1, keepdim=True)
-    s_real = f32(f32(amax_b / 6.0) / g) if float(g) > 0 else torch.zeros_like(amax_b)
-    s_code = _e4m3_codes(torch.clamp(s_real, 0.0, 448.0).to(torch.float32))
-    denom = f32(e4m3_values(s_code) * g)
-    ok = finite & (denom > 0)
-    q = torch.clamp(f32(xb / torch.where(ok, denom, 1.0)), -6.0, 6.0)
-    codes = torch.where(ok, _e2m1_codes(q), torch.zeros_like(q, dtype=torch.uint8)).reshape(x.shape)
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    s_code = torch.where(finite, s_code, torch.full_like(s_code, 0x7F)).squeeze(-1)
-    return [Expect(packed, exact=True), Expect(s_code, exact=True), Expect(g.to(torch.float32), exact=True)]
+    blocks = d(x).reshape(-1, 16).tolist()
+    finite = [abs(v) for blk in blocks for v in blk if math.isfinite(v)]
+    g = _fp32(max(finite, default=0.0) / 2688.0)
+    codes: list[int] = []
+    scales: list[int] = []
+    for blk in blocks:
+        if not all(math.isfinite(v) for v in blk):
+            scales.append(0x7F)
+            codes += [0] * 16
+            continue
+        s = _fp32(_fp32(max(abs(v) for v in blk) / 6.0) / g) if g > 0 else 0.0
+        scales.append(_nearest_even(min(s, 448.0), E4M3_GRID))
+        den = _fp32(E4M3_GRID[scales[-1]] * g)
+        for v in blk:
+            q = max(-6.0, min(6.0, _fp32(v / den))) if den > 0 else 0.0
+            codes.append(
+                _nearest_even(abs(q), E2M1_GRID) | (8 if den > 0 and math.copysign(1.0, q) < 0 else 0)
+            )
+    lead = x.shape[:-1]
+    nib = torch.tensor(codes, dtype=torch.int64).reshape(*lead, x.shape[-1])
+    packed = (nib[..., 0::2] | (nib[..., 1::2] << 4)).to(torch.uint8)
+    sb = torch.tensor(scales, dtype=torch.uint8).reshape(*lead, x.shape[-1] // 16)
+    return [
+        Expect(packed, exact=True),
+        Expect(sb, exact=True),
+        Expect(torch.tensor(g, dtype=torch.float32), exact=True),
+    ]
 
 
 def dequantize_nvfp4(inp: Inputs, c: Contract) -> list[Expect | None]:
@@ -322,7 +356,7 @@ ENTRIES: list[OpEntry] = [
         contract=BITWISE,
         oracle=quantize_nvfp4,
         output_names=("packed", "block_scales", "tensor_scale"),
-        adversarial=QUANT_ADV,
+        adversarial=(*QUANT_ADV, "underflow"),
         dtypes=("fp32", "bf16"),
     ),
     OpEntry(

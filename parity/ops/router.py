@@ -208,6 +208,128 @@ def router_topk_invariants(inp: Inputs, out: Any) -> Verdict:
     return Verdict(not problems, {"violations": float(len(problems))}, "; ".join(problems[:3]))
 
 
+EXP_ULPS = 2.0
+"""The spec's fp32 exp is within 1.1 ULP of exp (docs/spec-corners.md); the oracle allows 2."""
+
+
+def _rn(x: Tensor) -> Tensor:
+    """One fp32 rounding of an exact float64 result of fp32 operands (53 >= 2*24 + 2: no double-rounding)."""
+    return x.to(torch.float32).to(F64)
+
+
+def fp32_down(x: Tensor) -> Tensor:
+    """The largest fp32 value <= x, as float64."""
+    r = x.to(torch.float32)
+    return torch.where(r.to(F64) > x, torch.nextafter(r, torch.tensor(-math.inf)), r).to(F64)
+
+
+def fp32_up(x: Tensor) -> Tensor:
+    r = x.to(torch.float32)
+    return torch.where(r.to(F64) < x, torch.nextafter(r, torch.tensor(math.inf)), r).to(F64)
+
+
+def _exp32(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
+    """Every fp32 value an exp within EXP_ULPS of the true exp can give for arguments in [lo, hi]."""
+    elo, ehi = torch.exp(lo), torch.exp(hi)
+    low = fp32_up(elo - EXP_ULPS * ulp_of(elo, torch.float32))
+    high = fp32_down(ehi + EXP_ULPS * ulp_of(ehi, torch.float32))
+    return torch.clamp(low, min=0.0), torch.where(torch.isinf(ehi), math.inf, high)
+
+
+def score_bounds(lo: Tensor, hi: Tensor, score_func: str) -> tuple[Tensor, Tensor]:
+    """fp32 scores from fp32 logits in [lo, hi], as the spec text writes them: sigmoid = 1/(1 + exp(-x));
+    softmax = exp(x - max) / (sum in ascending expert id); each step one correctly rounded fp32 op."""
+    if score_func == "sigmoid":
+        elo, ehi = _exp32(-hi, -lo)
+        return _rn(1.0 / _rn(1.0 + ehi)), _rn(1.0 / _rn(1.0 + elo))
+    mlo, mhi = lo.amax(-1, keepdim=True), hi.amax(-1, keepdim=True)
+    elo, ehi = _exp32(_rn(lo - mhi), _rn(hi - mlo))
+    slo, shi = torch.zeros_like(elo[:, 0]), torch.zeros_like(ehi[:, 0])
+    for j in range(lo.shape[1]):
+        slo, shi = _rn(slo + elo[:, j]), _rn(shi + ehi[:, j])
+    return _rn(elo / shi[:, None]), _rn(ehi / slo[:, None])
+
+
+def _before(lo: Tensor, hi: Tensor, same: Tensor) -> Tensor:
+    """[N, N]: i surely ranks before j: its lowest value beats j's highest, or the two values are equal
+    (both exact and equal, or computed from the same inputs) and i has the lower id."""
+    n = lo.shape[0]
+    lower_id = torch.arange(n)[:, None] < torch.arange(n)[None, :]
+    point = lo == hi
+    equal = (point[:, None] & point[None, :] & (lo[:, None] == lo[None, :])) | same
+    return (lo[:, None] > hi[None, :]) | (equal & lower_id)
+
+
+def _ranked(lo: Tensor, hi: Tensor, same: Tensor, allowed: Tensor, n: int) -> Tensor | None:
+    """The first n of the allowed candidates by descending value (ties: lower id), or None where fp32
+    rounding could order them differently."""
+    mid = torch.where(allowed, (lo + hi) / 2, -math.inf)
+    order = sorted(range(lo.numel()), key=lambda i: (-float(mid[i]), i))
+    order = [i for i in order if bool(allowed[i])]
+    before = _before(lo, hi, same)
+    idx = torch.tensor(order, dtype=torch.int64)
+    for p in range(min(n, len(order))):
+        if not bool(before[idx[p], idx[p + 1 :]].all()):
+            return None
+    return idx[:n]
+
+
+def _top_groups(
+    blo: Tensor, bhi: Tensor, same: Tensor, inputs: tuple[Tensor, Tensor] | None, ng: int, tg: int
+) -> Tensor | None:
+    """The tg groups with the largest fp32(top1 + top2) of their biased scores (ties: lower group id);
+    two groups whose decided top-2 come from the same (logit, bias) pairs score the same."""
+    size = blo.numel() // ng
+    top_lo = blo.view(ng, size).sort(-1, descending=True).values
+    top_hi = bhi.view(ng, size).sort(-1, descending=True).values
+    glo, ghi = _rn(top_lo[:, 0] + top_lo[:, 1]), _rn(top_hi[:, 0] + top_hi[:, 1])
+    keys: list[tuple[tuple[float, float], ...] | None] = []
+    for gi in range(ng):
+        sl = slice(gi * size, (gi + 1) * size)
+        top = _ranked(blo[sl], bhi[sl], same[sl, sl], torch.ones(size, dtype=torch.bool), 2)
+        if top is None or inputs is None:
+            keys.append(None)
+            continue
+        keys.append(tuple(sorted((float(inputs[0][sl][j]), float(inputs[1][sl][j])) for j in top)))
+    gsame = torch.tensor([[a is not None and a == bb for bb in keys] for a in keys])
+    return _ranked(glo, ghi, gsame, torch.ones(ng, dtype=torch.bool), tg)
+
+
+def route_ids(
+    lo: Tensor, hi: Tensor, bias: Tensor, k: int, score_func: str, ng: int, tg: int, exact: bool
+) -> Tensor | None:
+    """ids [T, k] by the spec's rule (top-k of fp32 scores + bias, ties to the lower id, groups ranked by
+    the sum of their top-2 biased scores), decided on fp32 bounds of every score; None if any token's
+    choice depends on rounding the spec leaves open. exact: lo == hi are the op's own fp32 logits."""
+    slo, shi = score_bounds(lo, hi, score_func)
+    b = d(bias)
+    blo, bhi = _rn(slo + b), _rn(shi + b)
+    t, e = lo.shape
+    rows = []
+    for i in range(t):
+        same = (lo[i][:, None] == lo[i][None, :]) & (b[:, None] == b[None, :]) & exact
+        allowed = torch.ones(e, dtype=torch.bool)
+        if ng > 1:
+            groups = _top_groups(blo[i], bhi[i], same, (lo[i], b) if exact else None, ng, tg)
+            if groups is None:
+                return None
+            allowed = torch.zeros(ng, dtype=torch.bool).index_fill(0, groups, True).repeat_interleave(e // ng)
+        ids = _ranked(blo[i], bhi[i], same, allowed, k)
+        if ids is None:
+            return None
+        rows.append(ids)
+    return torch.stack(rows) if rows else torch.zeros(0, k, dtype=torch.int64)
+
+
+def router_topk(inp: Inputs, c: Contract) -> list[Expect | None]:
+    """ids from route_ids on the exact fp32 logits; weights (fp32 roundings of a normalisation) are left to
+    router_topk_invariants, which checks them against float64 scores."""
+    logits, bias, k, score_func, ng, tg = inp.args
+    lg = d(logits)
+    ids = route_ids(lg, lg, bias, k, score_func, ng, tg, exact=True)
+    return [None, None if ids is None else Expect(ids, exact=True)]
+
+
 ENTRIES: list[OpEntry] = [
     OpEntry(
         name="router_logits",
@@ -228,14 +350,14 @@ ENTRIES: list[OpEntry] = [
         space=space_router_topk,
         make=make_router_topk,
         contract=BITWISE,
-        oracle=None,
+        oracle=router_topk,
         output_names=("weights", "ids"),
         invariants=(router_topk_invariants,),
         adversarial=("ties", "inf", "max", "zipf", "single_token", "k1"),
         dtypes=("fp32",),
-        note="no closed-form oracle: invariants (top-k set, order, tie-break, normalised weights); "
-        "NaN logits trap the kernel (a dead CUDA context): that case is a subprocess test in "
-        "tests/test_fast_router.py",
+        note="ids: an oracle deciding on fp32 bounds of every score; weights: invariants (normalised "
+        "float64 scores); NaN logits trap the kernel (a dead CUDA context): that case is a subprocess "
+        "test in tests/test_fast_router.py",
     ),
     OpEntry(
         name="bias_update",
