@@ -88,12 +88,13 @@ def space_swiglu(big: bool) -> st.SearchStrategy[dict[str, Any]]:
 
 
 def _swiglu_h(p: Params, g: torch.Generator, adv: str | None) -> Tensor:
-    """h = [gate, up] interleaved; adv=underflow puts gates below -87.3 (sigmoid subnormal or 0 in fp32)
-    next to ups near the bf16 max, so fp32's absolute floor shows in the output."""
+    """h = [gate, up] interleaved; adv=underflow puts gates in [-110, -87.5] (sigmoid subnormal or 0 in
+    fp32) next to ups up to 2^128, so fp32's absolute floor shows in the output."""
     dtype, t, i = dt(p["dtype"]), p["T"], p["I"]
     h = adversarial_fill(randn([t, 2 * i], dtype, g, 2.0 * p.get("scale", 1.0)), adv, g)
     if adv == "underflow":
-        gate = -uniform([t, i], g, 80.0, 120.0)
+        gate = -uniform([t, i], g, 87.5, 110.0)
+        gate.reshape(-1)[0] = -95.0
         sign = torch.where(torch.rand(t, i, generator=g, dtype=torch.float64) < 0.5, -1.0, 1.0)
         up = sign * pow2([t, i], 90, 127, g) * uniform([t, i], g, 1.0, 1.9)
         h = torch.stack((gate, up), dim=-1).flatten(-2).to(dtype)

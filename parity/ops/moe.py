@@ -64,6 +64,7 @@ def space_moe(big: bool) -> st.SearchStrategy[dict[str, Any]]:
 
 
 def make_moe_layer(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
+    """adv=ties: bias 0 and every other token 0, so its logits are exactly 0 and every expert ties."""
     from nmoe.config import ModelConfig
     from nmoe.reference.moe import MoEParams
 
@@ -89,6 +90,8 @@ def make_moe_layer(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
     bias = randn([e], torch.float32, g, 0.05)
     if adv == "zipf":
         bias = -torch.log1p(torch.randperm(e, generator=g).to(torch.float32))
+    elif adv == "ties":
+        bias = torch.zeros_like(bias)
     params = MoEParams(
         router_w=randn([e, dd], bf, g, dd**-0.5),
         router_bias=bias,
@@ -102,6 +105,8 @@ def make_moe_layer(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
     x = randn([t, dd], bf, g)
     if adv == "zero":
         x = torch.zeros_like(x)
+    elif adv == "ties":
+        x[::2] = 0.0
     shape = {"T": t, "D": dd, "E": e, "k": k, "I": i, "shared": s}
     return Inputs((x, params, cfg), shape=shape, dtype="bf16", meta={"activation": act})
 
@@ -143,9 +148,7 @@ def moe_layer(inp: Inputs, c: Contract) -> list[Expect | None]:
     rad = (x.shape[1] + 2) * U_FP32 * (xd.abs() @ wr.abs().T)
     k, e = cfg.n_activated_experts, cfg.n_routed_experts
     lo, hi = fp32_down(logits - rad), fp32_up(logits + rad)
-    ids = route_ids(
-        lo, hi, p.router_bias, k, cfg.score_func, cfg.n_expert_groups, cfg.n_limited_groups, False
-    )
+    ids = route_ids(lo, hi, p.router_bias, k, cfg.score_func, cfg.n_expert_groups, cfg.n_limited_groups)
     if ids is None:
         return [None, None, None, None]
     scores = sigmoid64(logits) if cfg.score_func == "sigmoid" else torch.softmax(logits, dim=-1)
@@ -168,7 +171,7 @@ ENTRIES: list[OpEntry] = [
         oracle=moe_layer,
         output_names=("out", "weights", "ids", "counts"),
         output_contracts={1: BITWISE},
-        adversarial=("zero", "single_token", "k1", "zipf"),
+        adversarial=("zero", "ties", "single_token", "k1", "zipf"),
         note="bf16 experts; routing bitwise, output ratio(2) against a bf16 torch composition",
     ),
 ]

@@ -31,6 +31,7 @@ from parity.inputs import (
     route,
     space,
     sprinkle,
+    uniform,
     with_adv,
 )
 from parity.oracles import (
@@ -71,6 +72,8 @@ def space_router_topk(big: bool) -> st.SearchStrategy[dict[str, Any]]:
 
 
 def make_router_topk(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
+    """Real ties, bias 0: adv=ties takes integer logits, for sigmoid mixed with logits in [17, 40] whose fp32
+    sigmoids all round to 1.0 (ties only after rounding); inf/max sprinkle saturated logits."""
     q = with_adv(
         p,
         adv,
@@ -88,10 +91,14 @@ def make_router_topk(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
     if adv == "ties":
         logits = torch.round(logits)
         bias = torch.zeros_like(bias)
+        if q["score_func"] == "sigmoid":
+            saturated = uniform([t, e], g, 17.0, 40.0).to(torch.float32)
+            logits = torch.where(uniform([t, e], g) < 0.25, saturated, logits)
     elif adv == "zipf":
         bias = -torch.log1p(torch.randperm(e, generator=g).to(torch.float32))
     elif adv in ("nan", "inf", "max"):
-        logits = sprinkle(logits, adv, g, 0.05)
+        logits = sprinkle(logits, adv, g, 0.25)
+        bias = torch.zeros_like(bias)
     shape = {"T": t, "E": e, "k": k, "n_groups": ng, "topk_groups": tg}
     return Inputs(
         (logits, bias, k, q["score_func"], ng, tg),
@@ -275,7 +282,7 @@ def _ranked(lo: Tensor, hi: Tensor, same: Tensor, allowed: Tensor, n: int) -> Te
 
 
 def _top_groups(
-    blo: Tensor, bhi: Tensor, same: Tensor, inputs: tuple[Tensor, Tensor] | None, ng: int, tg: int
+    blo: Tensor, bhi: Tensor, same: Tensor, inputs: tuple[Tensor, Tensor], ng: int, tg: int
 ) -> Tensor | None:
     """The tg groups with the largest fp32(top1 + top2) of their biased scores (ties: lower group id);
     two groups whose decided top-2 come from the same (logit, bias) pairs score the same."""
@@ -287,7 +294,7 @@ def _top_groups(
     for gi in range(ng):
         sl = slice(gi * size, (gi + 1) * size)
         top = _ranked(blo[sl], bhi[sl], same[sl, sl], torch.ones(size, dtype=torch.bool), 2)
-        if top is None or inputs is None:
+        if top is None or not bool(same[sl, sl][top, top].all()):
             keys.append(None)
             continue
         keys.append(tuple(sorted((float(inputs[0][sl][j]), float(inputs[1][sl][j])) for j in top)))
@@ -296,21 +303,24 @@ def _top_groups(
 
 
 def route_ids(
-    lo: Tensor, hi: Tensor, bias: Tensor, k: int, score_func: str, ng: int, tg: int, exact: bool
+    lo: Tensor, hi: Tensor, bias: Tensor, k: int, score_func: str, ng: int, tg: int
 ) -> Tensor | None:
     """ids [T, k] by the spec's rule (top-k of fp32 scores + bias, ties to the lower id, groups ranked by
     the sum of their top-2 biased scores), decided on fp32 bounds of every score; None if any token's
-    choice depends on rounding the spec leaves open. exact: lo == hi are the op's own fp32 logits."""
+    choice depends on rounding the spec leaves open. Equal logits known exactly (lo == hi) score equally."""
     slo, shi = score_bounds(lo, hi, score_func)
     b = d(bias)
     blo, bhi = _rn(slo + b), _rn(shi + b)
     t, e = lo.shape
     rows = []
     for i in range(t):
-        same = (lo[i][:, None] == lo[i][None, :]) & (b[:, None] == b[None, :]) & exact
+        known = lo[i] == hi[i]
+        same = (
+            known[:, None] & known[None, :] & (lo[i][:, None] == lo[i][None, :]) & (b[:, None] == b[None, :])
+        )
         allowed = torch.ones(e, dtype=torch.bool)
         if ng > 1:
-            groups = _top_groups(blo[i], bhi[i], same, (lo[i], b) if exact else None, ng, tg)
+            groups = _top_groups(blo[i], bhi[i], same, (lo[i], b), ng, tg)
             if groups is None:
                 return None
             allowed = torch.zeros(ng, dtype=torch.bool).index_fill(0, groups, True).repeat_interleave(e // ng)
@@ -326,7 +336,7 @@ def router_topk(inp: Inputs, c: Contract) -> list[Expect | None]:
     router_topk_invariants, which checks them against float64 scores."""
     logits, bias, k, score_func, ng, tg = inp.args
     lg = d(logits)
-    ids = route_ids(lg, lg, bias, k, score_func, ng, tg, exact=True)
+    ids = route_ids(lg, lg, bias, k, score_func, ng, tg)
     return [None, None if ids is None else Expect(ids, exact=True)]
 
 
