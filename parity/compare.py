@@ -148,7 +148,8 @@ def _lead_exponent(a: Tensor, emin: int) -> Tensor:
 def round_once(x: Tensor, dtype: torch.dtype) -> Tensor:
     """Round float64 x to `dtype` exactly once (RNE); torch's own casts may round twice via fp32.
 
-    Overflow gives ±Inf for IEEE formats and NaN for e4m3fn (it has no Inf), as a plain cast would.
+    Overflow gives ±Inf for IEEE formats and NaN for e4m3fn (it has no Inf), as a plain cast would. A NaN
+    becomes the quiet NaN of x's sign, written as bits: torch's vectorised casts vary NaN bits.
     """
     f = fmt(dtype)
     x = x.to(torch.float64)
@@ -162,7 +163,14 @@ def round_once(x: Tensor, dtype: torch.dtype) -> Tensor:
     r = torch.where(over & torch.isfinite(r), torch.full_like(r, math.inf if f.has_inf else math.nan), r)
     if not f.has_inf:
         r = torch.where(torch.isinf(r), torch.full_like(r, math.nan), r)
-    return torch.copysign(r, x).to(dtype)
+    out = torch.copysign(r, x).to(dtype)
+    nan = torch.isnan(x)
+    if not bool(nan.any()):
+        return out
+    quiet = 0x7F if not f.has_inf else ((1 << (f.bits - 1)) - 1) ^ ((1 << (f.p - 2)) - 1)
+    bits = torch.where(torch.signbit(x), quiet | (1 << (f.bits - 1)), quiet)
+    bits = torch.where(bits >= 1 << (f.bits - 1), bits - (1 << f.bits), bits).to(_INT_VIEW[f.bits])
+    return torch.where(nan, bits.view(dtype), out)
 
 
 def ulp_of(x: Tensor, dtype: torch.dtype) -> Tensor:

@@ -9,7 +9,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from parity.compare import Contract, bound_contract, ratio_contract, ulp_contract
+from parity.compare import Contract, bound_contract, ratio_contract
 from parity.inputs import Inputs, Params, Space
 from parity.oracles import Invariant, Oracle
 
@@ -67,7 +67,6 @@ class OpEntry:
 
 FP32_NOTE = "bf16/fp32 operands, fp32 accumulator: u_acc = 2^-24 (products of bf16 are exact in fp32)"
 GEMM = bound_contract(1, 2, note=FP32_NOTE)
-ULP1 = ulp_contract(1, note="fp32 internal math, one rounding to bf16: fp32 error << 1 bf16 ULP")
 RATIO2_BF16 = ratio_contract(
     2,
     floor=2.0**-8,

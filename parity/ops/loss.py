@@ -34,7 +34,7 @@ from parity.oracles import (
     d,
 )
 
-CE = bound_contract(1, 2, note="fp32 GEMM (u = 2^-24, K = D) propagated through logsumexp; see oracles")
+CE = bound_contract(1, 2, note="fp32 GEMM (u = 2^-24, K = D) through logsumexp; see cross_entropy")
 
 
 def space_ce(big: bool) -> st.SearchStrategy[dict[str, Any]]:

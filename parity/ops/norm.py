@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 
 from parity.compare import (
     Contract,
+    ulp_contract,
 )
 from parity.entry import (
     CANCEL,
-    ULP1,
     OpEntry,
 )
 from parity.inputs import (
@@ -31,6 +31,8 @@ from parity.oracles import (
     Expect,
     d,
 )
+
+ULP1 = ulp_contract(1, note="fp32 internal math, one rounding to bf16: fp32 error << 1 bf16 ULP")
 
 
 def space_norm(big: bool) -> st.SearchStrategy[dict[str, Any]]:
