@@ -277,3 +277,11 @@ def test_swiglu_bwd_overflow_of_dy_u_is_outside_the_contract() -> None:
         assert np.isinf(np.float32(4.0) * np.float32(2.0**127))
     dg = swiglu_bwd(dy, h).float()[0, 0].item()
     assert np.isinf(dg) and dg > 0
+
+
+def test_sep_swiglu_sigmoid_flushes() -> None:
+    g = torch.tensor([-95.0])
+    assert torch.sigmoid(g).item() == 0.0 and np.float32(np.exp(np.float64(-95.0))) > 0
+    h = torch.tensor([[-95.0, 2.0**100]], dtype=torch.bfloat16)
+    v64 = -95.0 * np.exp(-95.0) * 2.0**100
+    assert abs(swiglu(h).double().item() - v64) <= abs(v64) * 2.0**-7

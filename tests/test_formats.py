@@ -633,3 +633,18 @@ def test_round_to_pins_canonical_nan_and_refuses_unknown_dtypes() -> None:
     assert F.round_to(x.double(), torch.float64).dtype == torch.float64
     with pytest.raises(ValueError, match="not in the spec"):
         F.round_to(x, torch.float16)
+
+
+def test_sep_e4m3_nan_sign_dropped() -> None:
+    x = np.array([-np.nan, np.nan], F32)
+    keeps = x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    assert keeps.tolist() == [0xFF, 0x7F] and keeps[0] != 0x7F  # separating: the sign bit is the defect
+    assert F.e4m3_encode(t32(x)).numpy().tolist() == [0xFF, 0x7F]
+
+
+def test_sep_nvfp4_amax_includes_nonfinite() -> None:
+    x = np.zeros((1, 32), F32)
+    x[0, 0], x[0, 16] = 2688.0, np.inf
+    finite_only, with_inf = 2688.0 / 2688.0, np.inf / 2688.0
+    assert finite_only != with_inf
+    assert F.quantize_nvfp4(t32(x))[2].item() == finite_only
