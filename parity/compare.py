@@ -148,7 +148,8 @@ def _lead_exponent(a: Tensor, emin: int) -> Tensor:
 def round_once(x: Tensor, dtype: torch.dtype) -> Tensor:
     """Round float64 x to `dtype` exactly once (RNE); torch's own casts may round twice via fp32.
 
-    Overflow gives ±Inf for IEEE formats and NaN for e4m3fn (it has no Inf), as a plain cast would.
+    Overflow gives ±Inf for IEEE formats and NaN for e4m3fn (it has no Inf), as a plain cast would. A NaN
+    becomes the quiet NaN of x's sign, written as bits: torch's vectorised casts vary NaN bits.
     """
     f = fmt(dtype)
     x = x.to(torch.float64)
@@ -162,7 +163,14 @@ def round_once(x: Tensor, dtype: torch.dtype) -> Tensor:
     r = torch.where(over & torch.isfinite(r), torch.full_like(r, math.inf if f.has_inf else math.nan), r)
     if not f.has_inf:
         r = torch.where(torch.isinf(r), torch.full_like(r, math.nan), r)
-    return torch.copysign(r, x).to(dtype)
+    out = torch.copysign(r, x).to(dtype)
+    nan = torch.isnan(x)
+    if not bool(nan.any()):
+        return out
+    quiet = 0x7F if not f.has_inf else ((1 << (f.bits - 1)) - 1) ^ ((1 << (f.p - 2)) - 1)
+    bits = torch.where(torch.signbit(x), quiet | (1 << (f.bits - 1)), quiet)
+    bits = torch.where(bits >= 1 << (f.bits - 1), bits - (1 << f.bits), bits).to(_INT_VIEW[f.bits])
+    return torch.where(nan, bits.view(dtype), out)
 
 
 def ulp_of(x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -232,17 +240,25 @@ def bitwise(fast: Tensor, ref: Tensor, what: str = "out") -> Verdict:
     worst: dict[str, float] = {"mismatches": float(diff.sum())}
     if fast.dtype in FORMATS and fast.numel():
         worst["ulp"] = float(ulp_distance(fast, ref).max())
-    detail = f"{what}: {int(diff.sum())} of {diff.numel()} elements differ in bits{_where(diff)}"
+    gap = f" (up to {worst['ulp']:g} ULP apart)" if "ulp" in worst else ""
+    detail = f"{what}: {int(diff.sum())} of {diff.numel()} elements differ in bits{gap}{_where(diff)}"
     return Verdict(not bool(diff.any()), worst, "" if not bool(diff.any()) else detail)
 
 
 def ulp(fast: Tensor, ref64: Tensor, n: float, what: str = "out") -> Verdict:
-    """ULP distance of fast from the float64 reference rounded once to fast.dtype; pass iff <= n."""
+    """ULP distance of fast from the float64 reference rounded once to fast.dtype; pass iff <= n.
+
+    n = 0 is the bitwise contract: the bits must equal the once-rounded reference (±0 and NaN payloads count).
+    """
     bad = _shape_check(fast, ref64, what)
     if bad is not None:
         return bad
     if fast.numel() == 0:
         return Verdict(True, {"ulp": 0.0})
+    if n == 0 and ref64.dtype != fast.dtype:
+        return bitwise(fast, round_once(ref64, fast.dtype), what)
+    if n == 0:
+        return bitwise(fast, ref64, what)
     d = ulp_distance(fast, round_once(ref64, fast.dtype))
     worst = float(d.max())
     ok = worst <= n

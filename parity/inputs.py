@@ -26,23 +26,6 @@ DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "fp64": torch.float64,
 }
-ADVERSARIAL = (
-    "nan",
-    "inf",
-    "denormal",
-    "max",
-    "ties",
-    "zero",
-    "empty_expert",
-    "single_token",
-    "k1",
-    "zipf",
-    "overflow",
-)
-"""Adversarial kinds: NaN, ±Inf, denormals, ±max, exact rounding ties, all-zero blocks, empty expert
-groups, a single token, K=1, Zipf-skewed routing, capacity overflow (must raise)."""
-
-
 @dataclass(frozen=True)
 class Inputs:
     """Concrete arguments of one case; `raises` marks inputs on which the spec requires an error."""
@@ -92,6 +75,15 @@ def dt(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+S = st.sampled_from
+I = st.integers
+
+
+def by_size(big: bool, small: list[Any], large: list[Any]) -> st.SearchStrategy[Any]:
+    """Sizes for a GPU (big) or a CPU space."""
+    return S(large if big else small)
+
+
 def space(**fields: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]]:
     """A params strategy; every space also draws the tensor seed."""
     return st.fixed_dictionaries({**fields, "seed": st.integers(0, 2**31 - 1)})
@@ -133,11 +125,29 @@ def subnormals(n: int, dtype: torch.dtype, g: torch.Generator) -> Tensor:
     return torch.where(neg, -mag, mag)
 
 
+def quiet_nans(n: int, dtype: torch.dtype, g: torch.Generator) -> Tensor:
+    """n quiet NaNs of `dtype` with random signs, from bits: casts to bf16 drop a NaN's sign."""
+    ity, mbits, bits = _bits_view(dtype)
+    quiet = ((1 << (bits - 1 - mbits)) - 1) << mbits | (1 << (mbits - 1))
+    neg = torch.randint(0, 2, (n,), generator=g, dtype=torch.int64) << (bits - 1)
+    raw = quiet | neg
+    return torch.where(raw >= 2 ** (bits - 1), raw - 2**bits, raw).to(ity).view(dtype)
+
+
+def nan_payloads(n: int, dtype: torch.dtype, g: torch.Generator) -> Tensor:
+    """NaNs with random signs and payloads: a copy must carry every bit."""
+    ity, mbits, bits = _bits_view(dtype)
+    exp = ((1 << (bits - 1 - mbits)) - 1) << mbits
+    raw = exp | torch.randint(1, 2**mbits, (n,), generator=g, dtype=torch.int64)
+    raw = raw | (torch.randint(0, 2, (n,), generator=g, dtype=torch.int64) << (bits - 1))
+    return torch.where(raw >= 2 ** (bits - 1), raw - 2**bits, raw).to(ity).view(dtype)
+
+
 def specials(kind: str, n: int, dtype: torch.dtype, g: torch.Generator) -> Tensor:
     """n values of one adversarial kind in `dtype`: nan, inf (±), max (±finite max), denormal."""
     sign = torch.where(torch.randint(0, 2, (n,), generator=g).bool(), -1.0, 1.0).to(torch.float64)
     if kind == "nan":
-        return torch.full((n,), math.nan, dtype=dtype)
+        return quiet_nans(n, dtype, g)
     if kind == "inf":
         return (sign * math.inf).to(dtype)
     if kind == "max":
@@ -169,6 +179,26 @@ def adversarial_fill(x: Tensor, adv: str | None, g: torch.Generator) -> Tensor:
             z.reshape(-1)[::2] = -0.0
         return z
     return x
+
+
+def one_per_row(x: Tensor, kind: str, g: torch.Generator) -> Tensor:
+    """One special value per row (reductions: no two overflows that could cancel inside a row)."""
+    out = x.clone()
+    if out.numel() == 0:
+        return out
+    rows = out.reshape(-1, out.shape[-1])
+    col = torch.randint(0, rows.shape[1], (rows.shape[0],), generator=g)
+    sign = torch.where(torch.randint(0, 2, (rows.shape[0],), generator=g).bool(), -1.0, 1.0)
+    val = {"max": float(torch.finfo(x.dtype).max), "inf": math.inf}[kind]
+    rows[torch.arange(rows.shape[0]), col] = (sign * val).to(x.dtype)
+    return rows.reshape(x.shape)
+
+
+def reduce_fill(x: Tensor, adv: str | None, g: torch.Generator) -> Tensor:
+    """Adversarial fill for operands of reductions: specials at most once per row for max."""
+    if adv == "max":
+        return one_per_row(x, "max", g)
+    return adversarial_fill(x, adv, g)
 
 
 def tie_candidates(dtype: torch.dtype) -> Tensor:
@@ -253,8 +283,13 @@ def group_counts(m: int, e: int, g: torch.Generator, skew: str = "uniform", alig
     return torch.bincount(pick_, minlength=e) * align
 
 
-def scale_of(p: Params) -> float:
-    return float(p.get("scale", 1.0))
+def routing_params(p: Params, adv: str | None) -> dict[str, Any]:
+    single = {"T": 1} if adv == "single_token" else {}
+    return with_adv(p, adv, **single, **({"K": 1} if adv == "k1" else {}))
+
+
+def skew_of(adv: str | None) -> str:
+    return {"empty_expert": "empty", "zipf": "zipf"}.get(adv or "", "uniform")
 
 
 def with_adv(p: Params, adv: str | None, **changes: Any) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Parity reports: DESIGN.md's JSON schema, a validator for it, and the DuckDB history tables.
+"""Parity reports: docs/design.md's JSON schema, a validator for it, and the DuckDB history tables.
 Non-finite worst values go to JSON as the strings "inf"/"-inf"/"nan" (strict JSON has no Infinity);
 DuckDB keeps them as DOUBLE."""
 
@@ -76,7 +76,7 @@ def build(
 
 
 def validate(report: Mapping[str, Any]) -> list[str]:
-    """Problems with `report` against DESIGN.md's parity schema (empty list: valid)."""
+    """Problems with `report` against docs/design.md's parity schema (empty list: valid)."""
     errs: list[str] = []
     for key in ("provenance", "summary", "cases", "compile"):
         if key not in report:

@@ -252,3 +252,36 @@ def test_sep_swiglu_concat_layout() -> None:
     mutant = g / (1 + torch.exp(-g)) * u
     assert not torch.allclose(correct, mutant)
     assert torch.allclose(swiglu(h.float()).double(), correct, rtol=1e-6, atol=0)
+
+
+def test_swiglu_fp32_underflow_corner() -> None:
+    """docs/spec-corners.md: the ulp(1) contract widens by fp32's absolute floor where sigmoid(g) leaves
+    fp32's normal range. exp(-104) is below half the smallest fp32 subnormal, so there silu(g)*u is ±0;
+    at g = -95 the spec keeps the subnormal sigmoid, within that floor of the float64 value."""
+    assert np.float32(np.exp(np.float64(-104.5))) == 0.0
+    u = 2.0**100
+    h = torch.tensor([[-104.5, u, -95.0, u]], dtype=torch.bfloat16)
+    out = swiglu(h).double().numpy()[0]
+    assert out[0] == 0.0
+    v64 = -95.0 * np.exp(-95.0) / (1 + np.exp(-95.0)) * u
+    floor = u * (95.0 + 2) * 2.0**-148
+    assert v64 != 0 and abs(out[1] - v64) <= abs(v64) * 2.0**-8 + floor
+
+
+def test_swiglu_bwd_overflow_of_dy_u_is_outside_the_contract() -> None:
+    """dy*u past fp32's range is Inf in the spec's fp32 formula while float64 stays finite, so the domain
+    of the contract excludes it (docs/spec-corners.md); the spec's own value there is that Inf."""
+    dy = torch.tensor([[4.0]], dtype=torch.bfloat16)
+    h = torch.tensor([[0.5, 2.0**127]], dtype=torch.bfloat16)
+    with np.errstate(over="ignore"):
+        assert np.isinf(np.float32(4.0) * np.float32(2.0**127))
+    dg = swiglu_bwd(dy, h).float()[0, 0].item()
+    assert np.isinf(dg) and dg > 0
+
+
+def test_sep_swiglu_sigmoid_flushes() -> None:
+    g = torch.tensor([-95.0])
+    assert torch.sigmoid(g).item() == 0.0 and np.float32(np.exp(np.float64(-95.0))) > 0
+    h = torch.tensor([[-95.0, 2.0**100]], dtype=torch.bfloat16)
+    v64 = -95.0 * np.exp(-95.0) * 2.0**100
+    assert abs(swiglu(h).double().item() - v64) <= abs(v64) * 2.0**-7

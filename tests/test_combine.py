@@ -193,3 +193,15 @@ def test_sep_combine_slot_order_reversed() -> None:
     assert np.array_equal(oracle_fp32(y, w, 1.0, None), correct)
     assert not np.array_equal(correct, mutant)
     assert np.array_equal(bits(combine(y, w, 1.0)), correct.view(np.uint32))
+
+
+def test_routed_scale_is_rounded_to_fp32_before_use() -> None:
+    """docs/spec-corners.md: moonlet's 2.446 is not an fp32 value; the spec multiplies by fp32(2.446)."""
+    s = 2.446
+    assert float(F32(s)) != s
+    y = torch.tensor([[[1.0 + 2.0**-20]]], dtype=torch.float32)
+    w = torch.ones(1, 1)
+    want = F32(F32(1.0 + 2.0**-20) * F32(s))
+    exact_scale = F32(np.float64(F32(1.0 + 2.0**-20)) * s)
+    assert want != exact_scale  # separating: the scale's own rounding shows in the output
+    assert bits(combine(y, w, s)).tolist() == [[int(np.array(want, F32).view(np.uint32))]]

@@ -23,9 +23,9 @@ from nmoe.fast import gemm, runtime
 from nmoe.fast.activation import relu2, swiglu
 from nmoe.fast.arch import ArchError
 from nmoe.fast.gemm import KERNELS, grouped_gemm, grouped_gemm_act, grouped_gemm_dgrad, grouped_gemm_wgrad
-from parity import oracles
 from parity.compare import interval
 from parity.inputs import Inputs
+from parity.ops import gemm as oracles
 from parity.registry import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -438,6 +438,28 @@ def test_nvfp4_all_zero_and_nonfinite() -> None:
     assert F.quantize_nvfp4(torch.zeros(0, 16))[2].item() == 0
 
 
+def test_nvfp4_tensor_max_over_finite_values_only() -> None:
+    """docs/spec-corners.md: g = 2688/2688 = 1 from the finite maximum; the Inf block is flagged, the
+    others keep their scales (an Inf maximum would make g = Inf and every code 0)."""
+    x = np.zeros((1, 32), F32)
+    x[0, 0], x[0, 16], x[0, 17] = 2688.0, np.inf, 1.0
+    packed, bs, g = check_nvfp4(x)
+    assert g.item() == 1.0 and bs[0, 1] == 0x7F and bs[0, 0] == 0x7E
+    assert (F.unpack_e2m1(packed)[0, 16:] == 0).all()
+
+
+def test_nvfp4_subnormal_tensor_scale_and_zero_block_scale() -> None:
+    """A tensor near fp32's subnormal floor: g is subnormal, a block 2^-20 below the maximum gets s_b = 0
+    (its codes +0: the spec never divides by s_b*g = 0), the largest block keeps codes."""
+    x = np.zeros((1, 32), F32)
+    x[0, :16] = F32(2.0**-131)
+    x[0, 16:] = F32(-(2.0**-148))
+    packed, bs, g = check_nvfp4(x)
+    assert 0 < g.item() < 2.0**-126
+    assert bs[0, 1] == 0 and (F.unpack_e2m1(packed)[0, 16:] == 0).all()
+    assert (F.unpack_e2m1(packed)[0, :16] == 7).all()
+
+
 def test_nvfp4_errors() -> None:
     with pytest.raises(ValueError, match="multiple of the block 16"):
         F.quantize_nvfp4(torch.zeros(2, 24))
@@ -611,3 +633,18 @@ def test_round_to_pins_canonical_nan_and_refuses_unknown_dtypes() -> None:
     assert F.round_to(x.double(), torch.float64).dtype == torch.float64
     with pytest.raises(ValueError, match="not in the spec"):
         F.round_to(x, torch.float16)
+
+
+def test_sep_e4m3_nan_sign_dropped() -> None:
+    x = np.array([-np.nan, np.nan], F32)
+    keeps = x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    assert keeps.tolist() == [0xFF, 0x7F] and keeps[0] != 0x7F  # separating: the sign bit is the defect
+    assert F.e4m3_encode(t32(x)).numpy().tolist() == [0xFF, 0x7F]
+
+
+def test_sep_nvfp4_amax_includes_nonfinite() -> None:
+    x = np.zeros((1, 32), F32)
+    x[0, 0], x[0, 16] = 2688.0, np.inf
+    finite_only, with_inf = 2688.0 / 2688.0, np.inf / 2688.0
+    assert finite_only != with_inf
+    assert F.quantize_nvfp4(t32(x))[2].item() == finite_only

@@ -269,3 +269,25 @@ def test_bound_nonfinite_must_match_and_merge() -> None:
     assert not c.bound(bad, ref, 0.0, 1).passed
     m = c.merge([c.Verdict(True, {"ulp": 1.0}), c.Verdict(False, {"ulp": 3.0}, "x")])
     assert not m.passed and m.worst == {"ulp": 3.0} and m.detail == "x"
+
+
+def test_ulp_zero_is_bitwise_against_the_once_rounded_reference() -> None:
+    """The reference-vs-oracle bitwise check: ulp(n=0) sees -0 vs +0 and NaN payloads; n >= 1 does not."""
+    ref64 = torch.tensor([0.0, math.nan, 1.5], dtype=torch.float64)
+    right = torch.tensor([0x0000, 0x7FC0, 0x3FC0], dtype=torch.int32).to(torch.int16).view(BF)
+    assert c.ulp(right, ref64, 0).passed
+    for bits in ([0x8000, 0x7FC0, 0x3FC0], [0x0000, 0xFFC1 - 2**16, 0x3FC0]):
+        wrong = torch.tensor(bits, dtype=torch.int32).to(torch.int16).view(BF)
+        assert c.ulp(wrong, ref64, 1).passed
+        v = c.ulp(wrong, ref64, 0)
+        assert not v.passed and "differ in bits" in v.detail
+
+
+def test_adversarial_nans_carry_both_signs() -> None:
+    from parity.inputs import generator, quiet_nans
+
+    for dtype, ity, sign in ((BF, torch.int16, 15), (torch.float32, torch.int32, 31)):
+        x = quiet_nans(64, dtype, generator(0))
+        assert torch.isnan(x).all()
+        signs = {int(b) >> sign & 1 for b in x.view(ity).tolist()}
+        assert signs == {0, 1}

@@ -19,8 +19,8 @@ from torch import Tensor
 from nmoe.fast import compilecheck
 from nmoe.fast.compilecheck import Inventory, Selection
 from parity import cli, compiles, inputs, registry, report
-from parity.builders import square_ties
 from parity.cases import build, make_cases
+from parity.ops.activation import square_ties
 
 ROOT = Path(__file__).resolve().parents[1]
 BF = torch.bfloat16

@@ -40,4 +40,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         "relu2 backward computes dy * relu(x), dropping the factor 2",
         tests=(f"{TESTS}::test_relu2_bwd_all_bf16_bit_patterns",), contracts=("relu2",),
     ),
+    sep_mutation(
+        "swiglu.sigmoid_flushes", FILE,
+        "    e = torch.exp(-g.abs())\n    return torch.where(g >= 0, 1 / (1 + e), e / (1 + e))",
+        "    return torch.sigmoid(g)",
+        "swiglu's sigmoid via torch.sigmoid, which flushes to 0 below g = -88: the subnormal tail is lost",
+        TESTS, ("swiglu", "swiglu_bwd"),
+    ),
 )

@@ -63,4 +63,21 @@ MUTATIONS: tuple[Mutation, ...] = (
         + _ties_away(E4M3_CALL, 4, 3, 7, 0x7E).replace("vmax_", "E4M3_MAX"),
         "e4m3 rounds exact ties away from zero instead of to even", TESTS, ("quantize_mxfp8",),
     ),
+    sep_mutation(
+        "e4m3.nan_sign_dropped", FILE,
+        "    mag = torch.where(nan, torch.full_like(mag, 0x7F), mag)\n",
+        "    mag = torch.where(nan, torch.full_like(mag, 0x7F), mag)\n"
+        "    sign = torch.where(nan, torch.zeros_like(sign), sign)\n",
+        "e4m3 writes every NaN as 0x7F, dropping the sign the spec keeps (-NaN -> 0xFF)", TESTS,
+        ("quantize_mxfp8",),
+    ),
+    sep_mutation(
+        "nvfp4.amax_includes_nonfinite", FILE,
+        "    amax = xf.abs().where(torch.isfinite(xf), torch.zeros_like(xf)).amax()"
+        " if xf.numel() else xf.new_zeros(())",
+        "    amax = xf.abs().nan_to_num(nan=0.0, posinf=float(\"inf\")).amax()"
+        " if xf.numel() else xf.new_zeros(())",
+        "NVFP4 tensor scale from a max that counts Inf: one Inf makes g Inf and zeroes every block", TESTS,
+        ("quantize_nvfp4",),
+    ),
 )

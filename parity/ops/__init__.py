@@ -1,0 +1,1 @@
+"""One module per op family: its input space, builders, oracle and OpEntry declarations."""

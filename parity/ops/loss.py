@@ -1,0 +1,162 @@
+"""Chunked cross-entropy forward and backward."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+from torch import Tensor
+
+from parity.compare import (
+    Contract,
+    bound_contract,
+)
+from parity.entry import (
+    OpEntry,
+)
+from parity.inputs import (
+    I,
+    Inputs,
+    Params,
+    S,
+    dt,
+    randint,
+    randn,
+    space,
+    uniform,
+    with_adv,
+)
+from parity.oracles import (
+    F64,
+    Expect,
+    d,
+)
+
+CE = bound_contract(1, 2, note="fp32 GEMM (u = 2^-24, K = D) through logsumexp; see cross_entropy")
+
+
+def space_ce(big: bool) -> st.SearchStrategy[dict[str, Any]]:
+    if big:
+        return space(
+            T=S([256, 1024]),
+            D=S([512, 1024]),
+            V=S([8192, 32768]),
+            chunk=S([256, 4096]),
+            ignore=S([0.0, 0.2]),
+            scale=S([1.0, 4.0]),
+            dloss=S([1.0, 0.5]),
+        )
+    return space(
+        T=I(1, 16),
+        D=S([8, 32]),
+        V=S([5, 64, 300]),
+        chunk=S([1, 3, 4096]),
+        ignore=S([0.0, 0.3]),
+        scale=S([1.0, 4.0]),
+        dloss=S([1.0, 0.5]),
+    )
+
+
+def _ce_inputs(
+    p: Params, g: torch.Generator, adv: str | None
+) -> tuple[Tensor, Tensor, Tensor, dict[str, int]]:
+    q = with_adv(p, adv, **({"T": 1} if adv == "single_token" else {}))
+    dtype, t, dd, v = dt(q["dtype"]), q["T"], q["D"], q["V"]
+    h = randn([t, dd], dtype, g, float(q["scale"]) * (40.0 if adv == "max" else 1.0))
+    if adv == "zero":
+        h = torch.zeros_like(h)
+    w = randn([v, dd], dtype, g, 1.0 / math.sqrt(dd))
+    targets = randint(0, v, [t], g)
+    drop = uniform([t], g) < float(q["ignore"])
+    if adv == "all_ignored":
+        drop = torch.ones(t, dtype=torch.bool)
+    targets = torch.where(drop, -100, targets)
+    return h, w, targets, {"T": t, "D": dd, "V": v, "chunk": int(q["chunk"])}
+
+
+def make_cross_entropy(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
+    h, w, targets, shape = _ce_inputs(p, g, adv)
+    return Inputs((h, w, targets, -100, shape["chunk"]), shape=shape, dtype=p["dtype"])
+
+
+def make_cross_entropy_bwd(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
+    h, w, targets, shape = _ce_inputs(p, g, adv)
+    return Inputs((float(p["dloss"]), h, w, targets, -100, shape["chunk"]), shape=shape, dtype=p["dtype"])
+
+
+def _ce_parts(inp: Inputs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
+    """(logits, probs, onehot, kept mask, per-token logit error bound in units of u, n_kept)."""
+    h, w, targets, ignore = d(inp.args[0]), d(inp.args[1]), inp.args[2], int(inp.args[3])
+    logits = h @ w.T
+    kept = targets != ignore
+    tgt = torch.where(kept, targets, 0).to(torch.int64)
+    onehot = torch.zeros_like(logits)
+    onehot[torch.arange(logits.shape[0]), tgt] = 1.0
+    probs = torch.softmax(logits, dim=-1)
+    lerr = h.shape[1] * (h.abs() @ w.abs().T).amax(dim=-1) if logits.numel() else torch.zeros(0, dtype=F64)
+    return logits, probs, onehot, kept, lerr, int(kept.sum())
+
+
+def cross_entropy(inp: Inputs, c: Contract) -> list[Expect | None]:
+    """Per kept token: |dl| <= D*u*max_j sum|h||w|, lse adds V+8 (sum of V exps, exp, log) and the
+    subtractions their own rounding; the chunked mean adds (N+2)*|loss|. All in units of u (k=1)."""
+    logits, _, onehot, kept, lerr, n = _ce_parts(inp)
+    if n == 0:
+        z = torch.zeros((), dtype=F64)
+        return [Expect(z, mag=z, k=1.0)]
+    lse = torch.logsumexp(logits, dim=-1)
+    per = lse - (logits * onehot).sum(-1)
+    loss = per[kept].sum() / n
+    v = logits.shape[1]
+    err = (2 * lerr + v + 8 + lse.abs() + per.abs())[kept].sum() / n + (n + 2) * loss.abs()
+    return [Expect(loss, mag=err, k=1.0)]
+
+
+def cross_entropy_bwd(inp: Inputs, c: Contract) -> list[Expect | None]:
+    """dlogits = dloss*(p - onehot)/N; its error (units of u) is coef*p*(2*lerr + V + 8) + 2|dlogits|, then
+    the two GEMMs add V (dh) and T (dw) times the |.| products."""
+    dloss = float(inp.args[0])
+    shifted = Inputs(inp.args[1:], inp.kwargs, inp.shape, inp.dtype)
+    h, w = d(inp.args[1]), d(inp.args[2])
+    _, probs, onehot, kept, lerr, n = _ce_parts(shifted)
+    if n == 0:
+        return [
+            Expect(torch.zeros_like(h), mag=torch.zeros_like(h), k=1.0),
+            Expect(torch.zeros_like(w), mag=torch.zeros_like(w), k=1.0),
+        ]
+    coef = dloss / n
+    g = torch.where(kept[:, None], (probs - onehot) * coef, 0.0)
+    delta = torch.where(kept[:, None], abs(coef) * probs * (2 * lerr[:, None] + probs.shape[1] + 8), 0.0)
+    delta = delta + 2 * g.abs()
+    mag_dh = delta @ w.abs() + probs.shape[1] * (g.abs() @ w.abs())
+    mag_dw = delta.T @ h.abs() + h.shape[0] * (g.abs().T @ h.abs())
+    return [Expect(g @ w, mag=mag_dh, k=1.0), Expect(g.T @ h, mag=mag_dw, k=1.0)]
+
+
+ENTRIES: list[OpEntry] = [
+    OpEntry(
+        name="cross_entropy",
+        module="loss",
+        fn="cross_entropy",
+        space=space_ce,
+        make=make_cross_entropy,
+        contract=CE,
+        oracle=cross_entropy,
+        adversarial=("zero", "single_token", "max", "all_ignored"),
+        ref64=True,
+    ),
+    OpEntry(
+        name="cross_entropy_bwd",
+        module="loss",
+        fn="cross_entropy_bwd",
+        space=space_ce,
+        make=make_cross_entropy_bwd,
+        contract=CE,
+        oracle=cross_entropy_bwd,
+        output_names=("dh", "dw"),
+        adversarial=("zero", "single_token", "max", "all_ignored"),
+        ref64=True,
+    ),
+]

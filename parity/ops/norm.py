@@ -1,0 +1,113 @@
+"""rmsnorm forward and backward."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+
+from parity.compare import (
+    Contract,
+    ulp_contract,
+)
+from parity.entry import (
+    CANCEL,
+    OpEntry,
+)
+from parity.inputs import (
+    I,
+    Inputs,
+    Params,
+    S,
+    by_size,
+    dt,
+    randn,
+    reduce_fill,
+    space,
+    with_adv,
+)
+from parity.oracles import (
+    Expect,
+    d,
+)
+
+ULP1 = ulp_contract(1, note="fp32 internal math, one rounding to bf16: fp32 error << 1 bf16 ULP")
+
+
+def space_norm(big: bool) -> st.SearchStrategy[dict[str, Any]]:
+    return space(
+        T=I(1, 512 if big else 16),
+        D=by_size(big, [1, 8, 64, 136], [512, 2048, 7168]),
+        eps=S([1e-6, 1e-5]),
+        scale=S([1.0, 30.0, 1e-3]),
+    )
+
+
+def make_rmsnorm(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
+    q = with_adv(p, adv, **({"T": 1} if adv == "single_token" else {}))
+    dtype, t, d = dt(q["dtype"]), q["T"], q["D"]
+    x = reduce_fill(randn([t, d], dtype, g, float(q["scale"])), adv, g)
+    w = (1.0 + randn([d], torch.float64, g, 0.1)).to(dtype)
+    return Inputs((x, w, float(q["eps"])), shape={"T": t, "D": d}, dtype=q["dtype"])
+
+
+def make_rmsnorm_bwd(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
+    q = with_adv(p, adv, **({"T": 1} if adv == "single_token" else {}))
+    dtype, t, d = dt(q["dtype"]), q["T"], q["D"]
+    x = reduce_fill(randn([t, d], dtype, g, float(q["scale"])), adv, g)
+    w = (1.0 + randn([d], torch.float64, g, 0.1)).to(dtype)
+    dy = randn([t, d], dtype, g)
+    return Inputs((dy, x, w, float(q["eps"])), shape={"T": t, "D": d}, dtype=q["dtype"])
+
+
+def rmsnorm(inp: Inputs, c: Contract) -> list[Expect | None]:
+    x, w, eps = d(inp.args[0]), d(inp.args[1]), float(inp.args[2])
+    r = 1.0 / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+    return [Expect(x * r * w)]
+
+
+def rmsnorm_bwd(inp: Inputs, c: Contract) -> list[Expect | None]:
+    """dx = r*(g - x*r^2*mean(g*x)) cancels (always at D=1), so its budget (units of u, k=1) follows each
+    fp32 step: r carries (D+1)/2+2 from the mean of squares, mean(g*x) carries D+1 of its |terms|."""
+    dy, x, w, eps = d(inp.args[0]), d(inp.args[1]), d(inp.args[2]), float(inp.args[3])
+    dd = x.shape[-1]
+    r = 1.0 / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+    g = dy * w
+    s = (g * x).mean(-1, keepdim=True)
+    dx = r * (g - x * r * r * s)
+    dw = (dy * x * r).reshape(-1, dd).sum(0)
+    mag_dx = r * g.abs() + r**3 * x.abs() * (
+        (dd + 1) * (g * x).abs().mean(-1, keepdim=True) + (dd + 8) * s.abs()
+    )
+    mag_dx = mag_dx + dx.abs() * ((dd + 1) / 2 + 4)
+    rows = x.reshape(-1, dd).shape[0]
+    mag_dw = (dy * x * r).abs().reshape(-1, dd).sum(0) * (rows + dd / 2 + 4)
+    return [Expect(dx, mag=mag_dx, k=1.0), Expect(dw, mag=mag_dw, k=1.0)]
+
+
+ENTRIES: list[OpEntry] = [
+    OpEntry(
+        name="rmsnorm",
+        module="norm",
+        fn="rmsnorm",
+        space=space_norm,
+        make=make_rmsnorm,
+        contract=ULP1,
+        oracle=rmsnorm,
+        adversarial=("nan", "inf", "denormal", "zero", "single_token"),
+        ref64=True,
+    ),
+    OpEntry(
+        name="rmsnorm_bwd",
+        module="norm",
+        fn="rmsnorm_bwd",
+        space=space_norm,
+        make=make_rmsnorm_bwd,
+        contract=CANCEL,
+        oracle=rmsnorm_bwd,
+        output_names=("dx", "dw"),
+        adversarial=("zero", "single_token", "denormal"),
+        ref64=True,
+    ),
+]
