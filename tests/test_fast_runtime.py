@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import json
 import os
 import subprocess
@@ -14,8 +16,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from nmoe.fast import compilecheck, runtime
-from nmoe.fast.arch import ArchError
+from nmoe.fast import FAST_MODULES, compilecheck, op, runtime
+from nmoe.fast.arch import ArchError, ArchNotImplemented
 from nmoe.fast.runtime import CacheKey, KernelCache
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +44,7 @@ def test_require_arch_rejects_non_cuda_naming_reference(device: str) -> None:
 def test_require_arch_maps_supported_capabilities(
     monkeypatch: pytest.MonkeyPatch, cap: tuple[int, int], arch: str
 ) -> None:
+    monkeypatch.setattr(runtime, "_arch_by_index", {})
     monkeypatch.setattr(runtime, "_capability", lambda device: cap)
     assert runtime.require_arch(_cuda(), _cuda()) == arch
 
@@ -50,6 +53,7 @@ def test_require_arch_maps_supported_capabilities(
 def test_require_arch_rejects_other_gpus_with_remedy(
     monkeypatch: pytest.MonkeyPatch, cap: tuple[int, int]
 ) -> None:
+    monkeypatch.setattr(runtime, "_arch_by_index", {})
     monkeypatch.setattr(runtime, "_capability", lambda device: cap)
     monkeypatch.setattr(runtime, "_device_name", lambda device: "Some GPU")
     with pytest.raises(ArchError, match=rf"sm_{cap[0]}{cap[1]}.*nmoe\.reference"):
@@ -57,6 +61,7 @@ def test_require_arch_rejects_other_gpus_with_remedy(
 
 
 def test_require_arch_rejects_mixed_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runtime, "_arch_by_index", {})
     monkeypatch.setattr(runtime, "_capability", lambda device: (9, 0))
     with pytest.raises(ArchError, match="one GPU"):
         runtime.require_arch(_cuda("cuda:0"), _cuda("cuda:1"))
@@ -155,12 +160,12 @@ _PROBE = """
     from pathlib import Path
     from nmoe.fast import activation, runtime
     arch, d = sys.argv[1], Path(sys.argv[2])
-    k = activation._kernels(arch)
+    runtime.import_cutlass(arch)
     import cutlass.cute as cute
-    key = runtime.cache_key("relu2_fwd", activation._source_sha256(), arch, {"dtype": "bfloat16", "vec": 8})
+    key = activation.RELU2_FWD.key(arch, dtype="bfloat16", vec=8)
     def build():
-        host, args = k.compile_args("relu2_fwd", {"dtype": "bfloat16", "vec": 8})
-        return cute.compile(host, *args)
+        host, fake = activation.RELU2_FWD.host_args(arch, dtype="bfloat16", vec=8)
+        return cute.compile(host, *fake)
     def fail():
         raise AssertionError("compiled although the disk cache holds the kernel")
     first, second = runtime.KernelCache(d), runtime.KernelCache(d)
@@ -247,34 +252,128 @@ def test_compilecheck_row_fails(spec: runtime.KernelSpec, needle: str) -> None:
     assert needle in row["error"]
 
 
-_LAUNCH_PROBE = """
-    import contextlib, json
-    import torch
-    from nmoe.fast import activation, runtime
-
-    calls = []
-
-    class Cache:
-        def executor(self, key, build):
-            build()
-            spec = dict(key.specialisation)
-            return lambda *args: calls.append((key.kernel, spec, [type(a).__name__ for a in args], args[-2:]))
-
-    runtime.require_arch = lambda *ts: "sm_90a"
-    runtime.kernel_cache = lambda: Cache()
-    runtime.current_stream = lambda device: "stream"
-    torch.cuda.device = lambda device: contextlib.nullcontext()
-    x = torch.ones(1000, dtype=torch.bfloat16)
-    activation._launch("relu2_fwd", (x,), torch.empty_like(x))
-    print(json.dumps(calls))
+_ABI_PROBE = """
+    import ctypes, json
+    from nmoe.fast import op, runtime
+    from nmoe.fast.combine import COMBINE_FWD
+    runtime.import_cutlass("sm_90a")
+    import cutlass.cute as cute
+    import cuda.bindings.driver as cuda
+    from cutlass import BFloat16
+    from cutlass.cute.runtime import make_ptr
+    host, fake = COMBINE_FWD.host_args("sm_90a", k=8, vec=8, shared=True)
+    compiled = cute.compile(host, *fake)
+    slots = op.runtime_slots(host)
+    class Recorder:
+        def run_compiled_program(self, args):
+            self.args = list(args)
+    launcher = op.Launcher(Recorder(), slots)
+    values = (0x1000, 0x2000, 0x3000, 0x4000, 7, 4096, 2.5)
+    for slot, v in zip(launcher._storage, (*values, 0xABC)):
+        slot.value = v
+    ptr = lambda a: make_ptr(BFloat16, a, cute.AddressSpace.gmem, assumed_align=16)
+    ptrs = [ptr(a) for a in values[:4]]
+    exe, _ = compiled.generate_execution_args(*ptrs, *values[4:], cuda.CUstream(0xABC))
+    read = lambda args: [ctypes.cast(a, ctypes.POINTER(t)).contents.value for a, (_, t) in zip(args, slots)]
+    print(json.dumps({"slots": [n for n, _ in slots], "n_exe": len(exe), "ours": read(launcher._args),
+                      "dsl": read(exe)}))
 """
 
 
-def test_launch_compiles_with_the_spec_and_passes_pointers_scalars_stream() -> None:
-    """runtime.launch wiring without a GPU: a real compile from compile_args(kernel, spec), then typed
-    pointers from pointers(kernel, addresses, spec), the scalars and the stream, in that order."""
-    proc = _python(_LAUNCH_PROBE)
+def test_launcher_fills_the_arguments_the_dsl_would_pass() -> None:
+    """The lean launcher's argument storage holds exactly what CuTeDSL's own argument packing produces
+    (device addresses, int64 scalars, the fp32 scale, the stream), checked on a real compile without a GPU."""
+    proc = _python(_ABI_PROBE)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    [(kernel, spec, types, tail)] = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert kernel == "relu2_fwd" and spec == {"dtype": "'bfloat16'", "vec": "8"}
-    assert len(types) == 4 and tail == [1000, "stream"]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["slots"] == ["py", "pw", "pshared", "pout", "t_rows", "h", "scale", "stream"]
+    assert out["n_exe"] == len(out["slots"]) and out["ours"] == out["dsl"]
+
+
+def test_source_files_follow_imports_inside_the_package() -> None:
+    """The cache key's files come from the kernel module's imports (transitively), never a hand list."""
+    names = {p.relative_to(ROOT).as_posix() for p in op.source_files("nmoe.fast.kernels.sm90.grouped_gemm_fp8")}
+    assert names == {"nmoe/fast/kernels/sm90/grouped_gemm_fp8.py", "nmoe/fast/kernels/sm90/grouped_gemm.py",
+                     "nmoe/fast/kernels/formats.py", "nmoe/constants.py", "nmoe/fast/kernels/activation.py",
+                     "nmoe/fast/kernels/swiglu.py", "nmoe/fast/kernels/combine.py",
+                     *(["nmoe/fast/limits.py"] if "limits" in (ROOT / "nmoe/fast/kernels/sm90/grouped_gemm.py")
+                       .read_text() else [])}
+    digest = hashlib.sha256()
+    for path in op.source_files("nmoe.fast.kernels.sm90.grouped_gemm_fp8"):
+        digest.update(runtime.file_sha256(path).encode())
+    assert op.source_digest("nmoe.fast.kernels.sm90.grouped_gemm_fp8") == digest.hexdigest()
+
+
+def test_source_files_resolve_relative_and_submodule_imports(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    pkg = tmp_path / "nmoe_probe"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from . import b\nfrom .c import value\nimport os\n")
+    (pkg / "b.py").write_text("")
+    (pkg / "c.py").write_text("from nmoe_probe.b import *\nvalue = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(op, "PACKAGE", "nmoe_probe")
+    op.source_files.cache_clear()
+    op.imports.cache_clear()
+    try:
+        assert [p.name for p in op.source_files("nmoe_probe.a")] == ["a.py", "b.py", "c.py"]
+    finally:
+        op.source_files.cache_clear()
+        op.imports.cache_clear()
+
+
+def test_runtime_slots_refuse_an_unknown_argument_type() -> None:
+    def host(px: "Pointer", n: "Int64", v: "Constexpr[int]", stream: "cuda.CUstream") -> None: ...
+
+    def bad(px: "Pointer", t: "cute.Tensor", stream: "cuda.CUstream") -> None: ...
+
+    def no_stream(px: "Pointer") -> None: ...
+
+    assert [n for n, _ in op.runtime_slots(host)] == ["px", "n", "stream"]
+    with pytest.raises(TypeError, match="cute.Tensor"):
+        op.runtime_slots(bad)
+    with pytest.raises(TypeError, match="stream"):
+        op.runtime_slots(no_stream)
+
+
+def test_every_kernel_spec_names_a_registry_op() -> None:
+    """KernelSpec.op joins a compile row to its parity op, so it must be a registry name."""
+    from parity.registry import REGISTRY
+
+    specs = [s for m in FAST_MODULES for s in importlib.import_module(m).KERNELS]
+    assert specs and {s.op for s in specs} <= set(REGISTRY), {s.op for s in specs} - set(REGISTRY)
+    assert len({s.name for s in specs}) == len(specs)
+
+
+def test_gemm_front_refuses_missing_pairs_with_a_remedy(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nmoe.fast import gemm
+
+    monkeypatch.setattr(runtime, "_arch_by_index", {0: "sm_100a"})
+    with pytest.raises(ArchNotImplemented, match="grouped_gemm_dgrad: no sm_100a kernel: .*torch._grouped_mm"):
+        gemm.grouped_gemm_dgrad(_cuda(), _cuda(), _cuda())
+    monkeypatch.setattr(runtime, "_arch_by_index", {0: "sm_90a"})
+    with pytest.raises(ArchNotImplemented, match="nvfp4: no sm_90a kernel: .*B200"):
+        gemm.grouped_gemm_nvfp4(*(_cuda() for _ in range(7)))
+    assert gemm.implemented_archs("grouped_gemm") == ("sm_90a", "sm_100a")
+
+
+def test_fast_package_has_no_import_cycles() -> None:
+    """Every import inside nmoe (module level or in a function), read with ast: the graph must be acyclic."""
+    root = ROOT / "nmoe"
+    modules = [".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+               for p in root.rglob("*.py")]
+    graph = {m: op.imports(m) for m in modules}
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: tuple[str, ...]) -> None:
+        if state.get(m) == 2:
+            return
+        assert state.get(m) != 1, " -> ".join((*path, m))
+        state[m] = 1
+        for n in sorted(graph.get(m, ())):
+            visit(n, (*path, m))
+        state[m] = 2
+
+    for m in sorted(graph):
+        visit(m, ())
