@@ -78,7 +78,7 @@ def _time(m: int, n: int, k: int, e: int, compile_only: bool) -> float:
 
 
 def child(compile_only: bool) -> None:
-    from nmoe.fast.gemm import pick_bn
+    from nmoe.fast.gemm.sm90 import pick_bn
 
     for label, m, n, k, e in _problems():
         ms = _time(m, n, k, e, compile_only)
