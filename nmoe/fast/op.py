@@ -208,14 +208,15 @@ R = TypeVar("R")
 
 
 def _eager(args: tuple[Any, ...]) -> bool:
-    """Whether the impl may skip the dispatcher: plain tensors, no grad to record, no trace, no mode."""
+    """Whether the impl may skip the dispatcher: plain CUDA tensors, no grad to record, no trace, no mode
+    (meta, fake and CPU tensors go through the op, to its fake or its arch error)."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
     if torch._C._autograd._profiler_enabled() or torch._C._is_torch_function_mode_enabled():
         return False
     grad = torch.is_grad_enabled()
     for a in args:
-        if isinstance(a, Tensor) and (type(a) is not Tensor or (grad and a.requires_grad)):
+        if isinstance(a, Tensor) and (type(a) is not Tensor or not a.is_cuda or (grad and a.requires_grad)):
             return False
     return True
 
