@@ -19,7 +19,7 @@ from mutations.model import Mutation, apply
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL = "nmoe/fast/kernels/sm90/grouped_gemm.py"
-GLUE = "nmoe/fast/gemm.py"
+GLUE = "nmoe/fast/gemm/sm90.py"
 ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
         "ablate.no_tma_stores", KERNEL,

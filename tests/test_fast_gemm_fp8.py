@@ -1,4 +1,4 @@
-"""nmoe.fast.gemm_fp8 (sm_90a fp8 grouped GEMM fwd): PTX compile checks and refusals on CPU; on GPU the
+"""nmoe.fast.gemm.sm90_fp8 (sm_90a fp8 grouped GEMM fwd): PTX compile checks and refusals on CPU; on GPU the
 FP8_SM90 contract of parity/registry.py against a float64 oracle decoded here with ml_dtypes: |fast - ref64|
 <= 1 ulp(bf16) + 2 (min(K, 128) 2^-14 + ceil(K/128) 2^-24) (|A| |B|), NaN exactly where ref64 is NaN."""
 

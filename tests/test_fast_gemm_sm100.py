@@ -1,4 +1,4 @@
-"""nmoe.fast.gemm_sm100 (tcgen05 grouped GEMM: bf16, MXFP8, NVFP4): scale packers against a hand-written
+"""nmoe.fast.gemm.sm100 (tcgen05 grouped GEMM: bf16, MXFP8, NVFP4): scale packers against a hand-written
 index formula, refusals, sm_100a compiles checked for instructions (and by ptxas where installed) without
 a GPU; on a B200, results against a float64 oracle decoded independently (ml_dtypes / hand tables)."""
 

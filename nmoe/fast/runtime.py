@@ -1,4 +1,4 @@
-"""Fast-path runtime: arch guard, CuTeDSL import and compile cache, torch stream and custom-op glue.
+"""Fast-path runtime: arch guard, CuTeDSL import, PTX checks, the compile cache (nmoe.fast.op declares ops).
 
 Nothing here imports `cutlass` at module import: the DSL fixes its target arch at its first import.
 """
@@ -251,7 +251,7 @@ class KernelCache:
 
     def executor(self, key: CacheKey, build: Callable[[], Any]) -> Any:
         """CuTeDSL's CUDA-dialect functions load a context-free cudaLibrary onto every device, so one
-        executor serves all GPUs; it launches on the current device, which callers set."""
+        executor serves all GPUs; it launches on the current device, which the launcher sets."""
         with self._lock:
             ex = self._executors.get(key)
             if ex is None:
