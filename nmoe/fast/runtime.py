@@ -169,7 +169,9 @@ def kernel_module(name: str, arch: str) -> ModuleType:
     return importlib.import_module(name)
 
 
+@functools.cache
 def dsl_version() -> str:
+    """Read once: importlib.metadata parses the installed metadata on every call (milliseconds)."""
     return importlib.metadata.version("nvidia-cutlass-dsl")
 
 
