@@ -383,3 +383,16 @@ def test_fast_package_has_no_import_cycles() -> None:
 
     for m in sorted(graph):
         visit(m, ())
+
+
+def test_fast_op_routes_meta_cpu_and_grad_calls_through_the_dispatcher() -> None:
+    """The direct eager path is for plain CUDA tensors recording no grad; everything else meets the op."""
+    from nmoe.fast.activation import relu2
+
+    cpu = torch.ones(4, dtype=torch.bfloat16)
+    assert not op._eager((cpu,))
+    assert not op._eager((torch.empty(4, device="meta"),))
+    assert not op._eager((cpu.float().requires_grad_(),))
+    assert relu2(torch.empty(3, 8, dtype=torch.bfloat16, device="meta")).shape == (3, 8)
+    with pytest.raises(ArchError, match=r"nmoe\.reference"):
+        relu2(cpu)
