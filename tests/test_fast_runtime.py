@@ -276,8 +276,16 @@ _ABI_PROBE = """
     ptrs = [ptr(a) for a in values[:4]]
     exe, _ = compiled.generate_execution_args(*ptrs, *values[4:], cuda.CUstream(0xABC))
     read = lambda args: [ctypes.cast(a, ctypes.POINTER(t)).contents.value for a, (_, t) in zip(args, slots)]
+    import importlib, pkgutil
+    import nmoe.fast.kernels as kernels
+    hosts = {}
+    for m in pkgutil.walk_packages(kernels.__path__, "nmoe.fast.kernels."):
+        mod = importlib.import_module(m.name)
+        for name in dir(mod):
+            if name.endswith("_host") and callable(getattr(mod, name)):
+                hosts[f"{m.name}.{name}"] = len(op.runtime_slots(getattr(mod, name)))
     print(json.dumps({"slots": [n for n, _ in slots], "n_exe": len(exe), "ours": read(launcher._args),
-                      "dsl": read(exe)}))
+                      "dsl": read(exe), "hosts": hosts}))
 """
 
 
@@ -289,6 +297,7 @@ def test_launcher_fills_the_arguments_the_dsl_would_pass() -> None:
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["slots"] == ["py", "pw", "pshared", "pout", "t_rows", "h", "scale", "stream"]
     assert out["n_exe"] == len(out["slots"]) and out["ours"] == out["dsl"]
+    assert len(out["hosts"]) >= 20 and all(n >= 2 for n in out["hosts"].values()), out["hosts"]
 
 
 def test_source_files_follow_imports_inside_the_package() -> None:
