@@ -268,10 +268,13 @@ _ABI_PROBE = """
     class Recorder:
         def run_compiled_program(self, args):
             self.args = list(args)
-    launcher = op.Launcher(Recorder(), slots)
+    recorder = Recorder()
+    launcher = op.Launcher(recorder, slots)
     values = (0x1000, 0x2000, 0x3000, 0x4000, 7, 4096, 2.5)
-    for slot, v in zip(launcher._storage, (*values, 0xABC)):
-        slot.value = v
+    import torch
+    torch._C._cuda_getCurrentRawStream = lambda device: 0xABC
+    torch.cuda.current_device = lambda: 0
+    launcher(0, *values)
     ptr = lambda a: make_ptr(BFloat16, a, cute.AddressSpace.gmem, assumed_align=16)
     ptrs = [ptr(a) for a in values[:4]]
     exe, _ = compiled.generate_execution_args(*ptrs, *values[4:], cuda.CUstream(0xABC))
@@ -284,7 +287,7 @@ _ABI_PROBE = """
         for name in dir(mod):
             if name.endswith("_host") and callable(getattr(mod, name)):
                 hosts[f"{m.name}.{name}"] = len(op.runtime_slots(getattr(mod, name)))
-    print(json.dumps({"slots": [n for n, _ in slots], "n_exe": len(exe), "ours": read(launcher._args),
+    print(json.dumps({"slots": [n for n, _ in slots], "n_exe": len(exe), "ours": read(recorder.args),
                       "dsl": read(exe), "hosts": hosts}))
 """
 

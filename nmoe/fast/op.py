@@ -117,26 +117,27 @@ class Launcher:
     and the stream last; it fills fixed argument storage, so a call builds no Python objects."""
 
     def __init__(self, executor: Any, slots: tuple[tuple[str, type[ctypes._SimpleCData[Any]]], ...]) -> None:
-        self._executor = executor
+        self._run = executor.run_compiled_program
         self._storage = [ctype() for _, ctype in slots]
+        self._values = self._storage[:-1]
+        self._stream = self._storage[-1]
         self._args = [ctypes.c_void_p(ctypes.addressof(s)) for s in self._storage]
         self._lock = threading.Lock()
 
     def __call__(self, device: int, *values: int | float) -> None:
-        storage = self._storage
-        if len(values) != len(storage) - 1:
-            raise TypeError(f"launcher takes {len(storage) - 1} arguments (it adds the stream itself), "
+        if len(values) != len(self._values):
+            raise TypeError(f"launcher takes {len(self._values)} arguments (it adds the stream itself), "
                             f"got {len(values)}")
         stream = torch._C._cuda_getCurrentRawStream(device)
         with self._lock:
-            for slot, value in zip(storage, values, strict=False):
+            for slot, value in zip(self._values, values, strict=True):
                 slot.value = value
-            storage[-1].value = stream
+            self._stream.value = stream
             if torch.cuda.current_device() == device:
-                self._executor.run_compiled_program(self._args)
+                self._run(self._args)
             else:
                 with torch.cuda.device(device):
-                    self._executor.run_compiled_program(self._args)
+                    self._run(self._args)
 
 
 @dataclass(frozen=True)
