@@ -19,7 +19,7 @@ from mutations.model import Mutation, apply
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL = "nmoe/fast/kernels/sm90/grouped_gemm.py"
-GLUE = "nmoe/fast/gemm.py"
+GLUE = "nmoe/fast/gemm/sm90.py"
 ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
         "ablate.no_tma_stores", KERNEL,
@@ -78,7 +78,7 @@ def _time(m: int, n: int, k: int, e: int, compile_only: bool) -> float:
 
 
 def child(compile_only: bool) -> None:
-    from nmoe.fast.gemm import pick_bn
+    from nmoe.fast.gemm.sm90 import pick_bn
 
     for label, m, n, k, e in _problems():
         ms = _time(m, n, k, e, compile_only)

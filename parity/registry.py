@@ -10,6 +10,7 @@ import dataclasses
 import fnmatch
 import importlib
 import importlib.util
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -101,7 +102,8 @@ def fast_declared(entry: OpEntry) -> bool:
     if spec is None or not spec.submodule_search_locations:
         return False
     for root in spec.submodule_search_locations:
-        path = f"{root}/{entry.module}.py"
+        package = f"{root}/{entry.module}/__init__.py"
+        path = package if os.path.exists(package) else f"{root}/{entry.module}.py"
         try:
             with open(path, encoding="utf-8") as fh:
                 tree = ast.parse(fh.read())

@@ -19,10 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from nmoe.fast import gemm, runtime
+from nmoe.fast import op, runtime
 from nmoe.fast.activation import relu2, swiglu
 from nmoe.fast.arch import ArchError
-from nmoe.fast.gemm import KERNELS, grouped_gemm, grouped_gemm_act, grouped_gemm_dgrad, grouped_gemm_wgrad
+from nmoe.fast.gemm import grouped_gemm, grouped_gemm_act, grouped_gemm_dgrad, grouped_gemm_wgrad
+from nmoe.fast.gemm import sm90 as gemm
+from nmoe.fast.gemm.routing import require, tile_upper_bound
+from nmoe.fast.gemm.sm90 import KERNELS
+from nmoe.fast.limits import GEMM_BN_CHOICES, GEMM_MAX_GROUPS
 from parity.compare import interval
 from parity.inputs import Inputs
 from parity.ops import gemm as oracles
@@ -174,10 +178,11 @@ def check_dgrad(m: int, n: int, k: int, counts: Sequence[int], seed: int = 0, bn
 
 
 def test_kernels_declare_sm90_only() -> None:
-    assert {s.op for s in KERNELS} == {"grouped_gemm", "grouped_gemm_act"}
+    assert {s.op for s in KERNELS} == {"grouped_gemm", "grouped_gemm_dgrad", "grouped_gemm_wgrad",
+                                       "grouped_gemm_act"}
     assert len({s.name for s in KERNELS}) == len(KERNELS) >= 3
     fused = {s.name for s in KERNELS if s.op == "grouped_gemm_act"}
-    assert fused == {f"grouped_gemm_act_{a}_n{bn}" for a in gemm.ACTIVATIONS for bn in gemm.BN_CHOICES}
+    assert fused == {f"grouped_gemm_act_{a}_n{bn}" for a in gemm.ACTIVATIONS for bn in GEMM_BN_CHOICES}
     for spec in KERNELS:
         assert set(spec.expect) == set(spec.forbid) == {"sm_90a"}
         assert any("wgmma" in rx for rx in spec.expect["sm_90a"])
@@ -188,7 +193,7 @@ def test_kernels_declare_sm90_only() -> None:
 
 @pytest.fixture(scope="module")
 def gemm_compile_rows() -> dict[str, list[dict[str, Any]]]:
-    return compile_rows("nmoe.fast.gemm")
+    return compile_rows("nmoe.fast.gemm.sm90")
 
 
 def test_sm90a_kernels_compile_without_gpu(gemm_compile_rows: dict[str, list[dict[str, Any]]]) -> None:
@@ -202,12 +207,13 @@ def test_sm90a_kernels_compile_without_gpu(gemm_compile_rows: dict[str, list[dic
 def test_sm100a_compile_refuses_naming_the_remedy(gemm_compile_rows: dict[str, list[dict[str, Any]]]) -> None:
     for row in gemm_compile_rows["sm_100a"]:
         assert row["status"] == "not run"
-        assert "not implemented for sm_100a yet" in row["error"] and "sm_90a" in row["error"]
+        assert "sm_90a kernel, not built for sm_100a" in row["error"], row
+        assert "nmoe.fast.gemm.grouped_gemm" in row["error"], row
 
 
 def test_sm100a_dispatch_raises() -> None:
-    with pytest.raises(ArchError, match=r"not implemented for sm_100a yet.*H100/H200"):
-        gemm._require_sm90("sm_100a", "grouped_gemm")
+    with pytest.raises(ArchError, match=r"sm_90a kernel, called on sm_100a.*nmoe\.fast\.gemm\.grouped_gemm,"):
+        require("grouped_gemm", "sm_100a", "sm_90a")
 
 
 def test_cpu_tensors_are_refused_naming_reference() -> None:
@@ -225,7 +231,7 @@ def test_cpu_tensors_are_refused_naming_reference() -> None:
 @pytest.mark.parametrize(("x", "w", "offs", "match"), [
     ((4, 8), (2, 8, 8), torch.int64, "int32"),
     ((4, 16), (2, 8, 8), torch.int32, r"R = w.shape"),
-    ((4, 12), (2, 8, 12), torch.int32, "multiples of 8"),
+    ((4, 12), (2, 8, 12), torch.int32, "multiple of 8"),
 ])
 def test_bad_inputs_raise_with_fix(x: tuple[int, ...], w: tuple[int, ...], offs: torch.dtype,
                                    match: str) -> None:
@@ -242,14 +248,14 @@ def test_wgrad_bad_inputs_raise_with_fix() -> None:
     with pytest.raises(ValueError, match=r"dy \[M, N\] and x \[M, K\]"):
         gemm._check_wgrad(torch.zeros(4, 8, dtype=bf), torch.zeros(5, 8, dtype=bf),
                           torch.zeros(2, dtype=torch.int32))
-    with pytest.raises(ValueError, match="multiples of 8"):
+    with pytest.raises(ValueError, match="multiple of 8"):
         gemm._check_wgrad(torch.zeros(4, 12, dtype=bf), torch.zeros(4, 8, dtype=bf),
                           torch.zeros(2, dtype=torch.int32))
     with pytest.raises(ValueError, match="int32"):
         gemm._check_wgrad(torch.zeros(4, 8, dtype=bf), torch.zeros(4, 8, dtype=bf), torch.zeros(2))
     with pytest.raises(ValueError, match="split the experts"):
         gemm._check_wgrad(torch.zeros(4, 8, dtype=bf), torch.zeros(4, 8, dtype=bf),
-                          torch.zeros(gemm.MAX_GROUPS + 1, dtype=torch.int32))
+                          torch.zeros(GEMM_MAX_GROUPS + 1, dtype=torch.int32))
 
 
 def test_custom_ops_have_fake_shapes() -> None:
@@ -332,20 +338,11 @@ def test_epilogue_pairing_check_rejects_misaligned_output_chunks(tmp_path: Path)
 
 
 def test_kernel_source_hash_covers_the_kernel_file() -> None:
-    import hashlib
-
-    kernels = ROOT / "nmoe" / "fast" / "kernels" / "sm90"
-
-    def digest(*paths: Path) -> str:
-        h = hashlib.sha256()
-        for path in paths:
-            h.update(hashlib.sha256(path.read_bytes()).hexdigest().encode())
-        return h.hexdigest()
-
-    shared = [ROOT / "nmoe" / "fast" / "kernels" / f"{m}.py" for m in ("activation", "swiglu", "combine")]
-    assert gemm._source_sha256() == digest(kernels / "grouped_gemm.py", *shared)
-    assert gemm._source_sha256(gemm._WGRAD_MODULE) == digest(
-        kernels / "grouped_gemm_wgrad.py", kernels / "grouped_gemm.py", *shared)
+    kernels = ROOT / "nmoe" / "fast" / "kernels"
+    shared = {kernels / f"{m}.py" for m in ("activation", "swiglu", "combine")}
+    assert {kernels / "sm90" / "grouped_gemm.py", *shared} <= set(op.source_files(gemm.FWD.module))
+    assert {kernels / "sm90" / "grouped_gemm_wgrad.py", kernels / "sm90" / "grouped_gemm.py",
+            *shared} <= set(op.source_files(gemm.WGRAD.module))
 
 
 def count_tiles(ends: Sequence[int], m: int, n: int, bn: int) -> int:
@@ -363,7 +360,7 @@ def count_tiles(ends: Sequence[int], m: int, n: int, bn: int) -> int:
 def test_grid_bound_covers_every_routing(counts: list[int], tail: int, n: int, bn: int) -> None:
     ends = cumsum(counts)
     m = ends[-1] + tail
-    assert gemm.tile_upper_bound(m, n, len(counts), bn) >= count_tiles(ends, m, n, bn)
+    assert tile_upper_bound(m, n, len(counts), bn) >= count_tiles(ends, m, n, bn)
 
 
 def test_oracle_ulp_and_bound_hand_values() -> None:

@@ -1,4 +1,4 @@
-"""nmoe.fast.gemm_fp8 (sm_90a fp8 grouped GEMM fwd): PTX compile checks and refusals on CPU; on GPU the
+"""nmoe.fast.gemm.sm90_fp8 (sm_90a fp8 grouped GEMM fwd): PTX compile checks and refusals on CPU; on GPU the
 FP8_SM90 contract of parity/registry.py against a float64 oracle decoded here with ml_dtypes: |fast - ref64|
 <= 1 ulp(bf16) + 2 (min(K, 128) 2^-14 + ceil(K/128) 2^-24) (|A| |B|), NaN exactly where ref64 is NaN."""
 
@@ -21,9 +21,12 @@ from fastcompile import assert_rows_ok, compile_rows
 from test_fast_gemm import cumsum, ends_to_ranges, ulp_bf16, uniform_counts, zipf_counts
 from torch import Tensor
 
-from nmoe.fast import gemm, gemm_fp8, runtime
+from nmoe.fast import gemm, op, runtime
 from nmoe.fast.arch import ArchError
-from nmoe.fast.gemm_fp8 import KERNELS, grouped_gemm_fp8
+from nmoe.fast.gemm import sm90_fp8 as gemm_fp8
+from nmoe.fast.gemm.routing import require
+from nmoe.fast.gemm.sm90_fp8 import KERNELS, grouped_gemm_fp8
+from nmoe.fast.limits import GEMM_MAX_GROUPS
 from parity.registry import FP8_SM90
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -175,12 +178,12 @@ def test_kernels_declare_sm90a_fp8_instructions() -> None:
 def test_fast_modules_list_the_glue() -> None:
     from nmoe.fast import FAST_MODULES
 
-    assert "nmoe.fast.gemm_fp8" in FAST_MODULES
+    assert "nmoe.fast.gemm.sm90_fp8" in FAST_MODULES
 
 
 @pytest.fixture(scope="module")
 def rows() -> dict[str, list[dict[str, Any]]]:
-    return compile_rows("nmoe.fast.gemm_fp8")
+    return compile_rows("nmoe.fast.gemm.sm90_fp8")
 
 
 def test_sm90a_kernels_compile_without_gpu(rows: dict[str, list[dict[str, Any]]]) -> None:
@@ -195,7 +198,8 @@ def test_sm100a_compile_is_not_run_naming_the_dispatcher(rows: dict[str, list[di
 
 _PROBE = r'''
 import itertools, json, os, re, shutil, subprocess, sys, tempfile
-from nmoe.fast import gemm_fp8, runtime
+from nmoe.fast import runtime
+from nmoe.fast.gemm import sm90_fp8 as gemm_fp8
 runtime.import_cutlass("sm_90a")
 import cutlass.cute as cute
 from cutlass.base_dsl.ast_helpers import range_constexpr
@@ -291,8 +295,8 @@ def test_accumulator_rows_are_what_the_promotion_assumes(probe: dict[str, Any]) 
 
 
 def test_sm100a_is_refused_naming_the_dispatcher() -> None:
-    with pytest.raises(ArchError, match=r"sm_90a kernel, got sm_100a.*nmoe\.fast\.gemm\.grouped_gemm_fp8"):
-        gemm_fp8._require_sm90("sm_100a")
+    with pytest.raises(ArchError, match=r"called on sm_100a.*nmoe\.fast\.gemm\.grouped_gemm_fp8"):
+        require("grouped_gemm_fp8", "sm_100a", "sm_90a")
 
 
 def _cpu_args(m: int = 4, n: int = 128, k: int = 256, e: int = 2) -> list[Tensor]:
@@ -330,7 +334,7 @@ def test_bad_inputs_raise_with_fix(args: list[Tensor], match: str) -> None:
 
 
 def test_too_many_groups_raise_with_fix() -> None:
-    e = gemm.MAX_GROUPS + 1
+    e = GEMM_MAX_GROUPS + 1
     args = _cpu_args(e=1)
     args[2] = torch.zeros(e, 128, 256, dtype=torch.uint8)
     args[3] = torch.zeros(e, 1, 2, dtype=torch.uint8)
@@ -354,14 +358,9 @@ def test_custom_op_has_fake_shapes() -> None:
 
 
 def test_kernel_source_hash_covers_every_file_it_compiles() -> None:
-    import hashlib
-
-    files = [ROOT / "nmoe/fast/kernels/sm90" / f for f in ("grouped_gemm_fp8.py", "grouped_gemm.py")]
-    files += [ROOT / "nmoe/fast/kernels/formats.py", ROOT / "nmoe/constants.py"]
-    digest = hashlib.sha256()
-    for f in files:
-        digest.update(hashlib.sha256(f.read_bytes()).hexdigest().encode())
-    assert gemm_fp8._source_sha256() == digest.hexdigest()
+    files = {ROOT / "nmoe/fast/kernels/sm90" / f for f in ("grouped_gemm_fp8.py", "grouped_gemm.py")}
+    files |= {ROOT / "nmoe/fast/kernels/formats.py", ROOT / "nmoe/constants.py"}
+    assert files <= set(op.source_files(gemm_fp8.FP8.module))
 
 
 def test_oracle_decoders_hand_values() -> None:

@@ -1,4 +1,4 @@
-"""nmoe.fast.gemm_sm100 (tcgen05 grouped GEMM: bf16, MXFP8, NVFP4): scale packers against a hand-written
+"""nmoe.fast.gemm.sm100 (tcgen05 grouped GEMM: bf16, MXFP8, NVFP4): scale packers against a hand-written
 index formula, refusals, sm_100a compiles checked for instructions (and by ptxas where installed) without
 a GPU; on a B200, results against a float64 oracle decoded independently (ml_dtypes / hand tables)."""
 
@@ -22,9 +22,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from nmoe.fast import gemm_sm100, runtime
+from nmoe.fast import op, runtime
 from nmoe.fast.arch import ArchError
-from nmoe.fast.gemm_sm100 import KERNELS, grouped_gemm, grouped_gemm_fp8, grouped_gemm_nvfp4
+from nmoe.fast.gemm import sm100 as gemm_sm100
+from nmoe.fast.gemm.routing import require, tile_upper_bound
+from nmoe.fast.gemm.sm100 import KERNELS, grouped_gemm, grouped_gemm_fp8, grouped_gemm_nvfp4
 from nmoe.fast.kernels.sm100 import scale_layout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,7 +176,7 @@ def test_kernels_declare_sm100a_only() -> None:
         assert set(spec.expect) == set(spec.forbid) == {"sm_100a"}
         for rx in (*spec.expect["sm_100a"], *spec.forbid["sm_100a"]):
             re.compile(rx)
-        with pytest.raises(NotImplementedError, match=r"sm_100a-only.*not applicable to sm_90a"):
+        with pytest.raises(NotImplementedError, match=r"not built for sm_90a.*nmoe\.fast\.gemm"):
             spec.compile("sm_90a")
 
 
@@ -197,27 +199,20 @@ def test_cpu_tensors_are_refused_naming_reference(fmt: str, fn: Callable[..., Te
         fn(*_cpu_args()[fmt])
 
 
-@pytest.mark.parametrize("op", ["grouped_gemm_fp8", "grouped_gemm_nvfp4"])
-def test_sm90a_block_scaled_refusal_names_the_remedy(op: str) -> None:
-    remedy = r"sm_90a has no block-scaled MMA.*bf16 or fp8 \(1x128/128x128 scales\)"
-    with pytest.raises(ArchError, match=remedy):
-        gemm_sm100._require_sm100("sm_90a", op)
-    with pytest.raises(ArchError, match=r"nmoe\.fast\.gemm\.grouped_gemm"):
-        gemm_sm100._require_sm100("sm_90a", "grouped_gemm")
+@pytest.mark.parametrize("name", ["grouped_gemm", "grouped_gemm_fp8", "grouped_gemm_nvfp4"])
+def test_sm90a_refusal_names_the_front(name: str) -> None:
+    with pytest.raises(ArchError, match=rf"sm_100a kernel, called on sm_90a.*nmoe\.fast\.gemm\.{name},"):
+        require(name, "sm_90a", "sm_100a")
 
 
 def test_grid_bound_covers_routing_with_tail() -> None:
     for counts, tail, n, bn in (([0, 1, 130], 5, 300, 128), ([128] * 4, 0, 256, 256), ([1] * 9, 127, 8, 128)):
         tiles = sum(-(-c // 128) for c in [*counts, tail]) * -(-n // bn)
-        assert tiles <= gemm_sm100.tile_upper_bound(sum(counts) + tail, n, len(counts), bn)
+        assert tiles <= tile_upper_bound(sum(counts) + tail, n, len(counts), bn)
 
 
 def test_kernel_source_hash_covers_the_kernel_file() -> None:
-    import hashlib
-
-    path = ROOT / "nmoe/fast/kernels/sm100/grouped_gemm.py"
-    file_digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    assert gemm_sm100._source_sha256() == hashlib.sha256(file_digest.encode()).hexdigest()
+    assert ROOT / "nmoe/fast/kernels/sm100/grouped_gemm.py" in op.source_files(gemm_sm100.GEMM.module)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -227,7 +222,8 @@ def test_kernel_source_hash_covers_the_kernel_file() -> None:
 
 _PROBE = r'''
 import json, os, re, shutil, subprocess, sys, tempfile, time
-from nmoe.fast import gemm_sm100, runtime
+from nmoe.fast import runtime
+from nmoe.fast.gemm import sm100 as gemm_sm100
 runtime.import_cutlass("sm_100a")
 import cutlass.cute as cute
 import cutlass.utils.blockscaled_layout as sfl

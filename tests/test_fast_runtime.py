@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import inspect
 import json
 import os
 import subprocess
@@ -14,8 +17,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from nmoe.fast import compilecheck, runtime
-from nmoe.fast.arch import ArchError
+from nmoe.fast import FAST_MODULES, compilecheck, op, runtime
+from nmoe.fast.arch import ArchError, ArchNotImplemented
 from nmoe.fast.runtime import CacheKey, KernelCache
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +45,7 @@ def test_require_arch_rejects_non_cuda_naming_reference(device: str) -> None:
 def test_require_arch_maps_supported_capabilities(
     monkeypatch: pytest.MonkeyPatch, cap: tuple[int, int], arch: str
 ) -> None:
+    monkeypatch.setattr(runtime, "_arch_by_index", {})
     monkeypatch.setattr(runtime, "_capability", lambda device: cap)
     assert runtime.require_arch(_cuda(), _cuda()) == arch
 
@@ -50,6 +54,7 @@ def test_require_arch_maps_supported_capabilities(
 def test_require_arch_rejects_other_gpus_with_remedy(
     monkeypatch: pytest.MonkeyPatch, cap: tuple[int, int]
 ) -> None:
+    monkeypatch.setattr(runtime, "_arch_by_index", {})
     monkeypatch.setattr(runtime, "_capability", lambda device: cap)
     monkeypatch.setattr(runtime, "_device_name", lambda device: "Some GPU")
     with pytest.raises(ArchError, match=rf"sm_{cap[0]}{cap[1]}.*nmoe\.reference"):
@@ -57,6 +62,7 @@ def test_require_arch_rejects_other_gpus_with_remedy(
 
 
 def test_require_arch_rejects_mixed_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runtime, "_arch_by_index", {})
     monkeypatch.setattr(runtime, "_capability", lambda device: (9, 0))
     with pytest.raises(ArchError, match="one GPU"):
         runtime.require_arch(_cuda("cuda:0"), _cuda("cuda:1"))
@@ -155,12 +161,12 @@ _PROBE = """
     from pathlib import Path
     from nmoe.fast import activation, runtime
     arch, d = sys.argv[1], Path(sys.argv[2])
-    k = activation._kernels(arch)
+    runtime.import_cutlass(arch)
     import cutlass.cute as cute
-    key = runtime.cache_key("relu2_fwd", activation._source_sha256(), arch, {"dtype": "bfloat16", "vec": 8})
+    key = activation.RELU2_FWD.key(arch, dtype="bfloat16", vec=8)
     def build():
-        host, args = k.compile_args("relu2_fwd", {"dtype": "bfloat16", "vec": 8})
-        return cute.compile(host, *args)
+        host, fake = activation.RELU2_FWD.host_args(arch, dtype="bfloat16", vec=8)
+        return cute.compile(host, *fake)
     def fail():
         raise AssertionError("compiled although the disk cache holds the kernel")
     first, second = runtime.KernelCache(d), runtime.KernelCache(d)
@@ -247,34 +253,158 @@ def test_compilecheck_row_fails(spec: runtime.KernelSpec, needle: str) -> None:
     assert needle in row["error"]
 
 
-_LAUNCH_PROBE = """
-    import contextlib, json
+_ABI_PROBE = """
+    import ctypes, json
+    from nmoe.fast import op, runtime
+    from nmoe.fast.combine import COMBINE_FWD
+    runtime.import_cutlass("sm_90a")
+    import cutlass.cute as cute
+    import cuda.bindings.driver as cuda
+    from cutlass import BFloat16
+    from cutlass.cute.runtime import make_ptr
+    host, fake = COMBINE_FWD.host_args("sm_90a", k=8, vec=8, shared=True)
+    compiled = cute.compile(host, *fake)
+    slots = op.runtime_slots(host)
+    class Recorder:
+        def run_compiled_program(self, args):
+            self.args = list(args)
+    recorder = Recorder()
+    launcher = op.Launcher(recorder, slots)
+    values = (0x1000, 0x2000, 0x3000, 0x4000, 7, 4096, 2.5)
     import torch
-    from nmoe.fast import activation, runtime
-
-    calls = []
-
-    class Cache:
-        def executor(self, key, build):
-            build()
-            spec = dict(key.specialisation)
-            return lambda *args: calls.append((key.kernel, spec, [type(a).__name__ for a in args], args[-2:]))
-
-    runtime.require_arch = lambda *ts: "sm_90a"
-    runtime.kernel_cache = lambda: Cache()
-    runtime.current_stream = lambda device: "stream"
-    torch.cuda.device = lambda device: contextlib.nullcontext()
-    x = torch.ones(1000, dtype=torch.bfloat16)
-    activation._launch("relu2_fwd", (x,), torch.empty_like(x))
-    print(json.dumps(calls))
+    torch._C._cuda_getCurrentRawStream = lambda device: 0xABC
+    torch.cuda.current_device = lambda: 0
+    launcher(0, *values)
+    ptr = lambda a: make_ptr(BFloat16, a, cute.AddressSpace.gmem, assumed_align=16)
+    ptrs = [ptr(a) for a in values[:4]]
+    exe, _ = compiled.generate_execution_args(*ptrs, *values[4:], cuda.CUstream(0xABC))
+    read = lambda args: [ctypes.cast(a, ctypes.POINTER(t)).contents.value for a, (_, t) in zip(args, slots)]
+    import importlib, pkgutil
+    import nmoe.fast.kernels as kernels
+    hosts = {}
+    for m in pkgutil.walk_packages(kernels.__path__, "nmoe.fast.kernels."):
+        mod = importlib.import_module(m.name)
+        for name in dir(mod):
+            if name.endswith("_host") and callable(getattr(mod, name)):
+                hosts[f"{m.name}.{name}"] = len(op.runtime_slots(getattr(mod, name)))
+    print(json.dumps({"slots": [n for n, _ in slots], "n_exe": len(exe), "ours": read(recorder.args),
+                      "dsl": read(exe), "hosts": hosts}))
 """
 
 
-def test_launch_compiles_with_the_spec_and_passes_pointers_scalars_stream() -> None:
-    """runtime.launch wiring without a GPU: a real compile from compile_args(kernel, spec), then typed
-    pointers from pointers(kernel, addresses, spec), the scalars and the stream, in that order."""
-    proc = _python(_LAUNCH_PROBE)
+def test_launcher_fills_the_arguments_the_dsl_would_pass() -> None:
+    """The lean launcher's argument storage holds exactly what CuTeDSL's own argument packing produces
+    (device addresses, int64 scalars, the fp32 scale, the stream), checked on a real compile without a GPU."""
+    proc = _python(_ABI_PROBE)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    [(kernel, spec, types, tail)] = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert kernel == "relu2_fwd" and spec == {"dtype": "'bfloat16'", "vec": "8"}
-    assert len(types) == 4 and tail == [1000, "stream"]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["slots"] == ["py", "pw", "pshared", "pout", "t_rows", "h", "scale", "stream"]
+    assert out["n_exe"] == len(out["slots"]) and out["ours"] == out["dsl"]
+    assert len(out["hosts"]) >= 20 and all(n >= 2 for n in out["hosts"].values()), out["hosts"]
+
+
+def test_source_files_follow_imports_inside_the_package() -> None:
+    """The cache key's files come from the kernel module's imports (transitively), never a hand list."""
+    module = "nmoe.fast.kernels.sm90.grouped_gemm_fp8"
+    names = {p.relative_to(ROOT).as_posix() for p in op.source_files(module)}
+    assert {"nmoe/fast/kernels/sm90/grouped_gemm_fp8.py", "nmoe/fast/kernels/sm90/grouped_gemm.py",
+            "nmoe/fast/kernels/formats.py", "nmoe/constants.py", "nmoe/fast/kernels/activation.py",
+            "nmoe/fast/kernels/swiglu.py", "nmoe/fast/kernels/combine.py"} <= names
+    assert not any(n.startswith(("nmoe/reference", "nmoe/train", "nmoe/fast/gemm")) for n in names)
+    digest = hashlib.sha256()
+    for path in op.source_files(module):
+        digest.update(runtime.file_sha256(path).encode())
+    assert op.source_digest(module) == digest.hexdigest()
+
+
+def test_source_files_resolve_relative_and_submodule_imports(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    pkg = tmp_path / "nmoe_probe"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from . import b\nfrom .c import value\nimport os\n")
+    (pkg / "b.py").write_text("")
+    (pkg / "c.py").write_text("from nmoe_probe.b import *\nvalue = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(op, "PACKAGE", "nmoe_probe")
+    op.source_files.cache_clear()
+    op.imports.cache_clear()
+    try:
+        assert [p.name for p in op.source_files("nmoe_probe.a")] == ["a.py", "b.py", "c.py"]
+    finally:
+        op.source_files.cache_clear()
+        op.imports.cache_clear()
+
+
+def _host(**annotations: str) -> Any:
+    """A stand-in host function whose parameters carry the annotation strings a kernel file writes."""
+    def host(*args: Any) -> None: ...
+
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    host.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(n, kind, annotation=a) for n, a in annotations.items()])
+    return host
+
+
+def test_runtime_slots_refuse_an_unknown_argument_type() -> None:
+    host = _host(px="Pointer", n="Int64", v="Constexpr[int]", stream="cuda.CUstream")
+    assert [n for n, _ in op.runtime_slots(host)] == ["px", "n", "stream"]
+    with pytest.raises(TypeError, match=r"cute\.Tensor"):
+        op.runtime_slots(_host(px="Pointer", t="cute.Tensor", stream="cuda.CUstream"))
+    with pytest.raises(TypeError, match="stream"):
+        op.runtime_slots(_host(px="Pointer"))
+
+
+def test_every_kernel_spec_names_a_registry_op() -> None:
+    """KernelSpec.op joins a compile row to its parity op, so it must be a registry name."""
+    from parity.registry import REGISTRY
+
+    specs = [s for m in FAST_MODULES for s in importlib.import_module(m).KERNELS]
+    assert specs and {s.op for s in specs} <= set(REGISTRY), {s.op for s in specs} - set(REGISTRY)
+    assert len({s.name for s in specs}) == len(specs)
+
+
+def test_gemm_front_refuses_missing_pairs_with_a_remedy(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nmoe.fast import gemm
+
+    monkeypatch.setattr(runtime, "_arch_by_index", {0: "sm_100a"})
+    with pytest.raises(ArchNotImplemented, match=r"dgrad: no sm_100a kernel: .*torch\._grouped_mm"):
+        gemm.grouped_gemm_dgrad(_cuda(), _cuda(), _cuda())
+    monkeypatch.setattr(runtime, "_arch_by_index", {0: "sm_90a"})
+    with pytest.raises(ArchNotImplemented, match=r"nvfp4: no sm_90a kernel: .*B200"):
+        gemm.grouped_gemm_nvfp4(*(_cuda() for _ in range(7)))
+    assert gemm.implemented_archs("grouped_gemm") == ("sm_90a", "sm_100a")
+
+
+def test_fast_package_has_no_import_cycles() -> None:
+    """Every import inside nmoe (module level or in a function), read with ast: the graph must be acyclic."""
+    root = ROOT / "nmoe"
+    modules = [".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+               for p in root.rglob("*.py")]
+    graph = {m: op.imports(m) for m in modules}
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: tuple[str, ...]) -> None:
+        if state.get(m) == 2:
+            return
+        assert state.get(m) != 1, " -> ".join((*path, m))
+        state[m] = 1
+        for n in sorted(graph.get(m, ())):
+            visit(n, (*path, m))
+        state[m] = 2
+
+    for m in sorted(graph):
+        visit(m, ())
+
+
+def test_fast_op_routes_meta_cpu_and_grad_calls_through_the_dispatcher() -> None:
+    """The direct eager path is for plain CUDA tensors recording no grad; everything else meets the op."""
+    from nmoe.fast.activation import relu2
+
+    cpu = torch.ones(4, dtype=torch.bfloat16)
+    assert not op._eager((cpu,))
+    assert not op._eager((torch.empty(4, device="meta"),))
+    assert not op._eager((cpu.float().requires_grad_(),))
+    assert relu2(torch.empty(3, 8, dtype=torch.bfloat16, device="meta")).shape == (3, 8)
+    with pytest.raises(ArchError, match=r"nmoe\.reference"):
+        relu2(cpu)

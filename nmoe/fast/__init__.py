@@ -5,9 +5,9 @@ FAST_MODULES: tuple[str, ...] = (
     "nmoe.fast.combine",
     "nmoe.fast.router",
     "nmoe.fast.dispatch",
-    "nmoe.fast.gemm",
-    "nmoe.fast.gemm_fp8",
-    "nmoe.fast.gemm_sm100",
+    "nmoe.fast.gemm.sm90",
+    "nmoe.fast.gemm.sm90_fp8",
+    "nmoe.fast.gemm.sm100",
     "nmoe.fast.formats",
     "nmoe.fast.norm",
 )

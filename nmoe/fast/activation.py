@@ -6,27 +6,20 @@ CUDA graphs capture it as one op. Kernels are compiled per (arch, dtype, vector 
 
 from __future__ import annotations
 
-import functools
-from types import ModuleType
-
 import torch
 from torch import Tensor
 
 from nmoe.fast import _swiglu, runtime
+from nmoe.fast.limits import VEC_BYTES
+from nmoe.fast.op import Kernel, elementwise_pair, fast_op
 from nmoe.fast.runtime import KernelSpec
 
-_KERNEL_MODULE = "nmoe.fast.kernels.activation"
 _DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _VEC: dict[str, int] = {"bfloat16": 8, "float32": 4}
-_VEC_BYTES = 16
 
 
-def _source_sha256() -> str:
-    return runtime.sources_sha256(_KERNEL_MODULE)
-
-
-def _kernels(arch: str) -> ModuleType:
-    return runtime.kernel_module(_KERNEL_MODULE, arch)
+RELU2_FWD = Kernel.by_name("nmoe.fast.kernels.activation", "relu2_fwd")
+RELU2_BWD = Kernel.by_name("nmoe.fast.kernels.activation", "relu2_bwd")
 
 
 def _check(op: str, *ts: Tensor) -> str:
@@ -41,23 +34,22 @@ def _check(op: str, *ts: Tensor) -> str:
     return _DTYPE_NAMES[ts[0].dtype]
 
 
-def _launch(kernel: str, ins: tuple[Tensor, ...], out: Tensor) -> None:
+def _launch(kernel: Kernel, ins: tuple[Tensor, ...], out: Tensor) -> None:
     """Run `kernel` over the flattened contiguous tensors; 128-bit vectors when every pointer allows."""
-    runtime.require_arch(*ins, out)
-    dtype_name = _check(kernel, *ins, out)
-    if not all(t.is_contiguous() for t in (*ins, out)):
-        raise ValueError(f"{kernel}: tensors must be contiguous; call .contiguous() first")
+    device, arch = runtime.device_arch(*ins, out)
+    dtype_name = _check(kernel.name, *ins, out)
     n = out.numel()
     if n == 0:
         return
-    aligned = all(t.data_ptr() % _VEC_BYTES == 0 for t in (*ins, out))
-    spec = {"dtype": dtype_name, "vec": _VEC[dtype_name] if aligned else 1}
-    runtime.launch(_KERNEL_MODULE, _source_sha256(), kernel, spec, (*ins, out), (n,))
+    ptrs = [t.data_ptr() for t in (*ins, out)]
+    vec = _VEC[dtype_name] if all(p % VEC_BYTES == 0 for p in ptrs) else 1
+    kernel.launcher(arch, dtype=dtype_name, vec=vec)(device, *ptrs, n)
 
 
 def _relu2_impl(x: Tensor) -> Tensor:
+    x = x.contiguous()
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch("relu2_fwd", (x.contiguous(),), y)
+    _launch(RELU2_FWD, (x,), y)
     return y
 
 
@@ -67,7 +59,7 @@ def _relu2_fake(x: Tensor) -> Tensor:
 
 def _relu2_bwd_impl(dy: Tensor, x: Tensor) -> Tensor:
     dx = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
-    _launch("relu2_bwd", (dy.contiguous(), x.contiguous()), dx)
+    _launch(RELU2_BWD, (dy.contiguous(), x.contiguous()), dx)
     return dx
 
 
@@ -75,27 +67,19 @@ def _relu2_bwd_fake(dy: Tensor, x: Tensor) -> Tensor:
     return torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
 
 
-_relu2_op, _relu2_bwd_op = runtime.register_activation_ops(
-    "relu2", (_relu2_impl, _relu2_fake), (_relu2_bwd_impl, _relu2_bwd_fake)
-)
+_relu2_op = fast_op("relu2", _relu2_impl, _relu2_fake)
+_relu2_bwd_op = fast_op("relu2_bwd", _relu2_bwd_impl, _relu2_bwd_fake)
+elementwise_pair(_relu2_op, _relu2_bwd_op)
 
 
 def relu2(x: Tensor) -> Tensor:
     """relu(x)^2 in fp32, rounded once to x.dtype; differentiable through relu2_bwd."""
-    out: Tensor = _relu2_op(x)
-    return out
+    return _relu2_op(x)
 
 
 def relu2_bwd(dy: Tensor, x: Tensor) -> Tensor:
     """dy * (2 * relu(x)) in fp32, rounded once to dy.dtype."""
-    out: Tensor = _relu2_bwd_op(dy, x)
-    return out
-
-
-def _ptx(kernel: str, dtype_name: str, arch: str) -> str:
-    k = _kernels(arch)
-    host, args = k.compile_args(kernel, {"dtype": dtype_name, "vec": _VEC[dtype_name]})
-    return runtime.compile_ptx(host, args)
+    return _relu2_bwd_op(dy, x)
 
 
 # ftz would flush fp32 subnormal squares that bf16 keeps; PTX max/min return the non-NaN operand
@@ -106,10 +90,12 @@ _FORBID = (r"\.ftz\b", r"\b(max|min)(\.[a-zA-Z0-9]+)*\.(f32|bf16|bf16x2)\b", r"\
 _MUL_F32 = {"sm_90a": (r"\bmul(\.rn)?\.f32\s",), "sm_100a": (r"\bmul(\.rn)?\.f32x2\s",)}
 
 
-def _spec(kernel: str, dtype_name: str) -> KernelSpec:
+def _spec(kernel: Kernel, dtype_name: str) -> KernelSpec:
     suffix = "" if dtype_name == "bfloat16" else "_f32"
     rounding = (r"\bcvt\.rn\.bf16x2\.f32\b",) if dtype_name == "bfloat16" else ()
-    return runtime.portable_spec("relu2", f"{kernel}{suffix}", functools.partial(_ptx, kernel, dtype_name),
+    op = kernel.name.removesuffix("_fwd")
+    compile = kernel.compiler(dtype=dtype_name, vec=_VEC[dtype_name])
+    return runtime.portable_spec(op, f"{kernel.name}{suffix}", compile,
                                  (runtime.LD128, runtime.ST128, r"\bsetp\.nan\.f32\b", *rounding), _FORBID,
                                  _MUL_F32)
 
@@ -119,6 +105,6 @@ swiglu_bwd = _swiglu.swiglu_bwd
 
 KERNELS: tuple[KernelSpec, ...] = (
     *(_spec(kernel, dtype_name)
-      for dtype_name in ("bfloat16", "float32") for kernel in ("relu2_fwd", "relu2_bwd")),
+      for dtype_name in ("bfloat16", "float32") for kernel in (RELU2_FWD, RELU2_BWD)),
     *_swiglu.KERNELS,
 )

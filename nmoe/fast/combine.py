@@ -6,27 +6,26 @@ routed_scale multiplies the sum, never the weights. nmoe::combine carries autogr
 
 from __future__ import annotations
 
-import functools
-from types import ModuleType
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from nmoe.fast import runtime
+from nmoe.fast.limits import VEC_BYTES
+from nmoe.fast.op import Kernel, fast_op, save_inputs
 from nmoe.fast.runtime import KernelSpec
 
-_KERNEL_MODULE = "nmoe.fast.kernels.combine"
 _VEC = 8
-_VEC_BYTES = 16
 
 
-def _source_sha256() -> str:
-    return runtime.sources_sha256(_KERNEL_MODULE)
+def _kernel(name: str) -> Kernel:
+    return Kernel("nmoe.fast.kernels.combine", name,
+                  lambda km, k, vec, shared: km.compile_args(name, k, vec, shared))
 
 
-def _kernels(arch: str) -> ModuleType:
-    return runtime.kernel_module(_KERNEL_MODULE, arch)
+COMBINE_FWD = _kernel("combine_fwd")
+COMBINE_BWD = _kernel("combine_bwd")
 
 
 def _check(op: str, y: Tensor, w: Tensor) -> None:
@@ -52,31 +51,16 @@ def _scale_f32(routed_scale: float) -> float:
     return float(torch.tensor(float(routed_scale), dtype=torch.float32).item())
 
 
-def _launch(kernel: str, tensors: tuple[Tensor, ...], y: Tensor, scale: float) -> None:
-    """Launch on contiguous tensors in the kernel's pointer order (bf16 and fp32 pointers by dtype)."""
-    arch = runtime.require_arch(*tensors)
+def _launch(kernel: Kernel, tensors: tuple[Tensor, ...], y: Tensor, scale: float, shared: bool) -> None:
+    """Launch on contiguous tensors in the kernel's pointer order."""
+    device, arch = runtime.device_arch(*tensors)
     t, k, h = y.shape
     if t == 0 or h == 0:
         return
-    bf16 = [x for x in tensors if x.dtype == torch.bfloat16]
-    vec = _VEC if h % _VEC == 0 and all(x.data_ptr() % _VEC_BYTES == 0 for x in bf16) else 1
-    has_shared = kernel == "combine_fwd_shared"
-    name = "combine_fwd" if has_shared else kernel
-    kc = _kernels(arch)
-    key = runtime.cache_key(name, _source_sha256(), arch, {"k": k, "vec": vec, "shared": has_shared})
-
-    def build() -> Any:
-        import cutlass.cute as cute
-
-        host, args = kc.compile_args(name, k, vec, has_shared)
-        return cute.compile(host, *args)
-
-    device = y.device
-    ex = runtime.kernel_cache().executor(key, build)
-    ptrs = [kc.bf16_pointer(x.data_ptr(), vec) if x.dtype == torch.bfloat16 else kc.f32_pointer(x.data_ptr())
-            for x in tensors]
-    with torch.cuda.device(device):
-        ex(*ptrs, t, h, scale, runtime.current_stream(device))
+    ptrs = [x.data_ptr() for x in tensors]
+    aligned = all(p % VEC_BYTES == 0 for x, p in zip(tensors, ptrs, strict=True) if x.dtype == torch.bfloat16)
+    vec = _VEC if h % _VEC == 0 and aligned else 1
+    kernel.launcher(arch, k=k, vec=vec, shared=shared)(device, *ptrs, t, h, scale)
 
 
 def _combine_impl(y: Tensor, w: Tensor, routed_scale: float, shared: Tensor | None) -> Tensor:
@@ -87,7 +71,7 @@ def _combine_impl(y: Tensor, w: Tensor, routed_scale: float, shared: Tensor | No
     y, w = y.contiguous(), w.contiguous()
     sh = y if shared is None else shared.contiguous()
     scale = _scale_f32(routed_scale)
-    _launch("combine_fwd" if shared is None else "combine_fwd_shared", (y, w, sh, out), y, scale)
+    _launch(COMBINE_FWD, (y, w, sh, out), y, scale, shared is not None)
     return out
 
 
@@ -102,7 +86,7 @@ def _combine_bwd_impl(dout: Tensor, y: Tensor, w: Tensor, routed_scale: float) -
     dy = torch.empty(y.shape, dtype=y.dtype, device=y.device)
     dw = torch.zeros(w.shape, dtype=w.dtype, device=w.device)
     dout, y, w = dout.contiguous(), y.contiguous(), w.contiguous()
-    _launch("combine_bwd", (dout, y, w, dy, dw), y, _scale_f32(routed_scale))
+    _launch(COMBINE_BWD, (dout, y, w, dy, dw), y, _scale_f32(routed_scale), False)
     return dy, dw
 
 
@@ -111,34 +95,26 @@ def _combine_bwd_fake(dout: Tensor, y: Tensor, w: Tensor, routed_scale: float) -
     return y.new_empty(y.shape), w.new_empty(w.shape)
 
 
-_combine_op = runtime.register_custom_op("nmoe::combine", _combine_impl, _combine_fake)
-_combine_bwd_op = torch.library.custom_op("nmoe::combine_bwd", mutates_args=())(_combine_bwd_impl)
-_combine_bwd_op.register_fake(_combine_bwd_fake)
-
-
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    y, w, routed_scale, shared = inputs
-    ctx.save_for_backward(y, w)
-    ctx.routed_scale = routed_scale
-    ctx.has_shared = shared is not None
+_combine_op = fast_op("combine", _combine_impl, _combine_fake)
+_combine_bwd_op = fast_op("combine_bwd", _combine_bwd_impl, _combine_bwd_fake)
 
 
 def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, Tensor | None]:
     y, w = ctx.saved_tensors
+    routed_scale, shared = ctx.inputs[2], ctx.inputs[3]
     dy: Tensor | None = None
     dw: Tensor | None = None
     if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-        dy, dw = _combine_bwd_op(grad, y, w, ctx.routed_scale)
-    return dy, dw, None, grad if ctx.has_shared else None
+        dy, dw = _combine_bwd_op(grad, y, w, routed_scale)
+    return dy, dw, None, None if shared is None else grad
 
 
-_combine_op.register_autograd(_backward, setup_context=_setup_context)
+_combine_op.autograd(_backward, save_inputs(0, 1))
 
 
 def combine(y: Tensor, w: Tensor, routed_scale: float, shared: Tensor | None = None) -> Tensor:
     """bf16(((sum_k w_k*y_k) * routed_scale) + shared), fp32 slot-order sum, every op rounded (no FMA)."""
-    out: Tensor = _combine_op(y, w, routed_scale, shared)
-    return out
+    return _combine_op(y, w, routed_scale, shared)
 
 
 def combine_bwd(dout: Tensor, y: Tensor, w: Tensor, routed_scale: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -147,26 +123,20 @@ def combine_bwd(dout: Tensor, y: Tensor, w: Tensor, routed_scale: float) -> tupl
     return dy, dw, dout.clone()
 
 
-def _ptx(kernel: str, k: int, has_shared: bool, arch: str) -> str:
-    kc = _kernels(arch)
-    host, args = kc.compile_args(kernel, k, _VEC, has_shared)
-    return runtime.compile_ptx(host, args)
-
-
 # The contract pins every product and sum as separately rounded: any fma (scalar or sm_100a's packed
 # f32x2), an unrounded mul/add that ptxas may fuse, ftz, or local memory (spills) is a defect.
 FORBID_FMA = r"\bfma\.rn\.f32\b|\bfma\.f32\b"
 _FORBID = (FORBID_FMA, r"\bfma(\.\w+)*\.f32x2\b", r"\b(mul|add)\.f32\b", r"\.ftz\b", r"\b(ld|st)\.local\b")
 
 
-def _spec(name: str, kernel: str, k: int, has_shared: bool, *extra: str) -> KernelSpec:
+def _spec(name: str, kernel: Kernel, k: int, has_shared: bool, *extra: str) -> KernelSpec:
     expect = (runtime.LD128, runtime.ST128, r"mul\.rn\.f32", r"\bcvt\.rn\.bf16x2\.f32\b", *extra)
-    return runtime.portable_spec("combine", name, functools.partial(_ptx, kernel, k, has_shared), expect,
-                                 _FORBID)
+    return runtime.portable_spec(kernel.name.removesuffix("_fwd"), name,
+                                 kernel.compiler(k=k, vec=_VEC, shared=has_shared), expect, _FORBID)
 
 
 KERNELS: tuple[KernelSpec, ...] = (
-    _spec("combine_fwd", "combine_fwd", 8, True, r"\badd\.rn\.f32\b"),
-    _spec("combine_fwd_k1", "combine_fwd", 1, False),
-    _spec("combine_bwd", "combine_bwd", 8, False, r"\badd\.rn\.f32\b", r"\bshfl\.sync\.bfly\.b32\b"),
+    _spec("combine_fwd", COMBINE_FWD, 8, True, r"\badd\.rn\.f32\b"),
+    _spec("combine_fwd_k1", COMBINE_FWD, 1, False),
+    _spec("combine_bwd", COMBINE_BWD, 8, False, r"\badd\.rn\.f32\b", r"\bshfl\.sync\.bfly\.b32\b"),
 )

@@ -6,10 +6,7 @@ The NVFP4 tensor amax is reduced on the device (atomic max on fp32 bits), so no 
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from types import ModuleType
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -17,27 +14,26 @@ from torch import Tensor
 from nmoe.constants import FP8_WEIGHT_BLOCK as WEIGHT_BLOCK
 from nmoe.constants import MX_BLOCKS, NVFP4_BLOCK
 from nmoe.fast import runtime
+from nmoe.fast.limits import VEC_BYTES
+from nmoe.fast.op import Kernel, fast_op
 from nmoe.fast.runtime import KernelSpec
 
-_KERNEL_MODULE = "nmoe.fast.kernels.formats"
 _DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "bfloat16", torch.float16: "float16",
                                         torch.float32: "float32"}
 _VEC: dict[str, int] = {"bfloat16": 8, "float16": 8, "float32": 4}
 _CODE_VEC = 8
 _AMAX_CTAS_PER_SM = 8
 _THREADS = 256
-
-
-def _source_sha256() -> str:
-    return runtime.sources_sha256(_KERNEL_MODULE, "nmoe.constants")
-
-
-def _kernels(arch: str) -> ModuleType:
-    return runtime.kernel_module(_KERNEL_MODULE, arch)
+KERNELS_BY_NAME: dict[str, Kernel] = {
+    name: Kernel.by_name("nmoe.fast.kernels.formats", name)
+    for name in ("mx_quant", "mx_dequant", "mxw_quant", "mxw_dequant", "nvfp4_amax", "nvfp4_quant",
+                 "nvfp4_dequant")
+}
 
 
 def _launch(kernel: str, spec: dict[str, Any], tensors: tuple[Tensor, ...], scalars: tuple[Any, ...]) -> None:
-    runtime.launch(_KERNEL_MODULE, _source_sha256(), kernel, spec, tensors, scalars)
+    device, arch = runtime.device_arch(*tensors)
+    KERNELS_BY_NAME[kernel].launcher(arch, **spec)(device, *(t.data_ptr() for t in tensors), *scalars)
 
 
 def _aligned(t: Tensor, nbytes: int) -> Tensor:
@@ -97,7 +93,7 @@ def _quantize_mxfp8_impl(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
     if x.numel():
         vec = _VEC[dtype_name]
         spec = {"vec": vec, "group": block // vec, "dtype_name": dtype_name}
-        _launch("mx_quant", spec, (_aligned(x, 16), codes, scales), (x.numel() // vec,))
+        _launch("mx_quant", spec, (_aligned(x, VEC_BYTES), codes, scales), (x.numel() // vec,))
     return codes, scales
 
 
@@ -138,7 +134,7 @@ def _quantize_mxfp8_weight_impl(w: Tensor) -> tuple[Tensor, Tensor]:
                          device=w.device)
     if w.numel():
         spec = {"vec": _VEC[dtype_name], "dtype_name": dtype_name}
-        _launch("mxw_quant", spec, (_aligned(w, 16), codes, scales), (w.numel() // k, k))
+        _launch("mxw_quant", spec, (_aligned(w, VEC_BYTES), codes, scales), (w.numel() // k, k))
     return codes, scales
 
 
@@ -180,10 +176,10 @@ def _quantize_nvfp4_impl(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     if x.numel():
         vec = _VEC[dtype_name]
         nvec = x.numel() // vec
-        xa = _aligned(x, 16)
-        runtime.require_arch(x)
+        xa = _aligned(x, VEC_BYTES)
+        device, _ = runtime.device_arch(x)
         amax = torch.zeros(1, dtype=torch.int32, device=x.device)
-        ctas = max(1, min(-(-nvec // _THREADS), _AMAX_CTAS_PER_SM * runtime.sm_count(x.device)))
+        ctas = max(1, min(-(-nvec // _THREADS), _AMAX_CTAS_PER_SM * runtime.sm_count(device)))
         _launch("nvfp4_amax", {"vec": vec, "dtype_name": dtype_name}, (xa, amax), (nvec, ctas))
         spec = {"vec": vec, "group": NVFP4_BLOCK // vec, "dtype_name": dtype_name}
         _launch("nvfp4_quant", spec, (xa, amax, packed, scales, g), (nvec,))
@@ -218,64 +214,47 @@ def _dequantize_nvfp4_fake(packed: Tensor, block_scales: Tensor, tensor_scale: T
     return torch.empty((*packed.shape[:-1], 2 * packed.shape[-1]), dtype=torch.float32, device=packed.device)
 
 
-def _op(name: str, impl: Callable[..., Any], fake: Callable[..., Any]) -> Callable[..., Any]:
-    """runtime.register_custom_op, for ops that also return tuples of tensors."""
-    return runtime.register_custom_op(f"nmoe::{name}", cast(Callable[..., Tensor], impl),
-                                      cast(Callable[..., Tensor], fake))
-
-
-_quantize_mxfp8_op = _op("quantize_mxfp8", _quantize_mxfp8_impl, _quantize_mxfp8_fake)
-_dequantize_mxfp8_op = _op("dequantize_mxfp8", _dequantize_mxfp8_impl, _dequantize_mxfp8_fake)
-_quantize_mxfp8_weight_op = _op("quantize_mxfp8_weight", _quantize_mxfp8_weight_impl,
-                                _quantize_mxfp8_weight_fake)
-_dequantize_mxfp8_weight_op = _op("dequantize_mxfp8_weight", _dequantize_mxfp8_weight_impl,
-                                  _dequantize_mxfp8_weight_fake)
-_quantize_nvfp4_op = _op("quantize_nvfp4", _quantize_nvfp4_impl, _quantize_nvfp4_fake)
-_dequantize_nvfp4_op = _op("dequantize_nvfp4", _dequantize_nvfp4_impl, _dequantize_nvfp4_fake)
+_quantize_mxfp8_op = fast_op("quantize_mxfp8", _quantize_mxfp8_impl, _quantize_mxfp8_fake)
+_dequantize_mxfp8_op = fast_op("dequantize_mxfp8", _dequantize_mxfp8_impl, _dequantize_mxfp8_fake)
+_quantize_mxfp8_weight_op = fast_op("quantize_mxfp8_weight", _quantize_mxfp8_weight_impl,
+                                    _quantize_mxfp8_weight_fake)
+_dequantize_mxfp8_weight_op = fast_op("dequantize_mxfp8_weight", _dequantize_mxfp8_weight_impl,
+                                      _dequantize_mxfp8_weight_fake)
+_quantize_nvfp4_op = fast_op("quantize_nvfp4", _quantize_nvfp4_impl, _quantize_nvfp4_fake)
+_dequantize_nvfp4_op = fast_op("dequantize_nvfp4", _dequantize_nvfp4_impl, _dequantize_nvfp4_fake)
 
 
 def quantize_mxfp8(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
     """MX-FP8 along the last dim: e4m3 codes [..., K] and e8m0 scale bytes [..., K//block]."""
-    out: tuple[Tensor, Tensor] = _quantize_mxfp8_op(x, block)
-    return out
+    return _quantize_mxfp8_op(x, block)
 
 
 def dequantize_mxfp8(codes: Tensor, scales: Tensor, block: int) -> Tensor:
-    out: Tensor = _dequantize_mxfp8_op(codes, scales, block)
-    return out
+    return _dequantize_mxfp8_op(codes, scales, block)
 
 
 def quantize_mxfp8_weight(w: Tensor) -> tuple[Tensor, Tensor]:
     """MX-FP8 with 128x128 blocks over the last two dims (DeepSeek-V3 weight layout)."""
-    out: tuple[Tensor, Tensor] = _quantize_mxfp8_weight_op(w)
-    return out
+    return _quantize_mxfp8_weight_op(w)
 
 
 def dequantize_mxfp8_weight(codes: Tensor, scales: Tensor) -> Tensor:
-    out: Tensor = _dequantize_mxfp8_weight_op(codes, scales)
-    return out
+    return _dequantize_mxfp8_weight_op(codes, scales)
 
 
 def quantize_nvfp4(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """NVFP4 along the last dim: packed e2m1 [..., K//2], e4m3 block scales [..., K//16], fp32 tensor
     scale (0-dim, on the device: no host sync)."""
-    out: tuple[Tensor, Tensor, Tensor] = _quantize_nvfp4_op(x)
-    return out
+    return _quantize_nvfp4_op(x)
 
 
 def dequantize_nvfp4(packed: Tensor, block_scales: Tensor, tensor_scale: Tensor) -> Tensor:
-    out: Tensor = _dequantize_nvfp4_op(packed, block_scales, tensor_scale)
-    return out
+    return _dequantize_nvfp4_op(packed, block_scales, tensor_scale)
 
 
 # --------------------------------------------------------------------------------------------------------
 # Compile checks (no GPU): what each kernel's PTX must and must not contain.
 # --------------------------------------------------------------------------------------------------------
-def _ptx(kernel: str, spec: dict[str, Any], arch: str) -> str:
-    host, args = _kernels(arch).compile_args(kernel, spec)
-    return runtime.compile_ptx(host, args)
-
-
 # No narrowing cvt (rounding is integer arithmetic, proven against the spec bit for bit); no flush-to-zero
 # or approximate division (amax_b/6/g and x/denom are IEEE divisions in the spec); plain mul/add could be
 # contracted into an FMA, so every fp32 op carries `.rn`; local memory means spills. min.f32 (NaN-quiet)
@@ -297,7 +276,7 @@ _FP_SUFFIX = {"bfloat16": "", "float32": "_f32"}
 
 
 def _quant_spec(op: str, name: str, kernel: str, spec: dict[str, Any], expect: tuple[str, ...]) -> KernelSpec:
-    return runtime.portable_spec(op, name, functools.partial(_ptx, kernel, spec), expect, _FORBID)
+    return runtime.portable_spec(op, name, KERNELS_BY_NAME[kernel].compiler(**spec), expect, _FORBID)
 
 
 def _kernel_specs() -> tuple[KernelSpec, ...]:

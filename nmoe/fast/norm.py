@@ -6,22 +6,22 @@ width): one CTA per row with the row in registers; dw is summed per CTA, then ov
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from nmoe.fast import runtime
+from nmoe.fast.limits import VEC_BYTES
+from nmoe.fast.op import Kernel, fast_op, save_inputs
 from nmoe.fast.runtime import KernelSpec
 
-_KERNEL_MODULE = "nmoe.fast.kernels.norm"
+RMSNORM_FWD = Kernel.by_name("nmoe.fast.kernels.norm", "rmsnorm_fwd")
+RMSNORM_BWD = Kernel.by_name("nmoe.fast.kernels.norm", "rmsnorm_bwd")
+RMSNORM_DW = Kernel.by_name("nmoe.fast.kernels.norm", "rmsnorm_dw")
 _DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "bfloat16", torch.float16: "float16",
                                         torch.float32: "float32"}
-_VEC_BYTES = 16
 _MAX_THREADS = 1024
 _TARGET_THREADS = 256
 BWD_TARGET_THREADS = 1024
@@ -60,18 +60,6 @@ def bwd_ctas_per_sm(threads: int) -> int:
     return max(1, _BWD_THREADS_PER_SM // threads)
 
 
-def _source_sha256() -> str:
-    return runtime.sources_sha256(_KERNEL_MODULE)
-
-
-def _kernels(arch: str) -> ModuleType:
-    return runtime.kernel_module(_KERNEL_MODULE, arch)
-
-
-def _launch(kernel: str, spec: dict[str, Any], tensors: tuple[Tensor, ...], scalars: tuple[Any, ...]) -> None:
-    runtime.launch(_KERNEL_MODULE, _source_sha256(), kernel, spec, tensors, scalars)
-
-
 def _check(x: Tensor, w: Tensor, eps: float) -> None:
     if x.dim() < 1 or w.shape != (x.shape[-1],):
         raise ValueError(
@@ -93,21 +81,26 @@ def _contig(t: Tensor, nbytes: int) -> Tensor:
 
 def _spec(x: Tensor, w: Tensor, target_threads: int = _TARGET_THREADS) -> tuple[dict[str, Any], RowPlan]:
     d = x.shape[-1]
-    vec = _VEC_BYTES // x.element_size()
+    vec = VEC_BYTES // x.element_size()
     plan = plan_row(d, vec if d % vec == 0 else 1, target_threads)
     return ({"d": d, "vec": plan.vec, "nper": plan.nper, "threads": plan.threads,
              "x_dtype": _DTYPE_NAMES[x.dtype], "w_dtype": _DTYPE_NAMES[w.dtype]}, plan)
 
 
+def _ptrs(*tensors: Tensor) -> list[int]:
+    return [t.data_ptr() for t in tensors]
+
+
 def _rmsnorm_impl(x: Tensor, w: Tensor, eps: float) -> Tensor:
     _check(x, w, eps)
+    device, arch = runtime.device_arch(x, w)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:
         return y
     spec, plan = _spec(x, w)
     align = plan.vec * x.element_size()
-    xc, wc = _contig(x, align), _contig(w, min(_VEC_BYTES, plan.vec * w.element_size()))
-    _launch("rmsnorm_fwd", spec, (xc, wc, y), (x.numel() // plan.d, eps))
+    xc, wc = _contig(x, align), _contig(w, min(VEC_BYTES, plan.vec * w.element_size()))
+    RMSNORM_FWD.launcher(arch, **spec)(device, *_ptrs(xc, wc, y), x.numel() // plan.d, eps)
     return y
 
 
@@ -121,6 +114,7 @@ def _rmsnorm_bwd_impl(dy: Tensor, x: Tensor, w: Tensor, eps: float) -> tuple[Ten
         raise ValueError(f"rmsnorm_bwd: dy shape {tuple(dy.shape)} must equal x shape {tuple(x.shape)}")
     if dy.dtype != x.dtype:
         raise ValueError(f"rmsnorm_bwd: dy is {dy.dtype} but x is {x.dtype}; cast dy to x's dtype")
+    device, arch = runtime.device_arch(dy, x, w)
     d = x.shape[-1]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dw = torch.zeros(w.shape, dtype=w.dtype, device=w.device)
@@ -131,13 +125,12 @@ def _rmsnorm_bwd_impl(dy: Tensor, x: Tensor, w: Tensor, eps: float) -> tuple[Ten
     spec["ctas_per_sm"] = bwd_ctas_per_sm(plan.threads)
     align = plan.vec * x.element_size()
     xc, dyc = _contig(x, align), _contig(dy, align)
-    wc = _contig(w, min(_VEC_BYTES, plan.vec * w.element_size()))
-    runtime.require_arch(dy, x, w)
-    ctas = min(rows, runtime.sm_count(x.device) * spec["ctas_per_sm"])
+    wc = _contig(w, min(VEC_BYTES, plan.vec * w.element_size()))
+    ctas = min(rows, runtime.sm_count(device) * spec["ctas_per_sm"])
     parts = torch.empty((ctas, d), dtype=torch.float32, device=x.device)
-    _launch("rmsnorm_bwd", spec, (dyc, xc, wc, dx, parts), (rows, eps, ctas))
+    RMSNORM_BWD.launcher(arch, **spec)(device, *_ptrs(dyc, xc, wc, dx, parts), rows, eps, ctas)
     dw_vec = _DW_VEC if d % _DW_VEC == 0 else 1
-    _launch("rmsnorm_dw", {"vec": dw_vec, "w_dtype": spec["w_dtype"]}, (parts, dw), (ctas, d))
+    RMSNORM_DW.launcher(arch, vec=dw_vec, w_dtype=spec["w_dtype"])(device, *_ptrs(parts, dw), ctas, d)
     return dx, dw
 
 
@@ -146,42 +139,27 @@ def _rmsnorm_bwd_fake(dy: Tensor, x: Tensor, w: Tensor, eps: float) -> tuple[Ten
             torch.empty(w.shape, dtype=w.dtype, device=w.device))
 
 
-_rmsnorm_op = runtime.register_custom_op("nmoe::rmsnorm", _rmsnorm_impl, _rmsnorm_fake)
-_rmsnorm_bwd_op = runtime.register_custom_op(
-    "nmoe::rmsnorm_bwd", cast(Callable[..., Tensor], _rmsnorm_bwd_impl),
-    cast(Callable[..., Tensor], _rmsnorm_bwd_fake))
-
-
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    x, w, eps = inputs
-    ctx.save_for_backward(x, w)
-    ctx.eps = eps
+_rmsnorm_op = fast_op("rmsnorm", _rmsnorm_impl, _rmsnorm_fake)
+_rmsnorm_bwd_op = fast_op("rmsnorm_bwd", _rmsnorm_bwd_impl, _rmsnorm_bwd_fake)
 
 
 def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
     x, w = ctx.saved_tensors
-    dx, dw = _rmsnorm_bwd_op(grad.to(x.dtype), x, w, ctx.eps)
+    dx, dw = _rmsnorm_bwd_op(grad.to(x.dtype), x, w, ctx.inputs[2])
     return dx, dw, None
 
 
-_rmsnorm_op.register_autograd(_backward, setup_context=_setup_context)
+_rmsnorm_op.autograd(_backward, save_inputs(0, 1))
 
 
 def rmsnorm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     """y = x * (1/sqrt(mean(x^2) + eps)) * w in fp32, one rounding to x.dtype; differentiable."""
-    out: Tensor = _rmsnorm_op(x, w, eps)
-    return out
+    return _rmsnorm_op(x, w, eps)
 
 
 def rmsnorm_bwd(dy: Tensor, x: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """(dx, dw): dx = r*(g - x*r^2*mean(g*x)), g = dy*w, rounded to x.dtype; dw = sum_rows dy*x*r."""
-    out: tuple[Tensor, Tensor] = _rmsnorm_bwd_op(dy, x, w, eps)
-    return out
-
-
-def _ptx(kernel: str, spec: dict[str, Any], arch: str) -> str:
-    host, args = _kernels(arch).compile_args(kernel, spec)
-    return runtime.compile_ptx(host, args)
+    return _rmsnorm_bwd_op(dy, x, w, eps)
 
 
 # rsqrt.approx / sqrt.approx / div.approx / div.full are not correctly rounded (r must be 1/sqrt.rn);
@@ -196,14 +174,15 @@ _CHECKED = ((4096, "bfloat16", "bfloat16"), (1536, "bfloat16", "float32"), (7168
 
 
 def _row_spec(d: int, x_dtype: str, w_dtype: str, target_threads: int = _TARGET_THREADS) -> dict[str, Any]:
-    vec = _VEC_BYTES // {"bfloat16": 2, "float16": 2, "float32": 4}[x_dtype]
+    vec = VEC_BYTES // {"bfloat16": 2, "float16": 2, "float32": 4}[x_dtype]
     plan = plan_row(d, vec if d % vec == 0 else 1, target_threads)
     return {"d": d, "vec": plan.vec, "nper": plan.nper, "threads": plan.threads, "x_dtype": x_dtype,
             "w_dtype": w_dtype}
 
 
-def _norm_spec(op: str, name: str, kernel: str, spec: dict[str, Any], expect: tuple[str, ...]) -> KernelSpec:
-    return runtime.portable_spec(op, name, functools.partial(_ptx, kernel, spec), expect, _FORBID)
+def _norm_spec(op: str, name: str, kernel: Kernel, spec: dict[str, Any],
+               expect: tuple[str, ...]) -> KernelSpec:
+    return runtime.portable_spec(op, name, kernel.compiler(**spec), expect, _FORBID)
 
 
 def _kernel_specs() -> tuple[KernelSpec, ...]:
@@ -211,14 +190,14 @@ def _kernel_specs() -> tuple[KernelSpec, ...]:
     for d, xd, wd in _CHECKED:
         tag = f"d{d}_{xd[0]}{xd[-2:]}_{wd[0]}{wd[-2:]}"
         cvt = (_BF16_OUT,) if xd == "bfloat16" else ()
-        out.append(_norm_spec("rmsnorm", f"rmsnorm_fwd_{tag}", "rmsnorm_fwd", _row_spec(d, xd, wd),
+        out.append(_norm_spec("rmsnorm", f"rmsnorm_fwd_{tag}", RMSNORM_FWD, _row_spec(d, xd, wd),
                               (*_ROW, *cvt)))
         bwd = _row_spec(d, xd, wd, BWD_TARGET_THREADS)
         bwd["ctas_per_sm"] = bwd_ctas_per_sm(bwd["threads"])
-        out.append(_norm_spec("rmsnorm_bwd", f"rmsnorm_bwd_{tag}", "rmsnorm_bwd", bwd,
+        out.append(_norm_spec("rmsnorm_bwd", f"rmsnorm_bwd_{tag}", RMSNORM_BWD, bwd,
                               (*_ROW, r"\badd\.rn\.f32\b", *cvt)))
     dw = {"vec": _DW_VEC, "w_dtype": "bfloat16"}
-    out.append(_norm_spec("rmsnorm_bwd", "rmsnorm_dw_bf16", "rmsnorm_dw", dw,
+    out.append(_norm_spec("rmsnorm_bwd", "rmsnorm_dw_bf16", RMSNORM_DW, dw,
                           (runtime.LD128, r"\badd\.rn\.f32\b", _BF16_OUT)))
     return tuple(out)
 

@@ -14,30 +14,21 @@ Scores follow a pinned IEEE-op formula (below) because torch's CPU sigmoid/softm
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from types import ModuleType
-from typing import Any, cast
-
 import torch
 from torch import Tensor
 
 from nmoe.fast import runtime
+from nmoe.fast.limits import MAX_EXPERTS, ROUTER_MAX_GROUPS, ROUTER_MAX_K
+from nmoe.fast.op import Kernel, fast_op
 from nmoe.fast.runtime import KernelSpec
 
-_KERNEL_MODULE = "nmoe.fast.kernels.router"
 SCORE_FUNCS = ("sigmoid", "softmax")
-MAX_EXPERTS = 1024
-MAX_K = 32
-MAX_GROUPS = 32
-
-
-def _source_sha256() -> str:
-    return runtime.sources_sha256(_KERNEL_MODULE)
-
-
-def _kernels(arch: str) -> ModuleType:
-    return runtime.kernel_module(_KERNEL_MODULE, arch)
+_INT32_LIMIT = 2**31
+ROUTER_TOPK = Kernel("nmoe.fast.kernels.router", "router_topk",
+                     lambda km, E, k, softmax, n_groups, topk_groups: km.compile_args(E, k, softmax, n_groups,
+                                                                                      topk_groups))
+EXPERT_COUNTS = Kernel("nmoe.fast.kernels.router", "expert_counts",
+                       lambda km, E, ids_bits: km.counts_args(E, ids_bits))
 
 
 def check_topk_args(logits: Tensor, bias: Tensor, k: int, score_func: str, n_groups: int,
@@ -61,60 +52,28 @@ def check_topk_args(logits: Tensor, bias: Tensor, k: int, score_func: str, n_gro
     avail = e if n_groups == 1 else topk_groups * (e // n_groups)
     if not 1 <= k <= avail:
         raise ValueError(f"router_topk: k={k} must lie in [1, {avail}] (experts reachable after group limit)")
-    if e > MAX_EXPERTS or k > MAX_K or n_groups > MAX_GROUPS:
-        raise ValueError(f"router_topk: the fast kernel takes E <= {MAX_EXPERTS}, k <= {MAX_K}, n_groups <= "
-                         f"{MAX_GROUPS}; got E={e}, k={k}, n_groups={n_groups}; raise the limits in "
-                         "nmoe/fast/kernels/router.py (registers grow with E/32, k and n_groups)")
-
-
-@functools.cache
-def _topk_executor(arch: str, e: int, k: int, softmax: bool, n_groups: int,
-                   topk_groups: int) -> tuple[ModuleType, Any]:
-    """Compiled once per (arch, shape class); memoised so a call costs no key hashing."""
-    kern = _kernels(arch)
-    spec = {"E": e, "k": k, "softmax": softmax, "n_groups": n_groups, "topk_groups": topk_groups}
-    key = runtime.cache_key("router_topk", _source_sha256(), arch, spec)
-
-    def build() -> Any:
-        import cutlass.cute as cute
-
-        host, args = kern.compile_args(e, k, softmax, n_groups, topk_groups)
-        return cute.compile(host, *args)
-
-    return kern, runtime.kernel_cache().executor(key, build)
-
-
-@functools.cache
-def _counts_executor(arch: str, n_experts: int, bits: int) -> tuple[ModuleType, Any]:
-    kern = _kernels(arch)
-    key = runtime.cache_key("expert_counts", _source_sha256(), arch, {"E": n_experts, "ids_bits": bits})
-
-    def build() -> Any:
-        import cutlass.cute as cute
-
-        host, args = kern.counts_args(n_experts, bits)
-        return cute.compile(host, *args)
-
-    return kern, runtime.kernel_cache().executor(key, build)
+    if e > MAX_EXPERTS or k > ROUTER_MAX_K or n_groups > ROUTER_MAX_GROUPS:
+        raise ValueError(f"router_topk: the fast kernel takes E <= {MAX_EXPERTS}, k <= {ROUTER_MAX_K}, "
+                         f"n_groups <= {ROUTER_MAX_GROUPS}; got E={e}, k={k}, n_groups={n_groups}; raise the "
+                         "limits in nmoe/fast/limits.py (registers grow with E/32, k and n_groups)")
 
 
 def _router_topk_impl(logits: Tensor, bias: Tensor, k: int, score_func: str, n_groups: int,
                       topk_groups: int) -> tuple[Tensor, Tensor]:
-    arch = runtime.require_arch(logits, bias)
+    device, arch = runtime.device_arch(logits, bias)
     check_topk_args(logits, bias, k, score_func, n_groups, topk_groups)
     t, e = logits.shape
     w = torch.empty(t, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, k, dtype=torch.int64, device=logits.device)
     if t == 0:
         return w, ids
-    if t >= 2**31:
+    if t >= _INT32_LIMIT:
         raise ValueError(f"router_topk: T={t} tokens exceed the kernel's int32 token index; split the batch")
     lg = logits.contiguous()
     b = bias.to(torch.float32).contiguous()
-    kern, ex = _topk_executor(arch, e, k, score_func == "softmax", n_groups, topk_groups)
-    with torch.cuda.device(logits.device):
-        ex(kern.f32_pointer(lg.data_ptr()), kern.f32_pointer(b.data_ptr()), kern.f32_pointer(w.data_ptr()),
-           kern.i64_pointer(ids.data_ptr()), t, runtime.current_stream(logits.device))
+    launch = ROUTER_TOPK.launcher(arch, E=e, k=k, softmax=score_func == "softmax", n_groups=n_groups,
+                                  topk_groups=topk_groups)
+    launch(device, lg.data_ptr(), b.data_ptr(), w.data_ptr(), ids.data_ptr(), t)
     return w, ids
 
 
@@ -126,7 +85,7 @@ def _router_topk_fake(logits: Tensor, bias: Tensor, k: int, score_func: str, n_g
 
 
 def _expert_counts_impl(ids: Tensor, n_experts: int) -> Tensor:
-    arch = runtime.require_arch(ids)
+    device, arch = runtime.device_arch(ids)
     if ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"expert_counts: ids must be int32/int64, got {ids.dtype}")
     if not 1 <= n_experts <= MAX_EXPERTS:
@@ -136,13 +95,10 @@ def _expert_counts_impl(ids: Tensor, n_experts: int) -> Tensor:
     n = flat.numel()
     if n == 0:
         return counts
-    if n >= 2**31:
+    if n >= _INT32_LIMIT:
         raise ValueError(f"expert_counts: {n} slots exceed the kernel's int32 slot index; split the batch")
     bits = 64 if flat.dtype == torch.int64 else 32
-    kern, ex = _counts_executor(arch, n_experts, bits)
-    with torch.cuda.device(ids.device):
-        ex(kern.ids_pointer(flat.data_ptr(), bits), kern.i64_pointer(counts.data_ptr()), n,
-           runtime.current_stream(ids.device))
+    EXPERT_COUNTS.launcher(arch, E=n_experts, ids_bits=bits)(device, flat.data_ptr(), counts.data_ptr(), n)
     return counts
 
 
@@ -150,36 +106,19 @@ def _expert_counts_fake(ids: Tensor, n_experts: int) -> Tensor:
     return torch.empty(n_experts, dtype=torch.int64, device=ids.device)
 
 
-_topk_op = runtime.register_custom_op(
-    "nmoe::router_topk", cast(Callable[..., Tensor], _router_topk_impl),
-    cast(Callable[..., Tensor], _router_topk_fake),
-)
-_counts_op = runtime.register_custom_op("nmoe::expert_counts", _expert_counts_impl, _expert_counts_fake)
+_topk_op = fast_op("router_topk", _router_topk_impl, _router_topk_fake)
+_counts_op = fast_op("expert_counts", _expert_counts_impl, _expert_counts_fake)
 
 
 def router_topk(logits: Tensor, bias: Tensor, k: int, score_func: str, n_groups: int = 1,
                 topk_groups: int = 1) -> tuple[Tensor, Tensor]:
     """(weights fp32 [T,k], ids int64 [T,k]) in selection order; same contract as the spec op."""
-    out = cast(tuple[Tensor, Tensor], _topk_op(logits, bias, k, score_func, n_groups, topk_groups))
-    return out[0], out[1]
+    return _topk_op(logits, bias, k, score_func, n_groups, topk_groups)
 
 
 def expert_counts(ids: Tensor, n_experts: int) -> Tensor:
     """int64 [E] slots per expert; an id outside [0, E) aborts the kernel (the spec raises)."""
-    out: Tensor = _counts_op(ids, n_experts)
-    return out
-
-
-def _topk_ptx(e: int, k: int, score_func: str, n_groups: int, topk_groups: int, arch: str) -> str:
-    kern = _kernels(arch)
-    host, args = kern.compile_args(e, k, score_func == "softmax", n_groups, topk_groups)
-    return runtime.compile_ptx(host, args)
-
-
-def _counts_ptx(arch: str) -> str:
-    kern = _kernels(arch)
-    host, args = kern.counts_args(256, 64)
-    return runtime.compile_ptx(host, args)
+    return _counts_op(ids, n_experts)
 
 
 # Bitwise needs every fp32 op rounded on its own: no fma (contracted or not), no approximate
@@ -194,14 +133,15 @@ _SCORE_EXPECT = (r"\bmul\.rn\.f32\b", r"\badd\.rn\.f32\b", r"\bsub\.rn\.f32\b", 
 def _topk_spec(name: str, e: int, k: int, score_func: str, n_groups: int, topk_groups: int) -> KernelSpec:
     extra = (r"\bshfl\.sync\.idx\.b32\b",) if score_func == "softmax" else ()
     return runtime.portable_spec("router_topk", name,
-                                 functools.partial(_topk_ptx, e, k, score_func, n_groups, topk_groups),
+                                 ROUTER_TOPK.compiler(E=e, k=k, softmax=score_func == "softmax",
+                                                      n_groups=n_groups, topk_groups=topk_groups),
                                  (*_SCORE_EXPECT, *extra), _SCORE_FORBID)
 
 
 KERNELS: tuple[KernelSpec, ...] = (
     _topk_spec("router_topk_sigmoid_e256_k8_g8", 256, 8, "sigmoid", 8, 4),
     _topk_spec("router_topk_softmax_e64_k6", 64, 6, "softmax", 1, 1),
-    runtime.portable_spec("expert_counts", "expert_counts_e256", _counts_ptx,
+    runtime.portable_spec("permute", "expert_counts_e256", EXPERT_COUNTS.compiler(E=256, ids_bits=64),
                           (r"\batom\.shared\.add\.u32\b", r"\batom\.global\.add\.u64\b", r"\btrap;"),
                           (r"\bld\.local\b",)),
 )

@@ -1,4 +1,4 @@
-"""Fast-path runtime: arch guard, CuTeDSL import and compile cache, torch stream and custom-op glue.
+"""Fast-path runtime: arch guard, CuTeDSL import, PTX checks, the compile cache (nmoe.fast.op declares ops).
 
 Nothing here imports `cutlass` at module import: the DSL fixes its target arch at its first import.
 """
@@ -24,7 +24,6 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
-from torch._library.custom_ops import CustomOpDef
 
 from nmoe.fast.arch import SUPPORTED_ARCHS, ArchError, arch_of, check_arch
 
@@ -67,27 +66,46 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device)
 
 
-def require_arch(*tensors: Tensor) -> str:
-    """Return the arch ("sm_90a" | "sm_100a") of the one CUDA device holding all tensors, else raise."""
+_arch_by_index: dict[int, str] = {}
+
+
+def _arch_of_index(index: int) -> str:
+    arch = _arch_by_index.get(index)
+    if arch is None:
+        device = torch.device("cuda", index)
+        major, minor = _capability(device)
+        found = arch_of((major, minor))
+        if found is None:
+            raise ArchError(
+                f"nmoe.fast needs sm_90a (H100/H200) or sm_100a (B200); {_device_name(device)} on {device} "
+                f"is sm_{major}{minor}. Run on a supported GPU, or use nmoe.reference for the spec math"
+            )
+        arch = _arch_by_index[index] = found
+    return arch
+
+
+def device_arch(*tensors: Tensor) -> tuple[int, str]:
+    """(device index, arch "sm_90a" | "sm_100a") of the one CUDA device holding all tensors, else raise;
+    the arch is read once per device."""
     if not tensors:
         raise ValueError("require_arch needs at least one tensor")
     device = tensors[0].device
     for t in tensors:
-        if t.device.type != "cuda":
+        d = t.device
+        if d.type != "cuda":
             raise ArchError(
-                f"nmoe.fast runs on CUDA tensors on sm_90a/sm_100a GPUs, got a tensor on {t.device}; "
+                f"nmoe.fast runs on CUDA tensors on sm_90a/sm_100a GPUs, got a tensor on {d}; "
                 "for CPU use the spec ops in nmoe.reference (same names and signatures)"
             )
-        if t.device != device:
-            raise ArchError(f"fast op inputs are on {device} and {t.device}; move them to one GPU")
-    major, minor = _capability(device)
-    arch = arch_of((major, minor))
-    if arch is None:
-        raise ArchError(
-            f"nmoe.fast needs sm_90a (H100/H200) or sm_100a (B200); {_device_name(device)} on {device} "
-            f"is sm_{major}{minor}. Run on a supported GPU, or use nmoe.reference for the spec math"
-        )
-    return arch
+        if d != device:
+            raise ArchError(f"fast op inputs are on {device} and {d}; move them to one GPU")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return index, _arch_of_index(index)
+
+
+def require_arch(*tensors: Tensor) -> str:
+    """The arch ("sm_90a" | "sm_100a") of the one CUDA device holding all tensors, else raise."""
+    return device_arch(*tensors)[1]
 
 
 # CuTeDSL 4.8.1 facts the fast path is built on (each also noted where it bites):
@@ -145,25 +163,15 @@ def file_sha256(path: str | Path) -> str:
 
 
 @functools.cache
-def sources_sha256(*modules: str) -> str:
-    """One digest over every kernel file a fast op compiles from: a shared helper file keys the cache too."""
-    digest = hashlib.sha256()
-    for name in modules:
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.origin is None:
-            raise RuntimeError(f"{name} is missing from the installed nmoe package; reinstall nmoe")
-        digest.update(file_sha256(spec.origin).encode())
-    return digest.hexdigest()
-
-
-@functools.cache
 def kernel_module(name: str, arch: str) -> ModuleType:
     """The CuTeDSL kernel module `name`, imported with the DSL targeting `arch`."""
     import_cutlass(arch)
     return importlib.import_module(name)
 
 
+@functools.cache
 def dsl_version() -> str:
+    """Read once: importlib.metadata parses the installed metadata on every call (milliseconds)."""
     return importlib.metadata.version("nvidia-cutlass-dsl")
 
 
@@ -245,7 +253,7 @@ class KernelCache:
 
     def executor(self, key: CacheKey, build: Callable[[], Any]) -> Any:
         """CuTeDSL's CUDA-dialect functions load a context-free cudaLibrary onto every device, so one
-        executor serves all GPUs; it launches on the current device, which callers set."""
+        executor serves all GPUs; it launches on the current device, which the launcher sets."""
         with self._lock:
             ex = self._executors.get(key)
             if ex is None:
@@ -297,21 +305,10 @@ def kernel_cache() -> KernelCache:
         return _cache
 
 
-def current_stream(device: torch.device) -> Any:
-    """Kernels launch on torch's current stream so they order with torch work and CUDA-graph capture."""
-    import cuda.bindings.driver as cuda
-
-    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
-
-
 @functools.cache
-def _sm_count(index: int) -> int:
+def sm_count(index: int) -> int:
+    """Multiprocessors of CUDA device `index`, read once per device."""
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
-
-
-def sm_count(device: torch.device) -> int:
-    """Multiprocessors of `device` (the current CUDA device when it carries no index)."""
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def tma_aligned(op: str, name: str, t: Tensor) -> Tensor:
@@ -321,61 +318,3 @@ def tma_aligned(op: str, name: str, t: Tensor) -> Tensor:
         raise ValueError(f"{op}: {name} starts at a non-16-byte-aligned address (a sliced view); pass "
                          f"{name}.clone() so TMA can read it")
     return t
-
-
-def launch(module: str, source_sha256: str, kernel: str, spec: dict[str, Any],
-           tensors: tuple[Tensor, ...], scalars: tuple[Any, ...]) -> None:
-    """Compile `kernel` of kernel module `module` once per (arch, spec) and launch it on the current stream;
-    the module follows the convention compile_args(kernel, spec) / pointers(kernel, addresses, spec)."""
-    arch = require_arch(*tensors)
-    kernels = kernel_module(module, arch)
-    ptrs = kernels.pointers(kernel, tuple(t.data_ptr() for t in tensors), spec)
-    run_compiled(cache_key(kernel, source_sha256, arch, spec), lambda: kernels.compile_args(kernel, spec),
-                 tensors[0].device, (*ptrs, *scalars))
-
-
-def run_compiled(key: CacheKey, compile_args: Callable[[], tuple[Any, tuple[Any, ...]]], device: torch.device,
-                 args: tuple[Any, ...]) -> None:
-    """Compile once per key (compile_args() gives the host function and fake arguments), then call it with
-    `args` and the device's current stream, on that device."""
-
-    def build() -> Any:
-        import cutlass.cute as cute
-
-        host, fake = compile_args()
-        return cute.compile(host, *fake)
-
-    ex = kernel_cache().executor(key, build)
-    with torch.cuda.device(device):
-        ex(*args, current_stream(device))
-
-
-def register_custom_op(
-    qualname: str, impl: Callable[..., Tensor | tuple[Tensor, ...]],
-    fake: Callable[..., Tensor | tuple[Tensor, ...]],
-) -> CustomOpDef:
-    """Expose a fast op as one opaque torch op: torch.compile and CUDA graphs use `fake` for shapes."""
-    op = torch.library.custom_op(qualname, mutates_args=())(impl)
-    op.register_fake(fake)
-    return op
-
-
-def register_activation_ops(
-    name: str,
-    fwd: tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]],
-    bwd: tuple[Callable[[Tensor, Tensor], Tensor], Callable[[Tensor, Tensor], Tensor]],
-) -> tuple[CustomOpDef, CustomOpDef]:
-    """nmoe::<name> (impl, fake) and nmoe::<name>_bwd(dy, x); autograd of the first calls the second."""
-    fwd_op = register_custom_op(f"nmoe::{name}", *fwd)
-    bwd_op = register_custom_op(f"nmoe::{name}_bwd", *bwd)
-
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.save_for_backward(inputs[0])
-
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        (x,) = ctx.saved_tensors
-        out: Tensor = bwd_op(grad, x)
-        return out
-
-    fwd_op.register_autograd(backward, setup_context=setup_context)
-    return fwd_op, bwd_op

@@ -1,48 +1,34 @@
-"""Fast grouped GEMM for sm_100a (B200): bf16, MXFP8 and NVFP4 expert GEMMs on tcgen05 tensor cores.
+"""sm_100a (B200) grouped GEMM: bf16, MXFP8 and NVFP4 expert GEMMs on tcgen05 tensor cores.
 
 Same signatures as the reference grouped_gemm / _fp8 / _nvfp4; group sizes stay on the device (no host sync).
+Reached through nmoe.fast.gemm, which picks the kernel by arch.
 """
 
 from __future__ import annotations
 
-import functools
-from types import ModuleType
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from nmoe.fast import runtime
-from nmoe.fast.arch import ArchNotImplemented
+from nmoe.fast.gemm.routing import (
+    as_bytes,
+    check_aligned,
+    check_bf16,
+    check_routing,
+    require,
+    tile_upper_bound,
+)
 from nmoe.fast.kernels.sm100 import scale_layout
+from nmoe.fast.limits import GEMM_ALIGN, SF_COLS
+from nmoe.fast.op import Kernel, fast_op
 from nmoe.fast.runtime import KernelSpec, tma_aligned
 
 ARCH = "sm_100a"
-_KERNEL_MODULE = "nmoe.fast.kernels.sm100.grouped_gemm"
-BM = 128
 SF_VEC = {"mxfp8": 32, "nvfp4": 16}
-_ALIGN = 8
-_NO_BLOCK_SCALED = ("{op}: {arch} has no block-scaled MMA (MXFP8/NVFP4 need sm_100a tcgen05); use "
-                    "expert_dtype bf16 or fp8 (1x128/128x128 scales) on sm_90a")
-_REMEDY = {
-    "grouped_gemm": ("{op}: this tcgen05 kernel needs sm_100a (B200), got {arch}; on sm_90a use "
-                     "nmoe.fast.gemm.grouped_gemm (wgmma)"),
-    "grouped_gemm_fp8": _NO_BLOCK_SCALED,
-    "grouped_gemm_nvfp4": _NO_BLOCK_SCALED,
-}
-
-
-def _source_sha256() -> str:
-    return runtime.sources_sha256(_KERNEL_MODULE)
-
-
-def _require_sm100(arch: str, op: str) -> None:
-    if arch != ARCH:
-        raise ArchNotImplemented(_REMEDY[op].format(op=op, arch=arch))
-
-
-def _kernels(arch: str) -> ModuleType:
-    return runtime.kernel_module(_KERNEL_MODULE, arch)
+GEMM = Kernel("nmoe.fast.kernels.sm100.grouped_gemm", "grouped_gemm_sm100",
+              lambda km, fmt, n, k, bn: km.compile_args(fmt, n, k, bn), (ARCH,), "nmoe.fast.gemm")
 
 
 def pick_bn(fmt: str, n: int) -> int:
@@ -50,34 +36,15 @@ def pick_bn(fmt: str, n: int) -> int:
     return 256 if fmt == "bf16" and n % 256 == 0 and n >= 2048 else 128
 
 
-def tile_upper_bound(m: int, n: int, n_groups: int, bn: int) -> int:
-    """Most tiles any routing of m rows into n_groups groups (plus the zero tail) can make."""
-    return (-(-m // BM) + n_groups + 1) * -(-n // bn)
-
-
-def _u8(name: str, op: str, t: Tensor, allowed: tuple[torch.dtype, ...]) -> Tensor:
-    if t.dtype not in allowed:
-        raise ValueError(f"{op}: {name} is {t.dtype}; pass one of {[str(d) for d in allowed]} (bit patterns)")
-    return t.contiguous().view(torch.uint8)
-
-
-def _check_offs(op: str, offs: Tensor, n_groups: int) -> None:
-    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.numel() != n_groups:
-        raise ValueError(f"{op}: offs must be int32 [{n_groups}] cumulative group ends, got {offs.dtype} "
-                         f"{tuple(offs.shape)}; build it with torch.cumsum(counts, 0).to(torch.int32)")
-
-
-def _check_shapes(op: str, m: int, n: int, k: int, n_groups: int, k_mult: int) -> None:
-    if n % _ALIGN or k % k_mult:
-        raise ValueError(f"{op}: N={n} must be a multiple of {_ALIGN} and K={k} of {k_mult} (16-byte TMA "
-                         "rows, whole scale blocks); pad the expert weights")
-    if m >= 2**31 or (m + BM * (n_groups + 1)) >= 2**31:
-        raise ValueError(f"{op}: {m} rows exceed the kernel's int32 row coordinates; split M")
+def _check(op: str, m: int, n: int, k: int, offs: Tensor, e: int, k_mult: int) -> None:
+    check_routing(op, offs, e, m, max_groups=None)
+    check_aligned(op, "sizes", ("N", n, GEMM_ALIGN), ("K", k, k_mult))
 
 
 def _launch(fmt: str, a: Tensor, b: Tensor, sfa: Tensor, sfb: Tensor, offs: Tensor,
             scales: tuple[Tensor, Tensor], out: Tensor, k: int, sf_blocks: int) -> None:
     """out[M, N] = per-group A @ B_e^T with A/B given as raw bytes of `fmt` (k = elements per row)."""
+    device, arch = runtime.device_arch(a, b, offs, out)
     m, n = out.shape
     n_groups = offs.numel()
     if m == 0 or n == 0:
@@ -86,28 +53,20 @@ def _launch(fmt: str, a: Tensor, b: Tensor, sfa: Tensor, sfb: Tensor, offs: Tens
         out.zero_()
         return
     bn = pick_bn(fmt, n)
-    kmod = _kernels(ARCH)
-    name = f"grouped_gemm_sm100_{fmt}"
-    key = runtime.cache_key(name, _source_sha256(), ARCH, {"n": n, "k": k, "bn": bn})
-    n_ctas = min(runtime.sm_count(out.device), tile_upper_bound(m, n, n_groups, bn))
-    ptrs = kmod.pointers(fmt, a.data_ptr(), b.data_ptr(), sfa.data_ptr(), sfb.data_ptr(), out.data_ptr(),
-                         offs.data_ptr(), scales[0].data_ptr(), scales[1].data_ptr())
-    runtime.run_compiled(key, lambda: kmod.compile_args(fmt, n, k, bn), out.device,
-                         (*ptrs, m, n_groups, sf_blocks, n_ctas))
+    n_ctas = min(runtime.sm_count(device), tile_upper_bound(m, n, n_groups, bn))
+    GEMM.launcher(arch, fmt=fmt, n=n, k=k, bn=bn)(
+        device, a.data_ptr(), b.data_ptr(), sfa.data_ptr(), sfb.data_ptr(), out.data_ptr(), offs.data_ptr(),
+        scales[0].data_ptr(), scales[1].data_ptr(), m, n_groups, sf_blocks, n_ctas)
 
 
 def _bf16_impl(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     op = "grouped_gemm"
-    _require_sm100(runtime.require_arch(x, w, offs), op)
-    for name, t in (("x", x), ("w", w)):
-        if t.dtype != torch.bfloat16:
-            raise ValueError(f"{op}: {name} is {t.dtype}; the fast kernel takes bfloat16 (cast with "
-                             ".to(torch.bfloat16))")
+    require(op, runtime.require_arch(x, w, offs), ARCH)
+    check_bf16(op, x=x, w=w)
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
         raise ValueError(f"{op}: need x [M, K] and w [E, N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
     (m, k), (e, n, _) = x.shape, w.shape
-    _check_offs(op, offs, e)
-    _check_shapes(op, m, n, k, e, _ALIGN)
+    _check(op, m, n, k, offs, e, GEMM_ALIGN)
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     dummy = offs.new_zeros(4, dtype=torch.float32)
     _launch("bf16", tma_aligned(op, "x", x), tma_aligned(op, "w", w), dummy, dummy, offs.contiguous(),
@@ -117,8 +76,8 @@ def _bf16_impl(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
 
 def _fp8_scales(op: str, xs: Tensor, ws: Tensor, m: int, n: int, k: int, e: int) -> tuple[Tensor, Tensor]:
     """Take 1x32 MX scales ([M, K/32], [E, N, K/32]) or DeepSeek 1x128 / 128x128 ones, expanded exactly."""
-    xs = _u8("xs", op, xs, (torch.uint8, torch.float8_e8m0fnu))
-    ws = _u8("ws", op, ws, (torch.uint8, torch.float8_e8m0fnu))
+    xs = as_bytes(op, "xs", xs, (torch.uint8, torch.float8_e8m0fnu))
+    ws = as_bytes(op, "ws", ws, (torch.uint8, torch.float8_e8m0fnu))
     if xs.shape == (m, k // 128) and k % 128 == 0:
         xs = scale_layout.expand_fp8_act_scales(xs)
     if ws.shape == (e, n // 128, k // 128) and n % 128 == 0 and k % 128 == 0:
@@ -132,15 +91,14 @@ def _fp8_scales(op: str, xs: Tensor, ws: Tensor, m: int, n: int, k: int, e: int)
 
 def _fp8_impl(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, offs: Tensor) -> Tensor:
     op = "grouped_gemm_fp8"
-    _require_sm100(runtime.require_arch(xq, xs, wq, ws, offs), op)
+    require(op, runtime.require_arch(xq, xs, wq, ws, offs), ARCH)
     if xq.dim() != 2 or wq.dim() != 3 or xq.shape[1] != wq.shape[2]:
         raise ValueError(f"{op}: need xq [M, K] and wq [E, N, K], got {tuple(xq.shape)} and "
                          f"{tuple(wq.shape)}")
     (m, k), (e, n, _) = xq.shape, wq.shape
-    _check_offs(op, offs, e)
-    _check_shapes(op, m, n, k, e, SF_VEC["mxfp8"] * scale_layout.SF_COLS)
+    _check(op, m, n, k, offs, e, SF_VEC["mxfp8"] * SF_COLS)
     codes = (torch.uint8, torch.float8_e4m3fn)
-    a, b = _u8("xq", op, xq, codes), _u8("wq", op, wq, codes)
+    a, b = as_bytes(op, "xq", xq, codes), as_bytes(op, "wq", wq, codes)
     xs32, ws32 = _fp8_scales(op, xs, ws, m, n, k, e)
     cols = scale_layout.COLS_MULTIPLE["mxfp8"]
     sfa = scale_layout.pack_grouped_rows(xs32, offs, cols)
@@ -155,18 +113,17 @@ def _fp8_impl(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, offs: Tensor) -> T
 def _nvfp4_impl(x_packed: Tensor, x_bs: Tensor, x_ts: Tensor, w_packed: Tensor, w_bs: Tensor, w_ts: Tensor,
                 offs: Tensor) -> Tensor:
     op = "grouped_gemm_nvfp4"
-    _require_sm100(runtime.require_arch(x_packed, x_bs, x_ts, w_packed, w_bs, w_ts, offs), op)
+    require(op, runtime.require_arch(x_packed, x_bs, x_ts, w_packed, w_bs, w_ts, offs), ARCH)
     if x_packed.dim() != 2 or w_packed.dim() != 3 or x_packed.shape[1] != w_packed.shape[2]:
         raise ValueError(f"{op}: need x_packed [M, K/2] and w_packed [E, N, K/2], got "
                          f"{tuple(x_packed.shape)} and {tuple(w_packed.shape)}")
     (m, half_k), (e, n, _) = x_packed.shape, w_packed.shape
     k = 2 * half_k
-    _check_offs(op, offs, e)
-    _check_shapes(op, m, n, k, e, SF_VEC["nvfp4"] * scale_layout.SF_COLS)
+    _check(op, m, n, k, offs, e, SF_VEC["nvfp4"] * SF_COLS)
     packed = (torch.uint8, torch.float4_e2m1fn_x2)
-    a, b = _u8("x_packed", op, x_packed, packed), _u8("w_packed", op, w_packed, packed)
+    a, b = as_bytes(op, "x_packed", x_packed, packed), as_bytes(op, "w_packed", w_packed, packed)
     bs = (torch.uint8, torch.float8_e4m3fn)
-    xbs, wbs = _u8("x_bs", op, x_bs, bs), _u8("w_bs", op, w_bs, bs)
+    xbs, wbs = as_bytes(op, "x_bs", x_bs, bs), as_bytes(op, "w_bs", w_bs, bs)
     if xbs.shape != (m, k // 16) or wbs.shape != (e, n, k // 16):
         raise ValueError(f"{op}: block scales {tuple(xbs.shape)} / {tuple(wbs.shape)} must be "
                          f"[{m}, {k // 16}] / [{e}, {n}, {k // 16}] (one e4m3 per 16 values); pass "
@@ -187,13 +144,22 @@ def _fake_rows(rows: Tensor, w: Tensor) -> Tensor:
     return rows.new_empty(rows.shape[0], w.shape[1], dtype=torch.bfloat16)
 
 
-_bf16_op = runtime.register_custom_op("nmoe::grouped_gemm_sm100", _bf16_impl,
-                                      lambda x, w, offs: _fake_rows(x, w))
-_fp8_op = runtime.register_custom_op("nmoe::grouped_gemm_fp8_sm100", _fp8_impl,
-                                     lambda xq, xs, wq, ws, offs: _fake_rows(xq, wq))
-_nvfp4_op = runtime.register_custom_op(
-    "nmoe::grouped_gemm_nvfp4_sm100", _nvfp4_impl,
-    lambda xp, xbs, xts, wp, wbs, wts, offs: _fake_rows(xp, wp))
+def _fake_bf16(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    return _fake_rows(x, w)
+
+
+def _fake_fp8(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, offs: Tensor) -> Tensor:
+    return _fake_rows(xq, wq)
+
+
+def _fake_nvfp4(x_packed: Tensor, x_bs: Tensor, x_ts: Tensor, w_packed: Tensor, w_bs: Tensor, w_ts: Tensor,
+                offs: Tensor) -> Tensor:
+    return _fake_rows(x_packed, w_packed)
+
+
+_bf16_op = fast_op("grouped_gemm_sm100", _bf16_impl, _fake_bf16)
+_fp8_op = fast_op("grouped_gemm_fp8_sm100", _fp8_impl, _fake_fp8)
+_nvfp4_op = fast_op("grouped_gemm_nvfp4_sm100", _nvfp4_impl, _fake_nvfp4)
 
 
 def _no_backward(ctx: Any, grad: Tensor) -> tuple[None, ...]:
@@ -203,40 +169,32 @@ def _no_backward(ctx: Any, grad: Tensor) -> tuple[None, ...]:
     )
 
 
-_bf16_op.register_autograd(_no_backward, setup_context=lambda ctx, inputs, output: None)
+def _no_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    return None
+
+
+_bf16_op.autograd(_no_backward, _no_context)
 
 
 def grouped_gemm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     """y[rows of e] = x[rows of e] @ w[e]^T in fp32 (TMEM), rounded once to bf16; rows past offs[-1]: 0."""
-    out: Tensor = _bf16_op(x, w, offs)
-    return out
+    return _bf16_op(x, w, offs)
 
 
 def grouped_gemm_fp8(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, offs: Tensor) -> Tensor:
     """e4m3 x e4m3 with e8m0 scales applied inside tcgen05.mma (1x32 blocks; 1x128/128x128 scales expand)."""
-    out: Tensor = _fp8_op(xq, xs, wq, ws, offs)
-    return out
+    return _fp8_op(xq, xs, wq, ws, offs)
 
 
 def grouped_gemm_nvfp4(x_packed: Tensor, x_bs: Tensor, x_ts: Tensor, w_packed: Tensor, w_bs: Tensor,
                        w_ts: Tensor, offs: Tensor) -> Tensor:
     """e2m1 x e2m1 with e4m3 block scales in tcgen05.mma; the fp32 tensor scales multiply in the epilogue."""
-    out: Tensor = _nvfp4_op(x_packed, x_bs, x_ts, w_packed, w_bs, w_ts, offs)
-    return out
+    return _nvfp4_op(x_packed, x_bs, x_ts, w_packed, w_bs, w_ts, offs)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Compile-time checks without a GPU: python -m nmoe.fast.compilecheck --arch sm_100a
 # ---------------------------------------------------------------------------------------------------------
-
-
-def _ptx(fmt: str, n: int, k: int, bn: int, arch: str) -> str:
-    if arch != ARCH:
-        raise NotImplementedError(f"grouped_gemm_sm100_{fmt} is an sm_100a-only kernel (tcgen05 MMA, TMEM); "
-                                  f"not applicable to {arch}")
-    kmod = _kernels(arch)
-    host, args = kmod.compile_args(fmt, n, k, bn)
-    return runtime.compile_ptx(host, args)
 
 
 # Tensor-core MMA of the right kind (the block-scaled kinds carry .block_scale and the scale block size),
@@ -263,7 +221,7 @@ def _spec(fmt: str, n: int, k: int, bn: int) -> KernelSpec:
     return KernelSpec(
         op=_CONTRACT[fmt],
         name=f"grouped_gemm_sm100_{fmt}_n{bn}",
-        compile=functools.partial(_ptx, fmt, n, k, bn),
+        compile=GEMM.compiler(fmt=fmt, n=n, k=k, bn=bn),
         expect={ARCH: (*_COMMON, *_KIND[fmt])},
         forbid={ARCH: forbid},
     )

@@ -1,0 +1,283 @@
+"""sm_90a grouped GEMM fwd/dgrad/wgrad (bf16 in, fp32 accumulate), the fwd optionally with swiglu/relu2 fused:
+wgmma/TMA CuTeDSL kernels as torch custom ops that read `offs` on the device, so routing changes neither sync
+the host nor recompile. Reached through nmoe.fast.gemm, which picks the kernel by arch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from nmoe.fast import runtime
+from nmoe.fast.activation import relu2_bwd, swiglu_bwd
+from nmoe.fast.gemm.routing import (
+    check_aligned,
+    check_bf16,
+    check_offs_on_host,
+    check_routing,
+    require,
+    tile_upper_bound,
+)
+from nmoe.fast.limits import GEMM_ALIGN, GEMM_BM, GEMM_BN_CHOICES
+from nmoe.fast.op import Kernel, fast_op, save_inputs
+from nmoe.fast.runtime import KernelSpec, tma_aligned
+
+ARCH = "sm_90a"
+ACTIVATIONS = ("swiglu", "relu2")
+_FWD_MODULE = "nmoe.fast.kernels.sm90.grouped_gemm"
+FWD = Kernel(_FWD_MODULE, "grouped_gemm_fwd", lambda km, n, k, bn, act: km.compile_args(n, k, bn, True, act),
+             (ARCH,), "nmoe.fast.gemm.grouped_gemm")
+DGRAD = Kernel(_FWD_MODULE, "grouped_gemm_dgrad", lambda km, n, k, bn: km.compile_args(n, k, bn, False),
+               (ARCH,), "nmoe.fast.gemm.grouped_gemm_dgrad")
+WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad",
+               lambda km, n, k, bn: km.compile_args(n, k, bn), (ARCH,), "nmoe.fast.gemm.grouped_gemm_wgrad")
+
+
+def pick_bn(n: int) -> int:
+    """Wide N tiles halve the A re-reads; they need N to fill them."""
+    return 256 if n % 256 == 0 else 128
+
+
+def _check(op: str, a: Tensor, w: Tensor, offs: Tensor, a_name: str, red_dim: int) -> None:
+    check_bf16(op, **{a_name: a, "w": w})
+    if a.dim() != 2 or w.dim() != 3 or a.shape[1] != w.shape[red_dim]:
+        raise ValueError(f"{op}: need {a_name} [M, R] and w [E, N, K] with R = w.shape[{red_dim}], got "
+                         f"{tuple(a.shape)} and {tuple(w.shape)}")
+    check_routing(op, offs, w.shape[0], a.shape[0])
+    check_aligned(op, "w's", ("N", w.shape[1], GEMM_ALIGN), ("K", w.shape[2], GEMM_ALIGN))
+
+
+def _pick_bn(op: str, width: int, bn: int | None) -> int:
+    bn = pick_bn(width) if bn is None else bn
+    if bn not in GEMM_BN_CHOICES:
+        raise ValueError(f"{op}: tile width {bn} unsupported; choose one of {GEMM_BN_CHOICES}")
+    return bn
+
+
+def _launch(op: str, a: Tensor, w: Tensor, offs: Tensor, out: Tensor, w_k_major: bool, bn: int | None = None,
+            act_out: Tensor | None = None, activation: str = "none") -> None:
+    """out[M, n] = per-group a[M, k] @ B_e^T with B_e = w[e] (K-major) or w[e]^T (dgrad); with an
+    activation the same kernel also writes act_out = act(out) (both zero where out is)."""
+    outs = (out,) if act_out is None else (out, act_out)
+    device, arch = runtime.device_arch(a, w, offs, *outs)
+    require(op, arch, ARCH)
+    m, k = a.shape
+    n = out.shape[1]
+    if m == 0 or n == 0:
+        return
+    if k == 0 or w.shape[0] == 0:
+        for t in outs:
+            t.zero_()
+        return
+    check_offs_on_host(op, offs, m)
+    bn = _pick_bn(op, n, bn)
+    n_ctas = min(runtime.sm_count(device), tile_upper_bound(m, n, w.shape[0], bn))
+    launch = FWD.launcher(arch, n=n, k=k, bn=bn, act=activation) if w_k_major else DGRAD.launcher(
+        arch, n=n, k=k, bn=bn)
+    launch(device, a.data_ptr(), w.data_ptr(), out.data_ptr(), outs[-1].data_ptr(), offs.data_ptr(), m,
+           w.shape[0], n_ctas)
+
+
+def _launch_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, bn: int | None = None) -> None:
+    """dw[e] = dy[rows of e]^T @ x[rows of e]; groups without rows get zeros."""
+    device, arch = runtime.device_arch(dy, x, offs, dw)
+    require("grouped_gemm_wgrad", arch, ARCH)
+    m = dy.shape[0]
+    n_groups, n, k = dw.shape
+    if dw.numel() == 0:
+        return
+    if m == 0:
+        dw.zero_()
+        return
+    check_offs_on_host("grouped_gemm_wgrad", offs, m)
+    bn = _pick_bn("grouped_gemm_wgrad", k, bn)
+    n_ctas = min(runtime.sm_count(device), n_groups * -(-n // GEMM_BM) * -(-k // bn))
+    WGRAD.launcher(arch, n=n, k=k, bn=bn)(device, dy.data_ptr(), x.data_ptr(), dw.data_ptr(), offs.data_ptr(),
+                                          m, n_groups, n_ctas)
+
+
+def _check_wgrad(dy: Tensor, x: Tensor, offs: Tensor) -> None:
+    op = "grouped_gemm_wgrad"
+    check_bf16(op, dy=dy, x=x)
+    if dy.dim() != 2 or x.dim() != 2 or dy.shape[0] != x.shape[0]:
+        raise ValueError(f"{op}: need dy [M, N] and x [M, K], got {tuple(dy.shape)} and {tuple(x.shape)}")
+    check_routing(op, offs, None, dy.shape[0])
+    check_aligned(op, "dy and x widths", ("N", dy.shape[1], GEMM_ALIGN), ("K", x.shape[1], GEMM_ALIGN))
+
+
+def _fwd_impl(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    _check("grouped_gemm", x, w, offs, "x", 2)
+    y = torch.empty(x.shape[0], w.shape[1], dtype=torch.bfloat16, device=x.device)
+    _launch("grouped_gemm", tma_aligned("grouped_gemm", "x", x), tma_aligned("grouped_gemm", "w", w),
+            offs.contiguous(), y, True)
+    return y
+
+
+def _fwd_fake(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+def _dgrad_impl(dy: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    _check("grouped_gemm_dgrad", dy, w, offs, "dy", 1)
+    dx = torch.empty(dy.shape[0], w.shape[2], dtype=torch.bfloat16, device=dy.device)
+    _launch("grouped_gemm_dgrad", tma_aligned("grouped_gemm_dgrad", "dy", dy),
+            tma_aligned("grouped_gemm_dgrad", "w", w), offs.contiguous(), dx, False)
+    return dx
+
+
+def _dgrad_fake(dy: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    return dy.new_empty(dy.shape[0], w.shape[2])
+
+
+def _wgrad_impl(dy: Tensor, x: Tensor, offs: Tensor) -> Tensor:
+    _check_wgrad(dy, x, offs)
+    dw = torch.empty(offs.numel(), dy.shape[1], x.shape[1], dtype=torch.bfloat16, device=dy.device)
+    _launch_wgrad(tma_aligned("grouped_gemm_wgrad", "dy", dy), tma_aligned("grouped_gemm_wgrad", "x", x),
+                  offs.contiguous(), dw)
+    return dw
+
+
+def _wgrad_fake(dy: Tensor, x: Tensor, offs: Tensor) -> Tensor:
+    return dy.new_empty(offs.shape[0], dy.shape[1], x.shape[1])
+
+
+_fwd_op = fast_op("grouped_gemm", _fwd_impl, _fwd_fake)
+_dgrad_op = fast_op("grouped_gemm_dgrad", _dgrad_impl, _dgrad_fake)
+_wgrad_op = fast_op("grouped_gemm_wgrad", _wgrad_impl, _wgrad_fake)
+
+
+def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+    x, w, offs = ctx.saved_tensors
+    dx = _dgrad_op(grad, w, offs) if ctx.needs_input_grad[0] else None
+    dw = _wgrad_op(grad, x, offs) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
+_fwd_op.autograd(_backward, save_inputs(0, 1, 2))
+
+
+def act_width(w: Tensor, activation: str) -> int:
+    """Columns of act(h) for h [M, N]: swiglu pairs interleaved rows (2i gate, 2i+1 up), relu2 keeps N."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"grouped_gemm_act: activation {activation!r} unknown; use 'swiglu' or 'relu2'")
+    n = w.shape[1] if w.dim() == 3 else 0
+    if activation == "swiglu":
+        if w.dim() != 3 or n % 2:
+            raise ValueError(f"grouped_gemm_act: swiglu needs w [E, 2I, K] with even N (rows 2i = gate_i, "
+                             f"2i+1 = up_i interleaved), got {tuple(w.shape)}; interleave w1 and w3 into w13")
+        return n // 2
+    return n
+
+
+def _act_impl(x: Tensor, w: Tensor, offs: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+    width = act_width(w, activation)
+    _check("grouped_gemm_act", x, w, offs, "x", 2)
+    h = torch.empty(x.shape[0], w.shape[1], dtype=torch.bfloat16, device=x.device)
+    a = torch.empty(x.shape[0], width, dtype=torch.bfloat16, device=x.device)
+    op = "grouped_gemm_act"
+    _launch(op, tma_aligned(op, "x", x), tma_aligned(op, "w", w), offs.contiguous(), h, True, act_out=a,
+            activation=activation)
+    return a, h
+
+
+def _act_fake(x: Tensor, w: Tensor, offs: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+    width = act_width(w, activation)
+    return x.new_empty(x.shape[0], width), x.new_empty(x.shape[0], w.shape[1])
+
+
+_act_op = fast_op("grouped_gemm_act", _act_impl, _act_fake)
+
+
+def _act_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    x, w, offs, activation = inputs
+    h = output[1]
+    ctx.save_for_backward(x, w, offs, h)
+    ctx.activation = activation
+    ctx.mark_non_differentiable(h)
+    ctx.set_materialize_grads(False)
+
+
+def _act_backward(ctx: Any, da: Tensor, _: Tensor | None) -> tuple[Tensor | None, Tensor | None, None, None]:
+    x, w, offs, h = ctx.saved_tensors
+    dh = swiglu_bwd(da, h) if ctx.activation == "swiglu" else relu2_bwd(da, h)
+    dx = _dgrad_op(dh, w, offs) if ctx.needs_input_grad[0] else None
+    dw = _wgrad_op(dh, x, offs) if ctx.needs_input_grad[1] else None
+    return dx, dw, None, None
+
+
+_act_op.autograd(_act_backward, _act_setup_context)
+
+
+def grouped_gemm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    """y[rows of e] = x[rows of e] @ w[e]^T in fp32, rounded once to bf16; rows past offs[-1] are zero."""
+    return _fwd_op(x, w, offs)
+
+
+def grouped_gemm_act(x: Tensor, w: Tensor, offs: Tensor, activation: str) -> Tensor:
+    """act(grouped_gemm(x, w, offs)) from one kernel (swiglu [M, N/2], relu2 [M, N]) that also writes h,
+    so the activation never re-reads h from memory and the backward keeps h instead of recomputing it."""
+    return _act_op(x, w, offs, activation)[0]
+
+
+def grouped_gemm_dgrad(dy: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    """dx[rows of e] = dy[rows of e] @ w[e] in fp32, rounded once to bf16; rows past offs[-1] are zero."""
+    return _dgrad_op(dy, w, offs)
+
+
+def grouped_gemm_wgrad(dy: Tensor, x: Tensor, offs: Tensor) -> Tensor:
+    """dw[e] = dy[rows of e]^T @ x[rows of e] in fp32, rounded once to bf16; empty groups give zeros."""
+    return _wgrad_op(dy, x, offs)
+
+
+# Hopper tensor-core MMA fed by the TMA engine; 128-bit epilogue stores; setmaxnreg for the producer/consumer
+# split; local memory would mean spilled accumulators.
+_EXPECT_SM90 = (r"\.target sm_90a\b", r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16",
+                r"cp\.async\.bulk\.tensor", r"\bst\.global\.v4\.b32\b", r"\bsetmaxnreg\.inc",
+                r"\bstmatrix\.sync")
+_FORBID_SM90 = (r"\b(ld|st)\.local\b", r"\bmma\.sync\b")
+
+
+# wgrad zeroes the rows of its last box that belong to the next group with ordinary stores, which the
+# tensor cores may read only after an async-proxy fence.
+_EXPECT_WGRAD = (*_EXPECT_SM90, r"\bfence\.proxy\.async\.shared::cta\b")
+
+
+# The fused epilogue must round like the standalone activations: canonical NaN selects, no ftz arithmetic
+# (libdevice expf's ex2.approx.ftz acts on a range-reduced argument and is exempt), IEEE division.
+_EXPECT_EPILOGUE = (*_EXPECT_SM90, r"\bsetp\.nan\.f32\b")
+_FORBID_EPILOGUE = (*_FORBID_SM90, r"\b(mul|add|sub|div|fma)(\.r[nzmp])?\.ftz\.f32\b",
+                    r"\bdiv\.(approx|full)(\.ftz)?\.f32\b")
+
+
+def _spec(name: str, n: int, k: int, bn: int, w_k_major: bool | None, activation: str = "none") -> KernelSpec:
+    expect = _EXPECT_WGRAD if w_k_major is None else _EXPECT_SM90
+    fused = activation != "none"
+    if w_k_major is None:
+        op, compile = "grouped_gemm_wgrad", WGRAD.compiler(n=n, k=k, bn=bn)
+    elif not w_k_major:
+        op, compile = "grouped_gemm_dgrad", DGRAD.compiler(n=n, k=k, bn=bn)
+    else:
+        op = "grouped_gemm_act" if fused else "grouped_gemm"
+        compile = FWD.compiler(n=n, k=k, bn=bn, act=activation)
+    return KernelSpec(
+        op=op,
+        name=name,
+        compile=compile,
+        expect={"sm_90a": _EXPECT_EPILOGUE if fused else expect},
+        forbid={"sm_90a": _FORBID_EPILOGUE if fused else _FORBID_SM90},
+    )
+
+
+# Representative classes: the up projection (N = 2I, K = H), the down projection, their dgrad and wgrad, and
+# the up projection with each fused activation at both tile widths.
+KERNELS: tuple[KernelSpec, ...] = (
+    _spec("grouped_gemm_fwd_n128", 2048, 4096, 128, True),
+    _spec("grouped_gemm_fwd_n256", 4096, 1024, 256, True),
+    _spec("grouped_gemm_dgrad_n128", 1024, 4096, 128, False),
+    _spec("grouped_gemm_wgrad_n256", 2048, 4096, 256, None),
+    _spec("grouped_gemm_act_swiglu_n128", 2048, 4096, 128, True, "swiglu"),
+    _spec("grouped_gemm_act_swiglu_n256", 4096, 1024, 256, True, "swiglu"),
+    _spec("grouped_gemm_act_relu2_n128", 1024, 4096, 128, True, "relu2"),
+    _spec("grouped_gemm_act_relu2_n256", 4096, 1024, 256, True, "relu2"),
+)
