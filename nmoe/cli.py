@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "prep": ("nmoe.data.prep", "main", "tokenize text into uint32 shards with a manifest"),
     "runs": ("nmoe.train.metrics", "runs_main", "list experiment runs"),
     "metrics": ("nmoe.train.metrics", "metrics_main", "summarise one run's metrics"),
+    "plots": ("nmoe.plots", "main", "plot bench results and a run's metrics as PNGs with an index page"),
 }
 
 
