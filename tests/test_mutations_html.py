@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from headless import rendered_text, screenshot
+from headless import chromium, rendered_text, screenshot
 from PIL import Image
 
 from mutations import html as mh
@@ -112,6 +112,7 @@ def test_unwritable_out_names_the_flag(tmp_path: Path, capsys: pytest.CaptureFix
 
 @pytest.mark.heavy
 def test_committed_report_renders_offline_in_chromium(tmp_path: Path) -> None:
+    chromium()
     if shutil.which("npm") is None:
         pytest.skip("npm not installed: the mutation-testing-elements bundle cannot be fetched")
     page = mh.render(COMMITTED, tmp_path / "cpu.html", mh.default_cache())

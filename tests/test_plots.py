@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from headless import rendered_text
+from headless import chromium, rendered_text
 from PIL import Image
 
 from nmoe import plots
@@ -163,6 +163,7 @@ def test_unknown_run_names_the_fix(tmp_path: Path, capsys: pytest.CaptureFixture
 
 @pytest.mark.heavy
 def test_index_opens_in_chromium(tmp_path: Path) -> None:
+    chromium()
     db, run = _training_run(tmp_path)
     out = tmp_path / "out"
     assert plots.main([str(_results(tmp_path, ROWS)), "--run", run, "--db", str(db), "--out", str(out)]) == 0
