@@ -231,9 +231,12 @@ def run_series(db: Path, run_id: str, rank: int) -> Series:
     path = rank_db_path(runs[run_id]["metrics_dir"], run_id, rank)
     if not path.is_file():
         raise PlotError(f"{path} missing (rank {rank} of run {run_id} wrote no metrics)")
-    with duckdb.connect(str(path), read_only=True) as con:
-        rows = con.execute("SELECT tag, step, value FROM metrics WHERE run=? ORDER BY tag, step",
-                           [run_id]).fetchall()
+    try:
+        with duckdb.connect(str(path), read_only=True) as con:
+            rows = con.execute("SELECT tag, step, value FROM metrics WHERE run=? ORDER BY tag, step",
+                               [run_id]).fetchall()
+    except duckdb.Error as e:
+        raise PlotError(f"cannot read {path} ({e}); if the run is flushing metrics, run again") from e
     series: Series = defaultdict(list)
     for tag, step, value in rows:
         series[str(tag)].append((int(step), float(value)))

@@ -161,6 +161,14 @@ def test_unknown_run_names_the_fix(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "pass --db" in capsys.readouterr().err
 
 
+def test_unreadable_metrics_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    db, run = _training_run(tmp_path)
+    (tmp_path / "m" / f"{run}.rank000.duckdb").write_bytes(b"\xff" * 4096)
+    assert plots.main(["--run", run, "--db", str(db), "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cannot read" in err
+
+
 @pytest.mark.heavy
 def test_index_opens_in_chromium(tmp_path: Path) -> None:
     chromium()
