@@ -9,17 +9,20 @@ from collections.abc import Callable, Sequence
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "parity": ("parity.cli", "main", "run every parity contract (GPU) or self-checks + compiles (CPU)"),
     "mutate": ("mutations.runner", "main", "run the mutation catalog and write a report"),
+    "mutate-html": ("mutations.html", "main", "render a mutation report JSON as one offline HTML page"),
     "bench": ("nmoe.benchcli", "main", "run the GPU benchmarks under bench/"),
     "train": ("nmoe.train.loop", "main", "train a model from a TOML config (fast path only)"),
     "prep": ("nmoe.data.prep", "main", "tokenize text into uint32 shards with a manifest"),
     "runs": ("nmoe.train.metrics", "runs_main", "list experiment runs"),
     "metrics": ("nmoe.train.metrics", "metrics_main", "summarise one run's metrics"),
+    "plots": ("nmoe.plots", "main", "plot bench results and a run's metrics as PNGs with an index page"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: nmoe COMMAND [ARGS...]", "", "commands:"]
-    lines += [f"  {name:<8} {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    width = max(map(len, COMMANDS))
+    lines += [f"  {name:<{width}} {help_}" for name, (_, _, help_) in COMMANDS.items()]
     return "\n".join(lines)
 
 
