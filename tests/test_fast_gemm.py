@@ -339,7 +339,7 @@ def test_epilogue_pairing_check_rejects_misaligned_output_chunks(tmp_path: Path)
 
 def test_kernel_source_hash_covers_the_kernel_file() -> None:
     kernels = ROOT / "nmoe" / "fast" / "kernels"
-    shared = {kernels / f"{m}.py" for m in ("activation", "swiglu", "combine")}
+    shared = {kernels / f"{m}.py" for m in ("activation", "swiglu", "prims")}
     assert {kernels / "sm90" / "grouped_gemm.py", *shared} <= set(op.source_files(gemm.FWD.module))
     assert {kernels / "sm90" / "grouped_gemm_wgrad.py", kernels / "sm90" / "grouped_gemm.py",
             *shared} <= set(op.source_files(gemm.WGRAD.module))
