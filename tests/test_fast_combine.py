@@ -300,8 +300,8 @@ def test_autograd_and_opcheck() -> None:
     _same_bits(yc.grad.cpu(), rdy)
     _same_bits(sc.grad.cpu(), dout)
     _dw_within_bound(wc.grad.cpu(), dout, y, w, 2.5)
-    torch.library.opcheck(fast._combine_op, (y.cuda(), w.cuda(), 2.5, shared.cuda()))
-    torch.library.opcheck(fast._combine_bwd_op, (dout.cuda(), y.cuda(), w.cuda(), 2.5))
+    torch.library.opcheck(torch.ops.nmoe.combine.default, (y.cuda(), w.cuda(), 2.5, shared.cuda()))
+    torch.library.opcheck(torch.ops.nmoe.combine_bwd.default, (dout.cuda(), y.cuda(), w.cuda(), 2.5))
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -196,8 +196,8 @@ def test_autograd_and_opcheck() -> None:
     assert hc.grad is not None
     assert torch.equal(hc.grad.view(torch.int16), fast.swiglu_bwd(dy.cuda(), h.cuda()).view(torch.int16))
     _check(hc.grad.cpu(), ref.swiglu_bwd(dy, h), _oracle_bwd(dy, h))
-    torch.library.opcheck(fast._swiglu_op, (h.cuda(),))
-    torch.library.opcheck(fast._swiglu_bwd_op, (dy.cuda(), h.cuda()))
+    torch.library.opcheck(torch.ops.nmoe.swiglu.default, (h.cuda(),))
+    torch.library.opcheck(torch.ops.nmoe.swiglu_bwd.default, (dy.cuda(), h.cuda()))
 
 
 # ------------------------------------------------------------------------------------------------------
