@@ -146,6 +146,7 @@ def verify_hashes(directory: Path, manifest: Mapping[str, Any]) -> None:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise DataError(f"{problems[0]}{more}; found when the run started, `nmoe prep --verify {directory}` "
                         "lists every problem")
+    cache = {k: v for k, v in cache.items() if Path(k).is_dir()}
     cache[key] = stamp
     tmp = cache_path.with_name(f"{cache_path.name}.{os.getpid()}.tmp")
     try:
