@@ -133,8 +133,9 @@ def verify(path: Path) -> None:
     try:
         files: dict[str, dict[str, Any]] = json.loads((path / MANIFEST).read_text())["files"]
     except FileNotFoundError:
-        raise CheckpointError(f"{path / MANIFEST}: missing, so the checkpoint is incomplete or older than "
-                              f"checksums; {fix}") from None
+        raise CheckpointError(f"{path / MANIFEST}: missing; the checkpoint is incomplete or was written "
+                              f"before checkpoints carried checksums; {fix}, or point checkpoint.dir "
+                              "elsewhere to start fresh") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path / MANIFEST}: unreadable ({e}); {fix}") from None
     for name, want in files.items():
