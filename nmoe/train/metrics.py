@@ -46,6 +46,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _abs(path: str) -> str:
+    """Stored absolute, so `nmoe metrics` finds the files from any working directory."""
+    return str(Path(path).resolve())
+
+
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -80,8 +85,8 @@ class ExperimentsDB:
         with self.con:
             if resumed and self.con.execute("SELECT 1 FROM runs WHERE id=?", (run_id,)).fetchone():
                 self.con.execute("UPDATE runs SET status='running', end_ms=NULL, resumes=resumes+1, host=?, "
-                                 "pid=?, heartbeat_ms=? WHERE id=?",
-                                 (socket.gethostname(), os.getpid(), now_ms(), run_id))
+                                 "pid=?, heartbeat_ms=?, metrics_dir=? WHERE id=?",
+                                 (socket.gethostname(), os.getpid(), now_ms(), _abs(cfg.metrics.dir), run_id))
                 return
             self.con.execute("INSERT OR IGNORE INTO experiments(name, created_ms) VALUES (?, ?)",
                              (cfg.train.experiment, now_ms()))
@@ -95,7 +100,7 @@ class ExperimentsDB:
                 "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (run_id, exp_id, cfg.train.run_name, json.dumps(to_dict(cfg), sort_keys=True),
                  fingerprint(cfg), prov["git_sha"], dirty, socket.gethostname(), world, "running", now_ms(),
-                 str(Path(cfg.metrics.dir).resolve()), int(resumed), os.getpid(), now_ms()),
+                 _abs(cfg.metrics.dir), int(resumed), os.getpid(), now_ms()),
             )
 
     def set_progress(self, run_id: str, step: int) -> None:
