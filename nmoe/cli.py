@@ -11,7 +11,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "mutate": ("mutations.runner", "main", "run the mutation catalog and write a report"),
     "mutate-html": ("mutations.html", "main", "render a mutation report JSON as one offline HTML page"),
     "bench": ("nmoe.benchcli", "main", "run the GPU benchmarks under bench/"),
-    "train": ("nmoe.train.loop", "main", "train a model from a TOML config (fast path only)"),
+    "train": ("nmoe.traincli", "main", "train from a TOML config (fast path; CPU spec model only by name)"),
     "prep": ("nmoe.data.prep", "main", "tokenize text into uint32 shards with a manifest"),
     "runs": ("nmoe.train.metrics", "runs_main", "list experiment runs"),
     "metrics": ("nmoe.train.metrics", "metrics_main", "summarise one run's metrics"),

@@ -242,12 +242,14 @@ class DataConfig(_Section):
 
 @dataclass(frozen=True)
 class TrainConfig(_Section):
-    """dtype is bf16 only: expert GEMMs take bf16 by contract; fp8/nvfp4 come from model.expert_dtype."""
+    """dtype is bf16 only: expert GEMMs take bf16 by contract; fp8/nvfp4 come from model.expert_dtype.
+    model = "reference" (the CPU spec model) must be asked for by name: the fast path never falls back."""
 
     SECTION: ClassVar[str] = "train"
 
     seed: int = _spec(0, lo=0)
     device: str = _spec("cuda", choices=("cuda", "cpu"))
+    model: str = _spec("fast", choices=("fast", "reference"))
     dtype: str = _spec("bf16", choices=("bf16",))
     log_every: int = _spec(10, lo=1)
     run_name: str = _spec("run")
@@ -257,6 +259,10 @@ class TrainConfig(_Section):
         self._check_fields()
         if not self.run_name:
             raise ConfigError(self._p("run_name"), "empty", "give the run a name")
+        if (self.device == "cpu") != (self.model == "reference"):
+            raise ConfigError(self._p("model"), f'"{self.model}" on device "{self.device}"',
+                              'the fast path runs on device = "cuda" (sm_90a/sm_100a); the spec model runs '
+                              'on device = "cpu" with model = "reference"')
 
 
 @dataclass(frozen=True)

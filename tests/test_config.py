@@ -207,7 +207,8 @@ def test_env_and_cli_overrides(tmp_path: Path) -> None:
     cfg = load_config(path, env=env)
     assert cfg.model.dim == 48 and cfg.optim.lr_dense == 1e-3 and cfg.train.run_name == "123"
     assert cfg.checkpoint.allow_fingerprint_change is True
-    over = ["--model.dim=96", "--train.device=cpu", "--data.mixture=", '--model.score_func="softmax"']
+    over = ["--model.dim=96", "--train.device=cpu", "--train.model=reference", "--data.mixture=",
+            '--model.score_func="softmax"']
     cfg = load_config(path, env=env, overrides=over)
     assert cfg.model.dim == 96 and cfg.train.device == "cpu" and cfg.data.mixture == ""
     assert cfg.model.score_func == "softmax"
@@ -274,3 +275,19 @@ def test_diff() -> None:
     d2 = to_dict(a)
     d2["train"]["seed"] = 0.0
     assert diff(a, d2) == ["train.seed"]
+
+
+@pytest.mark.parametrize(("device", "model", "needle"), [
+    ("cpu", "fast", 'train.model: "fast" on device "cpu"'),
+    ("cuda", "reference", 'train.model: "reference" on device "cuda"'),
+])
+def test_device_and_model_must_agree(device: str, model: str, needle: str) -> None:
+    with pytest.raises(ConfigError) as ei:
+        from_dict({"train": {"device": device, "model": model}}, env={})
+    msg = _err(ei)
+    assert needle in msg and "sm_90a" in msg
+
+
+def test_cpu_runs_only_the_spec_model_named() -> None:
+    assert from_dict({"train": {"device": "cpu", "model": "reference"}}, env={}).train.model == "reference"
+    assert from_dict({}, env={}).train.model == "fast"

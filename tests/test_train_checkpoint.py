@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -108,7 +109,7 @@ def test_partial_save_is_invisible(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         raise OSError("disk full")
 
     monkeypatch.setattr(ckpt, "_fsync_json", crash)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ckpt.CheckpointError, match="disk full"):
         save(cfg, net, opt, 2)
     assert ckpt.latest(cfg.checkpoint.dir) == good
     assert not ckpt.step_dir(Path(cfg.checkpoint.dir), 2).exists()
@@ -144,3 +145,77 @@ def test_dangling_pointer_and_shape_change_are_clear(tmp_path: Path) -> None:
     with pytest.raises(ckpt.CheckpointError, match="missing or incomplete"):
         ckpt.latest(cfg.checkpoint.dir)
     assert ckpt.latest(tmp_path / "fresh") is None
+
+
+def _distcp(path: Path) -> Path:
+    (f,) = sorted(path.glob("*.distcp"))
+    return f
+
+
+def test_flipped_bytes_in_distcp_are_named_on_load(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path)
+    net, opt = trained(0, cfg)
+    path = save(cfg, net, opt, 1)
+    f = _distcp(path)
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 4] = b"\xff\xff\xff\xff"
+    f.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match=rf"{f.name}: .*corrupt.*older step") as e:
+        ckpt.load(path, model=Net(1), optimizer=build_optimizer(Net(1), cfg.optim), cfg=cfg)
+    assert "shape" not in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["distcp", ".metadata", "rank_00000.pt"])
+def test_truncated_checkpoint_file_is_named_not_a_shape_change(tmp_path: Path, name: str) -> None:
+    cfg = make_cfg(tmp_path)
+    net, opt = trained(0, cfg)
+    path = save(cfg, net, opt, 1)
+    f = _distcp(path) if name == "distcp" else path / name
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(ckpt.CheckpointError, match=rf"{f.name}: .*truncated.*older step") as e:
+        ckpt.load(path, model=Net(1), optimizer=build_optimizer(Net(1), cfg.optim), cfg=cfg)
+    assert "shape" not in str(e.value) and "PytorchStreamReader" not in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_empty_latest_pointer_is_an_error_not_a_name(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path)
+    net, opt = trained(0, cfg)
+    save(cfg, net, opt, 1)
+    pointer = Path(cfg.checkpoint.dir) / "latest"
+    pointer.write_text("\n")
+    with pytest.raises(ckpt.CheckpointError, match=rf"{pointer} is empty; .*step_\*"):
+        ckpt.latest(cfg.checkpoint.dir)
+
+
+def test_full_disk_leaves_no_partial_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = make_cfg(tmp_path)
+    net, opt = trained(0, cfg)
+    good = save(cfg, net, opt, 1)
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(ckpt.CheckpointError, match=r"cannot write .*No space left.*step_00000001 is intact"):
+        save(cfg, net, opt, 2)
+    root = Path(cfg.checkpoint.dir)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
+    assert ckpt.latest(root) == good
+
+
+def test_unwritable_dir_is_found_before_training(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ckpt.CheckpointError, match=rf"checkpoint.dir {blocker / 'ck'}.*not writable"):
+        ckpt.check_writable(blocker / "ck")
+
+
+def test_second_trainer_on_one_dir_is_refused_naming_the_holder(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    holder = rf"{root} is in use by run first-run .*pid {os.getpid()}"
+    with ckpt.DirLock(root, run="first-run"), pytest.raises(ckpt.CheckpointError, match=holder), \
+            ckpt.DirLock(root, run="second"):
+        pass
+    with ckpt.DirLock(root, run="third"):
+        pass

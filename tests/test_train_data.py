@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Sequence
@@ -27,15 +28,20 @@ from nmoe.train.data import (
 REPO = Path(__file__).resolve().parent.parent
 
 
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def write_dataset(out: Path, docs: Sequence[Sequence[int]]) -> Path:
-    """A hand-made prepped directory (manifest + one shard) holding the given token documents."""
+    """A hand-made prepped directory (manifest + one shard) holding the given tokens, with true hashes.
+    Its document index is empty: the loader reads windows, never documents, and these end in no EOS."""
     out.mkdir(parents=True)
     flat = np.array([t for d in docs for t in d], dtype="<u4")
     (out / "shard_00000.bin").write_bytes(flat.tobytes())
-    offsets = np.concatenate([[0], np.cumsum([len(d) for d in docs])]).astype("<u8")
-    (out / "shard_00000.idx").write_bytes(offsets.tobytes())
+    (out / "shard_00000.idx").write_bytes(np.zeros(1, dtype="<u8").tobytes())
     meta = {"shard": 0, "file": "shard_00000.bin", "index": "shard_00000.idx", "tokens": int(flat.size),
-            "docs": len(docs), "sha256": "x", "index_sha256": "y", "first_doc": 0, "text_bytes": 0}
+            "docs": 0, "sha256": sha256(out / "shard_00000.bin"),
+            "index_sha256": sha256(out / "shard_00000.idx"), "first_doc": 0, "text_bytes": 0}
     manifest = {"format": prep.FORMAT, "vocab_size": 201088, "eos_id": 199999, "shards": [meta],
                 "total_tokens": int(flat.size)}
     (out / "manifest.json").write_text(json.dumps(manifest))

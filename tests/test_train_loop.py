@@ -1,4 +1,4 @@
-"""Training loop on CPU: loss goes down, exact resume, SIGTERM, config refusal, `nmoe train` GPU guard.
+"""Training loop on CPU: loss goes down, exact resume, SIGTERM, config refusal, clear data errors.
 Default runs drive a test-local MoE hashing o200k ids into 4096 buckets (fast on a shared CPU); the heavy
 test repeats them with the reference model built from configs/tiny.toml."""
 
@@ -16,8 +16,9 @@ from torch import Tensor, nn
 from nmoe.config import Config, load_config
 from nmoe.data import prep
 from nmoe.train import checkpoint as ckpt
-from nmoe.train.loop import TrainResult, gpu_problem, main, train
-from nmoe.train.metrics import ExperimentsDB, metrics_main, rank_db_path, runs_main
+from nmoe.train.loop import TrainResult, train
+from nmoe.train.metrics import ExperimentsDB, metrics_main, runs_main
+from nmoe.train.metricstore import rank_dir, visible_parts
 
 REPO = Path(__file__).resolve().parent.parent
 BUCKETS = 4096
@@ -95,7 +96,7 @@ def test_twenty_steps_lower_the_loss_and_log(tmp_path: Path, dataset: Path,
     (row,) = db.runs()
     db.close()
     assert row["id"] == res.run_id and row["status"] == "stopped" and row["last_step"] == 20
-    assert rank_db_path(cfg.metrics.dir, res.run_id, 0).is_file()
+    assert visible_parts(rank_dir(cfg.metrics.dir, res.run_id, 0))
     capsys.readouterr()
     assert metrics_main([res.run_id, "--db", cfg.metrics.db_path]) == 0
     out = capsys.readouterr().out
@@ -169,13 +170,6 @@ def test_truncated_shard_is_a_clear_error(tmp_path: Path, dataset: Path) -> None
     shard.write_bytes(shard.read_bytes()[:-4])
     with pytest.raises(RuntimeError, match=r"shard_00000\.bin: missing or truncated .*nmoe prep --verify"):
         run(make_cfg(tmp_path, bad), 1)
-
-
-@pytest.mark.skipif(gpu_problem() is None, reason="a supported GPU is present")
-def test_nmoe_train_without_gpu_stops_at_once(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([str(REPO / "configs" / "tiny.toml")]) == 2
-    err = capsys.readouterr().err
-    assert "sm_90a" in err and "sm_100a" in err and "no CUDA device" in err
 
 
 @pytest.mark.heavy

@@ -5,19 +5,14 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import duckdb
 import pytest
 import torch
 
 from nmoe.config import from_dict
-from nmoe.train.metrics import (
-    ExperimentsDB,
-    MetricsWriter,
-    metrics_main,
-    rank_db_path,
-    router_stats,
-    runs_main,
-)
+from nmoe.train import metricstore
+from nmoe.train.metrics import ExperimentsDB, metrics_main, runs_main
+from nmoe.train.metricstore import MetricsWriter, rank_dir, read_parts
+from nmoe.train.stepstats import router_stats
 
 
 def test_router_stats_hand_values() -> None:
@@ -57,9 +52,8 @@ def test_run_lifecycle_rows_and_cli(tmp_path: Path, capsys: pytest.CaptureFixtur
     db.close()
     assert row["status"] == "completed" and row["resumes"] == 1 and row["last_step"] == 4
     assert row["end_ms"] >= row["start_ms"]
-    with duckdb.connect(str(rank_db_path(cfg.metrics.dir, "t-1", 0)), read_only=True) as con:
-        q = "SELECT tag, step, value FROM metrics WHERE run='t-1' ORDER BY tag, step"
-        rows = con.execute(q).fetchall()
+    q = "SELECT tag, step, value FROM metrics WHERE run='t-1' ORDER BY tag, step"
+    rows = read_parts(rank_dir(cfg.metrics.dir, "t-1", 0), lambda con: con.execute(q).fetchall(), [])
     assert rows == [("loss", 1, 9.0), ("loss", 2, 8.0), ("loss", 3, 7.0), ("loss", 4, 5.5),
                     ("lr", 1, 1e-3), ("lr", 2, 1e-3), ("lr", 3, 1e-3)]
     assert runs_main(["--db", cfg.metrics.db_path]) == 0
@@ -79,3 +73,21 @@ def test_cli_without_db_names_the_flag(tmp_path: Path, capsys: pytest.CaptureFix
     with pytest.raises(ValueError, match="run status"):
         db = ExperimentsDB(tmp_path / "y.sqlite")
         db.finish_run("nope", "weird", 0)
+
+
+def test_compaction_keeps_every_row_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(metricstore, "COMPACT_PARTS", 4)
+    w = MetricsWriter(tmp_path, "r", 0, flush_rows=1)
+    for step in range(1, 12):
+        w.log(step, {"loss": float(step)})
+    directory = rank_dir(tmp_path, "r", 0)
+    assert len(list(directory.glob("*.parquet"))) <= 5 and list(directory.glob("*.snap.parquet"))
+    w.truncate_after(7)
+    w.log(8, {"loss": 80.0})
+    w.flush()
+    w.close()
+    q = "SELECT step, value FROM metrics ORDER BY step"
+    rows = read_parts(directory, lambda con: con.execute(q).fetchall(), [])
+    assert rows == [(s, float(s)) for s in range(1, 8)] + [(8, 80.0)]
+    newest = max(int(p.name[:8]) for p in directory.glob("*.parquet"))
+    assert MetricsWriter(tmp_path, "r", 0).next_seq == newest + 1

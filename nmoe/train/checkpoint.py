@@ -1,17 +1,24 @@
-"""Checkpoints: DIR/step_N/{DCP files, meta.json, rank_R.pt (RNG)} and DIR/latest naming the newest one.
-A step directory appears only by renaming a finished one and `latest` is replaced atomically, so a crash
-at any point leaves the previous checkpoint resumable."""
+"""Checkpoints: DIR/step_N/{DCP files, meta.json, rank_R.pt (RNG), manifest.json} and DIR/latest naming the
+newest one. A step directory appears only by renaming a finished one, whose manifest (sha256 and size of
+every file) is checked on load; `latest` is replaced atomically, so a crash leaves the previous one usable."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import hashlib
 import json
 import os
 import random
 import shutil
+import socket
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from types import TracebackType
+from typing import IO, Any, Final
 
 import numpy as np
 import torch
@@ -27,6 +34,8 @@ from nmoe.train.optim import TrainOptimizer
 
 META: Final[str] = "meta.json"
 LATEST: Final[str] = "latest"
+MANIFEST: Final[str] = "manifest.json"
+LOCK: Final[str] = "lock"
 FORMAT: Final[str] = "nmoe-checkpoint/1"
 
 
@@ -103,6 +112,117 @@ def _fsync_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_manifest(path: Path) -> None:
+    files = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+             for f in sorted(path.iterdir()) if f.is_file()}
+    _fsync_json(path / MANIFEST, {"format": FORMAT, "files": files})
+
+
+def verify(path: Path) -> None:
+    """Raise CheckpointError naming the first file that is missing, truncated or differs from the manifest."""
+    fix = (f"resume from an older step: point {path.parent / LATEST} at another step_* directory, or delete "
+           f"{path} to fall back")
+    try:
+        files: dict[str, dict[str, Any]] = json.loads((path / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        raise CheckpointError(f"{path / MANIFEST}: missing; the checkpoint is incomplete or was written "
+                              f"before checkpoints carried checksums; {fix}, or point checkpoint.dir "
+                              "elsewhere to start fresh") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path / MANIFEST}: unreadable ({e}); {fix}") from None
+    for name, want in files.items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing (listed in {MANIFEST}); {fix}")
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            what = "truncated" if size < want["bytes"] else "grown"
+            raise CheckpointError(f"{f}: {what} ({size} bytes, {MANIFEST} says {want['bytes']}); {fix}")
+        if _sha256(f) != want["sha256"]:
+            raise CheckpointError(f"{f}: corrupt (sha256 differs from {MANIFEST}); {fix}")
+
+
+def check_writable(root: str | Path, need_bytes: int = 0) -> None:
+    """Fail before training, not at the first save, when checkpoint.dir cannot take a checkpoint."""
+    root = Path(root)
+    probe = root / f".write-test-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with probe.open("wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+        free = shutil.disk_usage(root).free
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            probe.unlink(missing_ok=True)
+        raise CheckpointError(f"checkpoint.dir {root} is not writable ({e}); fix its permissions or free "
+                              "space, or point checkpoint.dir elsewhere") from None
+    if free < need_bytes:
+        raise CheckpointError(f"checkpoint.dir {root} is not writable for a checkpoint: "
+                              f"{free / 2**30:.2f} GiB free, one checkpoint needs about "
+                              f"{need_bytes / 2**30:.2f} GiB; free space or point checkpoint.dir elsewhere")
+
+
+class DirLock:
+    """An exclusive flock on DIR/lock for one trainer; the kernel drops it when the holder dies."""
+
+    def __init__(self, root: str | Path, *, run: str) -> None:
+        self.root, self.run = Path(root), run
+        self.file: IO[str] | None = None
+
+    def __enter__(self) -> DirLock:
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / LOCK
+        f = path.open("a+")
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            f.seek(0)
+            holder = f.read().strip() or "an unknown process"
+            f.close()
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise CheckpointError(f"{path}: cannot lock ({e}); put checkpoint.dir on a filesystem with "
+                                      "flock") from None
+            raise CheckpointError(f"checkpoint.dir {self.root} is in use by {holder}; wait for that trainer "
+                                  "to end or point checkpoint.dir elsewhere") from None
+        f.seek(0)
+        f.truncate()
+        since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        f.write(f"run {self.run} (pid {os.getpid()} on {socket.gethostname()}, since {since})\n")
+        f.flush()
+        self.file = f
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+def _reason(e: BaseException) -> str:
+    """The last line of an error (DCP wraps the cause of each rank in a multi-line traceback)."""
+    return ([ln for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__])[-1].strip()
+
+
+def _pointer_name(root: Path) -> str | None:
+    try:
+        return (root / LATEST).read_text().strip() or None
+    except OSError:
+        return None
+
+
 def save(
     root: str | Path,
     *,
@@ -121,24 +241,21 @@ def save(
     root = Path(root)
     final = step_dir(root, step)
     partial = root / f".{final.name}.partial"
+    previous = _pointer_name(root)
+    try:
+        _write_partial(partial, step=step, tokens=tokens, model=model, optimizer=optimizer,
+                       loader_state=loader_state, cfg=cfg, run_id=run_id, rank=rank, world=world)
+    except (OSError, CheckpointException) as e:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        kept = f"{previous} is intact" if previous else "no earlier checkpoint exists"
+        raise CheckpointError(f"cannot write checkpoint {final} ({_reason(e)}); free space or fix "
+                              f"permissions on {root}, then resume: {kept}") from e
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir()
-    _barrier()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        dcp_save(_app_state(model, optimizer), checkpoint_id=partial, no_dist=not _dist())
-    torch.save({"rank": rank, "rng": capture_rng()}, partial / f"rank_{rank:05d}.pt")
-    _barrier()
-    if rank == 0:
-        prov = provenance()
-        _fsync_json(partial / META, {
-            "format": FORMAT, "step": step, "tokens": tokens, "run_id": run_id, "world": world,
-            "fingerprint": fingerprint(cfg), "config": to_dict(cfg), "loader": loader_state,
-            "git_sha": prov["git_sha"], "git_dirty": prov["git_dirty"], "created_utc": prov["created_utc"],
-            "torch": prov["torch"],
-        })
         if final.exists():
             old = root / f".{final.name}.old"
             shutil.rmtree(old, ignore_errors=True)
@@ -155,6 +272,40 @@ def save(
     return final
 
 
+def _write_partial(
+    partial: Path,
+    *,
+    step: int,
+    tokens: int,
+    model: nn.Module,
+    optimizer: TrainOptimizer,
+    loader_state: dict[str, Any],
+    cfg: Config,
+    run_id: str,
+    rank: int,
+    world: int,
+) -> None:
+    if rank == 0:
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+    _barrier()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp_save(_app_state(model, optimizer), checkpoint_id=partial, no_dist=not _dist())
+    torch.save({"rank": rank, "rng": capture_rng()}, partial / f"rank_{rank:05d}.pt")
+    _barrier()
+    if rank == 0:
+        prov = provenance()
+        _fsync_json(partial / META, {
+            "format": FORMAT, "step": step, "tokens": tokens, "run_id": run_id, "world": world,
+            "fingerprint": fingerprint(cfg), "config": to_dict(cfg), "loader": loader_state,
+            "git_sha": prov["git_sha"], "git_dirty": prov["git_dirty"], "created_utc": prov["created_utc"],
+            "torch": prov["torch"],
+        })
+        _write_manifest(partial)
+
+
 def _prune(root: Path, keep_last: int, keep: Path) -> None:
     steps = sorted(p for p in root.glob("step_*") if p.is_dir())
     for p in steps[:-keep_last]:
@@ -168,7 +319,12 @@ def latest(root: str | Path) -> Path | None:
     pointer = root / LATEST
     if not pointer.is_file():
         return None
-    path = root / pointer.read_text().strip()
+    name = pointer.read_text().strip()
+    if not name or Path(name).name != name:
+        what = "is empty" if not name else f"names {name!r}, not a directory in {root}"
+        raise CheckpointError(f"{pointer} {what}; write the name of an existing step_* directory into it, "
+                              "or remove it to start fresh")
+    path = root / name
     if not (path / META).is_file():
         raise CheckpointError(f"{pointer} names {path.name}, which is missing or incomplete; point it at an "
                               f"existing step_* directory in {root} or remove it to start fresh")
@@ -206,6 +362,7 @@ def load(
 ) -> Resumed:
     """Restore model, optimizer and this rank's RNG in place; the caller restores the loader."""
     path = Path(path)
+    verify(path)
     meta = read_meta(path)
     check_config(path, meta, cfg)
     if meta["world"] != world:
@@ -217,10 +374,9 @@ def load(
             warnings.simplefilter("ignore", UserWarning)
             dcp_load(state, checkpoint_id=path, no_dist=not _dist())
     except (Exception, CheckpointException) as e:
-        reason = ([ln for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__])[-1].strip()
-        raise CheckpointError(f"{path}: cannot load model/optimizer state into this model ({reason}); the "
-                              "model "
-                              "shape or parameter names changed since the checkpoint was written") from e
+        raise CheckpointError(f"{path}: cannot load model/optimizer state into this model ({_reason(e)}); "
+                              "the model shape or parameter names changed since the checkpoint was "
+                              "written") from e
     model.load_state_dict(state["model"])
     rank_file = path / f"rank_{rank:05d}.pt"
     if not rank_file.is_file():

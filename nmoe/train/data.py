@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import queue
 import threading
 import tomllib
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from nmoe.data import prep
 from nmoe.data.prep import PrepError, read_manifest
 
 STATE_VERSION: Final[int] = 1
@@ -113,8 +115,51 @@ def single_source(path: str) -> Mixture:
     return Mixture((SourceSpec(Path(path).name or "data", path),), (StageSpec("main"),))
 
 
+def _cache_file() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "nmoe" / "verified-shards.json"
+
+
+def _stamp(directory: Path, manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """What a past verification vouches for: the manifest's bytes and every file's size and mtime."""
+    files = {}
+    for meta in manifest["shards"]:
+        for name in (meta["file"], meta["index"]):
+            st = (directory / name).stat()
+            files[name] = [st.st_size, st.st_mtime_ns]
+    return {"manifest_sha256": hashlib.sha256((directory / "manifest.json").read_bytes()).hexdigest(),
+            "files": files}
+
+
+def verify_hashes(directory: Path, manifest: Mapping[str, Any]) -> None:
+    """Re-hash the shards against their manifest once; later runs skip it while sizes and mtimes hold."""
+    key, cache_path = str(directory.resolve()), _cache_file()
+    try:
+        cache: dict[str, Any] = json.loads(cache_path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    stamp = _stamp(directory, manifest)
+    if cache.get(key) == stamp:
+        return
+    problems = prep.verify(directory)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise DataError(f"{problems[0]}{more}; found when the run started, `nmoe prep --verify {directory}` "
+                        "lists every problem")
+    cache = {k: v for k, v in cache.items() if Path(k).is_dir()}
+    cache[key] = stamp
+    tmp = cache_path.with_name(f"{cache_path.name}.{os.getpid()}.tmp")
+    try:
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+        os.replace(tmp, cache_path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
 class TokenSource:
-    """The concatenated uint32 shards of one prepped directory, memory-mapped."""
+    """The concatenated uint32 shards of one prepped directory, memory-mapped and checked against the
+    manifest's hashes; `read` refuses ids outside the manifest's vocab, naming the shard."""
 
     def __init__(self, name: str, directory: Path) -> None:
         try:
@@ -130,6 +175,7 @@ class TokenSource:
                                 f"`nmoe prep --verify {directory}` and rebuild the shard it names")
             self.arrays.append(np.memmap(path, dtype="<u4", mode="r") if meta["tokens"] else
                                np.zeros(0, np.uint32))
+        verify_hashes(directory, manifest)
         sizes = np.array([a.size for a in self.arrays], dtype=np.int64)
         self.ends = np.cumsum(sizes)
         self.total = int(self.ends[-1]) if sizes.size else 0
@@ -144,9 +190,19 @@ class TokenSource:
         while done < length:
             base = int(self.ends[shard - 1]) if shard else 0
             take = min(length - done, int(self.ends[shard]) - pos)
-            out[done:done + take] = self.arrays[shard][pos - base:pos - base + take]
+            chunk = self.arrays[shard][pos - base:pos - base + take]
+            if take and int(chunk.max()) >= self.vocab_size:
+                self._out_of_vocab(shard, pos - base, chunk)
+            out[done:done + take] = chunk
             done, pos, shard = done + take, pos + take, shard + 1
         return out
+
+    def _out_of_vocab(self, shard: int, offset: int, chunk: np.ndarray) -> None:
+        at = int(np.argmax(chunk >= self.vocab_size))
+        path = self.directory / self.manifest["shards"][shard]["file"]
+        raise DataError(f"{path}: token id {int(chunk[at])} at token {offset + at} is outside the "
+                        f"dataset's {self.vocab_size}-token vocab; the shard is corrupt or from another "
+                        f"tokenizer: run `nmoe prep --verify {self.directory}` and rebuild it")
 
 
 def _mix64(x: int) -> int:

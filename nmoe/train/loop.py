@@ -1,11 +1,11 @@
 """loader -> model -> loss -> backward -> clip -> step -> router bias -> metrics -> checkpoint.
-`nmoe train` builds the fast-path model, so it needs an sm_90a/sm_100a GPU; `train()` accepts any model
-with forward(tokens, targets) -> loss (or logits), which is how the CPU tests drive it."""
+`train()` takes the model it is handed (forward(tokens, targets) -> loss or logits); `nmoe train`
+(nmoe/traincli.py) builds it, so this package never imports the spec."""
 
 from __future__ import annotations
 
+import contextlib
 import math
-import os
 import random
 import signal
 import sys
@@ -23,25 +23,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nmoe.config import Config, ConfigError, load_config
-from nmoe.fast.arch import arch_of
+from nmoe.config import Config
 from nmoe.train import checkpoint as ckpt
-from nmoe.train.data import build_loader
-from nmoe.train.metrics import (
-    ExperimentsDB,
-    MetricsWriter,
-    memory_stats,
-    new_run_id,
-    peak_flops,
-    router_stats,
-)
-from nmoe.train.optim import build_optimizer, clip_grad_norm, param_kind, wsd_factor
+from nmoe.train.data import Loader, build_loader
+from nmoe.train.metrics import ExperimentsDB, new_run_id
+from nmoe.train.metricstore import MetricsWriter
+from nmoe.train.optim import TrainOptimizer, build_optimizer, clip_grad_norm, param_kind, wsd_factor
+from nmoe.train.stepstats import memory_stats, peak_flops, router_stats
 
-GPU_NEEDED: Final[str] = (
-    "needs an NVIDIA GPU with sm_90a (H100/H200) or sm_100a (B200) and a CUDA build of torch, since it "
-    "trains with the CuTeDSL fast path"
-)
-
+HEARTBEAT_S: Final[float] = 60.0
 StepHook = Callable[[int, float], None]
 LossFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
 
@@ -55,6 +45,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     checkpoint: Path | None = None
     resumed_from: Path | None = None
+    signum: int | None = None
 
 
 def default_loss(model: nn.Module, inputs: Tensor, targets: Tensor) -> Tensor:
@@ -76,16 +67,6 @@ def flops_per_token(model: nn.Module, cfg: Config) -> float:
         active += p.numel() * share
     attn = 3.0 * m.n_layers * cfg.data.seq_len * m.n_heads * (m.qk_head_dim + m.v_head_dim)
     return 6.0 * active + attn
-
-
-def gpu_problem() -> str | None:
-    """Why this machine cannot run the fast path, or None."""
-    if not torch.cuda.is_available():
-        return f"{GPU_NEEDED}; found no CUDA device (torch {torch.__version__})"
-    cap = torch.cuda.get_device_capability()
-    if arch_of(cap) is None:
-        return f"{GPU_NEEDED}; found {torch.cuda.get_device_name()} (sm_{cap[0]}{cap[1]})"
-    return None
 
 
 class _StopFlag:
@@ -158,13 +139,45 @@ def train(
     model.to(dev)
     model.train()
     optimizer = build_optimizer(model, cfg.optim)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
     loader = build_loader(cfg.data.dataset_dir, cfg.data.mixture, seq_len=cfg.data.seq_len,
                           batch_size=cfg.data.batch_size, seed=cfg.data.seed, prefetch=cfg.data.prefetch,
                           rank=rank, world=world,
                           vocab_size=cfg.model.vocab_size)
-    step = tokens = 0
     run_id = new_run_id(cfg.train.run_name)
+    try:
+        if rank == 0:
+            ckpt.check_writable(cfg.checkpoint.dir, need_bytes=checkpoint_bytes(model))
+        lock = ckpt.DirLock(cfg.checkpoint.dir, run=cfg.train.run_name)
+        with lock if rank == 0 else contextlib.nullcontext():
+            return _run(cfg, model, loader, optimizer, run_id, dev=dev, max_steps=max_steps, loss_fn=loss_fn,
+                        on_step=on_step, rank=rank, world=world, progress=progress)
+    finally:
+        loader.close()
+
+
+def checkpoint_bytes(model: nn.Module) -> int:
+    """Room one checkpoint needs: parameters and buffers plus two fp32 optimizer moments per parameter."""
+    params = sum(p.numel() * (p.element_size() + 8) for p in model.parameters())
+    return params + sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+def _run(
+    cfg: Config,
+    model: nn.Module,
+    loader: Loader,
+    optimizer: TrainOptimizer,
+    run_id: str,
+    *,
+    dev: torch.device,
+    max_steps: int | None,
+    loss_fn: LossFn,
+    on_step: StepHook | None,
+    rank: int,
+    world: int,
+    progress: bool,
+) -> TrainResult:
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    step = tokens = 0
     resumed_from = ckpt.latest(cfg.checkpoint.dir)
     if resumed_from is not None:
         r = ckpt.load(resumed_from, model=model, optimizer=optimizer, cfg=cfg, rank=rank, world=world)
@@ -172,18 +185,19 @@ def train(
         step, tokens, run_id = r.step, r.tokens, r.run_id
     total_steps = -(-cfg.schedule.total_tokens // loader.tokens_per_step)
     end_step = total_steps if max_steps is None else min(max_steps, total_steps)
-    db = ExperimentsDB(cfg.metrics.db_path) if rank == 0 else None
-    if db is not None:
-        db.start_run(run_id, cfg, world=world, resumed=resumed_from is not None)
     writer = MetricsWriter(cfg.metrics.dir, run_id, rank)
     writer.truncate_after(step)
     has_router = hasattr(model, "router_counts") and hasattr(model, "update_router_bias")
     router_names = _router_names(model)
     fpt, peak = flops_per_token(model, cfg), peak_flops(dev)
+    db = ExperimentsDB(cfg.metrics.db_path) if rank == 0 else None
+    if db is not None:
+        db.start_run(run_id, cfg, world=world, resumed=resumed_from is not None)
     result = TrainResult(run_id, "running", step, tokens, resumed_from=resumed_from)
     saved_step = step if resumed_from is not None else -1
     tty = progress and sys.stderr.isatty()
     t_start, steps_run = time.perf_counter(), 0
+    beat = time.monotonic()
 
     def save() -> Path:
         return ckpt.save(cfg.checkpoint.dir, step=step, tokens=tokens, model=model, optimizer=optimizer,
@@ -249,12 +263,16 @@ def train(
                     writer.flush()
                     if db is not None:
                         db.set_progress(run_id, step)
+                        beat = time.monotonic()
+                elif db is not None and time.monotonic() - beat > HEARTBEAT_S:
+                    db.heartbeat(run_id)
+                    beat = time.monotonic()
             if saved_step != step:
                 result.checkpoint, saved_step = save(), step
             elif result.checkpoint is None:
                 result.checkpoint = ckpt.latest(cfg.checkpoint.dir)
             if stop.signum is not None:
-                result.status = "interrupted"
+                result.status, result.signum = "interrupted", stop.signum
             else:
                 result.status = "completed" if step >= total_steps else "stopped"
     except BaseException:
@@ -264,49 +282,18 @@ def train(
         if tty:
             sys.stderr.write("\n")
         loader.close()
-        writer.flush()
         result.step, result.tokens = step, tokens
+        flush_error: Exception | None = None
+        failing = result.status == "failed"
+        try:
+            writer.flush()
+        except Exception as e:
+            flush_error, result.status = e, "failed"
+        finally:
+            writer.close()
         if db is not None:
             db.finish_run(run_id, result.status, step)
             db.close()
+        if flush_error is not None and not failing:
+            raise flush_error
     return result
-
-
-def _build_fast_model(cfg: Config) -> nn.Module:
-    try:
-        from nmoe.fast.model import Model  # type: ignore[import-not-found, unused-ignore]
-    except ImportError as e:
-        raise RuntimeError(f"the fast-path model nmoe.fast.model.Model is not available ({e}); `nmoe train` "
-                           "needs it (the reference model is for CPU tests only)") from e
-    model: nn.Module = Model(cfg.model)
-    return model
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
-        print("usage: nmoe train CONFIG [--section.key=value ...]\n\n" + (__doc__ or "").strip())
-        return 0 if args else 2
-    problem = gpu_problem()
-    if problem is not None:
-        print(f"nmoe train: {problem}. CPU runs of the loop exist only as tests "
-              "(python -m pytest tests/test_train_loop.py).", file=sys.stderr)
-        return 2
-    try:
-        cfg = load_config(args[0], overrides=args[1:])
-    except ConfigError as e:
-        print(f"nmoe train: {e}", file=sys.stderr)
-        return 2
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    if world > 1:
-        dist.init_process_group("nccl")
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    try:
-        result = train(cfg, _build_fast_model(cfg), device="cuda", rank=rank, world=world)
-    finally:
-        if world > 1:
-            dist.destroy_process_group()
-    print(f"nmoe train: {result.status} at step {result.step} ({result.tokens:,} tokens); checkpoint "
-          f"{result.checkpoint}; run {result.run_id}")
-    return 0

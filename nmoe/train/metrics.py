@@ -1,31 +1,28 @@
-"""Run bookkeeping in one SQLite experiments db; step metrics in one DuckDB file per rank.
-
-DuckDB files are opened only while flushing, so `nmoe metrics RUN` can read them while a run is going.
-"""
+"""Run bookkeeping in one SQLite experiments db (with the trainer's pid and heartbeat, so a killed run shows
+as dead); step metrics in `nmoe.train.metricstore`, which readers query without a lock."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import resource
+import os
+import socket
 import sqlite3
 import sys
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-import torch
-from torch import Tensor
-
 from nmoe.config import Config, MetricsConfig, fingerprint, to_dict
 from nmoe.provenance import provenance
+from nmoe.train.metricstore import rank_dir, read_parts, visible_parts
 
-STATUSES: Final[tuple[str, ...]] = ("running", "completed", "stopped", "interrupted", "failed")
-PEAK_BF16_FLOPS: Final[dict[str, float]] = {"H100": 989e12, "H200": 989e12, "B200": 2250e12}
+STATUSES: Final[tuple[str, ...]] = ("running", "completed", "stopped", "interrupted", "failed", "dead")
+STALE_MS: Final[int] = 30 * 60 * 1000
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS experiments (
@@ -36,6 +33,22 @@ CREATE TABLE IF NOT EXISTS runs (
   world_size INTEGER NOT NULL, status TEXT NOT NULL, start_ms INTEGER NOT NULL, end_ms INTEGER,
   last_step INTEGER NOT NULL DEFAULT 0, metrics_dir TEXT NOT NULL, resumes INTEGER NOT NULL DEFAULT 0);
 """
+_ADDED_COLUMNS: Final[dict[str, str]] = {"pid": "INTEGER", "heartbeat_ms": "INTEGER"}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _abs(path: str) -> str:
+    """Stored absolute, so `nmoe metrics` finds the files from any working directory."""
+    return str(Path(path).resolve())
 
 
 def now_ms() -> int:
@@ -47,13 +60,23 @@ def new_run_id(name: str) -> str:
 
 
 class ExperimentsDB:
-    """experiments(name) 1—n runs(config, git sha/dirty, status, start/end, last step)."""
+    """experiments(name) 1—n runs(config, git sha/dirty, status, start/end, last step). WAL journal, so
+    `nmoe runs` reading never blocks the trainer's writes."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.con = sqlite3.connect(self.path, timeout=30.0)
+        have = {row[1] for row in self.con.execute("PRAGMA table_info(runs)")}
+        if have >= set(_ADDED_COLUMNS):
+            return
+        self.con.execute("PRAGMA journal_mode=WAL")
         self.con.executescript(_SCHEMA)
+        have = {row[1] for row in self.con.execute("PRAGMA table_info(runs)")}
+        with self.con:
+            for name, kind in _ADDED_COLUMNS.items():
+                if name not in have:
+                    self.con.execute(f"ALTER TABLE runs ADD COLUMN {name} {kind}")
 
     def close(self) -> None:
         self.con.close()
@@ -61,8 +84,9 @@ class ExperimentsDB:
     def start_run(self, run_id: str, cfg: Config, *, world: int, resumed: bool) -> None:
         with self.con:
             if resumed and self.con.execute("SELECT 1 FROM runs WHERE id=?", (run_id,)).fetchone():
-                self.con.execute("UPDATE runs SET status='running', end_ms=NULL, resumes=resumes+1 "
-                                 "WHERE id=?", (run_id,))
+                self.con.execute("UPDATE runs SET status='running', end_ms=NULL, resumes=resumes+1, host=?, "
+                                 "pid=?, heartbeat_ms=?, metrics_dir=? WHERE id=?",
+                                 (socket.gethostname(), os.getpid(), now_ms(), _abs(cfg.metrics.dir), run_id))
                 return
             self.con.execute("INSERT OR IGNORE INTO experiments(name, created_ms) VALUES (?, ?)",
                              (cfg.train.experiment, now_ms()))
@@ -72,16 +96,33 @@ class ExperimentsDB:
             dirty = None if prov["git_dirty"] is None else int(prov["git_dirty"])
             self.con.execute(
                 "INSERT INTO runs(id, experiment_id, name, config_json, fingerprint, git_sha, git_dirty, "
-                "host, world_size, status, start_ms, metrics_dir, resumes) "
-                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                "host, world_size, status, start_ms, metrics_dir, resumes, pid, heartbeat_ms) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (run_id, exp_id, cfg.train.run_name, json.dumps(to_dict(cfg), sort_keys=True),
-                 fingerprint(cfg), prov["git_sha"], dirty, prov["host"], world, "running", now_ms(),
-                 cfg.metrics.dir, int(resumed)),
+                 fingerprint(cfg), prov["git_sha"], dirty, socket.gethostname(), world, "running", now_ms(),
+                 _abs(cfg.metrics.dir), int(resumed), os.getpid(), now_ms()),
             )
 
     def set_progress(self, run_id: str, step: int) -> None:
         with self.con:
-            self.con.execute("UPDATE runs SET last_step=? WHERE id=?", (step, run_id))
+            self.con.execute("UPDATE runs SET last_step=?, heartbeat_ms=? WHERE id=?",
+                             (step, now_ms(), run_id))
+
+    def heartbeat(self, run_id: str) -> None:
+        with self.con:
+            self.con.execute("UPDATE runs SET heartbeat_ms=? WHERE id=?", (now_ms(), run_id))
+
+    def mark_dead(self) -> None:
+        """A 'running' run whose process is gone on this host, or silent for STALE_MS anywhere, is dead."""
+        rows = self.con.execute("SELECT id, host, pid, heartbeat_ms FROM runs "
+                                "WHERE status='running'").fetchall()
+        host, now = socket.gethostname(), now_ms()
+        for run_id, run_host, pid, beat in rows:
+            gone = run_host == host and pid is not None and not _alive(int(pid))
+            if gone or now - (beat or 0) > STALE_MS:
+                with self.con:
+                    self.con.execute("UPDATE runs SET status='dead', end_ms=? "
+                                     "WHERE id=? AND status='running'", (beat, run_id))
 
     def finish_run(self, run_id: str, status: str, step: int) -> None:
         if status not in STATUSES:
@@ -103,83 +144,6 @@ class ExperimentsDB:
         return [dict(zip(cols, row, strict=True)) for row in rows]
 
 
-def rank_db_path(metrics_dir: str | Path, run_id: str, rank: int) -> Path:
-    return Path(metrics_dir) / f"{run_id}.rank{rank:03d}.duckdb"
-
-
-class MetricsWriter:
-    """Buffers (run, tag, step, ts_ms, value) rows and appends them to this rank's DuckDB file."""
-
-    def __init__(self, metrics_dir: str | Path, run_id: str, rank: int, flush_rows: int = 2000) -> None:
-        import duckdb
-
-        self.duckdb = duckdb
-        self.path = rank_db_path(metrics_dir, run_id, rank)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.run_id, self.flush_rows = run_id, flush_rows
-        self.rows: list[tuple[str, str, int, int, float]] = []
-        with duckdb.connect(str(self.path)) as con:
-            con.execute("CREATE TABLE IF NOT EXISTS metrics (run VARCHAR, tag VARCHAR, step BIGINT, "
-                        "ts_ms BIGINT, value DOUBLE)")
-
-    def truncate_after(self, step: int) -> None:
-        """Drop rows a crashed attempt logged past the checkpoint being resumed, so steps stay unique."""
-        with self.duckdb.connect(str(self.path)) as con:
-            con.execute("DELETE FROM metrics WHERE run=? AND step>?", [self.run_id, step])
-
-    def log(self, step: int, values: Mapping[str, float]) -> None:
-        ts = now_ms()
-        self.rows += [(self.run_id, tag, step, ts, float(v)) for tag, v in values.items()]
-        if len(self.rows) >= self.flush_rows:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self.rows:
-            return
-        with self.duckdb.connect(str(self.path)) as con:
-            for i in range(0, len(self.rows), 1000):
-                part = self.rows[i:i + 1000]
-                con.execute("INSERT INTO metrics VALUES " + ",".join(["(?, ?, ?, ?, ?)"] * len(part)),
-                            [x for row in part for x in row])
-        self.rows = []
-
-
-def router_stats(
-    names: Sequence[str], counts: Sequence[Tensor], biases: Sequence[Tensor]
-) -> dict[str, float]:
-    """Per MoE layer: load CV (std/mean), entropy of the load distribution / log E, max load / mean,
-    and bias range (max - min)."""
-    out: dict[str, float] = {}
-    for name, c, b in zip(names, counts, biases, strict=True):
-        load = c.detach().double().cpu()
-        e, total = load.numel(), float(load.sum())
-        mean = total / e
-        p = load / total if total > 0 else torch.full_like(load, 1.0 / e)
-        nz = p[p > 0]
-        ent = float(-(nz * nz.log()).sum()) / math.log(e) if e > 1 else 1.0
-        out[f"router/{name}/load_cv"] = float(load.std(correction=0)) / mean if mean > 0 else 0.0
-        out[f"router/{name}/entropy"] = ent
-        out[f"router/{name}/max_load"] = float(load.max()) / mean if mean > 0 else 0.0
-        bias = b.detach().double().cpu()
-        out[f"router/{name}/bias_range"] = float(bias.max() - bias.min())
-    return out
-
-
-def peak_flops(device: torch.device) -> float | None:
-    """Dense bf16 peak of the GPU, or None where MFU has no meaning (CPU, unknown GPU)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
-
-
-def memory_stats(device: torch.device) -> dict[str, float]:
-    if device.type == "cuda":
-        return {"mem/allocated_gb": torch.cuda.memory_allocated(device) / 2**30,
-                "mem/max_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30}
-    return {"mem/max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-
-
 @dataclass(frozen=True)
 class _Summary:
     tag: str
@@ -192,13 +156,11 @@ class _Summary:
     mean: float
 
 
-def summarize(path: Path, run_id: str) -> list[_Summary]:
-    import duckdb
-
-    with duckdb.connect(str(path), read_only=True) as con:
-        rows = con.execute(
-            "SELECT tag, count(*), min(step), max(step), arg_max(value, step), min(value), max(value), "
-            "avg(value) FROM metrics WHERE run=? GROUP BY tag ORDER BY tag", [run_id]).fetchall()
+def summarize(directory: Path, run_id: str) -> list[_Summary]:
+    empty: list[tuple[Any, ...]] = []
+    rows = read_parts(directory, lambda con: con.execute(
+        "SELECT tag, count(*), min(step), max(step), arg_max(value, step), min(value), max(value), "
+        "avg(value) FROM metrics WHERE run=? GROUP BY tag ORDER BY tag", [run_id]).fetchall(), empty)
     return [_Summary(*r) for r in rows]
 
 
@@ -228,6 +190,7 @@ def runs_main(argv: Sequence[str] | None = None) -> int:
         return 1
     db = ExperimentsDB(args.db)
     try:
+        db.mark_dead()
         runs = db.runs(args.experiment)
     finally:
         db.close()
@@ -252,6 +215,7 @@ def metrics_main(argv: Sequence[str] | None = None) -> int:
         return 1
     db = ExperimentsDB(args.db)
     try:
+        db.mark_dead()
         runs = {r["id"]: r for r in db.runs()}
     finally:
         db.close()
@@ -260,9 +224,10 @@ def metrics_main(argv: Sequence[str] | None = None) -> int:
         hint = f"; did you mean {', '.join(near[:5])}?" if near else "; list runs with `nmoe runs`"
         print(f"nmoe metrics: no run {args.run!r} in {args.db}{hint}", file=sys.stderr)
         return 1
-    path = rank_db_path(runs[args.run]["metrics_dir"], args.run, args.rank)
-    if not path.is_file():
-        print(f"nmoe metrics: {path} missing (rank {args.rank} wrote no metrics)", file=sys.stderr)
+    path = rank_dir(runs[args.run]["metrics_dir"], args.run, args.rank)
+    if not visible_parts(path):
+        print(f"nmoe metrics: {path} holds no metrics yet (rank {args.rank} has not flushed)",
+              file=sys.stderr)
         return 1
     summary = summarize(path, args.run)
     rows = [[s.tag, str(s.n), f"{s.first_step}-{s.last_step}", _fmt(s.last), _fmt(s.lo), _fmt(s.hi),

@@ -1,0 +1,96 @@
+"""`nmoe train CONFIG`: read and check the config, build the model it names, train, exit non-zero unless
+the run completed or stopped. The spec model is built here, never in nmoe/train, and only when the config
+says train.model = "reference" (device = "cpu"); the fast model needs an sm_90a/sm_100a GPU."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from typing import Final
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nmoe.config import Config, ConfigError, load_config
+from nmoe.data.prep import PrepError
+from nmoe.fast.arch import arch_of
+from nmoe.train.checkpoint import CheckpointError
+from nmoe.train.data import DataError
+from nmoe.train.loop import TrainResult, train
+
+GPU_NEEDED: Final[str] = (
+    "needs an NVIDIA GPU with sm_90a (H100/H200) or sm_100a (B200) and a CUDA build of torch, since "
+    "train.model = \"fast\" trains with the CuTeDSL fast path"
+)
+CPU_HINT: Final[str] = 'a CPU run of the spec model needs train.device = "cpu" and train.model = "reference"'
+
+
+def gpu_problem() -> str | None:
+    """Why this machine cannot run the fast path, or None."""
+    if not torch.cuda.is_available():
+        return f"{GPU_NEEDED}; found no CUDA device (torch {torch.__version__})"
+    cap = torch.cuda.get_device_capability()
+    if arch_of(cap) is None:
+        return f"{GPU_NEEDED}; found {torch.cuda.get_device_name()} (sm_{cap[0]}{cap[1]})"
+    return None
+
+
+def build_model(cfg: Config) -> nn.Module:
+    model: nn.Module
+    if cfg.train.model == "reference":
+        from nmoe.reference.model import Model as SpecModel
+
+        model = SpecModel(cfg.model)
+        return model
+    try:
+        from nmoe.fast.model import Model  # type: ignore[import-not-found, unused-ignore]
+    except ImportError as e:
+        raise RuntimeError(f"the fast-path model nmoe.fast.model.Model is not available ({e}); "
+                           f"train.model = \"fast\" needs it ({CPU_HINT})") from e
+    model = Model(cfg.model)
+    return model
+
+
+def exit_code(result: TrainResult) -> int:
+    """0 for completed or stopped (max steps reached); 128 + signal when interrupted; 1 otherwise."""
+    if result.status in ("completed", "stopped"):
+        return 0
+    if result.status == "interrupted" and result.signum is not None:
+        return 128 + result.signum
+    return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print("usage: nmoe train CONFIG [--section.key=value ...]\n\n" + (__doc__ or "").strip())
+        return 0 if args else 2
+    try:
+        cfg = load_config(args[0], overrides=args[1:])
+    except ConfigError as e:
+        print(f"nmoe train: {e}", file=sys.stderr)
+        return 2
+    if cfg.train.model == "fast":
+        problem = gpu_problem()
+        if problem is not None:
+            print(f"nmoe train: {problem}; {CPU_HINT}", file=sys.stderr)
+            return 2
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        dist.init_process_group("nccl" if cfg.train.device == "cuda" else "gloo")
+        if cfg.train.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    try:
+        result = train(cfg, build_model(cfg), device=cfg.train.device, rank=rank, world=world)
+    except (CheckpointError, DataError, PrepError) as e:
+        print(f"nmoe train: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+    print(f"nmoe train: {result.status} at step {result.step} ({result.tokens:,} tokens); checkpoint "
+          f"{result.checkpoint}; run {result.run_id}")
+    return exit_code(result)
