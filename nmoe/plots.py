@@ -217,7 +217,8 @@ def run_series(db: Path, run_id: str, rank: int) -> Series:
     """tag -> [(step, value)] of one run and rank: the one place plots read the trainer's metrics."""
     import duckdb
 
-    from nmoe.train.metrics import ExperimentsDB, rank_db_path
+    from nmoe.train.metrics import ExperimentsDB, series
+    from nmoe.train.metricstore import rank_dir
 
     if not db.is_file():
         raise PlotError(f"no experiments db at {db}; pass --db (the config's metrics.db_path)")
@@ -228,19 +229,14 @@ def run_series(db: Path, run_id: str, rank: int) -> Series:
         exp.close()
     if run_id not in runs:
         raise PlotError(f"no run {run_id!r} in {db}; list runs with `nmoe runs --db {db}`")
-    path = rank_db_path(runs[run_id]["metrics_dir"], run_id, rank)
-    if not path.is_file():
+    path = rank_dir(runs[run_id]["metrics_dir"], run_id, rank)
+    if not path.is_dir():
         raise PlotError(f"{path} missing (rank {rank} of run {run_id} wrote no metrics)")
     try:
-        with duckdb.connect(str(path), read_only=True) as con:
-            rows = con.execute("SELECT tag, step, value FROM metrics WHERE run=? ORDER BY tag, step",
-                               [run_id]).fetchall()
+        return series(path, run_id)
     except duckdb.Error as e:
-        raise PlotError(f"cannot read {path} ({e}); if the run is flushing metrics, run again") from e
-    series: Series = defaultdict(list)
-    for tag, step, value in rows:
-        series[str(tag)].append((int(step), float(value)))
-    return dict(series)
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise PlotError(f"cannot read {path} ({first}); check the run's metrics parts") from e
 
 
 def _steps_figure(panels: Sequence[tuple[str, Mapping[str, list[tuple[int, float]]]]], title: str,

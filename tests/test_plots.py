@@ -14,7 +14,8 @@ from PIL import Image
 
 from nmoe import plots
 from nmoe.config import from_dict
-from nmoe.train.metrics import ExperimentsDB, MetricsWriter
+from nmoe.train.metrics import ExperimentsDB
+from nmoe.train.metricstore import MetricsWriter
 
 SHAPE = {"T": 4096, "H": 1024, "E": 8, "K": 2, "M": 8192}
 CEILINGS = {"hbm_copy_TBps": 4.0, "bf16_dense_TFLOPs": 800.0}
@@ -163,7 +164,9 @@ def test_unknown_run_names_the_fix(tmp_path: Path, capsys: pytest.CaptureFixture
 
 def test_unreadable_metrics_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     db, run = _training_run(tmp_path)
-    (tmp_path / "m" / f"{run}.rank000.duckdb").write_bytes(b"\xff" * 4096)
+    parts = sorted((tmp_path / "m" / f"{run}.rank000").glob("*.parquet"))
+    assert parts
+    parts[0].write_bytes(b"\xff" * 4096)
     assert plots.main(["--run", run, "--db", str(db), "--out", str(tmp_path / "o")]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "cannot read" in err

@@ -164,6 +164,17 @@ def summarize(directory: Path, run_id: str) -> list[_Summary]:
     return [_Summary(*r) for r in rows]
 
 
+def series(directory: Path, run_id: str) -> dict[str, list[tuple[int, float]]]:
+    """tag -> [(step, value)] of one run in one rank's metrics directory, read without a lock."""
+    empty: list[tuple[Any, ...]] = []
+    rows = read_parts(directory, lambda con: con.execute(
+        "SELECT tag, step, value FROM metrics WHERE run=? ORDER BY tag, step", [run_id]).fetchall(), empty)
+    out: dict[str, list[tuple[int, float]]] = {}
+    for tag, step, value in rows:
+        out.setdefault(str(tag), []).append((int(step), float(value)))
+    return out
+
+
 def _fmt(x: float) -> str:
     return f"{x:.4g}" if math.isfinite(x) else str(x)
 
