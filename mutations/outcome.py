@@ -29,7 +29,7 @@ def stable(text: str, root: Path | None = None) -> str:
 def _is_assertion(exc: BaseException) -> bool:
     if isinstance(exc, BaseExceptionGroup):
         return any(_is_assertion(e) for e in exc.exceptions)
-    return isinstance(exc, (AssertionError, pytest.fail.Exception))
+    return isinstance(exc, AssertionError | pytest.fail.Exception)
 
 
 class _Recorder:
