@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -14,23 +14,18 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 TREE: tuple[str, ...] = ("nmoe", "parity", "mutations", "tests", "configs", "pyproject.toml", "conftest.py")
 PYTEST_FLAGS: tuple[str, ...] = ("-x", "-q", "-p", "no:cacheprovider", "-rfE", "--tb=short")
+OUTCOME_PLUGIN: tuple[str, ...] = ("-p", "mutations.outcome")
+OUTCOME_ENV = "NMOE_MUTATE_OUTCOME"
 _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", ".hypothesis", ".mypy_cache")
-
-_OUTCOME = re.compile(r"^(FAILED|ERROR) (.+?)(?: - (.*))?$")
-_COUNT = re.compile(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed|xpassed)")
-_TOTALS_LINE = re.compile(r"\bin \d+(?:\.\d+)?s\b")
-_ASSERTION = re.compile(r"^E\s+(?:AssertionError\b|assert\b|Failed\b|Falsifying example)")
-_SECTION = re.compile(r"^_{3,} .+ _{3,}$")
-_FRAME = re.compile(r"^(\S+\.py:\d+): in \S+$")
-_COLLECT_ERROR = re.compile(r"error(?:s)? during collection|ERROR collecting|ImportError while importing")
-
 
 @dataclass
 class PytestRun:
-    """What one pytest process said: exit code, per-outcome counts, failing node ids, output."""
+    """What one pytest process reported through `mutations.outcome`: exit code, per-outcome counts, failing
+    node ids with messages and where they were raised, and its output (for humans only)."""
 
     returncode: int | None
     timed_out: bool
@@ -41,10 +36,11 @@ class PytestRun:
     messages: list[str] = field(default_factory=list)
     assertions: int = 0
     details: list[str] = field(default_factory=list)
+    collect_errors: int = 0
 
     @property
     def collection_error(self) -> bool:
-        return bool(_COLLECT_ERROR.search(self.output))
+        return self.collect_errors > 0
 
     @property
     def ran(self) -> int:
@@ -54,57 +50,14 @@ class PytestRun:
         return self.output[-n:]
 
 
-def parse_pytest_output(out: str) -> tuple[dict[str, int], list[str], list[str], int]:
-    """Counts from the totals line, failing node ids + messages from -rfE lines, assertion reports."""
-    counts: dict[str, int] = {}
-    failing: list[str] = []
-    messages: list[str] = []
-    for line in out.splitlines():
-        m = _OUTCOME.match(line)
-        if m:
-            failing.append(m.group(2).strip())
-            messages.append((m.group(3) or "").strip())
-    for line in reversed(out.splitlines()):
-        if _TOTALS_LINE.search(line) and _COUNT.search(line):
-            for num, key in _COUNT.findall(line):
-                counts["errors" if key.startswith("error") else key] = int(num)
-            break
-    assertions = sum(1 for line in out.splitlines() if _ASSERTION.match(line))
-    return counts, failing, messages, assertions
-
-
-def failure_details(out: str, max_e_lines: int = 3) -> list[str]:
-    """Per failure of a --tb=short report: 'file:line: source -> E lines', at the deepest frame inside
-    the tree (tests or project code) rather than inside a library such as torch's gradcheck."""
-    details: list[str] = []
-    frames: list[tuple[str, str]] = []
-    e_lines: list[str] = []
-    in_section = False
-    lines = out.splitlines()
-
-    def flush() -> None:
-        if not e_lines:
-            return
-        ours = [f for f in frames if not f[0].startswith("/")]
-        msg = " | ".join(e_lines[:max_e_lines])
-        where, src = (ours or frames or [("", "")])[-1]
-        details.append(f"{where}: {src} -> {msg}" if where else msg)
-
-    for i, line in enumerate(lines):
-        if _SECTION.match(line):
-            if in_section:
-                flush()
-            frames, e_lines, in_section = [], [], True
-        elif in_section and (m := _FRAME.match(line)):
-            if not e_lines:
-                frames.append((m.group(1), lines[i + 1].strip() if i + 1 < len(lines) else ""))
-        elif in_section and line.startswith("E  "):
-            e_lines.append(line[1:].strip()[:200])
-        elif line.startswith("=") and "short test summary" in line:
-            break
-    if in_section:
-        flush()
-    return details
+def read_outcome(path: Path) -> dict[str, Any]:
+    """The plugin's JSON; empty when pytest never reached the end of its session (killed, or a conftest
+    that does not import), which leaves the exit code to speak."""
+    try:
+        data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data
 
 
 def copy_tree(root: Path, dest: Path) -> None:
@@ -140,26 +93,38 @@ def child_env(copy: Path, device: str, threads: int, base: Mapping[str, str] | N
 
 
 def run_pytest(copy: Path, selection: Sequence[str], k: str | None, env: Mapping[str, str],
-               timeout: float) -> PytestRun:
-    """One fresh interpreter per run (no CUDA context or imported module survives between mutants)."""
-    cmd = [sys.executable, "-m", "pytest", *PYTEST_FLAGS, *selection]
+               timeout: float, flags: Sequence[str] = PYTEST_FLAGS) -> PytestRun:
+    """One fresh interpreter per run (no CUDA context or imported module survives between mutants); the
+    verdict comes from the outcome plugin, never from pytest's terminal text."""
+    cmd = [sys.executable, "-m", "pytest", *flags, *OUTCOME_PLUGIN, *selection]
     if k is not None:
         cmd += ["-k", k]
+    fd, name = tempfile.mkstemp(prefix="nmoe-outcome-", suffix=".json")
+    os.close(fd)
+    outcome_path = Path(name)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=copy, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, text=True, start_new_session=True)
-    timed_out = False
     try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-    seconds = time.perf_counter() - t0
-    counts, failing, messages, assertions = parse_pytest_output(out or "")
-    return PytestRun(None if timed_out else proc.returncode, timed_out, seconds, out or "", counts,
-                     failing, messages, assertions, failure_details(out or ""))
+        proc = subprocess.Popen(cmd, cwd=copy, env={**env, OUTCOME_ENV: name}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                                start_new_session=True)
+        timed_out = False
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        seconds = time.perf_counter() - t0
+        outcome = read_outcome(outcome_path)
+    finally:
+        outcome_path.unlink(missing_ok=True)
+    failures = outcome.get("failures", [])
+    return PytestRun(None if timed_out else proc.returncode, timed_out, seconds, out or "",
+                     counts=dict(outcome.get("counts", {})), failing=[f["nodeid"] for f in failures],
+                     messages=[f["message"] for f in failures], assertions=int(outcome.get("assertions", 0)),
+                     details=[f["where"] for f in failures if f["where"]],
+                     collect_errors=int(outcome.get("collect_errors", 0)))
 
 
 def in_copy(root: Path, edit: tuple[str, str] | None, fn_selection: Sequence[str], k: str | None,

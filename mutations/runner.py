@@ -20,12 +20,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from mutations.execute import SANITY_ID, PytestRun, in_copy, sanity_source
+from mutations.execute import OUTCOME_PLUGIN, PYTEST_FLAGS, SANITY_ID, PytestRun, in_copy, sanity_source
 from mutations.model import MutantResult, Mutation, apply, check_anchors
 from mutations.report import build, summary, write
+from nmoe.checkout import CheckoutError, require_test_extra, source_dir
 from nmoe.provenance import provenance
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 GPU_NOT_RUN = "device gpu: executed only by `nmoe mutate --device gpu` on a CUDA host"
 DEFAULT_REPORT = {"cpu": "mutations/reports/cpu-latest.json", "gpu": "mutations/reports/gpu-latest.json"}
 
@@ -125,7 +125,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     argl = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argl)
     args.command = "nmoe mutate " + " ".join(argl)
-    root = Path(args.root).resolve() if args.root else REPO_ROOT
     if args.jobs < 1 or args.timeout <= 0:
         print("nmoe mutate: --jobs must be >= 1 and --timeout > 0", file=sys.stderr)
         return 2
@@ -142,6 +141,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for m in chosen:
             print(f"{m.id:<40} {m.device:<4} {m.file}  {m.description}")
         return 0
+    try:
+        root = Path(args.root).resolve() if args.root else source_dir("nmoe mutate", "tests").parent
+        if not args.check:
+            require_test_extra("nmoe mutate", ("pytest", "ml_dtypes"))
+    except CheckoutError as e:
+        print(f"nmoe mutate: {e}", file=sys.stderr)
+        return 2
     problems = check_anchors(root, tuple(chosen))
     selections = {m.id: tests_for(m, mapping, root) for m in chosen}
     problems += [f"mutation {m.id}: no tests; declare `tests` or map {m.file} in TESTS_BY_FILE"
@@ -211,7 +217,7 @@ def _run(args: argparse.Namespace, root: Path, chosen: list[Mutation],
     t_end = time.perf_counter()
     ordered = [results[m.id] for m in chosen]
     config = {"device": args.device, "only": args.only, "jobs": jobs, "timeout_s": timeout,
-              "pytest": "python -m pytest -x -q -p no:cacheprovider -rfE --tb=short"}
+              "pytest": " ".join(["python -m pytest", *PYTEST_FLAGS, *OUTCOME_PLUGIN])}
     perf = {"setup": (t_base - t_start) * 1000, "initialRun": (t_mut - t_base) * 1000,
             "mutation": (t_end - t_mut) * 1000}
     report = build(ordered, sources, provenance(args.command), config, baseline, sanity, perf)

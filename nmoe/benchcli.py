@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from nmoe.provenance import REPO_ROOT
+from nmoe.checkout import CheckoutError, require_test_extra, source_dir
 
 
 def main(argv: list[str]) -> int:
@@ -15,9 +15,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", default="bench/results/latest.json", help="results JSON (docs/reports.md)")
     p.add_argument("-k", dest="select", default=None, help="pytest -k expression selecting benchmarks")
     args = p.parse_args(argv)
+    try:
+        bench = source_dir("nmoe bench", "bench")
+        require_test_extra("nmoe bench", ("pytest", "pytest_benchmark"))
+    except CheckoutError as e:
+        print(f"nmoe bench: {e}", file=sys.stderr)
+        return 2
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "bench", "--benchmark-disable-gc"]
     if args.select:
         cmd += ["-k", args.select]
     env = dict(os.environ, NMOE_BENCH_OUT=os.path.abspath(args.out),
                NMOE_BENCH_COMMAND=" ".join(["nmoe bench", *argv]))
-    return subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=False).returncode
+    return subprocess.run(cmd, cwd=bench.parent, env=env, check=False).returncode

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from mutations import runner
-from mutations.execute import failure_details, parse_pytest_output, sanity_source
+from mutations.execute import child_env, run_pytest, sanity_source
 from mutations.model import AnchorError, Mutation, anchor_span, apply, check_anchors
 from mutations.report import markdown, summary
 
@@ -217,56 +217,118 @@ def test_anchor_span_apply_and_check() -> None:
     assert any(p.startswith("duplicate mutation id") for p in check_anchors(Path("/nonexistent"), (m, m)))
 
 
-def test_parse_pytest_output() -> None:
-    out = textwrap.dedent("""\
-        .F
-        =================================== FAILURES ===================================
-        _________________________________ test_square __________________________________
-        tests/test_toy.py:5: in test_square
-            assert square(3.0) == 9.0
-        E   assert 6.0 == 9.0
-        =========================== short test summary info ============================
-        FAILED tests/test_toy.py::test_square[a-b] - assert 6.0 == 9.0
-        ERROR tests/test_toy.py::test_other - RuntimeError: boom
-        !!!!!!!!!!!!!!!!!!!!!!!!!! stopping after 1 failures !!!!!!!!!!!!!!!!!!!!!!!!!!!
-        1 failed, 1 passed, 2 skipped, 1 error in 0.03s
-        """)
-    counts, failing, messages, assertions = parse_pytest_output(out)
-    assert counts == {"failed": 1, "passed": 1, "skipped": 2, "errors": 1}
-    assert failing == ["tests/test_toy.py::test_square[a-b]", "tests/test_toy.py::test_other"]
-    assert messages == ["assert 6.0 == 9.0", "RuntimeError: boom"]
-    assert assertions == 1
+GHOST_TEST = '''\
+from nmoe.toy import square
 
 
-def test_failure_details_name_the_raising_line() -> None:
-    out = textwrap.dedent("""\
-        F
-        =================================== FAILURES ===================================
-        ___________________________ test_sep_a ___________________________
-        tests/test_x.py:9: in test_sep_a
-            assert f(x) == correct
-        E   assert 2 == 3
-        E    +  where 2 = f(1)
-        ___________________________ test_sep_b ___________________________
-        tests/test_x.py:20: in test_sep_b
-            with pytest.raises(RuntimeError):
-        E   Failed: DID NOT RAISE <class 'RuntimeError'>
-        ___________________________ test_grad ___________________________
-        tests/test_x.py:30: in test_grad
-            assert gradcheck(f, (x,))
-        /site/torch/autograd/gradcheck.py:1658: in _raise
-            raise GradcheckError(
-        E   GradcheckError: Jacobian mismatch
-        =========================== short test summary info ============================
-        FAILED tests/test_x.py::test_sep_a - assert 2 == 3
-        """)
-    assert failure_details(out) == [
-        "tests/test_x.py:9: assert f(x) == correct -> assert 2 == 3 | +  where 2 = f(1)",
-        "tests/test_x.py:20: with pytest.raises(RuntimeError): -> "
+class Check:
+    @staticmethod
+    def close(a: float, b: float) -> bool:
+        return a == b
+
+
+def test_square() -> None:
+    print("FAILED tests/test_toy.py::test_ghost - printed by the test, not a failure")
+    print("ERROR tests/test_toy.py::test_other_ghost")
+    assert Check.close(square(3.0), 9.0)
+'''
+
+
+def test_killing_tests_come_from_pytest_not_from_its_terminal_text(tmp_path: Path) -> None:
+    """A test printing lines that look like pytest's summary names no extra killer; the address of a
+    function in pytest's assertion explanation never reaches the reports."""
+    _tree(tmp_path / "tree", GHOST_TEST)
+    rc, data = _main(tmp_path, _catalog(tmp_path / "cat.py", SQUARE_DOUBLED))
+    assert rc == 0
+    m = _mutants(data)["toy.square_doubled"]
+    assert m["killedBy"] == ["tests/test_toy.py::test_square"]
+    assert (m["casesRed"], m["testsCompleted"], m["assertionsRed"]) == (1, 1, 1)
+    assert m["statusReason"].startswith("tests/test_toy.py:13: assert Check.close(square(3.0), 9.0) -> ")
+    assert "<function Check.close>" in m["statusReason"]
+    md = (tmp_path / "out" / "report.md").read_text()
+    json_text = (tmp_path / "out" / "report.json").read_text()
+    assert " at 0x" not in md and " at 0x" not in json_text
+
+
+OUTCOME_TESTS = '''\
+import pytest
+
+
+def test_ok() -> None:
+    pass
+
+
+@pytest.mark.skip(reason="no")
+def test_skipped() -> None:
+    pass
+
+
+@pytest.mark.xfail(reason="known")
+def test_xfail() -> None:
+    assert False
+
+
+@pytest.mark.parametrize("a", ["x-y"])
+def test_fails(a: str) -> None:
+    assert len(a) == 4
+
+
+@pytest.fixture
+def broken() -> None:
+    raise RuntimeError("boom")
+
+
+def test_setup_error(broken: None) -> None:
+    pass
+
+
+def test_raises() -> None:
+    with pytest.raises(RuntimeError):
+        pass
+
+
+def test_deep() -> None:
+    import json
+    json.loads("{")
+
+
+def test_deselected_one() -> None:
+    pass
+'''
+
+
+def test_outcome_plugin_records_counts_failures_and_where(tmp_path: Path) -> None:
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_o.py").write_text(OUTCOME_TESTS)
+    run = run_pytest(tmp_path, ("tests/test_o.py",), "not deselected_one", child_env(tmp_path, "cpu", 1), 120,
+                     flags=("-q", "-p", "no:cacheprovider", "--tb=short"))
+    assert run.returncode == 1 and not run.collection_error
+    assert run.counts == {"passed": 1, "skipped": 1, "xfailed": 1, "failed": 3, "errors": 1, "deselected": 1}
+    assert run.ran == 6
+    assert run.failing == ["tests/test_o.py::test_fails[x-y]", "tests/test_o.py::test_raises",
+                           "tests/test_o.py::test_deep", "tests/test_o.py::test_setup_error"]
+    assert run.messages[0] == "AssertionError: assert 3 == 4"
+    assert run.messages[2].startswith("json.decoder.JSONDecodeError: Expecting property name")
+    assert run.messages[1] == "Failed: DID NOT RAISE <class 'RuntimeError'>"
+    assert run.messages[3] == "RuntimeError: boom"
+    assert run.assertions == 2
+    assert run.details == [
+        "tests/test_o.py:20: assert len(a) == 4 -> AssertionError: assert 3 == 4 | +  where 3 = len('x-y')",
+        "tests/test_o.py:33: with pytest.raises(RuntimeError): -> "
         "Failed: DID NOT RAISE <class 'RuntimeError'>",
-        "tests/test_x.py:30: assert gradcheck(f, (x,)) -> GradcheckError: Jacobian mismatch",
+        "tests/test_o.py:39: json.loads(\"{\") -> json.decoder.JSONDecodeError: Expecting property name "
+        "enclosed in double quotes: line 1 column 2 (char 1)",
+        "tests/test_o.py:25: raise RuntimeError(\"boom\") -> RuntimeError: boom",
     ]
-    assert parse_pytest_output(out)[3] == 2
+
+
+def test_collection_error_is_recorded(tmp_path: Path) -> None:
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_c.py").write_text("import nmoe_no_such_module\n")
+    run = run_pytest(tmp_path, ("tests/test_c.py",), None, child_env(tmp_path, "cpu", 1), 120)
+    assert run.returncode == 2 and run.collection_error and run.counts == {"errors": 1}
+    assert run.failing == ["tests/test_c.py"]
+    assert "No module named 'nmoe_no_such_module'" in run.messages[0]
 
 
 def test_sanity_source_makes_every_function_raise(tmp_path: Path) -> None:

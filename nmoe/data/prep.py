@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
+import datetime
+import errno
+import fcntl
 import gzip
 import hashlib
 import io
@@ -14,8 +18,12 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import signal
+import socket
 import sys
+import threading
 import time
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +43,8 @@ CHUNK_BYTES: Final[int] = 1 << 20
 TEXT_SUFFIXES: Final[tuple[str, ...]] = (".txt", ".md", ".txt.gz", ".md.gz")
 JSONL_SUFFIXES: Final[tuple[str, ...]] = (".jsonl", ".jsonl.gz")
 PARQUET_SUFFIXES: Final[tuple[str, ...]] = (".parquet",)
+LOCK_NAME: Final[str] = ".nmoe-prep.lock"
+INTERRUPTED_RC: Final[int] = 130
 
 
 class PrepError(RuntimeError):
@@ -136,6 +146,9 @@ def iter_file_documents(path: Path, text_field: str) -> Iterator[tuple[str, int]
                 yield value, raw.tell()
         except UnicodeDecodeError as e:
             raise PrepError(f"{path}: not UTF-8 ({e}); re-encode the file as UTF-8") from e
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+            raise PrepError(f"{path}: truncated or corrupt gzip ({e}); re-download or re-compress the "
+                            "file") from e
 
 
 def _iter_parquet(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
@@ -223,6 +236,18 @@ def _worker_init() -> None:
     tok.get_encoding()
 
 
+def _start_pool(workers: int) -> Any:
+    """Workers start with SIGINT ignored (inherited through exec), so Ctrl-C, which reaches the whole
+    process group, stops only the parent, which then terminates them: one message, no worker tracebacks."""
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        return mp.get_context("spawn").Pool(workers, initializer=_worker_init)
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, old)
+
+
 def _tokenize(item: _Item) -> _Result:
     if isinstance(item, _Close):
         return item, None, None
@@ -249,13 +274,15 @@ def shard_name(i: int) -> str:
 
 
 class _Progress:
-    """One live status line on stderr; a percentage where the input size is known."""
+    """One live status line on stderr; a percentage where the input size is known, 100% only once finished
+    (raw bytes read can reach the end of a file before its last document is written)."""
 
     def __init__(self, total_raw: int, enabled: bool) -> None:
         self.total_raw, self.enabled = total_raw, enabled
         self.t0 = self.last = time.monotonic()
         self.tokens = self.docs = self.raw = 0
         self.shards = 0
+        self.finished = False
         self.tty = sys.stderr.isatty()
 
     def update(self, tokens: int, docs: int, raw: int, force: bool = False) -> None:
@@ -269,7 +296,7 @@ class _Progress:
         dt = max(now - self.t0, 1e-9)
         head = ""
         if self.total_raw:
-            frac = min(self.raw / self.total_raw, 1.0)
+            frac = min(self.raw / self.total_raw, 1.0 if self.finished else 0.999)
             filled = int(frac * 30)
             head = f"[{'#' * filled}{'.' * (30 - filled)}] {100 * frac:5.1f}% "
         start, end = ("\r", "") if self.tty else ("", "\n")
@@ -277,20 +304,25 @@ class _Progress:
                          f"{self.tokens / dt / 1e6:.2f}M tok/s{end}")
         sys.stderr.flush()
 
-    def close(self) -> None:
+    def close(self, finished: bool) -> None:
+        """The last line shows 100% only for a finished prep; a stopped one keeps the fraction it reached."""
+        self.finished = finished
         if self.enabled:
-            self.update(0, 0, self.total_raw, force=True)
+            self.update(0, 0, self.total_raw if finished else 0, force=True)
             if self.tty:
                 sys.stderr.write("\n")
 
 
 def _fsync_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -306,11 +338,20 @@ def _shard_ok(out: Path, meta: dict[str, Any]) -> bool:
     return bool(_sha256_file(bin_path) == meta["sha256"] and _sha256_file(idx_path) == meta["index_sha256"])
 
 
+def _read_sidecar(side: Path) -> dict[str, Any] | None:
+    try:
+        meta = json.loads(side.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return meta if isinstance(meta, dict) and isinstance(meta.get("shard"), int) else None
+
+
 def _finished_shards(out: Path) -> dict[int, dict[str, Any]]:
+    """Shards whose files match their sidecar; an unreadable sidecar marks its shard for rebuilding."""
     done: dict[int, dict[str, Any]] = {}
     for side in sorted(out.glob("shard_*.json")):
-        meta = json.loads(side.read_text())
-        if _shard_ok(out, meta):
+        meta = _read_sidecar(side)
+        if meta is not None and _shard_ok(out, meta):
             done[int(meta["shard"])] = meta
     return done
 
@@ -354,8 +395,36 @@ class _ShardWriter:
         return meta
 
 
-def _prepare_out(out: Path, plan: PrepPlan, overwrite: bool) -> None:
+def _make_out(out: Path) -> None:
+    for p in (out, *out.parents):
+        if p.exists() and not p.is_dir():
+            raise PrepError(f"--out {out}: {p} is a file; choose a directory path for --out")
     out.mkdir(parents=True, exist_ok=True)
+
+
+@contextlib.contextmanager
+def out_lock(out: Path) -> Iterator[None]:
+    """Exclusive hold on `out` for one prep (flock: released by the kernel even if the holder dies)."""
+    fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "holder not yet recorded"
+            raise PrepError(f"{out} is being written by another `nmoe prep` ({holder}); wait for it to "
+                            "finish or choose another --out") from None
+        since = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {since}\n".encode(), 0)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)
+
+
+def _prepare_out(out: Path, plan: PrepPlan, overwrite: bool) -> None:
     plan_path = out / "plan.json"
     want = plan.to_json()
     if plan_path.is_file():
@@ -368,10 +437,11 @@ def _prepare_out(out: Path, plan: PrepPlan, overwrite: bool) -> None:
             for p in out.iterdir():
                 if p.name.startswith("shard_") or p.name in ("manifest.json", "plan.json"):
                     p.unlink() if p.is_file() else shutil.rmtree(p)
-    elif any(out.iterdir()) and not overwrite:
+    elif any(p.name != LOCK_NAME for p in out.iterdir()) and not overwrite:
         raise PrepError(f"{out} is not empty and holds no prep plan; choose an empty --out or pass "
                         "--overwrite")
     _write_json(plan_path, want)
+    (out / "manifest.json").unlink(missing_ok=True)
 
 
 def prepare(
@@ -384,15 +454,23 @@ def prepare(
     total_raw: int = 0,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Write shards + manifest.json into `out`; returns the manifest."""
+    """Write shards + manifest.json into `out` under its lock; manifest.json appears only when complete."""
+    _make_out(out)
+    with out_lock(out):
+        return _prepare_locked(out, docs, plan, workers, overwrite, total_raw, progress)
+
+
+def _prepare_locked(out: Path, docs: Iterable[tuple[str, int]], plan: PrepPlan, workers: int,
+                    overwrite: bool, total_raw: int, progress: bool) -> dict[str, Any]:
     _prepare_out(out, plan, overwrite)
     done = _finished_shards(out)
     metas: dict[int, dict[str, Any]] = {}
     bar = _Progress(total_raw, progress)
     items = plan_chunks(docs, plan.shard_bytes, frozenset(done))
-    pool = mp.get_context("spawn").Pool(workers, initializer=_worker_init) if workers > 1 else None
+    pool = _start_pool(workers) if workers > 1 else None
     results = _ordered(pool, items, 2 * workers) if pool is not None else map(_tokenize, items)
     writer: _ShardWriter | None = None
+    finished = False
     try:
         for item, flat, lengths in results:
             if isinstance(item, _Chunk):
@@ -416,6 +494,7 @@ def prepare(
                 writer = None
             metas[item.shard] = meta
             bar.shards += 1
+        finished = True
     finally:
         if pool is not None:
             pool.terminate()
@@ -423,10 +502,11 @@ def prepare(
         if writer is not None:
             writer.f.close()
             writer.tmp.unlink(missing_ok=True)
-        bar.close()
+        bar.close(finished)
     shards = [metas[i] for i in sorted(metas)]
     for stale in out.glob("shard_*.json"):
-        if int(json.loads(stale.read_text())["shard"]) >= len(shards):
+        side = _read_sidecar(stale)
+        if side is None or side["shard"] >= len(shards):
             raise PrepError(f"{stale} belongs to no shard of this prep; delete {out} or pass --overwrite")
     manifest = {
         "format": FORMAT,
@@ -445,18 +525,28 @@ def prepare(
 
 def read_manifest(directory: Path) -> dict[str, Any]:
     path = directory / "manifest.json"
+    if not path.is_file() and (directory / "plan.json").is_file():
+        raise PrepError(f"{directory}: its `nmoe prep` did not finish (plan.json but no manifest.json); "
+                        "re-run the same `nmoe prep` command to finish it")
     if not path.is_file():
         raise PrepError(f"{directory}: no manifest.json; build the dataset with `nmoe prep --out "
                         f"{directory}` (no inputs = the embedded default corpus)")
-    manifest: dict[str, Any] = json.loads(path.read_text())
-    if manifest.get("format") != FORMAT:
-        raise PrepError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}; re-run `nmoe prep`")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PrepError(f"{path} is not valid JSON ({e}); re-run the same `nmoe prep` command to rewrite "
+                        "it") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise PrepError(f"{path}: format {got!r}, expected {FORMAT!r}; re-run `nmoe prep`")
     return manifest
 
 
 def verify(directory: Path) -> list[str]:
-    """Problems found (empty = every shard and index matches the manifest's sha256 and sizes)."""
+    """Problems found (empty = every shard matches the manifest's sha256 and sizes, and every token id is
+    below its vocab_size)."""
     manifest = read_manifest(directory)
+    vocab = int(manifest["vocab_size"])
     problems: list[str] = []
     for meta in manifest["shards"]:
         bin_path, idx_path = directory / meta["file"], directory / meta["index"]
@@ -478,10 +568,13 @@ def verify(directory: Path) -> list[str]:
             problems.append(f"{idx_path}: sha256 differs from the manifest; corrupt index; {fix}")
             continue
         offsets = np.fromfile(idx_path, dtype="<u8")
-        ids = np.memmap(bin_path, dtype="<u4", mode="r")
+        ids = np.memmap(bin_path, dtype="<u4", mode="r") if size else np.zeros(0, "<u4")
         ends = offsets[1:].astype(np.int64) - 1
         if offsets.size != meta["docs"] + 1 or (ends.size and not bool((ids[ends] == tok.EOS_ID).all())):
             problems.append(f"{idx_path}: document index does not match the shard's EOS tokens; {fix}")
+        elif ids.size and (top := int(ids.max())) >= vocab:
+            problems.append(f"{bin_path}: token id {top} at position {int(ids.argmax())} >= vocab_size "
+                            f"{vocab} of the manifest; {fix}")
     return problems
 
 
@@ -510,14 +603,40 @@ def _out_dir(args: argparse.Namespace) -> Path:
     if args.out is not None:
         return Path(args.out)
     if args.config is not None:
-        from nmoe.config import load_config
+        from nmoe.config import ConfigError, load_config
 
-        return Path(load_config(args.config).data.dataset_dir)
+        cfg = Path(args.config)
+        if cfg.is_dir():
+            raise PrepError(f"--config {cfg} is a directory; pass a TOML file such as configs/tiny.toml")
+        try:
+            return Path(load_config(cfg).data.dataset_dir)
+        except ConfigError as e:
+            raise PrepError(f"--config {cfg}: {e}") from None
+        except UnicodeDecodeError as e:
+            raise PrepError(f"--config {cfg} is not UTF-8 ({e}); save the TOML file as UTF-8") from None
+        except OSError as e:
+            raise PrepError(f"--config {cfg}: cannot read it ({e.strerror}); pass a readable TOML "
+                            "file") from None
     return Path(DEFAULT_OUT)
+
+
+def _os_error(e: OSError, out: Path) -> str:
+    """One line for a file-system failure: a write under --out names the --out fix, a read its input."""
+    where = Path(e.filename) if e.filename else out
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"{where}: no space left on device; free space or choose another --out, then re-run the same "
+                "command (finished shards are kept)")
+    inside = where == out or out in where.parents
+    if inside and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"cannot write {where} ({e.strerror}); choose a writable --out"
+    if inside:
+        return f"{where}: {e.strerror}; check --out"
+    return f"cannot read {where} ({e.strerror}); check the input's path and permissions"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    out = Path(args.out or DEFAULT_OUT)
     try:
         if args.verify is not None:
             problems = verify(Path(args.verify))
@@ -548,6 +667,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PrepError as e:
         print(f"nmoe prep: {e}", file=sys.stderr)
         return 1
+    except OSError as e:
+        print(f"nmoe prep: {_os_error(e, out)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        if args.verify is not None:
+            print("nmoe prep: --verify interrupted; nothing was changed", file=sys.stderr)
+            return INTERRUPTED_RC
+        print(f"nmoe prep: interrupted; {out} is unfinished (no manifest.json) and keeps its finished "
+              "shards; re-run the same command to resume", file=sys.stderr)
+        return INTERRUPTED_RC
     print(f"{out}: {manifest['total_docs']:,} docs, {manifest['total_tokens']:,} tokens in "
           f"{len(manifest['shards'])} shards ({time.monotonic() - t0:.1f} s)")
     return 0
