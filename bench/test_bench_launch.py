@@ -66,3 +66,27 @@ def test_bench_eager_host_time() -> None:
     _row("eager_host_grouped_gemm_autograd", shape,
          host_us_per_call(lambda: gemm.grouped_gemm(xg, w, offs)), ref_us,
          note="input requires grad: the call goes through the torch dispatcher and records the backward")
+
+
+def test_bench_eager_host_breakdown() -> None:
+    """Where relu2's host time goes: allocation, a torch op's dispatch+launch floor, the bare launcher, the
+    glue without the FastOp wrapper; each row stands beside torch._grouped_mm of the same run."""
+    from nmoe.fast import activation, runtime
+
+    x, w, offs = _gemm_inputs(256, 128, 128, 4)
+    wt = w.transpose(-2, -1)
+    ref_us = host_us_per_call(lambda: torch._grouped_mm(x, wt, offs=offs))
+    tiny = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(tiny)
+    device, arch = runtime.device_arch(tiny)
+    launch = activation.RELU2_FWD.launcher(arch, dtype="bfloat16", vec=8)
+    shape = {"T": 8, "D": 64}
+    parts: dict[str, Any] = {
+        "torch_empty_like": lambda: torch.empty_like(tiny),
+        "torch_neg": lambda: torch.neg(tiny),
+        "relu2_launcher_only": lambda: launch(device, tiny.data_ptr(), out.data_ptr(), tiny.numel()),
+        "relu2_glue_without_wrapper": lambda: activation._relu2_impl(tiny),
+    }
+    for name, step in parts.items():
+        _row(f"eager_host_part_{name}", shape, host_us_per_call(step), ref_us,
+             note="component of eager_host_relu2, to locate host time")
