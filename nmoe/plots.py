@@ -255,8 +255,41 @@ def _steps_figure(panels: Sequence[tuple[str, Mapping[str, list[tuple[int, float
     return _save(fig, path)
 
 
+def expert_loads(series: Series) -> dict[str, dict[int, list[tuple[int, float]]]]:
+    """layer -> expert -> [(step, share of the layer's routed tokens)], from `router/<layer>/load/<e>`."""
+    out: dict[str, dict[int, list[tuple[int, float]]]] = defaultdict(dict)
+    for tag, points in series.items():
+        parts = tag.split("/")
+        if len(parts) == 4 and parts[0] == "router" and parts[2] == "load" and parts[3].isdigit() and points:
+            out[parts[1]][int(parts[3])] = points
+    return dict(out)
+
+
+def plot_expert_load(loads: Mapping[str, Mapping[int, list[tuple[int, float]]]], title: str,
+                     path: Path) -> Path:
+    """One heatmap per MoE layer: expert x logged step, coloured by load / mean load (1 is balanced)."""
+    fig = Figure(figsize=(10, 0.6 + 2.4 * len(loads)), layout="constrained")
+    axes = fig.subplots(len(loads), 1, squeeze=False)[:, 0]
+    for ax, (layer, experts) in zip(axes, sorted(loads.items()), strict=True):
+        steps = sorted({s for pts in experts.values() for s, _ in pts})
+        col = {s: j for j, s in enumerate(steps)}
+        grid = [[math.nan] * len(steps) for _ in range(max(experts) + 1)]
+        for e, pts in experts.items():
+            for s, v in pts:
+                grid[e][col[s]] = v * len(grid)
+        top = max(2.0, *(v for row in grid for v in row if math.isfinite(v)))
+        im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="coolwarm", vmin=0.0, vmax=top,
+                       extent=(steps[0] - 0.5, steps[-1] + 0.5, len(grid) - 0.5, -0.5))
+        fig.colorbar(im, ax=ax, label="load / mean")
+        ax.set_ylabel(f"{layer}\nexpert", fontsize=9)
+    axes[-1].set_xlabel("step")
+    axes[0].set_title(title, fontsize=10)
+    return _save(fig, path)
+
+
 def training_sections(series: Series, run_id: str, out: Path) -> list[Section]:
-    """Loss, lr and tokens/s over steps; per-layer router load over steps (the router's health)."""
+    """Loss, lr and tokens/s over steps; per-layer router load and per-expert load over steps (the router's
+    health)."""
     stem = _slug(run_id)
     panels = [(label, {tag: series[tag]}) for tag, label in TRAINING_TAGS if series.get(tag)]
     train = [Entry("loss, lr and tokens/s over steps", _steps_figure(
@@ -271,6 +304,10 @@ def training_sections(series: Series, run_id: str, out: Path) -> list[Section]:
     health = [Entry("per-layer expert load over steps", _steps_figure(
         rpanels, f"run {run_id}: router health", out / f"{stem}.router.png"), image=True)] if rpanels else [
         Entry(f"run {run_id} logged no router stats (router/<layer>/<stat>)")]
+    loads = expert_loads(series)
+    health.append(Entry("per-expert load over steps, one heatmap per MoE layer", plot_expert_load(
+        loads, f"run {run_id}: per-expert load", out / f"{stem}.experts.png"), image=True) if loads else Entry(
+        f"run {run_id} logged no per-expert load (router/<layer>/load/<expert>)"))
     return [Section(f"training run {run_id}", tuple(train)), Section(f"router health, run {run_id}",
                                                                       tuple(health))]
 
