@@ -7,6 +7,7 @@ changes no global backend.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import re
@@ -17,6 +18,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
+import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -273,14 +275,18 @@ def plot_expert_load(loads: Mapping[str, Mapping[int, list[tuple[int, float]]]],
     for ax, (layer, experts) in zip(axes, sorted(loads.items()), strict=True):
         steps = sorted({s for pts in experts.values() for s, _ in pts})
         col = {s: j for j, s in enumerate(steps)}
-        grid = [[math.nan] * len(steps) for _ in range(max(experts) + 1)]
+        grid = np.full((max(experts) + 1, len(steps)), np.nan)
         for e, pts in experts.items():
             for s, v in pts:
-                grid[e][col[s]] = v * len(grid)
-        top = max(2.0, *(v for row in grid for v in row if math.isfinite(v)))
-        im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="coolwarm", vmin=0.0, vmax=top,
-                       extent=(steps[0] - 0.5, steps[-1] + 0.5, len(grid) - 0.5, -0.5))
-        fig.colorbar(im, ax=ax, label="load / mean")
+                grid[e, col[s]] = v * grid.shape[0]
+        mids = [(a + b) / 2 for a, b in itertools.pairwise(steps)]
+        edges = [2 * steps[0] - mids[0] if mids else steps[0] - 0.5, *mids,
+                 2 * steps[-1] - mids[-1] if mids else steps[-1] + 0.5]
+        top = max(2.0, float(np.nanmax(grid)))
+        mesh = ax.pcolormesh(edges, np.arange(grid.shape[0] + 1) - 0.5, np.ma.masked_invalid(grid),
+                             cmap="coolwarm", vmin=0.0, vmax=top)
+        ax.invert_yaxis()
+        fig.colorbar(mesh, ax=ax, label="load / mean")
         ax.set_ylabel(f"{layer}\nexpert", fontsize=9)
     axes[-1].set_xlabel("step")
     axes[0].set_title(title, fontsize=10)
@@ -306,8 +312,8 @@ def training_sections(series: Series, run_id: str, out: Path) -> list[Section]:
         Entry(f"run {run_id} logged no router stats (router/<layer>/<stat>)")]
     loads = expert_loads(series)
     health.append(Entry("per-expert load over steps, one heatmap per MoE layer", plot_expert_load(
-        loads, f"run {run_id}: per-expert load", out / f"{stem}.experts.png"), image=True) if loads else Entry(
-        f"run {run_id} logged no per-expert load (router/<layer>/load/<expert>)"))
+        loads, f"run {run_id}: per-expert load", out / f"{stem}.experts.png"), image=True) if loads
+        else Entry(f"run {run_id} logged no per-expert load (router/<layer>/load/<expert>)"))
     return [Section(f"training run {run_id}", tuple(train)), Section(f"router health, run {run_id}",
                                                                       tuple(health))]
 

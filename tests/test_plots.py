@@ -156,6 +156,8 @@ def test_per_expert_load_heatmap_per_layer(tmp_path: Path) -> None:
     path = plots.plot_expert_load(loads, "t", tmp_path / "e.png")
     with Image.open(path) as im:
         assert im.size[1] > 400  # two layers stacked
+    one = {"l": {0: [(5, 0.25)], 3: [(5, 0.75)]}}  # one logged step, experts 1-2 never logged
+    assert plots.plot_expert_load(one, "t", tmp_path / "one.png").is_file()
 
 
 def test_training_run_without_router_stats_is_noted(tmp_path: Path) -> None:
