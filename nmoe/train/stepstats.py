@@ -22,7 +22,7 @@ def router_stats(
     if not counts:
         return {}
     tensors = [t.detach().reshape(-1).double() for t in (*counts, *biases)]
-    host = torch.cat(tensors).cpu().split([t.numel() for t in tensors])
+    host = torch.split(torch.cat(tensors).cpu(), [t.numel() for t in tensors])
     out: dict[str, float] = {}
     for name, load, bias in zip(names, host[: len(counts)], host[len(counts):], strict=True):
         e, total = load.numel(), float(load.sum())
