@@ -7,6 +7,7 @@ changes no global backend.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import re
@@ -17,6 +18,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
+import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -255,8 +257,45 @@ def _steps_figure(panels: Sequence[tuple[str, Mapping[str, list[tuple[int, float
     return _save(fig, path)
 
 
+def expert_loads(series: Series) -> dict[str, dict[int, list[tuple[int, float]]]]:
+    """layer -> expert -> [(step, share of the layer's routed tokens)], from `router/<layer>/load/<e>`."""
+    out: dict[str, dict[int, list[tuple[int, float]]]] = defaultdict(dict)
+    for tag, points in series.items():
+        parts = tag.split("/")
+        if len(parts) == 4 and parts[0] == "router" and parts[2] == "load" and parts[3].isdigit() and points:
+            out[parts[1]][int(parts[3])] = points
+    return dict(out)
+
+
+def plot_expert_load(loads: Mapping[str, Mapping[int, list[tuple[int, float]]]], title: str,
+                     path: Path) -> Path:
+    """One heatmap per MoE layer: expert x logged step, coloured by load / mean load (1 is balanced)."""
+    fig = Figure(figsize=(10, 0.6 + 2.4 * len(loads)), layout="constrained")
+    axes = fig.subplots(len(loads), 1, squeeze=False)[:, 0]
+    for ax, (layer, experts) in zip(axes, sorted(loads.items()), strict=True):
+        steps = sorted({s for pts in experts.values() for s, _ in pts})
+        col = {s: j for j, s in enumerate(steps)}
+        grid = np.full((max(experts) + 1, len(steps)), np.nan)
+        for e, pts in experts.items():
+            for s, v in pts:
+                grid[e, col[s]] = v * grid.shape[0]
+        mids = [(a + b) / 2 for a, b in itertools.pairwise(steps)]
+        edges = [2 * steps[0] - mids[0] if mids else steps[0] - 0.5, *mids,
+                 2 * steps[-1] - mids[-1] if mids else steps[-1] + 0.5]
+        top = max(2.0, float(np.nanmax(grid)))
+        mesh = ax.pcolormesh(edges, np.arange(grid.shape[0] + 1) - 0.5, np.ma.masked_invalid(grid),
+                             cmap="coolwarm", vmin=0.0, vmax=top)
+        ax.invert_yaxis()
+        fig.colorbar(mesh, ax=ax, label="load / mean")
+        ax.set_ylabel(f"{layer}\nexpert", fontsize=9)
+    axes[-1].set_xlabel("step")
+    axes[0].set_title(title, fontsize=10)
+    return _save(fig, path)
+
+
 def training_sections(series: Series, run_id: str, out: Path) -> list[Section]:
-    """Loss, lr and tokens/s over steps; per-layer router load over steps (the router's health)."""
+    """Loss, lr and tokens/s over steps; per-layer router load and per-expert load over steps (the router's
+    health)."""
     stem = _slug(run_id)
     panels = [(label, {tag: series[tag]}) for tag, label in TRAINING_TAGS if series.get(tag)]
     train = [Entry("loss, lr and tokens/s over steps", _steps_figure(
@@ -271,6 +310,10 @@ def training_sections(series: Series, run_id: str, out: Path) -> list[Section]:
     health = [Entry("per-layer expert load over steps", _steps_figure(
         rpanels, f"run {run_id}: router health", out / f"{stem}.router.png"), image=True)] if rpanels else [
         Entry(f"run {run_id} logged no router stats (router/<layer>/<stat>)")]
+    loads = expert_loads(series)
+    health.append(Entry("per-expert load over steps, one heatmap per MoE layer", plot_expert_load(
+        loads, f"run {run_id}: per-expert load", out / f"{stem}.experts.png"), image=True) if loads
+        else Entry(f"run {run_id} logged no per-expert load (router/<layer>/load/<expert>)"))
     return [Section(f"training run {run_id}", tuple(train)), Section(f"router health, run {run_id}",
                                                                       tuple(health))]
 

@@ -131,6 +131,7 @@ def _training_run(tmp_path: Path, router: bool = True) -> tuple[Path, str]:
             for layer in ("layers.1.ffn", "layers.2.ffn"):
                 values |= {f"router/{layer}/max_load": 1.0 + 1 / step, f"router/{layer}/load_cv": 0.5 / step,
                            f"router/{layer}/entropy": 1.0 - 0.1 / step, f"router/{layer}/bias_range": 0.01}
+                values |= {f"router/{layer}/load/{e}": (e + step) / (4 * step + 6) for e in range(4)}
         w.log(step, values)
     w.flush()
     return Path(cfg.metrics.db_path), "t-1"
@@ -142,16 +143,29 @@ def test_training_run_series_and_plots(tmp_path: Path) -> None:
     assert series["loss"][:2] == [(1, 10.0), (2, 5.0)] and len(series["lr"]) == 20
     out = tmp_path / "out"
     assert plots.main(["--run", run, "--db", str(db), "--out", str(out)]) == 0
-    assert {p.name for p in out.glob("*.png")} == {"t-1.training.png", "t-1.router.png"}
+    assert {p.name for p in out.glob("*.png")} == {"t-1.training.png", "t-1.router.png", "t-1.experts.png"}
     links = _index_links(out)
-    assert "t-1.training.png" in links and "t-1.router.png" in links
+    assert {"t-1.training.png", "t-1.router.png", "t-1.experts.png"} <= set(links)
+
+
+def test_per_expert_load_heatmap_per_layer(tmp_path: Path) -> None:
+    db, run = _training_run(tmp_path)
+    loads = plots.expert_loads(plots.run_series(db, run, 0))
+    assert sorted(loads) == ["layers.1.ffn", "layers.2.ffn"] and sorted(loads["layers.1.ffn"]) == [0, 1, 2, 3]
+    assert loads["layers.1.ffn"][3][:2] == [(1, 0.4), (2, 5 / 14)]
+    path = plots.plot_expert_load(loads, "t", tmp_path / "e.png")
+    with Image.open(path) as im:
+        assert im.size[1] > 400  # two layers stacked
+    one = {"l": {0: [(5, 0.25)], 3: [(5, 0.75)]}}  # one logged step, experts 1-2 never logged
+    assert plots.plot_expert_load(one, "t", tmp_path / "one.png").is_file()
 
 
 def test_training_run_without_router_stats_is_noted(tmp_path: Path) -> None:
     db, run = _training_run(tmp_path, router=False)
     sections = plots.training_sections(plots.run_series(db, run, 0), run, tmp_path)
     notes = [e.text for s in sections for e in s.entries if e.target is None]
-    assert notes == ["run t-1 logged no router stats (router/<layer>/<stat>)"]
+    assert notes == ["run t-1 logged no router stats (router/<layer>/<stat>)",
+                     "run t-1 logged no per-expert load (router/<layer>/load/<expert>)"]
 
 
 def test_unknown_run_names_the_fix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

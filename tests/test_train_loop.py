@@ -101,7 +101,8 @@ def test_twenty_steps_lower_the_loss_and_log(tmp_path: Path, dataset: Path,
     assert metrics_main([res.run_id, "--db", cfg.metrics.db_path]) == 0
     out = capsys.readouterr().out
     for tag in ("loss", "lr", "tokens_per_s", "ms_per_step", "grad_norm", "mem/max_rss_gb",
-                "router/model/load_cv", "router/model/bias_range"):
+                "router/model/load_cv", "router/model/bias_range", "router/model/load/0",
+                "router/model/load/3"):
         assert f"\n{tag} " in out, out
     assert runs_main(["--db", cfg.metrics.db_path]) == 0
     assert res.run_id in capsys.readouterr().out

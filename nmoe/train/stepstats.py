@@ -16,11 +16,15 @@ PEAK_BF16_FLOPS: Final[dict[str, float]] = {"H100": 989e12, "H200": 989e12, "B20
 def router_stats(
     names: Sequence[str], counts: Sequence[Tensor], biases: Sequence[Tensor]
 ) -> dict[str, float]:
-    """Per MoE layer: load CV (std/mean), entropy of the load distribution / log E, max load / mean,
-    and bias range (max - min)."""
+    """Per MoE layer: load CV (std/mean), entropy of the load distribution / log E, max load / mean, bias
+    range (max - min), and each expert's share of the layer's routed tokens (`load/<e>`, summing to 1).
+    All layers come to the host in one copy."""
+    if not counts:
+        return {}
+    tensors = [t.detach().reshape(-1).double() for t in (*counts, *biases)]
+    host = torch.split(torch.cat(tensors).cpu(), [t.numel() for t in tensors])
     out: dict[str, float] = {}
-    for name, c, b in zip(names, counts, biases, strict=True):
-        load = c.detach().double().cpu()
+    for name, load, bias in zip(names, host[: len(counts)], host[len(counts):], strict=True):
         e, total = load.numel(), float(load.sum())
         mean = total / e
         p = load / total if total > 0 else torch.full_like(load, 1.0 / e)
@@ -29,8 +33,9 @@ def router_stats(
         out[f"router/{name}/load_cv"] = float(load.std(correction=0)) / mean if mean > 0 else 0.0
         out[f"router/{name}/entropy"] = ent
         out[f"router/{name}/max_load"] = float(load.max()) / mean if mean > 0 else 0.0
-        bias = b.detach().double().cpu()
         out[f"router/{name}/bias_range"] = float(bias.max() - bias.min())
+        share = (load / total if total > 0 else torch.zeros_like(load)).tolist()
+        out |= {f"router/{name}/load/{i}": v for i, v in enumerate(share)}
     return out
 
 
