@@ -51,7 +51,7 @@ def _shape(t: int, h: int) -> dict[str, int]:
 @pytest.mark.parametrize("block", (32, 128))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}_H{}".format(*s))
 def test_bench_quantize_mxfp8(benchmark: Any, shape: tuple[int, int], block: int) -> None:
-    fmt = pytest.importorskip("nmoe.fast.formats")
+    from nmoe.fast import formats as fmt
     x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     n = x.numel()
     compiled, note = try_compile(mxfp8_torch, x, block)
@@ -64,7 +64,7 @@ def test_bench_quantize_mxfp8(benchmark: Any, shape: tuple[int, int], block: int
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}_H{}".format(*s))
 def test_bench_quantize_mxfp8_weight(benchmark: Any, shape: tuple[int, int]) -> None:
-    fmt = pytest.importorskip("nmoe.fast.formats")
+    from nmoe.fast import formats as fmt
     w = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     n = w.numel()
     compiled, note = try_compile(mxfp8_torch, w, 128)
@@ -75,7 +75,7 @@ def test_bench_quantize_mxfp8_weight(benchmark: Any, shape: tuple[int, int]) -> 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}_H{}".format(*s))
 def test_bench_quantize_nvfp4(benchmark: Any, shape: tuple[int, int]) -> None:
-    fmt = pytest.importorskip("nmoe.fast.formats")
+    from nmoe.fast import formats as fmt
     x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     n = x.numel()
     compiled, note = try_compile(nvfp4_scales_torch, x)
@@ -86,7 +86,7 @@ def test_bench_quantize_nvfp4(benchmark: Any, shape: tuple[int, int]) -> None:
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}_H{}".format(*s))
 def test_bench_dequantize_mxfp8(benchmark: Any, shape: tuple[int, int]) -> None:
-    fmt = pytest.importorskip("nmoe.fast.formats")
+    from nmoe.fast import formats as fmt
     codes, scales = fmt.quantize_mxfp8(torch.randn(shape, device="cuda", dtype=torch.bfloat16), 32)
     n = codes.numel()
     compiled, note = try_compile(mxfp8_dequant_torch, codes, scales, 32)

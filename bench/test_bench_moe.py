@@ -84,7 +84,7 @@ def _compiled_step(compiled: Any, *args: Any) -> Any:
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "T{}_H{}_E{}_K{}".format(*c))
 def test_bench_router_topk(benchmark: Any, cfg: tuple[int, ...]) -> None:
-    fr = pytest.importorskip("nmoe.fast.router", reason="nmoe.fast.router is not in this tree yet")
+    from nmoe.fast import router as fr
     t, _, e, k = cfg
     nbytes = 4.0 * t * e + 4.0 * e + 12.0 * t * k
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -123,7 +123,7 @@ def test_bench_router_topk(benchmark: Any, cfg: tuple[int, ...]) -> None:
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "T{}_H{}_E{}_K{}".format(*c))
 def test_bench_permute(benchmark: Any, cfg: tuple[int, ...]) -> None:
-    fd = pytest.importorskip("nmoe.fast.dispatch", reason="nmoe.fast.dispatch is not in this tree yet")
+    from nmoe.fast import dispatch as fd
     t, h, e, k = cfg
     x, ids = _x(t, h), _ids(t, e, k)
     rows = padded_rows(t * k, e, ALIGN)
@@ -150,7 +150,7 @@ def test_bench_permute(benchmark: Any, cfg: tuple[int, ...]) -> None:
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "T{}_H{}_E{}_K{}".format(*c))
 def test_bench_unpermute(benchmark: Any, cfg: tuple[int, ...]) -> None:
-    fd = pytest.importorskip("nmoe.fast.dispatch", reason="nmoe.fast.dispatch is not in this tree yet")
+    from nmoe.fast import dispatch as fd
     t, h, e, k = cfg
     p = fd.permute(_x(t, h), _ids(t, e, k), e, ALIGN)
     rows = p.xp.shape[0]
