@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 from nmoe.checkout import CheckoutError, require_test_extra, source_dir
@@ -29,4 +31,14 @@ def main(argv: list[str]) -> int:
     if args.select:
         cmd += ["-k", args.select]
     env = dict(os.environ, NMOE_BENCH_OUT=str(out), NMOE_BENCH_COMMAND=" ".join(["nmoe bench", *argv]))
-    return subprocess.run(cmd, cwd=bench.parent, env=env, check=False).returncode
+    before = out.stat().st_mtime_ns if out.exists() else None
+    rc = subprocess.run(cmd, cwd=bench.parent, env=env, check=False).returncode
+    if not out.exists() or out.stat().st_mtime_ns == before:
+        print(f"nmoe bench: pytest exited {rc} and wrote no results to {out}", file=sys.stderr)
+        return rc or 1
+    rows = json.loads(out.read_text())["results"]
+    counts = Counter(str(r.get("status", "measured")) for r in rows)
+    why = sorted({str(r["reason"]) for r in rows if r.get("status") == "not run"})
+    line = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+    print(f"nmoe bench: wrote {out}: {line}" + (f" ({'; '.join(why)})" if why else ""), file=sys.stderr)
+    return rc

@@ -1,8 +1,10 @@
 """Where the report commands write: the parity history lives in the user's data dir (never the installed
-package) and survives concurrent runs; `--report`/`--out`/`--db` are checked before any work."""
+package) and survives concurrent runs; `--report`/`--out`/`--db` are checked before any work; `nmoe bench`
+on a CPU still writes its results file, every row "not run" with the reason."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -14,6 +16,7 @@ from typing import Any
 
 import duckdb
 import pytest
+import torch
 
 from mutations import runner
 from nmoe import benchcli
@@ -180,3 +183,19 @@ def test_bench_checks_its_out_path_before_pytest(tmp_path: Path, monkeypatch: py
     bad = _bad_path(tmp_path)
     assert benchcli.main(["--out", str(bad)]) == 2
     _one_line(capsys.readouterr().err, "nmoe bench", bad, "--out")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the CPU path of nmoe bench")
+def test_bench_on_a_cpu_writes_every_row_as_not_run(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "nmoe.cli", "bench", "--out", str(out), "-k", "norm"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert set(doc) >= {"provenance", "ceilings", "results"} and doc["provenance"]["command"].startswith(
+        "nmoe bench")
+    rows = doc["results"]
+    assert rows and all(r["status"] == "not run" and r["ms"] is None and "GPU" in r["reason"] for r in rows)
+    assert all("norm" in r["name"] for r in rows)
+    assert f"{len(rows)} not run" in proc.stderr and str(out) in proc.stderr
