@@ -20,6 +20,7 @@ REPS = int(os.environ.get("NMOE_BENCH_REPS", "20"))
 REPLAYS = int(os.environ.get("NMOE_BENCH_REPLAYS", "3"))
 EAGER_CALLS = int(os.environ.get("NMOE_BENCH_EAGER_CALLS", "10"))
 COMPILE = os.environ.get("NMOE_BENCH_COMPILE", "1") != "0"
+NO_GPU = "torch sees no CUDA GPU, and the benchmarks time CUDA kernels"
 _RESULTS: list[dict[str, Any]] = []
 _CEILINGS: dict[str, float] = {}
 _PROVENANCE: dict[str, Any] = {}
@@ -230,7 +231,16 @@ def mismatch(got: torch.Tensor, want: torch.Tensor, rtol: float = 0.0, atol: flo
 @pytest.fixture(scope="session", autouse=True)
 def _require_gpu() -> None:
     if not torch.cuda.is_available():
-        pytest.skip("benchmarks need a CUDA GPU: not run")
+        pytest.skip(NO_GPU)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Without a GPU the results file still names every selected benchmark, each "not run" with why."""
+    if torch.cuda.is_available():
+        return
+    for item in session.items:
+        _RESULTS.append({"name": item.name, "shape": {}, "ms": None, "status": "not run", "reason": NO_GPU})
+    _write()
 
 
 def _write() -> None:

@@ -24,6 +24,7 @@ from mutations.execute import OUTCOME_PLUGIN, PYTEST_FLAGS, SANITY_ID, PytestRun
 from mutations.model import MutantResult, Mutation, apply, check_anchors
 from mutations.report import build, summary, write
 from nmoe.checkout import CheckoutError, require_test_extra, source_dir
+from nmoe.outpaths import UnwritableError, require_writable
 from nmoe.provenance import provenance
 
 GPU_NOT_RUN = "device gpu: executed only by `nmoe mutate --device gpu` on a CUDA host"
@@ -158,6 +159,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"nmoe mutate: {len(chosen)} anchors match exactly once")
     if args.check:
         return 0
+    args.out = Path(args.report) if args.report else root / DEFAULT_REPORT[args.device]
+    try:
+        for path in (args.out, args.out.with_suffix(".md")):
+            require_writable("--report", path)
+    except UnwritableError as e:
+        print(f"nmoe mutate: {e}", file=sys.stderr)
+        return 2
     if args.device == "gpu" and not _cuda_available():
         print("nmoe mutate: --device gpu needs a CUDA GPU visible to torch; run on a GPU host or use "
               "--device cpu", file=sys.stderr)
@@ -221,7 +229,7 @@ def _run(args: argparse.Namespace, root: Path, chosen: list[Mutation],
     perf = {"setup": (t_base - t_start) * 1000, "initialRun": (t_mut - t_base) * 1000,
             "mutation": (t_end - t_mut) * 1000}
     report = build(ordered, sources, provenance(args.command), config, baseline, sanity, perf)
-    out = Path(args.report) if args.report else root / DEFAULT_REPORT[args.device]
+    out = args.out
     md = write(report, out)
     s = summary(ordered)
     print(f"nmoe mutate: {s['killed']}/{s['total'] - s['not_run']} killed, {s['survived']} survived, "

@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
+from nmoe.outpaths import UnwritableError, require_writable
 from parity import report as rep
 from parity.registry import ARCHS, select
 from parity.runner import Options, detect_arch, run
@@ -21,7 +23,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--report", help="write the JSON report here")
     p.add_argument("--history", action="store_true", help="print the last runs per op from --db and exit")
     p.add_argument("--last", type=int, default=5, help="runs per op shown by --history")
-    p.add_argument("--db", default=str(rep.DEFAULT_DB), help="DuckDB history file")
+    p.add_argument("--db", help=f"DuckDB history file (default: ${rep.DB_ENV}, else "
+                   "$XDG_DATA_HOME/nmoe/parity-history.duckdb, XDG_DATA_HOME defaulting to ~/.local/share)")
     p.add_argument("--no-db", action="store_true", help="do not append this run to the DuckDB history")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cases", type=int, help="random cases per op (default 3 on CPU, 8 on GPU)")
@@ -46,8 +49,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.list:
         print(list_table())
         return 0
+    db = Path(args.db) if args.db else rep.default_db()
     if args.history:
-        print(rep.history(args.db, ops or None, args.last))
+        try:
+            print(rep.history(db, ops or None, args.last))
+        except rep.HistoryLocked as e:
+            print(f"nmoe parity: {e}", file=sys.stderr)
+            return 1
         return 0
     try:
         select(list(ops) or None)
@@ -59,6 +67,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         mode = "parity" if detect_arch()[0] is not None else "selfcheck"
     if mode == "parity" and args.device == "cpu" and args.arch is None:
         print("nmoe parity: --device cpu needs --arch to pick the contract's arch", file=sys.stderr)
+        return 2
+    try:
+        if args.report:
+            require_writable("--report", args.report)
+        if not args.no_db:
+            require_writable("--db", db)
+    except UnwritableError as e:
+        print(f"nmoe parity: {e}", file=sys.stderr)
         return 2
     cases = args.cases if args.cases is not None else (3 if mode == "selfcheck" else 8)
     opts = Options(
@@ -78,9 +94,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     if args.report:
         rep.write_json(args.report, report)
-    if not args.no_db:
-        rep.append_db(args.db, report)
     print(summary_table(report))
+    if not args.no_db:
+        try:
+            rep.append_db(db, report)
+        except rep.HistoryLocked as e:
+            kept = f"this run's results are in {args.report}" if args.report else "this run was not recorded"
+            print(f"nmoe parity: {e}; {kept}", file=sys.stderr)
+            return 1
     s = report["summary"]
     return 1 if s["failed"] or s["compile"]["fail"] else 0
 

@@ -1,4 +1,4 @@
-"""Parity reports: docs/design.md's JSON schema, a validator for it, and the DuckDB history tables.
+"""Parity reports: docs/reports.md's JSON schema, a validator for it, and the DuckDB history tables.
 Non-finite worst values go to JSON as the strings "inf"/"-inf"/"nan" (strict JSON has no Infinity);
 DuckDB keeps them as DOUBLE."""
 
@@ -6,14 +6,22 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import random
+import re
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from nmoe.provenance import REPO_ROOT
+from nmoe.outpaths import user_data_dir
 
-DEFAULT_DB = REPO_ROOT / "parity" / "history.duckdb"
+if TYPE_CHECKING:
+    import duckdb
+
+DB_ENV = "NMOE_PARITY_DB"
+WAIT_S = 60.0
 STATUSES = ("pass", "fail", "not run")
 COMPILE_STATUSES = ("ok", "fail", "not run")
 PROVENANCE_KEYS = (
@@ -130,6 +138,39 @@ _DDL = (
 )
 
 
+def default_db() -> Path:
+    """$NMOE_PARITY_DB, else the user's data dir: one history for every checkout and install."""
+    env = os.environ.get(DB_ENV)
+    return Path(env) if env else user_data_dir() / "parity-history.duckdb"
+
+
+class HistoryLocked(RuntimeError):
+    """Another process kept the history file locked past the wait; the message names it and the fix."""
+
+
+def _connect(db_path: str | Path, read_only: bool, wait_s: float) -> duckdb.DuckDBPyConnection:
+    """DuckDB locks the whole file per process: retry a lock conflict with backoff for up to `wait_s`."""
+    import duckdb
+
+    deadline = time.monotonic() + wait_s
+    delay = 0.02
+    while True:
+        try:
+            return duckdb.connect(str(db_path), read_only=read_only)
+        except duckdb.IOException as e:
+            if "lock" not in str(e).lower():
+                raise
+            left = deadline - time.monotonic()
+            if left <= 0:
+                held = re.search(r"held in (.+?) \((PID \d+)\)", str(e))
+                who = f"{held.group(2)}, {held.group(1)}" if held else str(e).splitlines()[0]
+                raise HistoryLocked(
+                    f"parity history {db_path} stayed locked by another process ({who}) for {wait_s:g} s; "
+                    "retry when it ends, or pass --db OTHER.duckdb or --no-db") from e
+            time.sleep(min(left, delay * random.uniform(0.5, 1.5)))
+            delay = min(delay * 2, 0.5)
+
+
 def primary_worst(worst: Mapping[str, Any]) -> tuple[str | None, float | None]:
     for key in WORST_ORDER:
         if key in worst:
@@ -137,16 +178,16 @@ def primary_worst(worst: Mapping[str, Any]) -> tuple[str | None, float | None]:
     return None, None
 
 
-def append_db(db_path: str | Path, report: Mapping[str, Any]) -> str:
-    """Append one run (and its cases and compile rows) to the DuckDB history; returns the run id."""
-    import duckdb
-
+def append_db(db_path: str | Path, report: Mapping[str, Any], wait_s: float = WAIT_S) -> str:
+    """Append one run (its cases and compile rows) to the DuckDB history in one transaction; returns the
+    run id. Concurrent appenders take turns; HistoryLocked after `wait_s` of waiting."""
     run_id = uuid.uuid4().hex
     prov, summ, run = report["provenance"], report["summary"], report.get("run", {})
     comp = summ.get("compile", {})
     Path(db_path).parent.mkdir(parents=True, exist_ok=True)
-    con = duckdb.connect(str(db_path))
+    con = _connect(db_path, read_only=False, wait_s=wait_s)
     try:
+        con.begin()
         for ddl in _DDL:
             con.execute(ddl)
         con.execute(
@@ -216,6 +257,7 @@ def append_db(db_path: str | Path, report: Mapping[str, Any]) -> str:
         ]
         if crow:
             con.executemany("INSERT INTO parity_compile VALUES (?, ?, ?, ?, ?, ?, ?, ?)", crow)
+        con.commit()
     finally:
         con.close()
     return run_id
@@ -238,13 +280,12 @@ FROM ranked WHERE k <= ? ORDER BY op, arch, created_utc DESC
 """
 
 
-def history(db_path: str | Path, ops: Sequence[str] | None = None, last: int = 5) -> str:
+def history(db_path: str | Path, ops: Sequence[str] | None = None, last: int = 5, wait_s: float = WAIT_S
+            ) -> str:
     """The last `last` runs per (op, arch) as a text table."""
-    import duckdb
-
     if not Path(db_path).exists():
         return f"no parity history at {db_path}; run `nmoe parity` first"
-    con = duckdb.connect(str(db_path), read_only=True)
+    con = _connect(db_path, read_only=True, wait_s=wait_s)
     try:
         rows = con.execute(_HISTORY_SQL, [last]).fetchall()
     finally:
