@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import html
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -17,6 +16,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
+
+from nmoe.outpaths import user_cache_dir
 
 ELEMENTS: Final = "mutation-testing-elements"
 ELEMENTS_VERSION: Final = "3.9.0"
@@ -29,8 +30,7 @@ class RenderError(Exception):
 
 
 def default_cache() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "nmoe" / "npm"
+    return user_cache_dir() / "npm"
 
 
 def bundle_path(cache: Path) -> Path:

@@ -18,6 +18,12 @@ def user_data_dir() -> Path:
     return Path(base) / "nmoe"
 
 
+def user_cache_dir() -> Path:
+    """$XDG_CACHE_HOME/nmoe, else ~/.cache/nmoe: compiled kernels, npm bundles, shard verdicts."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "nmoe"
+
+
 def require_writable(flag: str, path: str | Path) -> None:
     """Create `path`'s directory and prove a file can be written there, leaving `path` itself untouched."""
     p = Path(path)

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from nmoe.fast.arch import SUPPORTED_ARCHS, ArchError, arch_of, check_arch
+from nmoe.outpaths import user_cache_dir
 
 CACHE_ENV = "NMOE_KERNEL_CACHE"
 
@@ -217,8 +218,7 @@ def default_cache_dir() -> Path | None:
         return None
     if value:
         return Path(value)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "nmoe" / "kernels"
+    return user_cache_dir() / "kernels"
 
 
 class KernelCache:

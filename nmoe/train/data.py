@@ -22,6 +22,7 @@ from torch import Tensor
 
 from nmoe.data import prep
 from nmoe.data.prep import PrepError, read_manifest
+from nmoe.outpaths import user_cache_dir
 
 STATE_VERSION: Final[int] = 1
 _M64: Final[int] = (1 << 64) - 1
@@ -116,8 +117,7 @@ def single_source(path: str) -> Mixture:
 
 
 def _cache_file() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "nmoe" / "verified-shards.json"
+    return user_cache_dir() / "verified-shards.json"
 
 
 def _stamp(directory: Path, manifest: Mapping[str, Any]) -> dict[str, Any]:
