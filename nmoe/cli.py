@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "runs": ("nmoe.train.metrics", "runs_main", "list experiment runs"),
     "metrics": ("nmoe.train.metrics", "metrics_main", "summarise one run's metrics"),
     "plots": ("nmoe.plots", "main", "plot bench results and a run's metrics as PNGs with an index page"),
+    "prove": ("nmoe.prove", "main", "prove a change: parity, mutants and A/B bench of the ops it touches"),
     "report": ("nmoe.reportindex", "main", "index the committed reports per op: newest, sha, dirty, stale"),
 }
 

@@ -1,0 +1,172 @@
+"""`nmoe prove`: which ops a change touches, the dirty-tree refusal, the A/B verdict, and whole runs in a
+snapshot repository of this tree: a broken spec gives a red report, an unrelated edit proves nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nmoe import prove
+from nmoe.abtest import verdict
+from nmoe.provereport import markdown
+
+REPO = Path(__file__).resolve().parents[1]
+RELU2 = ("    return round_to(r * r, x.dtype)", "    return round_to(r, x.dtype)")
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def _commit(repo: Path, message: str) -> str:
+    _git(repo, "add", "-A")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", message)
+    return _git(repo, "rev-parse", "HEAD")
+
+
+def _snapshot(dst: Path) -> Path:
+    """This working tree (tracked and untracked, uncommitted edits included) as one commit on `main`."""
+    files = _git(REPO, "ls-files", "-co", "--exclude-standard", "-z").split("\0")
+    for f in filter(None, files):
+        if (REPO / f).is_file():
+            (dst / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / f, dst / f)
+    _git(dst, "init", "-q", "-b", "main")
+    _commit(dst, "snapshot")
+    return dst
+
+
+def _edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert text.count(old) == 1, f"{old!r} must occur once in {path}"
+    path.write_text(text.replace(old, new))
+
+
+def _prove(repo: Path, out: Path, *args: str) -> tuple[int, dict[str, object]]:
+    """Run `nmoe prove` on `repo` as a user would; a refusal (exit 2) gives no report and an empty doc."""
+    env = {k: v for k, v in os.environ.items() if k not in ("NMOE_GIT_SHA", "NMOE_GIT_DIRTY")}
+    env["PYTHONPATH"] = str(repo)
+    done = subprocess.run([sys.executable, "-m", "nmoe.cli", "prove", *args, "--out", str(out)], cwd=repo,
+                          env=env, capture_output=True, text=True, timeout=1200, check=False)
+    if done.returncode == 2:
+        assert not (out / "prove.json").exists()
+        return 2, {"stderr": done.stderr}
+    assert (out / "prove.json").is_file(), done.stdout + done.stderr
+    assert (out / "prove.md").is_file() and (out / "prove.html").is_file()
+    return done.returncode, json.loads((out / "prove.json").read_text())
+
+
+def test_touched_ops_follow_the_source_graph_and_the_catalog() -> None:
+    spec = prove.touched(REPO, ["nmoe/reference/activation.py"])
+    assert "relu2" in spec and spec["relu2"] == ("nmoe/reference/activation.py",)
+    assert prove.touched(REPO, ["README.md", "docs/design.md", "tests/test_prove.py"]) == {}
+    catalog = prove.touched(REPO, ["mutations/catalog/activation.py"])
+    assert {"relu2", "swiglu"} <= set(catalog)
+    assert prove.catalog_ops(["mutations/catalog/__init__.py"]) == {}
+
+
+def test_commits_changed_files_and_dirty_refusal(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text("a\n")
+    _git(tmp_path, "init", "-q", "-b", "feature")
+    first = _commit(tmp_path, "one")
+    with pytest.raises(prove.ProveError, match="nmoe prove HEAD~1"):
+        prove.commits(tmp_path, None)
+    _git(tmp_path, "branch", "main")
+    (tmp_path / "b.py").write_text("b\n")
+    second = _commit(tmp_path, "two")
+    c = prove.commits(tmp_path, None)
+    assert (c.base, c.head, c.dirty) == (first, second, False) and "BASE is HEAD" not in c.note
+    (tmp_path / "a.py").write_text("a2\n")
+    (tmp_path / "new.py").write_text("n\n")
+    assert prove.changed_files(tmp_path, first) == ("a.py", "b.py", "new.py")
+    assert prove.commits(tmp_path, "HEAD").dirty
+    assert "BASE is HEAD" in prove.commits(tmp_path, "HEAD").note
+    with pytest.raises(prove.ProveError, match="--allow-dirty"):
+        prove.prove(tmp_path, prove.Options(None, tmp_path / "out"), "test")
+    with pytest.raises(prove.ProveError, match="no commit"):
+        prove.commits(tmp_path, "nosuchref")
+
+
+def test_gpu_mode_without_a_gpu_is_not_run_never_pass(tmp_path: Path) -> None:
+    opt = prove.Options(None, tmp_path, device="gpu")
+    par = prove.run_parity(["relu2"], opt, None, "no CUDA device on this host", "test")
+    mut = prove.run_mutants(REPO, ["relu2"], opt, None, "no CUDA device on this host")
+    bench = prove.run_bench(None)
+    assert par["status"] == mut["status"] == bench["status"] == "not run"
+    assert "no CUDA device" in par["reason"] and "no GPU" in bench["reason"]
+    assert {m["status"] for m in mut["mutants"]} == {"Ignored"}
+    assert prove.overall({"parity": par, "mutation": mut, "bench": bench}, ["relu2"]) == "not run"
+    assert prove.overall({"parity": {"status": "pass"}, "bench": bench}, ["relu2"]) == "green"
+    assert prove.overall({"parity": {"status": "pass"}, "mutation": {"status": "fail"}}, ["relu2"]) == "red"
+
+
+def test_ab_verdict() -> None:
+    base = [1.00, 1.01, 0.99, 1.00, 1.02, 0.98]
+    aa = [1.01, 1.00, 0.99, 1.00, 1.01, 0.99]
+    assert verdict(base, aa, aa).verdict == "within noise"
+    slower = verdict(base, [x * 1.2 for x in base], aa)
+    assert slower.verdict == "slower" and slower.change == pytest.approx(0.2)
+    assert verdict(base, [x * 0.8 for x in base], aa).verdict == "faster"
+    noisy = [0.7, 1.3, 0.8, 1.2, 1.0, 1.1]
+    assert verdict(base, [x * 1.1 for x in base], noisy).verdict == "within noise"
+    assert verdict(base, [x * 1.1 for x in base], [1.15] * 4).verdict == "within noise"
+    with pytest.raises(ValueError, match="A/A"):
+        verdict(base, base, [])
+    with pytest.raises(ValueError, match="new"):
+        verdict(base, [1.0, float("nan")], aa)
+
+
+def test_report_renders_bench_rows() -> None:
+    row = prove.bench_row("relu2_fwd", "relu2", [1.0, 1.0, 1.0], [1.5, 1.5, 1.5], [1.0, 1.0, 1.0])
+    assert row["verdict"] == "slower" and row["median_new_ms"] == 1.5
+    doc = {"verdict": "green", "device": "sm_90a", "ops": {"relu2": ["nmoe/fast/activation.py"]},
+           "commits": {"base": "b" * 40, "base_ref": "HEAD~1", "head": "h" * 40, "dirty": True,
+                       "compared": "HEAD~1 against the working tree"},
+           "parity": {"status": "pass"}, "mutation": {"status": "pass", "mutants": []},
+           "bench": {"status": "pass", "rows": [row]}}
+    md = markdown(doc)
+    assert "| relu2_fwd | relu2 | 1 | 1.5 | 1 | +50.0% | ±1.0% | slower |" in md
+    assert "+ uncommitted changes (dirty)" in md
+
+
+def test_broken_spec_gives_a_red_report_and_unrelated_edit_proves_nothing(tmp_path: Path) -> None:
+    repo = _snapshot(tmp_path / "repo")
+    (repo / "README.md").write_text((repo / "README.md").read_text() + "\nmore words\n")
+    _commit(repo, "docs only")
+    rc, doc = _prove(repo, tmp_path / "docs", "HEAD~1")
+    assert (rc, doc["verdict"], doc["ops"], doc["changed"]) == (0, "nothing to prove", {}, ["README.md"])
+    assert doc["commits"]["dirty"] is False
+
+    _edit(repo / "nmoe/reference/activation.py", *RELU2)
+    rc, doc = _prove(repo, tmp_path / "refused", "--no-mutants", "--no-compile", "--cases", "1")
+    assert rc == 2 and "--allow-dirty" in str(doc["stderr"])
+    rc, doc = _prove(repo, tmp_path / "red", "--allow-dirty", "--no-mutants", "--no-compile", "--cases", "1")
+    par = doc["parity"]
+    assert isinstance(par, dict) and isinstance(doc["commits"], dict) and isinstance(doc["ops"], dict)
+    assert rc == 1 and doc["verdict"] == "red" and doc["commits"]["dirty"] is True
+    assert "BASE is HEAD" in doc["commits"]["compared"]
+    assert doc["ops"]["relu2"] == ["nmoe/reference/activation.py"]
+    assert par["status"] == "fail" and "relu2" in {f["op"] for f in par["failed"]}
+    assert doc["bench"] == {"status": "not run", "reason": prove.BENCH_NO_GPU, "repetitions": 0,
+                            "interleaved": True, "rows": []}
+    assert "FAIL relu2" in (tmp_path / "red" / "prove.md").read_text()
+
+
+@pytest.mark.heavy
+def test_catalog_edit_runs_compiles_and_cpu_mutants(tmp_path: Path) -> None:
+    repo = _snapshot(tmp_path / "repo")
+    cat = repo / "mutations/catalog/activation.py"
+    cat.write_text(cat.read_text() + "\n")
+    _commit(repo, "catalog touched")
+    rc, doc = _prove(repo, tmp_path / "out", "HEAD~1", "--cases", "1")
+    mut = doc["mutation"]
+    assert isinstance(mut, dict) and isinstance(doc["parity"], dict)
+    assert rc == 0 and doc["verdict"] == "green", mut
+    assert doc["parity"]["summary"]["compile"]["ok"] > 0
+    assert {m["status"] for m in mut["mutants"]} <= {"Killed", "Ignored"}
