@@ -110,9 +110,9 @@ def catalog_ops(changed: Sequence[str]) -> dict[str, list[str]]:
 
 
 def touched(repo: Path, changed: Sequence[str]) -> dict[str, tuple[str, ...]]:
-    """op -> the changed files that make it touched: its sources (`nmoe report`'s source graph) or its
-    mutants' catalog file."""
-    from nmoe.reportindex import op_sources
+    """op -> the changed files that make it touched: its sources (`nmoe.opsources`, the graph `nmoe report`
+    reads too) or its mutants' catalog file."""
+    from nmoe.opsources import op_sources
     from parity.registry import REGISTRY
 
     by_catalog = catalog_ops(changed)
@@ -255,6 +255,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from nmoe.checkout import CheckoutError, source_dir
+    from nmoe.opsources import SourceGraphError
     from nmoe.outpaths import UnwritableError, require_writable
     from nmoe.provereport import write
 
@@ -266,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         repo = source_dir("nmoe prove", "parity").parent
         require_writable("--out", opt.out / "prove.json")
         doc = prove(repo, opt, "nmoe prove " + " ".join(argl))
-    except (CheckoutError, ProveError, UnwritableError) as e:
+    except (CheckoutError, ProveError, SourceGraphError, UnwritableError) as e:
         print(f"nmoe prove: {e}", file=sys.stderr)
         return 2
     paths = write(doc, opt.out)

@@ -5,9 +5,6 @@ in git since that commit. An HTML page and its JSON twin."""
 from __future__ import annotations
 
 import argparse
-import functools
-import importlib
-import importlib.util
 import json
 import math
 import subprocess
@@ -19,6 +16,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from nmoe.index import Entry, Section, write_index
+from nmoe.opsources import SourceGraphError, op_sources
 
 KINDS: Final = ("parity", "mutation", "bench")
 REPORT_DIRS: Final = {"parity": "parity/reports", "mutation": "mutations/reports", "bench": "bench/results"}
@@ -177,60 +175,6 @@ def freshness(changed: frozenset[str] | None, sources: Iterable[str]) -> Freshne
     return Freshness("stale" if hit else "fresh", hit)
 
 
-def _file(module: str) -> Path | None:
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        return None
-    return Path(spec.origin) if spec is not None and spec.origin else None
-
-
-@functools.cache
-def _kernel_modules() -> dict[str, tuple[frozenset[str], frozenset[str]]]:
-    """op -> (kernel modules, glue modules whose KERNELS serve it), from every fast module's KernelSpecs."""
-    from nmoe.fast import FAST_MODULES
-    from nmoe.fast.op import Kernel
-
-    found: dict[str, tuple[set[str], set[str]]] = {}
-    for glue in FAST_MODULES:
-        for spec in importlib.import_module(glue).KERNELS:
-            kernel = getattr(getattr(spec.compile, "func", None), "__self__", None)
-            if not isinstance(kernel, Kernel):
-                raise ReportIndexError(f"{glue}: KernelSpec {spec.name} does not compile through a Kernel "
-                                       "(build it with Kernel.compiler), so its sources cannot be found")
-            mods, glues = found.setdefault(spec.op, (set(), set()))
-            mods.add(kernel.module)
-            glues.add(glue)
-    return {op: (frozenset(m), frozenset(g)) for op, (m, g) in found.items()}
-
-
-def op_sources(op: str, repo: Path) -> tuple[str, ...]:
-    """Repo-relative source files of `op`: its kernel modules' compile-cache graph (`op.source_files`), the
-    fast glue and reference modules the registry names (and those defining its functions and KernelSpecs),
-    and its parity family file."""
-    from nmoe.fast.op import source_files
-    from parity.registry import FAMILIES, REGISTRY, resolve_fast, resolve_reference
-
-    entry = REGISTRY[op]
-    kernels, glues = _kernel_modules().get(op, (frozenset(), frozenset()))
-    fast, _ = resolve_fast(entry)
-    ref, _ = resolve_reference(entry)
-    modules = {f"nmoe.fast.{entry.module}", f"nmoe.reference.{entry.module}", *glues,
-               *(f.__module__ for f in (fast, ref) if f is not None)}
-    modules |= {fam.__name__ for fam in FAMILIES if any(e.name == op for e in fam.ENTRIES)}
-    files = {p for p in map(_file, modules) if p is not None}
-    files |= {p for k in kernels for p in source_files(k)}
-    root = repo.resolve()
-    out = []
-    for p in files:
-        try:
-            out.append(p.resolve().relative_to(root).as_posix())
-        except ValueError as e:
-            raise ReportIndexError(f"{p} is outside the checkout {root}; run `nmoe report` with the nmoe "
-                                   "of that checkout on PYTHONPATH (or installed editable from it)") from e
-    return tuple(sorted(out))
-
-
 def collect(repo: Path, ops: Sequence[str]) -> list[Report]:
     return [load_report(kind, p, ops) for kind, sub in REPORT_DIRS.items()
             for p in sorted((repo / sub).glob("*.json"))]
@@ -353,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            f"{s['reports']} committed reports, {s['dirty']} from dirty trees; "
                            f"{len(s['stale'])} op results stale, {len(s['unknown'])} of unknown commit. "
                            "Stale: a source file of the op changed in git after the report's commit.")
-    except (CheckoutError, ReportIndexError) as e:
+    except (CheckoutError, ReportIndexError, SourceGraphError) as e:
         print(f"nmoe report: {e}", file=sys.stderr)
         return 1
     except OSError as e:

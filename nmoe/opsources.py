@@ -1,0 +1,68 @@
+"""The source files of a registry op, from the code rather than a list: its kernel modules' compile-cache
+graph, its glue and spec modules, its parity family file. `nmoe report` judges staleness with them and
+`nmoe prove` picks the ops a change touches."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from pathlib import Path
+
+
+class SourceGraphError(Exception):
+    """An op's sources cannot be found from this checkout; the message names the fix."""
+
+
+def _file(module: str) -> Path | None:
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    return Path(spec.origin) if spec is not None and spec.origin else None
+
+
+@functools.cache
+def _kernel_modules() -> dict[str, tuple[frozenset[str], frozenset[str]]]:
+    """op -> (kernel modules, glue modules whose KERNELS serve it), from every fast module's KernelSpecs."""
+    from nmoe.fast import FAST_MODULES
+    from nmoe.fast.op import Kernel
+
+    found: dict[str, tuple[set[str], set[str]]] = {}
+    for glue in FAST_MODULES:
+        for spec in importlib.import_module(glue).KERNELS:
+            kernel = getattr(getattr(spec.compile, "func", None), "__self__", None)
+            if not isinstance(kernel, Kernel):
+                raise SourceGraphError(f"{glue}: KernelSpec {spec.name} does not compile through a Kernel "
+                                       "(build it with Kernel.compiler), so its sources cannot be found")
+            mods, glues = found.setdefault(spec.op, (set(), set()))
+            mods.add(kernel.module)
+            glues.add(glue)
+    return {op: (frozenset(m), frozenset(g)) for op, (m, g) in found.items()}
+
+
+def op_sources(op: str, repo: Path) -> tuple[str, ...]:
+    """Repo-relative source files of `op`: its kernel modules' compile-cache graph (`op.source_files`), the
+    fast glue and reference modules the registry names (and those defining its functions and KernelSpecs),
+    and its parity family file."""
+    from nmoe.fast.op import source_files
+    from parity.registry import FAMILIES, REGISTRY, resolve_fast, resolve_reference
+
+    entry = REGISTRY[op]
+    kernels, glues = _kernel_modules().get(op, (frozenset(), frozenset()))
+    fast, _ = resolve_fast(entry)
+    ref, _ = resolve_reference(entry)
+    modules = {f"nmoe.fast.{entry.module}", f"nmoe.reference.{entry.module}", *glues,
+               *(f.__module__ for f in (fast, ref) if f is not None)}
+    modules |= {fam.__name__ for fam in FAMILIES if any(e.name == op for e in fam.ENTRIES)}
+    files = {p for p in map(_file, modules) if p is not None}
+    files |= {p for k in kernels for p in source_files(k)}
+    root = repo.resolve()
+    out = []
+    for p in files:
+        try:
+            out.append(p.resolve().relative_to(root).as_posix())
+        except ValueError as e:
+            raise SourceGraphError(f"{p} is outside the checkout {root}; run the command with the nmoe "
+                                   "of that checkout on PYTHONPATH (or installed editable from it)") from e
+    return tuple(sorted(out))
