@@ -106,6 +106,24 @@ def test_gpu_mode_without_a_gpu_is_not_run_never_pass(tmp_path: Path) -> None:
     assert prove.overall({"parity": {"status": "pass"}, "mutation": {"status": "fail"}}, ["relu2"]) == "red"
 
 
+def test_a_surviving_mutant_is_red(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def fake_mutate(argv: list[str]) -> int:
+        mutant = {"id": "relu2.square_dropped", "contracts": ["relu2"], "device": "cpu", "status": "Survived",
+                  "statusReason": "all 3 selected tests passed on the mutant"}
+        doc = {"files": {"f.py": {"mutants": [mutant]}}, "baseline": {"status": "pass"},
+               "sanity": {"status": "Killed"}, "summary": {"survived": 1}}
+        Path(argv[argv.index("--report") + 1]).write_text(json.dumps(doc))
+        only = argv[argv.index("--only") + 1].split(",")
+        assert argv[argv.index("--device") + 1] == "cpu" and "relu2.square_dropped" in only
+        return 1
+
+    monkeypatch.setattr("mutations.runner.main", fake_mutate)
+    mut = prove.run_mutants(REPO, ["relu2"], prove.Options(None, tmp_path), None, "")
+    assert mut["status"] == "fail" and "exited 1" in mut["reason"]
+    assert [m["status"] for m in mut["mutants"]] == ["Survived"]
+    assert prove.overall({"parity": {"status": "pass"}, "mutation": mut}, ["relu2"]) == "red"
+
+
 def test_ab_verdict() -> None:
     base = [1.00, 1.01, 0.99, 1.00, 1.02, 0.98]
     aa = [1.01, 1.00, 0.99, 1.00, 1.01, 0.99]
