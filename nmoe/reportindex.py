@@ -183,8 +183,12 @@ def collect(repo: Path, ops: Sequence[str]) -> list[Report]:
 def newest(reports: Iterable[Report], op: str, kind: str) -> Report | None:
     """The newest report of `kind` where `op` ran; else the newest that names `op` at all."""
     have = [r for r in reports if r.kind == kind and op in r.ops]
-    ran = [r for r in have if r.ops[op].ran]
-    return max(ran or have, key=lambda r: (r.created, r.path.name), default=None)
+    pool = [r for r in have if r.ops[op].ran] or have
+    return max(pool, key=_age) if pool else None
+
+
+def _age(r: Report) -> tuple[str, str]:
+    return (r.created, r.path.name)
 
 
 def views(repo: Path, reports: Sequence[Report], ops: Sequence[str]) -> list[OpView]:
