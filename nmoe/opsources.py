@@ -26,17 +26,16 @@ def _file(module: str) -> Path | None:
 def _kernel_modules() -> dict[str, tuple[frozenset[str], frozenset[str]]]:
     """op -> (kernel modules, glue modules whose KERNELS serve it), from every fast module's KernelSpecs."""
     from nmoe.fast import FAST_MODULES
-    from nmoe.fast.op import Kernel
+    from nmoe.fast.op import Compiler
 
     found: dict[str, tuple[set[str], set[str]]] = {}
     for glue in FAST_MODULES:
         for spec in importlib.import_module(glue).KERNELS:
-            kernel = getattr(getattr(spec.compile, "func", None), "__self__", None)
-            if not isinstance(kernel, Kernel):
+            if not isinstance(spec.compile, Compiler):
                 raise SourceGraphError(f"{glue}: KernelSpec {spec.name} does not compile through a Kernel "
                                        "(build it with Kernel.compiler), so its sources cannot be found")
             mods, glues = found.setdefault(spec.op, (set(), set()))
-            mods.add(kernel.module)
+            mods.add(spec.compile.kernel.module)
             glues.add(glue)
     return {op: (frozenset(m), frozenset(g)) for op, (m, g) in found.items()}
 

@@ -171,12 +171,9 @@ class Kernel:
     def ptx(self, arch: str, **spec: Any) -> str:
         return runtime.compile_ptx(*self.host_args(arch, **spec))
 
-    def compiler(self, **spec: Any) -> Callable[[str], str]:
+    def compiler(self, **spec: Any) -> Compiler:
         """arch -> PTX of one specialisation, for a KernelSpec."""
-        return functools.partial(self._ptx_of, spec)
-
-    def _ptx_of(self, spec: dict[str, Any], arch: str) -> str:
-        return self.ptx(arch, **spec)
+        return Compiler(self, tuple(spec.items()))
 
     def key(self, arch: str, **spec: Any) -> runtime.CacheKey:
         return runtime.cache_key(self.name, source_digest(self.module), arch, spec)
@@ -197,6 +194,18 @@ class Kernel:
                             runtime_slots(host))
         self._launchers[memo] = launcher
         return launcher
+
+
+@dataclass(frozen=True, eq=False)
+class Compiler:
+    """A KernelSpec's compile: arch -> PTX of one specialisation; it names the `kernel` (and so the module
+    whose import graph is the op's kernel sources)."""
+
+    kernel: Kernel
+    spec: tuple[tuple[str, Any], ...]
+
+    def __call__(self, arch: str) -> str:
+        return self.kernel.ptx(arch, **dict(self.spec))
 
 
 def _compile_args_by_name(name: str, kernels: ModuleType, **spec: Any) -> tuple[Any, tuple[Any, ...]]:

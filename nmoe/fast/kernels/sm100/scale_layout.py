@@ -22,8 +22,7 @@ import torch
 from torch import Tensor
 
 from nmoe.constants import FP8_WEIGHT_BLOCK, MXFP8_BLOCK_SM100
-from nmoe.fast.limits import SF_COLS as SF_COLS
-from nmoe.fast.limits import SF_ROWS
+from nmoe.fast.limits import SF_COLS, SF_ROWS
 
 # Scale columns per kernel k-tile (tile K / scale block): MXFP8 128/32, NVFP4 256/16.
 COLS_MULTIPLE = {"mxfp8": 4, "nvfp4": 16}
