@@ -148,7 +148,7 @@ def test_out_of_vocab_id_names_the_shard_and_verify(tmp_path: Path, dataset: Pat
     ids.tofile(shard)
     manifest = (bad / "manifest.json").read_text()
     old = next(m["sha256"] for m in prep.read_manifest(bad)["shards"] if m["file"] == shard.name)
-    (bad / "manifest.json").write_text(manifest.replace(old, prep._sha256_file(shard)))
+    (bad / "manifest.json").write_text(manifest.replace(old, prep.sha256_file(shard)))
     with pytest.raises(DataError, match=r"shard_00000\.bin: token id 250000 .*vocab.*nmoe prep --verify"):
         run(make_cfg(tmp_path, bad), 30)
 

@@ -8,9 +8,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
-import datetime
 import errno
-import fcntl
 import gzip
 import hashlib
 import io
@@ -19,7 +17,6 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import socket
 import sys
 import threading
 import time
@@ -33,6 +30,7 @@ import numpy as np
 
 from nmoe.constants import O200K_HARMONY, O200K_HARMONY_VOCAB
 from nmoe.data import tokenizer as tok
+from nmoe.outpaths import LockHeld, exclusive
 
 FORMAT: Final[str] = "nmoe-shards/1"
 CORPUS_DIR: Final[Path] = Path(__file__).resolve().parent / "corpus"
@@ -102,7 +100,7 @@ def expand_inputs(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
     return out
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         while block := f.read(1 << 22):
@@ -111,7 +109,7 @@ def _sha256_file(path: Path) -> str:
 
 
 def describe_files(files: Sequence[Path]) -> tuple[dict[str, Any], ...]:
-    return tuple({"file": f.name, "bytes": f.stat().st_size, "sha256": _sha256_file(f)} for f in files)
+    return tuple({"file": f.name, "bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in files)
 
 
 def _open_text(path: Path) -> tuple[IO[str], IO[bytes]]:
@@ -335,7 +333,7 @@ def _shard_ok(out: Path, meta: dict[str, Any]) -> bool:
         return False
     if bin_path.stat().st_size != 4 * meta["tokens"]:
         return False
-    return bool(_sha256_file(bin_path) == meta["sha256"] and _sha256_file(idx_path) == meta["index_sha256"])
+    return bool(sha256_file(bin_path) == meta["sha256"] and sha256_file(idx_path) == meta["index_sha256"])
 
 
 def _read_sidecar(side: Path) -> dict[str, Any] | None:
@@ -404,24 +402,13 @@ def _make_out(out: Path) -> None:
 
 @contextlib.contextmanager
 def out_lock(out: Path) -> Iterator[None]:
-    """Exclusive hold on `out` for one prep (flock: released by the kernel even if the holder dies)."""
-    fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    """Exclusive hold on `out` for one prep (released by the kernel even if the holder dies)."""
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "holder not yet recorded"
-            raise PrepError(f"{out} is being written by another `nmoe prep` ({holder}); wait for it to "
-                            "finish or choose another --out") from None
-        since = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {since}\n".encode(), 0)
-        try:
+        with exclusive(out / LOCK_NAME, "nmoe prep"):
             yield
-        finally:
-            os.ftruncate(fd, 0)
-    finally:
-        os.close(fd)
+    except LockHeld as e:
+        raise PrepError(f"{out} is being written by another `nmoe prep` ({e.holder}); wait for it to "
+                        "finish or choose another --out") from None
 
 
 def _prepare_out(out: Path, plan: PrepPlan, overwrite: bool) -> None:
@@ -560,11 +547,11 @@ def verify(directory: Path) -> list[str]:
             problems.append(f"{bin_path}: {size} bytes, manifest says {4 * meta['tokens']}; corrupt shard; "
                             f"{fix}")
             continue
-        got = _sha256_file(bin_path)
+        got = sha256_file(bin_path)
         if got != meta["sha256"]:
             problems.append(f"{bin_path}: sha256 {got} != manifest {meta['sha256']}; corrupt shard; {fix}")
             continue
-        if _sha256_file(idx_path) != meta["index_sha256"]:
+        if sha256_file(idx_path) != meta["index_sha256"]:
             problems.append(f"{idx_path}: sha256 differs from the manifest; corrupt index; {fix}")
             continue
         offsets = np.fromfile(idx_path, dtype="<u8")

@@ -5,20 +5,15 @@ every file) is checked on load; `latest` is replaced atomically, so a crash leav
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
-import hashlib
 import json
 import os
 import random
 import shutil
-import socket
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Final
+from typing import Any, Final
 
 import numpy as np
 import torch
@@ -29,6 +24,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from nmoe.config import Config, diff, fingerprint, to_dict
+from nmoe.data.prep import sha256_file
+from nmoe.outpaths import LockHeld, exclusive
 from nmoe.provenance import provenance
 from nmoe.train.optim import TrainOptimizer
 
@@ -112,16 +109,8 @@ def _fsync_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _write_manifest(path: Path) -> None:
-    files = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+    files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
              for f in sorted(path.iterdir()) if f.is_file()}
     _fsync_json(path / MANIFEST, {"format": FORMAT, "files": files})
 
@@ -146,7 +135,7 @@ def verify(path: Path) -> None:
         if size != want["bytes"]:
             what = "truncated" if size < want["bytes"] else "grown"
             raise CheckpointError(f"{f}: {what} ({size} bytes, {MANIFEST} says {want['bytes']}); {fix}")
-        if _sha256(f) != want["sha256"]:
+        if sha256_file(f) != want["sha256"]:
             raise CheckpointError(f"{f}: corrupt (sha256 differs from {MANIFEST}); {fix}")
 
 
@@ -174,41 +163,29 @@ def check_writable(root: str | Path, need_bytes: int = 0) -> None:
 
 
 class DirLock:
-    """An exclusive flock on DIR/lock for one trainer; the kernel drops it when the holder dies."""
+    """An exclusive lock on DIR/lock for one trainer; the kernel drops it when the holder dies."""
 
     def __init__(self, root: str | Path, *, run: str) -> None:
         self.root, self.run = Path(root), run
-        self.file: IO[str] | None = None
+        self._held = contextlib.ExitStack()
 
     def __enter__(self) -> DirLock:
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / LOCK
-        f = path.open("a+")
         try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._held.enter_context(exclusive(path, f"run {self.run}"))
+        except LockHeld as e:
+            raise CheckpointError(f"checkpoint.dir {self.root} is in use by {e.holder}; wait for that "
+                                  "trainer to end or point checkpoint.dir elsewhere") from None
         except OSError as e:
-            f.seek(0)
-            holder = f.read().strip() or "an unknown process"
-            f.close()
-            if e.errno not in (errno.EAGAIN, errno.EACCES):
-                raise CheckpointError(f"{path}: cannot lock ({e}); put checkpoint.dir on a filesystem with "
-                                      "flock") from None
-            raise CheckpointError(f"checkpoint.dir {self.root} is in use by {holder}; wait for that trainer "
-                                  "to end or point checkpoint.dir elsewhere") from None
-        f.seek(0)
-        f.truncate()
-        since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-        f.write(f"run {self.run} (pid {os.getpid()} on {socket.gethostname()}, since {since})\n")
-        f.flush()
-        self.file = f
+            raise CheckpointError(f"{path}: cannot lock ({e}); put checkpoint.dir on a filesystem with "
+                                  "flock") from None
         return self
 
     def __exit__(
         self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
+        self._held.close()
 
 
 def _reason(e: BaseException) -> str:
