@@ -35,6 +35,13 @@ from parity.oracles import (
 )
 
 CE = bound_contract(1, 2, note="fp32 GEMM (u = 2^-24, K = D) through logsumexp; see cross_entropy")
+CE_BWD = bound_contract(
+    1,
+    2,
+    note="fp32 dlogits rounded once to bf16 (the fast path feeds them to bf16 GEMMs: 2^-9 relative, "
+    "2^15 u), then fp32 GEMMs over V (dh) and T (dw); see cross_entropy_bwd",
+)
+BF16_IN_U = 2.0**15  # bf16 unit roundoff 2^-9 in units of u = 2^-24
 
 
 def space_ce(big: bool) -> st.SearchStrategy[dict[str, Any]]:
@@ -115,8 +122,8 @@ def cross_entropy(inp: Inputs, c: Contract) -> list[Expect | None]:
 
 
 def cross_entropy_bwd(inp: Inputs, c: Contract) -> list[Expect | None]:
-    """dlogits = dloss*(p - onehot)/N; its error (units of u) is coef*p*(2*lerr + V + 8) + 2|dlogits|, then
-    the two GEMMs add V (dh) and T (dw) times the |.| products."""
+    """dlogits = dloss*(p - onehot)/N; its error (units of u) is coef*p*(2*lerr + V + 8) + 2|dlogits|, plus
+    2^15|dlogits| for its one rounding to bf16 (the GEMM operand); the two GEMMs add V (dh) and T (dw)."""
     dloss = float(inp.args[0])
     shifted = Inputs(inp.args[1:], inp.kwargs, inp.shape, inp.dtype)
     h, w = d(inp.args[1]), d(inp.args[2])
@@ -129,7 +136,7 @@ def cross_entropy_bwd(inp: Inputs, c: Contract) -> list[Expect | None]:
     coef = dloss / n
     g = torch.where(kept[:, None], (probs - onehot) * coef, 0.0)
     delta = torch.where(kept[:, None], abs(coef) * probs * (2 * lerr[:, None] + probs.shape[1] + 8), 0.0)
-    delta = delta + 2 * g.abs()
+    delta = delta + (2 + BF16_IN_U) * g.abs()
     mag_dh = delta @ w.abs() + probs.shape[1] * (g.abs() @ w.abs())
     mag_dw = delta.T @ h.abs() + h.shape[0] * (g.abs().T @ h.abs())
     return [Expect(g @ w, mag=mag_dh, k=1.0), Expect(g.T @ h, mag=mag_dw, k=1.0)]
@@ -153,7 +160,7 @@ ENTRIES: list[OpEntry] = [
         fn="cross_entropy_bwd",
         space=space_ce,
         make=make_cross_entropy_bwd,
-        contract=CE,
+        contract=CE_BWD,
         oracle=cross_entropy_bwd,
         output_names=("dh", "dw"),
         adversarial=("zero", "single_token", "max", "all_ignored"),
