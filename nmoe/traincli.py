@@ -19,6 +19,7 @@ from nmoe.fast.arch import arch_of
 from nmoe.train.checkpoint import CheckpointError
 from nmoe.train.data import DataError
 from nmoe.train.loop import TrainResult, train
+from nmoe.train.optim import OptimSteps
 
 GPU_NEEDED: Final[str] = (
     "needs an NVIDIA GPU with sm_90a (H100/H200) or sm_100a (B200) and a CUDA build of torch, since "
@@ -53,6 +54,18 @@ def build_model(cfg: Config) -> nn.Module:
     return model
 
 
+def optim_steps(cfg: Config) -> OptimSteps:
+    """The step functions train.model names: the spec's for "reference" (CPU), else the fast path's."""
+    if cfg.train.model == "reference":
+        from nmoe.reference.optim import adamw_step as ref_adamw
+        from nmoe.reference.optim import muon_step as ref_muon
+
+        return OptimSteps(adamw=ref_adamw, muon=ref_muon)
+    from nmoe.fast.optim import adamw_step, muon_step
+
+    return OptimSteps(adamw=adamw_step, muon=muon_step)
+
+
 def exit_code(result: TrainResult) -> int:
     """0 for completed or stopped (max steps reached); 128 + signal when interrupted; 1 otherwise."""
     if result.status in ("completed", "stopped"):
@@ -84,7 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cfg.train.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     try:
-        result = train(cfg, build_model(cfg), device=cfg.train.device, rank=rank, world=world)
+        result = train(cfg, build_model(cfg), steps=optim_steps(cfg), device=cfg.train.device, rank=rank,
+                       world=world)
     except (CheckpointError, DataError, PrepError) as e:
         print(f"nmoe train: {e}", file=sys.stderr)
         return 1

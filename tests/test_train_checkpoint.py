@@ -14,8 +14,11 @@ import torch.distributed as dist
 from torch import nn
 
 from nmoe.config import Config, OptimConfig, from_dict
+from nmoe.reference.optim import adamw_step, muon_step
 from nmoe.train import checkpoint as ckpt
-from nmoe.train.optim import TrainOptimizer, build_optimizer
+from nmoe.train.optim import OptimSteps, TrainOptimizer, build_optimizer
+
+SPEC = OptimSteps(adamw=adamw_step, muon=muon_step)
 
 
 class Net(nn.Module):
@@ -30,7 +33,7 @@ class Net(nn.Module):
 
 def trained(seed: int, cfg: Config) -> tuple[Net, TrainOptimizer]:
     net = Net(seed)
-    opt = build_optimizer(net, cfg.optim)
+    opt = build_optimizer(net, cfg.optim, SPEC)
     for i in range(3):
         loss = (net.lin.sum(0) * net.norm).pow(2).sum() * (i + 1)
         loss.backward()  # type: ignore[no-untyped-call]
@@ -61,8 +64,8 @@ def test_round_trip_without_process_group(tmp_path: Path) -> None:
     meta = json.loads((path / "meta.json").read_text())
     assert meta["step"] == 10 and meta["tokens"] == 640 and len(meta["fingerprint"]) == 64
     assert "git_sha" in meta and "git_dirty" in meta
-    other, other_opt = Net(99), build_optimizer(Net(99), cfg.optim)
-    other_opt = build_optimizer(other, cfg.optim)
+    other, other_opt = Net(99), build_optimizer(Net(99), cfg.optim, SPEC)
+    other_opt = build_optimizer(other, cfg.optim, SPEC)
     r = ckpt.load(path, model=other, optimizer=other_opt, cfg=cfg)
     assert (r.step, r.tokens, r.run_id) == (10, 640, "r1")
     assert r.loader_state == {"global_seq": 40, "swrr": [0.25, -0.25]}
@@ -121,13 +124,14 @@ def test_changed_config_is_refused_with_keys(tmp_path: Path) -> None:
     path = save(cfg, net, opt, 4)
     changed = make_cfg(tmp_path, lr_dense=0.5, beta2=0.99)
     with pytest.raises(ckpt.CheckpointConfigMismatch) as e:
-        ckpt.load(path, model=net, optimizer=build_optimizer(net, changed.optim), cfg=changed)
+        ckpt.load(path, model=net, optimizer=build_optimizer(net, changed.optim, SPEC), cfg=changed)
     assert e.value.keys == ["optim.beta2", "optim.lr_dense"]
     assert "optim.beta2, optim.lr_dense" in str(e.value) and "allow_fingerprint_change" in str(e.value)
     allowed = from_dict({"checkpoint": {"dir": cfg.checkpoint.dir, "keep_last": 2,
                                         "allow_fingerprint_change": True},
                          "optim": {"lr_dense": 0.5}}, env={})
-    assert ckpt.load(path, model=net, optimizer=build_optimizer(net, allowed.optim), cfg=allowed).step == 4
+    opt = build_optimizer(net, allowed.optim, SPEC)
+    assert ckpt.load(path, model=net, optimizer=opt, cfg=allowed).step == 4
 
 
 def test_dangling_pointer_and_shape_change_are_clear(tmp_path: Path) -> None:
@@ -140,7 +144,8 @@ def test_dangling_pointer_and_shape_change_are_clear(tmp_path: Path) -> None:
     wider.register_buffer("router_bias", torch.zeros(3))
     changed = r"Size mismatch .*model\.lin\); the model shape or parameter names changed"
     with pytest.raises(ckpt.CheckpointError, match=changed):
-        ckpt.load(path, model=wider, optimizer=build_optimizer(wider, OptimConfig(lr_dense=0.01)), cfg=cfg)
+        opt = build_optimizer(wider, OptimConfig(lr_dense=0.01), SPEC)
+        ckpt.load(path, model=wider, optimizer=opt, cfg=cfg)
     (Path(cfg.checkpoint.dir) / "latest").write_text("step_00000077\n")
     with pytest.raises(ckpt.CheckpointError, match="missing or incomplete"):
         ckpt.latest(cfg.checkpoint.dir)
@@ -161,7 +166,7 @@ def test_flipped_bytes_in_distcp_are_named_on_load(tmp_path: Path) -> None:
     data[len(data) // 2:len(data) // 2 + 4] = b"\xff\xff\xff\xff"
     f.write_bytes(bytes(data))
     with pytest.raises(ckpt.CheckpointError, match=rf"{f.name}: .*corrupt.*older step") as e:
-        ckpt.load(path, model=Net(1), optimizer=build_optimizer(Net(1), cfg.optim), cfg=cfg)
+        ckpt.load(path, model=Net(1), optimizer=build_optimizer(Net(1), cfg.optim, SPEC), cfg=cfg)
     assert "shape" not in str(e.value) and "\n" not in str(e.value)
 
 
@@ -173,7 +178,7 @@ def test_truncated_checkpoint_file_is_named_not_a_shape_change(tmp_path: Path, n
     f = _distcp(path) if name == "distcp" else path / name
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     with pytest.raises(ckpt.CheckpointError, match=rf"{f.name}: .*truncated.*older step") as e:
-        ckpt.load(path, model=Net(1), optimizer=build_optimizer(Net(1), cfg.optim), cfg=cfg)
+        ckpt.load(path, model=Net(1), optimizer=build_optimizer(Net(1), cfg.optim, SPEC), cfg=cfg)
     assert "shape" not in str(e.value) and "PytorchStreamReader" not in str(e.value)
     assert "\n" not in str(e.value)
 

@@ -19,6 +19,7 @@ from nmoe.train import checkpoint as ckpt
 from nmoe.train.loop import TrainResult, train
 from nmoe.train.metrics import ExperimentsDB, metrics_main, runs_main
 from nmoe.train.metricstore import rank_dir, visible_parts
+from nmoe.traincli import optim_steps
 
 REPO = Path(__file__).resolve().parent.parent
 BUCKETS = 4096
@@ -78,7 +79,8 @@ def make_cfg(tmp: Path, dataset: Path, *extra: str, name: str = "run") -> Config
 
 
 def run(cfg: Config, steps: int, model: nn.Module | None = None, **kw: object) -> TrainResult:
-    return train(cfg, model if model is not None else ToyMoE(), max_steps=steps, progress=False, **kw)  # type: ignore[arg-type]
+    return train(cfg, model if model is not None else ToyMoE(), steps=optim_steps(cfg), max_steps=steps,
+                 progress=False, **kw)  # type: ignore[arg-type]
 
 
 def test_twenty_steps_lower_the_loss_and_log(tmp_path: Path, dataset: Path,

@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from nmoe.config import OptimConfig, ScheduleConfig
+from nmoe.reference.optim import adamw_step, muon_step
 from nmoe.train.optim import (
+    OptimSteps,
     build_optimizer,
     build_param_groups,
     clip_grad_norm,
@@ -19,6 +21,7 @@ from nmoe.train.optim import (
     wsd_factor,
 )
 
+SPEC = OptimSteps(adamw=adamw_step, muon=muon_step)
 
 class RefShaped(nn.Module):
     """Parameter names and shapes laid out like the DeepSeek-shaped model (one dense, one MoE block)."""
@@ -79,7 +82,7 @@ def test_groups_carry_separate_lr_and_wd() -> None:
     assert expert["lr"] == 3e-3 and expert["weight_decay"] == 0.05
     n = sum(len(g["params"]) for g in groups)
     assert n == len(list(RefShaped().parameters()))
-    opt = build_optimizer(RefShaped(), cfg)
+    opt = build_optimizer(RefShaped(), cfg, SPEC)
     opt.set_lr_factor(0.5)
     assert [g["lr"] for g in opt.param_groups] == [g["base_lr"] * 0.5 for g in opt.param_groups]
 
@@ -100,7 +103,7 @@ def test_adamw_matches_float64_oracle() -> None:
     cfg = OptimConfig(lr_dense=1e-2, weight_decay_dense=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
     lin = nn.Linear(5, 3, bias=False)
     p0 = lin.weight.detach().double().numpy().copy()
-    opt = build_optimizer(lin, cfg)
+    opt = build_optimizer(lin, cfg, SPEC)
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(3, 5, generator=gen) for _ in range(4)]
     for g in grads:
@@ -129,7 +132,7 @@ def test_muon_matches_float64_oracle(shape: tuple[int, int]) -> None:
     m.attn = nn.Module()
     m.attn.wo = nn.Parameter(torch.randn(*shape, generator=torch.Generator().manual_seed(2)))
     p = m.attn.wo.detach().double().numpy().copy()
-    opt = build_optimizer(m, cfg)
+    opt = build_optimizer(m, cfg, SPEC)
     assert opt.param_groups[0]["algo"] == "muon"
     buf = np.zeros_like(p)
     gen = torch.Generator().manual_seed(3)
@@ -164,4 +167,4 @@ def test_clip_grad_norm() -> None:
 
 def test_optimizer_refuses_low_precision_masters() -> None:
     with pytest.raises(ValueError, match="fp32 master"):
-        build_optimizer(nn.Linear(2, 2).to(torch.bfloat16), OptimConfig())
+        build_optimizer(nn.Linear(2, 2).to(torch.bfloat16), OptimConfig(), SPEC)

@@ -28,7 +28,14 @@ from nmoe.train import checkpoint as ckpt
 from nmoe.train.data import Loader, build_loader
 from nmoe.train.metrics import ExperimentsDB, new_run_id
 from nmoe.train.metricstore import MetricsWriter
-from nmoe.train.optim import TrainOptimizer, build_optimizer, clip_grad_norm, param_kind, wsd_factor
+from nmoe.train.optim import (
+    OptimSteps,
+    TrainOptimizer,
+    build_optimizer,
+    clip_grad_norm,
+    param_kind,
+    wsd_factor,
+)
 from nmoe.train.stepstats import memory_stats, peak_flops, router_stats
 
 HEARTBEAT_S: Final[float] = 60.0
@@ -122,6 +129,7 @@ def train(
     cfg: Config,
     model: nn.Module,
     *,
+    steps: OptimSteps,
     device: str | torch.device | None = None,
     max_steps: int | None = None,
     loss_fn: LossFn = default_loss,
@@ -133,12 +141,13 @@ def train(
     """Train until schedule.total_tokens (or `max_steps` total steps), resuming from checkpoint.dir/latest.
 
     Always leaves a checkpoint of the last step done; SIGTERM/SIGINT stop cleanly at a step boundary.
+    `steps` holds the optimizer's AdamW/Muon step functions (the fast path's, or the spec's on a CPU).
     """
     dev = torch.device(device if device is not None else cfg.train.device)
     _seed_all(cfg.train.seed + rank)
     model.to(dev)
     model.train()
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, steps)
     loader = build_loader(cfg.data.dataset_dir, cfg.data.mixture, seq_len=cfg.data.seq_len,
                           batch_size=cfg.data.batch_size, seed=cfg.data.seed, prefetch=cfg.data.prefetch,
                           rank=rank, world=world,

@@ -1,13 +1,13 @@
-"""Param groups (dense / router / expert), AdamW or Muon steps, WSD by tokens: the spec's semantics
-(decoupled WD, bias-corrected AdamW, Nesterov Muon + Newton-Schulz 5, Moonlight's 0.2·sqrt(max dim)
-scale) so the fast optimizer can later be held to parity against it."""
+"""Param groups (dense / router / expert), WSD by tokens, and the optimizer that applies the AdamW and Muon
+steps it is handed (`OptimSteps`): the math lives once, in the fast path or, for a CPU run of the spec model,
+in the spec; `nmoe train` (nmoe/traincli.py) picks them from train.model, so this package never imports it."""
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Final, Literal
+from dataclasses import dataclass
+from typing import Any, Final, Literal, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -16,9 +16,6 @@ from nmoe.config import OptimConfig, ScheduleConfig
 
 Kind = Literal["dense", "router", "expert"]
 KINDS: Final[tuple[Kind, ...]] = ("dense", "router", "expert")
-NS5_COEFFS: Final[tuple[float, float, float]] = (3.4445, -4.7750, 2.0315)
-NS5_EPS: Final[float] = 1e-7
-MUON_RMS_MATCH: Final[float] = 0.2
 
 _ROUTER = re.compile(r"(^|\.)router[^.]*$|(^|\.)(router|gate)\.")
 _EXPERT = re.compile(r"(^|\.)experts(\.|$)")
@@ -61,29 +58,34 @@ def build_param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict[str, Any
     return [groups[k] for k in sorted(groups, key=lambda k: (order[k[0]], k[1], not k[2]))]
 
 
-def newton_schulz5(g: Tensor, steps: int) -> Tensor:
-    """Orthogonalise the last two dims (≈ U Vᵀ of the SVD) in fp32; tall matrices iterate transposed."""
-    a, b, c = NS5_COEFFS
-    x = g.float()
-    tall = x.shape[-2] > x.shape[-1]
-    if tall:
-        x = x.mT
-    x = x / (torch.linalg.matrix_norm(x, ord="fro", keepdim=True) + NS5_EPS)
-    for _ in range(steps):
-        gram = x @ x.mT
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
-    out: Tensor = x.mT if tall else x
-    return out
+class AdamWStep(Protocol):
+    def __call__(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: int, lr: float, beta1: float,
+                 beta2: float, eps: float, weight_decay: float) -> None: ...
+
+
+class MuonStep(Protocol):
+    def __call__(self, p: Tensor, g: Tensor, buf: Tensor, lr: float, momentum: float, weight_decay: float,
+                 nesterov: bool = True, ns_steps: int = 5) -> None: ...
+
+
+@dataclass(frozen=True)
+class OptimSteps:
+    """The in-place step functions the optimizer applies, with the spec's signatures (adamw_step, muon_step)
+    from nmoe.fast.optim, or from nmoe.reference.optim when the config trains the spec model on a CPU."""
+
+    adamw: AdamWStep
+    muon: MuonStep
 
 
 class TrainOptimizer(torch.optim.Optimizer):
     """AdamW / Muon per group ("algo"); state is created eagerly so checkpoints load into it in place."""
 
-    def __init__(self, groups: list[dict[str, Any]], cfg: OptimConfig) -> None:
+    def __init__(self, groups: list[dict[str, Any]], cfg: OptimConfig, steps: OptimSteps) -> None:
         defaults = {"lr": 0.0, "base_lr": 0.0, "weight_decay": 0.0, "algo": "adamw", "kind": "dense",
                     "names": []}
         super().__init__(groups, defaults)
         self.cfg = cfg
+        self.steps = steps
         for group in self.param_groups:
             if group["algo"] not in ("adamw", "muon"):
                 raise ValueError(f"param group algo {group['algo']!r}; use adamw or muon")
@@ -117,25 +119,14 @@ class TrainOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                g = p.grad.to(p.dtype)
                 st = self.state[p]
                 if group["algo"] == "muon":
-                    buf = st["momentum_buffer"]
-                    buf.mul_(c.muon_momentum).add_(g)
-                    update = g + c.muon_momentum * buf
-                    ortho = newton_schulz5(update, c.muon_ns_steps).to(p.dtype)
-                    p.mul_(1.0 - lr * wd)
-                    p.sub_((lr * MUON_RMS_MATCH * math.sqrt(max(p.shape[-2], p.shape[-1]))) * ortho)
+                    self.steps.muon(p, p.grad, st["momentum_buffer"], lr, c.muon_momentum, wd, True,
+                                    c.muon_ns_steps)
                     continue
                 st["step"] += 1
-                t = int(st["step"])
-                m, v = st["exp_avg"], st["exp_avg_sq"]
-                p.mul_(1.0 - lr * wd)
-                m.mul_(c.beta1).add_(g, alpha=1.0 - c.beta1)
-                v.mul_(c.beta2).addcmul_(g, g, value=1.0 - c.beta2)
-                bias1 = 1.0 - c.beta1**t
-                bias2 = 1.0 - c.beta2**t
-                p.sub_(lr * (m / bias1) / ((v / bias2).sqrt() + c.eps))
+                self.steps.adamw(p, p.grad, st["exp_avg"], st["exp_avg_sq"], int(st["step"]), lr, c.beta1,
+                                 c.beta2, c.eps, wd)
         return loss
 
 
@@ -170,5 +161,5 @@ def wsd_factor(tokens: int, s: ScheduleConfig) -> float:
     return 1.0 - (1.0 - s.min_lr_ratio) * frac
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> TrainOptimizer:
-    return TrainOptimizer(build_param_groups(model, cfg), cfg)
+def build_optimizer(model: nn.Module, cfg: OptimConfig, steps: OptimSteps) -> TrainOptimizer:
+    return TrainOptimizer(build_param_groups(model, cfg), cfg, steps)

@@ -1,0 +1,31 @@
+"""adamw.fast_*, muon.fast_*: defects in the fast optimizer steps (nmoe/fast/optim.py and the AdamW kernel
+nmoe/fast/kernels/optim.py); GPU host only."""
+
+from __future__ import annotations
+
+from mutations.model import Mutation, sep_mutation
+
+GLUE = "nmoe/fast/optim.py"
+KERNEL = "nmoe/fast/kernels/optim.py"
+TESTS = "tests/test_fast_optim.py"
+
+MUTATIONS: tuple[Mutation, ...] = (
+    sep_mutation(
+        "adamw.fast_no_bias_correction", GLUE,
+        "1.0 - beta1**step,\n              1.0 - beta2**step,", "1.0,\n              1.0,",
+        "AdamW without bias correction of m and v", TESTS, ("adamw",), device="gpu",
+    ),
+    sep_mutation(
+        "adamw.fast_decay_on_m", KERNEL,
+        "        p1 = mul_rn(fp[j], decay)\n        m1 = add_rn(mul_rn(fm[j], b1), mul_rn(g, omb1))",
+        "        p1 = fp[j]\n        m1 = add_rn(mul_rn(mul_rn(fm[j], decay), b1), mul_rn(g, omb1))",
+        "weight decay shrinks the first moment instead of the parameter", TESTS, ("adamw",), device="gpu",
+    ),
+    sep_mutation(
+        "muon.fast_ns_coeffs_swapped", GLUE,
+        "NS5_COEFFS: Final[tuple[float, float, float]] = (3.4445, -4.7750, 2.0315)",
+        "NS5_COEFFS: Final[tuple[float, float, float]] = (2.0315, -4.7750, 3.4445)",
+        "Newton-Schulz quintic with a and c swapped: the iteration no longer orthogonalises", TESTS,
+        ("muon",), device="gpu",
+    ),
+)

@@ -1,0 +1,114 @@
+"""CuTeDSL AdamW step: flat elementwise over fp32 masters, one 128-bit vector per thread, guarded tail.
+
+Every step of the spec's formula is one correctly rounded fp32 op (add/mul/div/sqrt .rn), in its order.
+Import only after nmoe.fast.runtime.import_cutlass(arch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cuda.bindings.driver as cuda
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int64
+from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
+from cutlass.base_dsl.typing import Constexpr
+from cutlass.cute.runtime import make_ptr
+from cutlass.cute.typing import Pointer
+
+from nmoe.fast.kernels.prims import add_rn, div_rn, mul_rn, sqrt_rn, sub_rn
+
+THREADS = 256
+DTYPES: dict[str, Any] = {"bfloat16": BFloat16, "float32": Float32}
+
+
+@cute.jit
+def _update(fp: cute.Tensor, fg: cute.Tensor, fm: cute.Tensor, fv: cute.Tensor, decay: Float32, b1: Float32,
+            omb1: Float32, b2: Float32, omb2: Float32, bc1: Float32, bc2: Float32, lr: Float32, eps: Float32,
+            vec: Constexpr[int]) -> None:
+    """p = p*decay; m = m*b1 + g*(1-b1); v = v*b2 + (g*g)*(1-b2); p -= (lr*(m/bc1)) / (sqrt(v/bc2) + eps)."""
+    for j in range_constexpr(vec):
+        gj: Any = fg[j]
+        g = gj.to(Float32) if const_expr(fg.element_type != Float32) else gj
+        p1 = mul_rn(fp[j], decay)
+        m1 = add_rn(mul_rn(fm[j], b1), mul_rn(g, omb1))
+        v1 = add_rn(mul_rn(fv[j], b2), mul_rn(mul_rn(g, g), omb2))
+        den = add_rn(sqrt_rn(div_rn(v1, bc2)), eps)
+        fp[j] = sub_rn(p1, div_rn(mul_rn(lr, div_rn(m1, bc1)), den))
+        fm[j] = m1
+        fv[j] = v1
+
+
+@cute.jit
+def _load_tail(m: cute.Tensor, f: Any, base: Int64, n: Int64, vec: Constexpr[int]) -> None:
+    f.fill(0.0)
+    for j in range_constexpr(vec):
+        if base + j < n:
+            f[j] = m[base + j]
+
+
+@cute.jit
+def _store_tail(m: cute.Tensor, f: cute.Tensor, base: Int64, n: Int64, vec: Constexpr[int]) -> None:
+    for j in range_constexpr(vec):
+        if base + j < n:
+            m[base + j] = f[j]
+
+
+@cute.kernel
+def adamw_kernel(pp: Pointer, pg: Pointer, pm: Pointer, pv: Pointer, n: Int64, decay: Float32, b1: Float32,
+                 omb1: Float32, b2: Float32, omb2: Float32, bc1: Float32, bc2: Float32, lr: Float32,
+                 eps: Float32, vec: Constexpr[int]) -> None:
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    i = Int64(bidx) * THREADS + Int64(tidx)
+    nfull = n // vec
+    mp = cute.make_tensor(pp, cute.make_layout(n))
+    mg = cute.make_tensor(pg, cute.make_layout(n))
+    mm = cute.make_tensor(pm, cute.make_layout(n))
+    mv = cute.make_tensor(pv, cute.make_layout(n))
+    fp = cute.make_rmem_tensor((vec,), Float32)
+    fg = cute.make_rmem_tensor((vec,), mg.element_type)
+    fm = cute.make_rmem_tensor((vec,), Float32)
+    fv = cute.make_rmem_tensor((vec,), Float32)
+    if i < nfull:
+        gp = cute.zipped_divide(mp, (vec,))
+        gm = cute.zipped_divide(mm, (vec,))
+        gv = cute.zipped_divide(mv, (vec,))
+        fp.store(gp[(None, i)].load().reshape((vec,)))
+        fg.store(cute.zipped_divide(mg, (vec,))[(None, i)].load().reshape((vec,)))
+        fm.store(gm[(None, i)].load().reshape((vec,)))
+        fv.store(gv[(None, i)].load().reshape((vec,)))
+        _update(fp, fg, fm, fv, decay, b1, omb1, b2, omb2, bc1, bc2, lr, eps, vec)
+        gp[(None, i)].store(fp.load())
+        gm[(None, i)].store(fm.load())
+        gv[(None, i)].store(fv.load())
+    elif i == nfull:
+        base = nfull * vec
+        _load_tail(mp, fp, base, n, vec)
+        _load_tail(mg, fg, base, n, vec)
+        _load_tail(mm, fm, base, n, vec)
+        _load_tail(mv, fv, base, n, vec)
+        _update(fp, fg, fm, fv, decay, b1, omb1, b2, omb2, bc1, bc2, lr, eps, vec)
+        _store_tail(mp, fp, base, n, vec)
+        _store_tail(mm, fm, base, n, vec)
+        _store_tail(mv, fv, base, n, vec)
+
+
+@cute.jit
+def adamw_host(pp: Pointer, pg: Pointer, pm: Pointer, pv: Pointer, n: Int64, decay: Float32, b1: Float32,
+               omb1: Float32, b2: Float32, omb2: Float32, bc1: Float32, bc2: Float32, lr: Float32,
+               eps: Float32, stream: cuda.CUstream, vec: Constexpr[int], grad_dtype: Constexpr[str]) -> None:
+    adamw_kernel(pp, pg, pm, pv, n, decay, b1, omb1, b2, omb2, bc1, bc2, lr, eps, vec).launch(
+        grid=[(n // vec + THREADS) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream
+    )
+
+
+def compile_args(kernel: str, spec: dict[str, Any]) -> tuple[Any, tuple[Any, ...]]:
+    """Host function and fake arguments (null pointers, n = 0) that compile `kernel` without a GPU."""
+    if kernel != "adamw":
+        raise KeyError(f"nmoe.fast.kernels.optim has no kernel {kernel!r}; it holds adamw")
+    vec, gd = spec["vec"], DTYPES[spec["grad_dtype"]]
+    gmem = cute.AddressSpace.gmem
+    ptrs = [make_ptr(t, 0, gmem, assumed_align=vec * t.width // 8) for t in (Float32, gd, Float32, Float32)]
+    scalars = [Float32(0.0)] * 9
+    return adamw_host, (*ptrs, Int64(0), *scalars, cuda.CUstream(0), vec, spec["grad_dtype"])

@@ -1,0 +1,127 @@
+"""Fast optimizer steps with the spec's signatures: AdamW as one CuTeDSL elementwise kernel
+(nmoe/fast/kernels/optim.py), Muon with Newton-Schulz 5 on bf16 tensor cores (cuBLAS) and an fp32 iterate.
+
+AdamW's fp32 coefficients are computed in float64 on the host and rounded once; nothing syncs the host.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Final
+
+import torch
+from torch import Tensor
+
+from nmoe.fast import runtime
+from nmoe.fast.limits import VEC_BYTES
+from nmoe.fast.op import Kernel
+from nmoe.fast.runtime import KernelSpec
+
+ADAMW = Kernel.by_name("nmoe.fast.kernels.optim", "adamw")
+NS5_COEFFS: Final[tuple[float, float, float]] = (3.4445, -4.7750, 2.0315)
+NS5_EPS: Final[float] = 1e-7
+MUON_RMS_MATCH: Final[float] = 0.2
+_GRAD_DTYPES: dict[torch.dtype, str] = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def _check_master(name: str, p: Tensor, *state: Tensor) -> None:
+    if p.dtype != torch.float32:
+        raise ValueError(f"{name}: param dtype {p.dtype} must be fp32; step the fp32 master copy (fp64 "
+                         "runs on nmoe.reference.optim)")
+    for t in (p, *state):
+        if t.shape != p.shape or t.dtype != p.dtype or not t.is_contiguous():
+            raise ValueError(f"{name}: state {t.dtype} {tuple(t.shape)} must be a contiguous tensor matching "
+                             f"the param {p.dtype} {tuple(p.shape)}")
+
+
+def adamw_step(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: int, lr: float, beta1: float, beta2: float,
+               eps: float, weight_decay: float) -> None:
+    """One AdamW step in place on fp32 p, m, v (grad fp32 or bf16); step counts from 1.
+
+    p *= 1-lr*wd; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g; p -= lr*(m/(1-b1^t)) / (sqrt(v/(1-b2^t))+eps)
+    """
+    _check_master("adamw_step", p, m, v)
+    if g.shape != p.shape or g.dtype not in _GRAD_DTYPES:
+        raise ValueError(f"adamw_step: grad {g.dtype} {tuple(g.shape)} must be fp32/bf16 of the param shape "
+                         f"{tuple(p.shape)}")
+    if step < 1:
+        raise ValueError(f"adamw_step: step={step} must be >= 1 (increment the step count before stepping)")
+    device, arch = runtime.device_arch(p, g, m, v)
+    n = p.numel()
+    if n == 0:
+        return
+    g = g.contiguous()
+    ptrs = [t.data_ptr() for t in (p, g, m, v)]
+    vec = 4 if all(a % VEC_BYTES == 0 for a in ptrs) else 1
+    coeffs = (1.0 - lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, 1.0 - beta1**step,
+              1.0 - beta2**step, lr, eps)
+    ADAMW.launcher(arch, vec=vec, grad_dtype=_GRAD_DTYPES[g.dtype])(device, *ptrs, n, *coeffs)
+
+
+def newton_schulz5(g: Tensor, steps: int = 5) -> Tensor:
+    """~ U V^T of g per matrix over the last two dims: fp32 iterate, bf16 GEMM operands, fp32 GEMM outputs.
+
+    X = g / (||g||_F + 1e-7), transposed when rows > cols; X <- a X + (b A + c A A) X with A = X X^T.
+    """
+    if g.dim() < 2:
+        raise ValueError(f"newton_schulz5: input must be a matrix (or a batch), got shape {tuple(g.shape)}")
+    if steps < 1:
+        raise ValueError(f"newton_schulz5: steps={steps} must be >= 1")
+    runtime.device_arch(g)
+    a, b, c = NS5_COEFFS
+    x = g.to(torch.float32).reshape(-1, g.shape[-2], g.shape[-1])
+    tall = x.shape[-2] > x.shape[-1]
+    if tall:
+        x = x.mT
+    x = x / (torch.linalg.matrix_norm(x, ord="fro", keepdim=True) + NS5_EPS)
+    for _ in range(steps):
+        xb = x.to(torch.bfloat16)
+        gram = torch.bmm(xb, xb.mT, out_dtype=torch.float32)
+        gb = gram.to(torch.bfloat16)
+        poly = b * gram + c * torch.bmm(gb, gb, out_dtype=torch.float32)
+        x = a * x + torch.bmm(poly.to(torch.bfloat16), xb, out_dtype=torch.float32)
+    out: Tensor = (x.mT if tall else x).reshape(g.shape)
+    return out
+
+
+def muon_scale(shape: torch.Size | tuple[int, ...]) -> float:
+    """0.2 * sqrt(max(rows, cols)) (Moonlight, arXiv:2502.16982): an AdamW-like update RMS."""
+    return MUON_RMS_MATCH * math.sqrt(max(shape[-2], shape[-1]))
+
+
+def muon_step(p: Tensor, g: Tensor, buf: Tensor, lr: float, momentum: float, weight_decay: float,
+              nesterov: bool = True, ns_steps: int = 5) -> None:
+    """One Muon step in place on fp32 p and buf (Moonlight form); matrices over the last two dims.
+
+    buf = mu*buf + g; u = g + mu*buf (nesterov) or buf; p *= 1 - lr*wd; p -= lr*muon_scale*NS5(u).
+    """
+    _check_master("muon_step", p, buf)
+    if p.dim() < 2:
+        raise ValueError(f"muon_step: param shape {tuple(p.shape)} is not a matrix; step it with adamw_step")
+    if g.shape != p.shape:
+        raise ValueError(f"muon_step: grad shape {tuple(g.shape)} must equal param shape {tuple(p.shape)}")
+    runtime.device_arch(p, g, buf)
+    gf = g.to(torch.float32)
+    buf.mul_(momentum).add_(gf)
+    update = gf + momentum * buf if nesterov else buf
+    ortho = newton_schulz5(update, ns_steps)
+    p.mul_(1.0 - lr * weight_decay)
+    p.sub_((lr * muon_scale(p.shape)) * ortho)
+
+
+# Every AdamW step must round once (no FMA contraction, no approximate sqrt/div, no flush to zero).
+_FORBID = (r"\b(rsqrt|sqrt|rcp|div)\.approx\b", r"\bdiv\.full\b", r"\.ftz\b", r"\bfma\.",
+           r"\b(ld|st)\.local\b")
+_EXPECT = (r"\bsqrt\.rn\.f32\b", r"\bdiv\.rn\.f32\b", r"\bmul\.rn\.f32\b", r"\badd\.rn\.f32\b",
+           r"\bsub\.rn\.f32\b", runtime.ST128)
+
+
+def _kernel_specs() -> tuple[KernelSpec, ...]:
+    return tuple(
+        runtime.portable_spec("adamw", f"adamw_{tag}", ADAMW.compiler(vec=4, grad_dtype=gd),
+                              (*_EXPECT, runtime.LD128), _FORBID)
+        for gd, tag in (("float32", "g32"), ("bfloat16", "gbf16"))
+    )
+
+
+KERNELS: tuple[KernelSpec, ...] = _kernel_specs()
