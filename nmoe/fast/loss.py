@@ -98,12 +98,18 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tens
     ctx.dtypes = (inputs[0].dtype, inputs[1].dtype)
 
 
+def _scaled(grad: Tensor, dloss: Tensor, dtype: torch.dtype) -> Tensor:
+    """dloss * grad rounded once to dtype, with no fp32 temporary of grad's size."""
+    out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+    return torch.mul(grad, dloss.to(torch.float32), out=out)
+
+
 def _backward(ctx: Any, dloss: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
     dh, dw = ctx.saved_tensors
     if not ctx.grad:
         raise RuntimeError("cross_entropy: backward through a call made without grad; call it with "
                            "h or w_out requiring grad under torch.enable_grad()")
-    return (dh * dloss).to(ctx.dtypes[0]), (dw * dloss).to(ctx.dtypes[1]), None, None, None, None
+    return _scaled(dh, dloss, ctx.dtypes[0]), _scaled(dw, dloss, ctx.dtypes[1]), None, None, None, None
 
 
 _ce_op.autograd(_backward, _setup)
@@ -123,7 +129,7 @@ def cross_entropy_bwd(dloss: Tensor | float, h: Tensor, w_out: Tensor, targets: 
     """(dh, dw_out) of cross_entropy: dloss * (softmax - onehot)/n_kept through the two GEMMs per chunk."""
     _, dh, dw = _ce_op(h.detach(), w_out.detach(), targets, ignore_index, chunk, True)
     scale = torch.as_tensor(dloss, dtype=torch.float32, device=h.device)
-    return (dh * scale).to(h.dtype), (dw * scale).to(w_out.dtype)
+    return _scaled(dh, scale, h.dtype), _scaled(dw, scale, w_out.dtype)
 
 
 # ex2.approx (not .ftz) carries exp: its ~2 ulp error sits inside the contract's V-term; log is the
