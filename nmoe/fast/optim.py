@@ -1,8 +1,6 @@
-"""Fast optimizer steps with the spec's signatures: AdamW as one CuTeDSL elementwise kernel
-(nmoe/fast/kernels/optim.py), Muon with Newton-Schulz 5 on bf16 tensor cores (cuBLAS) and an fp32 iterate.
-
-AdamW's fp32 coefficients are computed in float64 on the host and rounded once; nothing syncs the host.
-"""
+"""Fast optimizer steps with the spec's signatures: AdamW as one CuTeDSL elementwise kernel (kernels/optim.py,
+fp32 coefficients from float64 on the host), Muon with Newton-Schulz 5 on bf16 tensor cores and an fp32
+iterate. Nothing syncs the host."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""CuTeDSL row kernel of the fused-linear cross-entropy: per row of a fp32 logits chunk, lse and the loss.
-
-With grad, it then writes (softmax - onehot) * coef as bf16 over the same row's memory (bf16 index i lands
-inside fp32 element i // 2, which every thread has read once the tile's barrier passes).
-Import only after nmoe.fast.runtime.import_cutlass(arch).
-"""
+"""CuTeDSL row kernel of the fused-linear cross-entropy: per fp32 logits row, online max/sum, lse, loss; with
+grad, (softmax - onehot) * coef as bf16 over the row's own memory (bf16 index i lies in fp32 element i // 2,
+read by all threads before the tile's barrier). Import after nmoe.fast.runtime.import_cutlass(arch)."""
 
 from __future__ import annotations
 
