@@ -1,13 +1,19 @@
-"""The verdict of one A/B bench row: BASE's timings against the new tree's, judged against the noise an
-A/A run (the unchanged kernel timed again) shows, so a change is faster or slower only beyond that noise."""
+"""The A/B bench of `nmoe prove`: BASE's tree and the new tree timed in their own worker processes with the
+repetitions interleaved, an A/A rerun of BASE in a third process setting the noise floor, and the verdict of
+each row: faster or slower only beyond that noise."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import statistics
-from collections.abc import Sequence
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final, Literal
+from pathlib import Path
+from typing import Any, Final, Literal
 
 Verdict = Literal["faster", "slower", "within noise"]
 MIN_NOISE: Final = 0.01
@@ -50,3 +56,105 @@ def verdict(base: Sequence[float], new: Sequence[float], aa: Sequence[float],
     change = mn / mb - 1
     v: Verdict = "faster" if change < -noise else "slower" if change > noise else "within noise"
     return RowVerdict(v, mb, mn, ma, change, noise)
+
+
+SIDES: Final = ("base", "new", "aa")
+
+
+class Worker:
+    """One tree's bench worker (`bench/abrows.py`) in its own process, with its own kernel cache directory so
+    two trees never share compiled kernels; asked for one sample at a time."""
+
+    def __init__(self, script: Path, side: str, tree: Path, rows: Sequence[str], work: Path) -> None:
+        from nmoe.fast.runtime import CACHE_ENV
+
+        self.side, self.log = side, work / f"{side}.log"
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", CACHE_ENV)}
+        env.update(PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
+        env[CACHE_ENV] = str(work / f"kernels-{side}")
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen([sys.executable, str(script), ",".join(rows)], cwd=tree, env=env,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            tail = self.log.read_text(errors="replace")[-1500:] if self.log.is_file() else ""
+            raise ABError(f"the {self.side} worker exited ({self.proc.wait()}) without an answer: {tail}")
+        doc: dict[str, Any] = json.loads(line)
+        return doc
+
+    def ready(self) -> dict[str, str | None]:
+        doc = self._read()
+        if "ready" not in doc:
+            raise ABError(f"the {self.side} worker refused: {doc.get('error', doc)}")
+        out: dict[str, str | None] = doc["ready"]
+        return out
+
+    def sample(self, row: str) -> float | str:
+        """The sample's ms, or the worker's error message."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(row + "\n")
+        self.proc.stdin.flush()
+        doc = self._read()
+        return float(doc["ms"]) if "ms" in doc else str(doc.get("error", doc))
+
+    def close(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class ABError(RuntimeError):
+    """A bench worker died or answered out of protocol; the message carries its log's tail."""
+
+
+def order(rep: int) -> tuple[str, ...]:
+    """Repetition `rep`'s side order: BASE, new, A/A rotated by one each repetition, so no side always
+    follows the same one."""
+    k = rep % len(SIDES)
+    return SIDES[k:] + SIDES[:k]
+
+
+def run_ab(script: Path, trees: Mapping[str, Path], rows: Mapping[str, tuple[str, float]], reps: int,
+           work: Path) -> list[dict[str, Any]]:
+    """rows: name -> (op, min_noise). BASE (twice: BASE and the A/A rerun) and the new tree each in their own
+    worker process, built in parallel, then sampled one at a time, interleaved. One dict per row: its samples
+    and verdict, or `error` naming the side whose tree could not run it."""
+    if reps < 2:
+        raise ValueError(f"--reps {reps}: the A/B test needs at least 2 repetitions per side")
+    work.mkdir(parents=True, exist_ok=True)
+    tree_of = {"base": trees["base"], "new": trees["new"], "aa": trees["base"]}
+    workers = {s: Worker(script, s, tree_of[s], list(rows), work) for s in SIDES}
+    try:
+        ready = {s: w.ready() for s, w in workers.items()}
+        errors: dict[str, dict[str, str]] = {name: {s: why for s in SIDES if (why := ready[s].get(name))}
+                                             for name in rows}
+        samples: dict[str, dict[str, list[float]]] = {n: {s: [] for s in SIDES} for n in rows}
+        for rep in range(reps):
+            for name in rows:
+                for side in order(rep) if not errors[name] else ():
+                    got = workers[side].sample(name)
+                    if isinstance(got, str):
+                        errors[name][side] = got
+                        break
+                    samples[name][side].append(got)
+    finally:
+        for w in workers.values():
+            w.close()
+    out: list[dict[str, Any]] = []
+    for name, (op, floor) in rows.items():
+        if errors[name]:
+            out.append({"name": name, "op": op, "error": errors[name]})
+            continue
+        s = samples[name]
+        v = verdict(s["base"], s["new"], s["aa"], floor)
+        out.append({"name": name, "op": op, "base_ms": s["base"], "new_ms": s["new"], "aa_ms": s["aa"],
+                    "median_base_ms": v.base_ms, "median_new_ms": v.new_ms, "median_aa_ms": v.aa_ms,
+                    "change": v.change, "noise": v.noise, "verdict": v.verdict})
+    return out
