@@ -2,9 +2,9 @@
 new one), so trees of any age can be timed; run as a worker that the driver (`nmoe.abtest.run_ab`) asks for
 one sample at a time, which interleaves the trees. Only torch and the tree's public fast functions are used.
 
-Protocol: `python bench/abrows.py ROW,ROW...`, run in the tree, builds every row, prints {"ready": {row:
-null | error}}, then answers each stdin line ROW with {"row": ROW, "ms": sample} or {"row": ROW, "error":
-why}; EOF ends it.
+Protocol: `python bench/abrows.py`, run in the tree, prints {"ready": nmoe's path} (or {"error": why}), then
+answers each stdin line `build ROW`, `time ROW` (one sample: {"ms": ...}) or `drop ROW` with one JSON line,
+{"error": why} when the tree cannot do it; EOF ends it. One row at a time keeps the GPU memory to one row's.
 Samples: CUDA rows are the median over INNER L2-flushed samples of REPLAYS back-to-back replays of a CUDA
 graph of one call, per call; CPU rows the median over INNER perf_counter timings of one call."""
 
@@ -257,12 +257,25 @@ def _say(doc: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def _answer(timers: dict[str, _Timer], verb: str, name: str) -> dict[str, Any]:
+    """One command: `build` a row (inputs, compile, graph), `time` it once, or `drop` it (frees memory)."""
+    if name not in ROWS:
+        return {"row": name, "error": f"row {name!r} unknown; known: {', '.join(ROWS)}"}
+    if verb == "build":
+        timers[name] = _Timer(ROWS[name])
+        return {"row": name, "built": True}
+    if verb == "drop":
+        if timers.pop(name, None) is not None and ROWS[name].timer == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+        return {"row": name, "dropped": True}
+    if verb == "time" and name in timers:
+        return {"row": name, "ms": timers[name].sample()}
+    return {"row": name, "error": f"command {verb!r} on row {name!r} not understood (build it first)"}
+
+
 def main(argv: list[str]) -> int:
-    names = [n for n in (argv[0] if argv else "").split(",") if n]
-    unknown = [n for n in names if n not in ROWS]
-    if not names or unknown:
-        _say({"error": f"rows {unknown or names!r} unknown; known: {', '.join(ROWS)}"})
-        return 2
     try:
         import nmoe
     except ImportError as e:
@@ -271,23 +284,14 @@ def main(argv: list[str]) -> int:
     if Path.cwd().resolve() not in Path(nmoe.__file__).resolve().parents:
         _say({"error": f"nmoe came from {nmoe.__file__}, not from the tree under test {Path.cwd()}"})
         return 2
+    _say({"ready": nmoe.__file__})
     timers: dict[str, _Timer] = {}
-    ready: dict[str, str | None] = {}
-    for name in names:
-        try:
-            timers[name] = _Timer(ROWS[name])
-            ready[name] = None
-        except Exception as e:
-            ready[name] = _why(e)
-    _say({"ready": ready})
     for line in sys.stdin:
-        name = line.strip()
-        if name not in timers:
-            _say({"row": name, "error": f"row {name!r} was not built: {ready.get(name, 'not asked for')}"})
-            continue
+        verb, _, name = line.strip().partition(" ")
         try:
-            _say({"row": name, "ms": timers[name].sample()})
+            _say(_answer(timers, verb, name))
         except Exception as e:
+            timers.pop(name, None)
             _say({"row": name, "error": _why(e)})
     return 0
 

@@ -63,9 +63,9 @@ SIDES: Final = ("base", "new", "aa")
 
 class Worker:
     """One tree's bench worker (`bench/abrows.py`) in its own process, with its own kernel cache directory so
-    two trees never share compiled kernels; asked for one sample at a time."""
+    two trees never share compiled kernels; it answers one command at a time."""
 
-    def __init__(self, script: Path, side: str, tree: Path, rows: Sequence[str], work: Path) -> None:
+    def __init__(self, script: Path, side: str, tree: Path, work: Path) -> None:
         from nmoe.fast.runtime import CACHE_ENV
 
         self.side, self.log = side, work / f"{side}.log"
@@ -73,32 +73,24 @@ class Worker:
         env.update(PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
         env[CACHE_ENV] = str(work / f"kernels-{side}")
         with self.log.open("w") as log:
-            self.proc = subprocess.Popen([sys.executable, str(script), ",".join(rows)], cwd=tree, env=env,
+            self.proc = subprocess.Popen([sys.executable, str(script)], cwd=tree, env=env,
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
 
-    def _read(self) -> dict[str, Any]:
+    def send(self, verb: str, row: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{verb} {row}\n")
+        self.proc.stdin.flush()
+
+    def read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
             tail = self.log.read_text(errors="replace")[-1500:] if self.log.is_file() else ""
             raise ABError(f"the {self.side} worker exited ({self.proc.wait()}) without an answer: {tail}")
         doc: dict[str, Any] = json.loads(line)
+        if "error" in doc and "row" not in doc:
+            raise ABError(f"the {self.side} worker refused: {doc['error']}")
         return doc
-
-    def ready(self) -> dict[str, str | None]:
-        doc = self._read()
-        if "ready" not in doc:
-            raise ABError(f"the {self.side} worker refused: {doc.get('error', doc)}")
-        out: dict[str, str | None] = doc["ready"]
-        return out
-
-    def sample(self, row: str) -> float | str:
-        """The sample's ms, or the worker's error message."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(row + "\n")
-        self.proc.stdin.flush()
-        doc = self._read()
-        return float(doc["ms"]) if "ms" in doc else str(doc.get("error", doc))
 
     def close(self) -> None:
         if self.proc.stdin is not None and not self.proc.stdin.closed:
@@ -111,7 +103,7 @@ class Worker:
 
 
 class ABError(RuntimeError):
-    """A bench worker died or answered out of protocol; the message carries its log's tail."""
+    """A bench worker died or refused its tree; the message carries its log's tail."""
 
 
 def order(rep: int) -> tuple[str, ...]:
@@ -121,40 +113,55 @@ def order(rep: int) -> tuple[str, ...]:
     return SIDES[k:] + SIDES[:k]
 
 
+Samples = dict[str, list[float]]
+
+
+def _row(workers: Mapping[str, Worker], name: str, reps: int) -> tuple[Samples, dict[str, str]]:
+    """One row on every side: built in parallel (compiles overlap), sampled interleaved, then dropped."""
+    samples: Samples = {s: [] for s in SIDES}
+    for w in workers.values():
+        w.send("build", name)
+    errors = {s: str(doc["error"]) for s, w in workers.items() if "error" in (doc := w.read())}
+    for rep in range(reps if not errors else 0):
+        for side in order(rep):
+            workers[side].send("time", name)
+            doc = workers[side].read()
+            if "error" in doc:
+                errors[side] = str(doc["error"])
+                break
+            samples[side].append(float(doc["ms"]))
+        if errors:
+            break
+    for w in workers.values():
+        w.send("drop", name)
+        w.read()
+    return samples, errors
+
+
 def run_ab(script: Path, trees: Mapping[str, Path], rows: Mapping[str, tuple[str, float]], reps: int,
            work: Path) -> list[dict[str, Any]]:
     """rows: name -> (op, min_noise). BASE (twice: BASE and the A/A rerun) and the new tree each in their own
-    worker process, built in parallel, then sampled one at a time, interleaved. One dict per row: its samples
-    and verdict, or `error` naming the side whose tree could not run it."""
+    worker process; row by row, each side builds it, then the sides are sampled one at a time, interleaved.
+    One dict per row: its samples and verdict, or `error` naming the side whose tree could not run it."""
     if reps < 2:
         raise ValueError(f"--reps {reps}: the A/B test needs at least 2 repetitions per side")
     work.mkdir(parents=True, exist_ok=True)
     tree_of = {"base": trees["base"], "new": trees["new"], "aa": trees["base"]}
-    workers = {s: Worker(script, s, tree_of[s], list(rows), work) for s in SIDES}
+    workers = {s: Worker(script, s, tree_of[s], work) for s in SIDES}
+    out: list[dict[str, Any]] = []
     try:
-        ready = {s: w.ready() for s, w in workers.items()}
-        errors: dict[str, dict[str, str]] = {name: {s: why for s in SIDES if (why := ready[s].get(name))}
-                                             for name in rows}
-        samples: dict[str, dict[str, list[float]]] = {n: {s: [] for s in SIDES} for n in rows}
-        for rep in range(reps):
-            for name in rows:
-                for side in order(rep) if not errors[name] else ():
-                    got = workers[side].sample(name)
-                    if isinstance(got, str):
-                        errors[name][side] = got
-                        break
-                    samples[name][side].append(got)
+        for w in workers.values():
+            w.read()
+        for name, (op, floor) in rows.items():
+            s, errors = _row(workers, name, reps)
+            if errors:
+                out.append({"name": name, "op": op, "error": errors})
+                continue
+            v = verdict(s["base"], s["new"], s["aa"], floor)
+            out.append({"name": name, "op": op, "base_ms": s["base"], "new_ms": s["new"], "aa_ms": s["aa"],
+                        "median_base_ms": v.base_ms, "median_new_ms": v.new_ms, "median_aa_ms": v.aa_ms,
+                        "change": v.change, "noise": v.noise, "verdict": v.verdict})
     finally:
         for w in workers.values():
             w.close()
-    out: list[dict[str, Any]] = []
-    for name, (op, floor) in rows.items():
-        if errors[name]:
-            out.append({"name": name, "op": op, "error": errors[name]})
-            continue
-        s = samples[name]
-        v = verdict(s["base"], s["new"], s["aa"], floor)
-        out.append({"name": name, "op": op, "base_ms": s["base"], "new_ms": s["new"], "aa_ms": s["aa"],
-                    "median_base_ms": v.base_ms, "median_new_ms": v.new_ms, "median_aa_ms": v.aa_ms,
-                    "change": v.change, "noise": v.noise, "verdict": v.verdict})
     return out
