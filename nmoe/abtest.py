@@ -17,6 +17,7 @@ from typing import Any, Final, Literal
 
 Verdict = Literal["faster", "slower", "within noise"]
 MIN_NOISE: Final = 0.01
+MIN_REPS: Final = 4
 
 
 @dataclass(frozen=True)
@@ -143,11 +144,12 @@ def run_ab(script: Path, trees: Mapping[str, Path], rows: Mapping[str, tuple[str
     """rows: name -> (op, min_noise). BASE (twice: BASE and the A/A rerun) and the new tree each in their own
     worker process; row by row, each side builds it, then the sides are sampled one at a time, interleaved.
     One dict per row: its samples and verdict, or `error` naming the side whose tree could not run it."""
-    if reps < 2:
-        raise ValueError(f"--reps {reps}: the A/B test needs at least 2 repetitions per side")
+    if reps < MIN_REPS:
+        raise ValueError(f"--reps {reps}: the A/B test needs at least {MIN_REPS} repetitions per side (the "
+                         "spread of each side is part of its noise floor)")
     work.mkdir(parents=True, exist_ok=True)
-    tree_of = {"base": trees["base"], "new": trees["new"], "aa": trees["base"]}
-    workers = {s: Worker(script, s, tree_of[s], work) for s in SIDES}
+    tree_of = {"base": trees["base"].resolve(), "new": trees["new"].resolve(), "aa": trees["base"].resolve()}
+    workers = {s: Worker(script.resolve(), s, tree_of[s], work.resolve()) for s in SIDES}
     out: list[dict[str, Any]] = []
     try:
         for w in workers.values():

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
+from nmoe.abtest import MIN_REPS
 from nmoe.provestage import Plan, StageError, apply_mutant, export, mutant_file, stage, unstage
 
 CATALOG_FILE: Final = re.compile(r"^mutations/catalog/(?!__init__)(\w+)\.py$")
@@ -447,8 +448,8 @@ def _usage(a: argparse.Namespace) -> str | None:
                 "to the --stage run")
     if a.stage is None and a.out is None:
         return "--out DIR is required (or --stage DIR to stage for another host)"
-    if a.reps < 2:
-        return f"--reps {a.reps}: the A/B test needs at least 2 repetitions per tree"
+    if a.reps < MIN_REPS:
+        return f"--reps {a.reps}: the A/B test needs at least {MIN_REPS} repetitions per tree"
     return None
 
 

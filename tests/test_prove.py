@@ -203,11 +203,11 @@ def test_ab_added_work_is_slower_and_aa_is_within_noise(tmp_path: Path) -> None:
     the data is slower; BASE against itself is within noise."""
     base, new = _trees(tmp_path)
     script = REPO / "bench" / "abrows.py"
-    [slower] = run_ab(script, {"base": base, "new": new}, CPU_ROW, 6, tmp_path / "ab")
+    [slower] = run_ab(script, {"base": base, "new": new}, CPU_ROW, 8, tmp_path / "ab")
     assert slower["verdict"] == "slower", slower
-    assert len(slower["base_ms"]) == len(slower["new_ms"]) == len(slower["aa_ms"]) == 6
+    assert len(slower["base_ms"]) == len(slower["new_ms"]) == len(slower["aa_ms"]) == 8
     assert slower["change"] > 1.0
-    [same] = run_ab(script, {"base": base, "new": base}, CPU_ROW, 6, tmp_path / "aa")
+    [same] = run_ab(script, {"base": base, "new": base}, CPU_ROW, 8, tmp_path / "aa")
     assert same["verdict"] == "within noise", same
 
 
@@ -223,8 +223,8 @@ def test_worker_refuses_an_nmoe_from_outside_its_tree(tmp_path: Path, monkeypatc
     assert "not from the tree under test" in json.loads(capsys.readouterr().out)["error"]
     assert "unknown" in abrows._answer({}, "build", "nosuchrow")["error"]
     assert "build it first" in abrows._answer({}, "time", "relu2_spec_cpu")["error"]
-    with pytest.raises(ValueError, match="at least 2"):
-        run_ab(REPO / "bench" / "abrows.py", {"base": tmp_path, "new": tmp_path}, CPU_ROW, 1, tmp_path)
+    with pytest.raises(ValueError, match="at least 4"):
+        run_ab(REPO / "bench" / "abrows.py", {"base": tmp_path, "new": tmp_path}, CPU_ROW, 3, tmp_path)
 
 
 def test_broken_spec_gives_a_red_report_and_unrelated_edit_proves_nothing(tmp_path: Path) -> None:
@@ -280,10 +280,28 @@ def test_staged_broken_spec_is_red_on_a_host_without_git(tmp_path: Path) -> None
     host = tmp_path / "host"
     export(REPO, None, host)
     rc, doc = _prove(host, tmp_path / "out", "--staged", str(stage), "--ops", "relu2", "--no-mutants",
-                     "--no-compile", "--cases", "1", "--rows", "relu2_spec_cpu", "--reps", "2")
+                     "--no-compile", "--cases", "1", "--rows", "relu2_spec_cpu", "--reps", "4")
     par, bench, commits = doc["parity"], doc["bench"], doc["commits"]
     assert isinstance(par, dict) and isinstance(bench, dict) and isinstance(commits, dict)
     assert rc == 1 and doc["verdict"] == "red" and commits["head"] == broken
     assert par["status"] == "fail" and {f["op"] for f in par["failed"]} == {"relu2"}
-    assert [r["name"] for r in bench["rows"]] == ["relu2_spec_cpu"] and bench["repetitions"] == 2
+    assert [r["name"] for r in bench["rows"]] == ["relu2_spec_cpu"] and bench["repetitions"] == 4
     assert doc["ops"] == {"relu2": ["nmoe/reference/activation.py"]}
+
+
+@pytest.mark.gpu
+def test_gpu_ab_double_launch_is_slower_and_aa_is_within_noise(tmp_path: Path) -> None:
+    """The CUDA rows on an H200: a relu2 whose glue launches the kernel twice is slower; BASE against itself
+    is within noise (graph replays between L2 flushes, one worker process per tree)."""
+    base, new = tmp_path / "base", tmp_path / "new"
+    export(REPO, None, base)
+    export(REPO, None, new)
+    twice = "    _relu2_op(x)\n    return _relu2_op(x)\n"
+    _edit(new / "nmoe/fast/activation.py", "    return _relu2_op(x)\n", twice)
+    script = REPO / "bench" / "abrows.py"
+    rows = {"relu2_fwd": ("relu2", 0.01), "swiglu_fwd": ("swiglu", 0.01)}
+    slower, same = run_ab(script, {"base": base, "new": new}, rows, 8, tmp_path / "ab")
+    assert slower["verdict"] == "slower" and slower["change"] > 0.5, slower
+    assert same["verdict"] == "within noise", same
+    [aa] = run_ab(script, {"base": base, "new": base}, {"relu2_fwd": ("relu2", 0.01)}, 8, tmp_path / "aa")
+    assert aa["verdict"] == "within noise", aa
