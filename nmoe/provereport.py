@@ -11,7 +11,8 @@ from typing import Any, Final
 from nmoe.index import Entry, Section, write_index
 
 Table = tuple[str, tuple[str, ...], list[tuple[str, ...]]]
-MARK: Final = {"fail": "stale", "red": "stale", "Survived": "stale", "pass": "fresh", "green": "fresh",
+MARK: Final = {"slower": "stale", "faster": "fresh",
+               "fail": "stale", "red": "stale", "Survived": "stale", "pass": "fresh", "green": "fresh",
                "Killed": "fresh", "not run": "missing", "Ignored": "missing", "nothing to prove": "missing"}
 
 
@@ -19,13 +20,26 @@ def _status(sec: Mapping[str, Any]) -> str:
     return str(sec["status"]) + (f": {sec['reason']}" if sec.get("reason") else "")
 
 
+def _ab_row(r: Mapping[str, Any]) -> tuple[str, ...]:
+    if "error" in r:
+        why = "; ".join(f"{side}: {e}" for side, e in r["error"].items())
+        return (r["name"], r["op"], "", "", "", "", "", f"not run ({why})")
+    return (r["name"], r["op"], f"{r['median_base_ms']:.4g}", f"{r['median_new_ms']:.4g}",
+            f"{r['median_aa_ms']:.4g}", f"{r['change']:+.1%}", f"±{r['noise']:.1%}", r["verdict"])
+
+
 def tables(doc: Mapping[str, Any]) -> list[Table]:
     """Every table of the report, in reading order; markdown and HTML render these same rows."""
     c = doc["commits"]
+    new = c["head"] + (f" ({c['head_ref']})" if c.get("head_ref", "working tree") != "working tree" else "")
+    new += " + uncommitted changes (dirty)" if c["dirty"] else ""
+    new += f" + catalog mutant {c['edit']}" if c.get("edit") else ""
     head: list[tuple[str, ...]] = [("verdict", doc["verdict"]), ("BASE", f"{c['base']} ({c['base_ref']})"),
-            ("HEAD", c["head"] + (" + uncommitted changes (dirty)" if c["dirty"] else "")),
-            ("compared", c["compared"]), ("device", doc["device"]),
+            ("HEAD", new), ("compared", c["compared"]), ("device", doc["device"]),
             *((k, _status(doc[k])) for k in ("parity", "mutation", "bench"))]
+    if doc.get("unclaimed"):
+        head.append(("unclaimed", "changed op code no op's sources name here: "
+                     + ", ".join(doc["unclaimed"])))
     out: list[Table] = [("summary", ("", ""), head),
                         ("touched ops", ("op", "changed files"),
                          [(op, ", ".join(f)) for op, f in doc["ops"].items()])]
@@ -45,10 +59,10 @@ def tables(doc: Mapping[str, Any]) -> list[Table]:
     out.append(("mutants", ("id", "contracts", "status", "reason"),
                 [(x["id"], ", ".join(x.get("contracts", [])), x["status"], x.get("reason", ""))
                  for x in m["mutants"]]))
-    out.append(("A/B benchmark", ("row", "op", "BASE ms", "new ms", "A/A ms", "change", "noise", "verdict"),
-                [(r["name"], r["op"], f"{r['median_base_ms']:.4g}", f"{r['median_new_ms']:.4g}",
-                  f"{r['median_aa_ms']:.4g}", f"{r['change']:+.1%}", f"±{r['noise']:.1%}", r["verdict"])
-                 for r in doc["bench"]["rows"]]))
+    b = doc["bench"]
+    out.append((f"A/B benchmark (medians of {b['repetitions']} interleaved repetitions per tree)",
+                ("row", "op", "BASE ms", "new ms", "A/A ms", "change", "noise", "verdict"),
+                [_ab_row(r) for r in b["rows"]]))
     return out
 
 
