@@ -87,3 +87,70 @@ def test_glue_matches_spec(spec_kernels: None, activation: str, shared: int, dty
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         err = float((a.double() - b.double()).norm() / b.double().norm())
         assert err < 1e-2, f"grad {i}: relative error {err:.3g}"
+
+
+def _run(fn: Any, cfg_args: tuple[str, int, str, str]) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+    """(grads by name, routing weights' grad, routing weights) of one layer call on the glue case."""
+    x, p, cfg = _case(*cfg_args, 3)
+    dout = torch.randn(T, cfg.dim, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    out, routing = fn(x, p, cfg)
+    routing.weights.retain_grad()
+    out.backward(dout)
+    names = ("x", "router_w", "w13", "w1", "w2", "shared_w13", "shared_w1", "shared_w2")
+    leaves = (x, p.router_w, p.w13, p.w1, p.w2, p.shared_w13, p.shared_w1, p.shared_w2)
+    grads = {n: t.grad for n, t in zip(names, leaves, strict=True) if t is not None and t.grad is not None}
+    assert routing.weights.grad is not None
+    return grads, routing.weights.grad, routing.weights.detach()
+
+
+def _close(got: Tensor, want: Tensor) -> None:
+    err = float((got.double() - want.double()).norm() / want.double().norm())
+    assert err < 1e-2, f"relative error {err:.3g} against the spec"
+
+
+SWIGLU_SHARED = ("swiglu", 1, "bf16", "sigmoid")
+
+
+def test_sep_moe_fast_dweights_scale_dropped(spec_kernels: None) -> None:
+    """route_scale 2.5: dweights without it are 2.5x too small."""
+    _, dw, _ = _run(fm.moe_layer, SWIGLU_SHARED)
+    _, want, _ = _run(moe_layer, SWIGLU_SHARED)
+    assert float((want - want / 2.5).norm()) > 0.5 * float(want.norm())
+    _close(dw, want)
+
+
+def test_sep_moe_fast_shared_grad_dropped(spec_kernels: None) -> None:
+    """The shared MLP's weights get gradient only through dout; dropped, they would stay without one."""
+    got, _, _ = _run(fm.moe_layer, SWIGLU_SHARED)
+    want, _, _ = _run(moe_layer, SWIGLU_SHARED)
+    assert float(want["shared_w2"].norm()) > 0 and float(want["shared_w13"].norm()) > 0
+    assert "shared_w2" in got and "shared_w13" in got
+    _close(got["shared_w2"], want["shared_w2"])
+    _close(got["shared_w13"], want["shared_w13"])
+
+
+def test_sep_moe_fast_weight_wrong_slot(spec_kernels: None) -> None:
+    """Each row's router weight scales its dy; a neighbouring slot's weight differs on most rows."""
+    got, _, w = _run(fm.moe_layer, SWIGLU_SHARED)
+    want, _, _ = _run(moe_layer, SWIGLU_SHARED)
+    flat = w.reshape(-1)
+    assert float((flat[1:] - flat[:-1]).abs().min()) > 0
+    _close(got["w2"], want["w2"])
+    _close(got["w13"], want["w13"])
+
+
+def test_sep_moe_fast_gather_off_by_one(spec_kernels: None) -> None:
+    """The backward re-gathers x for the up wgrad; a neighbouring token's row differs everywhere."""
+    x, _, _ = _case(*SWIGLU_SHARED, 3)
+    assert bool((x.detach() != x.detach().roll(1, 0)).any(-1).all())
+    got, _, _ = _run(fm.moe_layer, SWIGLU_SHARED)
+    want, _, _ = _run(moe_layer, SWIGLU_SHARED)
+    _close(got["w13"], want["w13"])
+
+
+def test_sep_moe_fast_topk_grad_unnormalised(spec_kernels: None) -> None:
+    """Sigmoid scores of K=3 picks sum far from 1, so the renormalisation's derivative matters."""
+    got, _, w = _run(fm.moe_layer, SWIGLU_SHARED)
+    want, _, _ = _run(moe_layer, SWIGLU_SHARED)
+    assert bool(torch.allclose(w.sum(-1), torch.ones(T), atol=1e-5))
+    _close(got["router_w"], want["router_w"])
