@@ -89,6 +89,17 @@ def test_glue_matches_spec(spec_kernels: None, activation: str, shared: int, dty
         assert err < 1e-2, f"grad {i}: relative error {err:.3g}"
 
 
+def test_row_helpers_chunk_like_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fm, "ROW_CHUNK", 3)
+    g = torch.Generator().manual_seed(9)
+    a, b = (torch.randn(10, 6, generator=g).to(torch.bfloat16) for _ in range(2))
+    s = torch.randn(10, generator=g)
+    assert torch.equal(fm._row_scale(a, s), (a.float() * s[:, None]).to(torch.bfloat16))
+    exact = (a.double() * b.double()).sum(-1)
+    assert bool(((fm._row_dot(a, b).double() - exact).abs() <= 6 * 2.0**-24 * (a.double() * b.double()).abs()
+                 .sum(-1)).all())
+
+
 def _run(fn: Any, cfg_args: tuple[str, int, str, str]) -> tuple[dict[str, Tensor], Tensor, Tensor]:
     """(grads by name, routing weights' grad, routing weights) of one layer call on the glue case."""
     x, p, cfg = _case(*cfg_args, 3)

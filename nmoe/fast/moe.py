@@ -45,7 +45,7 @@ __all__ = ["MoEParams", "MoERouting", "moe_layer"]
 
 ARCH = "sm_90a"
 EXPERT_DTYPES = ("bf16", "fp8")
-ROW_CHUNK = 16384
+ROW_CHUNK = 65536
 """Rows per chunk of the backward's fp32 row products, bounding their fp32 temporaries."""
 
 _ACT = {"swiglu": (swiglu, swiglu_bwd), "relu2": (relu2, relu2_bwd)}
@@ -137,8 +137,10 @@ class _Routed(torch.autograd.Function):
         offs, slot = p.offs, p.slot
         a, h = _up(p.xp, w_up, offs, cfg.activation, cfg.expert_dtype)
         del p
-        y = unpermute(_gemm(a, w2, offs, cfg.expert_dtype), slot, t, k)
+        yp = _gemm(a, w2, offs, cfg.expert_dtype)
         del a
+        y = unpermute(yp, slot, t, k)
+        del yp
         out = combine(y, weights, cfg.route_scale, shared)
         fp8_y = [y] if cfg.expert_dtype == "fp8" else []
         ctx.save_for_backward(x, w_up, w2, weights, ids, slot, offs, h, *fp8_y)
@@ -169,8 +171,9 @@ class _Routed(torch.autograd.Function):
         dw_up = grouped_gemm_wgrad(dh, permute(x, ids, e, align).xp, offs)
         dxp = grouped_gemm_dgrad(dh, w_up, offs)
         del dh
-        ones = torch.ones(t, k, dtype=torch.float32, device=x.device)
-        dx = combine(unpermute(dxp, slot, t, k), ones, 1.0, None)
+        dx_slots = unpermute(dxp, slot, t, k)
+        del dxp
+        dx = combine(dx_slots, torch.ones(t, k, dtype=torch.float32, device=x.device), 1.0, None)
         return dx, dw_up, dw2, dweights, dout if ctx.has_shared else None, None, None
 
 
