@@ -185,7 +185,11 @@ def test_bench_unpermute(benchmark: Any, cfg: tuple[int, ...]) -> None:
     assert check is None, f"unpermute: nmoe and the torch baseline disagree ({check})"
 
 
-def _layer_inputs(cfg: tuple[int, ...]) -> tuple[Any, Any, Tensor, list[Tensor]]:
+ZIPF_BIAS = 0.25
+"""Zipf-skewed routing: router bias -ZIPF_BIAS * ln(1 + rank) over a random expert ranking."""
+
+
+def _layer_inputs(cfg: tuple[int, ...], routing: str) -> tuple[Any, Any, Tensor, list[Tensor]]:
     from nmoe.config import ModelConfig
     from nmoe.reference.moe import MoEParams
     t, h, i, e, k = cfg
@@ -198,7 +202,11 @@ def _layer_inputs(cfg: tuple[int, ...]) -> tuple[Any, Any, Tensor, list[Tensor]]
     mc = ModelConfig(tokenizer="none", vocab_size=64, dim=h, moe_inter_dim=i, n_routed_experts=e,
                      n_activated_experts=k, n_shared_experts=0, route_scale=1.0, permute_align=ALIGN,
                      activation="swiglu", score_func="sigmoid", expert_dtype="bf16")
-    p = MoEParams(router_w=rn(e, h, scale=h**-0.5), router_bias=torch.zeros(e, device="cuda"),
+    bias = torch.zeros(e, device="cuda")
+    if routing == "zipf":
+        rank = torch.randperm(e, device="cuda", generator=g).float()
+        bias = -ZIPF_BIAS * torch.log1p(rank)
+    p = MoEParams(router_w=rn(e, h, scale=h**-0.5), router_bias=bias,
                   w2=rn(e, h, i, scale=i**-0.5), w13=rn(e, 2 * i, h, scale=h**-0.5))
     x = rn(t, h, scale=1.0)
     assert p.w13 is not None
@@ -229,11 +237,12 @@ def _peak_extra_bytes(step: Any) -> int:
 
 
 @pytest.mark.parametrize("pass_", ["fwd", "fwd_bwd"])
+@pytest.mark.parametrize("routing", ["uniform", "zipf"])
 @pytest.mark.parametrize("cfg", LAYER_CONFIGS, ids=lambda c: "T{}_H{}_I{}_E{}_K{}".format(*c))
-def test_bench_moe_layer(benchmark: Any, cfg: tuple[int, ...], pass_: str) -> None:
+def test_bench_moe_layer(benchmark: Any, cfg: tuple[int, ...], routing: str, pass_: str) -> None:
     from nmoe.fast.moe import moe_layer
     t, h, i, e, k = cfg
-    mc, p, x, leaves = _layer_inputs(cfg)
+    mc, p, x, leaves = _layer_inputs(cfg, routing)
     dout = torch.randn(t, h, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))
     dout = dout.to(torch.bfloat16)
 
@@ -250,8 +259,11 @@ def test_bench_moe_layer(benchmark: Any, cfg: tuple[int, ...], pass_: str) -> No
         return torch.autograd.grad(torch_layer(x, p, k, e), leaves, dout)
 
     with torch.no_grad():
-        got, want = moe_layer(x, p, mc)[0].float(), torch_layer(x, p, k, e).float()
+        out, r = moe_layer(x, p, mc)
+        got, want = out.float(), torch_layer(x, p, k, e).float()
+        load = float(r.counts.max()) * e / (t * k)
     err = float((got - want).norm() / want.norm())
+    del out, r, got, want
     check = f"relative error {err:.3g} against the torch layer (> 2e-2)" if err > 2e-2 else ""
     mem_fast, mem_base = _peak_extra_bytes(fast), _peak_extra_bytes(base)
     flops = (6.0 if pass_ == "fwd" else 18.0) * t * i * h * k
@@ -264,9 +276,10 @@ def test_bench_moe_layer(benchmark: Any, cfg: tuple[int, ...], pass_: str) -> No
     torch_base["eager_ms"], torch_base["eager_host_ms"] = eager_call_ms(base)
     shape = dict(zip(("T", "H", "I", "E", "K"), cfg, strict=True))
     pick = None if torch_base["ms"] is None else ("torch_grouped_mm", float(torch_base["ms"]))
-    row = record(f"moe_layer_{pass_}", shape, ms, flops=flops, baseline=pick)
-    row.update(baselines=[torch_base], peak_extra_GiB=mem_fast / 2**30, eager_ms=eager_ms,
-               eager_host_ms=host_ms, host_frac_of_gpu=host_ms / ms,
+    row = record(f"moe_layer_{pass_}_{routing}", shape, ms, flops=flops, baseline=pick)
+    row.update(routing=routing, max_over_mean_load=load, baselines=[torch_base],
+               peak_extra_GiB=mem_fast / 2**30, eager_ms=eager_ms, eager_host_ms=host_ms,
+               host_frac_of_gpu=host_ms / ms,
                sonicmoe="not run: SonicMoE runs in its own process with its pinned versions",
                baseline_check=check or "ok")
     benchmark.extra_info.update(row)
