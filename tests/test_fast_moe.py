@@ -136,3 +136,24 @@ def test_moe_layer_fwd_bwd_one_cuda_graph(activation: str, shared: int, dtype: s
             assert torch.equal(g, e), f"output {i}, seed {seed}"
         seen.append(static[1].clone())
     assert not torch.equal(seen[0], seen[1]), "replays must see new routing"
+
+
+@gpu
+def test_moe_layer_eager_never_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Even with the GEMMs' opt-in host offs check on, fwd+bwd run without one device-to-host sync."""
+    _sm90()
+    from nmoe.fast.gemm.routing import CHECK_OFFS_ENV
+    from nmoe.fast.moe import moe_layer
+    monkeypatch.setenv(CHECK_OFFS_ENV, "1")
+    cfg = _cfg("swiglu", 1, "bf16", "sigmoid")
+    x, p = _params(cfg, 6, "cuda")
+    dout = torch.randn(T, D, device="cuda").to(torch.bfloat16)
+    moe_layer(x, p, cfg)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, _ = moe_layer(x, p, cfg)
+        grads = torch.autograd.grad(out, _leaves(x, p), dout)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(bool(torch.isfinite(g).all()) for g in grads)

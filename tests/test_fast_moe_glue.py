@@ -165,3 +165,15 @@ def test_sep_moe_fast_topk_grad_unnormalised(spec_kernels: None) -> None:
     want, _, _ = _run(moe_layer, SWIGLU_SHARED)
     assert bool(torch.allclose(w.sum(-1), torch.ones(T), atol=1e-5))
     _close(got["router_w"], want["router_w"])
+
+
+def test_offs_check_off_inside_the_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NMOE_CHECK_OFFS=1 still rejects bad offs elsewhere; in the layer's scope the host check never runs."""
+    from nmoe.fast.gemm.routing import CHECK_OFFS_ENV, check_offs_on_host, offs_built_on_device
+    monkeypatch.setenv(CHECK_OFFS_ENV, "1")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    bad = torch.tensor([5, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        check_offs_on_host("grouped_gemm", bad, 8)
+    with offs_built_on_device():
+        check_offs_on_host("grouped_gemm", bad, 8)

@@ -23,7 +23,9 @@ function of bf16 operands: fp8 keeps y (2KH bytes per token) and takes dweights 
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -37,6 +39,7 @@ from nmoe.fast.combine import combine, combine_bwd
 from nmoe.fast.dispatch import permute, unpermute
 from nmoe.fast.formats import quantize_mxfp8, quantize_mxfp8_weight
 from nmoe.fast.gemm import grouped_gemm, grouped_gemm_dgrad, grouped_gemm_fp8, grouped_gemm_wgrad, sm90
+from nmoe.fast.gemm.routing import offs_built_on_device
 from nmoe.fast.router import expert_counts, router_logits, router_topk
 from nmoe.reference.moe import FP8_ACT_BLOCK, MoEParams, MoERouting
 from nmoe.reference.moe import _check as check_params
@@ -49,6 +52,18 @@ ROW_CHUNK = 65536
 """Rows per chunk of the backward's fp32 row products, bounding their fp32 temporaries."""
 
 _ACT = {"swiglu": (swiglu, swiglu_bwd), "relu2": (relu2, relu2_bwd)}
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _sync_free(fn: F) -> F:
+    """Run fn with the GEMMs' opt-in host offs check off: the layer's offs come from permute on the device."""
+
+    @functools.wraps(fn)
+    def run(*args: Any) -> Any:
+        with offs_built_on_device():
+            return fn(*args)
+
+    return run  # type: ignore[return-value]
 
 
 def _gemm(x: Tensor, w: Tensor, offs: Tensor, dtype: str) -> Tensor:
@@ -129,6 +144,7 @@ class _Routed(torch.autograd.Function):
     """combine(unpermute(down(act(up(permute(x))))), weights, scale, shared); see the module docstring."""
 
     @staticmethod
+    @_sync_free
     def forward(ctx: FunctionCtx, x: Tensor, w_up: Tensor, w2: Tensor, weights: Tensor, shared: Tensor | None,
                 ids: Tensor, cfg: ModelConfig) -> Tensor:
         t, k = ids.shape
@@ -148,6 +164,7 @@ class _Routed(torch.autograd.Function):
         return out
 
     @staticmethod
+    @_sync_free
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, None, None]:
         x, w_up, w2, weights, ids, slot, offs, h, *fp8_y = ctx.saved_tensors
         cfg: ModelConfig = ctx.cfg
@@ -185,6 +202,7 @@ class _Shared(torch.autograd.Function):
     """The spec's ffn: one dense MLP as a one-group grouped GEMM (so it rounds like an expert), h kept."""
 
     @staticmethod
+    @_sync_free
     def forward(ctx: FunctionCtx, x: Tensor, w_up: Tensor, w2: Tensor, activation: str, dtype: str) -> Tensor:
         offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
         a, h = _up(x, w_up[None], offs, activation, dtype)
@@ -194,6 +212,7 @@ class _Shared(torch.autograd.Function):
         return out
 
     @staticmethod
+    @_sync_free
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
         x, w_up, w2, offs, h = ctx.saved_tensors
         act, act_bwd = _ACT[ctx.activation]
