@@ -31,7 +31,7 @@ def _act_h(x: Tensor, w: Tensor, offs: Tensor, activation: str) -> tuple[Tensor,
 def spec_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     subs: dict[str, Any] = {
         "permute": rd.permute, "unpermute": rd.unpermute,
-        "combine": rc.combine, "combine_bwd": rc.combine_bwd,
+        "combine": rc.combine, "combine_bwd": rc.combine_bwd, "combine_gather": rc.combine_gather,
         "grouped_gemm": rg.grouped_gemm, "grouped_gemm_dgrad": rg.grouped_gemm_dgrad,
         "grouped_gemm_wgrad": rg.grouped_gemm_wgrad, "grouped_gemm_fp8": rg.grouped_gemm_fp8,
         "quantize_mxfp8": rf.quantize_mxfp8, "quantize_mxfp8_weight": rf.quantize_mxfp8_weight,

@@ -1,16 +1,17 @@
 """Fast MoE layer: the spec's moe_layer (nmoe.reference.moe) from fast ops, sm_90a, no host sync.
 
-Autograd pieces: router_logits (its own op), _RouterTopk, the shared MLP (the GEMM ops' own autograd) and
-_Routed, which runs permute -> up (+act) -> down -> unpermute -> combine and whose backward calls the fast
-permute, dgrad/wgrad, activation-bwd and combine kernels.
+Autograd pieces: router_logits (its own op), _RouterTopk, _Shared (the shared MLP as one-group GEMMs) and
+_Routed, which runs permute -> up (+act) -> down -> combine_gather (each slot's row read in place from the
+permuted output: no [T,K,H] copy) and whose backward calls the fast permute, dgrad/wgrad, activation-bwd
+and combine_gather kernels.
 
 Saved for the backward, per token (K slots, up width N = 2I swiglu or I relu2, E experts):
   x (the layer input, already alive)      0 extra: xp = permute(x) is recomputed, a gather is cheaper than
                                             keeping K copies of each row (2KH bytes)
   h [slots, N] bf16                        2KN bytes: the up-projection output; a = act(h) is recomputed
                                             (elementwise), redoing the up GEMM would cost a third of the fwd
-  weights fp32 [T,K], ids int64 [T,K],      12K + 8*(rows/T) bytes: routing
-  slot int64 [rows], offs int32 [E]
+  weights fp32 [T,K], ids int64 [T,K],      16K + 8*(rows/T) bytes: routing
+  row_of int32 [T,K], slot int64 [rows]
   logits fp32 [T,E]                         4E bytes: router_topk's backward (softmax needs every score)
 bf16 experts keep no expert outputs y [T,K,H]: dweights_k = scale * <a_k, dout @ W2_e> (the down GEMM's
 dgrad computes dout @ W2_e anyway), saving 2KH bytes per token for a row dot product.
@@ -35,7 +36,7 @@ from nmoe.config import ModelConfig
 from nmoe.fast import runtime
 from nmoe.fast.activation import relu2, relu2_bwd, swiglu, swiglu_bwd
 from nmoe.fast.arch import ArchNotImplemented
-from nmoe.fast.combine import combine, combine_bwd
+from nmoe.fast.combine import combine, combine_bwd, combine_gather
 from nmoe.fast.dispatch import permute, unpermute
 from nmoe.fast.formats import quantize_mxfp8, quantize_mxfp8_weight
 from nmoe.fast.gemm import grouped_gemm, grouped_gemm_dgrad, grouped_gemm_fp8, grouped_gemm_wgrad, sm90
@@ -108,6 +109,13 @@ def _slot_weights(weights: Tensor, slot: Tensor) -> Tensor:
     return flat[torch.where(slot >= 0, slot, flat.numel() - 1)]
 
 
+def _rows_of_slots(slot: Tensor, t: int, k: int) -> Tensor:
+    """int32 [T,K]: the permuted row holding each slot (slot's inverse)."""
+    sink = torch.where(slot >= 0, slot, t * k)
+    rows = torch.arange(slot.shape[0], dtype=torch.int32, device=slot.device)
+    return rows.new_zeros(t * k + 1).index_copy_(0, sink, rows)[: t * k].view(t, k)
+
+
 def _to_slots(v: Tensor, slot: Tensor, t: int, k: int) -> Tensor:
     """fp32 [T,K] from per-row values: slot order back, pad rows dropped."""
     sink = torch.where(slot >= 0, slot, t * k)
@@ -155,18 +163,21 @@ class _Routed(torch.autograd.Function):
         del p
         yp = _gemm(a, w2, offs, cfg.expert_dtype)
         del a
-        y = unpermute(yp, slot, t, k)
-        del yp
-        out = combine(y, weights, cfg.route_scale, shared)
-        fp8_y = [y] if cfg.expert_dtype == "fp8" else []
-        ctx.save_for_backward(x, w_up, w2, weights, ids, slot, offs, h, *fp8_y)
+        row_of = _rows_of_slots(slot, t, k)
+        fp8_y = []
+        if cfg.expert_dtype == "fp8":
+            fp8_y = [unpermute(yp, slot, t, k)]
+            out = combine(fp8_y[0], weights, cfg.route_scale, shared)
+        else:
+            out = combine_gather(yp, row_of, weights, cfg.route_scale, shared)
+        ctx.save_for_backward(x, w_up, w2, weights, ids, slot, row_of, offs, h, *fp8_y)
         ctx.cfg, ctx.has_shared = cfg, shared is not None  # type: ignore[attr-defined]
         return out
 
     @staticmethod
     @_sync_free
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, None, None]:
-        x, w_up, w2, weights, ids, slot, offs, h, *fp8_y = ctx.saved_tensors
+        x, w_up, w2, weights, ids, slot, row_of, offs, h, *fp8_y = ctx.saved_tensors
         cfg: ModelConfig = ctx.cfg
         t, k = ids.shape
         e, align = cfg.n_routed_experts, cfg.permute_align
@@ -188,9 +199,7 @@ class _Routed(torch.autograd.Function):
         dw_up = grouped_gemm_wgrad(dh, permute(x, ids, e, align).xp, offs)
         dxp = grouped_gemm_dgrad(dh, w_up, offs)
         del dh
-        dx_slots = unpermute(dxp, slot, t, k)
-        del dxp
-        dx = combine(dx_slots, torch.ones(t, k, dtype=torch.float32, device=x.device), 1.0, None)
+        dx = combine_gather(dxp, row_of, torch.ones(t, k, dtype=torch.float32, device=x.device), 1.0, None)
         return dx, dw_up, dw2, dweights, dout if ctx.has_shared else None, None, None
 
 
