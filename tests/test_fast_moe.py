@@ -81,26 +81,36 @@ CASES = [("swiglu", 1, "bf16", "sigmoid"), ("relu2", 0, "bf16", "softmax"), ("sw
 @gpu
 @pytest.mark.parametrize(("activation", "shared", "dtype", "score"), CASES)
 def test_moe_layer_values_and_grads(activation: str, shared: int, dtype: str, score: str) -> None:
+    """Routing: the spec's top-k on the fast logits, bit for bit. Values and gradients: float64 autograd on
+    the fast routing (bf16), and the spec layer on CPU where its own logits route alike (fp8 needs that)."""
     _sm90()
     from nmoe.fast.moe import moe_layer
+    from nmoe.fast.router import router_logits
+    from nmoe.reference.router import router_topk
     cfg = _cfg(activation, shared, dtype, score)
     x, p = _params(cfg, 1, "cuda")
     out, r = moe_layer(x, p, cfg)
+    with torch.no_grad():
+        logits = router_logits(x, p.router_w).cpu()
+    w_spec, ids_spec = router_topk(logits, p.router_bias.cpu(), K, score)
+    assert torch.equal(r.ids.cpu(), ids_spec) and torch.equal(r.weights.detach().cpu(), w_spec)
+    assert torch.equal(r.counts.cpu(), torch.bincount(ids_spec.reshape(-1), minlength=E))
+    dout = torch.randn(T, D, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    got = torch.autograd.grad(out, _leaves(x, p), dout.cuda())
+    if dtype == "bf16":
+        out64, grads64 = _oracle(x, p, cfg, r.ids, dout)
+        assert _rel(out, out64) < TOL
+        for i, (g, g64) in enumerate(zip(got, grads64, strict=True)):
+            assert _rel(g, g64) < TOL, f"grad {i} vs float64"
     xs, ps = _params(cfg, 1, "cpu")
     want, rs = spec_layer(xs, ps, cfg)
-    assert torch.equal(r.ids.cpu(), rs.ids) and torch.equal(r.counts.cpu(), rs.counts)
-    assert torch.equal(r.weights.detach().cpu(), rs.weights.detach())
-    dout = torch.randn(T, D, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    out64, grads64 = _oracle(x, p, cfg, r.ids, dout)
-    if dtype == "bf16":
-        assert _rel(out, out64) < TOL
+    if dtype == "bf16" and not torch.equal(rs.ids, r.ids.cpu()):
+        return
+    assert torch.equal(rs.ids, r.ids.cpu()), "fp8 is checked against the spec only: use a seed routing alike"
     assert _rel(out, want.detach().double()) < TOL
-    got = torch.autograd.grad(out, _leaves(x, p), dout.cuda())
     spec = torch.autograd.grad(want, _leaves(xs, ps), dout)
-    for i, (g, s, g64) in enumerate(zip(got, spec, grads64, strict=True)):
+    for i, (g, s) in enumerate(zip(got, spec, strict=True)):
         assert _rel(g, s.double()) < TOL, f"grad {i} vs spec"
-        if dtype == "bf16":
-            assert _rel(g, g64) < TOL, f"grad {i} vs float64"
 
 
 @gpu
