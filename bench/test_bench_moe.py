@@ -8,6 +8,11 @@ Sigmoid scores, one expert group, align 128; M = T*K slots, R = padded_rows(M, E
     zero), slot [R] int64, counts and offs [E] int32: 2TH + 8TK + 2RH + 8R + 8E
   unpermute reads slot [R] int64 and the M real rows of yp [R,H] bf16; writes y [T,K,H] bf16: 8R + 4MH
 router_topk's operands fit in L2, so each of its graphs cycles through input copies totalling >= 256 MiB.
+
+moe_layer (swiglu, sigmoid, no shared experts, align 128, bf16 experts) at (T, H, I, E, K): FLOPs counted as
+SonicMoE counts them, forward 6*T*I*H*K, forward+backward 18*T*I*H*K; extra peak memory is the peak
+allocation of one eager call above what was allocated before it (dout = randn). The baseline is the same
+layer from torch ops with torch._grouped_mm for the experts, timed in the same run.
 """
 
 from __future__ import annotations
@@ -16,10 +21,20 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import measure_op, mismatch, try_compile
+from conftest import (
+    baseline,
+    capture,
+    eager_call_ms,
+    measure_op,
+    mismatch,
+    record,
+    replay_median_ms,
+    try_compile,
+)
 from torch import Tensor
 
 CONFIGS = ((32768, 4096, 128, 8), (24576, 1536, 128, 8))
+LAYER_CONFIGS = ((32768, 4096, 1024, 128, 8), (24576, 1536, 256, 128, 8), (32768, 4096, 512, 256, 8))
 ALIGN = 128
 ROTATE_BYTES = 256 * 2**20
 
@@ -168,3 +183,110 @@ def test_bench_unpermute(benchmark: Any, cfg: tuple[int, ...]) -> None:
     measure_op(benchmark, "unpermute", _shape(cfg, R=rows, align=ALIGN), nbytes, fast, eager,
                _compiled_step(compiled, *args), note, baseline_check=check or "ok")
     assert check is None, f"unpermute: nmoe and the torch baseline disagree ({check})"
+
+
+ZIPF_BIAS = 0.25
+"""Zipf-skewed routing: router bias -ZIPF_BIAS * ln(1 + rank) over a random expert ranking."""
+
+
+def _layer_inputs(cfg: tuple[int, ...], routing: str) -> tuple[Any, Any, Tensor, list[Tensor]]:
+    from nmoe.config import ModelConfig
+    from nmoe.reference.moe import MoEParams
+    t, h, i, e, k = cfg
+    g = torch.Generator(device="cuda").manual_seed(3)
+
+    def rn(*shape: int, scale: float) -> Tensor:
+        w = torch.randn(*shape, device="cuda", generator=g) * scale
+        return w.to(torch.bfloat16).requires_grad_()
+
+    mc = ModelConfig(tokenizer="none", vocab_size=64, dim=h, moe_inter_dim=i, n_routed_experts=e,
+                     n_activated_experts=k, n_shared_experts=0, route_scale=1.0, permute_align=ALIGN,
+                     activation="swiglu", score_func="sigmoid", expert_dtype="bf16")
+    bias = torch.zeros(e, device="cuda")
+    if routing == "zipf":
+        rank = torch.randperm(e, device="cuda", generator=g).float()
+        bias = -ZIPF_BIAS * torch.log1p(rank)
+    p = MoEParams(router_w=rn(e, h, scale=h**-0.5), router_bias=bias,
+                  w2=rn(e, h, i, scale=i**-0.5), w13=rn(e, 2 * i, h, scale=h**-0.5))
+    x = rn(t, h, scale=1.0)
+    assert p.w13 is not None
+    return mc, p, x, [x, p.router_w, p.w13, p.w2]
+
+
+def torch_layer(x: Tensor, p: Any, k: int, e: int) -> Tensor:
+    """The layer from torch ops: fp32 router logits, sigmoid top-k, argsort permute, torch._grouped_mm."""
+    t = x.shape[0]
+    w, ids = router_topk_torch(x.float() @ p.router_w.float().T, p.router_bias, k)
+    xp, _, offs, slot = permute_torch(x, ids, e, ALIGN)
+    hp = torch._grouped_mm(xp, p.w13.transpose(-2, -1), offs=offs)
+    a = torch.nn.functional.silu(hp[:, 0::2].float()) * hp[:, 1::2].float()
+    yp = torch._grouped_mm(a.to(torch.bfloat16), p.w2.transpose(-2, -1), offs=offs)
+    y = unpermute_torch(yp, slot, t, k)
+    return (w[:, :, None] * y.float()).sum(1).to(torch.bfloat16)
+
+
+def _peak_extra_bytes(step: Any) -> int:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return int(peak)
+
+
+@pytest.mark.parametrize("pass_", ["fwd", "fwd_bwd"])
+@pytest.mark.parametrize("routing", ["uniform", "zipf"])
+@pytest.mark.parametrize("cfg", LAYER_CONFIGS, ids=lambda c: "T{}_H{}_I{}_E{}_K{}".format(*c))
+def test_bench_moe_layer(benchmark: Any, cfg: tuple[int, ...], routing: str, pass_: str) -> None:
+    from nmoe.fast.moe import moe_layer
+    t, h, i, e, k = cfg
+    mc, p, x, leaves = _layer_inputs(cfg, routing)
+    dout = torch.randn(t, h, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))
+    dout = dout.to(torch.bfloat16)
+
+    def fast() -> Any:
+        if pass_ == "fwd":
+            with torch.no_grad():
+                return moe_layer(x, p, mc)[0]
+        return torch.autograd.grad(moe_layer(x, p, mc)[0], leaves, dout)
+
+    def base() -> Any:
+        if pass_ == "fwd":
+            with torch.no_grad():
+                return torch_layer(x, p, k, e)
+        return torch.autograd.grad(torch_layer(x, p, k, e), leaves, dout)
+
+    with torch.no_grad():
+        out, r = moe_layer(x, p, mc)
+        got, want = out.float(), torch_layer(x, p, k, e).float()
+        load = float(r.counts.max()) * e / (t * k)
+    err = float((got - want).norm() / want.norm())
+    del out, r, got, want
+    check = f"relative error {err:.3g} against the torch layer (> 2e-2)" if err > 2e-2 else ""
+    mem_fast, mem_base = _peak_extra_bytes(fast), _peak_extra_bytes(base)
+    flops = (6.0 if pass_ == "fwd" else 18.0) * t * i * h * k
+    graph = capture(fast)
+    ms = replay_median_ms(graph)
+    eager_ms, host_ms = eager_call_ms(fast)
+    torch_base = baseline("torch_grouped_mm", base)
+    torch_base["tflops"] = None if torch_base["ms"] is None else flops / (torch_base["ms"] * 1e-3) / 1e12
+    torch_base["peak_extra_GiB"] = mem_base / 2**30
+    torch_base["eager_ms"], torch_base["eager_host_ms"] = eager_call_ms(base)
+    shape = dict(zip(("T", "H", "I", "E", "K"), cfg, strict=True))
+    pick = None if torch_base["ms"] is None else ("torch_grouped_mm", float(torch_base["ms"]))
+    row = record(f"moe_layer_{pass_}_{routing}", shape, ms, flops=flops, baseline=pick)
+    row.update(routing=routing, max_over_mean_load=load, baselines=[torch_base],
+               peak_extra_GiB=mem_fast / 2**30, eager_ms=eager_ms, eager_host_ms=host_ms,
+               host_frac_of_gpu=host_ms / ms,
+               sonicmoe="not run: SonicMoE runs in its own process with its pinned versions",
+               baseline_check=check or "ok")
+    benchmark.extra_info.update(row)
+
+    def run() -> None:
+        graph.replay()
+        torch.cuda.synchronize()
+
+    benchmark.pedantic(run, rounds=3, iterations=1, warmup_rounds=1)
+    assert not check, check

@@ -101,9 +101,11 @@ def test_routed_scale_rounds_like_the_spec() -> None:
 
 
 def test_kernel_specs_forbid_fma_and_expect_rn() -> None:
-    assert {s.name for s in fast.KERNELS} == {"combine_fwd", "combine_fwd_k1", "combine_bwd"}
+    names = {"combine_fwd", "combine_fwd_k1", "combine_bwd", "combine_gather_fwd"}
+    assert {s.name for s in fast.KERNELS} == names
+    ops = {"combine_bwd": "combine_bwd", "combine_gather_fwd": "combine_gather"}
     for spec in fast.KERNELS:
-        assert spec.op == ("combine_bwd" if spec.name == "combine_bwd" else "combine")
+        assert spec.op == ops.get(spec.name, "combine")
         for arch in SUPPORTED_ARCHS:
             assert fast.FORBID_FMA in spec.forbid[arch]
             assert r"mul\.rn\.f32" in spec.expect[arch]

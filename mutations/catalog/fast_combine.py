@@ -38,4 +38,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         "",
         "fast combine backward forgets routed_scale in dy and dw", TESTS, ("combine",), device="gpu",
     ),
+    sep_mutation(
+        "combine.fast_gather_row_off_by_one", FILE,
+        "y_row = _load_f32(gyp, Int64(mrow[t * k + s]) * nvec + hv, vec)",
+        "y_row = _load_f32(gyp, (Int64(mrow[t * k + s]) + 1) * nvec + hv, vec)",
+        "combine_gather reads the permuted row after the slot's own", "tests/test_fast_combine_gather.py",
+        ("combine_gather",), device="gpu",
+    ),
 )

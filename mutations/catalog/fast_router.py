@@ -1,4 +1,5 @@
-"""router.fast_*: defects in the CuTeDSL router top-k kernel (nmoe/fast/kernels/router.py); GPU host only."""
+"""router.fast_*: defects in the CuTeDSL router top-k kernel (nmoe/fast/kernels/router.py) and the fast
+router_logits / bias_update glue (nmoe/fast/router.py); GPU host only."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from mutations.model import Mutation, sep_mutation
 
 FILE = "nmoe/fast/kernels/router.py"
 TESTS = "tests/test_fast_router.py"
+GLUE = "nmoe/fast/router.py"
+OPS_TESTS = "tests/test_fast_router_ops.py"
 
 MUTATIONS: tuple[Mutation, ...] = (
     sep_mutation(
@@ -30,5 +33,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         "q = add_rn(mul_rn(q, r), Float32(c))", "q = Float32(q * r + Float32(c))",
         "pinned exp's Horner step contracted into FMA (product not rounded): score bits drift from the spec",
         tests=(f"{TESTS}::test_topk_bitwise_vs_pinned_oracle",), device="gpu", contracts=("router_topk",),
+    ),
+    sep_mutation(
+        "router.fast_logits_bf16_rounded", GLUE,
+        "return torch.mm(x, wr.t(), out_dtype=torch.float32)", "return torch.mm(x, wr.t()).float()",
+        "router logits of bf16 operands rounded to bf16 before the fp32 widening", OPS_TESTS,
+        ("router_logits",), device="gpu",
+    ),
+    sep_mutation(
+        "router.fast_bias_update_sign_flipped", GLUE,
+        "torch.sign(c.sum() - bias.numel() * c)", "torch.sign(bias.numel() * c - c.sum())",
+        "aux-loss-free bias update raises the bias of overloaded experts", OPS_TESTS, ("bias_update",),
+        device="gpu",
     ),
 )

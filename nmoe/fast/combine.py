@@ -26,6 +26,7 @@ def _kernel(name: str) -> Kernel:
 
 COMBINE_FWD = _kernel("combine_fwd")
 COMBINE_BWD = _kernel("combine_bwd")
+COMBINE_GATHER_FWD = _kernel("combine_gather_fwd")
 
 
 def _check(op: str, y: Tensor, w: Tensor) -> None:
@@ -80,6 +81,43 @@ def _combine_fake(y: Tensor, w: Tensor, routed_scale: float, shared: Tensor | No
     return y.new_empty((y.shape[0], y.shape[2]))
 
 
+def _check_gather(yp: Tensor, row_of: Tensor, w: Tensor) -> None:
+    if yp.dim() != 2 or row_of.dim() != 2 or w.shape != row_of.shape:
+        raise ValueError(f"combine_gather: need yp [R,H], row_of [T,K] and w [T,K]; got {tuple(yp.shape)}, "
+                         f"{tuple(row_of.shape)}, {tuple(w.shape)}")
+    if row_of.dtype != torch.int32:
+        raise ValueError(f"combine_gather: row_of must be int32 row indices into yp, got {row_of.dtype}")
+    _check("combine_gather", yp.new_empty(0, *row_of.shape[1:], yp.shape[1]), w[:0])
+
+
+def _combine_gather_impl(yp: Tensor, row_of: Tensor, w: Tensor, routed_scale: float,
+                         shared: Tensor | None) -> Tensor:
+    _check_gather(yp, row_of, w)
+    (t, k), h = row_of.shape, yp.shape[1]
+    out = torch.empty((t, h), dtype=yp.dtype, device=yp.device)
+    if shared is not None and (shared.shape != (t, h) or shared.dtype != yp.dtype):
+        raise ValueError(f"combine_gather: shared {tuple(shared.shape)} {shared.dtype} must be [T,H] = "
+                         f"{(t, h)} {yp.dtype}")
+    yp, row_of, w = yp.contiguous(), row_of.contiguous(), w.contiguous()
+    sh = out if shared is None else shared.contiguous()
+    tensors = (yp, row_of, w, sh, out)
+    device, arch = runtime.device_arch(*tensors)
+    if t == 0 or h == 0:
+        return out
+    ptrs = [x.data_ptr() for x in tensors]
+    aligned = all(p % VEC_BYTES == 0 for x, p in zip(tensors, ptrs, strict=True) if x.dtype == torch.bfloat16)
+    vec = _VEC if h % _VEC == 0 and aligned else 1
+    COMBINE_GATHER_FWD.launcher(arch, k=k, vec=vec, shared=shared is not None)(
+        device, *ptrs, t, yp.shape[0], h, _scale_f32(routed_scale))
+    return out
+
+
+def _combine_gather_fake(yp: Tensor, row_of: Tensor, w: Tensor, routed_scale: float,
+                         shared: Tensor | None) -> Tensor:
+    _check_gather(yp, row_of, w)
+    return yp.new_empty((row_of.shape[0], yp.shape[1]))
+
+
 def _combine_bwd_impl(dout: Tensor, y: Tensor, w: Tensor, routed_scale: float) -> tuple[Tensor, Tensor]:
     _check("combine_bwd", y, w)
     _check_rows("combine_bwd", "dout", dout, y)
@@ -97,6 +135,7 @@ def _combine_bwd_fake(dout: Tensor, y: Tensor, w: Tensor, routed_scale: float) -
 
 _combine_op = fast_op("combine", _combine_impl, _combine_fake)
 _combine_bwd_op = fast_op("combine_bwd", _combine_bwd_impl, _combine_bwd_fake)
+_combine_gather_op = fast_op("combine_gather", _combine_gather_impl, _combine_gather_fake)
 
 
 def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, Tensor | None]:
@@ -117,6 +156,13 @@ def combine(y: Tensor, w: Tensor, routed_scale: float, shared: Tensor | None = N
     return _combine_op(y, w, routed_scale, shared)
 
 
+def combine_gather(yp: Tensor, row_of: Tensor, w: Tensor, routed_scale: float,
+                   shared: Tensor | None = None) -> Tensor:
+    """combine(yp[row_of], w, routed_scale, shared) bit for bit, reading each slot's row in place; forward
+    only (the MoE layer owns its backward). row_of int32 [T,K]; an index outside yp is undefined."""
+    return _combine_gather_op(yp, row_of, w, routed_scale, shared)
+
+
 def combine_bwd(dout: Tensor, y: Tensor, w: Tensor, routed_scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """(dy, dw, dshared): g = dout*routed_scale, dy_k = bf16(g*w_k), dw_k = sum_h g*y_k (fp32), dout."""
     dy, dw = _combine_bwd_op(dout, y, w, routed_scale)
@@ -135,8 +181,13 @@ def _spec(name: str, kernel: Kernel, k: int, has_shared: bool, *extra: str) -> K
                                  kernel.compiler(k=k, vec=_VEC, shared=has_shared), expect, _FORBID)
 
 
+# combine_gather also loads each slot's int32 row index sign-extended into a 64-bit row offset.
 KERNELS: tuple[KernelSpec, ...] = (
     _spec("combine_fwd", COMBINE_FWD, 8, True, r"\badd\.rn\.f32\b"),
     _spec("combine_fwd_k1", COMBINE_FWD, 1, False),
     _spec("combine_bwd", COMBINE_BWD, 8, False, r"\badd\.rn\.f32\b", r"\bshfl\.sync\.bfly\.b32\b"),
+    runtime.portable_spec("combine_gather", "combine_gather_fwd",
+                          COMBINE_GATHER_FWD.compiler(k=8, vec=_VEC, shared=True),
+                          (runtime.LD128, runtime.ST128, r"mul\.rn\.f32", r"\badd\.rn\.f32\b",
+                           r"\bcvt\.rn\.bf16x2\.f32\b", r"\bld\.global(\.nc)?\.s32\s+%rd"), _FORBID),
 )

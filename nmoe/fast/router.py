@@ -14,12 +14,14 @@ Scores follow a pinned IEEE-op formula (below) because torch's CPU sigmoid/softm
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from nmoe.fast import runtime
 from nmoe.fast.limits import MAX_EXPERTS, ROUTER_MAX_GROUPS, ROUTER_MAX_K
-from nmoe.fast.op import Kernel, fast_op
+from nmoe.fast.op import Kernel, fast_op, save_inputs
 from nmoe.fast.runtime import KernelSpec
 
 SCORE_FUNCS = ("sigmoid", "softmax")
@@ -106,8 +108,75 @@ def _expert_counts_fake(ids: Tensor, n_experts: int) -> Tensor:
     return torch.empty(n_experts, dtype=torch.int64, device=ids.device)
 
 
+def _logits_dtype(x: Tensor, wr: Tensor) -> torch.dtype:
+    if x.dim() != 2 or wr.dim() != 2 or x.shape[1] != wr.shape[1]:
+        raise ValueError(f"router_logits: need x [T,H], wr [E,H]; got {tuple(x.shape)}, {tuple(wr.shape)}")
+    if not (x.dtype.is_floating_point and wr.dtype.is_floating_point):
+        raise ValueError(f"router_logits: x and wr must be float tensors, got {x.dtype} and {wr.dtype}")
+    return torch.promote_types(torch.float32, torch.promote_types(x.dtype, wr.dtype))
+
+
+def _router_logits_impl(x: Tensor, wr: Tensor) -> Tensor:
+    runtime.device_arch(x, wr)
+    acc = _logits_dtype(x, wr)
+    if x.dtype == wr.dtype and x.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(x, wr.t(), out_dtype=torch.float32)
+    if acc == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+        raise ValueError("router_logits: fp32 operands with torch.set_float32_matmul_precision("
+                         f"{torch.get_float32_matmul_precision()!r}) would round them to TF32/bf16; set it "
+                         "to 'highest', or pass bf16 x and router weight (exact products, fp32 accumulate)")
+    return torch.mm(x.to(acc), wr.to(acc).t())
+
+
+def _router_logits_fake(x: Tensor, wr: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], wr.shape[0], dtype=_logits_dtype(x, wr))
+
+
+def _router_logits_backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    x, wr = ctx.saved_tensors
+    dx = torch.mm(g, wr.to(g.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
+    dwr = torch.mm(g.t(), x.to(g.dtype)).to(wr.dtype) if ctx.needs_input_grad[1] else None
+    return dx, dwr
+
+
+def _check_bias_update(bias: Tensor, counts: Tensor, rate: float, clamp: float) -> None:
+    if bias.dim() != 1 or counts.shape != bias.shape:
+        raise ValueError(f"bias_update: bias {tuple(bias.shape)}, counts {tuple(counts.shape)} must be [E]")
+    if bias.dtype != torch.float32 or counts.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"bias_update: need fp32 bias and integer counts, got {bias.dtype}, {counts.dtype}")
+    if not rate >= 0 or not clamp > 0:
+        raise ValueError(f"bias_update: need rate >= 0 and clamp > 0, got rate={rate}, clamp={clamp}")
+
+
+def _bias_update_impl(bias: Tensor, counts: Tensor, rate: float, clamp: float) -> Tensor:
+    runtime.device_arch(bias, counts)
+    _check_bias_update(bias, counts, rate, clamp)
+    c = counts.to(torch.int64)
+    direction = torch.sign(c.sum() - bias.numel() * c).to(torch.float32)
+    step = direction * float(torch.tensor(rate, dtype=torch.float32))
+    return torch.clamp(bias + step, min=-clamp, max=clamp)
+
+
+def _bias_update_fake(bias: Tensor, counts: Tensor, rate: float, clamp: float) -> Tensor:
+    _check_bias_update(bias, counts, rate, clamp)
+    return torch.empty_like(bias)
+
+
 _topk_op = fast_op("router_topk", _router_topk_impl, _router_topk_fake)
 _counts_op = fast_op("expert_counts", _expert_counts_impl, _expert_counts_fake)
+_logits_op = fast_op("router_logits", _router_logits_impl, _router_logits_fake)
+_logits_op.autograd(_router_logits_backward, save_inputs(0, 1))
+_bias_update_op = fast_op("bias_update", _bias_update_impl, _bias_update_fake)
+
+
+def router_logits(x: Tensor, wr: Tensor) -> Tensor:
+    """x @ wr^T [T,E] in fp32 (fp64 for fp64 operands): exact products, fp32 accumulate, order unpinned."""
+    return _logits_op(x, wr)
+
+
+def bias_update(bias: Tensor, counts: Tensor, rate: float, clamp: float) -> Tensor:
+    """Aux-loss-free step on device: clamp(bias + fp32(rate) * sign(sum(counts) - E*counts), +-clamp)."""
+    return _bias_update_op(bias, counts, rate, clamp)
 
 
 def router_topk(logits: Tensor, bias: Tensor, k: int, score_func: str, n_groups: int = 1,

@@ -37,6 +37,19 @@ def combine(y: Tensor, w: Tensor, routed_scale: float, shared: Tensor | None = N
     return round_to(acc, y.dtype)
 
 
+def combine_gather(yp: Tensor, row_of: Tensor, w: Tensor, routed_scale: float,
+                   shared: Tensor | None = None) -> Tensor:
+    """combine with slot (t, k)'s expert output read from row row_of[t, k] of the permuted rows yp [R, H]."""
+    if yp.dim() != 2 or row_of.dim() != 2 or row_of.dtype != torch.int32:
+        raise ValueError(f"combine_gather: need yp [R,H] and int32 row_of [T,K]; got {tuple(yp.shape)}, "
+                         f"{row_of.dtype} {tuple(row_of.shape)}")
+    rows = row_of.to(torch.int64)
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= yp.shape[0]):
+        raise ValueError(f"combine_gather: row_of must lie in [0, {yp.shape[0]}); build it from permute's "
+                         "slot")
+    return combine(yp[rows], w, routed_scale, shared)
+
+
 def combine_bwd(dout: Tensor, y: Tensor, w: Tensor, routed_scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """g = dout*routed_scale (rounded), dy_k = g*w_k, dw_k = sum_h g*y_k (fp32; reduction order unpinned)."""
     acc_dt = _check(y, w)

@@ -97,6 +97,26 @@ def combine(inp: Inputs, c: Contract) -> list[Expect | None]:
     return [spec_out(acc, y.dtype)]
 
 
+def make_combine_gather(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
+    """combine's inputs with y's slots scattered over a longer yp in a random order (zero rows between)."""
+    y, w, scale, shared = make_combine(p, g, adv).args
+    t, k, h = y.shape
+    n_rows = t * k + 3 * k
+    rows = torch.randperm(n_rows, generator=g)[: t * k]
+    yp = torch.zeros(n_rows, h, dtype=y.dtype)
+    yp[rows] = y.reshape(t * k, h)
+    row_of = rows.to(torch.int32).reshape(t, k)
+    shape = {"T": t, "K": k, "H": h, "R": n_rows}
+    return Inputs((yp, row_of, w, scale, shared), shape=shape, dtype=p["dtype"])
+
+
+def combine_gather(inp: Inputs, c: Contract) -> list[Expect | None]:
+    """The combine oracle on the gathered slots."""
+    yp, row_of, w, scale, shared = inp.args
+    y = yp[row_of.to(torch.int64)]
+    return combine(Inputs((y, w, scale, shared), shape=inp.shape, dtype=inp.dtype), c)
+
+
 def combine_bwd(inp: Inputs, c: Contract) -> list[Expect | None]:
     """Spec text: g = fp32(dout * fp32(routed_scale)), dy_k = g*w_k rounded once; dw sums in any order."""
     dout, y, w, scale = inp.args
@@ -118,6 +138,18 @@ ENTRIES: list[OpEntry] = [
         oracle=combine,
         adversarial=(*ELEMENTWISE_ADV, "ties", "k1", "single_token"),
         ref64=True,
+    ),
+    OpEntry(
+        name="combine_gather",
+        module="combine",
+        fn="combine_gather",
+        space=space_combine,
+        make=make_combine_gather,
+        contract=BITWISE,
+        oracle=combine_gather,
+        adversarial=(*ELEMENTWISE_ADV, "ties", "k1", "single_token"),
+        ref64=True,
+        note="combine reading each slot's row of the permuted expert output in place",
     ),
     OpEntry(
         name="combine_bwd",

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -58,9 +61,24 @@ def tile_upper_bound(m: int, n: int, n_groups: int, bn: int) -> int:
     return (-(-m // GEMM_BM) + n_groups + 1) * -(-n // bn)
 
 
+_OFFS_BUILT_ON_DEVICE = contextvars.ContextVar("nmoe_offs_built_on_device", default=False)
+
+
+@contextlib.contextmanager
+def offs_built_on_device() -> Iterator[None]:
+    """GEMMs inside take offs built on the device by permute (valid by construction): no host check and no
+    sync whatever NMOE_CHECK_OFFS says; the check stays available to every other caller."""
+    token = _OFFS_BUILT_ON_DEVICE.set(True)
+    try:
+        yield
+    finally:
+        _OFFS_BUILT_ON_DEVICE.reset(token)
+
+
 def check_offs_on_host(op: str, offs: Tensor, m: int) -> None:
     """Opt-in (NMOE_CHECK_OFFS=1) validation; it syncs the host, so the hot path leaves it off."""
-    if os.environ.get(CHECK_OFFS_ENV, "") not in ("1", "true") or torch.cuda.is_current_stream_capturing():
+    if (os.environ.get(CHECK_OFFS_ENV, "") not in ("1", "true") or _OFFS_BUILT_ON_DEVICE.get()
+            or torch.cuda.is_current_stream_capturing()):
         return
     ends = offs.tolist()
     starts = [0, *ends[:-1]]

@@ -220,6 +220,11 @@ def grouped_gemm_act(x: Tensor, w: Tensor, offs: Tensor, activation: str) -> Ten
     return _act_op(x, w, offs, activation)[0]
 
 
+def grouped_gemm_act_h(x: Tensor, w: Tensor, offs: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+    """(act(h), h) from the fused kernel, for a caller that owns the backward and keeps h itself."""
+    return _act_op(x, w, offs, activation)
+
+
 def grouped_gemm_dgrad(dy: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     """dx[rows of e] = dy[rows of e] @ w[e] in fp32, rounded once to bf16; rows past offs[-1] are zero."""
     return _dgrad_op(dy, w, offs)

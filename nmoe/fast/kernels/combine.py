@@ -9,7 +9,7 @@ from typing import Any
 
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int64
+from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.runtime import make_ptr
@@ -68,6 +68,40 @@ def combine_fwd_kernel(py: Pointer, pw: Pointer, pshared: Pointer, pout: Pointer
 
 
 @cute.kernel
+def combine_gather_fwd_kernel(pyp: Pointer, prow: Pointer, pw: Pointer, pshared: Pointer, pout: Pointer,
+                              t_rows: Int64, n_rows: Int64, h: Int64, scale: Float32, k: Constexpr[int],
+                              vec: Constexpr[int], has_shared: Constexpr[bool]) -> None:
+    """combine_fwd with slot s's row read from yp[row_of[s]]: the [T, K, H] copy is never written."""
+    tidx, _, _ = cute.arch.thread_idx()
+    t_blk, chunk, _ = cute.arch.block_idx()
+    t = Int64(t_blk)
+    nvec = h // vec
+    hv = Int64(chunk) * THREADS + Int64(tidx)
+    if hv < nvec:
+        gyp = cute.zipped_divide(cute.make_tensor(pyp, cute.make_layout(n_rows * h)), (vec,))
+        mrow = cute.make_tensor(prow, cute.make_layout(t_rows * k))
+        mw = cute.make_tensor(pw, cute.make_layout(t_rows * k))
+        gout = cute.zipped_divide(cute.make_tensor(pout, cute.make_layout(t_rows * h)), (vec,))
+        total = cute.make_rmem_tensor((vec,), Float32)
+        for s in range_constexpr(k):
+            w_slot = mw[t * k + s]
+            y_row = _load_f32(gyp, Int64(mrow[t * k + s]) * nvec + hv, vec)
+            for j in range_constexpr(vec):
+                if const_expr(s == 0):
+                    total[j] = mul_rn(w_slot, y_row[j])
+                else:
+                    total[j] = add_rn(total[j], mul_rn(w_slot, y_row[j]))
+        for j in range_constexpr(vec):
+            total[j] = mul_rn(total[j], scale)
+        if const_expr(has_shared):
+            gsh = cute.zipped_divide(cute.make_tensor(pshared, cute.make_layout(t_rows * h)), (vec,))
+            shv = _load_f32(gsh, t * nvec + hv, vec)
+            for j in range_constexpr(vec):
+                total[j] = add_rn(total[j], shv[j])
+        _store_bits(gout, t * nvec + hv, total.load())
+
+
+@cute.kernel
 def combine_bwd_kernel(pdout: Pointer, py: Pointer, pw: Pointer, pdy: Pointer, pdw: Pointer, t_rows: Int64,
                        h: Int64, scale: Float32, k: Constexpr[int], vec: Constexpr[int]) -> None:
     """One warp per token: dy_k = bf16(g*w_k) with g = dout*scale, dw_k = warp-reduced sum_h g*y_k."""
@@ -113,6 +147,16 @@ def combine_fwd_host(py: Pointer, pw: Pointer, pshared: Pointer, pout: Pointer, 
 
 
 @cute.jit
+def combine_gather_fwd_host(pyp: Pointer, prow: Pointer, pw: Pointer, pshared: Pointer, pout: Pointer,
+                            t_rows: Int64, n_rows: Int64, h: Int64, scale: Float32, stream: cuda.CUstream,
+                            k: Constexpr[int], vec: Constexpr[int], has_shared: Constexpr[bool]) -> None:
+    chunks = (h // vec + THREADS - 1) // THREADS
+    kernel = combine_gather_fwd_kernel(pyp, prow, pw, pshared, pout, t_rows, n_rows, h, scale, k, vec,
+                                       has_shared)
+    kernel.launch(grid=[t_rows, chunks, 1], block=[THREADS, 1, 1], stream=stream)
+
+
+@cute.jit
 def combine_bwd_host(pdout: Pointer, py: Pointer, pw: Pointer, pdy: Pointer, pdw: Pointer, t_rows: Int64,
                      h: Int64, scale: Float32, stream: cuda.CUstream, k: Constexpr[int],
                      vec: Constexpr[int]) -> None:
@@ -130,12 +174,19 @@ def f32_pointer(address: int) -> Any:
     return make_ptr(Float32, address, cute.AddressSpace.gmem, assumed_align=4)
 
 
+def i32_pointer(address: int) -> Any:
+    return make_ptr(Int32, address, cute.AddressSpace.gmem, assumed_align=4)
+
+
 def compile_args(kernel: str, k: int, vec: int, has_shared: bool) -> tuple[Any, tuple[Any, ...]]:
     """Host function and placeholder arguments that fix one specialisation (k, vec, has_shared)."""
     b, f = bf16_pointer(0, vec), f32_pointer(0)
     scalars = (Int64(0), Int64(0), Float32(1.0), cuda.CUstream(0))
     if kernel == "combine_fwd":
         return combine_fwd_host, (b, f, b, b, *scalars, k, vec, has_shared)
+    if kernel == "combine_gather_fwd":
+        return combine_gather_fwd_host, (b, i32_pointer(0), f, b, b, Int64(0), *scalars, k, vec, has_shared)
     if kernel == "combine_bwd":
         return combine_bwd_host, (b, b, f, b, f, *scalars, k, vec)
-    raise ValueError(f"unknown combine kernel {kernel!r}; choose combine_fwd or combine_bwd")
+    raise ValueError(f"unknown combine kernel {kernel!r}; choose combine_fwd, combine_gather_fwd or "
+                     "combine_bwd")

@@ -1,0 +1,44 @@
+"""moe.fast_*: defects in the fast MoE layer's autograd glue (nmoe/fast/moe.py); killed on CPU by the glue
+test, which runs the glue with the spec's ops standing in for the kernels."""
+
+from __future__ import annotations
+
+from mutations.model import Mutation, sep_mutation
+
+FILE = "nmoe/fast/moe.py"
+TESTS = "tests/test_fast_moe_glue.py"
+
+MUTATIONS: tuple[Mutation, ...] = (
+    sep_mutation(
+        "moe.fast_dweights_scale_dropped", FILE,
+        "dweights = _to_slots(_row_dot(a, dz) * scale, slot, t, k)",
+        "dweights = _to_slots(_row_dot(a, dz), slot, t, k)",
+        "router-weight gradient <a, dout @ W2> without route_scale", TESTS, ("moe_layer",),
+    ),
+    sep_mutation(
+        "moe.fast_shared_grad_dropped", FILE,
+        "return dx, dw_up, dw2, dweights, dout if ctx.has_shared else None, None, None",
+        "return dx, dw_up, dw2, dweights, None, None, None",
+        "shared expert dropped from the backward (no gradient to its weights or its share of dx)", TESTS,
+        ("moe_layer",),
+    ),
+    sep_mutation(
+        "moe.fast_weight_wrong_slot", FILE,
+        "return flat[torch.where(slot >= 0, slot, flat.numel() - 1)]",
+        "return flat[torch.where(slot >= 0, slot ^ 1, flat.numel() - 1)]",
+        "each permuted row's dy scaled by a neighbouring slot's router weight", TESTS, ("moe_layer",),
+    ),
+    sep_mutation(
+        "moe.fast_gather_off_by_one", FILE,
+        "dw_up = grouped_gemm_wgrad(dh, permute(x, ids, e, align).xp, offs)",
+        "dw_up = grouped_gemm_wgrad(dh, permute(x.roll(1, 0), ids, e, align).xp, offs)",
+        "the backward's re-gather of x reads the previous token's row", TESTS, ("moe_layer",),
+    ),
+    sep_mutation(
+        "moe.fast_topk_grad_unnormalised", FILE,
+        "            w = s / s.sum(-1, keepdim=True)\n",
+        "            w = s\n",
+        "router top-k backward differentiates the raw scores, not the renormalised weights", TESTS,
+        ("moe_layer",),
+    ),
+)

@@ -1,0 +1,258 @@
+"""Fast MoE layer: the spec's moe_layer (nmoe.reference.moe) from fast ops, sm_90a, no host sync.
+
+Autograd pieces: router_logits (its own op), _RouterTopk, _Shared (the shared MLP as one-group GEMMs) and
+_Routed, which runs permute -> up (+act) -> down -> combine_gather (each slot's row read in place from the
+permuted output: no [T,K,H] copy) and whose backward calls the fast permute, dgrad/wgrad, activation-bwd
+and combine_gather kernels.
+
+Saved for the backward, per token (K slots, up width N = 2I swiglu or I relu2, E experts):
+  x (the layer input, already alive)      0 extra: xp = permute(x) is recomputed, a gather is cheaper than
+                                            keeping K copies of each row (2KH bytes)
+  h [slots, N] bf16                        2KN bytes: the up-projection output; a = act(h) is recomputed
+                                            (elementwise), redoing the up GEMM would cost a third of the fwd
+  weights fp32 [T,K], ids int64 [T,K],      16K + 8*(rows/T) bytes: routing
+  row_of int32 [T,K], slot int64 [rows]
+  logits fp32 [T,E]                         4E bytes: router_topk's backward (softmax needs every score)
+bf16 experts keep no expert outputs y [T,K,H]: dweights_k = scale * <a_k, dout @ W2_e> (the down GEMM's
+dgrad computes dout @ W2_e anyway), saving 2KH bytes per token for a row dot product.
+fp8 experts: the forward quantizes (1x128 activations, 128x128 weights) and runs the sm90 fp8 GEMM; the
+backward is the spec's straight-through gradient, bf16 dgrad/wgrad of the unquantized tensors, because the
+spec defines the fp8 gradient that way (bf16 master weights) and fp8 dgrad/wgrad kernels are not written.
+dweights_k = scale * <dout, y_k> is exact, not straight-through, and y_k is the fp8 GEMM's output, not a
+function of bf16 operands: fp8 keeps y (2KH bytes per token) and takes dweights from combine_bwd.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+from torch.autograd.function import FunctionCtx
+
+from nmoe.config import ModelConfig
+from nmoe.fast import runtime
+from nmoe.fast.activation import relu2, relu2_bwd, swiglu, swiglu_bwd
+from nmoe.fast.arch import ArchNotImplemented
+from nmoe.fast.combine import combine, combine_bwd, combine_gather
+from nmoe.fast.dispatch import permute, unpermute
+from nmoe.fast.formats import quantize_mxfp8, quantize_mxfp8_weight
+from nmoe.fast.gemm import grouped_gemm, grouped_gemm_dgrad, grouped_gemm_fp8, grouped_gemm_wgrad, sm90
+from nmoe.fast.gemm.routing import offs_built_on_device
+from nmoe.fast.router import expert_counts, router_logits, router_topk
+from nmoe.reference.moe import FP8_ACT_BLOCK, MoEParams, MoERouting
+from nmoe.reference.moe import _check as check_params
+
+__all__ = ["MoEParams", "MoERouting", "moe_layer"]
+
+ARCH = "sm_90a"
+EXPERT_DTYPES = ("bf16", "fp8")
+ROW_CHUNK = 65536
+"""Rows per chunk of the backward's fp32 row products, bounding their fp32 temporaries."""
+
+_ACT = {"swiglu": (swiglu, swiglu_bwd), "relu2": (relu2, relu2_bwd)}
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _sync_free(fn: F) -> F:
+    """Run fn with the GEMMs' opt-in host offs check off: the layer's offs come from permute on the device."""
+
+    @functools.wraps(fn)
+    def run(*args: Any) -> Any:
+        with offs_built_on_device():
+            return fn(*args)
+
+    return run  # type: ignore[return-value]
+
+
+def _gemm(x: Tensor, w: Tensor, offs: Tensor, dtype: str) -> Tensor:
+    if dtype == "bf16":
+        return grouped_gemm(x, w, offs)
+    xq, xs = quantize_mxfp8(x, FP8_ACT_BLOCK)
+    wq, ws = quantize_mxfp8_weight(w)
+    return grouped_gemm_fp8(xq, xs, wq, ws, offs)
+
+
+def _up(x: Tensor, w: Tensor, offs: Tensor, activation: str, dtype: str) -> tuple[Tensor, Tensor]:
+    """(a, h): bf16 from the fused up-projection kernel, fp8 as act(fp8 GEMM) like the spec."""
+    if dtype == "bf16":
+        return sm90.grouped_gemm_act_h(x, w, offs, activation)
+    h = _gemm(x, w, offs, dtype)
+    return _ACT[activation][0](h), h
+
+
+def _chunks(n: int) -> list[slice]:
+    return [slice(i, min(i + ROW_CHUNK, n)) for i in range(0, n, ROW_CHUNK)]
+
+
+def _row_scale(t: Tensor, s: Tensor) -> Tensor:
+    """bf16(t[r] * s[r]) with the product in fp32, one rounding."""
+    out = torch.empty_like(t)
+    for c in _chunks(t.shape[0]):
+        out[c] = (t[c].float() * s[c, None]).to(t.dtype)
+    return out
+
+
+def _row_dot(a: Tensor, b: Tensor) -> Tensor:
+    """fp32 [R]: sum over columns of a*b, products and sum in fp32."""
+    out = torch.empty(a.shape[0], dtype=torch.float32, device=a.device)
+    for c in _chunks(a.shape[0]):
+        out[c] = (a[c].float() * b[c].float()).sum(-1)
+    return out
+
+
+def _slot_weights(weights: Tensor, slot: Tensor) -> Tensor:
+    """fp32 [R]: the router weight of each permuted row's slot, 0 on pad rows (slot -1)."""
+    flat = torch.cat([weights.reshape(-1), weights.new_zeros(1)])
+    return flat[torch.where(slot >= 0, slot, flat.numel() - 1)]
+
+
+def _rows_of_slots(slot: Tensor, t: int, k: int) -> Tensor:
+    """int32 [T,K]: the permuted row holding each slot (slot's inverse)."""
+    sink = torch.where(slot >= 0, slot, t * k)
+    rows = torch.arange(slot.shape[0], dtype=torch.int32, device=slot.device)
+    return rows.new_zeros(t * k + 1).index_copy_(0, sink, rows)[: t * k].view(t, k)
+
+
+def _to_slots(v: Tensor, slot: Tensor, t: int, k: int) -> Tensor:
+    """fp32 [T,K] from per-row values: slot order back, pad rows dropped."""
+    sink = torch.where(slot >= 0, slot, t * k)
+    return v.new_zeros(t * k + 1).index_copy_(0, sink, v)[: t * k].view(t, k)
+
+
+class _RouterTopk(torch.autograd.Function):
+    """Fast top-k forward; backward is the analytic derivative of weights = s[ids] / sum s[ids]."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, logits: Tensor, bias: Tensor, k: int, score_func: str, n_groups: int,
+                topk_groups: int) -> tuple[Tensor, Tensor]:
+        w, ids = router_topk(logits, bias, k, score_func, n_groups, topk_groups)
+        ctx.save_for_backward(logits, ids)
+        ctx.score_func = score_func  # type: ignore[attr-defined]
+        ctx.mark_non_differentiable(ids)
+        return w, ids
+
+    @staticmethod
+    def backward(ctx: Any, dw: Tensor, _: Any) -> tuple[Tensor, None, None, None, None, None]:
+        logits, ids = ctx.saved_tensors
+        with torch.enable_grad():
+            lg = logits.detach().requires_grad_()
+            if ctx.score_func == "sigmoid":
+                s = torch.sigmoid(lg.gather(1, ids))
+            else:
+                s = torch.softmax(lg, dim=-1).gather(1, ids)
+            w = s / s.sum(-1, keepdim=True)
+            (dl,) = torch.autograd.grad(w, lg, dw)
+        return dl, None, None, None, None, None
+
+
+class _Routed(torch.autograd.Function):
+    """combine(unpermute(down(act(up(permute(x))))), weights, scale, shared); see the module docstring."""
+
+    @staticmethod
+    @_sync_free
+    def forward(ctx: FunctionCtx, x: Tensor, w_up: Tensor, w2: Tensor, weights: Tensor, shared: Tensor | None,
+                ids: Tensor, cfg: ModelConfig) -> Tensor:
+        t, k = ids.shape
+        e, align = cfg.n_routed_experts, cfg.permute_align
+        p = permute(x, ids, e, align)
+        offs, slot = p.offs, p.slot
+        a, h = _up(p.xp, w_up, offs, cfg.activation, cfg.expert_dtype)
+        del p
+        yp = _gemm(a, w2, offs, cfg.expert_dtype)
+        del a
+        row_of = _rows_of_slots(slot, t, k)
+        fp8_y = []
+        if cfg.expert_dtype == "fp8":
+            fp8_y = [unpermute(yp, slot, t, k)]
+            out = combine(fp8_y[0], weights, cfg.route_scale, shared)
+        else:
+            out = combine_gather(yp, row_of, weights, cfg.route_scale, shared)
+        ctx.save_for_backward(x, w_up, w2, weights, ids, slot, row_of, offs, h, *fp8_y)
+        ctx.cfg, ctx.has_shared = cfg, shared is not None  # type: ignore[attr-defined]
+        return out
+
+    @staticmethod
+    @_sync_free
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, None, None]:
+        x, w_up, w2, weights, ids, slot, row_of, offs, h, *fp8_y = ctx.saved_tensors
+        cfg: ModelConfig = ctx.cfg
+        t, k = ids.shape
+        e, align = cfg.n_routed_experts, cfg.permute_align
+        act, act_bwd = _ACT[cfg.activation]
+        dout = dout.contiguous()
+        scale = float(torch.tensor(cfg.route_scale, dtype=torch.float32))
+        a = act(h)
+        gp = permute(dout, ids, e, align).xp
+        dz = grouped_gemm_dgrad(gp, w2, offs)
+        if fp8_y:
+            dweights = combine_bwd(dout, fp8_y[0], weights, cfg.route_scale)[1]
+        else:
+            dweights = _to_slots(_row_dot(a, dz) * scale, slot, t, k)
+        wrow = _slot_weights(weights, slot) * scale
+        dw2 = grouped_gemm_wgrad(gp, _row_scale(a, wrow), offs)
+        del gp, a
+        dh = act_bwd(_row_scale(dz, wrow), h)
+        del dz
+        dw_up = grouped_gemm_wgrad(dh, permute(x, ids, e, align).xp, offs)
+        dxp = grouped_gemm_dgrad(dh, w_up, offs)
+        del dh
+        dx = combine_gather(dxp, row_of, torch.ones(t, k, dtype=torch.float32, device=x.device), 1.0, None)
+        return dx, dw_up, dw2, dweights, dout if ctx.has_shared else None, None, None
+
+
+def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
+    return fn.apply(*args)  # type: ignore[no-untyped-call]
+
+
+class _Shared(torch.autograd.Function):
+    """The spec's ffn: one dense MLP as a one-group grouped GEMM (so it rounds like an expert), h kept."""
+
+    @staticmethod
+    @_sync_free
+    def forward(ctx: FunctionCtx, x: Tensor, w_up: Tensor, w2: Tensor, activation: str, dtype: str) -> Tensor:
+        offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
+        a, h = _up(x, w_up[None], offs, activation, dtype)
+        out = _gemm(a, w2[None], offs, dtype)
+        ctx.save_for_backward(x, w_up, w2, offs, h)
+        ctx.activation = activation  # type: ignore[attr-defined]
+        return out
+
+    @staticmethod
+    @_sync_free
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
+        x, w_up, w2, offs, h = ctx.saved_tensors
+        act, act_bwd = _ACT[ctx.activation]
+        dout = dout.contiguous()
+        dw2 = grouped_gemm_wgrad(dout, act(h), offs)[0]
+        dh = act_bwd(grouped_gemm_dgrad(dout, w2[None], offs), h)
+        dw_up = grouped_gemm_wgrad(dh, x, offs)[0]
+        return grouped_gemm_dgrad(dh, w_up[None], offs), dw_up, dw2, None, None
+
+
+def _check_fast(x: Tensor, cfg: ModelConfig) -> None:
+    arch = runtime.require_arch(x)
+    if arch != ARCH:
+        raise ArchNotImplemented(f"moe_layer: no {arch} path: the fused up-projection and the dgrad/wgrad "
+                                 f"GEMMs are {ARCH} kernels; train on H100/H200, or use nmoe.reference.moe")
+    if cfg.expert_dtype not in EXPERT_DTYPES:
+        raise ValueError(f"moe_layer: expert_dtype {cfg.expert_dtype!r} has no fast {arch} path; use one of "
+                         f"{EXPERT_DTYPES} (nvfp4 needs sm_100a's scaled MMA)")
+
+
+def moe_layer(x: Tensor, p: MoEParams, cfg: ModelConfig) -> tuple[Tensor, MoERouting]:
+    """x bf16 [T,D] -> (out bf16 [T,D], routing), the spec's results; differentiable in x and every weight."""
+    up, shared_up = check_params(x, p, cfg)
+    _check_fast(x, cfg)
+    k, e = cfg.n_activated_experts, cfg.n_routed_experts
+    logits = router_logits(x, p.router_w)
+    weights, ids = _apply(_RouterTopk, logits, p.router_bias, k, cfg.score_func, cfg.n_expert_groups,
+                          cfg.n_limited_groups)
+    shared = None
+    if shared_up is not None:
+        assert p.shared_w2 is not None
+        shared = _apply(_Shared, x, shared_up, p.shared_w2, cfg.activation, cfg.expert_dtype)
+    out: Tensor = _apply(_Routed, x, up, p.w2, weights, shared, ids, cfg)
+    return out, MoERouting(weights=weights, ids=ids, counts=expert_counts(ids, e))

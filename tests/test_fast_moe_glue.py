@@ -1,0 +1,179 @@
+"""The fast layer's autograd glue on CPU, the spec's ops standing in for its kernels: the forward equals the
+spec bit for bit, the gradients (y-free dweights, recomputed xp and a) match the spec's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+import nmoe.fast.moe as fm
+from nmoe.config import ModelConfig
+from nmoe.reference import activation as ra
+from nmoe.reference import combine as rc
+from nmoe.reference import dispatch as rd
+from nmoe.reference import formats as rf
+from nmoe.reference import gemm as rg
+from nmoe.reference import router as rr
+from nmoe.reference.moe import MoEParams, moe_layer
+
+T, E, K = 24, 8, 3
+DIMS = {"bf16": (32, 16), "fp8": (128, 128)}
+
+
+def _act_h(x: Tensor, w: Tensor, offs: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+    return rg.grouped_gemm_act(x, w, offs, activation), rg.grouped_gemm(x, w, offs)
+
+
+@pytest.fixture
+def spec_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    subs: dict[str, Any] = {
+        "permute": rd.permute, "unpermute": rd.unpermute,
+        "combine": rc.combine, "combine_bwd": rc.combine_bwd, "combine_gather": rc.combine_gather,
+        "grouped_gemm": rg.grouped_gemm, "grouped_gemm_dgrad": rg.grouped_gemm_dgrad,
+        "grouped_gemm_wgrad": rg.grouped_gemm_wgrad, "grouped_gemm_fp8": rg.grouped_gemm_fp8,
+        "quantize_mxfp8": rf.quantize_mxfp8, "quantize_mxfp8_weight": rf.quantize_mxfp8_weight,
+        "router_logits": rr.router_logits, "router_topk": rr.router_topk, "expert_counts": rr.expert_counts,
+        "_check_fast": lambda x, cfg: None,
+        "_ACT": {"swiglu": (ra.swiglu, ra.swiglu_bwd), "relu2": (ra.relu2, ra.relu2_bwd)},
+    }
+    for name, fn in subs.items():
+        monkeypatch.setattr(fm, name, fn)
+    monkeypatch.setattr(fm.sm90, "grouped_gemm_act_h", _act_h)
+
+
+def _case(activation: str, shared: int, dtype: str, score: str,
+          seed: int) -> tuple[Tensor, MoEParams, ModelConfig]:
+    g = torch.Generator().manual_seed(seed)
+    D, INTER = DIMS[dtype]
+    up = 2 * INTER if activation == "swiglu" else INTER
+
+    def rn(*shape: int, s: float = 1.0) -> Tensor:
+        return (torch.randn(*shape, generator=g) * s).to(torch.bfloat16).requires_grad_()
+
+    cfg = ModelConfig(tokenizer="none", vocab_size=64, dim=D, moe_inter_dim=INTER, n_routed_experts=E,
+                      n_activated_experts=K, n_shared_experts=shared, route_scale=2.5, permute_align=4,
+                      activation=activation, score_func=score, expert_dtype=dtype)
+    w_up, sh_up = rn(E, up, D, s=D**-0.5), rn(up * shared, D, s=D**-0.5) if shared else None
+    swiglu = activation == "swiglu"
+    p = MoEParams(router_w=rn(E, D, s=D**-0.5), router_bias=0.05 * torch.randn(E, generator=g),
+                  w2=rn(E, D, INTER, s=INTER**-0.5), w13=w_up if swiglu else None,
+                  w1=None if swiglu else w_up,
+                  shared_w13=sh_up if swiglu else None, shared_w1=None if swiglu else sh_up,
+                  shared_w2=rn(D, INTER * shared, s=(INTER * shared) ** -0.5) if shared else None)
+    return rn(T, D), p, cfg
+
+
+def _grads(fn: Any, x: Tensor, p: MoEParams, cfg: ModelConfig, dout: Tensor) -> tuple[Tensor, list[Tensor]]:
+    out, routing = fn(x, p, cfg)
+    leaves = [t for t in (x, p.router_w, p.w13, p.w1, p.w2, p.shared_w13, p.shared_w1, p.shared_w2)
+              if t is not None]
+    grads = torch.autograd.grad(out, leaves, dout)
+    return torch.cat([out.detach().view(-1).float(), routing.weights.detach().view(-1)]), list(grads)
+
+
+@pytest.mark.parametrize(("activation", "shared", "dtype", "score"),
+                         [("swiglu", 1, "bf16", "sigmoid"), ("relu2", 0, "bf16", "softmax"),
+                          pytest.param("swiglu", 0, "fp8", "softmax", marks=pytest.mark.heavy),
+                          pytest.param("relu2", 1, "fp8", "sigmoid", marks=pytest.mark.heavy)])
+def test_glue_matches_spec(spec_kernels: None, activation: str, shared: int, dtype: str, score: str) -> None:
+    x, p, cfg = _case(activation, shared, dtype, score, 3)
+    dout = torch.randn(T, DIMS[dtype][0], generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    got_out, got = _grads(fm.moe_layer, x, p, cfg, dout)
+    want_out, want = _grads(moe_layer, x, p, cfg, dout)
+    assert torch.equal(got_out, want_out)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        err = float((a.double() - b.double()).norm() / b.double().norm())
+        assert err < 1e-2, f"grad {i}: relative error {err:.3g}"
+
+
+def test_row_helpers_chunk_like_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fm, "ROW_CHUNK", 3)
+    g = torch.Generator().manual_seed(9)
+    a, b = (torch.randn(10, 6, generator=g).to(torch.bfloat16) for _ in range(2))
+    s = torch.randn(10, generator=g)
+    assert torch.equal(fm._row_scale(a, s), (a.float() * s[:, None]).to(torch.bfloat16))
+    exact = (a.double() * b.double()).sum(-1)
+    assert bool(((fm._row_dot(a, b).double() - exact).abs() <= 6 * 2.0**-24 * (a.double() * b.double()).abs()
+                 .sum(-1)).all())
+
+
+def _run(fn: Any, cfg_args: tuple[str, int, str, str]) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+    """(grads by name, routing weights' grad, routing weights) of one layer call on the glue case."""
+    x, p, cfg = _case(*cfg_args, 3)
+    dout = torch.randn(T, cfg.dim, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    out, routing = fn(x, p, cfg)
+    routing.weights.retain_grad()
+    out.backward(dout)
+    names = ("x", "router_w", "w13", "w1", "w2", "shared_w13", "shared_w1", "shared_w2")
+    leaves = (x, p.router_w, p.w13, p.w1, p.w2, p.shared_w13, p.shared_w1, p.shared_w2)
+    grads = {n: t.grad for n, t in zip(names, leaves, strict=True) if t is not None and t.grad is not None}
+    assert routing.weights.grad is not None
+    return grads, routing.weights.grad, routing.weights.detach()
+
+
+def _close(got: Tensor, want: Tensor) -> None:
+    err = float((got.double() - want.double()).norm() / want.double().norm())
+    assert err < 1e-2, f"relative error {err:.3g} against the spec"
+
+
+SWIGLU_SHARED = ("swiglu", 1, "bf16", "sigmoid")
+
+
+def test_sep_moe_fast_dweights_scale_dropped(spec_kernels: None) -> None:
+    """route_scale 2.5: dweights without it are 2.5x too small."""
+    _, dw, _ = _run(fm.moe_layer, SWIGLU_SHARED)
+    _, want, _ = _run(moe_layer, SWIGLU_SHARED)
+    assert float((want - want / 2.5).norm()) > 0.5 * float(want.norm())
+    _close(dw, want)
+
+
+def test_sep_moe_fast_shared_grad_dropped(spec_kernels: None) -> None:
+    """The shared MLP's weights get gradient only through dout; dropped, they would stay without one."""
+    got, _, _ = _run(fm.moe_layer, SWIGLU_SHARED)
+    want, _, _ = _run(moe_layer, SWIGLU_SHARED)
+    assert float(want["shared_w2"].norm()) > 0 and float(want["shared_w13"].norm()) > 0
+    assert "shared_w2" in got and "shared_w13" in got
+    _close(got["shared_w2"], want["shared_w2"])
+    _close(got["shared_w13"], want["shared_w13"])
+
+
+def test_sep_moe_fast_weight_wrong_slot(spec_kernels: None) -> None:
+    """Each row's router weight scales its dy; a neighbouring slot's weight differs on most rows."""
+    got, _, w = _run(fm.moe_layer, SWIGLU_SHARED)
+    want, _, _ = _run(moe_layer, SWIGLU_SHARED)
+    flat = w.reshape(-1)
+    assert float((flat[1:] - flat[:-1]).abs().min()) > 0
+    _close(got["w2"], want["w2"])
+    _close(got["w13"], want["w13"])
+
+
+def test_sep_moe_fast_gather_off_by_one(spec_kernels: None) -> None:
+    """The backward re-gathers x for the up wgrad; a neighbouring token's row differs everywhere."""
+    x, _, _ = _case(*SWIGLU_SHARED, 3)
+    assert bool((x.detach() != x.detach().roll(1, 0)).any(-1).all())
+    got, _, _ = _run(fm.moe_layer, SWIGLU_SHARED)
+    want, _, _ = _run(moe_layer, SWIGLU_SHARED)
+    _close(got["w13"], want["w13"])
+
+
+def test_sep_moe_fast_topk_grad_unnormalised(spec_kernels: None) -> None:
+    """Sigmoid scores of K=3 picks sum far from 1, so the renormalisation's derivative matters."""
+    got, _, w = _run(fm.moe_layer, SWIGLU_SHARED)
+    want, _, _ = _run(moe_layer, SWIGLU_SHARED)
+    assert bool(torch.allclose(w.sum(-1), torch.ones(T), atol=1e-5))
+    _close(got["router_w"], want["router_w"])
+
+
+def test_offs_check_off_inside_the_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NMOE_CHECK_OFFS=1 still rejects bad offs elsewhere; in the layer's scope the host check never runs."""
+    from nmoe.fast.gemm.routing import CHECK_OFFS_ENV, check_offs_on_host, offs_built_on_device
+    monkeypatch.setenv(CHECK_OFFS_ENV, "1")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    bad = torch.tensor([5, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        check_offs_on_host("grouped_gemm", bad, 8)
+    with offs_built_on_device():
+        check_offs_on_host("grouped_gemm", bad, 8)

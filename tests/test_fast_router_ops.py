@@ -1,0 +1,112 @@
+"""nmoe.fast.router.router_logits (fp32 accumulate, forward-error bound against float64, and its gradient) and
+bias_update (bitwise to the spec) on a GPU; argument checks on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from nmoe.reference import router as ref
+
+gpu = pytest.mark.gpu
+U32 = 2.0**-24
+
+
+def _xw(t: int, h: int, e: int, dtype: torch.dtype, seed: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(t, h, generator=g).to(dtype),
+            (torch.randn(e, h, generator=g) * h**-0.5).to(dtype))
+
+
+def _bound(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+    """(float64 x @ w^T, the fp32-accumulation bound (H+2) u |x| @ |w|^T)."""
+    xd, wd = x.double(), w.double()
+    return xd @ wd.T, (x.shape[1] + 2) * U32 * (xd.abs() @ wd.abs().T)
+
+
+def _within(got: Tensor, x: Tensor, w: Tensor) -> None:
+    exact, rad = _bound(x, w)
+    assert got.dtype == torch.float32
+    excess = (got.cpu().double() - exact).abs() - rad
+    assert float(excess.max()) <= 0, f"outside the fp32 bound by {float(excess.max()):.3g}"
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_router_logits_within_fp32_bound(dtype: torch.dtype) -> None:
+    from nmoe.fast.router import router_logits
+    x, w = _xw(777, 2048, 256, dtype, 1)
+    _within(router_logits(x.cuda(), w.cuda()), x, w)
+
+
+@gpu
+def test_router_logits_grad_vs_float64() -> None:
+    from nmoe.fast.router import router_logits
+    x, w = _xw(300, 1024, 64, torch.bfloat16, 2)
+    g = torch.randn(300, 64, generator=torch.Generator().manual_seed(3))
+    xc, wc = x.cuda().requires_grad_(), w.cuda().requires_grad_()
+    dx, dw = torch.autograd.grad(router_logits(xc, wc), (xc, wc), g.cuda())
+    assert dx.dtype == torch.bfloat16 and dw.dtype == torch.bfloat16
+    for got, want in ((dx, g.double() @ w.double()), (dw, g.double().T @ x.double())):
+        err = float((got.cpu().double() - want).norm() / want.norm())
+        assert err < 2**-7, f"relative error {err:.3g}"
+
+
+@gpu
+def test_sep_router_fast_logits_bf16_rounded() -> None:
+    """bf16 operands, fp32 result: at H=64 the fp32 bound is far below a bf16 rounding of most logits."""
+    from nmoe.fast.router import router_logits
+    x, w = _xw(512, 64, 128, torch.bfloat16, 4)
+    exact, rad = _bound(x, w)
+    assert float(((exact.to(torch.bfloat16).double() - exact).abs() > rad).double().mean()) > 0.5
+    _within(router_logits(x.cuda(), w.cuda()), x, w)
+
+
+def _counts(e: int, seed: int) -> Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.multinomial(1.0 / torch.arange(1, e + 1).double(), 4096 * 4, replacement=True, generator=g)
+    return torch.bincount(ids, minlength=e)
+
+
+@gpu
+@pytest.mark.parametrize(("rate", "clamp"), [(1e-3, 1.0), (0.01, 0.03), (0.0, 0.5)])
+def test_bias_update_bitwise(rate: float, clamp: float) -> None:
+    from nmoe.fast.router import bias_update
+    e = 256
+    bias = (0.02 * torch.randn(e, generator=torch.Generator().manual_seed(5))).clamp(-clamp, clamp)
+    counts = _counts(e, 6)
+    got = bias_update(bias.cuda(), counts.cuda(), rate, clamp).cpu()
+    assert torch.equal(got.view(torch.int32), ref.bias_update(bias, counts, rate, clamp).view(torch.int32))
+
+
+@gpu
+def test_sep_router_fast_bias_update_sign_flipped() -> None:
+    """Zipf counts: hot experts (above the mean) move down, cold ones up; a flipped sign does the reverse."""
+    from nmoe.fast.router import bias_update
+    e, rate = 64, 1e-3
+    bias, counts = torch.zeros(e), _counts(e, 7)
+    want = ref.bias_update(bias, counts, rate, 1.0)
+    hot = counts * e > counts.sum()
+    assert bool(hot.any()) and bool((~hot).any())
+    assert bool((want[hot] < 0).all()) and bool((want[~hot] > 0).all())
+    got = bias_update(bias.cuda(), counts.cuda(), rate, 1.0).cpu()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("bias", "counts", "rate", "clamp", "match"), [
+    (torch.zeros(4), torch.zeros(3, dtype=torch.int64), 0.1, 1.0, "must be"),
+    (torch.zeros(4), torch.zeros(4, dtype=torch.int64), -0.1, 1.0, "rate >= 0"),
+    (torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.int64), 0.1, 1.0, "fp32 bias"),
+])
+def test_bias_update_rejects(bias: Tensor, counts: Tensor, rate: float, clamp: float, match: str) -> None:
+    from nmoe.fast.router import _check_bias_update
+    with pytest.raises(ValueError, match=match):
+        _check_bias_update(bias, counts, rate, clamp)
+
+
+def test_router_logits_rejects_shapes() -> None:
+    from nmoe.fast.router import _logits_dtype
+    with pytest.raises(ValueError, match=r"need x \[T,H\], wr \[E,H\]"):
+        _logits_dtype(torch.zeros(3, 4), torch.zeros(5, 6))
+    assert _logits_dtype(torch.zeros(3, 4, dtype=torch.bfloat16), torch.zeros(5, 4)) == torch.float32
