@@ -10,4 +10,5 @@ FAST_MODULES: tuple[str, ...] = (
     "nmoe.fast.gemm.sm100",
     "nmoe.fast.formats",
     "nmoe.fast.norm",
+    "nmoe.fast.rope",
 )
