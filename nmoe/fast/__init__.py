@@ -11,4 +11,5 @@ FAST_MODULES: tuple[str, ...] = (
     "nmoe.fast.formats",
     "nmoe.fast.norm",
     "nmoe.fast.rope",
+    "nmoe.fast.attention",
 )
