@@ -10,7 +10,7 @@ import glob
 import math
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +24,7 @@ from torch import Tensor
 from nmoe.fast import runtime
 from nmoe.fast.arch import SUPPORTED_ARCHS, ArchError, ArchNotImplemented
 from nmoe.fast.norm import rmsnorm
+from nmoe.fast.op import Kernel
 from nmoe.fast.rope import apply_rope, yarn_mscale
 from nmoe.fast.runtime import KernelSpec
 
@@ -264,11 +265,20 @@ def fa4_ptx(stage: str, d_qk: int, d_v: int, arch: str) -> str:
     return "\n".join(ptx)
 
 
-def _fa4_compiler(stage: str, d_qk: int, d_v: int) -> Callable[[str], str]:
-    def compile_for(arch: str) -> str:
-        return fa4_ptx(stage, d_qk, d_v, arch)
+def _no_build(kernels: ModuleType, **spec: Any) -> tuple[Any, tuple[Any, ...]]:
+    raise TypeError("flash-attn-4 builds and launches its own kernels (flash_attn_func); only ptx() applies")
 
-    return compile_for
+
+@dataclass(frozen=True)
+class FA4Kernel(Kernel):
+    """FA4's kernels of one stage as a Kernel: FA4 compiles them itself, so ptx() runs that compile; the
+    module is this glue, whose import graph holds every nmoe source the op runs."""
+
+    def ptx(self, arch: str, **spec: Any) -> str:
+        return fa4_ptx(spec["stage"], spec["d_qk"], spec["d_v"], arch)
+
+
+FA4 = FA4Kernel("nmoe.fast.attention", "fa4", _no_build)
 
 
 # Hopper runs warpgroup MMAs, Blackwell tcgen05 MMAs, both fed by TMA; a spill would be local memory.
@@ -280,7 +290,8 @@ _FORBID = (r"\b(ld|st)\.local\b",)
 
 def _fa4_spec(stage: str, d_qk: int, d_v: int) -> KernelSpec:
     return KernelSpec(
-        op="mla_attention", name=f"fa4_{stage}_d{d_qk}_{d_v}", compile=_fa4_compiler(stage, d_qk, d_v),
+        op="mla_attention", name=f"fa4_{stage}_d{d_qk}_{d_v}",
+        compile=FA4.compiler(stage=stage, d_qk=d_qk, d_v=d_v),
         expect={a: (rf"\.target {a}\b", _TMA, *_MMA[a]) for a in SUPPORTED_ARCHS},
         forbid={a: _FORBID for a in SUPPORTED_ARCHS},
     )
