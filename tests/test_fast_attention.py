@@ -140,6 +140,14 @@ def test_glue_refuses_bad_inputs_before_any_gpu_work() -> None:
         mla_attention(x, p, *args)
 
 
+def test_causal_attention_refuses_other_dtypes_and_shapes() -> None:
+    q = torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bf16 q, k"):
+        fast_attn.causal_attention(q.float(), q.float(), q.float(), 0.3)
+    with pytest.raises(ValueError, match="bf16 q, k"):
+        fast_attn.causal_attention(q, q[:, :4], q, 0.3)
+
+
 def test_mla64_is_the_spec_in_float64() -> None:
     """The test oracle's own check, on a q-LoRA and a plain-wq layer."""
     for q_lora in (0, 8):
@@ -252,6 +260,13 @@ def test_mla_attention_backward_is_deterministic() -> None:
         assert x.grad is not None
         runs.append(x.grad.clone())
     assert torch.equal(runs[0].view(torch.int16), runs[1].view(torch.int16))
+
+
+@gpu
+def test_mla_attention_empty_batch() -> None:
+    c = _to(_case((1, 4, 64, 2, 16, 8, 16, 0, 16), 9), "cuda")
+    y = mla_attention(c["x"][:0], c["p"], c["cos"], c["sin"], *c["dims"], c["scale"], 1e-6)
+    assert y.shape == (0, 4, 64) and y.dtype == torch.bfloat16
 
 
 @gpu

@@ -120,6 +120,10 @@ def flash_interface(arch: str) -> ModuleType:
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float) -> Tensor:
     """softmax(q k^T * scale, causal) v over [B, S, H, D] bf16 through FA4: fp32 scores and softmax in
     registers, bf16 probabilities into the PV product, bf16 out; differentiable."""
+    if q.dim() != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3] or \
+            {q.dtype, k.dtype, v.dtype} != {torch.bfloat16}:
+        got = ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in (q, k, v))
+        raise ValueError(f"causal_attention: takes bf16 q, k [B, S, H, D_qk] and v [B, S, H, D_v], got {got}")
     _, arch = runtime.device_arch(q, k, v)
     check_head_dims(arch, q.shape[-1], v.shape[-1])
     fa = flash_interface(arch)
@@ -163,6 +167,8 @@ def mla_attention(
     _check_params(p, dim, h, dn, dr, dv)
     _, arch = runtime.device_arch(x, cos, sin)
     check_head_dims(arch, dn + dr, dv)
+    if x.numel() == 0:
+        return x.new_zeros(x.shape)
 
     def lin(t: Tensor, w: Tensor) -> Tensor:
         return F.linear(t, w.to(x.dtype))
