@@ -13,11 +13,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    x0 = xf[..., 0::2]\n"
         "    x1 = xf[..., 1::2]\n"
         "    y = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)\n"
-        "    return y.flatten(-2).to(x.dtype)",
+        "    return round_to(y.flatten(-2), x.dtype)",
         "    half = xf.shape[-1] // 2\n"
         "    x0 = xf[..., :half]\n"
         "    x1 = xf[..., half:]\n"
-        "    return torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).to(x.dtype)",
+        "    return round_to(torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1), x.dtype)",
         "rope rotates (x[i], x[i + D/2]) half-split pairs instead of interleaved (x[2i], x[2i+1])", TESTS,
         ("rope",),
     ),

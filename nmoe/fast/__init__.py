@@ -12,4 +12,6 @@ FAST_MODULES: tuple[str, ...] = (
     "nmoe.fast.norm",
     "nmoe.fast.loss",
     "nmoe.fast.optim",
+    "nmoe.fast.rope",
+    "nmoe.fast.attention",
 )

@@ -8,6 +8,8 @@ import math
 import torch
 from torch import Tensor
 
+from nmoe.reference.formats import round_to
+
 
 def _yarn_active(max_seq_len: int, original_seq_len: int) -> bool:
     return max_seq_len > original_seq_len
@@ -112,7 +114,8 @@ def _check_apply(x: Tensor, cos: Tensor, sin: Tensor) -> None:
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate pairs (x[2i], x[2i+1]) by angle; cos/sin [S, D/2] broadcast against x[..., S, D/2].
 
-    Math in fp32 (fp64 for fp64 inputs): y0 = x0*c - x1*s, y1 = x0*s + x1*c; rounded once to x.dtype.
+    Math in fp32 (fp64 for fp64 inputs): y0 = x0*c - x1*s, y1 = x0*s + x1*c; rounded once to x.dtype,
+    every NaN canonical (docs/spec-corners.md).
     """
     _check_apply(x, cos, sin)
     acc = torch.promote_types(torch.promote_types(x.dtype, torch.float32), cos.dtype)
@@ -122,7 +125,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x0 = xf[..., 0::2]
     x1 = xf[..., 1::2]
     y = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
-    return y.flatten(-2).to(x.dtype)
+    return round_to(y.flatten(-2), x.dtype)
 
 
 def apply_rope_bwd(dy: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

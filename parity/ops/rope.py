@@ -1,4 +1,5 @@
-"""Rotary embedding (apply_rope)."""
+"""Rotary embedding (apply_rope, apply_rope_bwd): bitwise against a float64 oracle of the spec's fp32
+steps."""
 
 from __future__ import annotations
 
@@ -8,13 +9,8 @@ import torch
 from hypothesis import strategies as st
 from torch import Tensor
 
-from parity.compare import (
-    Contract,
-)
-from parity.entry import (
-    CANCEL,
-    OpEntry,
-)
+from parity.compare import BITWISE, Contract
+from parity.entry import OpEntry
 from parity.inputs import (
     I,
     Inputs,
@@ -28,10 +24,7 @@ from parity.inputs import (
     uniform,
     with_adv,
 )
-from parity.oracles import (
-    Expect,
-    d,
-)
+from parity.oracles import Expect, d, f32, spec_out
 
 
 def space_rope(big: bool) -> st.SearchStrategy[dict[str, Any]]:
@@ -58,16 +51,28 @@ def make_rope(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
     return Inputs((x, cos, sin), shape={"B": b, "H": h, "S": s, "D": d}, dtype=q["dtype"])
 
 
-def rope(inp: Inputs, c: Contract) -> list[Expect | None]:
-    """y0 = x0*c - x1*s cancels; two fp32 products and one add give |err| <= 2u(|x0 c| + |x1 s|)."""
-    x, cos, sin = d(inp.args[0]), d(inp.args[1]), d(inp.args[2])
+def _rotate64(x: Tensor, cos: Tensor, sin: Tensor, dtype: torch.dtype) -> list[Expect | None]:
+    """Each fp32 product is exact in float64, then rounded once (f32); the fp64 sum of two fp32 values
+    rounded to fp32 is correctly rounded (53 >= 2*24 + 2 bits); then one rounding to x's dtype."""
     x0, x1 = x[..., 0::2], x[..., 1::2]
-    val = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-    mag = torch.stack(((x0 * cos).abs() + (x1 * sin).abs(), (x0 * sin).abs() + (x1 * cos).abs()), -1).flatten(
-        -2
-    )
-    return [Expect(val, mag=mag, k=2.0)]
+    y0 = f32(f32(x0 * cos) - f32(x1 * sin))
+    y1 = f32(f32(x0 * sin) + f32(x1 * cos))
+    return [spec_out(torch.stack((y0, y1), dim=-1).flatten(-2), dtype)]
 
+
+def rope(inp: Inputs, c: Contract) -> list[Expect | None]:
+    """y0 = x0*c - x1*s, y1 = x0*s + x1*c: every fp32 step the spec pins, so the bits are exact."""
+    x, cos, sin = inp.args
+    return _rotate64(d(x), d(cos), d(sin), x.dtype)
+
+
+def rope_bwd(inp: Inputs, c: Contract) -> list[Expect | None]:
+    """The spec's apply_rope(dy, cos, -sin); negating sin is exact."""
+    dy, cos, sin = inp.args
+    return _rotate64(d(dy), d(cos), -d(sin), dy.dtype)
+
+
+ROPE_ADV = ("nan", "inf", "denormal", "zero", "single_token")
 
 ENTRIES: list[OpEntry] = [
     OpEntry(
@@ -76,9 +81,22 @@ ENTRIES: list[OpEntry] = [
         fn="apply_rope",
         space=space_rope,
         make=make_rope,
-        contract=CANCEL,
+        contract=BITWISE,
         oracle=rope,
-        adversarial=("nan", "inf", "denormal", "zero", "single_token"),
+        adversarial=ROPE_ADV,
+        dtypes=("bf16", "fp32"),
+        ref64=True,
+    ),
+    OpEntry(
+        name="rope_bwd",
+        module="rope",
+        fn="apply_rope_bwd",
+        space=space_rope,
+        make=make_rope,
+        contract=BITWISE,
+        oracle=rope_bwd,
+        adversarial=ROPE_ADV,
+        dtypes=("bf16", "fp32"),
         ref64=True,
     ),
 ]

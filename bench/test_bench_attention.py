@@ -1,0 +1,93 @@
+"""Causal attention at MLA head dims (q/k 192, v 128): flash-attn-4 as nmoe.fast.attention calls it vs cuDNN
+SDPA in the same run, forward and forward+backward.
+
+FLOP floor (causal, half the score matrix): fwd = 2 * B * H * S^2 * (192 + 128) / 2; fwd+bwd = 3.5 x fwd
+(the backward's five matmuls against the forward's two). Timing: CUDA events around eager calls, L2 flushed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from conftest import cuda_median_ms, mismatch, record
+from torch import Tensor
+
+B, S, H, D_QK, D_V = 8, 4096, 16, 192, 128
+SHAPE = {"B": B, "S": S, "H": H, "D_qk": D_QK, "D_v": D_V}
+FWD_FLOPS = 2.0 * B * H * S * S * (D_QK + D_V) / 2
+SCALE = D_QK**-0.5
+
+
+def _inputs(grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def t(d: int) -> Tensor:
+        x = torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        return x.requires_grad_(grad)
+
+    return t(D_QK), t(D_QK), t(D_V), torch.randn(B, S, H, D_V, device="cuda", dtype=torch.bfloat16,
+                                                  generator=g)
+
+
+def _cudnn(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """torch SDPA pinned to cuDNN; it takes [B, H, S, D], so the transposes are views."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True, scale=SCALE)
+    return o.transpose(1, 2)
+
+
+def _fa4_nondeterministic(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    from flash_attn.cute.interface import flash_attn_func
+
+    out = flash_attn_func(q, k, v, softmax_scale=SCALE, causal=True, deterministic=False)
+    o: Tensor = out[0] if isinstance(out, tuple) else out
+    return o
+
+
+def _fwd_bwd(attn: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k: Tensor, v: Tensor,
+             do: Tensor) -> Callable[[], object]:
+    def step() -> object:
+        return torch.autograd.grad(attn(q, k, v), (q, k, v), do)
+
+    return step
+
+
+def _rows(benchmark: Any, name: str, flops: float, fast: Callable[[], object],
+          baselines: dict[str, Callable[[], object]]) -> None:
+    ms = cuda_median_ms(fast)
+    timed = {n: cuda_median_ms(fn) for n, fn in baselines.items()}
+    row = record(name, SHAPE, ms, flops=flops, baseline=("cudnn_sdpa", timed["cudnn_sdpa"]))
+    row["baselines"] = [{"name": n, "ms": t, "tflops": flops / (t * 1e-3) / 1e12, "timing": "eager"}
+                        for n, t in timed.items()]
+    benchmark.extra_info.update(row)
+    benchmark.pedantic(lambda: (fast(), torch.cuda.synchronize()), rounds=3, iterations=1, warmup_rounds=1)
+
+
+def test_bench_causal_attention_fwd(benchmark: Any) -> None:
+    from nmoe.fast.attention import causal_attention
+
+    q, k, v, _ = _inputs(False)
+    check = mismatch(causal_attention(q, k, v, SCALE), _cudnn(q, k, v), rtol=2**-6, atol=2**-6)
+    assert check is None, f"FA4 and cuDNN disagree beyond bf16 noise: {check}"
+    _rows(benchmark, "causal_attention_fwd", FWD_FLOPS, lambda: causal_attention(q, k, v, SCALE),
+          {"cudnn_sdpa": lambda: _cudnn(q, k, v),
+           "fa4_nondeterministic": lambda: _fa4_nondeterministic(q, k, v)})
+
+
+def test_bench_causal_attention_fwd_bwd(benchmark: Any) -> None:
+    from nmoe.fast.attention import causal_attention
+
+    q, k, v, do = _inputs(True)
+
+    def fast(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+        return causal_attention(a, b, c, SCALE)
+
+    _rows(benchmark, "causal_attention_fwd_bwd", 3.5 * FWD_FLOPS, _fwd_bwd(fast, q, k, v, do),
+          {"cudnn_sdpa": _fwd_bwd(_cudnn, q, k, v, do),
+           "fa4_nondeterministic": _fwd_bwd(_fa4_nondeterministic, q, k, v, do)})

@@ -1,0 +1,40 @@
+"""mla.fast_*: defects in the fast MLA glue (nmoe/fast/attention.py): what it passes to flash-attn-4 and
+what it rotates; GPU host only."""
+
+from __future__ import annotations
+
+from mutations.model import Mutation, sep_mutation
+
+FILE = "nmoe/fast/attention.py"
+TESTS = "tests/test_fast_attention.py"
+
+MUTATIONS: tuple[Mutation, ...] = (
+    sep_mutation(
+        "mla.fast_causal_off_by_one", FILE,
+        "softmax_scale=softmax_scale, causal=True, deterministic=DETERMINISTIC)",
+        "softmax_scale=softmax_scale, window_size=(None, 1), deterministic=DETERMINISTIC)",
+        "each query also sees the next token (FA4 local window right = 1 instead of the causal mask)", TESTS,
+        ("mla_attention",), device="gpu",
+    ),
+    sep_mutation(
+        "mla.fast_softmax_scale_no_mscale", FILE,
+        "fa.flash_attn_func(q, k, v, softmax_scale=softmax_scale,",
+        "fa.flash_attn_func(q, k, v, softmax_scale=None,",
+        "FA4 uses its default scale qk_head_dim^-0.5, dropping the YaRN mscale^2 the caller passed", TESTS,
+        ("mla_attention",), device="gpu",
+    ),
+    sep_mutation(
+        "mla.fast_rope_on_nope_part", FILE,
+        "    q_pe = apply_rope(q[..., dn:], cos_s.unsqueeze(1), sin_s.unsqueeze(1))\n",
+        "    q_pe = apply_rope(q[..., :dr], cos_s.unsqueeze(1), sin_s.unsqueeze(1))\n",
+        "rope rotates the first qk_rope_head_dim dims of q's nope part instead of its rope part", TESTS,
+        ("mla_attention",), device="gpu",
+    ),
+    sep_mutation(
+        "mla.fast_k_rope_dropped", FILE,
+        "    k_pe = apply_rope(k_pe, cos_s, sin_s)\n",
+        "    k_pe = k_pe\n",
+        "the shared rope key is never rotated (only q carries positions)", TESTS, ("mla_attention",),
+        device="gpu",
+    ),
+)

@@ -1,0 +1,306 @@
+"""Fast MLA attention: cuBLAS projections (torch), the fast rmsnorm and rope, causal flash-attn-4 (CuTeDSL).
+
+flash-attn-4 loads cutlass at import, so it is imported only after runtime.import_cutlass(arch). Its
+compile checks run under torch's FakeTensorMode with FLASH_ATTENTION_ARCH set, as FA4 supports for CPU hosts.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from nmoe.fast import runtime
+from nmoe.fast.arch import SUPPORTED_ARCHS, ArchError, ArchNotImplemented
+from nmoe.fast.norm import rmsnorm
+from nmoe.fast.op import Kernel
+from nmoe.fast.rope import apply_rope, yarn_mscale
+from nmoe.fast.runtime import KernelSpec
+
+# The backward accumulates dq in a fixed order (FA4's semaphore path): training resumes bitwise.
+DETERMINISTIC = True
+# Head dims FA4 4.0.0b36 runs per arch (its _validate_head_dims): sm_90a any multiple of 8 in [8, 256];
+# sm_100a multiples of 8 up to 128, plus DeepSeek's (192, 128) and (256, 256).
+_HEAD_ALIGN = 8
+_SM100_EXTRA = ((192, 128), (256, 256))
+# SM counts FA4 sizes its schedule for when compiled without a GPU (H100/H200, B200).
+_CHECK_SMS = {"sm_90a": 132, "sm_100a": 148}
+
+
+@dataclass(frozen=True)
+class MLAParams:
+    """One MLA layer's weights in nn.Linear layout [out, in], field for field the spec's MLAParams.
+
+    q_lora_rank=0: set wq only; otherwise set wq_a, q_norm, wq_b and leave wq None.
+    """
+
+    wkv_a: Tensor  # [kv_lora_rank + qk_rope_head_dim, dim]
+    kv_norm: Tensor  # [kv_lora_rank]
+    wkv_b: Tensor  # [n_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]
+    wo: Tensor  # [dim, n_heads * v_head_dim]
+    wq: Tensor | None = None  # [n_heads * (qk_nope_head_dim + qk_rope_head_dim), dim]
+    wq_a: Tensor | None = None  # [q_lora_rank, dim]
+    q_norm: Tensor | None = None  # [q_lora_rank]
+    wq_b: Tensor | None = None  # [n_heads * (qk_nope_head_dim + qk_rope_head_dim), q_lora_rank]
+
+
+def mla_softmax_scale(qk_head_dim: int, rope_factor: float, mscale: float, max_seq_len: int,
+                      original_seq_len: int) -> float:
+    """qk_head_dim^-0.5 times the YaRN mscale squared, as the spec pins it (DeepSeek-V3)."""
+    if qk_head_dim < 1:
+        raise ValueError(f"mla_softmax_scale: qk_head_dim={qk_head_dim} must be >= 1")
+    m = yarn_mscale(rope_factor, mscale, max_seq_len, original_seq_len)
+    return math.pow(qk_head_dim, -0.5) * m * m
+
+
+def check_head_dims(arch: str, d_qk: int, d_v: int) -> None:
+    """Refuse head dims FA4 has no kernel for on `arch`, naming the ones it has."""
+    aligned = d_qk % _HEAD_ALIGN == 0 and d_v % _HEAD_ALIGN == 0
+    if arch == "sm_90a":
+        ok = aligned and 8 <= d_qk <= 256 and 8 <= d_v <= 256
+        have = "multiples of 8 in [8, 256]"
+    else:
+        ok = aligned and ((8 <= d_qk <= 128 and 8 <= d_v <= 128) or (d_qk, d_v) in _SM100_EXTRA)
+        have = "multiples of 8 up to 128, or (192, 128), or (256, 256)"
+    if not ok:
+        raise ArchNotImplemented(
+            f"mla_attention: flash-attn-4 has no {arch} kernel for q/k head dim {d_qk} "
+            f"(= qk_nope_head_dim + qk_rope_head_dim) and v head dim {d_v}; it runs {have}. Pick such head "
+            "dims in the model config, or use nmoe.reference.attention"
+        )
+
+
+def _expect(name: str, t: Tensor | None, shape: tuple[int, ...]) -> Tensor:
+    if t is None or tuple(t.shape) != shape:
+        got = None if t is None else tuple(t.shape)
+        raise ValueError(f"mla_attention: {name} has shape {got}, expected {shape} from the given head dims")
+    return t
+
+
+def _check_params(p: MLAParams, dim: int, n_heads: int, d_nope: int, d_rope: int, d_v: int) -> None:
+    d_qk = d_nope + d_rope
+    if (p.wq is None) == (p.wq_a is None):
+        raise ValueError("mla_attention: set exactly one of wq (q_lora_rank=0) or wq_a/q_norm/wq_b (q LoRA)")
+    if p.wq is not None:
+        _expect("wq", p.wq, (n_heads * d_qk, dim))
+        if p.q_norm is not None or p.wq_b is not None:
+            raise ValueError("mla_attention: wq is set, so q_norm and wq_b must be None (q_lora_rank=0)")
+    else:
+        assert p.wq_a is not None
+        r_q = int(p.wq_a.shape[0])
+        _expect("wq_a", p.wq_a, (r_q, dim))
+        _expect("q_norm", p.q_norm, (r_q,))
+        _expect("wq_b", p.wq_b, (n_heads * d_qk, r_q))
+    r_kv = int(p.kv_norm.shape[0])
+    _expect("wkv_a", p.wkv_a, (r_kv + d_rope, dim))
+    _expect("wkv_b", p.wkv_b, (n_heads * (d_nope + d_v), r_kv))
+    _expect("wo", p.wo, (dim, n_heads * d_v))
+
+
+def flash_interface(arch: str) -> ModuleType:
+    """flash_attn.cute.interface, imported after cutlass is fixed to `arch`."""
+    runtime.import_cutlass(arch)
+    import flash_attn.cute.interface as fa
+
+    module: ModuleType = fa
+    return module
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float) -> Tensor:
+    """softmax(q k^T * scale, causal) v over [B, S, H, D] bf16 through FA4: fp32 scores and softmax in
+    registers, bf16 probabilities into the PV product, bf16 out; differentiable."""
+    if q.dim() != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3] or \
+            {q.dtype, k.dtype, v.dtype} != {torch.bfloat16}:
+        got = ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in (q, k, v))
+        raise ValueError(f"causal_attention: takes bf16 q, k [B, S, H, D_qk] and v [B, S, H, D_v], got {got}")
+    _, arch = runtime.device_arch(q, k, v)
+    check_head_dims(arch, q.shape[-1], v.shape[-1])
+    fa = flash_interface(arch)
+    out = fa.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=True, deterministic=DETERMINISTIC)
+    o: Tensor = out[0] if isinstance(out, tuple) else out
+    return o
+
+
+def mla_attention(
+    x: Tensor,
+    p: MLAParams,
+    cos: Tensor,
+    sin: Tensor,
+    n_heads: int,
+    qk_nope_head_dim: int,
+    qk_rope_head_dim: int,
+    v_head_dim: int,
+    softmax_scale: float,
+    norm_eps: float,
+) -> Tensor:
+    """Causal MLA over bf16 x [B, S, dim] -> [B, S, dim]; cos/sin fp32 [>=S, rope/2] from yarn_cos_sin.
+
+    Every intermediate is bf16 (projections accumulate in fp32); differentiable in x and every weight.
+    """
+    if x.dim() != 3 or x.dtype != torch.bfloat16:
+        raise ValueError(f"mla_attention: fast path takes bf16 x [B, S, dim], got {x.dtype} "
+                         f"{tuple(x.shape)}; cast x to bf16, or use nmoe.reference.attention")
+    if min(n_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim) < 1 or qk_rope_head_dim % 2:
+        raise ValueError(
+            f"mla_attention: n_heads={n_heads}, qk_nope_head_dim={qk_nope_head_dim}, "
+            f"qk_rope_head_dim={qk_rope_head_dim}, v_head_dim={v_head_dim} must be >= 1 (rope dim even)"
+        )
+    b, s, dim = x.shape
+    dn, dr, dv, h = qk_nope_head_dim, qk_rope_head_dim, v_head_dim, n_heads
+    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] < s or cos.shape[1] != dr // 2:
+        raise ValueError(
+            f"mla_attention: cos/sin shapes {tuple(cos.shape)}/{tuple(sin.shape)} must be "
+            f"[>= {s}, {dr // 2}]; build them with nmoe.fast.rope.yarn_cos_sin(max_seq_len, "
+            "qk_rope_head_dim, ...)"
+        )
+    _check_params(p, dim, h, dn, dr, dv)
+    _, arch = runtime.device_arch(x, cos, sin)
+    check_head_dims(arch, dn + dr, dv)
+    if x.numel() == 0:
+        return x.new_zeros(x.shape)
+
+    def lin(t: Tensor, w: Tensor) -> Tensor:
+        return F.linear(t, w.to(x.dtype))
+
+    cos_s, sin_s = cos[:s], sin[:s]
+    if p.wq is not None:
+        q = lin(x, p.wq)
+    else:
+        assert p.wq_a is not None and p.q_norm is not None and p.wq_b is not None
+        q = lin(rmsnorm(lin(x, p.wq_a), p.q_norm, norm_eps), p.wq_b)
+    q = q.view(b, s, h, dn + dr)
+    q_pe = apply_rope(q[..., dn:], cos_s.unsqueeze(1), sin_s.unsqueeze(1))
+    q = torch.cat((q[..., :dn], q_pe), dim=-1)
+
+    c_kv, k_pe = torch.split(lin(x, p.wkv_a), [int(p.kv_norm.shape[0]), dr], dim=-1)
+    k_pe = apply_rope(k_pe, cos_s, sin_s)
+    kv = lin(rmsnorm(c_kv, p.kv_norm, norm_eps), p.wkv_b).view(b, s, h, dn + dv)
+    k = torch.cat((kv[..., :dn], k_pe.unsqueeze(2).expand(b, s, h, dr)), dim=-1)
+    o = causal_attention(q, k, kv[..., dn:], softmax_scale)
+    return lin(o.reshape(b, s, h * dv), p.wo)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Compile checks: FA4 compiled for one arch on a host without a GPU, its PTX kept.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _fake_semaphore(x: Tensor, leading_dim: int, alignment: int = 16, static_modes: Any = None,
+                    stride_order: Any = None) -> Any:
+    """FA4's semaphore conversion (utils.convert_from_dlpack_leading_static) through the TVM-FFI DLPack
+    path, the one its other tensors take: the plain path asks CUDA for a fake tensor's device."""
+    from cutlass.cute.runtime import from_dlpack
+
+    order = x.dim_order() if stride_order is None else stride_order
+    t = from_dlpack(x, assumed_align=alignment, enable_tvm_ffi=True)
+    for i in range(x.ndim):
+        if i != leading_dim and (static_modes is None or i not in static_modes):
+            t = t.mark_compact_shape_dynamic(mode=i, stride_order=order)
+    return t
+
+
+@contextmanager
+def _fa4_compile_hooks(fa: ModuleType, directory: str) -> Iterator[None]:
+    """FA4 calls cute.compile itself: add --keep-ptx to those calls, and let its deterministic backward's
+    semaphores convert on fake tensors, for the duration of a compile check."""
+    import cutlass.cute as cute
+
+    original, convert = cute.compile, fa.utils.convert_from_dlpack_leading_static
+
+    def compile_keep(*args: Any, options: str = "", **kwargs: Any) -> Any:
+        return original(*args, options=f"{options} --keep-ptx --dump-dir={directory}".strip(), **kwargs)
+
+    cute.compile = compile_keep  # type: ignore[assignment]
+    fa.utils.convert_from_dlpack_leading_static = _fake_semaphore
+    try:
+        yield
+    finally:
+        cute.compile = original
+        fa.utils.convert_from_dlpack_leading_static = convert
+
+
+def _fa4_target(arch: str) -> None:
+    """Point FA4's kernel choice at `arch` on a host whose GPU (if any) is not the target."""
+    preset = os.environ.get("FLASH_ATTENTION_ARCH")
+    if preset not in (None, arch):
+        raise ArchError(f"FLASH_ATTENTION_ARCH={preset} but {arch} was requested; compile in a fresh process")
+    os.environ["FLASH_ATTENTION_ARCH"] = arch
+    os.environ.setdefault("FLASH_ATTENTION_NUM_SMS", str(_CHECK_SMS[arch]))
+    fa = flash_interface(arch)
+    if fa._get_device_arch() != int(arch[3:-1]):
+        raise ArchError(f"flash-attn-4 in this process already targets sm_{fa._get_device_arch()}; "
+                        f"compile {arch} in a fresh process (python -m nmoe.fast.compilecheck --arch {arch})")
+
+
+def fa4_ptx(stage: str, d_qk: int, d_v: int, arch: str) -> str:
+    """PTX of FA4's causal bf16 forward (stage 'fwd') or its backward kernels ('bwd'), compiled on fake
+    tensors (no GPU, no memory) exactly as causal_attention calls them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _fa4_target(arch)
+    fa = flash_interface(arch)
+    for stage_fn in (fa._flash_attn_fwd, fa._flash_attn_bwd, fa._bwd_preprocess, fa._bwd_postprocess_convert):
+        stage_fn.compile_cache.clear()  # a cached kernel would be reused without writing its PTX
+    scale = d_qk**-0.5
+    with tempfile.TemporaryDirectory(prefix="nmoe-fa4-") as d, _fa4_compile_hooks(fa, d), FakeTensorMode():
+        def t(dim: int) -> Tensor:
+            return torch.empty(2, 256, 4, dim, dtype=torch.bfloat16, device="cuda")
+
+        q, k, v = t(d_qk), t(d_qk), t(d_v)
+        out, lse, *_ = fa._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True)
+        if stage == "bwd":
+            fa._flash_attn_bwd(q, k, v, out, torch.empty_like(out), lse, scale, True,
+                               deterministic=DETERMINISTIC)
+        paths = sorted(glob.glob(os.path.join(d, "*.ptx")))
+        want = "Backward" if stage == "bwd" else "Forward"
+        ptx = [Path(p).read_text() for p in paths if want in Path(p).name]
+    if not ptx:
+        raise RuntimeError(f"flash-attn-4 wrote no {stage} PTX for {arch} (an FA4 compile cache hit? unset "
+                           "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED)")
+    return "\n".join(ptx)
+
+
+def _no_build(kernels: ModuleType, **spec: Any) -> tuple[Any, tuple[Any, ...]]:
+    raise TypeError("flash-attn-4 builds and launches its own kernels (flash_attn_func); only ptx() applies")
+
+
+@dataclass(frozen=True)
+class FA4Kernel(Kernel):
+    """FA4's kernels of one stage as a Kernel: FA4 compiles them itself, so ptx() runs that compile; the
+    module is this glue, whose import graph holds every nmoe source the op runs."""
+
+    def ptx(self, arch: str, **spec: Any) -> str:
+        return fa4_ptx(spec["stage"], spec["d_qk"], spec["d_v"], arch)
+
+
+FA4 = FA4Kernel("nmoe.fast.attention", "fa4", _no_build)
+
+
+# Hopper runs warpgroup MMAs, Blackwell tcgen05 MMAs, both fed by TMA; a spill would be local memory.
+_MMA = {"sm_90a": (r"\bwgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16\b",),
+        "sm_100a": (r"\btcgen05\.mma\.cta_group::[12]\.kind::f16\b",)}
+_TMA = r"\bcp\.async\.bulk\.tensor\.4d\b"
+_FORBID = (r"\b(ld|st)\.local\b",)
+
+
+def _fa4_spec(stage: str, d_qk: int, d_v: int) -> KernelSpec:
+    return KernelSpec(
+        op="mla_attention", name=f"fa4_{stage}_d{d_qk}_{d_v}",
+        compile=FA4.compiler(stage=stage, d_qk=d_qk, d_v=d_v),
+        expect={a: (rf"\.target {a}\b", _TMA, *_MMA[a]) for a in SUPPORTED_ARCHS},
+        forbid={a: _FORBID for a in SUPPORTED_ARCHS},
+    )
+
+
+KERNELS: tuple[KernelSpec, ...] = (_fa4_spec("fwd", 192, 128), _fa4_spec("bwd", 192, 128))

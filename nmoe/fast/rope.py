@@ -1,0 +1,195 @@
+"""Fast rope: apply_rope fwd/bwd as CuTeDSL kernels (nmoe/fast/kernels/rope.py) behind torch custom ops, and
+the YaRN cos/sin tables the fast model builds once.
+
+nmoe::apply_rope carries autograd (bwd = nmoe::apply_rope_bwd); cos/sin are constant tables (no gradient).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from nmoe.fast import runtime
+from nmoe.fast.limits import VEC_BYTES
+from nmoe.fast.op import Kernel, fast_op, save_inputs
+from nmoe.fast.runtime import KernelSpec
+
+ROPE_FWD = Kernel.by_name("nmoe.fast.kernels.rope", "rope_fwd")
+ROPE_BWD = Kernel.by_name("nmoe.fast.kernels.rope", "rope_bwd")
+_DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+@dataclass(frozen=True)
+class TablePlan:
+    """x viewed as [outer, S, inner, D]: the cos/sin row of an x row is (row // inner) % S."""
+
+    s_len: int
+    inner: int
+
+
+def table_plan(x: Tensor, cos: Tensor, sin: Tensor) -> TablePlan:
+    """Checks the spec's broadcast (cos/sin [..., S, D/2] against x[..., S, D/2]) in the form the kernel
+    takes: a table indexed by position only, [S, 1, ..., 1, D/2] after leading ones."""
+    if x.dim() < 1 or x.shape[-1] % 2:
+        raise ValueError(f"apply_rope: last dim of x {tuple(x.shape)} must be even (interleaved pairs)")
+    half = x.shape[-1] // 2
+    if cos.shape != sin.shape or cos.dim() < 1 or cos.shape[-1] != half:
+        raise ValueError(
+            f"apply_rope: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must share a shape ending in "
+            f"{half} (= x.shape[-1] // 2); slice the tables to [:S] and match x's layout"
+        )
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise ValueError(f"apply_rope: fast tables are fp32, got cos {cos.dtype}, sin {sin.dtype}; build "
+                         "them with nmoe.fast.rope.yarn_cos_sin")
+    dims = list(cos.shape[:-1])
+    while dims and dims[0] == 1:
+        dims.pop(0)
+    if len(dims) > x.dim() - 1 or any(v != 1 for v in dims[1:]):
+        raise ValueError(
+            f"apply_rope: fast tables are indexed by position only: cos {tuple(cos.shape)} must be "
+            f"[S, 1, ..., 1, {half}] against x {tuple(x.shape)}; expand per-head angles into x's layout"
+        )
+    if not dims:
+        return TablePlan(1, 1)
+    axis = x.dim() - 1 - len(dims)
+    if x.shape[axis] != dims[0]:
+        raise ValueError(f"apply_rope: cos {tuple(cos.shape)} has {dims[0]} positions but x {tuple(x.shape)} "
+                         f"has {x.shape[axis]} on that axis; slice the tables to [:S]")
+    return TablePlan(dims[0], math.prod(x.shape[axis + 1:-1]))
+
+
+def _aligned(t: Tensor, nbytes: int) -> Tensor:
+    t = t.contiguous()
+    return t if t.data_ptr() % nbytes == 0 else t.clone()
+
+
+def _vec(d: int, dtype: torch.dtype) -> int:
+    """128-bit vectors of x when D allows them; else one pair per thread."""
+    wide = VEC_BYTES // (2 if dtype == torch.bfloat16 else 4)
+    return wide if d % wide == 0 else 2
+
+
+def _launch(kernel: Kernel, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    plan = table_plan(x, cos, sin)
+    if x.dtype not in _DTYPE_NAMES:
+        raise ValueError(f"{kernel.name}: fast rope takes bf16 or fp32 x, got {x.dtype}; cast it, or use "
+                         "nmoe.reference.rope for other dtypes")
+    device, arch = runtime.device_arch(x, cos, sin)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return y
+    d = x.shape[-1]
+    vec = _vec(d, x.dtype)
+    xc = _aligned(x, vec * x.element_size())
+    cc, sc = _aligned(cos, vec * 2), _aligned(sin, vec * 2)
+    launcher = kernel.launcher(arch, dtype=_DTYPE_NAMES[x.dtype], vec=vec, d=d)
+    launcher(device, xc.data_ptr(), cc.data_ptr(), sc.data_ptr(), y.data_ptr(), x.numel(), plan.inner,
+             plan.s_len)
+    return y
+
+
+def _rope_impl(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return _launch(ROPE_FWD, x, cos, sin)
+
+
+def _rope_bwd_impl(dy: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return _launch(ROPE_BWD, dy, cos, sin)
+
+
+def _rope_fake(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+_rope_op = fast_op("apply_rope", _rope_impl, _rope_fake)
+_rope_bwd_op = fast_op("apply_rope_bwd", _rope_bwd_impl, _rope_fake)
+
+
+def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+    cos, sin = ctx.saved_tensors
+    return _rope_bwd_op(grad.contiguous(), cos, sin), None, None
+
+
+_rope_op.autograd(_backward, save_inputs(1, 2))
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs (x[2i], x[2i+1]): y0 = x0*c - x1*s, y1 = x0*s + x1*c in fp32, rounded once to x.dtype;
+    cos/sin fp32 [S, 1.., D/2] broadcast against x[..., S, .., D/2]; differentiable in x."""
+    return _rope_op(x, cos, sin)
+
+
+def apply_rope_bwd(dy: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """dy rotated by the negated angle (the rotation is orthogonal), bitwise apply_rope(dy, cos, -sin)."""
+    return _rope_bwd_op(dy, cos, sin)
+
+
+def yarn_inv_freq(max_seq_len: int, rope_dim: int, rope_theta: float, rope_factor: float,
+                  original_seq_len: int, beta_fast: float, beta_slow: float) -> Tensor:
+    """fp32 [rope_dim//2] YaRN frequencies (DeepSeek-V3), the spec's fp64 steps on the host; the fast path
+    may not import the spec, so a CPU test holds this copy bitwise to nmoe.reference.rope."""
+    if max_seq_len < 1 or original_seq_len < 1 or rope_dim < 2 or rope_dim % 2:
+        raise ValueError(f"yarn: max_seq_len={max_seq_len}, original_seq_len={original_seq_len} must be >= 1 "
+                         f"and rope_dim={rope_dim} even and >= 2")
+    if not (rope_theta > 1.0 and rope_factor >= 1.0 and beta_fast > beta_slow > 0.0):
+        raise ValueError(f"yarn: need rope_theta={rope_theta} > 1, rope_factor={rope_factor} >= 1 and "
+                         f"beta_fast={beta_fast} > beta_slow={beta_slow} > 0 (DeepSeek-V3: 1e4, 40, 32, 1)")
+    idx = torch.arange(0, rope_dim, 2, dtype=torch.float64)
+    freq = 1.0 / rope_theta ** (idx / rope_dim)
+    if max_seq_len > original_seq_len:
+        def corr(n_rot: float) -> float:
+            return rope_dim * math.log(original_seq_len / (n_rot * 2 * math.pi)) / (2 * math.log(rope_theta))
+
+        low = max(math.floor(corr(beta_fast)), 0)
+        high = min(math.ceil(corr(beta_slow)), rope_dim - 1)
+        span = (high - low) if high != low else 0.001
+        ramp = ((torch.arange(rope_dim // 2, dtype=torch.float64) - low) / span).clamp(0.0, 1.0)
+        smooth = 1.0 - ramp
+        freq = freq / rope_factor * (1.0 - smooth) + freq * smooth
+    return freq.to(torch.float32)
+
+
+def yarn_cos_sin(max_seq_len: int, rope_dim: int, rope_theta: float, rope_factor: float,
+                 original_seq_len: int, beta_fast: float, beta_slow: float,
+                 device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
+    """(cos, sin) fp32 [max_seq_len, rope_dim//2] on `device`, built once per model on the host in fp64:
+    CUDA's fp64 cos/sin are not correctly rounded, so a device build could differ from the spec by an ulp."""
+    freq = yarn_inv_freq(max_seq_len, rope_dim, rope_theta, rope_factor, original_seq_len, beta_fast,
+                         beta_slow)
+    angle = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freq).to(torch.float64)
+    cos, sin = torch.cos(angle).to(torch.float32), torch.sin(angle).to(torch.float32)
+    return cos.to(device), sin.to(device)
+
+
+def yarn_mscale(rope_factor: float, mscale: float, max_seq_len: int, original_seq_len: int) -> float:
+    """YaRN temperature 0.1*mscale*ln(factor)+1 (1 when YaRN is off), as the spec pins it."""
+    if max_seq_len <= original_seq_len or rope_factor <= 1.0:
+        return 1.0
+    return 0.1 * mscale * math.log(rope_factor) + 1.0
+
+
+# ftz would flush subnormal products the spec keeps; fma (or mul/add without .rn, which ptxas may contract)
+# would skip the spec's rounding of each product; local memory means spills.
+_FORBID = (r"\.ftz\b", r"\bfma(\.rn)?\.f32", r"\b(ld|st)\.local\b", r"\bmul\.f32\b", r"\badd\.f32\b",
+           r"\bsub\.f32\b")
+_ROUNDED = (r"\bmul\.rn\.f32\b", r"\bsub\.rn\.f32\b", r"\badd\.rn\.f32\b", r"\bsetp\.nan\.f32\b")
+_CHECKED = ((64, "bfloat16"), (64, "float32"), (6, "bfloat16"))
+
+
+def _spec(kernel: Kernel, d: int, dtype_name: str) -> KernelSpec:
+    vec = _vec(d, torch.bfloat16 if dtype_name == "bfloat16" else torch.float32)
+    wide = vec * (2 if dtype_name == "bfloat16" else 4) == VEC_BYTES
+    loads = (runtime.LD128, runtime.ST128) if wide else ()
+    cvt = (r"\bcvt\.rn\.bf16(x2)?\.f32\b",) if dtype_name == "bfloat16" else ()
+    name = f"{kernel.name}_d{d}_{dtype_name}"
+    return runtime.portable_spec(kernel.name.removesuffix("_fwd"), name,
+                                 kernel.compiler(dtype=dtype_name, vec=vec, d=d),
+                                 (*loads, *_ROUNDED, *cvt), _FORBID)
+
+
+KERNELS: tuple[KernelSpec, ...] = tuple(
+    _spec(kernel, d, dtype_name) for d, dtype_name in _CHECKED for kernel in (ROPE_FWD, ROPE_BWD)
+)

@@ -1,0 +1,315 @@
+"""nmoe.fast.attention (MLA through flash-attn-4): glue and FA4 compile checks on CPU; on the GPU, outputs
+and gradients against a float64 MLA written here (independent of the spec), within twice the error of the
+same math in bf16 torch ops plus one bf16 ULP of the max (the parity contract), and each catalogued
+mutant's formula shown to differ from the correct one by far more than that."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from fastcompile import assert_rows_ok, compile_rows
+from torch import Tensor
+
+from nmoe.fast import FAST_MODULES
+from nmoe.fast import attention as fast_attn
+from nmoe.fast.arch import SUPPORTED_ARCHS, ArchError, ArchNotImplemented
+from nmoe.fast.attention import KERNELS, MLAParams, check_head_dims, mla_attention, mla_softmax_scale
+from nmoe.fast.rope import yarn_cos_sin
+from nmoe.reference import attention as spec_attn
+
+F64 = torch.float64
+
+
+# ---------------------------------------------------------------------------------------------------
+# The float64 MLA, with the knobs the mutants turn.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _rot(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    t0, t1 = t[..., 0::2], t[..., 1::2]
+    return torch.stack((t0 * cos - t1 * sin, t0 * sin + t1 * cos), -1).flatten(-2)
+
+
+def mla64(x: Tensor, p: MLAParams, cos: Tensor, sin: Tensor, h: int, dn: int, dr: int, dv: int,
+          scale: float, eps: float, future: int = 0, rope_on: str = "pe", k_rope: bool = True,
+          lowprec: torch.dtype = F64) -> Tensor:
+    """MLA with every op in `lowprec` (float64: the oracle; bf16: the baseline the contract scales)."""
+    b, s, _ = x.shape
+    c_, s_ = cos[:s].to(lowprec), sin[:s].to(lowprec)
+
+    def lin(t: Tensor, w: Tensor | None) -> Tensor:
+        assert w is not None
+        return t @ w.to(lowprec).T
+
+    def rms(t: Tensor, w: Tensor | None) -> Tensor:
+        assert w is not None
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * w.to(lowprec)
+
+    xf = x.to(lowprec)
+    q = lin(xf, p.wq) if p.wq is not None else lin(rms(lin(xf, p.wq_a), p.q_norm), p.wq_b)
+    q = q.view(b, s, h, dn + dr).transpose(1, 2)
+    q_nope, q_pe = q[..., :dn], q[..., dn:]
+    q_pe = _rot(q[..., :dr] if rope_on == "nope" else q_pe, c_, s_)
+    c_kv, k_pe = torch.split(lin(xf, p.wkv_a), [p.kv_norm.shape[0], dr], dim=-1)
+    k_pe = _rot(k_pe, c_, s_) if k_rope else k_pe
+    kv = lin(rms(c_kv, p.kv_norm), p.wkv_b).view(b, s, h, dn + dv).transpose(1, 2)
+    k_nope, v = kv[..., :dn], kv[..., dn:]
+    scores = (q_nope @ k_nope.mT + q_pe @ k_pe.unsqueeze(1).mT) * scale
+    masked = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1 + future)
+    probs = torch.softmax(scores.masked_fill(masked, -math.inf), dim=-1)
+    o = (probs @ v).transpose(1, 2).reshape(b, s, h * dv)
+    return lin(o, p.wo)
+
+
+def make(b: int, s: int, dim: int, h: int, dn: int, dr: int, dv: int, q_lora: int, kv_lora: int,
+         seed: int, device: str = "cpu") -> tuple[Tensor, MLAParams]:
+    g = torch.Generator().manual_seed(seed)
+
+    def lin(o: int, i: int) -> Tensor:
+        return (torch.randn(o, i, generator=g, dtype=F64) / math.sqrt(i)).to(torch.bfloat16).to(device)
+
+    def norm_w(n: int) -> Tensor:
+        return (1 + 0.1 * torch.randn(n, generator=g, dtype=F64)).to(torch.bfloat16).to(device)
+
+    p = MLAParams(
+        wkv_a=lin(kv_lora + dr, dim), kv_norm=norm_w(kv_lora), wkv_b=lin(h * (dn + dv), kv_lora),
+        wo=lin(dim, h * dv),
+        wq=lin(h * (dn + dr), dim) if q_lora == 0 else None,
+        wq_a=lin(q_lora, dim) if q_lora else None, q_norm=norm_w(q_lora) if q_lora else None,
+        wq_b=lin(h * (dn + dr), q_lora) if q_lora else None,
+    )
+    x = torch.randn(b, s, dim, generator=g, dtype=F64).to(torch.bfloat16).to(device)
+    return x, p
+
+
+# ---------------------------------------------------------------------------------------------------
+# CPU
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_attention_is_a_fast_module_with_fa4_kernels_for_both_archs() -> None:
+    assert "nmoe.fast.attention" in FAST_MODULES
+    assert sorted(k.name for k in KERNELS) == ["fa4_bwd_d192_128", "fa4_fwd_d192_128"]
+    for spec in KERNELS:
+        assert spec.op == "mla_attention"
+        assert set(spec.expect) == set(spec.forbid) == set(SUPPORTED_ARCHS)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+def test_fa4_compiles_without_gpu(arch: str) -> None:
+    """FA4 under FakeTensorMode, its PTX checked for TMA and the arch's MMA (about a minute per arch)."""
+    rows = compile_rows("nmoe.fast.attention")
+    assert_rows_ok(rows[arch], arch, len(KERNELS))
+
+
+def test_softmax_scale_matches_the_spec() -> None:
+    for args in [(192, 40.0, 0.707, 163840, 4096), (192, 40.0, 1.0, 4096, 4096), (96, 1.0, 1.0, 10, 4)]:
+        assert mla_softmax_scale(*args) == spec_attn.mla_softmax_scale(*args)
+    with pytest.raises(ValueError, match="qk_head_dim"):
+        mla_softmax_scale(0, 1.0, 1.0, 1, 1)
+
+
+@pytest.mark.parametrize(("arch", "d_qk", "d_v", "ok"), [
+    ("sm_90a", 192, 128, True), ("sm_100a", 192, 128, True), ("sm_90a", 160, 64, True),
+    ("sm_100a", 160, 64, False), ("sm_100a", 96, 64, True), ("sm_90a", 12, 8, False),
+    ("sm_90a", 264, 128, False), ("sm_100a", 256, 256, True),
+])
+def test_head_dims_refused_where_fa4_has_no_kernel(arch: str, d_qk: int, d_v: int, ok: bool) -> None:
+    if ok:
+        check_head_dims(arch, d_qk, d_v)
+    else:
+        with pytest.raises(ArchNotImplemented, match=r"nmoe\.reference\.attention"):
+            check_head_dims(arch, d_qk, d_v)
+
+
+def test_glue_refuses_bad_inputs_before_any_gpu_work() -> None:
+    x, p = make(1, 8, 32, 2, 8, 8, 8, 0, 8, 0)
+    cos, sin = yarn_cos_sin(16, 8, 1e4, 1.0, 16, 32.0, 1.0)
+    args = (cos, sin, 2, 8, 8, 8, 0.25, 1e-6)
+    with pytest.raises(ValueError, match="bf16"):
+        mla_attention(x.float(), p, *args)
+    with pytest.raises(ValueError, match=r"cos/sin"):
+        mla_attention(x, p, cos[:4], sin[:4], *args[2:])
+    with pytest.raises(ValueError, match="wo has shape"):
+        mla_attention(x, MLAParams(p.wkv_a, p.kv_norm, p.wkv_b, p.wo.T, wq=p.wq), *args)
+    with pytest.raises(ArchError, match=r"nmoe\.reference"):
+        mla_attention(x, p, *args)
+
+
+def test_causal_attention_refuses_other_dtypes_and_shapes() -> None:
+    q = torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bf16 q, k"):
+        fast_attn.causal_attention(q.float(), q.float(), q.float(), 0.3)
+    with pytest.raises(ValueError, match="bf16 q, k"):
+        fast_attn.causal_attention(q, q[:, :4], q, 0.3)
+
+
+def test_mla64_is_the_spec_in_float64() -> None:
+    """The test oracle's own check, on a q-LoRA and a plain-wq layer."""
+    for q_lora in (0, 8):
+        x, p = make(2, 9, 32, 2, 8, 8, 16, q_lora, 8, q_lora)
+        cos, sin = yarn_cos_sin(32, 8, 1e4, 4.0, 16, 32.0, 1.0)
+        sp = spec_attn.MLAParams(**{f: getattr(p, f) for f in p.__dataclass_fields__})
+        want = spec_attn.mla_attention(x.to(F64), sp, cos, sin, 2, 8, 8, 16, 0.3, 1e-6)
+        got = mla64(x, p, cos, sin, 2, 8, 8, 16, 0.3, 1e-6)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------------
+gpu = pytest.mark.gpu
+# (B, S, dim, heads, d_nope, d_rope, d_v, q_lora, kv_lora)
+SHAPES = [(2, 256, 512, 4, 128, 64, 128, 256, 128), (1, 1000, 256, 2, 64, 32, 64, 0, 64),
+          (2, 1, 64, 2, 16, 8, 16, 32, 32), (1, 77, 128, 3, 32, 32, 32, 0, 32)]
+
+
+def _case(shape: tuple[int, ...], seed: int, scale: float | None = None) -> dict[str, Any]:
+    b, s, dim, h, dn, dr, dv, rq, rkv = shape
+    x, p = make(b, s, dim, h, dn, dr, dv, rq, rkv, seed)
+    cos, sin = yarn_cos_sin(max(s, 8), dr, 1e4, 40.0, 64, 32.0, 1.0)
+    sc = scale if scale is not None else mla_softmax_scale(dn + dr, 40.0, 0.707, max(s, 8), 64)
+    return {"x": x, "p": p, "cos": cos, "sin": sin, "dims": (h, dn, dr, dv), "scale": sc}
+
+
+def _to(c: dict[str, Any], device: str) -> dict[str, Any]:
+    p = c["p"]
+    moved = MLAParams(**{f: None if getattr(p, f) is None else getattr(p, f).to(device)
+                         for f in p.__dataclass_fields__})
+    return {**c, "x": c["x"].to(device), "p": moved, "cos": c["cos"].to(device), "sin": c["sin"].to(device)}
+
+
+def _fast(c: dict[str, Any]) -> Tensor:
+    g = _to(c, "cuda")
+    return mla_attention(g["x"], g["p"], g["cos"], g["sin"], *g["dims"], g["scale"], 1e-6)
+
+
+def _ref(c: dict[str, Any], lowprec: torch.dtype = F64, device: str = "cpu", **knobs: Any) -> Tensor:
+    g = _to(c, device)
+    return mla64(g["x"], g["p"], g["cos"], g["sin"], *g["dims"], g["scale"], 1e-6, lowprec=lowprec,
+                 **knobs).to(F64).cpu()
+
+
+def _err(a: Tensor, b: Tensor) -> float:
+    return float((a.to(F64).cpu() - b.to(F64).cpu()).abs().max())
+
+
+def _bound(c: dict[str, Any], ref: Tensor) -> float:
+    """The parity contract: 2 * max|bf16 torch - ref64| + one bf16 ULP (2^-8 relative) of max|ref64|."""
+    low = _ref(c, torch.bfloat16, "cuda")
+    return 2 * _err(low, ref) + 2.0**-8 * float(ref.abs().max())
+
+
+@gpu
+@pytest.mark.parametrize("shape", SHAPES)
+def test_mla_attention_forward_within_contract(shape: tuple[int, ...]) -> None:
+    c = _case(shape, 1)
+    ref = _ref(c)
+    y = _fast(c)
+    assert y.dtype == torch.bfloat16 and y.shape == c["x"].shape
+    assert _err(y, ref) <= _bound(c, ref)
+
+
+@gpu
+@pytest.mark.parametrize("shape", SHAPES[:2])
+def test_mla_attention_gradients_within_contract(shape: tuple[int, ...]) -> None:
+    """Gradients of x and every weight, against float64 autograd, under the same ratio contract."""
+    c = _case(shape, 2)
+    g = torch.Generator().manual_seed(3)
+    dy = torch.randn(c["x"].shape, generator=g, dtype=F64)
+
+    def grads(run: Any, dtype: torch.dtype, device: str) -> dict[str, Tensor]:
+        d = _to(c, device)
+        leaves = {"x": d["x"].to(dtype)}
+        leaves.update({f: getattr(d["p"], f).to(dtype) for f in d["p"].__dataclass_fields__
+                       if getattr(d["p"], f) is not None})
+        for t in leaves.values():
+            t.requires_grad_(True)
+        p = MLAParams(**{f: leaves.get(f) for f in d["p"].__dataclass_fields__})
+        out = run(leaves["x"], p, d)
+        out.backward(dy.to(device, out.dtype))
+        return {k: v.grad.to(F64).cpu() for k, v in leaves.items() if v.grad is not None}
+
+    def fast(x: Tensor, p: MLAParams, d: dict[str, Any]) -> Tensor:
+        return mla_attention(x, p, d["cos"], d["sin"], *d["dims"], d["scale"], 1e-6)
+
+    def ref(x: Tensor, p: MLAParams, d: dict[str, Any]) -> Tensor:
+        return mla64(x, p, d["cos"], d["sin"], *d["dims"], d["scale"], 1e-6, lowprec=x.dtype)
+
+    want = grads(ref, F64, "cpu")
+    got = grads(fast, torch.bfloat16, "cuda")
+    low = grads(ref, torch.bfloat16, "cuda")
+    assert set(got) == set(want)
+    for name in want:
+        bound = 2 * _err(low[name], want[name]) + 2.0**-8 * float(want[name].abs().max())
+        assert _err(got[name], want[name]) <= bound, name
+
+
+@gpu
+def test_mla_attention_backward_is_deterministic() -> None:
+    c = _to(_case(SHAPES[0], 4), "cuda")
+    runs = []
+    for _ in range(2):
+        x = c["x"].clone().requires_grad_(True)
+        y = mla_attention(x, c["p"], c["cos"], c["sin"], *c["dims"], c["scale"], 1e-6)
+        y.float().square().sum().backward()
+        assert x.grad is not None
+        runs.append(x.grad.clone())
+    assert torch.equal(runs[0].view(torch.int16), runs[1].view(torch.int16))
+
+
+@gpu
+def test_mla_attention_empty_batch() -> None:
+    c = _to(_case((1, 4, 64, 2, 16, 8, 16, 0, 16), 9), "cuda")
+    y = mla_attention(c["x"][:0], c["p"], c["cos"], c["sin"], *c["dims"], c["scale"], 1e-6)
+    assert y.shape == (0, 4, 64) and y.dtype == torch.bfloat16
+
+
+@gpu
+def test_causal_attention_refuses_unsupported_head_dims() -> None:
+    q = torch.zeros(1, 8, 1, 12, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ArchNotImplemented, match="head dim 12"):
+        fast_attn.causal_attention(q, q, q[..., :8], 0.3)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Separating inputs for the mutants of mutations/catalog/fast_attention.py: the mutated formula differs
+# from the correct one by more than 4x the contract's bound, then the fast path is within the bound.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _separates(c: dict[str, Any], **knobs: Any) -> None:
+    ref = _ref(c)
+    bound = _bound(c, ref)
+    assert _err(_ref(c, **knobs), ref) > 4 * bound, knobs
+    assert _err(_fast(c), ref) <= bound
+
+
+@gpu
+def test_sep_mla_fast_causal_off_by_one() -> None:
+    _separates(_case(SHAPES[0], 5), future=1)
+
+
+@gpu
+def test_sep_mla_fast_softmax_scale_no_mscale() -> None:
+    c = _case(SHAPES[0], 6)
+    assert c["scale"] != (128 + 64) ** -0.5
+    ref = _ref(c)
+    bound = _bound(c, ref)
+    plain = _ref({**c, "scale": (128 + 64) ** -0.5})
+    assert _err(plain, ref) > 4 * bound
+    assert _err(_fast(c), ref) <= bound
+
+
+@gpu
+def test_sep_mla_fast_rope_on_nope_part() -> None:
+    _separates(_case(SHAPES[0], 7), rope_on="nope")
+
+
+@gpu
+def test_sep_mla_fast_k_rope_dropped() -> None:
+    _separates(_case(SHAPES[0], 8), k_rope=False)
