@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -58,9 +59,15 @@ def tile_upper_bound(m: int, n: int, n_groups: int, bn: int) -> int:
     return (-(-m // GEMM_BM) + n_groups + 1) * -(-n // bn)
 
 
+@functools.cache
+def offs_check_enabled() -> bool:
+    """NMOE_CHECK_OFFS=1 (or true), read once per process at the first GEMM launch, not on every call."""
+    return os.environ.get(CHECK_OFFS_ENV, "") in ("1", "true")
+
+
 def check_offs_on_host(op: str, offs: Tensor, m: int) -> None:
     """Opt-in (NMOE_CHECK_OFFS=1) validation; it syncs the host, so the hot path leaves it off."""
-    if os.environ.get(CHECK_OFFS_ENV, "") not in ("1", "true") or torch.cuda.is_current_stream_capturing():
+    if not offs_check_enabled() or torch.cuda.is_current_stream_capturing():
         return
     ends = offs.tolist()
     starts = [0, *ends[:-1]]
