@@ -33,6 +33,20 @@ class _NoLaunch:
         return None
 
 
+def _dsl_executor() -> Any:
+    """A CuTeDSL JitExecutor whose compiled entry is a C function that reads nothing (libc labs): the DSL's
+    own per-call Python runs, the launch does not."""
+    import ctypes
+
+    from cutlass.base_dsl.jit_executor import JitExecutor
+
+    class Module:
+        capi_func = ctypes.CDLL(None).labs
+
+    Module.capi_func.restype = ctypes.c_int32
+    return JitExecutor(Module(), None, False)
+
+
 def _recompiled(module: Any, name: str, old: str, new: str) -> Callable[..., Any]:
     """`module.name` rebuilt from its own source with `old` replaced by `new` (which must occur)."""
     source = textwrap.dedent(inspect.getsource(getattr(module, name)))
@@ -44,8 +58,10 @@ def _recompiled(module: Any, name: str, old: str, new: str) -> Callable[..., Any
 
 
 @contextmanager
-def cpu_as_gpu() -> Iterator[None]:
-    """CPU tensors take the fast ops' eager CUDA path, with launches that do nothing."""
+def cpu_as_gpu(dsl: bool = False) -> Iterator[None]:
+    """CPU tensors take the fast ops' eager CUDA path, with launches that do nothing; with `dsl`, through a
+    real CuTeDSL executor (its Python included; cutlass must be imported for sm_90a), else through a
+    stand-in that returns at once."""
     saved: list[tuple[Any, str, Any]] = []
     absent = object()
 
@@ -71,8 +87,8 @@ def cpu_as_gpu() -> Iterator[None]:
         return scope[f"{self.name}_host"], ()
 
     class NoCompile:
-        def executor(self, key: runtime.CacheKey, build: Callable[[], Any]) -> _NoLaunch:
-            return _NoLaunch()
+        def executor(self, key: runtime.CacheKey, build: Callable[[], Any]) -> Any:
+            return _dsl_executor() if dsl else _NoLaunch()
 
     patch(op.Kernel, "host_args", host_args)
     patch(runtime, "kernel_cache", NoCompile)
@@ -126,9 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=2000, help="calls per sample")
     parser.add_argument("--samples", type=int, default=15, help="samples; the median is reported")
     parser.add_argument("--min", action="store_true", help="report the fastest sample, not the median")
+    parser.add_argument("--no-dsl", action="store_true",
+                        help="launch through a stand-in, not a CuTeDSL executor (no cutlass import)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = parser.parse_args(argv)
-    with cpu_as_gpu():
+    if not args.no_dsl:
+        runtime.import_cutlass("sm_90a")
+    with cpu_as_gpu(dsl=not args.no_dsl):
         result = host_us(steps(), args.calls, args.samples, min if args.min else statistics.median)
     if args.json:
         print(json.dumps({"us_per_call": result, "calls": args.calls, "samples": args.samples,

@@ -255,3 +255,67 @@ def test_hostcpu_times_every_step() -> None:
     result = host_us(steps(), calls=3, samples=1)
     assert set(result) == {"torch_empty_like", "relu2", "grouped_gemm", "grouped_gemm_autograd"}
     assert all(us > 0 for us in result.values())
+
+
+_EXECUTOR_PROBE = """
+    import ctypes, json, os
+    os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+    import torch
+    from cutlass.base_dsl.jit_executor import JitExecutor
+    from nmoe.fast import op
+    seen = []
+    code = [0]
+    def entry(packed):
+        arr = ctypes.cast(packed, ctypes.POINTER(ctypes.c_void_p))
+        seen.append([arr[i] for i in range(7)])
+        ctypes.cast(arr[6], ctypes.POINTER(ctypes.c_int32))[0] = code[0]
+        return 0
+    class Module:
+        capi_func = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p)(entry)
+        capi_func.restype = ctypes.c_int32
+    executor = JitExecutor(Module(), None, False)
+    slots = (("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("m", ctypes.c_int32), ("h", ctypes.c_int64),
+             ("s", ctypes.c_float), ("stream", ctypes.c_void_p))
+    launch = op.Launcher(executor, slots)
+    torch._C._cuda_getCurrentRawStream = lambda device: 0xABC
+    torch._C._cuda_getDevice = lambda: 0
+    read = lambda ptrs: [ctypes.cast(p, ctypes.POINTER(t)).contents.value for p, (_, t) in zip(ptrs, slots)]
+    out = {"direct": [], "dsl": []}
+    for values in ((0x1000, 0x2000, 7, 2**40, 0.5), (0x3000, 0x4000, -1, 3, 2.0)):
+        launch(0, *values)
+        out["direct"].append(read(seen[-1][:6]))
+        args = [ctypes.c_void_p(p) for p in seen[-1][:6]]
+        executor.run_compiled_program(args)
+        out["dsl"].append(seen[-1])
+        out["direct_raw"] = seen[-2]
+    out["packed_once"] = launch._local.storage[2] is not None
+    code[0] = 2
+    try:
+        launch(0, 1, 2, 3, 4, 5.0)
+    except Exception as e:
+        out["error"] = type(e).__name__ + ": " + str(e)
+    print(json.dumps(out))
+"""
+
+
+def test_launcher_hands_a_jit_executor_its_own_argument_array() -> None:
+    """With a CuTeDSL JitExecutor the launcher calls the compiled entry with the array the executor itself
+    would build (same argument pointers, the result slot last), reads the values back at their types, and
+    raises the DSL's CUDA error for a failed launch."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_EXECUTOR_PROBE)], capture_output=True,
+                          text=True, env=env, cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["packed_once"]
+    assert out["direct"] == [[0x1000, 0x2000, 7, 2**40, 0.5, 0xABC], [0x3000, 0x4000, -1, 3, 2.0, 0xABC]]
+    assert out["direct_raw"][:7] == out["dsl"][-1][:7]
+    assert "cudaErrorMemoryAllocation" in out["error"], out["error"]

@@ -126,7 +126,10 @@ class Launcher:
     (one per calling thread, so no lock), whose field addresses the compiled function reads."""
 
     def __init__(self, executor: Any, slots: tuple[tuple[str, type[ctypes._SimpleCData[Any]]], ...]) -> None:
+        self._executor = executor
         self._run = executor.run_compiled_program
+        self._capi: Any = getattr(executor, "capi_func", None)
+        self._result = getattr(executor, "cuda_result", None)
         codes = [_PACK_CODES[ctype] for _, ctype in slots]
         self._format = "@" + "".join(codes)
         self._ends = [struct.calcsize("@" + "".join(codes[: i + 1])) for i in range(len(codes))]
@@ -134,28 +137,48 @@ class Launcher:
         self._n_values = len(slots) - 1
         self._local = threading.local()
 
-    def _storage(self) -> tuple[ctypes.Array[ctypes.c_char], list[ctypes.c_void_p]]:
+    def _storage(self) -> tuple[ctypes.Array[ctypes.c_char], list[ctypes.c_void_p], Any]:
         buffer = ctypes.create_string_buffer(max(self._ends))
         base = ctypes.addressof(buffer)
         fields = zip(self._ends, self._sizes, strict=True)
-        storage = (buffer, [ctypes.c_void_p(base + end - size) for end, size in fields])
+        args = [ctypes.c_void_p(base + end - size) for end, size in fields]
+        storage = (buffer, args, self._packed(args))
         self._local.storage = storage
         return storage
+
+    def _packed(self, args: list[ctypes.c_void_p]) -> Any:
+        """A CuTeDSL 4.8.1 JitExecutor's own argument array for this storage, copied once: it never changes,
+        so later calls hand it straight to the compiled function (None: another executor, called per call)."""
+        pack = getattr(self._executor, "_get_invoke_packed_args", None)
+        if pack is None or self._capi is None:
+            return None
+        filled = pack(args)
+        return (ctypes.c_void_p * len(filled))(*filled)
+
+    def _failed(self, code: int) -> None:
+        import cuda.bindings.runtime as cudart
+        from cutlass.base_dsl.runtime import cuda as cuda_helpers
+
+        raise cuda_helpers.create_cuda_runtime_error(code, cudart.cudaError_t)
 
     def __call__(self, device: int, *values: int | float) -> None:
         if len(values) != self._n_values:
             raise TypeError(f"launcher takes {self._n_values} arguments (it adds the stream itself), "
                             f"got {len(values)}")
         try:
-            buffer, args = self._local.storage
+            buffer, args, packed = self._local.storage
         except AttributeError:
-            buffer, args = self._storage()
+            buffer, args, packed = self._storage()
         struct.pack_into(self._format, buffer, 0, *values, torch._C._cuda_getCurrentRawStream(device))
-        if torch._C._cuda_getDevice() == device:
-            self._run(args)
-        else:
+        if torch._C._cuda_getDevice() != device:
             with torch.cuda.device(device):
                 self._run(args)
+        elif packed is None:
+            self._run(args)
+        else:
+            self._capi(packed)
+            if self._result is not None and self._result.value:
+                self._failed(self._result.value)
 
 
 @dataclass(frozen=True)
