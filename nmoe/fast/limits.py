@@ -26,7 +26,3 @@ GEMM_ALIGN: Final[int] = 8
 SF_ROWS: Final[int] = 128
 SF_COLS: Final[int] = 4
 """sm_100a block-scaled MMA reads scales in atoms of SF_ROWS rows x SF_COLS K blocks."""
-
-PLAN_MEMO_MAX: Final[int] = 4096
-"""Layouts a glue module keeps validated launch plans for; past it the memo starts over (routings never key
-it, so only a workload of ever-new shapes gets there)."""

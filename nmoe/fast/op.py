@@ -25,7 +25,6 @@ from torch import Tensor
 
 from nmoe.fast import runtime
 from nmoe.fast.arch import SUPPORTED_ARCHS, ArchNotImplemented
-from nmoe.fast.limits import PLAN_MEMO_MAX
 
 PACKAGE = "nmoe"
 
@@ -255,6 +254,9 @@ def _compile_args_by_name(name: str, kernels: ModuleType, **spec: Any) -> tuple[
 
 K = TypeVar("K")
 V = TypeVar("V")
+PLAN_MEMO_MAX = 4096
+"""Layouts a glue module keeps validated launch plans for; past it the memo starts over (routings never key
+it, so only a workload of ever-new shapes gets there). Kept out of limits.py, which kernel sources import."""
 
 
 def remember(memo: dict[K, V], key: K, plan: V) -> V:
