@@ -275,7 +275,7 @@ _ABI_PROBE = """
     values = (0x1000, 0x2000, 0x3000, 0x4000, 7, 4096, 2.5)
     import torch
     torch._C._cuda_getCurrentRawStream = lambda device: 0xABC
-    torch.cuda.current_device = lambda: 0
+    torch._C._cuda_getDevice = lambda: 0
     launcher(0, *values)
     ptr = lambda a: make_ptr(BFloat16, a, cute.AddressSpace.gmem, assumed_align=16)
     ptrs = [ptr(a) for a in values[:4]]

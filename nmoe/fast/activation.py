@@ -6,12 +6,14 @@ CUDA graphs capture it as one op. Kernels are compiled per (arch, dtype, vector 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from nmoe.fast import _swiglu, runtime
 from nmoe.fast.limits import VEC_BYTES
-from nmoe.fast.op import Kernel, elementwise_pair, fast_op
+from nmoe.fast.op import Kernel, Launcher, elementwise_pair, fast_op, remember
 from nmoe.fast.runtime import KernelSpec
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -34,21 +36,41 @@ def _check(op: str, *ts: Tensor) -> str:
     return _DTYPE_NAMES[ts[0].dtype]
 
 
-def _launch(kernel: Kernel, ins: tuple[Tensor, ...], out: Tensor) -> None:
-    """Run `kernel` over the flattened contiguous tensors; 128-bit vectors when every pointer allows."""
+def _prepare(kernel: Kernel, ins: tuple[Tensor, ...], out: Tensor) -> tuple[int, int, Launcher | None]:
+    """(device, elements, launcher or None when empty): the checks, read from layouts only."""
     device, arch = runtime.device_arch(*ins, out)
     dtype_name = _check(kernel.name, *ins, out)
     n = out.numel()
     if n == 0:
-        return
+        return device, n, None
     ptrs = [t.data_ptr() for t in (*ins, out)]
     vec = _VEC[dtype_name] if all(p % VEC_BYTES == 0 for p in ptrs) else 1
-    kernel.launcher(arch, dtype=dtype_name, vec=vec)(device, *ptrs, n)
+    return device, n, kernel.launcher(arch, dtype=dtype_name, vec=vec)
+
+
+_PLANS: dict[tuple[Any, ...], tuple[int, int, Launcher | None]] = {}
+
+
+def _launch(kernel: Kernel, ins: tuple[Tensor, ...], out: Tensor) -> None:
+    """Run `kernel` over the flattened contiguous tensors; 128-bit vectors when every pointer allows. A
+    layout (shapes, dtypes, devices, aligned addresses) is checked once, then its plan is reused."""
+    tensors = (*ins, out)
+    ptrs = [t.data_ptr() for t in tensors]
+    bits = 0
+    for p in ptrs:
+        bits |= p
+    key = (kernel.name, bits % VEC_BYTES == 0, *[(t.shape, t.dtype, t.device) for t in tensors])
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = remember(_PLANS, key, _prepare(kernel, ins, out))
+    device, n, launch = plan
+    if launch is not None:
+        launch(device, *ptrs, n)
 
 
 def _relu2_impl(x: Tensor) -> Tensor:
     x = x.contiguous()
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty_like(x)
     _launch(RELU2_FWD, (x,), y)
     return y
 
@@ -58,8 +80,9 @@ def _relu2_fake(x: Tensor) -> Tensor:
 
 
 def _relu2_bwd_impl(dy: Tensor, x: Tensor) -> Tensor:
-    dx = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
-    _launch(RELU2_BWD, (dy.contiguous(), x.contiguous()), dx)
+    dy = dy.contiguous()
+    dx = torch.empty_like(dy)
+    _launch(RELU2_BWD, (dy, x.contiguous()), dx)
     return dx
 
 

@@ -12,6 +12,7 @@ import functools
 import hashlib
 import importlib.util
 import inspect
+import struct
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -112,32 +113,71 @@ def runtime_slots(host: Any) -> tuple[tuple[str, type[ctypes._SimpleCData[Any]]]
     return tuple(slots)
 
 
+_PACK_CODES: Mapping[type[ctypes._SimpleCData[Any]], str] = {
+    ctypes.c_void_p: "P", ctypes.c_int64: "q", ctypes.c_int32: "i", ctypes.c_float: "f",
+}
+"""struct codes of the slot types: native sizes and alignment, as the compiled function reads them."""
+
+
 class Launcher:
     """One compiled specialisation, called with the runtime arguments in order (device addresses as ints)
-    and the stream last; it fills fixed argument storage, so a call builds no Python objects."""
+    and the stream last. The arguments are packed in one call into fixed storage laid out like a C struct
+    (one per calling thread, so no lock), whose field addresses the compiled function reads."""
 
     def __init__(self, executor: Any, slots: tuple[tuple[str, type[ctypes._SimpleCData[Any]]], ...]) -> None:
+        self._executor = executor
         self._run = executor.run_compiled_program
-        self._storage = [ctype() for _, ctype in slots]
-        self._values = self._storage[:-1]
-        self._stream = self._storage[-1]
-        self._args = [ctypes.c_void_p(ctypes.addressof(s)) for s in self._storage]
-        self._lock = threading.Lock()
+        self._capi: Any = getattr(executor, "capi_func", None)
+        self._result = getattr(executor, "cuda_result", None)
+        codes = [_PACK_CODES[ctype] for _, ctype in slots]
+        self._format = "@" + "".join(codes)
+        self._ends = [struct.calcsize("@" + "".join(codes[: i + 1])) for i in range(len(codes))]
+        self._sizes = [struct.calcsize("@" + c) for c in codes]
+        self._n_values = len(slots) - 1
+        self._local = threading.local()
+
+    def _storage(self) -> tuple[ctypes.Array[ctypes.c_char], list[ctypes.c_void_p], Any]:
+        buffer = ctypes.create_string_buffer(max(self._ends))
+        base = ctypes.addressof(buffer)
+        fields = zip(self._ends, self._sizes, strict=True)
+        args = [ctypes.c_void_p(base + end - size) for end, size in fields]
+        storage = (buffer, args, self._packed(args))
+        self._local.storage = storage
+        return storage
+
+    def _packed(self, args: list[ctypes.c_void_p]) -> Any:
+        """A CuTeDSL 4.8.1 JitExecutor's own argument array for this storage, copied once: it never changes,
+        so later calls hand it straight to the compiled function (None: another executor, called per call)."""
+        pack = getattr(self._executor, "_get_invoke_packed_args", None)
+        if pack is None or self._capi is None:
+            return None
+        filled = pack(args)
+        return (ctypes.c_void_p * len(filled))(*filled)
+
+    def _failed(self, code: int) -> None:
+        import cuda.bindings.runtime as cudart
+        from cutlass.base_dsl.runtime import cuda as cuda_helpers
+
+        raise cuda_helpers.create_cuda_runtime_error(code, cudart.cudaError_t)
 
     def __call__(self, device: int, *values: int | float) -> None:
-        if len(values) != len(self._values):
-            raise TypeError(f"launcher takes {len(self._values)} arguments (it adds the stream itself), "
+        if len(values) != self._n_values:
+            raise TypeError(f"launcher takes {self._n_values} arguments (it adds the stream itself), "
                             f"got {len(values)}")
-        stream = torch._C._cuda_getCurrentRawStream(device)
-        with self._lock:
-            for slot, value in zip(self._values, values, strict=True):
-                slot.value = value
-            self._stream.value = stream
-            if torch.cuda.current_device() == device:
-                self._run(self._args)
-            else:
-                with torch.cuda.device(device):
-                    self._run(self._args)
+        try:
+            buffer, args, packed = self._local.storage
+        except AttributeError:
+            buffer, args, packed = self._storage()
+        struct.pack_into(self._format, buffer, 0, *values, torch._C._cuda_getCurrentRawStream(device))
+        if torch._C._cuda_getDevice() != device:
+            with torch.cuda.device(device):
+                self._run(args)
+        elif packed is None:
+            self._run(args)
+        else:
+            self._capi(packed)
+            if self._result is not None and self._result.value:
+                self._failed(self._result.value)
 
 
 @dataclass(frozen=True)
@@ -212,41 +252,93 @@ def _compile_args_by_name(name: str, kernels: ModuleType, **spec: Any) -> tuple[
     return cast(tuple[Any, tuple[Any, ...]], kernels.compile_args(name, spec))
 
 
+K = TypeVar("K")
+V = TypeVar("V")
+PLAN_MEMO_MAX = 4096
+"""Layouts a glue module keeps validated launch plans for; past it the memo starts over (routings never key
+it, so only a workload of ever-new shapes gets there). Kept out of limits.py, which kernel sources import."""
+
+
+def remember(memo: dict[K, V], key: K, plan: V) -> V:
+    """Keep a validated launch plan under its layout key; a memo past PLAN_MEMO_MAX layouts starts over."""
+    if len(memo) >= PLAN_MEMO_MAX:
+        memo.clear()
+    memo[key] = plan
+    return plan
+
+
 P = ParamSpec("P")
 SetupContext = Callable[[Any, tuple[Any, ...], Any], None]
 R = TypeVar("R")
 
 
-def _eager(args: tuple[Any, ...]) -> bool:
-    """Whether the impl may skip the dispatcher: plain CUDA tensors, no grad to record, no trace, no mode
-    (meta, fake and CPU tensors go through the op, to its fake or its arch error)."""
+_DISPATCH, _DIRECT, _RECORD = 0, 1, 2
+
+
+def _route(args: tuple[Any, ...]) -> int:
+    """How an eager call runs: through the op (a trace, a mode, the profiler, a functorch transform, a
+    meta/fake/CPU or subclass tensor), directly, or under the op's autograd.Function (grad to record)."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
-        return False
+        return _DISPATCH
     if torch._C._autograd._profiler_enabled() or torch._C._is_torch_function_mode_enabled():
-        return False
+        return _DISPATCH
+    if torch._C._are_functorch_transforms_active():
+        return _DISPATCH
     grad = torch.is_grad_enabled()
+    route = _DIRECT
     for a in args:
-        if isinstance(a, Tensor) and (type(a) is not Tensor or not a.is_cuda or (grad and a.requires_grad)):
-            return False
-    return True
+        if isinstance(a, Tensor):
+            if type(a) is not Tensor or not a.is_cuda:
+                return _DISPATCH
+            if grad and a.requires_grad:
+                route = _RECORD
+    return route
+
+
+def _eager(args: tuple[Any, ...]) -> bool:
+    """Whether the impl may skip the dispatcher and autograd: plain CUDA tensors, no grad to record."""
+    return _route(args) == _DIRECT
+
+
+def _function(name: str, impl: Callable[..., Any], backward: Callable[..., Any],
+              setup_context: SetupContext) -> type[torch.autograd.Function]:
+    """The op's autograd pair as one autograd.Function: an eager call that records grad meets the same
+    forward, setup_context and backward without the dispatcher's two Python kernels in between."""
+
+    def forward(ctx: Any, *args: Any) -> Any:
+        out = impl(*args)
+        setup_context(ctx, args, out)
+        return out
+
+    return type(f"nmoe_{name}", (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
 class FastOp(Generic[P, R]):
     """A fast op as one opaque torch custom op (typed outputs, shape-only fake, optional autograd pair).
-    In plain eager calls that record no grad, the impl runs directly: the dispatcher adds host time only."""
+    Plain eager CUDA calls skip the dispatcher (it adds host time only): the impl runs directly, or under the
+    pair's autograd.Function when an input records grad."""
 
     def __init__(self, name: str, impl: Callable[P, R], fake: Callable[P, R]) -> None:
         self.name = name
         self.impl = impl
         self.op = torch.library.custom_op(f"nmoe::{name}", mutates_args=())(impl)
         self.op.register_fake(fake)
+        self.function: type[torch.autograd.Function] | None = None
+        self._record: Callable[..., Any] | None = None
 
     def autograd(self, backward: Callable[..., Any], setup_context: SetupContext) -> None:
         self.op.register_autograd(backward, setup_context=setup_context)
+        self.function = _function(self.name, self.impl, backward, setup_context)
+        self._record = self.function.apply
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        if not kwargs and _eager(args):
-            return self.impl(*args, **kwargs)
+        if not kwargs:
+            route = _route(args)
+            if route == _DIRECT:
+                return self.impl(*args, **kwargs)
+            if route == _RECORD and self._record is not None:
+                return cast(R, self._record(*args))
         return cast(R, self.op(*args, **kwargs))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 from collections.abc import Iterator
 
@@ -75,10 +76,15 @@ def offs_built_on_device() -> Iterator[None]:
         _OFFS_BUILT_ON_DEVICE.reset(token)
 
 
+@functools.cache
+def offs_check_enabled() -> bool:
+    """NMOE_CHECK_OFFS=1 (or true), read once per process at the first GEMM launch, not on every call."""
+    return os.environ.get(CHECK_OFFS_ENV, "") in ("1", "true")
+
+
 def check_offs_on_host(op: str, offs: Tensor, m: int) -> None:
     """Opt-in (NMOE_CHECK_OFFS=1) validation; it syncs the host, so the hot path leaves it off."""
-    if (os.environ.get(CHECK_OFFS_ENV, "") not in ("1", "true") or _OFFS_BUILT_ON_DEVICE.get()
-            or torch.cuda.is_current_stream_capturing()):
+    if not offs_check_enabled() or _OFFS_BUILT_ON_DEVICE.get() or torch.cuda.is_current_stream_capturing():
         return
     ends = offs.tolist()
     starts = [0, *ends[:-1]]

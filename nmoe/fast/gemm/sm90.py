@@ -4,6 +4,7 @@ the host nor recompile. Reached through nmoe.fast.gemm, which picks the kernel b
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from nmoe.fast.gemm.routing import (
     tile_upper_bound,
 )
 from nmoe.fast.limits import GEMM_ALIGN, GEMM_BM, GEMM_BN_CHOICES
-from nmoe.fast.op import Kernel, fast_op, save_inputs
+from nmoe.fast.op import Kernel, Launcher, fast_op, remember, save_inputs
 from nmoe.fast.runtime import KernelSpec, tma_aligned
 
 ARCH = "sm_90a"
@@ -55,46 +56,81 @@ def _pick_bn(op: str, width: int, bn: int | None) -> int:
     return bn
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """A validated call of one layout (shapes, strides, dtypes, devices, aligned bases): what it allocates,
+    and whether it launches, zeroes its outputs or does nothing; only the offs values are read per call."""
+
+    op: str
+    index: int
+    device: torch.device
+    out_shape: tuple[int, ...]
+    act_width: int
+    a_ready: bool
+    w_ready: bool
+    launch: Launcher | None
+    zero: bool
+    scalars: tuple[int, int, int]
+
+    def run(self, a: Tensor, w: Tensor, offs: Tensor, outs: tuple[Tensor, ...]) -> None:
+        launch = self.launch
+        if launch is None:
+            if self.zero:
+                for t in outs:
+                    t.zero_()
+            return
+        check_offs_on_host(self.op, offs, self.scalars[0])
+        launch(self.index, a.data_ptr(), w.data_ptr(), outs[0].data_ptr(), outs[-1].data_ptr(),
+               offs.data_ptr(), *self.scalars)
+
+
+def _prepare(op: str, a: Tensor, w: Tensor, offs: Tensor, n: int, w_k_major: bool, bn: int | None,
+             activation: str, *outs: Tensor) -> tuple[int, Launcher | None, bool, tuple[int, int, int]]:
+    """(device, launcher or None, zero the outputs, (m, groups, CTAs)): every check a launch makes that reads
+    no tensor values, in the order it always made them."""
+    device, arch = runtime.device_arch(a, w, offs, *outs)
+    require(op, arch, ARCH)
+    m, k = a.shape
+    if m == 0 or n == 0:
+        return device, None, False, (m, 0, 0)
+    if k == 0 or w.shape[0] == 0:
+        return device, None, True, (m, 0, 0)
+    bn = _pick_bn(op, n, bn)
+    n_ctas = min(runtime.sm_count(device), tile_upper_bound(m, n, w.shape[0], bn))
+    launch = FWD.launcher(arch, n=n, k=k, bn=bn, act=activation) if w_k_major else DGRAD.launcher(
+        arch, n=n, k=k, bn=bn)
+    return device, launch, False, (m, w.shape[0], n_ctas)
+
+
 def _launch(op: str, a: Tensor, w: Tensor, offs: Tensor, out: Tensor, w_k_major: bool, bn: int | None = None,
             act_out: Tensor | None = None, activation: str = "none") -> None:
     """out[M, n] = per-group a[M, k] @ B_e^T with B_e = w[e] (K-major) or w[e]^T (dgrad); with an
     activation the same kernel also writes act_out = act(out) (both zero where out is)."""
     outs = (out,) if act_out is None else (out, act_out)
-    device, arch = runtime.device_arch(a, w, offs, *outs)
-    require(op, arch, ARCH)
-    m, k = a.shape
-    n = out.shape[1]
-    if m == 0 or n == 0:
-        return
-    if k == 0 or w.shape[0] == 0:
-        for t in outs:
-            t.zero_()
-        return
-    check_offs_on_host(op, offs, m)
-    bn = _pick_bn(op, n, bn)
-    n_ctas = min(runtime.sm_count(device), tile_upper_bound(m, n, w.shape[0], bn))
-    launch = FWD.launcher(arch, n=n, k=k, bn=bn, act=activation) if w_k_major else DGRAD.launcher(
-        arch, n=n, k=k, bn=bn)
-    launch(device, a.data_ptr(), w.data_ptr(), out.data_ptr(), outs[-1].data_ptr(), offs.data_ptr(), m,
-           w.shape[0], n_ctas)
+    device, launch, zero, scalars = _prepare(op, a, w, offs, out.shape[1], w_k_major, bn, activation, *outs)
+    _Plan(op, device, a.device, (), 0, True, True, launch, zero, scalars).run(a, w, offs, outs)
 
 
 def _launch_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, bn: int | None = None) -> None:
     """dw[e] = dy[rows of e]^T @ x[rows of e]; groups without rows get zeros."""
-    device, arch = runtime.device_arch(dy, x, offs, dw)
+    device, launch, zero, scalars = _prepare_wgrad(dy, x, offs, dw.shape, bn, dw)
+    _Plan("grouped_gemm_wgrad", device, dy.device, (), 0, True, True, launch, zero, scalars).run(
+        dy, x, offs, (dw,))
+
+
+def _prepare_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw_shape: tuple[int, ...], bn: int | None,
+                   *outs: Tensor) -> tuple[int, Launcher | None, bool, tuple[int, int, int]]:
+    device, arch = runtime.device_arch(dy, x, offs, *outs)
     require("grouped_gemm_wgrad", arch, ARCH)
     m = dy.shape[0]
-    n_groups, n, k = dw.shape
-    if dw.numel() == 0:
-        return
+    n_groups, n, k = dw_shape
+    if n_groups * n * k == 0:
+        return device, None, False, (m, 0, 0)
     if m == 0:
-        dw.zero_()
-        return
-    check_offs_on_host("grouped_gemm_wgrad", offs, m)
+        return device, None, True, (m, 0, 0)
     bn = _pick_bn("grouped_gemm_wgrad", k, bn)
     n_ctas = min(runtime.sm_count(device), n_groups * -(-n // GEMM_BM) * -(-k // bn))
-    WGRAD.launcher(arch, n=n, k=k, bn=bn)(device, dy.data_ptr(), x.data_ptr(), dw.data_ptr(), offs.data_ptr(),
-                                          m, n_groups, n_ctas)
+    return device, WGRAD.launcher(arch, n=n, k=k, bn=bn), False, (m, n_groups, n_ctas)
 
 
 def _check_wgrad(dy: Tensor, x: Tensor, offs: Tensor) -> None:
@@ -106,12 +142,52 @@ def _check_wgrad(dy: Tensor, x: Tensor, offs: Tensor) -> None:
     check_aligned(op, "dy and x widths", ("N", dy.shape[1], GEMM_ALIGN), ("K", x.shape[1], GEMM_ALIGN))
 
 
+def _layout(a: Tensor, w: Tensor, offs: Tensor) -> tuple[Any, ...]:
+    """Everything the checks of a (a, w, offs) call read: a plan memo key."""
+    return (a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16 == 0, w.shape, w.stride(), w.dtype,
+            w.device, w.data_ptr() % 16 == 0, offs.shape, offs.dtype, offs.device)
+
+
+_PLANS: dict[tuple[Any, ...], _Plan] = {}
+
+
+def _plan(op: str, a: Tensor, w: Tensor, offs: Tensor, a_name: str, w_name: str,
+          activation: str = "") -> _Plan:
+    """The memoised plan of this layout, or the full checks (raising as they always did) and a new plan."""
+    key = (op, activation, *_layout(a, w, offs))
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
+    width = act_width(w, activation) if activation else 0
+    if op == "grouped_gemm_wgrad":
+        _check_wgrad(a, w, offs)
+        shape: tuple[int, ...] = (offs.numel(), a.shape[1], w.shape[1])
+    else:
+        dgrad = op == "grouped_gemm_dgrad"
+        _check(op, a, w, offs, a_name, 1 if dgrad else 2)
+        shape = (a.shape[0], w.shape[2] if dgrad else w.shape[1])
+    ca, cw = tma_aligned(op, a_name, a), tma_aligned(op, w_name, w)
+    if op == "grouped_gemm_wgrad":
+        index, launch, zero, scalars = _prepare_wgrad(ca, cw, offs, shape, None)
+    else:
+        index, launch, zero, scalars = _prepare(op, ca, cw, offs, shape[1], not dgrad, None,
+                                                 activation or "none")
+    plan = _Plan(op, index, a.device, shape, width, ca is a, cw is w, launch, zero, scalars)
+    return remember(_PLANS, key, plan)
+
+
+def _call(op: str, a: Tensor, w: Tensor, offs: Tensor, a_name: str, w_name: str) -> Tensor:
+    """One call: the plan, copies only where it says an input is strided, the output, the launch."""
+    plan = _plan(op, a, w, offs, a_name, w_name)
+    a = a if plan.a_ready else tma_aligned(op, a_name, a)
+    w = w if plan.w_ready else tma_aligned(op, w_name, w)
+    out = torch.empty(plan.out_shape, dtype=torch.bfloat16, device=plan.device)
+    plan.run(a, w, offs.contiguous(), (out,))
+    return out
+
+
 def _fwd_impl(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
-    _check("grouped_gemm", x, w, offs, "x", 2)
-    y = torch.empty(x.shape[0], w.shape[1], dtype=torch.bfloat16, device=x.device)
-    _launch("grouped_gemm", tma_aligned("grouped_gemm", "x", x), tma_aligned("grouped_gemm", "w", w),
-            offs.contiguous(), y, True)
-    return y
+    return _call("grouped_gemm", x, w, offs, "x", "w")
 
 
 def _fwd_fake(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
@@ -119,11 +195,7 @@ def _fwd_fake(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
 
 
 def _dgrad_impl(dy: Tensor, w: Tensor, offs: Tensor) -> Tensor:
-    _check("grouped_gemm_dgrad", dy, w, offs, "dy", 1)
-    dx = torch.empty(dy.shape[0], w.shape[2], dtype=torch.bfloat16, device=dy.device)
-    _launch("grouped_gemm_dgrad", tma_aligned("grouped_gemm_dgrad", "dy", dy),
-            tma_aligned("grouped_gemm_dgrad", "w", w), offs.contiguous(), dx, False)
-    return dx
+    return _call("grouped_gemm_dgrad", dy, w, offs, "dy", "w")
 
 
 def _dgrad_fake(dy: Tensor, w: Tensor, offs: Tensor) -> Tensor:
@@ -131,11 +203,7 @@ def _dgrad_fake(dy: Tensor, w: Tensor, offs: Tensor) -> Tensor:
 
 
 def _wgrad_impl(dy: Tensor, x: Tensor, offs: Tensor) -> Tensor:
-    _check_wgrad(dy, x, offs)
-    dw = torch.empty(offs.numel(), dy.shape[1], x.shape[1], dtype=torch.bfloat16, device=dy.device)
-    _launch_wgrad(tma_aligned("grouped_gemm_wgrad", "dy", dy), tma_aligned("grouped_gemm_wgrad", "x", x),
-                  offs.contiguous(), dw)
-    return dw
+    return _call("grouped_gemm_wgrad", dy, x, offs, "dy", "x")
 
 
 def _wgrad_fake(dy: Tensor, x: Tensor, offs: Tensor) -> Tensor:
@@ -171,13 +239,13 @@ def act_width(w: Tensor, activation: str) -> int:
 
 
 def _act_impl(x: Tensor, w: Tensor, offs: Tensor, activation: str) -> tuple[Tensor, Tensor]:
-    width = act_width(w, activation)
-    _check("grouped_gemm_act", x, w, offs, "x", 2)
-    h = torch.empty(x.shape[0], w.shape[1], dtype=torch.bfloat16, device=x.device)
-    a = torch.empty(x.shape[0], width, dtype=torch.bfloat16, device=x.device)
     op = "grouped_gemm_act"
-    _launch(op, tma_aligned(op, "x", x), tma_aligned(op, "w", w), offs.contiguous(), h, True, act_out=a,
-            activation=activation)
+    plan = _plan(op, x, w, offs, "x", "w", activation)
+    x = x if plan.a_ready else tma_aligned(op, "x", x)
+    w = w if plan.w_ready else tma_aligned(op, "w", w)
+    h = torch.empty(plan.out_shape, dtype=torch.bfloat16, device=plan.device)
+    a = torch.empty(plan.out_shape[0], plan.act_width, dtype=torch.bfloat16, device=plan.device)
+    plan.run(x, w, offs.contiguous(), (h, a))
     return a, h
 
 

@@ -1,0 +1,163 @@
+"""Host time of the fast ops' Python on a machine without a GPU: `python -m bench.hostcpu`.
+
+CPU tensors stand in for CUDA ones: the eager-route and device checks are recompiled from their own source
+with the device type swapped, the arch table says sm_90a, and every kernel's launcher is a real
+`nmoe.fast.op.Launcher` around an executor that launches nothing. Everything else (checks, plan memos,
+allocation, argument packing, autograd recording) runs as on the GPU, so a change's host cost shows here;
+the launch itself and the CUDA allocator do not (bench/test_bench_launch.py times those on the GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import statistics
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from nmoe.fast import op, runtime
+
+# Runtime values each launched kernel takes (the launcher adds the stream).
+LAUNCH_VALUES = {"grouped_gemm_fwd": 8, "grouped_gemm_dgrad": 8, "grouped_gemm_wgrad": 7, "relu2_fwd": 3,
+                 "relu2_bwd": 4}
+
+
+class _NoLaunch:
+    def run_compiled_program(self, args: list[Any]) -> None:
+        return None
+
+
+def _dsl_executor() -> Any:
+    """A CuTeDSL JitExecutor whose compiled entry is a C function that reads nothing (libc labs): the DSL's
+    own per-call Python runs, the launch does not."""
+    import ctypes
+
+    from cutlass.base_dsl.jit_executor import JitExecutor
+
+    class Module:
+        capi_func = ctypes.CDLL(None).labs
+
+    Module.capi_func.restype = ctypes.c_int32
+    return JitExecutor(Module(), None, False)
+
+
+def _recompiled(module: Any, name: str, old: str, new: str) -> Callable[..., Any]:
+    """`module.name` rebuilt from its own source with `old` replaced by `new` (which must occur)."""
+    source = textwrap.dedent(inspect.getsource(getattr(module, name)))
+    if old not in source:
+        raise RuntimeError(f"{module.__name__}.{name} no longer contains {old!r}; update bench/hostcpu.py")
+    scope: dict[str, Any] = {}
+    exec(compile(source.replace(old, new), f"<hostcpu {name}>", "exec"), vars(module), scope)
+    return scope[name]  # type: ignore[no-any-return]
+
+
+@contextmanager
+def cpu_as_gpu(dsl: bool = False) -> Iterator[None]:
+    """CPU tensors take the fast ops' eager CUDA path, with launches that do nothing; with `dsl`, through a
+    real CuTeDSL executor (its Python included; cutlass must be imported for sm_90a), else through a
+    stand-in that returns at once."""
+    saved: list[tuple[Any, str, Any]] = []
+    absent = object()
+
+    def patch(obj: Any, name: str, value: Any) -> None:
+        saved.append((obj, name, getattr(obj, name, absent)))
+        setattr(obj, name, value)
+
+    route = "_route" if hasattr(op, "_route") else "_eager"
+    patch(op, route, _recompiled(op, route, "not a.is_cuda", "not a.is_cpu"))
+    device_arch = _recompiled(runtime, "device_arch", 'd.type != "cuda"', 'd.type != "cpu"')
+    patch(runtime, "device_arch", device_arch)
+    patch(runtime, "_arch_by_index", {0: "sm_90a"})
+    patch(runtime, "sm_count", lambda index: 132)
+    patch(torch.cuda, "current_device", lambda: 0)
+    patch(torch._C, "_cuda_getDevice", lambda: 0)
+    patch(torch._C, "_cuda_getCurrentRawStream", lambda device: 0)
+
+    def host_args(self: op.Kernel, arch: str, **spec: Any) -> tuple[Any, tuple[Any, ...]]:
+        values = (f"v{i}: 'Pointer'" for i in range(LAUNCH_VALUES[self.name]))
+        params = ", ".join([*values, "stream: 'CUstream'"])
+        scope: dict[str, Any] = {}
+        exec(f"def {self.name}_host({params}) -> None: pass", scope)
+        return scope[f"{self.name}_host"], ()
+
+    class NoCompile:
+        def executor(self, key: runtime.CacheKey, build: Callable[[], Any]) -> Any:
+            return _dsl_executor() if dsl else _NoLaunch()
+
+    patch(op.Kernel, "host_args", host_args)
+    patch(runtime, "kernel_cache", NoCompile)
+    try:
+        yield
+    finally:
+        for obj, name, value in reversed(saved):
+            if value is absent:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
+
+
+def host_us(steps: dict[str, Callable[[], object]], calls: int, samples: int,
+            stat: Callable[[list[float]], float] = statistics.median) -> dict[str, float]:
+    """`stat` (the median) over `samples` of µs per call; each sample runs every step in turn, so noise hits
+    all alike."""
+    for step in steps.values():
+        for _ in range(max(1, calls // 10)):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(samples):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                step()
+            times[name].append((time.perf_counter() - t0) / calls * 1e6)
+    return {name: stat(ts) for name, ts in times.items()}
+
+
+def steps() -> dict[str, Callable[[], object]]:
+    """The launch bench's calls (bench/test_bench_launch.py) on CPU tensors of the same shapes."""
+    from nmoe.fast import gemm
+    from nmoe.fast.activation import relu2
+
+    bf16 = torch.bfloat16
+    x, w = torch.randn(256, 128, dtype=bf16), torch.randn(4, 128, 128, dtype=bf16)
+    offs = torch.tensor([64, 128, 192, 256], dtype=torch.int32)
+    tiny = torch.randn(8, 64, dtype=bf16)
+    xg = x.clone().requires_grad_()
+    return {
+        "torch_empty_like": lambda: torch.empty_like(tiny),
+        "relu2": lambda: relu2(tiny),
+        "grouped_gemm": lambda: gemm.grouped_gemm(x, w, offs),
+        "grouped_gemm_autograd": lambda: gemm.grouped_gemm(xg, w, offs),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--calls", type=int, default=2000, help="calls per sample")
+    parser.add_argument("--samples", type=int, default=15, help="samples; the median is reported")
+    parser.add_argument("--min", action="store_true", help="report the fastest sample, not the median")
+    parser.add_argument("--no-dsl", action="store_true",
+                        help="launch through a stand-in, not a CuTeDSL executor (no cutlass import)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    args = parser.parse_args(argv)
+    if not args.no_dsl:
+        runtime.import_cutlass("sm_90a")
+    with cpu_as_gpu(dsl=not args.no_dsl):
+        result = host_us(steps(), args.calls, args.samples, min if args.min else statistics.median)
+    if args.json:
+        print(json.dumps({"us_per_call": result, "calls": args.calls, "samples": args.samples,
+                          "stat": "min" if args.min else "median"}))
+    else:
+        for name, us in result.items():
+            print(f"{name:24s} {us:8.2f} us/call")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
