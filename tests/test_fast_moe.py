@@ -152,9 +152,9 @@ def test_moe_layer_fwd_bwd_one_cuda_graph(activation: str, shared: int, dtype: s
 def test_moe_layer_eager_never_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Even with the GEMMs' opt-in host offs check on, fwd+bwd run without one device-to-host sync."""
     _sm90()
-    from nmoe.fast.gemm.routing import CHECK_OFFS_ENV
+    from nmoe.fast.gemm import routing
     from nmoe.fast.moe import moe_layer
-    monkeypatch.setenv(CHECK_OFFS_ENV, "1")
+    monkeypatch.setattr(routing, "offs_check_enabled", lambda: True)
     cfg = _cfg("swiglu", 1, "bf16", "sigmoid")
     x, p = _params(cfg, 6, "cuda")
     dout = torch.randn(T, D, device="cuda").to(torch.bfloat16)

@@ -169,8 +169,9 @@ def test_sep_moe_fast_topk_grad_unnormalised(spec_kernels: None) -> None:
 
 def test_offs_check_off_inside_the_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     """NMOE_CHECK_OFFS=1 still rejects bad offs elsewhere; in the layer's scope the host check never runs."""
-    from nmoe.fast.gemm.routing import CHECK_OFFS_ENV, check_offs_on_host, offs_built_on_device
-    monkeypatch.setenv(CHECK_OFFS_ENV, "1")
+    from nmoe.fast.gemm import routing
+    from nmoe.fast.gemm.routing import check_offs_on_host, offs_built_on_device
+    monkeypatch.setattr(routing, "offs_check_enabled", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     bad = torch.tensor([5, 3], dtype=torch.int32)
     with pytest.raises(ValueError, match="non-decreasing"):
