@@ -1,10 +1,12 @@
-"""router.fast_*: defects in the CuTeDSL router top-k kernel (nmoe/fast/kernels/router.py); GPU host only."""
+"""router.fast_* and bias_update.fast_*: defects in the CuTeDSL router top-k kernel
+(nmoe/fast/kernels/router.py) and the fast bias update (nmoe/fast/router.py); GPU host only."""
 
 from __future__ import annotations
 
 from mutations.model import Mutation, sep_mutation
 
 FILE = "nmoe/fast/kernels/router.py"
+GLUE = "nmoe/fast/router.py"
 TESTS = "tests/test_fast_router.py"
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -24,6 +26,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "bsc = _sel_f(take, scores[j], bsc)", "bsc = _sel_f(take, biased[j], bsc)",
         "weights taken from biased scores instead of the unbiased ones", TESTS, ("router_topk",),
         device="gpu",
+    ),
+    sep_mutation(
+        "bias_update.fast_sign_flipped", GLUE,
+        "    direction = torch.sign(c.sum() - bias.numel() * c).to(torch.float32)",
+        "    direction = torch.sign(bias.numel() * c - c.sum()).to(torch.float32)",
+        "fast aux-loss-free bias pushed up for overloaded experts (sign of the DeepSeek-V3 rule flipped)",
+        TESTS, ("bias_update",), device="gpu",
     ),
     Mutation(
         "router.fast_exp_fused", FILE,

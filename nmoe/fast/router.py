@@ -121,6 +121,23 @@ def expert_counts(ids: Tensor, n_experts: int) -> Tensor:
     return _counts_op(ids, n_experts)
 
 
+def bias_update(bias: Tensor, counts: Tensor, rate: float, clamp: float) -> Tensor:
+    """The spec's aux-loss-free rule on the GPU in torch device ops (integer sign, one fp32 add, clamp), so
+    the trainer's per-step update never syncs with the host."""
+    runtime.require_arch(bias, counts)
+    if bias.dim() != 1 or counts.shape != bias.shape or bias.dtype != torch.float32:
+        raise ValueError(f"bias_update: bias must be fp32 [E] and counts [E], got bias {bias.dtype} "
+                         f"{tuple(bias.shape)}, counts {tuple(counts.shape)}")
+    if counts.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"bias_update: counts must be int32/int64 expert counts, got {counts.dtype}")
+    if not rate >= 0 or not clamp > 0:
+        raise ValueError(f"bias_update: need rate >= 0 and clamp > 0, got rate={rate}, clamp={clamp}")
+    c = counts.to(torch.int64)
+    direction = torch.sign(c.sum() - bias.numel() * c).to(torch.float32)
+    return torch.clamp(bias + direction * float(torch.tensor(rate, dtype=torch.float32)), min=-clamp,
+                       max=clamp)
+
+
 # Bitwise needs every fp32 op rounded on its own: no fma (contracted or not), no approximate
 # ex2/rcp/div, no flush-to-zero, no mul.f32/add.f32 without .rn (ptxas may fuse those), no
 # NaN-dropping max/min, and no spills. printf stages its arguments with st.local, so only ld.local.
