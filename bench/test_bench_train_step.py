@@ -27,12 +27,13 @@ def test_bench_train_step_moonlet(benchmark: Any) -> None:
     from nmoe.train.loop import flops_per_token
     from nmoe.train.optim import build_optimizer, clip_grad_norm
     from nmoe.train.stepstats import memory_stats, peak_flops
+    from nmoe.traincli import optim_steps
 
     cfg = load_config(CONFIG, env={}, overrides=[f"--data.batch_size={BATCH}"])
     b, s = cfg.data.batch_size, cfg.data.seq_len
     model = Model(cfg.model, seed=cfg.train.seed, param_dtype=cfg.train.param_dtype)
     model.train()
-    opt = build_optimizer(model, cfg.optim)
+    opt = build_optimizer(model, cfg.optim, optim_steps(cfg))
     params = [p for g in opt.param_groups for p in g["params"]]
     gen = torch.Generator(device="cuda").manual_seed(0)
     tokens = torch.randint(0, cfg.model.vocab_size, (b, s + 1), device="cuda", generator=gen)

@@ -85,16 +85,13 @@ def test_traincli_builds_the_fast_model_and_fails_loud_without_a_gpu(monkeypatch
 
 @pytest.mark.parametrize("extra", [(), ("--model.max_seq_len=64",), ("--model.rope_factor=1.0",),
                                    ("--model.mscale=0.7",)])
-def test_softmax_scale_is_the_spec_value(extra: tuple[str, ...]) -> None:
+def test_attention_softmax_scale_is_the_spec_models(extra: tuple[str, ...]) -> None:
     cfg = load_config(CONFIGS / "tiny.toml", env={}, overrides=["--data.seq_len=32", *extra]).model
-    want = mla_softmax_scale(cfg.qk_head_dim, cfg.rope_factor, cfg.mscale, cfg.max_seq_len,
-                             cfg.original_seq_len)
-    assert fast_model.softmax_scale(cfg) == want
-
-
-def test_softmax_scale_hand_value() -> None:
-    """tiny.toml: qk 16+8, YaRN factor 2 active (128 > 64): 24^-0.5 * (0.1 ln 2 + 1)^2."""
-    assert fast_model.softmax_scale(_tiny()) == pytest.approx(24**-0.5 * 1.0693147180559945**2, rel=1e-15)
+    fast, spec = fast_model.Model(cfg, device="meta"), SpecModel(cfg)
+    want = [blk.attn.softmax_scale for blk in spec.layers]
+    assert [blk.attn.softmax_scale for blk in fast.layers] == want
+    assert want[0] == mla_softmax_scale(cfg.qk_head_dim, cfg.rope_factor, cfg.mscale, cfg.max_seq_len,
+                                        cfg.original_seq_len)
 
 
 # ---------------------------------------------------------------- GPU
@@ -192,9 +189,11 @@ def _train_cfg(tmp: Path, dataset: Path, name: str, steps: int) -> Config:
 def test_fast_model_trains_and_reports_mfu_and_memory(tmp_path: Path, dataset: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     from nmoe.train.loop import train
+    from nmoe.traincli import optim_steps
 
     cfg = _train_cfg(tmp_path, dataset, "run", 30)
-    result = train(cfg, fast_model.Model(cfg.model, seed=cfg.train.seed), max_steps=30)
+    model = fast_model.Model(cfg.model, seed=cfg.train.seed)
+    result = train(cfg, model, steps=optim_steps(cfg), max_steps=30)
     print("fast tiny-gpu 30-step losses:", [round(x, 4) for x in result.losses])
     assert result.status == "completed" and all(math.isfinite(x) for x in result.losses)
     assert sum(result.losses[-3:]) / 3 < sum(result.losses[:3]) / 3 - 1.0
@@ -208,18 +207,20 @@ def test_fast_checkpoint_restores_the_state_and_resume_is_bitwise(tmp_path: Path
     from nmoe.train import checkpoint as ckpt
     from nmoe.train.loop import train
     from nmoe.train.optim import build_optimizer
+    from nmoe.traincli import optim_steps
 
     full_cfg = _train_cfg(tmp_path, dataset, "full", 20)
-    full = train(full_cfg, fast_model.Model(full_cfg.model), max_steps=20, progress=False)
+    steps = optim_steps(full_cfg)
+    full = train(full_cfg, fast_model.Model(full_cfg.model), steps=steps, max_steps=20, progress=False)
     cfg = _train_cfg(tmp_path, dataset, "split", 20)
     first_model = fast_model.Model(cfg.model)
-    first = train(cfg, first_model, max_steps=10, progress=False)
+    first = train(cfg, first_model, steps=steps, max_steps=10, progress=False)
     assert first.checkpoint is not None
     loaded = fast_model.Model(cfg.model, seed=7)
-    ckpt.load(first.checkpoint, model=loaded, optimizer=build_optimizer(loaded, cfg.optim), cfg=cfg)
+    ckpt.load(first.checkpoint, model=loaded, optimizer=build_optimizer(loaded, cfg.optim, steps), cfg=cfg)
     restored = loaded.state_dict()
     for name, want in first_model.state_dict().items():
         assert torch.equal(want, restored[name]), f"{name} differs after checkpoint load"
-    second = train(cfg, fast_model.Model(cfg.model, seed=7), max_steps=20, progress=False)
+    second = train(cfg, fast_model.Model(cfg.model, seed=7), steps=steps, max_steps=20, progress=False)
     assert first.losses == full.losses[:10], "two fresh runs differ: a fwd/bwd kernel is not deterministic"
     assert second.losses == full.losses[10:], "resumed run differs from the unbroken one"

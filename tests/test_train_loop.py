@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from nmoe.config import Config, load_config
 from nmoe.data import prep
 from nmoe.train import checkpoint as ckpt
-from nmoe.train.loop import TrainResult, gpu_fields, train
+from nmoe.train.loop import TrainResult, train
 from nmoe.train.metrics import ExperimentsDB, metrics_main, runs_main
 from nmoe.train.metricstore import rank_dir, visible_parts
 
@@ -187,9 +187,3 @@ def test_reference_tiny_model_twenty_steps_and_exact_resume(tmp_path: Path, data
     run(cfg, 10, Model(cfg.model))
     second = run(cfg, 20, Model(cfg.model, seed=7))
     assert second.losses == full.losses[10:]
-
-
-def test_progress_line_carries_mfu_and_peak_memory_where_measured() -> None:
-    assert gpu_fields({"loss": 1.0}) == ""
-    assert gpu_fields({"mfu": 0.3604, "mem/max_allocated_gb": 71.25}) == " MFU 36.0% peak mem 71.2 GiB"
-    assert gpu_fields({"mem/max_rss_gb": 2.0}) == ""

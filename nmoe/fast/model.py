@@ -4,7 +4,6 @@ to bf16 once per forward; built on an sm_90a/sm_100a GPU, or on meta for shapes;
 
 from __future__ import annotations
 
-import math
 from typing import Final
 
 import torch
@@ -15,7 +14,7 @@ from nmoe.config import ModelConfig
 from nmoe.fast import runtime
 from nmoe.fast.activation import swiglu
 from nmoe.fast.arch import ArchError
-from nmoe.fast.attention import MLAParams, mla_attention
+from nmoe.fast.attention import MLAParams, mla_attention, mla_softmax_scale
 from nmoe.fast.loss import cross_entropy
 from nmoe.fast.moe import MoEParams, MoERouting, moe_layer
 from nmoe.fast.norm import rmsnorm
@@ -47,14 +46,6 @@ def model_device(device: str | torch.device | None) -> torch.device:
     dev = torch.device("cuda", index)
     runtime.require_arch(torch.empty(0, device=dev))
     return dev
-
-
-def softmax_scale(cfg: ModelConfig) -> float:
-    """qk_head_dim^-0.5 times the YaRN mscale squared; YaRN is on when max_seq_len > original_seq_len."""
-    m = 1.0
-    if cfg.max_seq_len > cfg.original_seq_len and cfg.rope_factor > 1.0:
-        m = 0.1 * cfg.mscale * math.log(cfg.rope_factor) + 1.0
-    return math.pow(cfg.qk_head_dim, -0.5) * m * m
 
 
 class _Init:
@@ -93,7 +84,8 @@ class MLA(nn.Module):
         self.kv_norm = init.ones(cfg.kv_lora_rank)
         self.wkv_b = init.normal(h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
         self.wo = init.normal(cfg.dim, h * cfg.v_head_dim)
-        self.softmax_scale = softmax_scale(cfg)
+        self.softmax_scale = mla_softmax_scale(dqk, cfg.rope_factor, cfg.mscale, cfg.max_seq_len,
+                                               cfg.original_seq_len)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         c = self.cfg
