@@ -166,6 +166,21 @@ def test_router_bias_update_moves_on_the_gpu() -> None:
                                                         cfg.bias_clamp).float())
 
 
+@gpu
+def test_forward_backward_make_no_host_sync() -> None:
+    """After a warm-up step (kernel compiles may sync), a training step's fwd+bwd never waits on the GPU."""
+    cfg = _tiny_gpu()
+    fast = fast_model.Model(cfg)
+    tok = _tokens(cfg.vocab_size, 2, 128).cuda()
+    fast(tok[:, :-1], tok[:, 1:]).backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fast(tok[:, :-1], tok[:, 1:]).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from nmoe.data import prep
