@@ -242,7 +242,8 @@ class DataConfig(_Section):
 
 @dataclass(frozen=True)
 class TrainConfig(_Section):
-    """dtype is bf16 only: expert GEMMs take bf16 by contract; fp8/nvfp4 come from model.expert_dtype.
+    """dtype (compute) is bf16 only: expert GEMMs take bf16 by contract; fp8/nvfp4 come from expert_dtype.
+    param_dtype / optim_state_dtype: fp32 masters and moments, the only kinds the optimizer keeps today.
     model = "reference" (the CPU spec model) must be asked for by name: the fast path never falls back."""
 
     SECTION: ClassVar[str] = "train"
@@ -251,6 +252,8 @@ class TrainConfig(_Section):
     device: str = _spec("cuda", choices=("cuda", "cpu"))
     model: str = _spec("fast", choices=("fast", "reference"))
     dtype: str = _spec("bf16", choices=("bf16",))
+    param_dtype: str = _spec("fp32", choices=("fp32",))
+    optim_state_dtype: str = _spec("fp32", choices=("fp32",))
     log_every: int = _spec(10, lo=1)
     run_name: str = _spec("run")
     experiment: str = _spec("default")

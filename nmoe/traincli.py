@@ -39,18 +39,16 @@ def gpu_problem() -> str | None:
 
 
 def build_model(cfg: Config) -> nn.Module:
+    """The spec model on the CPU, or the fast model built on the current GPU in train.param_dtype."""
     model: nn.Module
     if cfg.train.model == "reference":
         from nmoe.reference.model import Model as SpecModel
 
-        model = SpecModel(cfg.model)
+        model = SpecModel(cfg.model, seed=cfg.train.seed)
         return model
-    try:
-        from nmoe.fast.model import Model  # type: ignore[import-not-found, unused-ignore]
-    except ImportError as e:
-        raise RuntimeError(f"the fast-path model nmoe.fast.model.Model is not available ({e}); "
-                           f"train.model = \"fast\" needs it ({CPU_HINT})") from e
-    model = Model(cfg.model)
+    from nmoe.fast.model import Model
+
+    model = Model(cfg.model, seed=cfg.train.seed, param_dtype=cfg.train.param_dtype)
     return model
 
 

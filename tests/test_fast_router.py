@@ -1,4 +1,5 @@
-"""nmoe.fast.router (router_topk, expert_counts) against the spec and an independent pinned-score oracle."""
+"""nmoe.fast.router (router_topk, expert_counts, bias_update) against the spec and an independent pinned-score
+oracle."""
 
 # torch's CPU sigmoid/softmax bits depend on the SIMD path and the element's position, so the spec and
 # the kernel both score with a pinned formula (nmoe/reference/router.py::pinned_exp). Oracles: the spec,
@@ -194,6 +195,8 @@ def test_cpu_tensors_are_rejected_naming_the_reference() -> None:
         fast.router_topk(torch.zeros(2, 8), torch.zeros(8), 2, "sigmoid")
     with pytest.raises(ArchError, match=r"nmoe\.reference"):
         fast.expert_counts(torch.zeros(2, 2, dtype=torch.int64), 8)
+    with pytest.raises(ArchError, match=r"nmoe\.reference"):
+        fast.bias_update(torch.zeros(8), torch.zeros(8, dtype=torch.int64), 1e-3, 1.0)
 
 
 def test_kernel_specs_cover_both_archs() -> None:
@@ -325,6 +328,18 @@ def test_sep_router_fast_weights_biased() -> None:
     biased_w = biased_w / biased_w.sum(1, keepdim=True)
     assert not torch.equal(w, biased_w)
     _assert_same(fast.router_topk(logits.cuda(), bias.cuda(), 4, "sigmoid"), (w, ids))
+
+
+@gpu
+def test_bias_update_makes_no_host_sync() -> None:
+    bias, counts = torch.zeros(64).cuda(), torch.randint(0, 100, (64,)).cuda()
+    fast.bias_update(bias, counts, 1e-3, 1.0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fast.bias_update(bias, counts, 1e-3, 1.0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @gpu

@@ -91,3 +91,11 @@ def test_compaction_keeps_every_row_once(tmp_path: Path, monkeypatch: pytest.Mon
     assert rows == [(s, float(s)) for s in range(1, 8)] + [(8, 80.0)]
     newest = max(int(p.name[:8]) for p in directory.glob("*.parquet"))
     assert MetricsWriter(tmp_path, "r", 0).next_seq == newest + 1
+
+
+def test_progress_line_carries_mfu_and_peak_memory_where_measured() -> None:
+    from nmoe.train.loop import gpu_fields
+
+    assert gpu_fields({"loss": 1.0}) == ""
+    assert gpu_fields({"mfu": 0.3604, "mem/max_allocated_gb": 71.25}) == " MFU 36.0% peak mem 71.2 GiB"
+    assert gpu_fields({"mem/max_rss_gb": 2.0}) == ""

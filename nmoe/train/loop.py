@@ -110,6 +110,14 @@ def _fmt_eta(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+def gpu_fields(values: dict[str, float]) -> str:
+    """MFU and peak memory for the progress line, where the step measured them."""
+    out = f" MFU {100 * values['mfu']:.1f}%" if "mfu" in values else ""
+    if "mem/max_allocated_gb" in values:
+        out += f" peak mem {values['mem/max_allocated_gb']:.1f} GiB"
+    return out
+
+
 def _router_names(model: nn.Module) -> list[str]:
     return [n.rsplit(".", 1)[0] if "." in n else "model" for n, _ in model.named_buffers()
             if n.endswith("router_bias")]
@@ -261,7 +269,8 @@ def _run(
                     elapsed = time.perf_counter() - t_start
                     eta = (end_step - step) * elapsed / steps_run
                     line = (f"step {step}/{end_step} loss {loss_value:.4f} lr {values['lr']:.2e} "
-                            f"{tok_s:,.0f} tok/s {1e3 * dt:.0f} ms/step ETA {_fmt_eta(eta)}")
+                            f"{tok_s:,.0f} tok/s {1e3 * dt:.0f} ms/step{gpu_fields(values)} "
+                            f"ETA {_fmt_eta(eta)}")
                     sys.stderr.write(("\r" + line + "\033[K") if tty else line + "\n")
                 if on_step is not None:
                     on_step(step, loss_value)
