@@ -191,7 +191,7 @@ ZIPF_BIAS = 0.25
 
 def _layer_inputs(cfg: tuple[int, ...], routing: str) -> tuple[Any, Any, Tensor, list[Tensor]]:
     from nmoe.config import ModelConfig
-    from nmoe.reference.moe import MoEParams
+    from nmoe.layout import MoEParams
     t, h, i, e, k = cfg
     g = torch.Generator(device="cuda").manual_seed(3)
 

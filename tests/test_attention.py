@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from nmoe.reference.attention import MLAParams, mla_attention, mla_softmax_scale
+from nmoe.layout import MLAParams
+from nmoe.reference.attention import mla_attention, mla_softmax_scale
 from nmoe.reference.rope import yarn_cos_sin
 
 EPS = 1e-6

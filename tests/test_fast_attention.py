@@ -16,8 +16,9 @@ from torch import Tensor
 from nmoe.fast import FAST_MODULES
 from nmoe.fast import attention as fast_attn
 from nmoe.fast.arch import SUPPORTED_ARCHS, ArchError, ArchNotImplemented
-from nmoe.fast.attention import KERNELS, MLAParams, check_head_dims, mla_attention, mla_softmax_scale
+from nmoe.fast.attention import KERNELS, check_head_dims, mla_attention, mla_softmax_scale
 from nmoe.fast.rope import yarn_cos_sin
+from nmoe.layout import MLAParams
 from nmoe.reference import attention as spec_attn
 
 F64 = torch.float64

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from nmoe.config import ModelConfig
-from nmoe.reference.moe import MoEParams
+from nmoe.layout import MoEParams
 from nmoe.reference.moe import moe_layer as spec_layer
 from parity.ops.moe import _moe_in
 

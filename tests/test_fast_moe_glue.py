@@ -11,13 +11,14 @@ from torch import Tensor
 
 import nmoe.fast.moe as fm
 from nmoe.config import ModelConfig
+from nmoe.layout import MoEParams
 from nmoe.reference import activation as ra
 from nmoe.reference import combine as rc
 from nmoe.reference import dispatch as rd
 from nmoe.reference import formats as rf
 from nmoe.reference import gemm as rg
 from nmoe.reference import router as rr
-from nmoe.reference.moe import MoEParams, moe_layer
+from nmoe.reference.moe import moe_layer
 
 T, E, K = 24, 8, 3
 DIMS = {"bf16": (32, 16), "fp8": (128, 128)}

@@ -378,6 +378,16 @@ def test_gemm_front_refuses_missing_pairs_with_a_remedy(monkeypatch: pytest.Monk
     assert gemm.implemented_archs("grouped_gemm") == ("sm_90a", "sm_100a")
 
 
+def test_fast_package_never_imports_the_spec_parity_trainer_or_data() -> None:
+    """docs/design.md's rule, read with ast (imports inside functions count): the fast path cannot fall back."""
+    root = ROOT / "nmoe" / "fast"
+    found = [f"{m}: {n}" for p in sorted(root.rglob("*.py"))
+             for m in [".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")]
+             for n in sorted(op.imports(m))
+             if n.startswith(("nmoe.reference", "nmoe.train", "nmoe.data", "parity"))]
+    assert found == []
+
+
 def test_fast_package_has_no_import_cycles() -> None:
     """Every import inside nmoe (module level or in a function), read with ast: the graph must be acyclic."""
     root = ROOT / "nmoe"

@@ -10,7 +10,8 @@ import torch
 from torch import Tensor
 
 from nmoe.config import ModelConfig, load_config
-from nmoe.reference.attention import MLAParams, mla_attention
+from nmoe.layout import MLAParams
+from nmoe.reference.attention import mla_attention
 from nmoe.reference.model import MLA, Block, DenseFFN, Model, MoE
 from nmoe.reference.moe import moe_layer
 from nmoe.reference.norm import rmsnorm

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from nmoe.config import ModelConfig
-from nmoe.reference.moe import MoEParams, expert_gemm, ffn, moe_layer
+from nmoe.layout import MoEParams
+from nmoe.reference.moe import expert_gemm, ffn, moe_layer
 
 BF = torch.bfloat16
 

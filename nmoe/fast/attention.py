@@ -27,6 +27,7 @@ from nmoe.fast.norm import rmsnorm
 from nmoe.fast.op import Kernel
 from nmoe.fast.rope import apply_rope, yarn_mscale
 from nmoe.fast.runtime import KernelSpec
+from nmoe.layout import MLAParams, check_mla_params
 
 # The backward accumulates dq in a fixed order (FA4's semaphore path): training resumes bitwise.
 DETERMINISTIC = True
@@ -36,23 +37,6 @@ _HEAD_ALIGN = 8
 _SM100_EXTRA = ((192, 128), (256, 256))
 # SM counts FA4 sizes its schedule for when compiled without a GPU (H100/H200, B200).
 _CHECK_SMS = {"sm_90a": 132, "sm_100a": 148}
-
-
-@dataclass(frozen=True)
-class MLAParams:
-    """One MLA layer's weights in nn.Linear layout [out, in], field for field the spec's MLAParams.
-
-    q_lora_rank=0: set wq only; otherwise set wq_a, q_norm, wq_b and leave wq None.
-    """
-
-    wkv_a: Tensor  # [kv_lora_rank + qk_rope_head_dim, dim]
-    kv_norm: Tensor  # [kv_lora_rank]
-    wkv_b: Tensor  # [n_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]
-    wo: Tensor  # [dim, n_heads * v_head_dim]
-    wq: Tensor | None = None  # [n_heads * (qk_nope_head_dim + qk_rope_head_dim), dim]
-    wq_a: Tensor | None = None  # [q_lora_rank, dim]
-    q_norm: Tensor | None = None  # [q_lora_rank]
-    wq_b: Tensor | None = None  # [n_heads * (qk_nope_head_dim + qk_rope_head_dim), q_lora_rank]
 
 
 def mla_softmax_scale(qk_head_dim: int, rope_factor: float, mscale: float, max_seq_len: int,
@@ -79,33 +63,6 @@ def check_head_dims(arch: str, d_qk: int, d_v: int) -> None:
             f"(= qk_nope_head_dim + qk_rope_head_dim) and v head dim {d_v}; it runs {have}. Pick such head "
             "dims in the model config, or use nmoe.reference.attention"
         )
-
-
-def _expect(name: str, t: Tensor | None, shape: tuple[int, ...]) -> Tensor:
-    if t is None or tuple(t.shape) != shape:
-        got = None if t is None else tuple(t.shape)
-        raise ValueError(f"mla_attention: {name} has shape {got}, expected {shape} from the given head dims")
-    return t
-
-
-def _check_params(p: MLAParams, dim: int, n_heads: int, d_nope: int, d_rope: int, d_v: int) -> None:
-    d_qk = d_nope + d_rope
-    if (p.wq is None) == (p.wq_a is None):
-        raise ValueError("mla_attention: set exactly one of wq (q_lora_rank=0) or wq_a/q_norm/wq_b (q LoRA)")
-    if p.wq is not None:
-        _expect("wq", p.wq, (n_heads * d_qk, dim))
-        if p.q_norm is not None or p.wq_b is not None:
-            raise ValueError("mla_attention: wq is set, so q_norm and wq_b must be None (q_lora_rank=0)")
-    else:
-        assert p.wq_a is not None
-        r_q = int(p.wq_a.shape[0])
-        _expect("wq_a", p.wq_a, (r_q, dim))
-        _expect("q_norm", p.q_norm, (r_q,))
-        _expect("wq_b", p.wq_b, (n_heads * d_qk, r_q))
-    r_kv = int(p.kv_norm.shape[0])
-    _expect("wkv_a", p.wkv_a, (r_kv + d_rope, dim))
-    _expect("wkv_b", p.wkv_b, (n_heads * (d_nope + d_v), r_kv))
-    _expect("wo", p.wo, (dim, n_heads * d_v))
 
 
 def flash_interface(arch: str) -> ModuleType:
@@ -164,7 +121,7 @@ def mla_attention(
             f"[>= {s}, {dr // 2}]; build them with nmoe.fast.rope.yarn_cos_sin(max_seq_len, "
             "qk_rope_head_dim, ...)"
         )
-    _check_params(p, dim, h, dn, dr, dv)
+    check_mla_params(p, dim, h, dn, dr, dv)
     _, arch = runtime.device_arch(x, cos, sin)
     check_head_dims(arch, dn + dr, dv)
     if x.numel() == 0:

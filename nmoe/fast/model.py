@@ -14,12 +14,13 @@ from nmoe.config import ModelConfig
 from nmoe.fast import runtime
 from nmoe.fast.activation import swiglu
 from nmoe.fast.arch import ArchError
-from nmoe.fast.attention import MLAParams, mla_attention, mla_softmax_scale
+from nmoe.fast.attention import mla_attention, mla_softmax_scale
 from nmoe.fast.loss import cross_entropy
-from nmoe.fast.moe import MoEParams, MoERouting, moe_layer
+from nmoe.fast.moe import moe_layer
 from nmoe.fast.norm import rmsnorm
 from nmoe.fast.rope import yarn_cos_sin
 from nmoe.fast.router import bias_update
+from nmoe.layout import MLAParams, MoEParams, MoERouting
 
 COMPUTE: Final[torch.dtype] = torch.bfloat16
 PARAM_DTYPES: Final[dict[str, torch.dtype]] = {"fp32": torch.float32, "bf16": torch.bfloat16}

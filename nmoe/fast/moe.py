@@ -42,8 +42,7 @@ from nmoe.fast.formats import quantize_mxfp8, quantize_mxfp8_weight
 from nmoe.fast.gemm import grouped_gemm, grouped_gemm_dgrad, grouped_gemm_fp8, grouped_gemm_wgrad, sm90
 from nmoe.fast.gemm.routing import offs_built_on_device
 from nmoe.fast.router import expert_counts, router_logits, router_topk
-from nmoe.reference.moe import FP8_ACT_BLOCK, MoEParams, MoERouting
-from nmoe.reference.moe import _check as check_params
+from nmoe.layout import FP8_ACT_BLOCK, MoEParams, MoERouting, check_moe_params
 
 __all__ = ["MoEParams", "MoERouting", "moe_layer"]
 
@@ -244,7 +243,7 @@ def _check_fast(x: Tensor, cfg: ModelConfig) -> None:
 
 def moe_layer(x: Tensor, p: MoEParams, cfg: ModelConfig) -> tuple[Tensor, MoERouting]:
     """x bf16 [T,D] -> (out bf16 [T,D], routing), the spec's results; differentiable in x and every weight."""
-    up, shared_up = check_params(x, p, cfg)
+    up, shared_up = check_moe_params(x, p, cfg)
     _check_fast(x, cfg)
     k, e = cfg.n_activated_experts, cfg.n_routed_experts
     logits = router_logits(x, p.router_w)

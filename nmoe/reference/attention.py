@@ -4,38 +4,13 @@ All math (projections, causal softmax) in fp32 (fp64 for fp64 x), rounded once t
 """
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from nmoe.layout import MLAParams, check_mla_params
 from nmoe.reference.norm import rmsnorm
 from nmoe.reference.rope import apply_rope, yarn_mscale
-
-
-@dataclass(frozen=True)
-class MLAParams:
-    """One MLA layer's weights in nn.Linear layout [out, in], so a module can pass its Parameters directly.
-
-    q_lora_rank=0: set wq only; otherwise set wq_a, q_norm, wq_b and leave wq None.
-    """
-
-    wkv_a: Tensor  # [kv_lora_rank + qk_rope_head_dim, dim]
-    kv_norm: Tensor  # [kv_lora_rank]
-    wkv_b: Tensor  # [n_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]
-    wo: Tensor  # [dim, n_heads * v_head_dim]
-    wq: Tensor | None = None  # [n_heads * (qk_nope_head_dim + qk_rope_head_dim), dim]
-    wq_a: Tensor | None = None  # [q_lora_rank, dim]
-    q_norm: Tensor | None = None  # [q_lora_rank]
-    wq_b: Tensor | None = None  # [n_heads * (qk_nope_head_dim + qk_rope_head_dim), q_lora_rank]
-
-    @property
-    def q_lora_rank(self) -> int:
-        return 0 if self.wq_a is None else int(self.wq_a.shape[0])
-
-    @property
-    def kv_lora_rank(self) -> int:
-        return int(self.kv_norm.shape[0])
 
 
 def mla_softmax_scale(
@@ -46,34 +21,6 @@ def mla_softmax_scale(
         raise ValueError(f"mla_softmax_scale: qk_head_dim={qk_head_dim} must be >= 1")
     m = yarn_mscale(rope_factor, mscale, max_seq_len, original_seq_len)
     return math.pow(qk_head_dim, -0.5) * m * m
-
-
-def _expect(name: str, t: Tensor | None, shape: tuple[int, ...]) -> Tensor:
-    if t is None or tuple(t.shape) != shape:
-        got = None if t is None else tuple(t.shape)
-        raise ValueError(f"mla_attention: {name} has shape {got}, expected {shape} from the given head dims")
-    return t
-
-
-def _check_params(p: MLAParams, dim: int, n_heads: int, d_nope: int, d_rope: int, d_v: int) -> None:
-    d_qk = d_nope + d_rope
-    if (p.wq is None) == (p.wq_a is None):
-        raise ValueError(
-            "mla_attention: set exactly one of wq (q_lora_rank=0) or wq_a/q_norm/wq_b (q LoRA) in MLAParams"
-        )
-    if p.wq is not None:
-        _expect("wq", p.wq, (n_heads * d_qk, dim))
-        if p.q_norm is not None or p.wq_b is not None:
-            raise ValueError("mla_attention: wq is set, so q_norm and wq_b must be None (q_lora_rank=0)")
-    else:
-        r_q = p.q_lora_rank
-        _expect("wq_a", p.wq_a, (r_q, dim))
-        _expect("q_norm", p.q_norm, (r_q,))
-        _expect("wq_b", p.wq_b, (n_heads * d_qk, r_q))
-    r_kv = p.kv_lora_rank
-    _expect("wkv_a", p.wkv_a, (r_kv + d_rope, dim))
-    _expect("wkv_b", p.wkv_b, (n_heads * (d_nope + d_v), r_kv))
-    _expect("wo", p.wo, (dim, n_heads * d_v))
 
 
 def mla_attention(
@@ -105,7 +52,7 @@ def mla_attention(
             f"mla_attention: cos/sin shape {tuple(cos.shape)} must be [>= {s}, {qk_rope_head_dim // 2}]; "
             "build them with yarn_cos_sin(max_seq_len, qk_rope_head_dim, ...)"
         )
-    _check_params(p, dim, n_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
+    check_mla_params(p, dim, n_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
     acc = torch.promote_types(x.dtype, torch.float32)
     cos_s, sin_s = cos[:s], sin[:s]
 

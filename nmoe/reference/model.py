@@ -12,9 +12,10 @@ import torch
 from torch import Tensor, nn
 
 from nmoe.config import ModelConfig
-from nmoe.reference.attention import MLAParams, mla_attention, mla_softmax_scale
+from nmoe.layout import MLAParams, MoEParams, MoERouting
+from nmoe.reference.attention import mla_attention, mla_softmax_scale
 from nmoe.reference.loss import cross_entropy, cross_entropy_bwd
-from nmoe.reference.moe import MoEParams, MoERouting, ffn, moe_layer
+from nmoe.reference.moe import ffn, moe_layer
 from nmoe.reference.norm import rmsnorm
 from nmoe.reference.rope import yarn_cos_sin
 from nmoe.reference.router import bias_update

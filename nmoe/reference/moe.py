@@ -8,7 +8,6 @@ layer's gradient is a spec too. fp8/nvfp4 experts quantize in the forward; the b
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,6 +15,7 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
 from nmoe.config import ModelConfig
+from nmoe.layout import FP8_ACT_BLOCK, MoEParams, MoERouting, check_moe_params
 from nmoe.reference.activation import relu2, relu2_bwd, swiglu, swiglu_bwd
 from nmoe.reference.combine import combine, combine_bwd
 from nmoe.reference.dispatch import permute, unpermute
@@ -30,38 +30,10 @@ from nmoe.reference.gemm import (
 )
 from nmoe.reference.router import expert_counts, router_logits, router_topk
 
-FP8_ACT_BLOCK = 128
 ACTIVATIONS: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor], Tensor]]] = {
     "swiglu": (swiglu, swiglu_bwd),
     "relu2": (relu2, relu2_bwd),
 }
-
-
-@dataclass(frozen=True)
-class MoEParams:
-    """One MoE layer's tensors. Expert/shared weights bf16; router_w any float dtype; router_bias fp32.
-
-    Up projection: w13 [E,2I,D] (rows interleaved gate/up) for swiglu, w1 [E,I,D] for relu2; set exactly one.
-    Shared experts form one MLP of width n_shared*I: shared_w13 [2SI,D] or shared_w1 [SI,D], shared_w2 [D,SI].
-    """
-
-    router_w: Tensor
-    router_bias: Tensor
-    w2: Tensor
-    w13: Tensor | None = None
-    w1: Tensor | None = None
-    shared_w13: Tensor | None = None
-    shared_w1: Tensor | None = None
-    shared_w2: Tensor | None = None
-
-
-@dataclass(frozen=True)
-class MoERouting:
-    """weights fp32 [T,K] sum to 1 per token (route_scale is applied in combine, never here)."""
-
-    weights: Tensor
-    ids: Tensor
-    counts: Tensor
 
 
 def expert_gemm(x: Tensor, w: Tensor, offs: Tensor, expert_dtype: str) -> Tensor:
@@ -168,46 +140,6 @@ def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
     return fn.apply(*args)  # type: ignore[no-untyped-call]
 
 
-def _up_weight(w13: Tensor | None, w1: Tensor | None, activation: str, who: str) -> Tensor | None:
-    want, other = (w13, w1) if activation == "swiglu" else (w1, w13)
-    if other is not None:
-        name = "w1" if activation == "swiglu" else "w13"
-        raise ValueError(f"moe_layer: {who}{name} is set but activation is {activation!r}; set "
-                         f"{who}{'w13' if activation == 'swiglu' else 'w1'} instead")
-    return want
-
-
-def _check(x: Tensor, p: MoEParams, cfg: ModelConfig) -> tuple[Tensor, Tensor | None]:
-    d = x.shape[1] if x.dim() == 2 else -1
-    e, i, s = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.n_shared_experts
-    up_rows = 2 * i if cfg.activation == "swiglu" else i
-    if x.dim() != 2 or d != cfg.dim or x.dtype != torch.bfloat16:
-        raise ValueError(f"moe_layer: x must be bf16 [T, {cfg.dim}], got {x.dtype} {tuple(x.shape)}")
-    up = _up_weight(p.w13, p.w1, cfg.activation, "")
-    shared_up = _up_weight(p.shared_w13, p.shared_w1, cfg.activation, "shared_")
-    want: dict[str, tuple[Tensor | None, tuple[int, ...] | None]] = {
-        "router_w": (p.router_w, (e, d)),
-        "router_bias": (p.router_bias, (e,)),
-        "w13" if cfg.activation == "swiglu" else "w1": (up, (e, up_rows, d)),
-        "w2": (p.w2, (e, d, i)),
-        "shared up": (shared_up, (up_rows * s, d) if s else None),
-        "shared_w2": (p.shared_w2, (d, i * s) if s else None),
-    }
-    for name, (tensor, shape) in want.items():
-        got = None if tensor is None else tuple(tensor.shape)
-        if got != shape:
-            raise ValueError(f"moe_layer: {name} has shape {got}, expected {shape} from the config "
-                             f"(n_routed_experts={e}, moe_inter_dim={i}, n_shared_experts={s})")
-    if p.router_bias.dtype != torch.float32:
-        raise ValueError(f"moe_layer: router_bias must be fp32, got {p.router_bias.dtype}")
-    for name, tensor in (("up", up), ("w2", p.w2), ("shared up", shared_up), ("shared_w2", p.shared_w2)):
-        if tensor is not None and tensor.dtype != torch.bfloat16:
-            raise ValueError(f"moe_layer: {name} weight must be bf16 (cast the fp32 master), got "
-                             f"{tensor.dtype}")
-    assert up is not None
-    return up, shared_up
-
-
 def ffn(x: Tensor, w_up: Tensor, w2: Tensor, activation: str, expert_dtype: str) -> Tensor:
     """A dense MLP [T,D] -> [T,D] as a one-group grouped GEMM, so it rounds exactly like an expert."""
     offs = torch.tensor([x.shape[0]], dtype=torch.int32)
@@ -218,7 +150,7 @@ def ffn(x: Tensor, w_up: Tensor, w2: Tensor, activation: str, expert_dtype: str)
 
 def moe_layer(x: Tensor, p: MoEParams, cfg: ModelConfig) -> tuple[Tensor, MoERouting]:
     """x bf16 [T,D] -> (out bf16 [T,D], routing). Shared experts use cfg.expert_dtype like routed ones."""
-    up, shared_up = _check(x, p, cfg)
+    up, shared_up = check_moe_params(x, p, cfg)
     t, k, e = x.shape[0], cfg.n_activated_experts, cfg.n_routed_experts
     logits = router_logits(x, p.router_w)
     weights, ids = router_topk(logits, p.router_bias, k, cfg.score_func, cfg.n_expert_groups,

@@ -65,7 +65,7 @@ def space_mla(big: bool) -> st.SearchStrategy[dict[str, Any]]:
 
 
 def make_mla_attention(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
-    from nmoe.reference.attention import MLAParams
+    from nmoe.layout import MLAParams
 
     q = with_adv(p, adv, **({"S": 1} if adv == "single_token" else {}))
     dtype = dt(q["dtype"])

@@ -66,7 +66,7 @@ def space_moe(big: bool) -> st.SearchStrategy[dict[str, Any]]:
 def make_moe_layer(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
     """adv=ties: bias 0 and every other token 0, so its logits are exactly 0 and every expert ties."""
     from nmoe.config import ModelConfig
-    from nmoe.reference.moe import MoEParams
+    from nmoe.layout import MoEParams
 
     q = with_adv(p, adv, **({"T": 1} if adv == "single_token" else {}), **({"k": 1} if adv == "k1" else {}))
     t, dd, e, k, i, s, act = q["T"], q["D"], q["E"], min(q["k"], q["E"]), q["I"], q["shared"], q["activation"]
