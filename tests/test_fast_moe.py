@@ -27,10 +27,12 @@ def _sm90() -> None:
         pytest.skip("the fast MoE layer's backward GEMMs are sm_90a kernels")
 
 
-def _cfg(activation: str, shared: int, dtype: str, score: str, align: int = 128) -> ModelConfig:
+def _cfg(activation: str, shared: int, dtype: str, score: str, align: int = 128,
+         groups: tuple[int, int] = (1, 1)) -> ModelConfig:
     return ModelConfig(tokenizer="none", vocab_size=64, dim=D, moe_inter_dim=INTER, n_routed_experts=E,
                        n_activated_experts=K, n_shared_experts=shared, route_scale=2.5, permute_align=align,
-                       activation=activation, score_func=score, expert_dtype=dtype)
+                       activation=activation, score_func=score, expert_dtype=dtype,
+                       n_expert_groups=groups[0], n_limited_groups=groups[1])
 
 
 def _params(cfg: ModelConfig, seed: int, device: str) -> tuple[Tensor, MoEParams]:
@@ -79,20 +81,22 @@ CASES = [("swiglu", 1, "bf16", "sigmoid"), ("relu2", 0, "bf16", "softmax"), ("sw
 
 
 @gpu
-@pytest.mark.parametrize(("activation", "shared", "dtype", "score"), CASES)
-def test_moe_layer_values_and_grads(activation: str, shared: int, dtype: str, score: str) -> None:
+@pytest.mark.parametrize(("activation", "shared", "dtype", "score", "align", "groups"),
+                         [(*c, 128, (1, 1)) for c in CASES] + [("relu2", 1, "bf16", "sigmoid", 8, (4, 2))])
+def test_moe_layer_values_and_grads(activation: str, shared: int, dtype: str, score: str, align: int,
+                                    groups: tuple[int, int]) -> None:
     """Routing: the spec's top-k on the fast logits, bit for bit. Values and gradients: float64 autograd on
     the fast routing (bf16), and the spec layer on CPU where its own logits route alike (fp8 needs that)."""
     _sm90()
     from nmoe.fast.moe import moe_layer
     from nmoe.fast.router import router_logits
     from nmoe.reference.router import router_topk
-    cfg = _cfg(activation, shared, dtype, score)
+    cfg = _cfg(activation, shared, dtype, score, align, groups)
     x, p = _params(cfg, 1, "cuda")
     out, r = moe_layer(x, p, cfg)
     with torch.no_grad():
         logits = router_logits(x, p.router_w).cpu()
-    w_spec, ids_spec = router_topk(logits, p.router_bias.cpu(), K, score)
+    w_spec, ids_spec = router_topk(logits, p.router_bias.cpu(), K, score, *groups)
     assert torch.equal(r.ids.cpu(), ids_spec) and torch.equal(r.weights.detach().cpu(), w_spec)
     assert torch.equal(r.counts.cpu(), torch.bincount(ids_spec.reshape(-1), minlength=E))
     dout = torch.randn(T, D, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
@@ -150,7 +154,8 @@ def test_moe_layer_fwd_bwd_one_cuda_graph(activation: str, shared: int, dtype: s
 
 @gpu
 def test_moe_layer_eager_never_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Even with the GEMMs' opt-in host offs check on, fwd+bwd run without one device-to-host sync."""
+    """Even with the GEMMs' opt-in host offs check on, fwd+bwd run without one device-to-host sync (the
+    warm-up compiles and loads every kernel first, so only the layer itself is watched)."""
     _sm90()
     from nmoe.fast.gemm import routing
     from nmoe.fast.moe import moe_layer
@@ -158,7 +163,7 @@ def test_moe_layer_eager_never_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = _cfg("swiglu", 1, "bf16", "sigmoid")
     x, p = _params(cfg, 6, "cuda")
     dout = torch.randn(T, D, device="cuda").to(torch.bfloat16)
-    moe_layer(x, p, cfg)
+    torch.autograd.grad(moe_layer(x, p, cfg)[0], _leaves(x, p), dout)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -11,6 +11,7 @@ from torch import Tensor
 
 import nmoe.fast.moe as fm
 from nmoe.config import ModelConfig
+from nmoe.fast.gemm import sm90
 from nmoe.layout import MoEParams
 from nmoe.reference import activation as ra
 from nmoe.reference import combine as rc
@@ -42,11 +43,11 @@ def spec_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     }
     for name, fn in subs.items():
         monkeypatch.setattr(fm, name, fn)
-    monkeypatch.setattr(fm.sm90, "grouped_gemm_act_h", _act_h)
+    monkeypatch.setattr(sm90, "grouped_gemm_act_h", _act_h)
 
 
-def _case(activation: str, shared: int, dtype: str, score: str,
-          seed: int) -> tuple[Tensor, MoEParams, ModelConfig]:
+def _case(activation: str, shared: int, dtype: str, score: str, seed: int,
+          groups: tuple[int, int] = (1, 1)) -> tuple[Tensor, MoEParams, ModelConfig]:
     g = torch.Generator().manual_seed(seed)
     D, INTER = DIMS[dtype]
     up = 2 * INTER if activation == "swiglu" else INTER
@@ -56,7 +57,8 @@ def _case(activation: str, shared: int, dtype: str, score: str,
 
     cfg = ModelConfig(tokenizer="none", vocab_size=64, dim=D, moe_inter_dim=INTER, n_routed_experts=E,
                       n_activated_experts=K, n_shared_experts=shared, route_scale=2.5, permute_align=4,
-                      activation=activation, score_func=score, expert_dtype=dtype)
+                      activation=activation, score_func=score, expert_dtype=dtype,
+                      n_expert_groups=groups[0], n_limited_groups=groups[1])
     w_up, sh_up = rn(E, up, D, s=D**-0.5), rn(up * shared, D, s=D**-0.5) if shared else None
     swiglu = activation == "swiglu"
     p = MoEParams(router_w=rn(E, D, s=D**-0.5), router_bias=0.05 * torch.randn(E, generator=g),
@@ -179,3 +181,77 @@ def test_offs_check_off_inside_the_layer(monkeypatch: pytest.MonkeyPatch) -> Non
         check_offs_on_host("grouped_gemm", bad, 8)
     with offs_built_on_device():
         check_offs_on_host("grouped_gemm", bad, 8)
+
+
+def _layer_grads(fn: Any, x: Tensor, p: MoEParams, cfg: ModelConfig,
+                 dout: Tensor) -> dict[str, Tensor | None]:
+    out, _ = fn(x, p, cfg)
+    out.backward(dout)
+    names = ("x", "router_w", "w13", "w1", "w2", "shared_w13", "shared_w1", "shared_w2")
+    leaves = (x, p.router_w, p.w13, p.w1, p.w2, p.shared_w13, p.shared_w1, p.shared_w2)
+    return {n: t.grad for n, t in zip(names, leaves, strict=True) if t is not None}
+
+
+@pytest.mark.parametrize("frozen", [("x", "w13", "w2", "shared_w13", "shared_w2"), ("router_w", "w13", "w2"),
+                                    ("x", "router_w"), ("x", "router_w", "w13", "w2")])
+def test_frozen_inputs_get_no_grad_and_skip_their_gemms(spec_kernels: None, monkeypatch: pytest.MonkeyPatch,
+                                                        frozen: tuple[str, ...]) -> None:
+    """needs_input_grad: a frozen input gets None and its GEMMs never run; the others match the spec."""
+    calls: list[str] = []
+
+    def counted(name: str, fn: Any) -> Any:
+        def run(*args: Any) -> Any:
+            calls.append(name)
+            return fn(*args)
+        return run
+
+    monkeypatch.setattr(fm, "grouped_gemm_wgrad", counted("wgrad", rg.grouped_gemm_wgrad))
+    monkeypatch.setattr(fm, "grouped_gemm_dgrad", counted("dgrad", rg.grouped_gemm_dgrad))
+    dout = torch.randn(T, DIMS["bf16"][0], generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    runs = []
+    for fn in (fm.moe_layer, moe_layer):
+        x, p, cfg = _case(*SWIGLU_SHARED, 3)
+        for name in frozen:
+            (x if name == "x" else getattr(p, name)).requires_grad_(False)
+        calls.clear()
+        runs.append((_layer_grads(fn, x, p, cfg, dout), list(calls)))
+    (got, fast_calls), (want, _) = runs
+    for name, g in got.items():
+        if name in frozen:
+            assert g is None, name
+        else:
+            ref = want[name]
+            assert g is not None and ref is not None, name
+            _close(g, ref)
+    live = {"x", "router_w", "w13", "shared_w13"} - set(frozen)
+    want_wgrad = sum(n not in frozen for n in ("w13", "w2", "shared_w13", "shared_w2"))
+    routed_dz, shared_dz = bool(live & {"x", "router_w", "w13"}), bool(live & {"x", "shared_w13"})
+    want_dgrad = routed_dz + shared_dz + 2 * ("x" in live)
+    assert fast_calls.count("wgrad") == want_wgrad
+    assert fast_calls.count("dgrad") == want_dgrad
+
+
+def test_noncontiguous_dout_same_grads(spec_kernels: None) -> None:
+    """dout as a transposed view (and as an expanded scalar grad) gives the grads of its contiguous copy."""
+    base = torch.randn(DIMS["bf16"][0], T, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    for view in (base.t(), torch.ones((), dtype=torch.bfloat16).expand(T, DIMS["bf16"][0])):
+        assert not view.is_contiguous()
+        got = _layer_grads(fm.moe_layer, *_case(*SWIGLU_SHARED, 3), view)
+        want = _layer_grads(fm.moe_layer, *_case(*SWIGLU_SHARED, 3), view.contiguous())
+        for name, g in got.items():
+            ref = want[name]
+            assert g is not None and ref is not None and torch.equal(g, ref), name
+
+
+def test_group_limited_routing_reaches_the_router(spec_kernels: None) -> None:
+    """4 groups of 2, 2 kept: the routing differs from ungrouped top-3 here, and fast equals the spec."""
+    x, p, cfg = _case(*SWIGLU_SHARED, 3, groups=(4, 2))
+    dout = torch.randn(T, cfg.dim, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    _, flat = moe_layer(*_case(*SWIGLU_SHARED, 3))
+    got_out, got = _grads(fm.moe_layer, x, p, cfg, dout)
+    _, r = fm.moe_layer(x, p, cfg)
+    assert not torch.equal(r.ids, flat.ids)
+    want_out, want = _grads(moe_layer, x, p, cfg, dout)
+    assert torch.equal(got_out, want_out)
+    for a, b in zip(got, want, strict=True):
+        _close(a, b)

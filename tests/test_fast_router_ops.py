@@ -110,3 +110,37 @@ def test_router_logits_rejects_shapes() -> None:
     with pytest.raises(ValueError, match=r"need x \[T,H\], wr \[E,H\]"):
         _logits_dtype(torch.zeros(3, 4), torch.zeros(5, 6))
     assert _logits_dtype(torch.zeros(3, 4, dtype=torch.bfloat16), torch.zeros(5, 4)) == torch.float32
+
+
+def test_bias_update_glue_bitwise_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The glue is torch ops only: run it on CPU (device check bypassed) against the spec, int32 and int64
+    counts, including experts exactly at the mean load (sign 0)."""
+    import nmoe.fast.router as fr
+    from nmoe.fast import runtime
+    monkeypatch.setattr(runtime, "device_arch", lambda *t: (0, "sm_90a"))
+    counts = torch.tensor([10, 10, 5, 15, 10, 0, 20, 10])
+    assert int(counts.sum()) == 8 * 10
+    bias = torch.tensor([0.01, -0.03, 0.025, 0.0, -0.005, 0.03, -0.029, 0.002])
+    want = ref.bias_update(bias, counts, 0.01, 0.03)
+    for c in (counts, counts.to(torch.int32)):
+        got = fr._bias_update_impl(bias, c, 0.01, 0.03)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_router_logits_backward_glue_on_cpu() -> None:
+    """The custom op's backward against autograd of the spec's fp32 product; None where no grad is asked."""
+    from types import SimpleNamespace
+
+    from nmoe.fast.router import _router_logits_backward
+    x, w = _xw(40, 64, 16, torch.bfloat16, 10)
+    g = torch.randn(40, 16, generator=torch.Generator().manual_seed(11))
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    want = torch.autograd.grad(ref.router_logits(xr, wr), (xr, wr), g)
+    ctx = SimpleNamespace(saved_tensors=(x, w), needs_input_grad=(True, True))
+    got = _router_logits_backward(ctx, g.t().contiguous().t())
+    for a, b in zip(got, want, strict=True):
+        assert a is not None and a.dtype == b.dtype == torch.bfloat16
+        assert float((a.double() - b.double()).abs().max()) <= 2.0**-7 * float(b.double().abs().max())
+    ctx = SimpleNamespace(saved_tensors=(x, w), needs_input_grad=(False, True))
+    dx, dw = _router_logits_backward(ctx, g)
+    assert dx is None and dw is not None

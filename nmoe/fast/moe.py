@@ -175,30 +175,43 @@ class _Routed(torch.autograd.Function):
 
     @staticmethod
     @_sync_free
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, None, None]:
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None,
+                                                  Tensor | None, None, None]:
         x, w_up, w2, weights, ids, slot, row_of, offs, h, *fp8_y = ctx.saved_tensors
         cfg: ModelConfig = ctx.cfg
+        need_x, need_up, need_w2, need_w = ctx.needs_input_grad[:4]
+        need_h = need_x or need_up
+        dot_w = need_w and not fp8_y
         t, k = ids.shape
         e, align = cfg.n_routed_experts, cfg.permute_align
         act, act_bwd = _ACT[cfg.activation]
         dout = dout.contiguous()
         scale = float(torch.tensor(cfg.route_scale, dtype=torch.float32))
-        a = act(h)
-        gp = permute(dout, ids, e, align).xp
-        dz = grouped_gemm_dgrad(gp, w2, offs)
-        if fp8_y:
+        a = act(h) if need_w2 or dot_w else None
+        gp = permute(dout, ids, e, align).xp if need_h or need_w2 or dot_w else None
+        dz = grouped_gemm_dgrad(gp, w2, offs) if gp is not None and (need_h or dot_w) else None
+        dweights = dw2 = dw_up = dx = None
+        if need_w and fp8_y:
             dweights = combine_bwd(dout, fp8_y[0], weights, cfg.route_scale)[1]
-        else:
+        elif need_w:
+            assert a is not None and dz is not None
             dweights = _to_slots(_row_dot(a, dz) * scale, slot, t, k)
         wrow = _slot_weights(weights, slot) * scale
-        dw2 = grouped_gemm_wgrad(gp, _row_scale(a, wrow), offs)
+        if need_w2:
+            assert a is not None and gp is not None
+            dw2 = grouped_gemm_wgrad(gp, _row_scale(a, wrow), offs)
         del gp, a
-        dh = act_bwd(_row_scale(dz, wrow), h)
-        del dz
-        dw_up = grouped_gemm_wgrad(dh, permute(x, ids, e, align).xp, offs)
-        dxp = grouped_gemm_dgrad(dh, w_up, offs)
-        del dh
-        dx = combine_gather(dxp, row_of, torch.ones(t, k, dtype=torch.float32, device=x.device), 1.0, None)
+        if need_h:
+            assert dz is not None
+            dh = act_bwd(_row_scale(dz, wrow), h)
+            del dz
+            if need_up:
+                dw_up = grouped_gemm_wgrad(dh, permute(x, ids, e, align).xp, offs)
+            if need_x:
+                dxp = grouped_gemm_dgrad(dh, w_up, offs)
+                del dh
+                ones = torch.ones(t, k, dtype=torch.float32, device=dout.device)
+                dx = combine_gather(dxp, row_of, ones, 1.0, None)
         return dx, dw_up, dw2, dweights, dout if ctx.has_shared else None, None, None
 
 
@@ -221,14 +234,18 @@ class _Shared(torch.autograd.Function):
 
     @staticmethod
     @_sync_free
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None, None, None]:
         x, w_up, w2, offs, h = ctx.saved_tensors
         act, act_bwd = _ACT[ctx.activation]
+        need_x, need_up, need_w2 = ctx.needs_input_grad[:3]
         dout = dout.contiguous()
-        dw2 = grouped_gemm_wgrad(dout, act(h), offs)[0]
+        dw2 = grouped_gemm_wgrad(dout, act(h), offs)[0] if need_w2 else None
+        if not (need_x or need_up):
+            return None, None, dw2, None, None
         dh = act_bwd(grouped_gemm_dgrad(dout, w2[None], offs), h)
-        dw_up = grouped_gemm_wgrad(dh, x, offs)[0]
-        return grouped_gemm_dgrad(dh, w_up[None], offs), dw_up, dw2, None, None
+        dw_up = grouped_gemm_wgrad(dh, x, offs)[0] if need_up else None
+        dx = grouped_gemm_dgrad(dh, w_up[None], offs) if need_x else None
+        return dx, dw_up, dw2, None, None
 
 
 def _check_fast(x: Tensor, cfg: ModelConfig) -> None:
