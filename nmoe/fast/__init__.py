@@ -12,4 +12,5 @@ FAST_MODULES: tuple[str, ...] = (
     "nmoe.fast.norm",
     "nmoe.fast.loss",
     "nmoe.fast.optim",
+    "nmoe.fast.rdep",
 )
