@@ -18,7 +18,7 @@ from nmoe.fast.limits import MAX_EXPERTS, VEC_BYTES
 from nmoe.fast.op import Kernel
 from nmoe.fast.rdep.window import Exchange, Status, Window, open_window
 
-MAX_RANKS = 64
+MAX_RANKS = 32  # one warp of the sync kernel awaits one flag per rank
 DISPATCH = Kernel("nmoe.fast.kernels.rdep", "rdep_dispatch",
                   lambda km, unit, vec, ids64: km.dispatch_args(unit, vec, ids64))
 RETURN = Kernel("nmoe.fast.kernels.rdep", "rdep_return", lambda km, unit, vec: km.return_args(unit, vec))
@@ -146,8 +146,13 @@ class RdepGroup:
                                "recv of this group's last dispatch")
 
     def sync_check(self) -> None:
-        """Wait for this rank's stream, then check: where an error must surface before going on."""
-        torch.cuda.current_stream(self.device).synchronize()
+        """Wait for this rank's stream, then check: where an error must surface before going on. A trap
+        (timeout, bad row_id) surfaces as the CUDA error; the status word says which rank and why."""
+        try:
+            torch.cuda.current_stream(self.device).synchronize()
+        except RuntimeError:
+            self.check()
+            raise
         self.check()
 
     def close(self) -> None:
