@@ -26,10 +26,10 @@ JOB_TIMEOUT_S = 600.0
 
 @dataclass(frozen=True)
 class Job:
-    """One collective job: `kind` names a function of JOBS; Pool.run takes args per rank, a rank gets
-    (its args,)."""
+    """One collective job: `kind` names a function of JOBS, or is a module-level function (group, *args);
+    Pool.run takes args per rank, a rank gets (its args,)."""
 
-    kind: str
+    kind: str | Callable[..., dict[str, Any]]
     shape: RdepShape
     args: tuple[Any, ...]
 
@@ -95,7 +95,8 @@ def _worker(rank: int, world: int, device: int, port: int, inq: Any, outq: Any) 
         try:
             group = RdepGroup(job.shape, rank, dev, exchange_gloo)
             dist.barrier()
-            outq.put((rank, "ok", JOBS[job.kind](group, *job.args[0])))
+            fn = JOBS[job.kind] if isinstance(job.kind, str) else job.kind
+            outq.put((rank, "ok", fn(group, *job.args[0])))
         except Exception as e:
             outq.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"))
         dist.barrier()
