@@ -38,7 +38,7 @@ class RdepShape:
     hidden: int
     dtype: torch.dtype
     capacity: int
-    timeout_s: float = 30.0
+    timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.world <= MAX_RANKS:

@@ -1,7 +1,9 @@
 """Peer windows over CUDA IPC, and the mapped-host status word the RDEP kernels report errors into.
 
-CUDA IPC maps a peer's allocation whether it lives on another GPU of this host or on this same GPU in
-another process, so one code path serves W ranks on W GPUs and W ranks sharing one GPU.
+CUDA IPC maps a peer's allocation on another GPU of this host or on this GPU in another process, so one
+path serves W ranks on W GPUs and W ranks sharing one GPU; torch symmetric memory refuses ranks on
+overlapping devices (unless TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES) and rendezvouses over NCCL, which
+refuses two ranks on one GPU. Handles travel once, at group creation, through any all-gather (gloo here).
 """
 
 from __future__ import annotations
