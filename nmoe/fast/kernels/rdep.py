@@ -27,7 +27,7 @@ from nmoe.fast.kernels.prims import trap
 
 THREADS = 256
 FLAG_COUNTS, FLAG_ROWS, FLAG_RETURN = 0, 1, 2
-ST_CODE, ST_A, ST_B, ST_C, ST_LOCK = 0, 1, 2, 3, 4
+ST_CODE, ST_A, ST_B, ST_C = 0, 1, 2, 3
 OVERFLOW, TIMEOUT, BAD_ROW = 1, 2, 3
 # local int32 state: [0] rows may move (no overflow anywhere), [1] rows this rank receives
 L_OK, L_NRECV = 0, 1
@@ -53,10 +53,11 @@ def _store_sys(addr: Any, v: Any) -> None:
 
 
 @cute.jit
-def _report(status: Int64, code: int, a: Int64, b: Int64, c: Int64) -> None:
-    """First error wins the lock and writes (a, b, c), then the code; mapped host memory, system scope."""
-    lock = cute.make_ptr(Int64, status + ST_LOCK * 8, cute.AddressSpace.gmem, assumed_align=8)
-    if cute.arch.atomic_cas(lock, cmp=Int64(0), val=Int64(1), sem="relaxed", scope="sys") == Int64(0):
+def _report(status: Int64, epoch: cute.Tensor, code: int, a: Int64, b: Int64, c: Int64) -> None:
+    """First error of this rank wins the lock (epoch[1], device memory: PCIe may lack host atomics) and
+    writes (a, b, c), then the code, into mapped host memory at system scope."""
+    lock = (epoch.iterator + 1).llvm_ptr
+    if cute.arch.atomic_cas(lock, cmp=Int64(0), val=Int64(1), sem="relaxed", scope="gpu") == Int64(0):
         _store_sys(status + ST_A * 8, a)
         _store_sys(status + ST_B * 8, b)
         _store_sys(status + ST_C * 8, c)
@@ -79,7 +80,7 @@ def _post(peers: cute.Tensor, off_flag: Int64, kind: Constexpr[int], world: Int3
 
 @cute.jit
 def _await(own: Int64, off_flag: Int64, kind: Constexpr[int], world: Int32, me: Int32, src: Int32,
-           seq: Int64, limit_ns: Int64, status: Int64) -> None:
+           seq: Int64, limit_ns: Int64, status: Int64, epoch: cute.Tensor) -> None:
     """Acquire-poll flag `kind`[src] of this rank's window until it reaches seq; past limit_ns, trap."""
     p = cute.make_ptr(Int64, _flag_addr(own, off_flag, kind, world, src), cute.AddressSpace.gmem,
                       assumed_align=8)
@@ -87,7 +88,7 @@ def _await(own: Int64, off_flag: Int64, kind: Constexpr[int], world: Int32, me: 
     v = cute.arch.load(p, Int64, sem="acquire", scope="sys")
     while v < seq:
         if cute.arch.globaltimer() - t0 > limit_ns:
-            _report(status, TIMEOUT, Int64(src), Int64(kind), seq)
+            _report(status, epoch, TIMEOUT, Int64(src), Int64(kind), seq)
             cute.printf("nmoe rdep: rank %d waited %lld ns for rank %d (phase %d, call %lld); that rank "
                         "stopped answering", me, limit_ns, src, kind, seq)
             trap()
@@ -120,7 +121,7 @@ def counts_kernel(pcounts: Pointer, ppeers: Pointer, pepoch: Pointer, pdoff: Poi
     if tid == 0:
         _post(peers, off_flag, FLAG_COUNTS, world, me, seq)
     if tid < world:
-        _await(own, off_flag, FLAG_COUNTS, world, me, tid, seq, limit_ns, status)
+        _await(own, off_flag, FLAG_COUNTS, world, me, tid, seq, limit_ns, status, epoch)
     cute.arch.sync_threads()
     allc = _i32s(own + off_cnt + Int64(par * cnt_stride * 4), cnt_stride)
     doff = cute.make_tensor(pdoff, cute.make_layout(n_experts))
@@ -158,7 +159,7 @@ def counts_kernel(pcounts: Pointer, ppeers: Pointer, pepoch: Pointer, pdoff: Poi
         if need > capacity:
             ok = Int32(0)
             mine = Int32(0)
-            _report(status, OVERFLOW, Int64(worst), Int64(need), Int64(capacity))
+            _report(status, epoch, OVERFLOW, Int64(worst), Int64(need), Int64(capacity))
         local[L_OK] = ok
         local[L_NRECV] = mine
 
@@ -236,13 +237,13 @@ def sync_kernel(ppeers: Pointer, pepoch: Pointer, world: Int32, me: Int32, off_f
     if tid == 0:
         _post(peers, off_flag, kind, world, me, seq)
     if tid < world:
-        _await(Int64(peers[me]), off_flag, kind, world, me, tid, seq, limit_ns, status)
+        _await(Int64(peers[me]), off_flag, kind, world, me, tid, seq, limit_ns, status, epoch)
 
 
 @cute.kernel
-def return_rows_kernel(py: Pointer, plocal: Pointer, ppeers: Pointer, n_slots: Int32, world: Int32, me: Int32,
-                       capacity: Int32, row_vecs: Int32, off_row: Int64, off_out: Int64, status: Int64,
-                       vec: Constexpr[int], unit: Constexpr[str]) -> None:
+def return_rows_kernel(py: Pointer, plocal: Pointer, ppeers: Pointer, pepoch: Pointer, n_slots: Int32,
+                       world: Int32, me: Int32, capacity: Int32, row_vecs: Int32, off_row: Int64,
+                       off_out: Int64, status: Int64, vec: Constexpr[int], unit: Constexpr[str]) -> None:
     """Warp p sends received row p's output to its source's slot row_id % (T*K) (source row_id // (T*K))."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
@@ -256,7 +257,8 @@ def return_rows_kernel(py: Pointer, plocal: Pointer, ppeers: Pointer, n_slots: I
         rid = Int64(rows[p])
         if rid < 0 or rid >= Int64(world) * Int64(n_slots):
             if lane == 0:
-                _report(status, BAD_ROW, Int64(p), rid, Int64(world) * Int64(n_slots))
+                epoch = cute.make_tensor(pepoch, cute.make_layout(2))
+                _report(status, epoch, BAD_ROW, Int64(p), rid, Int64(world) * Int64(n_slots))
                 cute.printf("nmoe rdep_return: received row %d holds row_id %lld outside [0, %d); pass "
                             "the recv of this group's last dispatch", p, rid, world * n_slots)
             trap()
@@ -300,8 +302,8 @@ def return_host(py: Pointer, plocal: Pointer, ppeers: Pointer, pepoch: Pointer, 
                 me: Int32, capacity: Int32, row_vecs: Int32, off_row: Int64, off_out: Int64, off_flag: Int64,
                 limit_ns: Int64, status: Int64, stream: cuda.CUstream, vec: Constexpr[int],
                 unit: Constexpr[str]) -> None:
-    return_rows_kernel(py, plocal, ppeers, n_slots, world, me, capacity, row_vecs, off_row, off_out, status,
-                       vec, unit).launch(
+    return_rows_kernel(py, plocal, ppeers, pepoch, n_slots, world, me, capacity, row_vecs, off_row, off_out,
+                       status, vec, unit).launch(
         grid=[_blocks(capacity, ROW_WARPS), 1, 1], block=[ROW_WARPS * LANES, 1, 1], stream=stream)
     sync_kernel(ppeers, pepoch, world, me, off_flag, limit_ns, status, FLAG_RETURN).launch(
         grid=[1, 1, 1], block=[LANES, 1, 1], stream=stream)

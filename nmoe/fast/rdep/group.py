@@ -222,7 +222,7 @@ _LD128 = r"\bld\.global(\.nc)?\.v4\.(b|u|s)32\b"
 _ST128 = r"\bst\.global\.v4\.(b|u|s)32\b"
 
 KERNELS: tuple[runtime.KernelSpec, ...] = (
-    _spec("rdep_dispatch_v128", DISPATCH, (_LD128, _ST128, r"\batom\.global\.sys\.cas\.b64\b"),
+    _spec("rdep_dispatch_v128", DISPATCH, (_LD128, _ST128, r"\batom\.global(\.gpu)?\.cas\.b64\b"),
           unit="i32", vec=4, ids64=True),
     _spec("rdep_dispatch_v32_ids32", DISPATCH, (r"\bld\.global(\.nc)?\.(b|u|s)32\b",), unit="i32", vec=1,
           ids64=False),
