@@ -191,3 +191,66 @@ def test_sep_rdep_fast_overflow_off_by_one() -> None:
     assert need > need - 1 and not need > need - 1 + 1, "capacity need-1 separates > from > +1"
     with pytest.raises(RuntimeError, match=rf"would receive {need} rows but capacity is {need - 1}"):
         spmd.rdep_dispatch(xs, ids, 4, need - 1)
+
+
+# ------------------------------------------------------------------ expert parallelism over RDEP
+
+
+def test_reduce_grads_never_communicates_expert_sharded_params() -> None:
+    from nmoe.fast.rdep import ep
+
+    shared, expert = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    shared.grad, expert.grad = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0, 6.0])
+    ep.mark_expert_sharded(expert)
+    reduced: list[int] = []
+
+    def all_reduce_sum(t: Tensor) -> None:
+        reduced.append(t.numel())
+        t.mul_(2.0)  # a world of 2 ranks holding the same gradient
+
+    ep.reduce_grads([shared, expert], 2, all_reduce_sum)
+    assert reduced == [3]
+    assert shared.grad.tolist() == [1.0, 2.0, 3.0] and expert.grad.tolist() == [2.0, 3.0]
+
+
+def ep_grad_job(group: object, x: Tensor, ids: Tensor, c: Tensor) -> dict[str, Tensor]:
+    """On every rank: out = ep_return(2 * ep_dispatch(x)), loss = sum(c[t,k] * out[t,k,:]); out and dx."""
+    import torch.distributed as dist
+
+    from nmoe.fast.rdep import ep
+    from nmoe.fast.rdep.group import RdepGroup
+    from nmoe.fast.rdep.spmd import exchange_gloo
+
+    assert isinstance(group, RdepGroup)
+    slots = RdepGroup(ep.slot_shape(group.shape), group.rank, group.device, exchange_gloo)
+    ex = ep.Exchange(group, slots)
+    xd = x.to(group.device).requires_grad_()
+    idd = ids.to(group.device)
+    rows, _, _ = ep.ep_dispatch(xd, idd, ex)
+    out = ep.ep_return(rows * 2, idd, ex)
+    (out.float() * c.to(group.device)[:, :, None]).sum().backward()
+    group.sync_check()
+    slots.sync_check()
+    dist.barrier()
+    slots.close()
+    assert xd.grad is not None
+    return {"out": out.detach().cpu(), "dx": xd.grad.cpu()}
+
+
+@gpu
+@pytest.mark.parametrize("w", [2, 4])
+def test_ep_dispatch_return_gradients(w: int) -> None:
+    from nmoe.fast.rdep import spmd as ranks
+
+    t, k, nl = 24, 3, 2
+    xs, ids = _routes(w, nl, t, k, "uniform", 12)
+    g = torch.Generator().manual_seed(13)
+    cs = [torch.randint(-3, 4, (t, k), generator=g).float() for _ in range(w)]
+    shape = fast.RdepShape(world=w, n_experts=w * nl, tokens=t, top_k=k, hidden=40, dtype=torch.bfloat16,
+                           capacity=_need(ids, w * nl))
+    outs = spmd.pool(w).run(ranks.Job(ep_grad_job, shape, tuple(zip(xs, ids, cs, strict=True))))
+    for r, o in enumerate(outs):
+        two_x = (xs[r].float() * 2).to(torch.bfloat16)
+        assert torch.equal(_bits(o["out"]), _bits(two_x[:, None, :].expand(t, k, 40))), f"rank {r} out"
+        want = (2 * cs[r].sum(1))[:, None].expand(t, 40).to(torch.bfloat16)
+        assert torch.equal(_bits(o["dx"]), _bits(want)), f"rank {r} dx"

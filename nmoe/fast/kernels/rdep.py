@@ -5,9 +5,9 @@ Import only after nmoe.fast.runtime.import_cutlass(arch): the DSL fixes its targ
 
 # Every rank maps every peer's window (CUDA IPC); `peers[d]` is rank d's window base in this process.
 # Window of rank d: recv x [C, H] | recv row_id [C] | returned rows [T*K, H] | counts [2][W][E] int32 |
-# flags [3][W] int64 (counts posted, rows posted, rows returned), each flag holding the call's sequence
-# number. Flags are st.release.sys after a fence and polled with ld.acquire.sys: peers may sit on another
-# GPU or in another process on this one. A poll that outlasts limit_ns writes the status word (mapped host
+# flags [3][W] int64 (counts posted, rows posted, rows returned), each holding its phase's call count.
+# Flags are st.release.sys after a fence and polled with ld.acquire.sys: peers may sit on another GPU or
+# in another process on this one. A poll that outlasts limit_ns writes the status word (mapped host
 # memory, readable after the trap) and traps.
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import cuda.bindings.driver as cuda
 import cutlass.base_dsl.ast_helpers as dsl
 import cutlass.cute as cute
 from cutlass import Int32, Int64
+from cutlass.base_dsl.ast_helpers import const_expr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
@@ -31,6 +32,8 @@ ST_CODE, ST_A, ST_B, ST_C = 0, 1, 2, 3
 OVERFLOW, TIMEOUT, BAD_ROW = 1, 2, 3
 # local int32 state: [0] rows may move (no overflow anywhere), [1] rows this rank receives
 L_OK, L_NRECV = 0, 1
+# local int64 epoch: [0] dispatch calls, [1] return calls (each phase's flags carry its own count), [2] lock
+E_DISPATCH, E_RETURN, E_LOCK, EPOCH_WORDS = 0, 1, 2, 3
 
 
 def _i64(addr: Any) -> cute.Tensor:
@@ -54,9 +57,9 @@ def _store_sys(addr: Any, v: Any) -> None:
 
 @cute.jit
 def _report(status: Int64, epoch: cute.Tensor, code: int, a: Int64, b: Int64, c: Int64) -> None:
-    """First error of this rank wins the lock (epoch[1], device memory: PCIe may lack host atomics) and
-    writes (a, b, c), then the code, into mapped host memory at system scope."""
-    lock = (epoch.iterator + 1).llvm_ptr
+    """First error of this rank wins the lock (epoch[E_LOCK], device memory: PCIe may lack host atomics)
+    and writes (a, b, c), then the code, into mapped host memory at system scope."""
+    lock = (epoch.iterator + E_LOCK).llvm_ptr
     if cute.arch.atomic_cas(lock, cmp=Int64(0), val=Int64(1), sem="relaxed", scope="gpu") == Int64(0):
         _store_sys(status + ST_A * 8, a)
         _store_sys(status + ST_B * 8, b)
@@ -104,11 +107,11 @@ def counts_kernel(pcounts: Pointer, ppeers: Pointer, pepoch: Pointer, pdoff: Poi
     tidx, _, _ = cute.arch.thread_idx()
     tid = Int32(tidx)
     peers = cute.make_tensor(ppeers, cute.make_layout(world))
-    epoch = cute.make_tensor(pepoch, cute.make_layout(2))
-    seq = Int64(epoch[0]) + 1
+    epoch = cute.make_tensor(pepoch, cute.make_layout(EPOCH_WORDS))
+    seq = Int64(epoch[E_DISPATCH]) + 1
     cute.arch.sync_threads()
     if tid == 0:
-        epoch[0] = seq
+        epoch[E_DISPATCH] = seq
     par = Int32(seq % 2)
     cnt_stride = world * n_experts
     counts = cute.make_tensor(pcounts, cute.make_layout(n_experts))
@@ -228,12 +231,18 @@ def send_rows_kernel(px: Pointer, pids: Pointer, pslot: Pointer, pcounts: Pointe
 @cute.kernel
 def sync_kernel(ppeers: Pointer, pepoch: Pointer, world: Int32, me: Int32, off_flag: Int64, limit_ns: Int64,
                 status: Int64, kind: Constexpr[int]) -> None:
-    """After the row kernel: post flag `kind` to every peer, then await every peer's."""
+    """After the row kernel: post flag `kind` to every peer, then await every peer's. Rows carry the
+    dispatch count; a return counts its own calls (a backward returns again after the forward's)."""
     tidx, _, _ = cute.arch.thread_idx()
     tid = Int32(tidx)
     peers = cute.make_tensor(ppeers, cute.make_layout(world))
-    epoch = cute.make_tensor(pepoch, cute.make_layout(2))
-    seq = Int64(epoch[0])
+    epoch = cute.make_tensor(pepoch, cute.make_layout(EPOCH_WORDS))
+    seq = Int64(epoch[E_DISPATCH])
+    if const_expr(kind == FLAG_RETURN):
+        seq = Int64(epoch[E_RETURN]) + 1
+        cute.arch.sync_threads()
+        if tid == 0:
+            epoch[E_RETURN] = seq
     if tid == 0:
         _post(peers, off_flag, kind, world, me, seq)
     if tid < world:
@@ -257,7 +266,7 @@ def return_rows_kernel(py: Pointer, plocal: Pointer, ppeers: Pointer, pepoch: Po
         rid = Int64(rows[p])
         if rid < 0 or rid >= Int64(world) * Int64(n_slots):
             if lane == 0:
-                epoch = cute.make_tensor(pepoch, cute.make_layout(2))
+                epoch = cute.make_tensor(pepoch, cute.make_layout(EPOCH_WORDS))
                 _report(status, epoch, BAD_ROW, Int64(p), rid, Int64(world) * Int64(n_slots))
                 cute.printf("nmoe rdep_return: received row %d holds row_id %lld outside [0, %d); pass "
                             "the recv of this group's last dispatch", p, rid, world * n_slots)

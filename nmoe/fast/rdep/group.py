@@ -18,6 +18,7 @@ from nmoe.fast.limits import MAX_EXPERTS, VEC_BYTES
 from nmoe.fast.op import Kernel
 from nmoe.fast.rdep.window import Exchange, Status, Window, open_window
 
+EPOCH_WORDS = 3  # dispatch calls, return calls, error lock (nmoe/fast/kernels/rdep.py)
 MAX_RANKS = 32  # one warp of the sync kernel awaits one flag per rank
 DISPATCH = Kernel("nmoe.fast.kernels.rdep", "rdep_dispatch",
                   lambda km, unit, vec, ids64: km.dispatch_args(unit, vec, ids64))
@@ -122,7 +123,7 @@ class RdepGroup:
         n = s.tokens * s.top_k
         self.out = win[lay.out:lay.out + n * s.row_bytes].view(s.dtype).view(s.tokens, s.top_k, s.hidden)
         self.peers = torch.tensor(self.window.bases, dtype=torch.int64, device=device)
-        self.epoch = torch.zeros(2, dtype=torch.int64, device=device)
+        self.epoch = torch.zeros(EPOCH_WORDS, dtype=torch.int64, device=device)
         self.doff = torch.zeros(s.n_experts, dtype=torch.int32, device=device)
         self.local = torch.zeros(2, dtype=torch.int32, device=device)
         self.recv_counts = torch.zeros(s.n_local, dtype=torch.int64, device=device)
