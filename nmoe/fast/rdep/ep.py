@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from nmoe.fast.combine import combine
+from nmoe.fast.gemm import grouped_gemm, grouped_gemm_act
 from nmoe.fast.rdep.group import RdepGroup, RdepShape, rdep_dispatch, rdep_return
 
 EXPERT_SHARDED = "_nmoe_expert_sharded"
@@ -94,3 +96,14 @@ def reduce_grads(params: Iterable[Tensor], world: int, all_reduce_sum: Callable[
         if not getattr(p, EXPERT_SHARDED, False):
             all_reduce_sum(p.grad)
         p.grad.div_(world)
+
+
+def ep_routed(x: Tensor, weights: Tensor, ids: Tensor, w_up: Tensor, w2: Tensor, activation: str,
+              routed_scale: float, shared: Tensor | None, ex: Exchange) -> Tensor:
+    """The routed half of moe_layer with experts sharded over ranks: this rank's tokens x [T,D] and router
+    output (weights, ids) [T,K]; its experts w_up [n_local, N, D], w2 [n_local, D, I]. Each received row
+    meets the same kernels as in one process, so out and the expert gradients match it row for row."""
+    rows, counts, _ = ep_dispatch(x, ids, ex)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    y = grouped_gemm(grouped_gemm_act(rows, w_up, offs, activation), w2, offs)
+    return combine(ep_return(y, ids, ex), weights, routed_scale, shared)
