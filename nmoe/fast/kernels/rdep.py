@@ -119,6 +119,7 @@ def counts_kernel(pcounts: Pointer, ppeers: Pointer, pepoch: Pointer, pdoff: Poi
         dst = _i32s(Int64(peers[d]) + off_cnt + Int64((par * cnt_stride + me * n_experts) * 4), n_experts)
         for e in dsl.range(tid, n_experts, THREADS):
             dst[e] = Int32(counts[e])
+    cute.arch.fence_acq_rel_sys()  # every writer fences its own peer stores before thread 0 releases
     cute.arch.sync_threads()
     own = Int64(peers[me])
     if tid == 0:
@@ -126,6 +127,7 @@ def counts_kernel(pcounts: Pointer, ppeers: Pointer, pepoch: Pointer, pdoff: Poi
     if tid < world:
         _await(own, off_flag, FLAG_COUNTS, world, me, tid, seq, limit_ns, status, epoch)
     cute.arch.sync_threads()
+    cute.arch.fence_acq_rel_sys()  # every reader orders its count loads after the acquiring threads' polls
     allc = _i32s(own + off_cnt + Int64(par * cnt_stride * 4), cnt_stride)
     doff = cute.make_tensor(pdoff, cute.make_layout(n_experts))
     for e in dsl.range(tid, n_experts, THREADS):
