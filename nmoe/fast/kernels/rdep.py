@@ -12,7 +12,7 @@ Import only after nmoe.fast.runtime.import_cutlass(arch): the DSL fixes its targ
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import cuda.bindings.driver as cuda
 import cutlass.base_dsl.ast_helpers as dsl
@@ -36,18 +36,13 @@ L_OK, L_NRECV = 0, 1
 E_DISPATCH, E_RETURN, E_LOCK, EPOCH_WORDS = 0, 1, 2, 3
 
 
-def _i64(addr: Any) -> cute.Tensor:
-    return cute.make_tensor(cute.make_ptr(Int64, addr, cute.AddressSpace.gmem, assumed_align=8),
-                            cute.make_layout(1))
-
-
 def _i32s(addr: Any, n: Any) -> cute.Tensor:
-    return cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4),
-                            cute.make_layout(n))
+    return cast(cute.Tensor, cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem,
+                                                            assumed_align=4), cute.make_layout(n)))
 
 
 def _flag_addr(base: Int64, off_flag: Int64, kind: int, world: Int32, src: Int32) -> Int64:
-    return base + off_flag + Int64((kind * world + src) * 8)
+    return cast(Int64, base + off_flag + Int64((kind * world + src) * 8))
 
 
 def _store_sys(addr: Any, v: Any) -> None:
@@ -59,7 +54,7 @@ def _store_sys(addr: Any, v: Any) -> None:
 def _report(status: Int64, epoch: cute.Tensor, code: int, a: Int64, b: Int64, c: Int64) -> None:
     """First error of this rank wins the lock (epoch[E_LOCK], device memory: PCIe may lack host atomics)
     and writes (a, b, c), then the code, into mapped host memory at system scope."""
-    lock = (epoch.iterator + E_LOCK).llvm_ptr
+    lock = (cast(Any, epoch.iterator) + E_LOCK).llvm_ptr
     if cute.arch.atomic_cas(lock, cmp=Int64(0), val=Int64(1), sem="relaxed", scope="gpu") == Int64(0):
         _store_sys(status + ST_A * 8, a)
         _store_sys(status + ST_B * 8, b)
@@ -157,7 +152,7 @@ def counts_kernel(pcounts: Pointer, ppeers: Pointer, pepoch: Pointer, pdoff: Poi
                     tot = tot + Int32(allc[s * n_experts + d * n_local + le])
             if tot > need:
                 need = tot
-                worst = d
+                worst = Int32(d)
             if d == me:
                 mine = tot
         ok = Int32(1)
