@@ -98,6 +98,10 @@ def test_routes_of_inverts_the_spec_dispatch() -> None:
 
 # ------------------------------------------------------------------ GPU
 
+def _case_id(c: tuple[int, int, int, int, str]) -> str:
+    return "W{}_nl{}_T{}_K{}_{}".format(*c)
+
+
 CASES = [  # (W, n_local, T, K, routing)
     (2, 1, 1, 1, "uniform"),
     (2, 4, 64, 4, "uniform"),
@@ -109,7 +113,7 @@ CASES = [  # (W, n_local, T, K, routing)
 
 
 @gpu
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_dispatch_bitwise_vs_spec(case: tuple[int, int, int, int, str]) -> None:
     w, nl, t, k, kind = case
     xs, ids = _routes(w, nl, t, k, kind, 1)
@@ -125,7 +129,7 @@ def test_dispatch_int32_ids_and_repeated_calls() -> None:
 
 
 @gpu
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_return_bitwise_vs_spec(case: tuple[int, int, int, int, str]) -> None:
     w, nl, t, k, kind = case
     xs, ids = _routes(w, nl, t, k, kind, 3)
@@ -133,7 +137,7 @@ def test_return_bitwise_vs_spec(case: tuple[int, int, int, int, str]) -> None:
 
 
 @gpu
-@pytest.mark.parametrize("w", [2, 4])
+@pytest.mark.parametrize("w", [2, 4], ids=["W2", "W4"])
 def test_overflow_raises_with_the_numbers(w: int) -> None:
     xs, ids = _routes(w, 2, 40, 2, "zipf", 5)
     need = _need(ids, 2 * w)
@@ -238,7 +242,7 @@ def ep_grad_job(group: object, x: Tensor, ids: Tensor, c: Tensor) -> dict[str, T
 
 
 @gpu
-@pytest.mark.parametrize("w", [2, 4])
+@pytest.mark.parametrize("w", [2, 4], ids=["W2", "W4"])
 def test_ep_dispatch_return_gradients(w: int) -> None:
     from nmoe.fast.rdep import spmd as ranks
 
@@ -310,7 +314,7 @@ def ep_routed_job(group: object, xs: list[Tensor], ids: list[Tensor], ws: list[T
 
 
 @gpu
-@pytest.mark.parametrize("w", [2, 4])
+@pytest.mark.parametrize("w", [2, 4], ids=["W2", "W4"])
 def test_ep_routed_matches_one_process(w: int) -> None:
     from nmoe.fast.rdep import spmd as ranks
 
