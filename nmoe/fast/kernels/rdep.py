@@ -25,6 +25,7 @@ from cutlass.cute.typing import Pointer
 
 from nmoe.fast.kernels.dispatch import LANES, ROW_WARPS, UNIT_TYPES, _copy_row, _row_views
 from nmoe.fast.kernels.prims import trap
+from nmoe.fast.limits import MAX_EXPERTS, MAX_RANKS
 
 THREADS = 256
 FLAG_COUNTS, FLAG_ROWS, FLAG_RETURN = 0, 1, 2
@@ -34,6 +35,11 @@ OVERFLOW, TIMEOUT, BAD_ROW = 1, 2, 3
 L_OK, L_NRECV = 0, 1
 # local int64 epoch: [0] dispatch calls, [1] return calls (each phase's flags carry its own count), [2] lock
 E_DISPATCH, E_RETURN, E_LOCK, EPOCH_WORDS = 0, 1, 2, 3
+
+
+def _smem_i32(n: int) -> cute.Tensor:
+    ptr = cute.arch.alloc_smem(Int32, n, alignment=16)
+    return cast(cute.Tensor, cute.make_tensor(ptr, cute.make_layout(n)))
 
 
 def _i32s(addr: Any, n: Any) -> cute.Tensor:
@@ -124,37 +130,40 @@ def counts_kernel(pcounts: Pointer, ppeers: Pointer, pepoch: Pointer, pdoff: Poi
     cute.arch.sync_threads()
     cute.arch.fence_acq_rel_sys()  # every reader orders its count loads after the acquiring threads' polls
     allc = _i32s(own + off_cnt + Int64(par * cnt_stride * 4), cnt_stride)
+    colsum = _smem_i32(MAX_EXPERTS)
+    totals = _smem_i32(MAX_RANKS)
+    for e in dsl.range(tid, n_experts, THREADS):
+        c = Int32(0)
+        for s in dsl.range(world):
+            c = c + Int32(allc[s * n_experts + e])
+        colsum[e] = c
+    cute.arch.sync_threads()
     doff = cute.make_tensor(pdoff, cute.make_layout(n_experts))
     for e in dsl.range(tid, n_experts, THREADS):
-        first = e // n_local * n_local
         off = Int32(0)
-        for e2 in dsl.range(first, e):
-            for s in dsl.range(world):
-                off = off + Int32(allc[s * n_experts + e2])
+        for e2 in dsl.range(e // n_local * n_local, e):
+            off = off + Int32(colsum[e2])
         for s in dsl.range(me):
             off = off + Int32(allc[s * n_experts + e])
         doff[e] = off
     rc = cute.make_tensor(precv_counts, cute.make_layout(n_local))
     for le in dsl.range(tid, n_local, THREADS):
-        c = Int64(0)
-        for s in dsl.range(world):
-            c = c + Int64(allc[s * n_experts + me * n_local + le])
-        rc[le] = c
+        rc[le] = Int64(colsum[me * n_local + le])
+    if tid < world:
+        tot = Int32(0)
+        for le in dsl.range(n_local):
+            tot = tot + Int32(colsum[tid * n_local + le])
+        totals[tid] = tot
+    cute.arch.sync_threads()
     local = cute.make_tensor(plocal, cute.make_layout(2))
     if tid == 0:
         worst = Int32(0)
         need = Int32(-1)
-        mine = Int32(0)
         for d in dsl.range(world):
-            tot = Int32(0)
-            for s in dsl.range(world):
-                for le in dsl.range(n_local):
-                    tot = tot + Int32(allc[s * n_experts + d * n_local + le])
-            if tot > need:
-                need = tot
+            if Int32(totals[d]) > need:
+                need = Int32(totals[d])
                 worst = Int32(d)
-            if d == me:
-                mine = tot
+        mine = Int32(totals[me])
         ok = Int32(1)
         if need > capacity:
             ok = Int32(0)

@@ -14,12 +14,11 @@ from torch import Tensor
 
 from nmoe.fast import runtime
 from nmoe.fast.dispatch import _copy_shape, permute
-from nmoe.fast.limits import MAX_EXPERTS, VEC_BYTES
+from nmoe.fast.limits import MAX_EXPERTS, MAX_RANKS, VEC_BYTES
 from nmoe.fast.op import Kernel
 from nmoe.fast.rdep.window import Exchange, Status, Window, open_window
 
 EPOCH_WORDS = 3  # dispatch calls, return calls, error lock (nmoe/fast/kernels/rdep.py)
-MAX_RANKS = 32  # one warp of the sync kernel awaits one flag per rank
 DISPATCH = Kernel("nmoe.fast.kernels.rdep", "rdep_dispatch",
                   lambda km, unit, vec, ids64: km.dispatch_args(unit, vec, ids64))
 RETURN = Kernel("nmoe.fast.kernels.rdep", "rdep_return", lambda km, unit, vec: km.return_args(unit, vec))
