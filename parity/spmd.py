@@ -1,9 +1,9 @@
 """The spec's all-ranks signature over the SPMD fast path: W spawned ranks run their own rdep_dispatch /
-rdep_return (nmoe.fast.rdep), and their results come back as the spec's list of per-rank batches.
-
-NMOE_RDEP_PLACEMENT picks the GPUs: 'shared' (default; every rank on GPU 0, so the contract needs one GPU)
-or 'distinct' (one GPU per rank). Rank pools are spawned once per world size and kept for the run.
+rdep_return (nmoe.fast.rdep); their results come back as the spec's list of per-rank batches.
 """
+
+# NMOE_RDEP_PLACEMENT picks the GPUs: 'shared' (default; every rank on GPU 0, so the contract needs one GPU)
+# or 'distinct' (one GPU per rank). Rank pools are spawned once per world size and kept for the run.
 
 from __future__ import annotations
 

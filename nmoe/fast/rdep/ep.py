@@ -1,11 +1,11 @@
 """Expert parallelism over RDEP: differentiable dispatch / return, and gradient reduction that knows which
 parameters are expert-sharded.
-
-The backward of a dispatch is a return and the backward of a return is a dispatch. A return's gradient
-dout [T, K, H] is one row per slot, so it travels through a second group whose tokens are the T*K slots
-with top_k = 1: row_id = src*T*K + t*K + k is the forward's row_id, and the owner receives the gradient
-rows in the forward's receive order.
 """
+
+# The backward of a dispatch is a return and the backward of a return is a dispatch. A return's gradient
+# dout [T, K, H] is one row per slot, so it travels through a second group whose tokens are the T*K slots
+# with top_k = 1: row_id = src*T*K + t*K + k is the forward's row_id, and the owner receives the gradient
+# rows in the forward's receive order.
 
 from __future__ import annotations
 

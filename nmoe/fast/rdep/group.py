@@ -1,9 +1,10 @@
 """Per-rank RDEP: rows written straight into the owner's receive window, in the spec's order.
 
-The spec (nmoe/reference/rdep.py) simulates all W ranks in one call; here each rank calls rdep_dispatch and
-rdep_return with its own x and ids. No host sync: counts travel between ranks on the device, capacity
-overflow and a silent peer are reported through the group's status word (see RdepGroup.check).
+No host sync: counts travel between ranks on the device; overflow and a silent peer land in a status word.
 """
+
+# The spec (nmoe/reference/rdep.py) simulates all W ranks in one call; here each rank calls rdep_dispatch
+# and rdep_return with its own x and ids (parity/spmd.py adapts the two signatures).
 
 from __future__ import annotations
 

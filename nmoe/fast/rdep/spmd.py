@@ -1,7 +1,6 @@
 """A pool of W spawned ranks that run RDEP jobs together: the SPMD half of parity, tests and the bench.
 
-Each job goes to every rank; each rank builds a group for the job's shape, runs its part on its GPU and
-sends CPU results back. Ranks may share one GPU (CUDA IPC maps a window within a device) or use one each.
+Each rank builds a group per job, runs its part on its GPU (shared or its own) and sends CPU results back.
 """
 
 from __future__ import annotations

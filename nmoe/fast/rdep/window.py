@@ -1,10 +1,12 @@
 """Peer windows over CUDA IPC, and the mapped-host status word the RDEP kernels report errors into.
 
-CUDA IPC maps a peer's allocation on another GPU of this host or on this GPU in another process, so one
-path serves W ranks on W GPUs and W ranks sharing one GPU; torch symmetric memory refuses ranks on
-overlapping devices (unless TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES) and rendezvouses over NCCL, which
-refuses two ranks on one GPU. Handles travel once, at group creation, through any all-gather (gloo here).
+CUDA IPC maps a peer's allocation on another GPU of this host or on this GPU in another process.
 """
+
+# Why not torch symmetric memory: it refuses ranks on overlapping devices (unless
+# TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES) and rendezvouses over NCCL, which refuses two ranks on one GPU;
+# IPC serves W ranks on W GPUs and W ranks sharing one GPU with one path. Handles travel once, at group
+# creation, through any all-gather (gloo in the rank pool).
 
 from __future__ import annotations
 
