@@ -14,4 +14,5 @@ FAST_MODULES: tuple[str, ...] = (
     "nmoe.fast.optim",
     "nmoe.fast.rope",
     "nmoe.fast.attention",
+    "nmoe.fast.rdep",
 )

@@ -12,6 +12,8 @@ VEC_BYTES: Final[int] = 16
 
 MAX_EXPERTS: Final[int] = 1024
 """Experts the router and dispatch kernels hold per-expert state for in shared memory."""
+MAX_RANKS: Final[int] = 32
+"""Ranks of an RDEP group: one warp of its sync kernel awaits one flag per rank."""
 ROUTER_MAX_K: Final[int] = 32
 ROUTER_MAX_GROUPS: Final[int] = 32
 

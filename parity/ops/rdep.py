@@ -10,6 +10,7 @@ import torch
 from hypothesis import strategies as st
 from torch import Tensor
 
+from parity import spmd
 from parity.compare import (
     BITWISE,
     Contract,
@@ -179,6 +180,8 @@ ENTRIES: list[OpEntry] = [
         oracle=rdep_dispatch,
         invariants=(rdep_dispatch_invariants,),
         adversarial=(*ROUTING_ADV, "overflow", "nan"),
+        fast=spmd.rdep_dispatch,
+        note="fast path: W spawned ranks (parity/spmd.py), each running its own RDEP dispatch",
     ),
     OpEntry(
         name="rdep_return",
@@ -190,5 +193,7 @@ ENTRIES: list[OpEntry] = [
         oracle=rdep_return,
         invariants=(rdep_return_invariants,),
         adversarial=(*ROUTING_ADV, "nan"),
+        fast=spmd.rdep_return,
+        note="fast path: W spawned ranks (parity/spmd.py) dispatch the recvs' routes, then return y",
     ),
 ]

@@ -1,0 +1,36 @@
+"""rdep.fast_*: defects in the CuTeDSL RDEP kernels (nmoe/fast/kernels/rdep.py); GPU host only."""
+
+from __future__ import annotations
+
+from mutations.model import Mutation, sep_mutation
+
+FILE = "nmoe/fast/kernels/rdep.py"
+TESTS = "tests/test_fast_rdep.py"
+
+MUTATIONS: tuple[Mutation, ...] = (
+    sep_mutation(
+        "rdep.fast_wrong_rank", FILE,
+        "        dest = e // n_local\n", "        dest = (e + 1) // n_local % world\n",
+        "the last expert of each rank has its rows written into the next rank's window", TESTS,
+        ("rdep_dispatch",), device="gpu",
+    ),
+    sep_mutation(
+        "rdep.fast_order_broken", FILE,
+        "pos = Int64(doff[e]) + Int64(j - (Int32(offs[e]) - Int32(counts[e])))",
+        "pos = Int64(doff[e]) + Int64(Int32(offs[e]) - 1 - j)",
+        "rows of one (source, expert) block land in reverse (t, k) order at the owner", TESTS,
+        ("rdep_dispatch",), device="gpu",
+    ),
+    sep_mutation(
+        "rdep.fast_return_slot_reused", FILE,
+        "        slot = rid % Int64(n_slots)\n", "        slot = rid % Int64(n_slots) // 2 * 2\n",
+        "a returned row goes to the even slot below its own: two rows share a slot, odd slots stay unwritten",
+        TESTS, ("rdep_return",), device="gpu",
+    ),
+    sep_mutation(
+        "rdep.fast_overflow_off_by_one", FILE,
+        "        if need > capacity:\n", "        if need > capacity + 1:\n",
+        "a rank receiving capacity + 1 rows passes the check (and writes one row past its window's rows)",
+        TESTS, ("rdep_dispatch",), device="gpu",
+    ),
+)

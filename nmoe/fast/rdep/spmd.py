@@ -1,0 +1,173 @@
+"""A pool of W spawned ranks that run RDEP jobs together: the SPMD half of parity, tests and the bench.
+
+Each rank builds a group per job, runs its part on its GPU (shared or its own) and sends CPU results back.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor
+
+from nmoe.fast.rdep.group import RdepGroup, RdepShape, rdep_dispatch, rdep_return
+
+JOB_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Job:
+    """One collective job: `kind` names a function of JOBS, or is a module-level function (group, *args);
+    Pool.run takes args per rank, a rank gets (its args,)."""
+
+    kind: str | Callable[..., dict[str, Any]]
+    shape: RdepShape
+    args: tuple[Any, ...]
+
+
+def exchange_gloo(data: bytes) -> list[bytes]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, data)
+    return [bytes(o) for o in out]
+
+
+def dispatch_job(group: RdepGroup, x: Tensor, ids: Tensor) -> dict[str, Tensor]:
+    """This rank's receive batch cut to n_recv, plus the tail it must leave marked (row_id, eid = -1)."""
+    recv = rdep_dispatch(group, x.to(group.device), ids.to(group.device))
+    group.sync_check()
+    n = int(recv.n_recv.item())
+    return {"x": recv.x[:n].cpu(), "row_id": recv.row_id[:n].cpu(), "local_eid": recv.local_eid[:n].cpu(),
+            "counts": recv.counts.cpu(), "tail_row_id": recv.row_id[n:].cpu(),
+            "tail_local_eid": recv.local_eid[n:].cpu()}
+
+
+def roundtrip_job(group: RdepGroup, x: Tensor, ids: Tensor, y: Tensor, poison: bool) -> dict[str, Tensor]:
+    """Dispatch, then return y (one row per received row, in receive order); `poison` fills the return
+    window with NaN first, so a slot nobody writes shows."""
+    got = dispatch_job(group, x, ids)
+    n = got["row_id"].numel()
+    if y.shape[0] != n:
+        raise ValueError(f"rdep_return: rank {group.rank} received {n} rows but y has {y.shape[0]}; pass one "
+                         "output row per received row")
+    if poison:
+        group.out.view(torch.uint8).fill_(255)
+        torch.cuda.synchronize(group.device)
+    dist.barrier()
+    s = group.shape
+    yfull = torch.zeros(s.capacity, s.hidden, dtype=s.dtype, device=group.device)
+    yfull[:n] = y.to(group.device)
+    out = rdep_return(group, yfull)
+    group.sync_check()
+    return {**got, "out": out.cpu().clone()}
+
+
+def stall_job(group: RdepGroup, x: Tensor, ids: Tensor) -> dict[str, Tensor]:
+    """Rank 0 dispatches while every other rank stays silent: rank 0 must time out naming rank 1."""
+    if group.rank == 0:
+        return dispatch_job(group, x, ids)
+    return {}
+
+
+JOBS: dict[str, Callable[..., dict[str, Tensor]]] = {"dispatch": dispatch_job, "roundtrip": roundtrip_job,
+                                                     "stall": stall_job}
+
+
+def _worker(rank: int, world: int, device: int, port: int, inq: Any, outq: Any) -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    torch.cuda.set_device(device)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dev = torch.device("cuda", device)
+    while True:
+        job = inq.get()
+        if job is None:
+            break
+        group = None
+        try:
+            group = RdepGroup(job.shape, rank, dev, exchange_gloo)
+            dist.barrier()
+            fn = JOBS[job.kind] if isinstance(job.kind, str) else job.kind
+            outq.put((rank, "ok", fn(group, *job.args[0])))
+        except Exception as e:
+            outq.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"))
+        dist.barrier()
+        try:
+            if group is not None:
+                group.close()
+            torch.cuda.synchronize(dev)
+        except Exception:
+            break  # a trapped kernel leaves this process's CUDA context unusable: the rank ends
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RankError(RuntimeError):
+    """A rank's job raised; the message is that rank's error (e.g. the capacity overflow's numbers)."""
+
+
+class Pool:
+    """W spawned ranks on `devices` (one entry per rank; repeats share a GPU), kept for many jobs."""
+
+    def __init__(self, devices: Sequence[int]) -> None:
+        ctx = mp.get_context("spawn")
+        self.world = len(devices)
+        self.devices = tuple(devices)
+        self.inq = [ctx.Queue() for _ in devices]
+        self.outq = ctx.Queue()
+        port = _free_port()
+        self.procs = [ctx.Process(target=_worker, args=(r, self.world, d, port, self.inq[r], self.outq),
+                                  daemon=True) for r, d in enumerate(devices)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, job: Job) -> list[dict[str, Tensor]]:
+        """Every rank's result, in rank order; raises RankError with the lowest failing rank's message."""
+        if len(job.args) != self.world:
+            raise ValueError(f"rdep pool: job has args for {len(job.args)} ranks, the pool has {self.world}")
+        for q, a in zip(self.inq, job.args, strict=True):
+            q.put(Job(job.kind, job.shape, (a,)))
+        got: dict[int, tuple[str, Any]] = {}
+        while len(got) < self.world:
+            try:
+                rank, status, value = self.outq.get(timeout=JOB_TIMEOUT_S)
+            except queue.Empty as e:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                raise RankError(f"rdep pool: no answer in {JOB_TIMEOUT_S} s; dead ranks {dead}") from e
+            got[rank] = (status, value)
+        errors = sorted((r, v) for r, (s, v) in got.items() if s == "error")
+        if errors:
+            raise RankError(f"rank {errors[0][0]}: {errors[0][1]}")
+        return [got[r][1] for r in range(self.world)]
+
+    def close(self) -> None:
+        for q in self.inq:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.terminate()
+
+
+def placement(world: int, kind: str) -> list[int]:
+    """GPU per rank: 'shared' puts every rank on GPU 0; 'distinct' one GPU each (needs W GPUs)."""
+    if kind == "shared":
+        return [0] * world
+    if kind == "distinct":
+        if torch.cuda.device_count() < world:
+            raise ValueError(f"rdep: placement 'distinct' needs {world} GPUs, found "
+                             f"{torch.cuda.device_count()}")
+        return list(range(world))
+    raise ValueError(f"rdep: placement must be 'shared' or 'distinct', got {kind!r}")

@@ -1,0 +1,335 @@
+"""nmoe.fast.rdep against the spec's rdep, run SPMD: W spawned ranks (sharing GPU 0 unless
+NMOE_RDEP_PLACEMENT=distinct), each dispatching and returning its own rows; bitwise per rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fastcompile import assert_rows_ok, compile_rows
+from torch import Tensor
+
+from nmoe.fast import rdep as fast
+from nmoe.fast.rdep.group import Layout
+from nmoe.reference import rdep as ref
+from parity import spmd
+
+gpu = pytest.mark.gpu
+
+
+def _routes(w: int, n_local: int, t: int, k: int, kind: str, seed: int) -> tuple[list[Tensor], list[Tensor]]:
+    """bf16 rows and ids [T,K] per rank: distinct experts per token, uniform or Zipf-skewed."""
+    g = torch.Generator().manual_seed(seed)
+    e = w * n_local
+    weight = torch.ones(e, dtype=torch.float64)
+    if kind == "zipf":
+        weight = 1.0 / torch.arange(1, e + 1, dtype=torch.float64) ** 1.5
+    xs = [torch.randn(t, 40, generator=g).to(torch.bfloat16) for _ in range(w)]
+    ids = [torch.multinomial(weight.expand(t, e), k, replacement=False, generator=g) for _ in range(w)]
+    return xs, ids
+
+
+def _need(ids: list[Tensor], n_experts: int) -> int:
+    owner = torch.cat([i.reshape(-1) for i in ids]) // (n_experts // len(ids))
+    return int(torch.bincount(owner, minlength=len(ids)).max())
+
+
+def _bits(x: Tensor) -> Tensor:
+    return x.contiguous().view(torch.uint8)
+
+
+def _assert_dispatch(xs: list[Tensor], ids: list[Tensor], e: int, cap: int) -> None:
+    got = spmd.rdep_dispatch(xs, ids, e, cap)
+    want = ref.rdep_dispatch(xs, ids, e, cap)
+    for r, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g.row_id, w.row_id), f"rank {r} row_id"
+        assert torch.equal(g.local_eid, w.local_eid), f"rank {r} local_eid"
+        assert torch.equal(g.counts, w.counts), f"rank {r} counts"
+        assert torch.equal(_bits(g.x), _bits(w.x)), f"rank {r} x"
+
+
+def _assert_return(xs: list[Tensor], ids: list[Tensor], e: int, seed: int) -> None:
+    t, k = ids[0].shape
+    recvs = ref.rdep_dispatch(xs, ids, e, _need(ids, e))
+    g = torch.Generator().manual_seed(seed)
+    ys = [torch.randn(rc.row_id.numel(), xs[0].shape[1], generator=g).to(torch.bfloat16) for rc in recvs]
+    got = spmd.rdep_return(ys, recvs, t, k)
+    want = ref.rdep_return(ys, recvs, t, k)
+    for r, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(_bits(a), _bits(b)), f"rank {r} returned rows"
+
+
+# ------------------------------------------------------------------ CPU
+
+
+def test_kernel_specs_cover_both_archs() -> None:
+    assert {s.op for s in fast.KERNELS} == {"rdep_dispatch", "rdep_return"}
+    for s in fast.KERNELS:
+        assert set(s.expect) == set(s.forbid) == {"sm_90a", "sm_100a"}
+
+
+@pytest.mark.heavy
+def test_kernels_compile_without_gpu() -> None:
+    for arch, rows in compile_rows("nmoe.fast.rdep").items():
+        assert_rows_ok(rows, arch, len(fast.KERNELS))
+
+
+def test_shape_is_checked() -> None:
+    with pytest.raises(ValueError, match="multiple of world"):
+        fast.RdepShape(world=3, n_experts=8, tokens=4, top_k=2, hidden=8, dtype=torch.bfloat16, capacity=8)
+    with pytest.raises(ValueError, match="timeout_s"):
+        fast.RdepShape(world=2, n_experts=8, tokens=4, top_k=2, hidden=8, dtype=torch.bfloat16, capacity=8,
+                       timeout_s=0.0)
+
+
+def test_window_regions_are_aligned_and_disjoint() -> None:
+    s = fast.RdepShape(world=4, n_experts=12, tokens=7, top_k=3, hidden=5, dtype=torch.bfloat16, capacity=33)
+    lay = Layout.of(s)
+    starts = [lay.x, lay.row, lay.out, lay.cnt, lay.flag, lay.nbytes]
+    sizes = [33 * 10, 33 * 8, 7 * 3 * 10, 2 * 4 * 12 * 4, 3 * 4 * 8]
+    assert all(a % 16 == 0 for a in starts)
+    assert all(starts[i] + sizes[i] <= starts[i + 1] for i in range(5))
+
+
+def test_routes_of_inverts_the_spec_dispatch() -> None:
+    xs, ids = _routes(3, 2, 5, 2, "uniform", 0)
+    recvs = ref.rdep_dispatch(xs, ids, 6, _need(ids, 6))
+    assert all(torch.equal(a, b) for a, b in zip(spmd.routes_of(recvs, 5, 2), ids, strict=True))
+
+
+# ------------------------------------------------------------------ GPU
+
+def _case_id(c: tuple[int, int, int, int, str]) -> str:
+    return "W{}_nl{}_T{}_K{}_{}".format(*c)
+
+
+CASES = [  # (W, n_local, T, K, routing)
+    (2, 1, 1, 1, "uniform"),
+    (2, 4, 64, 4, "uniform"),
+    (2, 8, 200, 8, "zipf"),
+    (4, 2, 33, 3, "uniform"),
+    (4, 16, 128, 8, "zipf"),
+    (1, 4, 17, 2, "uniform"),
+]
+
+
+@gpu
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_dispatch_bitwise_vs_spec(case: tuple[int, int, int, int, str]) -> None:
+    w, nl, t, k, kind = case
+    xs, ids = _routes(w, nl, t, k, kind, 1)
+    _assert_dispatch(xs, ids, w * nl, _need(ids, w * nl) + 3)
+
+
+@gpu
+def test_dispatch_int32_ids_and_repeated_calls() -> None:
+    xs, ids = _routes(2, 4, 50, 4, "uniform", 2)
+    ids32 = [i.to(torch.int32) for i in ids]
+    for _ in range(3):
+        _assert_dispatch(xs, ids32, 8, _need(ids, 8))
+
+
+@gpu
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_return_bitwise_vs_spec(case: tuple[int, int, int, int, str]) -> None:
+    w, nl, t, k, kind = case
+    xs, ids = _routes(w, nl, t, k, kind, 3)
+    _assert_return(xs, ids, w * nl, 4)
+
+
+@gpu
+@pytest.mark.parametrize("w", [2, 4], ids=["W2", "W4"])
+def test_overflow_raises_with_the_numbers(w: int) -> None:
+    xs, ids = _routes(w, 2, 40, 2, "zipf", 5)
+    need = _need(ids, 2 * w)
+    with pytest.raises(RuntimeError, match=rf"would receive {need} rows but capacity is {need - 1}"):
+        spmd.rdep_dispatch(xs, ids, 2 * w, need - 1)
+    _assert_dispatch(xs, ids, 2 * w, need)
+
+
+@gpu
+def test_silent_peer_times_out_naming_the_rank() -> None:
+    from nmoe.fast.rdep import spmd as ranks
+
+    shape = fast.RdepShape(world=2, n_experts=4, tokens=8, top_k=2, hidden=16, dtype=torch.bfloat16,
+                           capacity=32, timeout_s=1.0)
+    xs, ids = _routes(2, 2, 8, 2, "uniform", 6)
+    pool = ranks.Pool(ranks.placement(2, spmd.placement_kind()))
+    try:
+        with pytest.raises(ranks.RankError, match=r"rank 0 timed out .* waiting for rank 1 \(counts phase"):
+            pool.run(ranks.Job("stall", shape, ((xs[0], ids[0]), (xs[1], ids[1]))))
+    finally:
+        pool.close()
+
+
+# ------------------------------------------------------------------ separating tests of the GPU mutants
+
+
+@gpu
+def test_sep_rdep_fast_wrong_rank() -> None:
+    xs, ids = _routes(2, 4, 64, 4, "uniform", 7)
+    e = torch.cat([i.reshape(-1) for i in ids])
+    assert bool(((e + 1) // 4 % 2 != e // 4).any()), "the data must route some slot to the other owner"
+    _assert_dispatch(xs, ids, 8, 2 * 64 * 4)
+
+
+@gpu
+def test_sep_rdep_fast_order_broken() -> None:
+    xs, ids = _routes(2, 2, 64, 2, "uniform", 8)
+    per_block = torch.bincount(ids[0].reshape(-1), minlength=4)
+    assert int(per_block.max()) >= 2, "some (source, expert) block must hold two rows to have an order"
+    _assert_dispatch(xs, ids, 4, _need(ids, 4))
+
+
+@gpu
+def test_sep_rdep_fast_return_slot_reused() -> None:
+    xs, ids = _routes(2, 4, 32, 4, "uniform", 9)
+    slots = torch.arange(32 * 4)
+    assert not torch.equal(slots // 2 * 2, slots), "reusing even slots must leave odd slots unwritten"
+    _assert_return(xs, ids, 8, 10)
+
+
+@gpu
+def test_sep_rdep_fast_overflow_off_by_one() -> None:
+    xs, ids = _routes(2, 2, 40, 2, "zipf", 11)
+    need = _need(ids, 4)
+    assert need > need - 1 and not need > need - 1 + 1, "capacity need-1 separates > from > +1"
+    with pytest.raises(RuntimeError, match=rf"would receive {need} rows but capacity is {need - 1}"):
+        spmd.rdep_dispatch(xs, ids, 4, need - 1)
+
+
+# ------------------------------------------------------------------ expert parallelism over RDEP
+
+
+def test_reduce_grads_never_communicates_expert_sharded_params() -> None:
+    from nmoe.fast.rdep import ep
+
+    shared, expert = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    shared.grad, expert.grad = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0, 6.0])
+    ep.mark_expert_sharded(expert)
+    reduced: list[int] = []
+
+    def all_reduce_sum(t: Tensor) -> None:
+        reduced.append(t.numel())
+        t.mul_(2.0)  # a world of 2 ranks holding the same gradient
+
+    ep.reduce_grads([shared, expert], 2, all_reduce_sum)
+    assert reduced == [3]
+    assert shared.grad.tolist() == [1.0, 2.0, 3.0] and expert.grad.tolist() == [2.0, 3.0]
+
+
+def ep_grad_job(group: object, x: Tensor, ids: Tensor, c: Tensor) -> dict[str, Tensor]:
+    """On every rank: out = ep_return(2 * ep_dispatch(x)), loss = sum(c[t,k] * out[t,k,:]); out and dx."""
+    import torch.distributed as dist
+
+    from nmoe.fast.rdep import ep
+    from nmoe.fast.rdep.group import RdepGroup
+    from nmoe.fast.rdep.spmd import exchange_gloo
+
+    assert isinstance(group, RdepGroup)
+    slots = RdepGroup(ep.slot_shape(group.shape), group.rank, group.device, exchange_gloo)
+    ex = ep.Exchange(group, slots)
+    xd = x.to(group.device).requires_grad_()
+    idd = ids.to(group.device)
+    rows, _, _ = ep.ep_dispatch(xd, idd, ex)
+    out = ep.ep_return(rows * 2, idd, ex)
+    (out.float() * c.to(group.device)[:, :, None]).sum().backward()
+    group.sync_check()
+    slots.sync_check()
+    dist.barrier()
+    slots.close()
+    assert xd.grad is not None
+    return {"out": out.detach().cpu(), "dx": xd.grad.cpu()}
+
+
+@gpu
+@pytest.mark.parametrize("w", [2, 4], ids=["W2", "W4"])
+def test_ep_dispatch_return_gradients(w: int) -> None:
+    from nmoe.fast.rdep import spmd as ranks
+
+    t, k, nl = 24, 3, 2
+    xs, ids = _routes(w, nl, t, k, "uniform", 12)
+    g = torch.Generator().manual_seed(13)
+    cs = [torch.randint(-3, 4, (t, k), generator=g).float() for _ in range(w)]
+    shape = fast.RdepShape(world=w, n_experts=w * nl, tokens=t, top_k=k, hidden=40, dtype=torch.bfloat16,
+                           capacity=_need(ids, w * nl))
+    outs = spmd.pool(w).run(ranks.Job(ep_grad_job, shape, tuple(zip(xs, ids, cs, strict=True))))
+    for r, o in enumerate(outs):
+        two_x = (xs[r].float() * 2).to(torch.bfloat16)
+        assert torch.equal(_bits(o["out"]), _bits(two_x[:, None, :].expand(t, k, 40))), f"rank {r} out"
+        want = (2 * cs[r].sum(1))[:, None].expand(t, 40).to(torch.bfloat16)
+        assert torch.equal(_bits(o["dx"]), _bits(want)), f"rank {r} dx"
+
+
+def _rel(a: Tensor, b: Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30))
+
+
+def ep_routed_job(group: object, xs: list[Tensor], ids: list[Tensor], ws: list[Tensor], w_up: Tensor,
+                  w2: Tensor, douts: list[Tensor]) -> dict[str, float | bool]:
+    """This rank's ep_routed (its experts only) against one process running every rank's tokens through
+    every expert with the same kernels (torch gather/scatter around them): out bitwise, gradients close."""
+    import torch.distributed as dist
+
+    from nmoe.fast.combine import combine
+    from nmoe.fast.gemm import grouped_gemm, grouped_gemm_act
+    from nmoe.fast.rdep import ep
+    from nmoe.fast.rdep.group import RdepGroup
+    from nmoe.fast.rdep.spmd import exchange_gloo
+
+    assert isinstance(group, RdepGroup)
+    dev, r, nl = group.device, group.rank, group.shape.n_local
+    slots = RdepGroup(ep.slot_shape(group.shape), r, dev, exchange_gloo)
+    ex = ep.Exchange(group, slots)
+    x = xs[r].to(dev).requires_grad_()
+    wr = ws[r].to(dev).requires_grad_()
+    up_l = w_up[r * nl:(r + 1) * nl].to(dev).requires_grad_()
+    w2_l = w2[r * nl:(r + 1) * nl].to(dev).requires_grad_()
+    out = ep.ep_routed(x, wr, ids[r].to(dev), up_l, w2_l, "swiglu", 2.5, None, ex)
+    (out.float() * douts[r].to(dev)).sum().backward()
+    group.sync_check()
+    slots.sync_check()
+
+    t, k = ids[0].shape
+    xa = torch.cat(xs).to(dev).requires_grad_()
+    wa = torch.cat(ws).to(dev).requires_grad_()
+    up, dn = w_up.to(dev).requires_grad_(), w2.to(dev).requires_grad_()
+    flat = torch.cat(ids).to(dev).reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=up.shape[0]), 0).to(torch.int32)
+    y = grouped_gemm(grouped_gemm_act(xa[order // k], up, offs, "swiglu"), dn, offs)
+    ref = combine(y[torch.argsort(order)].view(-1, k, y.shape[1]), wa, 2.5, None)
+    (ref.float() * torch.cat(douts).to(dev)).sum().backward()
+    mine = slice(r * t, (r + 1) * t)
+    assert x.grad is not None and wr.grad is not None and up_l.grad is not None and w2_l.grad is not None
+    assert xa.grad is not None and wa.grad is not None and up.grad is not None and dn.grad is not None
+    got = {
+        "out_bitwise": bool(torch.equal(_bits(out), _bits(ref[mine]))),
+        "dx": _rel(x.grad, xa.grad[mine]), "dweights": _rel(wr.grad, wa.grad[mine]),
+        "dw_up": _rel(up_l.grad, up.grad[r * nl:(r + 1) * nl]),
+        "dw2": _rel(w2_l.grad, dn.grad[r * nl:(r + 1) * nl]),
+    }
+    dist.barrier()
+    slots.close()
+    return got
+
+
+@gpu
+@pytest.mark.parametrize("w", [2, 4], ids=["W2", "W4"])
+def test_ep_routed_matches_one_process(w: int) -> None:
+    from nmoe.fast.rdep import spmd as ranks
+
+    t, k, nl, d, i = 48, 2, 2, 64, 32
+    _, ids = _routes(w, nl, t, k, "zipf", 14)
+    g = torch.Generator().manual_seed(15)
+    xs = [torch.randn(t, d, generator=g).to(torch.bfloat16) for _ in range(w)]
+    ws = [torch.rand(t, k, generator=g) + 0.1 for _ in range(w)]
+    w_up = (torch.randn(w * nl, 2 * i, d, generator=g) / d**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(w * nl, d, i, generator=g) / i**0.5).to(torch.bfloat16)
+    douts = [torch.randn(t, d, generator=g) for _ in range(w)]
+    shape = fast.RdepShape(world=w, n_experts=w * nl, tokens=t, top_k=k, hidden=d, dtype=torch.bfloat16,
+                           capacity=_need(ids, w * nl))
+    args = tuple((xs, ids, ws, w_up, w2, douts) for _ in range(w))
+    for r, o in enumerate(spmd.pool(w).run(ranks.Job(ep_routed_job, shape, args))):
+        assert o["out_bitwise"], f"rank {r}: out differs from one process"
+        for name in ("dx", "dweights", "dw_up", "dw2"):  # bf16 results: a few roundings of 2^-8
+            assert float(o[name]) <= 2.0**-6, f"rank {r}: {name} max-norm relative error {o[name]}"
