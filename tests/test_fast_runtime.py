@@ -379,7 +379,7 @@ def test_gemm_front_refuses_missing_pairs_with_a_remedy(monkeypatch: pytest.Monk
 
 
 def test_fast_package_never_imports_the_spec_parity_trainer_or_data() -> None:
-    """docs/design.md's rule, read with ast (imports inside functions count): the fast path cannot fall back."""
+    """docs/design.md's rule, read with ast (imports inside functions count): no fallback to the spec."""
     root = ROOT / "nmoe" / "fast"
     found = [f"{m}: {n}" for p in sorted(root.rglob("*.py"))
              for m in [".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")]
