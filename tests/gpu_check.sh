@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
 # The GPU half of the checks (needs an sm_90a/sm_100a GPU and nvidia-cutlass-dsl): fast-path tests,
-# parity report, GPU mutation catalog, benchmarks. Usage: bash tests/gpu_check.sh OUTDIR [STAGES]
-# STAGES is a comma list of tests,parity,mutate,bench (default: all); every stage runs even if one fails.
+# parity report, GPU mutation catalog, benchmarks, a training run. Usage: bash tests/gpu_check.sh OUTDIR [STAGES]
+# STAGES is a comma list of smoke,tests,parity,mutate,bench,train (default: all but smoke); every stage
+# runs even if one fails. smoke launches one elementwise op and one GEMM: run it first on a new launch path.
+# NMOE_GPU_JOBS (default 12) sets the pytest and mutation workers; NMOE_BENCH_K selects bench rows (-k).
 set -uo pipefail
 out=$(mkdir -p "${1:?usage: gpu_check.sh OUTDIR [STAGES]}" && cd "$1" && pwd)
-stages=",${2:-tests,parity,mutate,bench},"
+stages=",${2:-tests,parity,mutate,bench,train},"
+jobs=${NMOE_GPU_JOBS:-12}
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 status=0
 run() { local name=$1; shift; echo "== $name: $*"; "$@" > "$out/$name.log" 2>&1 || status=1; tail -n 25 "$out/$name.log"; }
-[[ $stages == *,tests,* ]] && run gpu-tests python3 -m pytest -q -p no:cacheprovider -m gpu tests
+[[ $stages == *,smoke,* ]] && run smoke python3 -m pytest -q -p no:cacheprovider -m gpu -x \
+  tests/test_fast_activation.py tests/test_fast_gemm.py -k "test_relu2_any_size or test_fwd_uniform"
+[[ $stages == *,tests,* ]] && run gpu-tests python3 -m pytest -q -p no:cacheprovider -m gpu -n "$jobs" tests
 [[ $stages == *,parity,* ]] && run parity python3 -m nmoe.cli parity --no-db --report "$out/parity.json"
 [[ $stages == *,mutate,* ]] && run mutate python3 -m nmoe.cli mutate --device gpu --only '*.fast_*' \
-  --jobs 4 --report "$out/mutations.json"
-[[ $stages == *,bench,* ]] && run bench python3 -m nmoe.cli bench --out "$out/bench.json"
+  --jobs "$jobs" --report "$out/mutations.json"
+[[ $stages == *,bench,* ]] && run bench python3 -m nmoe.cli bench ${NMOE_BENCH_K:+-k "$NMOE_BENCH_K"} \
+  --out "$out/bench.json"
+[[ $stages == *,train,* ]] && run train bash -c "python3 -m nmoe.cli prep && python3 -m nmoe.cli train configs/tiny-gpu.toml"
 exit $status
