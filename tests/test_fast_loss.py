@@ -100,6 +100,9 @@ def test_cpu_tensors_are_refused_naming_reference() -> None:
                                 torch.zeros(3, dtype=torch.int64), chunk=0), "chunk"),
     (lambda: fast.cross_entropy(torch.ones(3, 8), torch.ones(5, 8), torch.zeros(3, dtype=torch.int64)),
      r"nmoe\.reference\.loss"),
+    (lambda: fast.cross_entropy(torch.ones(3, 8).bfloat16(),
+                                torch.ones(1, 8).bfloat16().expand(2**31 - fast.THREADS * fast.UNROLL + 1, 8),
+                                torch.zeros(3, dtype=torch.int64)), "int32 column index"),
 ])
 def test_bad_arguments_fail_loud_with_the_fix(call: Callable[[], object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
