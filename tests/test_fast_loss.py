@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -72,9 +73,27 @@ def test_kernel_source_hash_covers_the_kernel_file() -> None:
     assert any(p.name == "loss.py" and p.parent.name == "kernels" for p in files)
 
 
-def test_compile_loss_kernels_without_gpu() -> None:
-    for arch, rows in compile_rows("nmoe.fast.loss").items():
+@pytest.fixture(scope="module")
+def loss_rows() -> dict[str, list[dict[str, Any]]]:
+    return compile_rows("nmoe.fast.loss")
+
+
+def test_compile_loss_kernels_without_gpu(loss_rows: dict[str, list[dict[str, Any]]]) -> None:
+    for arch, rows in loss_rows.items():
         assert_rows_ok(rows, arch, len(fast.KERNELS))
+
+
+def test_sep_cross_entropy_bwd_fast_tile_barrier_dropped(loss_rows: dict[str, list[dict[str, Any]]]
+                                                         ) -> None:
+    """dlogits overwrite their own logits row: the grad kernel's PTX must load each tile, then barrier,
+    then store; its forbid list tells that order from a dropped or late barrier."""
+    load, bar, store = "ld.global.b32 %r1, [%rd1];\n", "bar.sync 0;\n", "st.global.b16 [%rd2], %rs1;\n"
+    grad = next(k for k in fast.KERNELS if k.name == "ce_fwd_grad")
+    for arch in SUPPORTED_ARCHS:
+        hits = [[re.search(rx, ptx) is not None for rx in grad.forbid[arch]]
+                for ptx in (bar + load + bar + store, bar + load + store, load + store + bar)]
+        assert not any(hits[0]) and any(hits[1]) and any(hits[2])
+        assert_rows_ok([r for r in loss_rows[arch] if r["kernel"] == "ce_fwd_grad"], arch, 1)
 
 
 def test_peak_bytes_formula_at_the_production_shape() -> None:
@@ -100,6 +119,9 @@ def test_cpu_tensors_are_refused_naming_reference() -> None:
                                 torch.zeros(3, dtype=torch.int64), chunk=0), "chunk"),
     (lambda: fast.cross_entropy(torch.ones(3, 8), torch.ones(5, 8), torch.zeros(3, dtype=torch.int64)),
      r"nmoe\.reference\.loss"),
+    (lambda: fast.cross_entropy(torch.ones(3, 8).bfloat16(),
+                                torch.ones(1, 8).bfloat16().expand(2**31 - fast.THREADS * fast.UNROLL + 1, 8),
+                                torch.zeros(3, dtype=torch.int64)), "int32 column index"),
 ])
 def test_bad_arguments_fail_loud_with_the_fix(call: Callable[[], object], match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -40,4 +40,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         "dlogits is softmax without the target one-hot subtracted", TESTS, ("cross_entropy_bwd",),
         device="gpu",
     ),
+    sep_mutation(
+        "cross_entropy_bwd.fast_tile_barrier_dropped", KERNEL,
+        "            cute.arch.sync_threads()\n", "",
+        "dlogits tiles are stored with no barrier after the tile's loads: a thread overwrites logits another "
+        "has not read", TESTS, ("cross_entropy_bwd",),
+    ),
 )

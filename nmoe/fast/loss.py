@@ -38,8 +38,10 @@ def _check(h: Tensor, w_out: Tensor, targets: Tensor, chunk: int) -> None:
     if h.dtype != torch.bfloat16 or w_out.dtype != torch.bfloat16:
         raise ValueError(f"cross_entropy: the fast path takes bf16 h and w_out, got {h.dtype} and "
                          f"{w_out.dtype}; cast them, or use nmoe.reference.loss")
-    if w_out.shape[0] >= 2**31 - 1:
-        raise ValueError(f"cross_entropy: vocab {w_out.shape[0]} does not fit int32 target ids")
+    if w_out.shape[0] > 2**31 - THREADS * UNROLL:
+        raise ValueError(f"cross_entropy: vocab {w_out.shape[0]} exceeds {2**31 - THREADS * UNROLL}: the "
+                         "kernel's int32 column index runs to V rounded up to whole "
+                         f"{THREADS * UNROLL}-column tiles")
 
 
 def _fused_impl(h: Tensor, w_out: Tensor, targets: Tensor, ignore_index: int, chunk: int,
@@ -129,6 +131,11 @@ def cross_entropy_bwd(dloss: Tensor | float, h: Tensor, w_out: Tensor, targets: 
 # ex2.approx (not .ftz) carries exp: its ~2 ulp error sits inside the contract's V-term; log is the
 # DSL's accurate software log2; local memory would mean the unrolled tile spilled.
 _FORBID = (r"\.ftz\b", r"\b(ld|st)\.local\b")
+# dlogits overwrite the row they are computed from: every tile's loads must precede its barrier and every
+# bf16 store follow it (a load after the last barrier, or a store before it, is the race), and .nc loads
+# are only defined on memory the kernel never writes.
+_GRAD_FORBID = (r"(?s)\bbar\.sync\b(?:(?!\bbar\.sync\b).)*\bld\.global\b(?:(?!\bbar\.sync\b).)*\Z",
+                r"(?s)\bst\.global\.b16\b.*\bbar\.sync\b", r"\bld\.global\.nc\b")
 _EXPECT = (r"\bex2\.approx\.f32\b", r"\bshfl\.sync\.bfly\.b32\b", r"\bbar\.sync\b",
            r"\bld\.global(\.nc)?\.b32\b", r"\bmax\.f32\b")
 _GRAD = (r"\bcvt\.rn\.bf16\.f32\b", r"\bst\.global\.b16\b", r"\btrap;")
@@ -138,7 +145,7 @@ def _kernel_specs() -> tuple[KernelSpec, ...]:
     return tuple(
         runtime.portable_spec("cross_entropy" if not grad else "cross_entropy_bwd", f"ce_fwd_{tag}",
                               CE_FWD.compiler(grad=grad, threads=THREADS, unroll=UNROLL),
-                              _EXPECT + (_GRAD if grad else ()), _FORBID)
+                              _EXPECT + (_GRAD if grad else ()), _FORBID + (_GRAD_FORBID if grad else ()))
         for grad, tag in ((False, "nograd"), (True, "grad"))
     )
 

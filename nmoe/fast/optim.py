@@ -110,16 +110,23 @@ def muon_step(p: Tensor, g: Tensor, buf: Tensor, lr: float, momentum: float, wei
 # Every AdamW step must round once (no FMA contraction, no approximate sqrt/div, no flush to zero).
 _FORBID = (r"\b(rsqrt|sqrt|rcp|div)\.approx\b", r"\bdiv\.full\b", r"\.ftz\b", r"\bfma\.",
            r"\b(ld|st)\.local\b")
-_EXPECT = (r"\bsqrt\.rn\.f32\b", r"\bdiv\.rn\.f32\b", r"\bmul\.rn\.f32\b", r"\badd\.rn\.f32\b",
-           r"\bsub\.rn\.f32\b", runtime.ST128)
+_ROUNDED = (r"\bsqrt\.rn\.f32\b", r"\bdiv\.rn\.f32\b", r"\bmul\.rn\.f32\b", r"\badd\.rn\.f32\b",
+            r"\bsub\.rn\.f32\b")
 
 
 def _kernel_specs() -> tuple[KernelSpec, ...]:
-    return tuple(
+    """The 128-bit kernels, and the scalar ones adamw_step compiles for tensors off 16-byte alignment."""
+    wide = tuple(
         runtime.portable_spec("adamw", f"adamw_{tag}", ADAMW.compiler(vec=4, grad_dtype=gd),
-                              (*_EXPECT, runtime.LD128), _FORBID)
+                              (*_ROUNDED, runtime.LD128, runtime.ST128), _FORBID)
         for gd, tag in (("float32", "g32"), ("bfloat16", "gbf16"))
     )
+    scalar = tuple(
+        runtime.portable_spec("adamw", f"adamw_{tag}_v1", ADAMW.compiler(vec=1, grad_dtype=gd),
+                              _ROUNDED, _FORBID)
+        for gd, tag in (("float32", "g32"), ("bfloat16", "gbf16"))
+    )
+    return wide + scalar
 
 
 KERNELS: tuple[KernelSpec, ...] = _kernel_specs()

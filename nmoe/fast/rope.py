@@ -176,7 +176,7 @@ def yarn_mscale(rope_factor: float, mscale: float, max_seq_len: int, original_se
 _FORBID = (r"\.ftz\b", r"\bfma(\.rn)?\.f32", r"\b(ld|st)\.local\b", r"\bmul\.f32\b", r"\badd\.f32\b",
            r"\bsub\.f32\b")
 _ROUNDED = (r"\bmul\.rn\.f32\b", r"\bsub\.rn\.f32\b", r"\badd\.rn\.f32\b", r"\bsetp\.nan\.f32\b")
-_CHECKED = ((64, "bfloat16"), (64, "float32"), (6, "bfloat16"))
+_CHECKED = ((64, "bfloat16"), (64, "float32"), (6, "bfloat16"), (6, "float32"))
 
 
 def _spec(kernel: Kernel, d: int, dtype_name: str) -> KernelSpec:
