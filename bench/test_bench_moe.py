@@ -32,45 +32,14 @@ from conftest import (
     try_compile,
 )
 from torch import Tensor
+from torchbase import permute_torch, router_topk_torch, torch_layer, unpermute_torch
+
+from nmoe.layout import padded_rows
 
 CONFIGS = ((32768, 4096, 128, 8), (24576, 1536, 128, 8))
 LAYER_CONFIGS = ((32768, 4096, 1024, 128, 8), (24576, 1536, 256, 128, 8), (32768, 4096, 512, 256, 8))
 ALIGN = 128
 ROTATE_BYTES = 256 * 2**20
-
-
-def padded_rows(m: int, e: int, align: int) -> int:
-    return -(-(m + e * (align - 1)) // align) * align
-
-
-def router_topk_torch(logits: Tensor, bias: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    scores = torch.sigmoid(logits)
-    ids = torch.topk(scores + bias, k, dim=-1).indices
-    picked = scores.gather(1, ids)
-    return picked / picked.sum(-1, keepdim=True), ids
-
-
-def permute_torch(x: Tensor, ids: Tensor, n_experts: int, align: int) -> tuple[Tensor, ...]:
-    t, k = ids.shape
-    m = t * k
-    eid = ids.reshape(-1)
-    order = torch.argsort(eid, stable=True)
-    counts = torch.zeros(n_experts, dtype=torch.int64, device=x.device)
-    counts.scatter_add_(0, eid, torch.ones_like(eid))
-    padded = (counts + (align - 1)) // align * align
-    offs = padded.cumsum(0)
-    shift = offs - padded - (counts.cumsum(0) - counts)
-    dest = torch.arange(m, device=x.device) + shift[eid[order]]
-    rows = padded_rows(m, n_experts, align)
-    xp = x.new_zeros(rows, x.shape[1]).index_copy_(0, dest, x.index_select(0, order // k))
-    slot = torch.full((rows,), -1, dtype=torch.int64, device=x.device).index_copy_(0, dest, order)
-    return xp, counts.to(torch.int32), offs.to(torch.int32), slot
-
-
-def unpermute_torch(yp: Tensor, slot: Tensor, t: int, k: int) -> Tensor:
-    m = t * k
-    sink = torch.where(slot >= 0, slot, m)
-    return yp.new_empty(m + 1, yp.shape[1]).index_copy_(0, sink, yp)[:m].view(t, k, yp.shape[1])
 
 
 def _shape(cfg: tuple[int, ...], **more: int) -> dict[str, int]:
@@ -213,18 +182,6 @@ def _layer_inputs(cfg: tuple[int, ...], routing: str) -> tuple[Any, Any, Tensor,
     return mc, p, x, [x, p.router_w, p.w13, p.w2]
 
 
-def torch_layer(x: Tensor, p: Any, k: int, e: int) -> Tensor:
-    """The layer from torch ops: fp32 router logits, sigmoid top-k, argsort permute, torch._grouped_mm."""
-    t = x.shape[0]
-    w, ids = router_topk_torch(x.float() @ p.router_w.float().T, p.router_bias, k)
-    xp, _, offs, slot = permute_torch(x, ids, e, ALIGN)
-    hp = torch._grouped_mm(xp, p.w13.transpose(-2, -1), offs=offs)
-    a = torch.nn.functional.silu(hp[:, 0::2].float()) * hp[:, 1::2].float()
-    yp = torch._grouped_mm(a.to(torch.bfloat16), p.w2.transpose(-2, -1), offs=offs)
-    y = unpermute_torch(yp, slot, t, k)
-    return (w[:, :, None] * y.float()).sum(1).to(torch.bfloat16)
-
-
 def _peak_extra_bytes(step: Any) -> int:
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -252,15 +209,18 @@ def test_bench_moe_layer(benchmark: Any, cfg: tuple[int, ...], routing: str, pas
                 return moe_layer(x, p, mc)[0]
         return torch.autograd.grad(moe_layer(x, p, mc)[0], leaves, dout)
 
+    def torch_moe() -> Tensor:
+        return torch_layer(x, p.router_w, p.router_bias, p.w13, p.w2, k, ALIGN)
+
     def base() -> Any:
         if pass_ == "fwd":
             with torch.no_grad():
-                return torch_layer(x, p, k, e)
-        return torch.autograd.grad(torch_layer(x, p, k, e), leaves, dout)
+                return torch_moe()
+        return torch.autograd.grad(torch_moe(), leaves, dout)
 
     with torch.no_grad():
         out, r = moe_layer(x, p, mc)
-        got, want = out.float(), torch_layer(x, p, k, e).float()
+        got, want = out.float(), torch_moe().float()
         load = float(r.counts.max()) * e / (t * k)
     err = float((got - want).norm() / want.norm())
     del out, r, got, want

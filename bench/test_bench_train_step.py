@@ -1,43 +1,84 @@
-"""One moonlet training step on the fast path (forward, backward, grad clip, optimizer, router bias update)
-at 2 x 4096 tokens, the shape issue #14 measured; tokens/s and MFU counted as the trainer counts them.
+"""One moonlet training step (forward, backward, grad clip, AdamW, router bias update) at 2 x 4096 tokens, the
+shape issue #14 measured, on the fast path and, in the same run, on the plain-torch baseline
+(bench/torchbase.py: bf16 compute over fp32 masters, cuDNN SDPA, torch._grouped_mm experts, chunked CE,
+torch's fused AdamW); tokens/s and MFU counted as the trainer counts them.
 
 FLOP floor: nmoe.train.loop.flops_per_token (6 x active matmul parameters, experts scaled by k/E, embedding
 lookup excluded, plus causal attention) x tokens, against the bf16 dense ceiling measured in the same run;
 MFU is against stepstats.peak_flops (989 TFLOP/s dense bf16 on H100/H200), as the trainer's MFU column.
+The two models run one after the other (each holds ~70 GB of parameters, grads and AdamW state).
 """
 
 from __future__ import annotations
 
+import gc
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from conftest import cuda_median_ms, record
+from torchbase import TorchMoonlet
 
-from nmoe.config import load_config
+from nmoe.config import Config, load_config
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "moonlet.toml"
 BATCH = int(os.environ.get("NMOE_BENCH_TRAIN_BATCH", "2"))
 STEP_WARMUP, STEP_REPS = 3, 10
 
 
+def _batch(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b, s = cfg.data.batch_size, cfg.data.seq_len
+    tokens = torch.randint(0, cfg.model.vocab_size, (b, s + 1), device="cuda", generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _timed(step: Callable[[], None]) -> tuple[float, float]:
+    """(median ms of warm steps, peak GB allocated), then the model's memory is handed back."""
+    from nmoe.train.stepstats import memory_stats
+
+    torch.cuda.reset_peak_memory_stats()
+    ms = cuda_median_ms(step, warmup=STEP_WARMUP, reps=STEP_REPS)
+    peak = memory_stats(torch.device("cuda", torch.cuda.current_device()))["mem/max_allocated_gb"]
+    return ms, peak
+
+
+def _torch_step_ms(cfg: Config) -> tuple[float, float]:
+    """The baseline's step; its model and optimizer go out of scope on return, and the caller frees them."""
+    model = TorchMoonlet(cfg.model, torch.device("cuda"), seed=cfg.train.seed)
+    o = cfg.optim
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr_dense, betas=(o.beta1, o.beta2), eps=o.eps,
+                            weight_decay=o.weight_decay_dense, fused=True)
+    inputs, targets = _batch(cfg)
+
+    def step() -> None:
+        model(inputs, targets).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return _timed(step)
+
+
 def test_bench_train_step_moonlet(benchmark: Any) -> None:
     from nmoe.fast.model import Model
     from nmoe.train.loop import flops_per_token
     from nmoe.train.optim import build_optimizer, clip_grad_norm
-    from nmoe.train.stepstats import memory_stats, peak_flops
+    from nmoe.train.stepstats import peak_flops
     from nmoe.traincli import optim_steps
 
     cfg = load_config(CONFIG, env={}, overrides=[f"--data.batch_size={BATCH}"])
+    base_ms, base_peak = _torch_step_ms(cfg)
+    gc.collect()
+    torch.cuda.empty_cache()
     b, s = cfg.data.batch_size, cfg.data.seq_len
     model = Model(cfg.model, seed=cfg.train.seed, param_dtype=cfg.train.param_dtype)
     model.train()
     opt = build_optimizer(model, cfg.optim, optim_steps(cfg))
     params = [p for g in opt.param_groups for p in g["params"]]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    tokens = torch.randint(0, cfg.model.vocab_size, (b, s + 1), device="cuda", generator=gen)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    inputs, targets = _batch(cfg)
 
     def step() -> None:
         loss = model(inputs, targets)
@@ -47,17 +88,17 @@ def test_bench_train_step_moonlet(benchmark: Any) -> None:
         opt.zero_grad(set_to_none=True)
         model.update_router_bias(model.router_counts())
 
-    torch.cuda.reset_peak_memory_stats()
-    ms = cuda_median_ms(step, warmup=STEP_WARMUP, reps=STEP_REPS)
-    dev = torch.device("cuda", torch.cuda.current_device())
-    fpt, peak = flops_per_token(model, cfg), peak_flops(dev)
+    ms, peak_gb = _timed(step)
+    fpt, peak = flops_per_token(model, cfg), peak_flops(torch.device("cuda", torch.cuda.current_device()))
     n = b * s
-    row = record("train_step_moonlet", {"B": b, "S": s}, ms, flops=fpt * n)
-    row["tokens_per_s"] = n / (ms * 1e-3)
+    row = record("train_step_moonlet", {"B": b, "S": s}, ms, flops=fpt * n,
+                 baseline=("torch_moonlet", base_ms))
+    for key, step_ms, gb in (("", ms, peak_gb), ("torch_", base_ms, base_peak)):
+        row[f"{key}tokens_per_s"] = n / (step_ms * 1e-3)
+        row[f"{key}mfu"] = None if peak is None else fpt * n / (step_ms * 1e-3) / peak
+        row[f"{key}peak_mem_gb"] = gb
     row["flops_per_token"] = fpt
-    row["mfu"] = None if peak is None else fpt * n / (ms * 1e-3) / peak
     row["peak_flops"] = peak
-    row["peak_mem_gb"] = memory_stats(dev)["mem/max_allocated_gb"]
     row["timing"] = "eager, CUDA events around the whole step (host syncs of clip and optimizer included)"
     benchmark.extra_info.update(row)
 
