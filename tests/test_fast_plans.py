@@ -204,6 +204,21 @@ def test_profiled_and_gradless_calls_take_their_routes() -> None:
     assert op._route((torch.empty(4, device="meta"),)) == op._DISPATCH
 
 
+def test_every_gemm_launch_passes_its_kernels_argument_count() -> None:
+    """Each sm_90a GEMM op reaches its launcher with as many values as bench.hostcpu.LAUNCH_VALUES says its
+    host takes (test_fast_runtime holds those counts to the real hosts): wgrad takes no activation pointer."""
+    x, w, offs = _inputs(n=256)
+    dy = torch.randn(64, 256, dtype=BF)
+    for _ in range(2):
+        assert gemm.grouped_gemm(x, w, offs).shape == (64, 256)
+        assert gemm.grouped_gemm_act(x, w, offs, "swiglu").shape == (64, 128)
+        assert gemm.grouped_gemm_dgrad(dy, w, offs).shape == (64, 16)
+        assert gemm.grouped_gemm_wgrad(dy, x, offs).shape == (4, 256, 16)
+    dw = torch.empty(4, 256, 16, dtype=BF)
+    gemm._launch_wgrad(dy, x, offs, dw)
+    gemm._launch("test", x, w, offs, torch.empty(64, 256, dtype=BF), True)
+
+
 def test_gemm_autograd_runs_dgrad_and_wgrad(monkeypatch: pytest.MonkeyPatch) -> None:
     dgrad = _counting(monkeypatch, gemm, "_dgrad_impl")
     wgrad = _counting(monkeypatch, gemm, "_wgrad_impl")
@@ -215,6 +230,10 @@ def test_gemm_autograd_runs_dgrad_and_wgrad(monkeypatch: pytest.MonkeyPatch) -> 
     y.backward(torch.ones_like(y))
     assert x.grad is not None and x.grad.shape == x.shape
     assert (len(dgrad), len(wgrad)) == (1, 0)
+    y = gemm.grouped_gemm(x, w.requires_grad_(), offs)
+    y.backward(torch.ones_like(y))
+    assert w.grad is not None and w.grad.shape == w.shape
+    assert (len(dgrad), len(wgrad)) == (2, 1)
 
 
 class _Recorder:
