@@ -293,7 +293,8 @@ _ABI_PROBE = """
     ours32 = raw(recorder.args, slots32)
     ptrs32 = [make_ptr(Int64, a, cute.AddressSpace.gmem, assumed_align=8) for a in (0x5000, 0x6000)]
     exe32, keep32 = cute.compile(host32, *fake32).generate_execution_args(*ptrs32, -7, cuda.CUstream(0xABC))
-    int32 = {"slots": [n for n, _ in slots32], "n_exe": len(exe32), "ours": ours32, "dsl": raw(exe32, slots32)}
+    int32 = {"slots": [n for n, _ in slots32], "n_exe": len(exe32), "ours": ours32,
+             "dsl": raw(exe32, slots32)}
     import importlib, pkgutil
     import nmoe.fast.kernels as kernels
     hosts = {}
