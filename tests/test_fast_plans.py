@@ -380,6 +380,10 @@ _MODEL_PROBE = """
         tok = torch.randint(0, cfg.vocab_size, (2, 129))
         m(tok[:, :-1], tok[:, 1:]).backward()
         m.update_router_bias()
+        from nmoe.fast.optim import adamw_step
+        for p in (m.head, m.layers[1].ffn.w_up):
+            state = (torch.zeros_like(p), torch.zeros_like(p))
+            adamw_step(p.data, p.grad, *state, 1, 1e-3, 0.9, 0.95, 1e-8, 0.1)
     print(json.dumps({"launched": sorted(launched),
                       "no_grad": [n for n, p in m.named_parameters() if p.grad is None]}))
 """
@@ -387,8 +391,8 @@ _MODEL_PROBE = """
 
 @pytest.mark.heavy
 def test_a_fast_model_step_reaches_every_launcher_with_its_hosts_arguments() -> None:
-    """One fast-model training step on CPU (tiny-gpu shape, FA4 a stand-in): every kernel it launches gets
-    the argument count and types its real @cute.jit host takes (outputs are zeros, nothing is computed)."""
+    """A fast-model training step and AdamW on CPU (tiny-gpu shape, FA4 a stand-in): every kernel launched
+    gets the argument count and types its real @cute.jit host takes (outputs are zeros, nothing computed)."""
     import json
     import os
     import subprocess
@@ -406,4 +410,4 @@ def test_a_fast_model_step_reaches_every_launcher_with_its_hosts_arguments() -> 
     assert out["no_grad"] == []
     assert {"grouped_gemm_fwd", "grouped_gemm_dgrad", "grouped_gemm_wgrad", "router_topk", "permute",
             "combine_gather_fwd", "rmsnorm_fwd", "rmsnorm_bwd", "rope_fwd", "rope_bwd", "swiglu_fwd",
-            "swiglu_bwd", "ce_fwd"} <= set(out["launched"]), out["launched"]
+            "swiglu_bwd", "ce_fwd", "adamw"} <= set(out["launched"]), out["launched"]
