@@ -160,6 +160,104 @@ def test_mla64_is_the_spec_in_float64() -> None:
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+def _fa4_parameters() -> list[str]:
+    """flash_attn_func's parameter names in the installed flash-attn-4, read from its source (importing it
+    would import cutlass for one arch)."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("flash_attn")
+    assert spec is not None and spec.submodule_search_locations
+    path = Path(next(iter(spec.submodule_search_locations))) / "cute" / "interface.py"
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef) and node.name == "flash_attn_func":
+            return [a.arg for a in node.args.args + node.args.kwonlyargs]
+    raise AssertionError(f"no flash_attn_func in {path}")
+
+
+class _FA4Stand:
+    """flash_attn_func in float64 torch on CPU with FA4's parameter names and (out, lse) result, so the
+    glue's call, layouts and gradients run without a GPU."""
+
+    def __init__(self) -> None:
+        self.names = _fa4_parameters()
+        self.calls: list[dict[str, Any]] = []
+
+    def flash_attn_func(self, q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        unknown = set(kwargs) - set(self.names)
+        assert not unknown and self.names[:3] == ["q", "k", "v"], unknown
+        self.calls.append({"shapes": (q.shape, k.shape, v.shape), **kwargs})
+        s = q.shape[1]
+        qf, kf, vf = (t.to(F64).transpose(1, 2) for t in (q, k, v))
+        scores = qf @ kf.mT * kwargs["softmax_scale"]
+        future = torch.ones(s, s, dtype=torch.bool).triu(1)
+        probs = torch.softmax(scores.masked_fill(future, -math.inf), dim=-1)
+        out = (probs @ vf).transpose(1, 2).to(q.dtype)
+        return out, torch.logsumexp(scores, -1).float()
+
+
+def _stand_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    from nmoe.fast.rope import table_plan
+
+    table_plan(x, cos, sin)
+    return _rot(x.to(F64), cos.to(F64), sin.to(F64)).to(x.dtype)
+
+
+def _stand_rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    xf = x.to(F64)
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.to(F64)).to(x.dtype)
+
+
+@pytest.mark.parametrize("q_lora", [0, 16])
+def test_glue_wires_rope_shared_key_fa4_call_and_every_gradient_on_cpu(monkeypatch: pytest.MonkeyPatch,
+                                                                      q_lora: int) -> None:
+    """The glue around the kernels (projections, rope on q's last dr columns and on the one shared key,
+    nope|rope concatenation, v slice, FA4's keyword call) equals the float64 MLA when the kernels are
+    float64 stand-ins, in value and in the gradient of x and every weight; each mutant is told apart."""
+    fa = _FA4Stand()
+    monkeypatch.setattr(fast_attn, "apply_rope", _stand_rope)
+    monkeypatch.setattr(fast_attn, "rmsnorm", _stand_rms)
+    monkeypatch.setattr(fast_attn, "flash_interface", lambda arch: fa)
+    monkeypatch.setattr(fast_attn.runtime, "device_arch", lambda *ts: (0, "sm_90a"))
+    b, s, dim, h, dn, dr, dv = 2, 6, 32, 3, 16, 8, 24
+    x, p = make(b, s, dim, h, dn, dr, dv, q_lora, 8, 11 + q_lora)
+    cos, sin = yarn_cos_sin(16, dr, 1e4, 4.0, 8, 32.0, 1.0)
+    scale = 0.21
+    dy = torch.randn(b, s, dim, generator=torch.Generator().manual_seed(2), dtype=F64)
+
+    def run(fn: Any, dtype: torch.dtype) -> tuple[Tensor, dict[str, Tensor]]:
+        leaves = {"x": x.to(dtype).clone()}
+        leaves.update({f: getattr(p, f).to(dtype).clone() for f in p.__dataclass_fields__
+                       if getattr(p, f) is not None})
+        for t in leaves.values():
+            t.requires_grad_(True)
+        pp = MLAParams(**{f: leaves.get(f) for f in p.__dataclass_fields__})
+        out = fn(leaves["x"], pp)
+        out.backward(dy.to(out.dtype))
+        return out.detach().to(F64), {k: v.grad.to(F64) for k, v in leaves.items() if v.grad is not None}
+
+    glue, g_glue = run(lambda xx, pp: mla_attention(xx, pp, cos, sin, h, dn, dr, dv, scale, 1e-6),
+                       torch.bfloat16)
+    want, g_want = run(lambda xx, pp: mla64(xx, pp, cos, sin, h, dn, dr, dv, scale, 1e-6), F64)
+    assert [c["shapes"] for c in fa.calls] == [((b, s, h, dn + dr), (b, s, h, dn + dr), (b, s, h, dv))]
+    assert fa.calls[0]["causal"] is True and fa.calls[0]["softmax_scale"] == scale
+    assert fa.calls[0]["deterministic"] is fast_attn.DETERMINISTIC
+    weights = [f for f in p.__dataclass_fields__ if getattr(p, f) is not None]
+    assert set(g_glue) == set(g_want) == {"x", *weights}
+
+    def err(a: Tensor, ref: Tensor) -> float:
+        return float((a - ref).abs().max() / ref.abs().max())
+
+    tol = 2.0**-5
+    assert err(glue, want) < tol
+    for name in g_want:
+        assert err(g_glue[name], g_want[name]) < tol, name
+    for knobs in ({"future": 1}, {"rope_on": "nope"}, {"k_rope": False}):
+        wrong = mla64(x, p, cos, sin, h, dn, dr, dv, scale, 1e-6, **knobs)
+        assert err(wrong.to(F64), want) > 4 * tol, knobs
+
+
 # ---------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------

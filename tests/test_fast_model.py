@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -92,6 +93,63 @@ def test_attention_softmax_scale_is_the_spec_models(extra: tuple[str, ...]) -> N
     assert [blk.attn.softmax_scale for blk in fast.layers] == want
     assert want[0] == mla_softmax_scale(cfg.qk_head_dim, cfg.rope_factor, cfg.mscale, cfg.max_seq_len,
                                         cfg.original_seq_len)
+
+
+def test_fast_model_glue_is_the_spec_model_with_the_specs_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every op it calls swapped for the spec's (same signatures), the fast model's glue (casts, argument
+    order, rope tables, router counts, bias update) gives the spec model's loss, grads and biases on CPU."""
+    from nmoe.reference import activation as ref_act
+    from nmoe.reference import attention as ref_attention
+    from nmoe.reference import model as ref_model
+    from nmoe.reference import moe as ref_moe
+    from nmoe.reference import norm as ref_norm
+    from nmoe.reference import rope as ref_rope
+    from nmoe.reference import router as ref_router
+
+    def spec_ce(h: Tensor, w: Tensor, t: Tensor, ignore_index: int, chunk: int) -> Tensor:
+        return ref_model._CrossEntropy.apply(h, w, t, ignore_index, chunk)  # type: ignore[no-any-return]
+
+    class SpecSwiglu(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, h: Tensor) -> Tensor:
+            ctx.save_for_backward(h)
+            return ref_act.swiglu(h)
+
+        @staticmethod
+        def backward(ctx: Any, dy: Tensor) -> Tensor:
+            return ref_act.swiglu_bwd(dy, ctx.saved_tensors[0])
+
+    for name, fn in [("model_device", lambda device: torch.device("cpu")),
+                     ("mla_attention", ref_attention.mla_attention),
+                     ("moe_layer", ref_moe.moe_layer), ("cross_entropy", spec_ce),
+                     ("rmsnorm", ref_norm.rmsnorm), ("swiglu", SpecSwiglu.apply),
+                     ("yarn_cos_sin", ref_rope.yarn_cos_sin), ("bias_update", ref_router.bias_update)]:
+        monkeypatch.setattr(fast_model, name, fn)
+    cfg = _tiny()
+    spec = SpecModel(cfg, seed=3)
+    fast = fast_model.Model(cfg, seed=4)
+    fast.load_state_dict(spec.state_dict())
+    assert torch.equal(fast.cos, spec.cos) and torch.equal(fast.sin, spec.sin)
+    tok = _tokens(cfg.vocab_size, 2, 24)
+    losses, grads, counts = [], [], []
+    for m in (spec, fast):
+        loss = m(tok[:, :-1], tok[:, 1:])
+        loss.backward()
+        losses.append(float(loss.detach()))
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.grad is not None})
+        counts.append(m.router_counts())
+        for _ in range(2):
+            m.update_router_bias()
+    names = {n for n, _ in spec.named_parameters()}
+    assert set(grads[0]) == set(grads[1]) == names, (names - set(grads[0]), names - set(grads[1]))
+    assert abs(losses[0] - losses[1]) <= 2.0**-12 * losses[0]
+    for name, want in grads[0].items():
+        err = float((grads[1][name] - want).norm() / want.norm())
+        assert err <= 2.0**-8, (name, err)
+    for a, b in zip(*counts, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(spec.moe_layers(), fast.moe_layers(), strict=True):
+        assert b.router_bias.abs().max() > cfg.bias_update_rate and torch.equal(a.router_bias, b.router_bias)
 
 
 # ---------------------------------------------------------------- GPU

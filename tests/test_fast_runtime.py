@@ -277,10 +277,24 @@ _ABI_PROBE = """
     torch._C._cuda_getCurrentRawStream = lambda device: 0xABC
     torch._C._cuda_getDevice = lambda: 0
     launcher(0, *values)
+    recorder_args = recorder.args
     ptr = lambda a: make_ptr(BFloat16, a, cute.AddressSpace.gmem, assumed_align=16)
     ptrs = [ptr(a) for a in values[:4]]
-    exe, _ = compiled.generate_execution_args(*ptrs, *values[4:], cuda.CUstream(0xABC))
+    exe, keep = compiled.generate_execution_args(*ptrs, *values[4:], cuda.CUstream(0xABC))
     read = lambda args: [ctypes.cast(a, ctypes.POINTER(t)).contents.value for a, (_, t) in zip(args, slots)]
+    raw = lambda args, slots: [ctypes.string_at(a.value if isinstance(a, ctypes.c_void_p) else a,
+                                                ctypes.sizeof(t)).hex() for a, (_, t) in zip(args, slots)]
+    from nmoe.fast.router import EXPERT_COUNTS
+    from cutlass import Int64
+    host32, fake32 = EXPERT_COUNTS.host_args("sm_90a", E=64, ids_bits=64)
+    slots32 = op.runtime_slots(host32)
+    launcher32 = op.Launcher(recorder, slots32)
+    launcher32(0, 0x5000, 0x6000, -7)
+    ours32 = raw(recorder.args, slots32)
+    ptrs32 = [make_ptr(Int64, a, cute.AddressSpace.gmem, assumed_align=8) for a in (0x5000, 0x6000)]
+    exe32, keep32 = cute.compile(host32, *fake32).generate_execution_args(*ptrs32, -7, cuda.CUstream(0xABC))
+    int32 = {"slots": [n for n, _ in slots32], "n_exe": len(exe32), "ours": ours32,
+             "dsl": raw(exe32, slots32)}
     import importlib, pkgutil
     import nmoe.fast.kernels as kernels
     hosts = {}
@@ -289,20 +303,34 @@ _ABI_PROBE = """
         for name in dir(mod):
             if name.endswith("_host") and callable(getattr(mod, name)):
                 hosts[f"{m.name}.{name}"] = len(op.runtime_slots(getattr(mod, name)))
-    print(json.dumps({"slots": [n for n, _ in slots], "n_exe": len(exe), "ours": read(recorder.args),
-                      "dsl": read(exe), "hosts": hosts}))
+    from bench.hostcpu import LAUNCH_VALUES
+    from nmoe.fast import activation
+    from nmoe.fast.gemm import sm90
+    specs = {sm90.FWD: dict(n=256, k=128, bn=128, act="none"), sm90.DGRAD: dict(n=256, k=128, bn=128),
+             sm90.WGRAD: dict(n=256, k=128, bn=128), activation.RELU2_FWD: dict(dtype="bfloat16", vec=8),
+             activation.RELU2_BWD: dict(dtype="bfloat16", vec=8)}
+    values = {kern.name: len(op.runtime_slots(kern.host_args("sm_90a", **spec)[0])) - 1
+              for kern, spec in specs.items()}
+    print(json.dumps({"slots": [n for n, _ in slots], "n_exe": len(exe), "ours": read(recorder_args),
+                      "dsl": read(exe), "hosts": hosts, "values": values, "bench": LAUNCH_VALUES,
+                      "int32": int32, "bytes": [raw(recorder_args, slots), raw(exe, slots)]}))
 """
 
 
 def test_launcher_fills_the_arguments_the_dsl_would_pass() -> None:
-    """The lean launcher's argument storage holds exactly what CuTeDSL's own argument packing produces
-    (device addresses, int64 scalars, the fp32 scale, the stream), checked on a real compile without a GPU."""
+    """The launcher's argument storage holds byte for byte what CuTeDSL's own packing produces (addresses,
+    int32/int64 scalars, the fp32 scale, the stream) on real compiles, and bench.hostcpu's hosts match."""
     proc = _python(_ABI_PROBE)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["slots"] == ["py", "pw", "pshared", "pout", "t_rows", "h", "scale", "stream"]
     assert out["n_exe"] == len(out["slots"]) and out["ours"] == out["dsl"]
     assert len(out["hosts"]) >= 20 and all(n >= 2 for n in out["hosts"].values()), out["hosts"]
+    assert out["bytes"][0] == out["bytes"][1]
+    int32 = out["int32"]
+    assert int32["slots"] == ["pids", "pcounts", "n_slots", "stream"]
+    assert int32["n_exe"] == 4 and int32["ours"] == int32["dsl"], int32
+    assert out["values"] == out["bench"], "bench.hostcpu's stand-in hosts must take what the real hosts take"
 
 
 def test_source_files_follow_imports_inside_the_package() -> None:

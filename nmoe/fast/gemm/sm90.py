@@ -59,7 +59,8 @@ def _pick_bn(op: str, width: int, bn: int | None) -> int:
 @dataclass(frozen=True)
 class _Plan:
     """A validated call of one layout (shapes, strides, dtypes, devices, aligned bases): what it allocates,
-    and whether it launches, zeroes its outputs or does nothing; only the offs values are read per call."""
+    and whether it launches, zeroes its outputs or does nothing; only the offs values are read per call.
+    `act_ptr`: the kernel takes a second output pointer (fwd/dgrad do, wgrad does not)."""
 
     op: str
     index: int
@@ -71,6 +72,7 @@ class _Plan:
     launch: Launcher | None
     zero: bool
     scalars: tuple[int, int, int]
+    act_ptr: bool
 
     def run(self, a: Tensor, w: Tensor, offs: Tensor, outs: tuple[Tensor, ...]) -> None:
         launch = self.launch
@@ -80,8 +82,11 @@ class _Plan:
                     t.zero_()
             return
         check_offs_on_host(self.op, offs, self.scalars[0])
-        launch(self.index, a.data_ptr(), w.data_ptr(), outs[0].data_ptr(), outs[-1].data_ptr(),
-               offs.data_ptr(), *self.scalars)
+        if self.act_ptr:
+            launch(self.index, a.data_ptr(), w.data_ptr(), outs[0].data_ptr(), outs[-1].data_ptr(),
+                   offs.data_ptr(), *self.scalars)
+        else:
+            launch(self.index, a.data_ptr(), w.data_ptr(), outs[0].data_ptr(), offs.data_ptr(), *self.scalars)
 
 
 def _prepare(op: str, a: Tensor, w: Tensor, offs: Tensor, n: int, w_k_major: bool, bn: int | None,
@@ -108,13 +113,13 @@ def _launch(op: str, a: Tensor, w: Tensor, offs: Tensor, out: Tensor, w_k_major:
     activation the same kernel also writes act_out = act(out) (both zero where out is)."""
     outs = (out,) if act_out is None else (out, act_out)
     device, launch, zero, scalars = _prepare(op, a, w, offs, out.shape[1], w_k_major, bn, activation, *outs)
-    _Plan(op, device, a.device, (), 0, True, True, launch, zero, scalars).run(a, w, offs, outs)
+    _Plan(op, device, a.device, (), 0, True, True, launch, zero, scalars, True).run(a, w, offs, outs)
 
 
 def _launch_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, bn: int | None = None) -> None:
     """dw[e] = dy[rows of e]^T @ x[rows of e]; groups without rows get zeros."""
     device, launch, zero, scalars = _prepare_wgrad(dy, x, offs, dw.shape, bn, dw)
-    _Plan("grouped_gemm_wgrad", device, dy.device, (), 0, True, True, launch, zero, scalars).run(
+    _Plan("grouped_gemm_wgrad", device, dy.device, (), 0, True, True, launch, zero, scalars, False).run(
         dy, x, offs, (dw,))
 
 
@@ -172,7 +177,8 @@ def _plan(op: str, a: Tensor, w: Tensor, offs: Tensor, a_name: str, w_name: str,
     else:
         index, launch, zero, scalars = _prepare(op, ca, cw, offs, shape[1], not dgrad, None,
                                                  activation or "none")
-    plan = _Plan(op, index, a.device, shape, width, ca is a, cw is w, launch, zero, scalars)
+    plan = _Plan(op, index, a.device, shape, width, ca is a, cw is w, launch, zero, scalars,
+                 op != "grouped_gemm_wgrad")
     return remember(_PLANS, key, plan)
 
 
