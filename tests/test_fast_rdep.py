@@ -96,6 +96,80 @@ def test_routes_of_inverts_the_spec_dispatch() -> None:
     assert all(torch.equal(a, b) for a, b in zip(spmd.routes_of(recvs, 5, 2), ids, strict=True))
 
 
+class _Proc:
+    def __init__(self, alive: bool) -> None:
+        self.alive = alive
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def terminate(self) -> None:
+        self.alive = False
+
+    def join(self, timeout: float) -> None:
+        return None
+
+
+def _fake_pool(answers: list[tuple[int, str, object]], alive: tuple[bool, ...]) -> object:
+    """A Pool whose ranks are stand-ins: `answers` already sit in its result queue."""
+    import queue
+
+    from nmoe.fast.rdep import spmd as ranks
+
+    pool = object.__new__(ranks.Pool)
+    pool.world, pool.broken = len(alive), False
+    pool.inq = [queue.Queue() for _ in alive]
+    pool.outq = queue.Queue()
+    for a in answers:
+        pool.outq.put(a)
+    pool.procs = [_Proc(a) for a in alive]  # type: ignore[misc]
+    return pool
+
+
+def _job(world: int) -> object:
+    from nmoe.fast.rdep import spmd as ranks
+
+    shape = fast.RdepShape(world=world, n_experts=2, tokens=1, top_k=1, hidden=8, dtype=torch.bfloat16,
+                           capacity=2)
+    return ranks.Job("dispatch", shape, tuple(() for _ in range(world)))
+
+
+def test_pool_fails_fast_when_a_rank_dies(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nmoe.fast.rdep import spmd as ranks
+
+    monkeypatch.setattr(ranks, "POLL_S", 0.01)
+    pool = _fake_pool([(0, "ok", {}), (0, "done", True)], (True, False))
+    with pytest.raises(ranks.RankError, match=r"ranks \[1\] died; answers so far rank 0: ok"):
+        pool.run(_job(2))  # type: ignore[attr-defined]
+    assert pool.broken and not any(p.is_alive() for p in pool.procs)  # type: ignore[attr-defined]
+
+
+def test_pool_breaks_when_a_rank_context_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nmoe.fast.rdep import spmd as ranks
+
+    monkeypatch.setattr(ranks, "POLL_S", 0.01)
+    answers = [(1, "error", "RuntimeError: rdep: rank 1 timed out"), (0, "ok", {}), (1, "done", False),
+               (0, "done", True)]
+    pool = _fake_pool(answers, (True, True))
+    with pytest.raises(ranks.RankError, match="rank 1: RuntimeError: rdep: rank 1 timed out"):
+        pool.run(_job(2))  # type: ignore[attr-defined]
+    assert pool.broken  # type: ignore[attr-defined]
+    with pytest.raises(ranks.RankError, match="broken by an earlier job"):
+        pool.run(_job(2))  # type: ignore[attr-defined]
+
+
+def test_pool_keeps_going_after_a_clean_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nmoe.fast.rdep import spmd as ranks
+
+    monkeypatch.setattr(ranks, "POLL_S", 0.01)
+    answers = [(0, "error", "RuntimeError: capacity"), (1, "error", "RuntimeError: capacity"),
+               (0, "done", True), (1, "done", True)]
+    pool = _fake_pool(answers, (True, True))
+    with pytest.raises(ranks.RankError, match="rank 0: RuntimeError: capacity"):
+        pool.run(_job(2))  # type: ignore[attr-defined]
+    assert not pool.broken  # type: ignore[attr-defined]
+
+
 # ------------------------------------------------------------------ GPU
 
 def _case_id(c: tuple[int, int, int, int, str]) -> str:

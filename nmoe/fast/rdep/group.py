@@ -115,7 +115,7 @@ class RdepGroup:
         self.arch = runtime.require_arch(torch.empty(0, device=device))
         self.layout = Layout.of(shape)
         self.window: Window = open_window(self.layout.nbytes, device, rank, exchange)
-        self.status = Status()
+        self.status = Status(device)
         s, lay = shape, self.layout
         win = self.window.view()
         self.recv_x = win[lay.x:lay.x + s.capacity * s.row_bytes].view(s.dtype).view(s.capacity, s.hidden)
