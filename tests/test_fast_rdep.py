@@ -195,11 +195,68 @@ def test_dispatch_bitwise_vs_spec(case: tuple[int, int, int, int, str]) -> None:
 
 
 @gpu
-def test_dispatch_int32_ids_and_repeated_calls() -> None:
+def test_dispatch_int32_ids() -> None:
     xs, ids = _routes(2, 4, 50, 4, "uniform", 2)
-    ids32 = [i.to(torch.int32) for i in ids]
-    for _ in range(3):
-        _assert_dispatch(xs, ids32, 8, _need(ids, 8))
+    _assert_dispatch(xs, [i.to(torch.int32) for i in ids], 8, _need(ids, 8))
+
+
+@gpu
+def test_permute_of_zero_width_rows_sorts_slots() -> None:
+    """rdep_dispatch sorts its slots with permute of a [T, 0] x: same counts, offs and slot as with rows."""
+    from nmoe.fast.dispatch import permute
+
+    _, ids = _routes(1, 16, 300, 4, "zipf", 16)
+    x = torch.randn(300, 8).to(torch.bfloat16).cuda()
+    for idc in (ids[0].cuda(), ids[0].to(torch.int32).cuda()):
+        bare, full = permute(x[:, :0].contiguous(), idc, 16, 1), permute(x, idc, 16, 1)
+        assert bare.xp.shape == (300 * 4, 0)
+        for name in ("counts", "offs", "slot"):
+            assert torch.equal(getattr(bare, name), getattr(full, name)), name
+
+
+def rounds_job(group: object, xs: list[Tensor], ids: list[Tensor]) -> dict[str, list[Tensor]]:
+    """Back-to-back dispatch + return rounds on one group with no host sync between them (peers run ahead,
+    the counts buffers alternate); each returned row is the received row itself, so out[t, k] must be x[t]."""
+    from nmoe.fast.rdep import rdep_dispatch, rdep_return
+    from nmoe.fast.rdep.group import RdepGroup
+
+    assert isinstance(group, RdepGroup)
+    dev = group.device
+    kept: list[list[Tensor]] = []
+    for x, i in zip(xs, ids, strict=True):
+        recv = rdep_dispatch(group, x.to(dev), i.to(dev))
+        got = [t.clone() for t in (recv.x, recv.row_id, recv.local_eid, recv.counts, recv.n_recv)]
+        kept.append([*got, rdep_return(group, recv.x.clone()).clone()])
+    group.sync_check()
+    out: dict[str, list[Tensor]] = {k: [] for k in ("x", "row_id", "local_eid", "counts", "out")}
+    for rx, rid, eid, cnt, n_recv, ret in kept:
+        n = int(n_recv.item())
+        for k, v in zip(out, (rx[:n], rid[:n], eid[:n], cnt, ret), strict=True):
+            out[k].append(v.cpu())
+    return out
+
+
+@gpu
+@pytest.mark.parametrize("w", [2, 4], ids=["W2", "W4"])
+def test_back_to_back_rounds_on_one_group(w: int) -> None:
+    from nmoe.fast.rdep import spmd as ranks
+
+    nl, t, k, n_rounds = 2, 40, 3, 4
+    rounds = [_routes(w, nl, t, k, "zipf" if j % 2 else "uniform", 20 + j) for j in range(n_rounds)]
+    cap = max(_need(ids, w * nl) for _, ids in rounds)
+    shape = fast.RdepShape(world=w, n_experts=w * nl, tokens=t, top_k=k, hidden=40, dtype=torch.bfloat16,
+                           capacity=cap)
+    args = tuple(([xs[r] for xs, _ in rounds], [ids[r] for _, ids in rounds]) for r in range(w))
+    outs = spmd.pool(w).run(ranks.Job(rounds_job, shape, args))
+    for j, (xs, ids) in enumerate(rounds):
+        want = ref.rdep_dispatch(xs, ids, w * nl, cap)
+        for r, (o, wr) in enumerate(zip(outs, want, strict=True)):
+            assert torch.equal(o["row_id"][j], wr.row_id), f"round {j} rank {r} row_id"
+            assert torch.equal(o["local_eid"][j], wr.local_eid), f"round {j} rank {r} local_eid"
+            assert torch.equal(o["counts"][j], wr.counts), f"round {j} rank {r} counts"
+            assert torch.equal(_bits(o["x"][j]), _bits(wr.x)), f"round {j} rank {r} x"
+            assert torch.equal(_bits(o["out"][j]), _bits(xs[r][:, None, :].expand(t, k, 40))), \
+                f"round {j} rank {r} returned rows"
 
 
 @gpu
