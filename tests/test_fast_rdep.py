@@ -348,6 +348,45 @@ def test_reduce_grads_never_communicates_expert_sharded_params() -> None:
     assert shared.grad.tolist() == [1.0, 2.0, 3.0] and expert.grad.tolist() == [2.0, 3.0]
 
 
+class _OneRank:
+    """RDEP of one rank holding one expert, on CPU: received rows are the slots in (t, k) order."""
+
+    def __init__(self, t: int, k: int) -> None:
+        self.t, self.k, self.dispatches = t, k, 0
+
+    def dispatch(self, group: _OneRank, x: Tensor, ids: Tensor) -> fast.Received:
+        group.dispatches += 1
+        n = self.t * self.k
+        rows = x.repeat_interleave(self.k, 0)
+        return fast.Received(rows, torch.arange(n), torch.zeros(n, dtype=torch.int64), torch.tensor([n]),
+                             torch.tensor([n], dtype=torch.int32))
+
+    def ret(self, group: _OneRank, y: Tensor) -> Tensor:
+        return y.view(self.t, self.k, -1)
+
+
+def test_ep_dispatch_backward_sums_slots_and_refuses_a_redispatched_group(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from nmoe.fast.rdep import ep
+
+    t, k = 3, 2
+    one = _OneRank(t, k)
+    monkeypatch.setattr(ep, "rdep_dispatch", one.dispatch)
+    monkeypatch.setattr(ep, "rdep_return", one.ret)
+    ex = ep.Exchange(one, one)  # type: ignore[arg-type]
+    x = torch.randn(t, 4, dtype=torch.float64, requires_grad=True)
+    ids = torch.zeros(t, k, dtype=torch.int64)
+    c = torch.arange(t * k, dtype=torch.float64)
+    rows, _, _ = ep.ep_dispatch(x, ids, ex)
+    (rows * c[:, None]).sum().backward()
+    assert x.grad is not None
+    assert torch.equal(x.grad, c.view(t, k).sum(1)[:, None].expand(t, 4))
+    first, _, _ = ep.ep_dispatch(x, ids, ex)
+    ep.ep_dispatch(x, ids, ex)
+    with pytest.raises(RuntimeError, match="own Exchange"):
+        first.sum().backward()
+
+
 def ep_grad_job(group: object, x: Tensor, ids: Tensor, c: Tensor) -> dict[str, Tensor]:
     """On every rank: out = ep_return(2 * ep_dispatch(x)), loss = sum(c[t,k] * out[t,k,:]); out and dx."""
     import torch.distributed as dist

@@ -130,6 +130,7 @@ class RdepGroup:
         self.local_eid = torch.full((s.capacity,), -1, dtype=torch.int64, device=device)
         self.no_x = torch.empty(s.tokens, 0, dtype=s.dtype, device=device)
         self.limit_ns = int(s.timeout_s * 1e9)
+        self.dispatches = 0  # host count of rdep_dispatch calls: what a backward checks its receive against
 
     def check(self) -> None:
         """Raise the first error a kernel reported; a plain host read, no sync. The trainer calls it where
@@ -180,6 +181,7 @@ def rdep_dispatch(group: RdepGroup, x: Tensor, ids: Tensor) -> Received:
                          f"{tuple(ids.shape)}")
     xc, idc = x.contiguous(), ids.contiguous()
     sorted_slots = permute(group.no_x, idc, s.n_experts, 1)
+    group.dispatches += 1
     lay = group.layout
     unit, vec, row_vecs = _unit(s.row_bytes, xc.data_ptr())
     launch = DISPATCH.launcher(group.arch, unit=unit, vec=vec, ids64=idc.dtype == torch.int64)
