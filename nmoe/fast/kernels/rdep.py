@@ -9,6 +9,13 @@ Import only after nmoe.fast.runtime.import_cutlass(arch): the DSL fixes its targ
 # Flags are st.release.sys after a fence and polled with ld.acquire.sys: peers may sit on another GPU or
 # in another process on this one. A poll that outlasts limit_ns writes the status word (mapped host
 # memory, readable after the trap) and traps.
+# Every rank posts before it polls and no kernel waits on another kernel of its own rank, so no two kernels
+# need to be resident together: W processes on one GPU without MPS time-slice (a polling kernel is
+# preempted at its slice's end), and each poll ends once every peer's slice has run to its post. Where
+# preemption never comes, limit_ns turns the stall into the timeout report.
+# Rows are written by one kernel and flagged by the next one's thread 0: a kernel's stores (peer stores
+# included) are performed before the next kernel of its stream starts, as event-ordered P2P copies rely
+# on, and the flag thread's system fence and release store publish them.
 
 from __future__ import annotations
 
