@@ -96,6 +96,88 @@ def test_routes_of_inverts_the_spec_dispatch() -> None:
     assert all(torch.equal(a, b) for a, b in zip(spmd.routes_of(recvs, 5, 2), ids, strict=True))
 
 
+class _FakeDriver:
+    """The driver calls open_window and Window.close make, on cuda.bindings' real handle structs."""
+
+    def __init__(self, own: int, fail_open: bool = False) -> None:
+        import cuda.bindings.driver as real
+
+        self.real, self.own, self.fail_open = real, own, fail_open
+        self.CUipcMemHandle, self.CUipcMem_flags = real.CUipcMemHandle, real.CUipcMem_flags
+        self.opened: dict[int, tuple[bytes, int]] = {}
+        self.closed: list[int] = []
+        self.freed: list[int] = []
+
+    def _ok(self, *rest: object) -> tuple[object, ...]:
+        return (self.real.CUresult.CUDA_SUCCESS, *rest)
+
+    def cuMemAlloc(self, n: int) -> tuple[object, ...]:
+        return self._ok(self.real.CUdeviceptr(self.own))
+
+    def cuMemsetD8(self, p: int, v: int, n: int) -> tuple[object, ...]:
+        return self._ok()
+
+    def cuCtxSynchronize(self) -> tuple[object, ...]:
+        return self._ok()
+
+    def cuIpcGetMemHandle(self, p: int) -> tuple[object, ...]:
+        import ctypes
+
+        h = self.CUipcMemHandle()
+        ctypes.memmove(h.getPtr(), bytes([int(p) % 251]) * 64, 64)
+        return self._ok(h)
+
+    def cuIpcOpenMemHandle(self, h: object, flags: int) -> tuple[object, ...]:
+        import ctypes
+
+        data = ctypes.string_at(h.getPtr(), 64)  # type: ignore[attr-defined]
+        if self.fail_open:
+            return (self.real.CUresult.CUDA_ERROR_INVALID_VALUE, self.real.CUdeviceptr(0))
+        addr = 0x1000 * (data[0] + 1)
+        self.opened[addr] = (data, flags)
+        return self._ok(self.real.CUdeviceptr(addr))
+
+    def cuIpcCloseMemHandle(self, p: int) -> tuple[object, ...]:
+        self.closed.append(int(p))
+        return self._ok()
+
+    def cuMemFree(self, p: int) -> tuple[object, ...]:
+        self.freed.append(int(p))
+        return self._ok()
+
+
+def test_window_maps_every_peer_handle_but_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nmoe.fast.rdep import window
+
+    drv = _FakeDriver(own=0x9000)
+    monkeypatch.setattr(window, "_driver", lambda: drv)
+    monkeypatch.setattr(window, "_bind", lambda device: None)
+    sent: list[bytes] = []
+
+    def exchange(mine: bytes) -> list[bytes]:
+        sent.append(mine)
+        return [bytes([5]) * 64, mine, bytes([7]) * 64]
+
+    win = window.open_window(100, torch.device("cuda", 0), 1, exchange)
+    assert sent == [bytes([0x9000 % 251]) * 64]
+    assert win.bases == (0x6000, 0x9000, 0x8000) and win.own == 0x9000
+    lazy = int(drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+    assert drv.opened == {0x6000: (bytes([5]) * 64, lazy), 0x8000: (bytes([7]) * 64, lazy)}
+    win.close()
+    win.close()
+    assert drv.closed == [0x6000, 0x8000] and drv.freed == [0x9000]
+
+
+def test_window_names_the_peer_whose_handle_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nmoe.fast.rdep import window
+
+    drv = _FakeDriver(own=0x9000, fail_open=True)
+    monkeypatch.setattr(window, "_driver", lambda: drv)
+    monkeypatch.setattr(window, "_bind", lambda device: None)
+    with pytest.raises(RuntimeError, match=r"cuIpcOpenMemHandle of rank 1 failed .*its own process"):
+        window.open_window(100, torch.device("cuda", 0), 0, lambda mine: [mine, bytes(64)])
+
+
 class _Proc:
     def __init__(self, alive: bool) -> None:
         self.alive = alive
