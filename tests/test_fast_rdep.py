@@ -96,6 +96,66 @@ def test_routes_of_inverts_the_spec_dispatch() -> None:
     assert all(torch.equal(a, b) for a, b in zip(spmd.routes_of(recvs, 5, 2), ids, strict=True))
 
 
+def _kernel_constants() -> dict[str, int]:
+    """Module-level int constants of nmoe/fast/kernels/rdep.py, read without importing cutlass."""
+    import ast
+    from pathlib import Path
+
+    import nmoe.fast.rdep
+
+    path = Path(nmoe.fast.rdep.__file__).parents[1] / "kernels" / "rdep.py"
+    found: dict[str, int] = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, (ast.Tuple, ast.Constant)):
+            names = node.targets[0].elts if isinstance(node.targets[0], ast.Tuple) else node.targets
+            values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+            for n, v in zip(names, values, strict=True):
+                if isinstance(n, ast.Name) and isinstance(v, ast.Constant) and isinstance(v.value, int):
+                    found[n.id] = v.value
+    return found
+
+
+def test_glue_constants_match_the_kernels() -> None:
+    from nmoe.fast.rdep import group, window
+
+    k = _kernel_constants()
+    codes = (group._OVERFLOW, group._TIMEOUT, group._BAD_ROW)
+    assert codes == (k["OVERFLOW"], k["TIMEOUT"], k["BAD_ROW"])
+    assert group.EPOCH_WORDS == k["EPOCH_WORDS"] == k["E_LOCK"] + 1
+    phases = group._PHASES
+    assert phases == {k["FLAG_COUNTS"]: "counts", k["FLAG_ROWS"]: "rows", k["FLAG_RETURN"]: "return"}
+    assert max(k["ST_CODE"], k["ST_A"], k["ST_B"], k["ST_C"]) < window.STATUS_WORDS
+
+
+class _Words:
+    def __init__(self, *words: int) -> None:
+        self.words = words
+
+    def read(self) -> tuple[int, ...]:
+        return (*self.words, 0, 0, 0, 0)
+
+
+@pytest.mark.parametrize(("words", "message"), [
+    ((0, 0, 0, 0), None),
+    ((1, 3, 90, 80), "rank 3 would receive 90 rows but capacity is 80; raise capacity to at least 90"),
+    ((2, 1, 0, 7), r"rank 0 timed out after 1.0 s waiting for rank 1 \(counts phase of call 7\)"),
+    ((2, 2, 2, 4), r"waiting for rank 2 \(return phase of call 4\)"),
+    ((3, 5, -1, 48), r"received row 5 holds row_id -1 outside \[0, 48\)"),
+])
+def test_check_raises_what_the_status_words_say(words: tuple[int, ...], message: str | None) -> None:
+    from nmoe.fast.rdep.group import RdepGroup
+
+    g = object.__new__(RdepGroup)
+    g.rank, g.status = 0, _Words(*words)  # type: ignore[assignment]
+    g.shape = fast.RdepShape(world=4, n_experts=4, tokens=4, top_k=3, hidden=8, dtype=torch.bfloat16,
+                             capacity=80, timeout_s=1.0)
+    if message is None:
+        g.check()
+        return
+    with pytest.raises(RuntimeError, match=message):
+        g.check()
+
+
 class _FakeDriver:
     """The driver calls open_window and Window.close make, on cuda.bindings' real handle structs."""
 
