@@ -85,7 +85,7 @@ def test_window_regions_are_aligned_and_disjoint() -> None:
     s = fast.RdepShape(world=4, n_experts=12, tokens=7, top_k=3, hidden=5, dtype=torch.bfloat16, capacity=33)
     lay = Layout.of(s)
     starts = [lay.x, lay.row, lay.out, lay.cnt, lay.flag, lay.nbytes]
-    sizes = [33 * 10, 33 * 8, 7 * 3 * 10, 2 * 4 * 12 * 4, 3 * 4 * 8]
+    sizes = [33 * 10, 33 * 8, 2 * 7 * 3 * 10, 2 * 4 * 12 * 4, 3 * 4 * 8]
     assert all(a % 16 == 0 for a in starts)
     assert all(starts[i] + sizes[i] <= starts[i + 1] for i in range(5))
 
@@ -357,8 +357,9 @@ def test_permute_of_zero_width_rows_sorts_slots() -> None:
 
 
 def rounds_job(group: object, xs: list[Tensor], ids: list[Tensor]) -> dict[str, list[Tensor]]:
-    """Back-to-back dispatch + return rounds on one group with no host sync between them (peers run ahead,
-    the counts buffers alternate); each returned row is the received row itself, so out[t, k] must be x[t]."""
+    """Back-to-back rounds of one dispatch and two returns on one group, no host sync (peers run ahead, the
+    counts and return buffers alternate): the returns send the received rows and twice them, so out[t, k]
+    must be x[t], then 2 x[t]."""
     from nmoe.fast.rdep import rdep_dispatch, rdep_return
     from nmoe.fast.rdep.group import RdepGroup
 
@@ -368,12 +369,13 @@ def rounds_job(group: object, xs: list[Tensor], ids: list[Tensor]) -> dict[str, 
     for x, i in zip(xs, ids, strict=True):
         recv = rdep_dispatch(group, x.to(dev), i.to(dev))
         got = [t.clone() for t in (recv.x, recv.row_id, recv.local_eid, recv.counts, recv.n_recv)]
-        kept.append([*got, rdep_return(group, recv.x.clone()).clone()])
+        once = rdep_return(group, recv.x.clone()).clone()
+        kept.append([*got, once, rdep_return(group, recv.x * 2).clone()])
     group.sync_check()
-    out: dict[str, list[Tensor]] = {k: [] for k in ("x", "row_id", "local_eid", "counts", "out")}
-    for rx, rid, eid, cnt, n_recv, ret in kept:
+    out: dict[str, list[Tensor]] = {k: [] for k in ("x", "row_id", "local_eid", "counts", "out", "out2")}
+    for rx, rid, eid, cnt, n_recv, ret, ret2 in kept:
         n = int(n_recv.item())
-        for k, v in zip(out, (rx[:n], rid[:n], eid[:n], cnt, ret), strict=True):
+        for k, v in zip(out, (rx[:n], rid[:n], eid[:n], cnt, ret, ret2), strict=True):
             out[k].append(v.cpu())
     return out
 
@@ -399,6 +401,8 @@ def test_back_to_back_rounds_on_one_group(w: int) -> None:
             assert torch.equal(_bits(o["x"][j]), _bits(wr.x)), f"round {j} rank {r} x"
             assert torch.equal(_bits(o["out"][j]), _bits(xs[r][:, None, :].expand(t, k, 40))), \
                 f"round {j} rank {r} returned rows"
+            twice = (xs[r].float() * 2).to(torch.bfloat16)[:, None, :].expand(t, k, 40)
+            assert torch.equal(_bits(o["out2"][j]), _bits(twice)), f"round {j} rank {r} second return"
 
 
 @gpu

@@ -62,7 +62,7 @@ def roundtrip_job(group: RdepGroup, x: Tensor, ids: Tensor, y: Tensor, poison: b
         raise ValueError(f"rdep_return: rank {group.rank} received {n} rows but y has {y.shape[0]}; pass one "
                          "output row per received row")
     if poison:
-        group.out.view(torch.uint8).fill_(255)
+        group.outs.view(torch.uint8).fill_(255)
         torch.cuda.synchronize(group.device)
     dist.barrier()
     s = group.shape
