@@ -94,7 +94,7 @@ class Layout:
 class Received:
     """This rank's receive batch: rows [0, n_recv) of x, row_id and local_eid are the spec's RdepRecv, in
     its order; later rows are unspecified (row_id and local_eid -1). Views valid until this rank's next
-    rdep_return."""
+    rdep_dispatch (peers write the next batch only after it); returns read row_id and n_recv from here."""
 
     x: Tensor
     row_id: Tensor
