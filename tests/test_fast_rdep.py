@@ -3,6 +3,8 @@ NMOE_RDEP_PLACEMENT=distinct), each dispatching and returning its own rows; bitw
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from fastcompile import assert_rows_ok, compile_rows
@@ -543,18 +545,20 @@ def ep_grad_job(group: object, x: Tensor, ids: Tensor, c: Tensor) -> dict[str, T
 
     assert isinstance(group, RdepGroup)
     slots = RdepGroup(ep.slot_shape(group.shape), group.rank, group.device, exchange_gloo)
-    ex = ep.Exchange(group, slots)
-    xd = x.to(group.device).requires_grad_()
-    idd = ids.to(group.device)
-    rows, _, _ = ep.ep_dispatch(xd, idd, ex)
-    out = ep.ep_return(rows * 2, idd, ex)
-    (out.float() * c.to(group.device)[:, :, None]).sum().backward()
-    group.sync_check()
-    slots.sync_check()
-    dist.barrier()
-    slots.close()
-    assert xd.grad is not None
-    return {"out": out.detach().cpu(), "dx": xd.grad.cpu()}
+    try:
+        ex = ep.Exchange(group, slots)
+        xd = x.to(group.device).requires_grad_()
+        idd = ids.to(group.device)
+        rows, _, _ = ep.ep_dispatch(xd, idd, ex)
+        out = ep.ep_return(rows * 2, idd, ex)
+        (out.float() * c.to(group.device)[:, :, None]).sum().backward()
+        group.sync_check()
+        slots.sync_check()
+        assert xd.grad is not None
+        return {"out": out.detach().cpu(), "dx": xd.grad.cpu()}
+    finally:  # every rank passes the same barriers, whatever raised
+        dist.barrier()
+        slots.close()
 
 
 @gpu
@@ -586,15 +590,26 @@ def ep_routed_job(group: object, xs: list[Tensor], ids: list[Tensor], ws: list[T
     every expert with the same kernels (torch gather/scatter around them): out bitwise, gradients close."""
     import torch.distributed as dist
 
-    from nmoe.fast.combine import combine
-    from nmoe.fast.gemm import grouped_gemm, grouped_gemm_act
     from nmoe.fast.rdep import ep
     from nmoe.fast.rdep.group import RdepGroup
     from nmoe.fast.rdep.spmd import exchange_gloo
 
     assert isinstance(group, RdepGroup)
+    slots = RdepGroup(ep.slot_shape(group.shape), group.rank, group.device, exchange_gloo)
+    try:
+        return _ep_routed_rank(group, slots, xs, ids, ws, w_up, w2, douts)
+    finally:  # every rank passes the same barriers, whatever raised
+        dist.barrier()
+        slots.close()
+
+
+def _ep_routed_rank(group: Any, slots: Any, xs: list[Tensor], ids: list[Tensor], ws: list[Tensor],
+                    w_up: Tensor, w2: Tensor, douts: list[Tensor]) -> dict[str, float | bool]:
+    from nmoe.fast.combine import combine
+    from nmoe.fast.gemm import grouped_gemm, grouped_gemm_act
+    from nmoe.fast.rdep import ep
+
     dev, r, nl = group.device, group.rank, group.shape.n_local
-    slots = RdepGroup(ep.slot_shape(group.shape), r, dev, exchange_gloo)
     ex = ep.Exchange(group, slots)
     x = xs[r].to(dev).requires_grad_()
     wr = ws[r].to(dev).requires_grad_()
@@ -624,8 +639,6 @@ def ep_routed_job(group: object, xs: list[Tensor], ids: list[Tensor], ws: list[T
         "dw_up": _rel(up_l.grad, up.grad[r * nl:(r + 1) * nl]),
         "dw2": _rel(w2_l.grad, dn.grad[r * nl:(r + 1) * nl]),
     }
-    dist.barrier()
-    slots.close()
     return got
 
 

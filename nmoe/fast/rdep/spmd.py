@@ -58,18 +58,19 @@ def roundtrip_job(group: RdepGroup, x: Tensor, ids: Tensor, y: Tensor, poison: b
     window with NaN first, so a slot nobody writes shows."""
     got = dispatch_job(group, x, ids)
     n = got["row_id"].numel()
-    if y.shape[0] != n:
-        raise ValueError(f"rdep_return: rank {group.rank} received {n} rows but y has {y.shape[0]}; pass one "
-                         "output row per received row")
     if poison:
         group.outs.view(torch.uint8).fill_(255)
         torch.cuda.synchronize(group.device)
     dist.barrier()
     s = group.shape
     yfull = torch.zeros(s.capacity, s.hidden, dtype=s.dtype, device=group.device)
-    yfull[:n] = y.to(group.device)
-    out = rdep_return(group, yfull)
+    m = min(n, y.shape[0])
+    yfull[:m] = y[:m].to(group.device)
+    out = rdep_return(group, yfull)  # even with a bad y, so that no peer waits for this rank's rows
     group.sync_check()
+    if y.shape[0] != n:
+        raise ValueError(f"rdep_return: rank {group.rank} received {n} rows but y has {y.shape[0]}; pass one "
+                         "output row per received row")
     return {**got, "out": out.cpu().clone()}
 
 
@@ -171,6 +172,8 @@ class Pool:
                 raise RankError(f"rdep pool: reading a rank's answer failed ({e})") from e
             if status == "done":
                 done[rank] = bool(value)
+                if not value:  # a trapped rank: peers still waiting on it only time out, so stop now
+                    break
             else:
                 got[rank] = (status, value)
         if not all(done.values()):
@@ -180,7 +183,8 @@ class Pool:
             raise RankError(f"rank {errors[0][0]}: {errors[0][1]}")
         if self.broken:
             bad = [r for r, h in done.items() if not h]
-            raise RankError(f"rdep pool: ranks {bad} answered but their CUDA context failed afterwards")
+            raise RankError(f"rdep pool: ranks {bad} ended with a failed CUDA context; answers so far "
+                            f"{self._summary(got)}")
         return [got[r][1] for r in range(self.world)]
 
     @staticmethod
