@@ -555,10 +555,13 @@ def ep_grad_job(group: object, x: Tensor, ids: Tensor, c: Tensor) -> dict[str, T
         group.sync_check()
         slots.sync_check()
         assert xd.grad is not None
-        return {"out": out.detach().cpu(), "dx": xd.grad.cpu()}
-    finally:  # every rank passes the same barriers, whatever raised
-        dist.barrier()
-        slots.close()
+        got = {"out": out.detach().cpu(), "dx": xd.grad.cpu()}
+    except BaseException:
+        dist.barrier()  # every rank passes the same barriers, whatever raised
+        raise
+    dist.barrier()
+    slots.close()
+    return got
 
 
 @gpu
@@ -597,10 +600,13 @@ def ep_routed_job(group: object, xs: list[Tensor], ids: list[Tensor], ws: list[T
     assert isinstance(group, RdepGroup)
     slots = RdepGroup(ep.slot_shape(group.shape), group.rank, group.device, exchange_gloo)
     try:
-        return _ep_routed_rank(group, slots, xs, ids, ws, w_up, w2, douts)
-    finally:  # every rank passes the same barriers, whatever raised
-        dist.barrier()
-        slots.close()
+        got = _ep_routed_rank(group, slots, xs, ids, ws, w_up, w2, douts)
+    except BaseException:
+        dist.barrier()  # every rank passes the same barriers, whatever raised
+        raise
+    dist.barrier()
+    slots.close()
+    return got
 
 
 def _ep_routed_rank(group: Any, slots: Any, xs: list[Tensor], ids: list[Tensor], ws: list[Tensor],
