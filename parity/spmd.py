@@ -26,11 +26,12 @@ def placement_kind() -> str:
 
 
 def pool(world: int) -> Any:
-    """The cached rank pool of `world` ranks for this run's placement."""
+    """The cached rank pool of `world` ranks for this run's placement; a broken one (a rank died, stalled or
+    trapped) is replaced."""
     from nmoe.fast.rdep import spmd
 
     key = (world, placement_kind())
-    if key not in _pools:
+    if key not in _pools or _pools[key].broken:
         _pools[key] = spmd.Pool(spmd.placement(world, key[1]))
     return _pools[key]
 

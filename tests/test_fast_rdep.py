@@ -3,6 +3,8 @@ NMOE_RDEP_PLACEMENT=distinct), each dispatching and returning its own rows; bitw
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from fastcompile import assert_rows_ok, compile_rows
@@ -85,7 +87,7 @@ def test_window_regions_are_aligned_and_disjoint() -> None:
     s = fast.RdepShape(world=4, n_experts=12, tokens=7, top_k=3, hidden=5, dtype=torch.bfloat16, capacity=33)
     lay = Layout.of(s)
     starts = [lay.x, lay.row, lay.out, lay.cnt, lay.flag, lay.nbytes]
-    sizes = [33 * 10, 33 * 8, 7 * 3 * 10, 2 * 4 * 12 * 4, 3 * 4 * 8]
+    sizes = [33 * 10, 33 * 8, 2 * 7 * 3 * 10, 2 * 4 * 12 * 4, 3 * 4 * 8]
     assert all(a % 16 == 0 for a in starts)
     assert all(starts[i] + sizes[i] <= starts[i + 1] for i in range(5))
 
@@ -94,6 +96,222 @@ def test_routes_of_inverts_the_spec_dispatch() -> None:
     xs, ids = _routes(3, 2, 5, 2, "uniform", 0)
     recvs = ref.rdep_dispatch(xs, ids, 6, _need(ids, 6))
     assert all(torch.equal(a, b) for a, b in zip(spmd.routes_of(recvs, 5, 2), ids, strict=True))
+
+
+def _kernel_constants() -> dict[str, int]:
+    """Module-level int constants of nmoe/fast/kernels/rdep.py, read without importing cutlass."""
+    import ast
+    from pathlib import Path
+
+    import nmoe.fast.rdep
+
+    path = Path(nmoe.fast.rdep.__file__).parents[1] / "kernels" / "rdep.py"
+    found: dict[str, int] = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, (ast.Tuple, ast.Constant)):
+            names = node.targets[0].elts if isinstance(node.targets[0], ast.Tuple) else node.targets
+            values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+            for n, v in zip(names, values, strict=True):
+                if isinstance(n, ast.Name) and isinstance(v, ast.Constant) and isinstance(v.value, int):
+                    found[n.id] = v.value
+    return found
+
+
+def test_glue_constants_match_the_kernels() -> None:
+    from nmoe.fast.rdep import group, window
+
+    k = _kernel_constants()
+    codes = (group._OVERFLOW, group._TIMEOUT, group._BAD_ROW)
+    assert codes == (k["OVERFLOW"], k["TIMEOUT"], k["BAD_ROW"])
+    assert group.EPOCH_WORDS == k["EPOCH_WORDS"] == k["E_LOCK"] + 1
+    phases = group._PHASES
+    assert phases == {k["FLAG_COUNTS"]: "counts", k["FLAG_ROWS"]: "rows", k["FLAG_RETURN"]: "return"}
+    assert max(k["ST_CODE"], k["ST_A"], k["ST_B"], k["ST_C"]) < window.STATUS_WORDS
+
+
+class _Words:
+    def __init__(self, *words: int) -> None:
+        self.words = words
+
+    def read(self) -> tuple[int, ...]:
+        return (*self.words, 0, 0, 0, 0)
+
+
+@pytest.mark.parametrize(("words", "message"), [
+    ((0, 0, 0, 0), None),
+    ((1, 3, 90, 80), "rank 3 would receive 90 rows but capacity is 80; raise capacity to at least 90"),
+    ((2, 1, 0, 7), r"rank 0 timed out after 1.0 s waiting for rank 1 \(counts phase of call 7\)"),
+    ((2, 2, 2, 4), r"waiting for rank 2 \(return phase of call 4\)"),
+    ((3, 5, -1, 48), r"received row 5 holds row_id -1 outside \[0, 48\)"),
+])
+def test_check_raises_what_the_status_words_say(words: tuple[int, ...], message: str | None) -> None:
+    from nmoe.fast.rdep.group import RdepGroup
+
+    g = object.__new__(RdepGroup)
+    g.rank, g.status = 0, _Words(*words)  # type: ignore[assignment]
+    g.shape = fast.RdepShape(world=4, n_experts=4, tokens=4, top_k=3, hidden=8, dtype=torch.bfloat16,
+                             capacity=80, timeout_s=1.0)
+    if message is None:
+        g.check()
+        return
+    with pytest.raises(RuntimeError, match=message):
+        g.check()
+
+
+class _FakeDriver:
+    """The driver calls open_window and Window.close make, on cuda.bindings' real handle structs."""
+
+    def __init__(self, own: int, fail_open: bool = False) -> None:
+        import cuda.bindings.driver as real
+
+        self.real, self.own, self.fail_open = real, own, fail_open
+        self.CUipcMemHandle, self.CUipcMem_flags = real.CUipcMemHandle, real.CUipcMem_flags
+        self.opened: dict[int, tuple[bytes, int]] = {}
+        self.closed: list[int] = []
+        self.freed: list[int] = []
+
+    def _ok(self, *rest: object) -> tuple[object, ...]:
+        return (self.real.CUresult.CUDA_SUCCESS, *rest)
+
+    def cuMemAlloc(self, n: int) -> tuple[object, ...]:
+        return self._ok(self.real.CUdeviceptr(self.own))
+
+    def cuMemsetD8(self, p: int, v: int, n: int) -> tuple[object, ...]:
+        return self._ok()
+
+    def cuCtxSynchronize(self) -> tuple[object, ...]:
+        return self._ok()
+
+    def cuIpcGetMemHandle(self, p: int) -> tuple[object, ...]:
+        import ctypes
+
+        h = self.CUipcMemHandle()
+        ctypes.memmove(h.getPtr(), bytes([int(p) % 251]) * 64, 64)
+        return self._ok(h)
+
+    def cuIpcOpenMemHandle(self, h: object, flags: int) -> tuple[object, ...]:
+        import ctypes
+
+        data = ctypes.string_at(h.getPtr(), 64)  # type: ignore[attr-defined]
+        if self.fail_open:
+            return (self.real.CUresult.CUDA_ERROR_INVALID_VALUE, self.real.CUdeviceptr(0))
+        addr = 0x1000 * (data[0] + 1)
+        self.opened[addr] = (data, flags)
+        return self._ok(self.real.CUdeviceptr(addr))
+
+    def cuIpcCloseMemHandle(self, p: int) -> tuple[object, ...]:
+        self.closed.append(int(p))
+        return self._ok()
+
+    def cuMemFree(self, p: int) -> tuple[object, ...]:
+        self.freed.append(int(p))
+        return self._ok()
+
+
+def test_window_maps_every_peer_handle_but_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nmoe.fast.rdep import window
+
+    drv = _FakeDriver(own=0x9000)
+    monkeypatch.setattr(window, "_driver", lambda: drv)
+    monkeypatch.setattr(window, "_bind", lambda device: None)
+    sent: list[bytes] = []
+
+    def exchange(mine: bytes) -> list[bytes]:
+        sent.append(mine)
+        return [bytes([5]) * 64, mine, bytes([7]) * 64]
+
+    win = window.open_window(100, torch.device("cuda", 0), 1, exchange)
+    assert sent == [bytes([0x9000 % 251]) * 64]
+    assert win.bases == (0x6000, 0x9000, 0x8000) and win.own == 0x9000
+    lazy = int(drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+    assert drv.opened == {0x6000: (bytes([5]) * 64, lazy), 0x8000: (bytes([7]) * 64, lazy)}
+    win.close()
+    win.close()
+    assert drv.closed == [0x6000, 0x8000] and drv.freed == [0x9000]
+
+
+def test_window_names_the_peer_whose_handle_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nmoe.fast.rdep import window
+
+    drv = _FakeDriver(own=0x9000, fail_open=True)
+    monkeypatch.setattr(window, "_driver", lambda: drv)
+    monkeypatch.setattr(window, "_bind", lambda device: None)
+    with pytest.raises(RuntimeError, match=r"cuIpcOpenMemHandle of rank 1 failed .*its own process"):
+        window.open_window(100, torch.device("cuda", 0), 0, lambda mine: [mine, bytes(64)])
+
+
+class _Proc:
+    def __init__(self, alive: bool) -> None:
+        self.alive = alive
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def terminate(self) -> None:
+        self.alive = False
+
+    def join(self, timeout: float) -> None:
+        return None
+
+
+def _fake_pool(answers: list[tuple[int, str, object]], alive: tuple[bool, ...]) -> object:
+    """A Pool whose ranks are stand-ins: `answers` already sit in its result queue."""
+    import queue
+
+    from nmoe.fast.rdep import spmd as ranks
+
+    pool = object.__new__(ranks.Pool)
+    pool.world, pool.broken = len(alive), False
+    pool.inq = [queue.Queue() for _ in alive]
+    pool.outq = queue.Queue()
+    for a in answers:
+        pool.outq.put(a)
+    pool.procs = [_Proc(a) for a in alive]  # type: ignore[misc]
+    return pool
+
+
+def _job(world: int) -> object:
+    from nmoe.fast.rdep import spmd as ranks
+
+    shape = fast.RdepShape(world=world, n_experts=2, tokens=1, top_k=1, hidden=8, dtype=torch.bfloat16,
+                           capacity=2)
+    return ranks.Job("dispatch", shape, tuple(() for _ in range(world)))
+
+
+def test_pool_fails_fast_when_a_rank_dies(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nmoe.fast.rdep import spmd as ranks
+
+    monkeypatch.setattr(ranks, "POLL_S", 0.01)
+    pool = _fake_pool([(0, "ok", {}), (0, "done", True)], (True, False))
+    with pytest.raises(ranks.RankError, match=r"ranks \[1\] died; answers so far rank 0: ok"):
+        pool.run(_job(2))  # type: ignore[attr-defined]
+    assert pool.broken and not any(p.is_alive() for p in pool.procs)  # type: ignore[attr-defined]
+
+
+def test_pool_breaks_when_a_rank_context_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nmoe.fast.rdep import spmd as ranks
+
+    monkeypatch.setattr(ranks, "POLL_S", 0.01)
+    answers = [(1, "error", "RuntimeError: rdep: rank 1 timed out"), (0, "ok", {}), (1, "done", False),
+               (0, "done", True)]
+    pool = _fake_pool(answers, (True, True))
+    with pytest.raises(ranks.RankError, match="rank 1: RuntimeError: rdep: rank 1 timed out"):
+        pool.run(_job(2))  # type: ignore[attr-defined]
+    assert pool.broken  # type: ignore[attr-defined]
+    with pytest.raises(ranks.RankError, match="broken by an earlier job"):
+        pool.run(_job(2))  # type: ignore[attr-defined]
+
+
+def test_pool_keeps_going_after_a_clean_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nmoe.fast.rdep import spmd as ranks
+
+    monkeypatch.setattr(ranks, "POLL_S", 0.01)
+    answers = [(0, "error", "RuntimeError: capacity"), (1, "error", "RuntimeError: capacity"),
+               (0, "done", True), (1, "done", True)]
+    pool = _fake_pool(answers, (True, True))
+    with pytest.raises(ranks.RankError, match="rank 0: RuntimeError: capacity"):
+        pool.run(_job(2))  # type: ignore[attr-defined]
+    assert not pool.broken  # type: ignore[attr-defined]
 
 
 # ------------------------------------------------------------------ GPU
@@ -121,11 +339,72 @@ def test_dispatch_bitwise_vs_spec(case: tuple[int, int, int, int, str]) -> None:
 
 
 @gpu
-def test_dispatch_int32_ids_and_repeated_calls() -> None:
+def test_dispatch_int32_ids() -> None:
     xs, ids = _routes(2, 4, 50, 4, "uniform", 2)
-    ids32 = [i.to(torch.int32) for i in ids]
-    for _ in range(3):
-        _assert_dispatch(xs, ids32, 8, _need(ids, 8))
+    _assert_dispatch(xs, [i.to(torch.int32) for i in ids], 8, _need(ids, 8))
+
+
+@gpu
+def test_permute_of_zero_width_rows_sorts_slots() -> None:
+    """rdep_dispatch sorts its slots with permute of a [T, 0] x: same counts, offs and slot as with rows."""
+    from nmoe.fast.dispatch import permute
+
+    _, ids = _routes(1, 16, 300, 4, "zipf", 16)
+    x = torch.randn(300, 8).to(torch.bfloat16).cuda()
+    for idc in (ids[0].cuda(), ids[0].to(torch.int32).cuda()):
+        bare, full = permute(x[:, :0].contiguous(), idc, 16, 1), permute(x, idc, 16, 1)
+        assert bare.xp.shape == (300 * 4, 0)
+        for name in ("counts", "offs", "slot"):
+            assert torch.equal(getattr(bare, name), getattr(full, name)), name
+
+
+def rounds_job(group: object, xs: list[Tensor], ids: list[Tensor]) -> dict[str, list[Tensor]]:
+    """Back-to-back rounds of one dispatch and two returns on one group, no host sync (peers run ahead, the
+    counts and return buffers alternate): the returns send the received rows and twice them, so out[t, k]
+    must be x[t], then 2 x[t]."""
+    from nmoe.fast.rdep import rdep_dispatch, rdep_return
+    from nmoe.fast.rdep.group import RdepGroup
+
+    assert isinstance(group, RdepGroup)
+    dev = group.device
+    kept: list[list[Tensor]] = []
+    for x, i in zip(xs, ids, strict=True):
+        recv = rdep_dispatch(group, x.to(dev), i.to(dev))
+        got = [t.clone() for t in (recv.x, recv.row_id, recv.local_eid, recv.counts, recv.n_recv)]
+        once = rdep_return(group, recv.x.clone()).clone()
+        kept.append([*got, once, rdep_return(group, recv.x * 2).clone()])
+    group.sync_check()
+    out: dict[str, list[Tensor]] = {k: [] for k in ("x", "row_id", "local_eid", "counts", "out", "out2")}
+    for rx, rid, eid, cnt, n_recv, ret, ret2 in kept:
+        n = int(n_recv.item())
+        for k, v in zip(out, (rx[:n], rid[:n], eid[:n], cnt, ret, ret2), strict=True):
+            out[k].append(v.cpu())
+    return out
+
+
+@gpu
+@pytest.mark.parametrize("w", [2, 4], ids=["W2", "W4"])
+def test_back_to_back_rounds_on_one_group(w: int) -> None:
+    from nmoe.fast.rdep import spmd as ranks
+
+    nl, t, k, n_rounds = 2, 40, 3, 4
+    rounds = [_routes(w, nl, t, k, "zipf" if j % 2 else "uniform", 20 + j) for j in range(n_rounds)]
+    cap = max(_need(ids, w * nl) for _, ids in rounds)
+    shape = fast.RdepShape(world=w, n_experts=w * nl, tokens=t, top_k=k, hidden=40, dtype=torch.bfloat16,
+                           capacity=cap)
+    args = tuple(([xs[r] for xs, _ in rounds], [ids[r] for _, ids in rounds]) for r in range(w))
+    outs = spmd.pool(w).run(ranks.Job(rounds_job, shape, args))
+    for j, (xs, ids) in enumerate(rounds):
+        want = ref.rdep_dispatch(xs, ids, w * nl, cap)
+        for r, (o, wr) in enumerate(zip(outs, want, strict=True)):
+            assert torch.equal(o["row_id"][j], wr.row_id), f"round {j} rank {r} row_id"
+            assert torch.equal(o["local_eid"][j], wr.local_eid), f"round {j} rank {r} local_eid"
+            assert torch.equal(o["counts"][j], wr.counts), f"round {j} rank {r} counts"
+            assert torch.equal(_bits(o["x"][j]), _bits(wr.x)), f"round {j} rank {r} x"
+            assert torch.equal(_bits(o["out"][j]), _bits(xs[r][:, None, :].expand(t, k, 40))), \
+                f"round {j} rank {r} returned rows"
+            twice = (xs[r].float() * 2).to(torch.bfloat16)[:, None, :].expand(t, k, 40)
+            assert torch.equal(_bits(o["out2"][j]), _bits(twice)), f"round {j} rank {r} second return"
 
 
 @gpu
@@ -217,6 +496,45 @@ def test_reduce_grads_never_communicates_expert_sharded_params() -> None:
     assert shared.grad.tolist() == [1.0, 2.0, 3.0] and expert.grad.tolist() == [2.0, 3.0]
 
 
+class _OneRank:
+    """RDEP of one rank holding one expert, on CPU: received rows are the slots in (t, k) order."""
+
+    def __init__(self, t: int, k: int) -> None:
+        self.t, self.k, self.dispatches = t, k, 0
+
+    def dispatch(self, group: _OneRank, x: Tensor, ids: Tensor) -> fast.Received:
+        group.dispatches += 1
+        n = self.t * self.k
+        rows = x.repeat_interleave(self.k, 0)
+        return fast.Received(rows, torch.arange(n), torch.zeros(n, dtype=torch.int64), torch.tensor([n]),
+                             torch.tensor([n], dtype=torch.int32))
+
+    def ret(self, group: _OneRank, y: Tensor) -> Tensor:
+        return y.view(self.t, self.k, -1)
+
+
+def test_ep_dispatch_backward_sums_slots_and_refuses_a_redispatched_group(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from nmoe.fast.rdep import ep
+
+    t, k = 3, 2
+    one = _OneRank(t, k)
+    monkeypatch.setattr(ep, "rdep_dispatch", one.dispatch)
+    monkeypatch.setattr(ep, "rdep_return", one.ret)
+    ex = ep.Exchange(one, one)  # type: ignore[arg-type]
+    x = torch.randn(t, 4, dtype=torch.float64, requires_grad=True)
+    ids = torch.zeros(t, k, dtype=torch.int64)
+    c = torch.arange(t * k, dtype=torch.float64)
+    rows, _, _ = ep.ep_dispatch(x, ids, ex)
+    (rows * c[:, None]).sum().backward()
+    assert x.grad is not None
+    assert torch.equal(x.grad, c.view(t, k).sum(1)[:, None].expand(t, 4))
+    first, _, _ = ep.ep_dispatch(x, ids, ex)
+    ep.ep_dispatch(x, ids, ex)
+    with pytest.raises(RuntimeError, match="own Exchange"):
+        first.sum().backward()
+
+
 def ep_grad_job(group: object, x: Tensor, ids: Tensor, c: Tensor) -> dict[str, Tensor]:
     """On every rank: out = ep_return(2 * ep_dispatch(x)), loss = sum(c[t,k] * out[t,k,:]); out and dx."""
     import torch.distributed as dist
@@ -227,18 +545,23 @@ def ep_grad_job(group: object, x: Tensor, ids: Tensor, c: Tensor) -> dict[str, T
 
     assert isinstance(group, RdepGroup)
     slots = RdepGroup(ep.slot_shape(group.shape), group.rank, group.device, exchange_gloo)
-    ex = ep.Exchange(group, slots)
-    xd = x.to(group.device).requires_grad_()
-    idd = ids.to(group.device)
-    rows, _, _ = ep.ep_dispatch(xd, idd, ex)
-    out = ep.ep_return(rows * 2, idd, ex)
-    (out.float() * c.to(group.device)[:, :, None]).sum().backward()
-    group.sync_check()
-    slots.sync_check()
+    try:
+        ex = ep.Exchange(group, slots)
+        xd = x.to(group.device).requires_grad_()
+        idd = ids.to(group.device)
+        rows, _, _ = ep.ep_dispatch(xd, idd, ex)
+        out = ep.ep_return(rows * 2, idd, ex)
+        (out.float() * c.to(group.device)[:, :, None]).sum().backward()
+        group.sync_check()
+        slots.sync_check()
+        assert xd.grad is not None
+        got = {"out": out.detach().cpu(), "dx": xd.grad.cpu()}
+    except BaseException:
+        dist.barrier()  # every rank passes the same barriers, whatever raised
+        raise
     dist.barrier()
     slots.close()
-    assert xd.grad is not None
-    return {"out": out.detach().cpu(), "dx": xd.grad.cpu()}
+    return got
 
 
 @gpu
@@ -270,15 +593,29 @@ def ep_routed_job(group: object, xs: list[Tensor], ids: list[Tensor], ws: list[T
     every expert with the same kernels (torch gather/scatter around them): out bitwise, gradients close."""
     import torch.distributed as dist
 
-    from nmoe.fast.combine import combine
-    from nmoe.fast.gemm import grouped_gemm, grouped_gemm_act
     from nmoe.fast.rdep import ep
     from nmoe.fast.rdep.group import RdepGroup
     from nmoe.fast.rdep.spmd import exchange_gloo
 
     assert isinstance(group, RdepGroup)
+    slots = RdepGroup(ep.slot_shape(group.shape), group.rank, group.device, exchange_gloo)
+    try:
+        got = _ep_routed_rank(group, slots, xs, ids, ws, w_up, w2, douts)
+    except BaseException:
+        dist.barrier()  # every rank passes the same barriers, whatever raised
+        raise
+    dist.barrier()
+    slots.close()
+    return got
+
+
+def _ep_routed_rank(group: Any, slots: Any, xs: list[Tensor], ids: list[Tensor], ws: list[Tensor],
+                    w_up: Tensor, w2: Tensor, douts: list[Tensor]) -> dict[str, float | bool]:
+    from nmoe.fast.combine import combine
+    from nmoe.fast.gemm import grouped_gemm, grouped_gemm_act
+    from nmoe.fast.rdep import ep
+
     dev, r, nl = group.device, group.rank, group.shape.n_local
-    slots = RdepGroup(ep.slot_shape(group.shape), r, dev, exchange_gloo)
     ex = ep.Exchange(group, slots)
     x = xs[r].to(dev).requires_grad_()
     wr = ws[r].to(dev).requires_grad_()
@@ -308,8 +645,6 @@ def ep_routed_job(group: object, xs: list[Tensor], ids: list[Tensor], ws: list[T
         "dw_up": _rel(up_l.grad, up.grad[r * nl:(r + 1) * nl]),
         "dw2": _rel(w2_l.grad, dn.grad[r * nl:(r + 1) * nl]),
     }
-    dist.barrier()
-    slots.close()
     return got
 
 

@@ -4,11 +4,21 @@ Import only after nmoe.fast.runtime.import_cutlass(arch): the DSL fixes its targ
 """
 
 # Every rank maps every peer's window (CUDA IPC); `peers[d]` is rank d's window base in this process.
-# Window of rank d: recv x [C, H] | recv row_id [C] | returned rows [T*K, H] | counts [2][W][E] int32 |
+# Window of rank d: recv x [C, H] | recv row_id [C] | returned rows [2][T*K, H] | counts [2][W][E] int32 |
 # flags [3][W] int64 (counts posted, rows posted, rows returned), each holding its phase's call count.
+# Counts and returned rows alternate by call parity: a peer's rows for call n+2 wait on this rank's post
+# of call n+1, which its stream makes only after what it queued to read call n's. (A return writes
+# without awaiting anyone, so one buffer would let a peer's next return overwrite rows not yet read.)
 # Flags are st.release.sys after a fence and polled with ld.acquire.sys: peers may sit on another GPU or
 # in another process on this one. A poll that outlasts limit_ns writes the status word (mapped host
 # memory, readable after the trap) and traps.
+# Every rank posts before it polls and no kernel waits on another kernel of its own rank, so no two kernels
+# need to be resident together: W processes on one GPU without MPS time-slice (a polling kernel is
+# preempted at its slice's end), and each poll ends once every peer's slice has run to its post. Where
+# preemption never comes, limit_ns turns the stall into the timeout report.
+# Rows are written by one kernel and flagged by the next one's thread 0: a kernel's stores (peer stores
+# included) are performed before the next kernel of its stream starts, as event-ordered P2P copies rely
+# on, and the flag thread's system fence and release store publish them.
 
 from __future__ import annotations
 
@@ -259,12 +269,15 @@ def sync_kernel(ppeers: Pointer, pepoch: Pointer, world: Int32, me: Int32, off_f
 def return_rows_kernel(py: Pointer, plocal: Pointer, ppeers: Pointer, pepoch: Pointer, n_slots: Int32,
                        world: Int32, me: Int32, capacity: Int32, row_vecs: Int32, off_row: Int64,
                        off_out: Int64, status: Int64, vec: Constexpr[int], unit: Constexpr[str]) -> None:
-    """Warp p sends received row p's output to its source's slot row_id % (T*K) (source row_id // (T*K))."""
+    """Warp p sends received row p's output to its source's slot row_id % (T*K) (source row_id // (T*K)),
+    in the source's return buffer of this call's parity."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     lane = Int32(tidx) % LANES
     p = Int32(bidx) * ROW_WARPS + Int32(tidx) // LANES
     local = cute.make_tensor(plocal, cute.make_layout(2))
+    epoch = cute.make_tensor(pepoch, cute.make_layout(EPOCH_WORDS))
+    par = (Int64(epoch[E_RETURN]) + 1) % 2  # sync_kernel counts this call after the rows move
     if p < Int32(local[L_NRECV]):
         peers = cute.make_tensor(ppeers, cute.make_layout(world))
         rows = cute.make_tensor(cute.make_ptr(Int64, Int64(peers[me]) + off_row, cute.AddressSpace.gmem,
@@ -272,7 +285,6 @@ def return_rows_kernel(py: Pointer, plocal: Pointer, ppeers: Pointer, pepoch: Po
         rid = Int64(rows[p])
         if rid < 0 or rid >= Int64(world) * Int64(n_slots):
             if lane == 0:
-                epoch = cute.make_tensor(pepoch, cute.make_layout(EPOCH_WORDS))
                 _report(status, epoch, BAD_ROW, Int64(p), rid, Int64(world) * Int64(n_slots))
                 cute.printf("nmoe rdep_return: received row %d holds row_id %lld outside [0, %d); pass "
                             "the recv of this group's last dispatch", p, rid, world * n_slots)
@@ -284,8 +296,8 @@ def return_rows_kernel(py: Pointer, plocal: Pointer, ppeers: Pointer, pepoch: Po
         src = _row_views(py, Int64(capacity), row_units, vec)
         dptr = cute.make_ptr(ut, Int64(peers[src_rank]) + off_out, cute.AddressSpace.gmem,
                              assumed_align=vec * ut.width // 8)
-        dst = _row_views(dptr, Int64(n_slots), row_units, vec)
-        _copy_row(src, dst, Int64(p), slot, row_vecs, lane)
+        dst = _row_views(dptr, Int64(2) * Int64(n_slots), row_units, vec)
+        _copy_row(src, dst, Int64(p), par * Int64(n_slots) + slot, row_vecs, lane)
 
 
 def _blocks(n: Int32, per: int) -> Int32:

@@ -41,13 +41,17 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, ids: Tensor, ex: Exchange) -> tuple[Tensor, Tensor, Tensor]:
         recv = rdep_dispatch(ex.fwd, x, ids)
-        ctx.ex = ex
+        ctx.ex, ctx.dispatch = ex, ex.fwd.dispatches
         counts, n_recv = recv.counts.clone(), recv.n_recv.clone()
         ctx.mark_non_differentiable(counts, n_recv)
         return recv.x.clone(), counts, n_recv
 
     @staticmethod
     def backward(ctx: Any, dx_recv: Tensor, *_: Any) -> tuple[Tensor, None, None]:
+        if ctx.ex.fwd.dispatches != ctx.dispatch:  # the receive window no longer holds this forward's row_ids
+            raise RuntimeError("ep_dispatch backward: its group dispatched again after this forward (an "
+                               "Exchange shared by two MoE layers, or a recompute); give every MoE layer its "
+                               "own Exchange and do not recompute ep_dispatch")
         back = rdep_return(ctx.ex.fwd, dx_recv.contiguous())
         return back.float().sum(1).to(dx_recv.dtype), None, None
 

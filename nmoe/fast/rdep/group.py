@@ -85,7 +85,7 @@ class Layout:
         x = 0
         row = _up(x + s.capacity * s.row_bytes)
         out = _up(row + s.capacity * 8)
-        cnt = _up(out + s.tokens * s.top_k * s.row_bytes)
+        cnt = _up(out + 2 * s.tokens * s.top_k * s.row_bytes)
         flag = _up(cnt + 2 * s.world * s.n_experts * 4)
         return cls(x, row, out, cnt, flag, _up(flag + 3 * s.world * 8))
 
@@ -94,7 +94,7 @@ class Layout:
 class Received:
     """This rank's receive batch: rows [0, n_recv) of x, row_id and local_eid are the spec's RdepRecv, in
     its order; later rows are unspecified (row_id and local_eid -1). Views valid until this rank's next
-    rdep_return."""
+    rdep_dispatch (peers write the next batch only after it); returns read row_id and n_recv from here."""
 
     x: Tensor
     row_id: Tensor
@@ -115,13 +115,14 @@ class RdepGroup:
         self.arch = runtime.require_arch(torch.empty(0, device=device))
         self.layout = Layout.of(shape)
         self.window: Window = open_window(self.layout.nbytes, device, rank, exchange)
-        self.status = Status()
+        self.status = Status(device)
         s, lay = shape, self.layout
         win = self.window.view()
         self.recv_x = win[lay.x:lay.x + s.capacity * s.row_bytes].view(s.dtype).view(s.capacity, s.hidden)
         self.recv_row = win[lay.row:lay.row + s.capacity * 8].view(torch.int64)
         n = s.tokens * s.top_k
-        self.out = win[lay.out:lay.out + n * s.row_bytes].view(s.dtype).view(s.tokens, s.top_k, s.hidden)
+        self.outs = win[lay.out:lay.out + 2 * n * s.row_bytes].view(s.dtype).view(2, s.tokens, s.top_k,
+                                                                                 s.hidden)
         self.peers = torch.tensor(self.window.bases, dtype=torch.int64, device=device)
         self.epoch = torch.zeros(EPOCH_WORDS, dtype=torch.int64, device=device)
         self.doff = torch.zeros(s.n_experts, dtype=torch.int32, device=device)
@@ -130,6 +131,8 @@ class RdepGroup:
         self.local_eid = torch.full((s.capacity,), -1, dtype=torch.int64, device=device)
         self.no_x = torch.empty(s.tokens, 0, dtype=s.dtype, device=device)
         self.limit_ns = int(s.timeout_s * 1e9)
+        self.dispatches = 0  # host count of rdep_dispatch calls: what a backward checks its receive against
+        self.returns = 0  # host count of rdep_return calls: its parity names the return buffer
 
     def check(self) -> None:
         """Raise the first error a kernel reported; a plain host read, no sync. The trainer calls it where
@@ -180,6 +183,7 @@ def rdep_dispatch(group: RdepGroup, x: Tensor, ids: Tensor) -> Received:
                          f"{tuple(ids.shape)}")
     xc, idc = x.contiguous(), ids.contiguous()
     sorted_slots = permute(group.no_x, idc, s.n_experts, 1)
+    group.dispatches += 1
     lay = group.layout
     unit, vec, row_vecs = _unit(s.row_bytes, xc.data_ptr())
     launch = DISPATCH.launcher(group.arch, unit=unit, vec=vec, ids64=idc.dtype == torch.int64)
@@ -194,7 +198,7 @@ def rdep_dispatch(group: RdepGroup, x: Tensor, ids: Tensor) -> Received:
 
 def rdep_return(group: RdepGroup, y: Tensor) -> Tensor:
     """Send received row p's output y[p] back to its source slot; returns this rank's [T, K, H], valid
-    until its next rdep_return. Every row_id comes back exactly once, by construction of dispatch."""
+    until its next rdep_return (calls alternate two buffers). Every row_id comes back exactly once."""
     s = group.shape
     group.check()
     if y.shape != (s.capacity, s.hidden) or y.dtype != s.dtype or y.device != group.device:
@@ -207,7 +211,8 @@ def rdep_return(group: RdepGroup, y: Tensor) -> Tensor:
     launch(group.device.index, yc.data_ptr(), group.local.data_ptr(), group.peers.data_ptr(),
            group.epoch.data_ptr(), s.tokens * s.top_k, s.world, group.rank, s.capacity, row_vecs, lay.row,
            lay.out, lay.flag, group.limit_ns, group.status.device)
-    return group.out
+    group.returns += 1
+    return group.outs[group.returns % 2]
 
 
 # printf stages its arguments with st.local, so only ld.local (a spill read back) is forbidden.

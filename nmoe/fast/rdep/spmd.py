@@ -8,9 +8,11 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -20,7 +22,9 @@ from torch import Tensor
 
 from nmoe.fast.rdep.group import RdepGroup, RdepShape, rdep_dispatch, rdep_return
 
-JOB_TIMEOUT_S = 600.0
+JOB_TIMEOUT_S = 420.0
+"""A job's limit, first-call compiles included; kept below a 10-minute device command."""
+POLL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -54,18 +58,19 @@ def roundtrip_job(group: RdepGroup, x: Tensor, ids: Tensor, y: Tensor, poison: b
     window with NaN first, so a slot nobody writes shows."""
     got = dispatch_job(group, x, ids)
     n = got["row_id"].numel()
-    if y.shape[0] != n:
-        raise ValueError(f"rdep_return: rank {group.rank} received {n} rows but y has {y.shape[0]}; pass one "
-                         "output row per received row")
     if poison:
-        group.out.view(torch.uint8).fill_(255)
+        group.outs.view(torch.uint8).fill_(255)
         torch.cuda.synchronize(group.device)
     dist.barrier()
     s = group.shape
     yfull = torch.zeros(s.capacity, s.hidden, dtype=s.dtype, device=group.device)
-    yfull[:n] = y.to(group.device)
-    out = rdep_return(group, yfull)
+    m = min(n, y.shape[0])
+    yfull[:m] = y[:m].to(group.device)
+    out = rdep_return(group, yfull)  # even with a bad y, so that no peer waits for this rank's rows
     group.sync_check()
+    if y.shape[0] != n:
+        raise ValueError(f"rdep_return: rank {group.rank} received {n} rows but y has {y.shape[0]}; pass one "
+                         "output row per received row")
     return {**got, "out": out.cpu().clone()}
 
 
@@ -84,12 +89,17 @@ def _worker(rank: int, world: int, device: int, port: int, inq: Any, outq: Any) 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     torch.cuda.set_device(device)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=JOB_TIMEOUT_S))
     dev = torch.device("cuda", device)
+    healthy = True
     while True:
         job = inq.get()
         if job is None:
             break
+        if not healthy:
+            outq.put((rank, "error", "this rank's CUDA context failed in an earlier job"))
+            outq.put((rank, "done", False))
+            continue
         group = None
         try:
             group = RdepGroup(job.shape, rank, dev, exchange_gloo)
@@ -98,13 +108,14 @@ def _worker(rank: int, world: int, device: int, port: int, inq: Any, outq: Any) 
             outq.put((rank, "ok", fn(group, *job.args[0])))
         except Exception as e:
             outq.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"))
-        dist.barrier()
         try:
+            dist.barrier()
             if group is not None:
                 group.close()
             torch.cuda.synchronize(dev)
         except Exception:
-            break  # a trapped kernel leaves this process's CUDA context unusable: the rank ends
+            healthy = False  # a trapped kernel leaves this context unusable; stay alive until closed
+        outq.put((rank, "done", healthy))
     dist.destroy_process_group()
 
 
@@ -130,35 +141,77 @@ class Pool:
         port = _free_port()
         self.procs = [ctx.Process(target=_worker, args=(r, self.world, d, port, self.inq[r], self.outq),
                                   daemon=True) for r, d in enumerate(devices)]
+        self.broken = False
         for p in self.procs:
             p.start()
 
     def run(self, job: Job) -> list[dict[str, Tensor]]:
-        """Every rank's result, in rank order; raises RankError with the lowest failing rank's message."""
+        """Every rank's result, in rank order; raises RankError with the lowest failing rank's message. A
+        rank that dies, stalls past JOB_TIMEOUT_S or ends with a failed CUDA context breaks the pool."""
+        if self.broken:
+            raise RankError("rdep pool: broken by an earlier job; start a new Pool")
         if len(job.args) != self.world:
             raise ValueError(f"rdep pool: job has args for {len(job.args)} ranks, the pool has {self.world}")
         for q, a in zip(self.inq, job.args, strict=True):
             q.put(Job(job.kind, job.shape, (a,)))
         got: dict[int, tuple[str, Any]] = {}
-        while len(got) < self.world:
+        done: dict[int, bool] = {}
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while len(done) < self.world:
             try:
-                rank, status, value = self.outq.get(timeout=JOB_TIMEOUT_S)
-            except queue.Empty as e:
-                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
-                raise RankError(f"rdep pool: no answer in {JOB_TIMEOUT_S} s; dead ranks {dead}") from e
-            got[rank] = (status, value)
+                rank, status, value = self.outq.get(timeout=POLL_S)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if r not in done and not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.terminate()
+                    why = f"ranks {dead} died" if dead else f"no answer in {JOB_TIMEOUT_S} s"
+                    raise RankError(f"rdep pool: {why}; answers so far {self._summary(got)}") from None
+                continue
+            except Exception as e:  # a result whose sender died before it was unpickled
+                self.terminate()
+                raise RankError(f"rdep pool: reading a rank's answer failed ({e})") from e
+            if status == "done":
+                done[rank] = bool(value)
+                if not value:  # a trapped rank: peers still waiting on it only time out, so stop now
+                    break
+            else:
+                got[rank] = (status, value)
+        if not all(done.values()):
+            self.terminate()
         errors = sorted((r, v) for r, (s, v) in got.items() if s == "error")
         if errors:
             raise RankError(f"rank {errors[0][0]}: {errors[0][1]}")
+        if self.broken:
+            bad = [r for r, h in done.items() if not h]
+            raise RankError(f"rdep pool: ranks {bad} ended with a failed CUDA context; answers so far "
+                            f"{self._summary(got)}")
         return [got[r][1] for r in range(self.world)]
 
+    @staticmethod
+    def _summary(got: dict[int, tuple[str, Any]]) -> str:
+        told = [f"rank {r}: {v if s == 'error' else s}" for r, (s, v) in sorted(got.items())]
+        return "; ".join(told) or "none"
+
+    def terminate(self) -> None:
+        """Kill every rank now (a wedged rank may never read its queue); the pool takes no more jobs."""
+        self.broken = True
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout=10)
+
     def close(self) -> None:
+        if self.broken:
+            self.terminate()
+            return
         for q in self.inq:
             q.put(None)
         for p in self.procs:
             p.join(timeout=60)
             if p.is_alive():
                 p.terminate()
+        self.broken = True
 
 
 def placement(world: int, kind: str) -> list[int]:

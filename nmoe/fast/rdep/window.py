@@ -34,9 +34,23 @@ def _driver() -> Any:
 def _ok(result: Any, what: str) -> Any:
     err, *rest = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:
-        raise RuntimeError(f"rdep: {what} failed with CUDA driver error {err}; check that every rank runs on "
-                           "this host and that CUDA IPC is allowed (same container, no --ipc=private)")
+        raise RuntimeError(f"rdep: {what} failed with CUDA driver error {err}; check that every rank is its "
+                           "own process on this host (a process cannot open its own IPC handle) and that "
+                           "CUDA IPC is allowed (same container, no --ipc=private, no MIG)")
     return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+def _bind(device: torch.device) -> None:
+    """Make torch's context on `device` (the runtime's primary context) current on this thread, so driver
+    calls act in it whichever thread makes them (a new thread has no current context)."""
+    drv = _driver()
+    index = torch.device(device).index or 0
+    torch.cuda.set_device(index)
+    torch.empty(1, device=torch.device("cuda", index))  # the runtime creates and holds the primary context
+    dev = _ok(drv.cuDeviceGet(index), "cuDeviceGet")
+    ctx = _ok(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    _ok(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    _ok(drv.cuDevicePrimaryCtxRelease(dev), "cuDevicePrimaryCtxRelease")  # the runtime still holds it
 
 
 class _Cai:
@@ -71,6 +85,7 @@ class Window:
         if self.closed:
             return
         drv = _driver()
+        _bind(self.device)
         for r, base in enumerate(self.bases):
             if r != self.rank:
                 _ok(drv.cuIpcCloseMemHandle(base), "cuIpcCloseMemHandle")
@@ -81,8 +96,7 @@ class Window:
 def open_window(nbytes: int, device: torch.device, rank: int, exchange: Exchange) -> Window:
     """Allocate and zero this rank's window, then map every peer's through their IPC handles."""
     drv = _driver()
-    torch.cuda.set_device(device)
-    torch.empty(1, device=device)
+    _bind(device)
     own = int(_ok(drv.cuMemAlloc(max(nbytes, 1)), "cuMemAlloc"))
     _ok(drv.cuMemsetD8(own, 0, max(nbytes, 1)), "cuMemsetD8")
     _ok(drv.cuCtxSynchronize(), "cuCtxSynchronize")
@@ -96,7 +110,7 @@ def open_window(nbytes: int, device: torch.device, rank: int, exchange: Exchange
             continue
         h = drv.CUipcMemHandle()
         ctypes.memmove(h.getPtr(), bytes(data), IPC_HANDLE_BYTES)
-        flag = drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+        flag = int(drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
         bases.append(int(_ok(drv.cuIpcOpenMemHandle(h, flag), f"cuIpcOpenMemHandle of rank {r}")))
     return Window(device, nbytes, own, tuple(bases), rank)
 
@@ -105,8 +119,10 @@ class Status:
     """STATUS_WORDS int64 in mapped pinned host memory: the device writes errors there and the host reads
     them with a plain load, no stream sync; it stays readable after a kernel traps."""
 
-    def __init__(self) -> None:
+    def __init__(self, gpu: torch.device) -> None:
         drv = _driver()
+        self.gpu = gpu
+        _bind(gpu)
         flags = drv.CU_MEMHOSTALLOC_DEVICEMAP | drv.CU_MEMHOSTALLOC_PORTABLE
         self.host = int(_ok(drv.cuMemHostAlloc(STATUS_WORDS * 8, flags), "cuMemHostAlloc"))
         ctypes.memset(self.host, 0, STATUS_WORDS * 8)
@@ -117,4 +133,5 @@ class Status:
         return tuple(int(w) for w in self.words)
 
     def close(self) -> None:
+        _bind(self.gpu)
         _ok(_driver().cuMemFreeHost(self.host), "cuMemFreeHost")
