@@ -67,6 +67,12 @@ def test_op_sources_follow_the_compile_cache_graph() -> None:
     assert rdep <= set(ri.op_sources("rdep_return", REPO))  # the SPMD adapter is its fast function's module
     assert {"nmoe/fast/kernels/rope.py", "nmoe/fast/rope.py"} <= set(ri.op_sources("rope", REPO))
     assert {"nmoe/fast/attention.py", "nmoe/fast/rope.py"} <= set(ri.op_sources("mla_attention", REPO))
+    # a layer built from other ops depends on their kernels and on every module its glue imports
+    assert {"nmoe/fast/kernels/rope.py", "nmoe/fast/kernels/norm.py"} <= set(ri.op_sources("mla_attention", REPO))
+    assert {"nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py", "nmoe/fast/kernels/combine.py"} <= set(
+        ri.op_sources("moe_layer", REPO))
+    assert "nmoe/fast/rdep/group.py" in ri.op_sources("rdep_dispatch", REPO)
+    assert "nmoe/fast/kernels/swiglu.py" not in ri.op_sources("relu2", REPO)  # its glue's other op
 
 
 def test_mutants_map_through_their_contracts(tmp_path: Path) -> None:
