@@ -68,7 +68,8 @@ def test_op_sources_follow_the_compile_cache_graph() -> None:
     assert {"nmoe/fast/kernels/rope.py", "nmoe/fast/rope.py"} <= set(ri.op_sources("rope", REPO))
     assert {"nmoe/fast/attention.py", "nmoe/fast/rope.py"} <= set(ri.op_sources("mla_attention", REPO))
     # a layer built from other ops depends on their kernels and on every module its glue imports
-    assert {"nmoe/fast/kernels/rope.py", "nmoe/fast/kernels/norm.py"} <= set(ri.op_sources("mla_attention", REPO))
+    assert {"nmoe/fast/kernels/rope.py", "nmoe/fast/kernels/norm.py"} <= set(
+        ri.op_sources("mla_attention", REPO))
     assert {"nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py", "nmoe/fast/kernels/combine.py"} <= set(
         ri.op_sources("moe_layer", REPO))
     assert "nmoe/fast/rdep/group.py" in ri.op_sources("rdep_dispatch", REPO)
