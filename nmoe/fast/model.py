@@ -55,7 +55,7 @@ def _dense_ffn(x: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
 
 
 def _check_tokens(tokens: Tensor, embed: Tensor, vocab_size: int) -> None:
-    """Ids are not range-checked here (a host sync): the loader refuses ids outside the vocab."""
+    """The batch must sit on the model's device; ids are not range-checked (a host sync, the loader's job)."""
     if tokens.device != embed.device:
         raise ArchError(f"Model: tokens on {tokens.device}, parameters on {embed.device}; move the "
                         f"batch to the model's GPU ({CPU_HINT})")
