@@ -1,8 +1,10 @@
 """Layouts the spec and the fast path share: permute's row capacity and result bundle, the MLA and MoE layers'
-parameter bundles and their shape checks (one definition, so neither path imports the other)."""
+parameter bundles and their shape checks, the model's op bundle (one definition, so neither path imports the
+other)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -158,3 +160,23 @@ def check_moe_params(x: Tensor, p: MoEParams, cfg: ModelConfig) -> tuple[Tensor,
             )
     assert up is not None
     return up, shared_up
+
+
+@dataclass(frozen=True)
+class ModelOps:
+    """The functions one path calls, each with the spec op's signature; the rest of the model is shared.
+
+    dense_ffn(x, w13, w2) is the dense SwiGLU MLP; check_tokens(tokens, embed, vocab_size) is the path's own
+    input check after the shared ones (the spec checks id range on the host, the fast path the device).
+    """
+
+    mla_attention: Callable[[Tensor, MLAParams, Tensor, Tensor, int, int, int, int, float, float], Tensor]
+    mla_softmax_scale: Callable[[int, float, float, int, int], float]
+    rmsnorm: Callable[[Tensor, Tensor, float], Tensor]
+    dense_ffn: Callable[[Tensor, Tensor, Tensor], Tensor]
+    moe_layer: Callable[[Tensor, MoEParams, ModelConfig], tuple[Tensor, MoERouting]]
+    cross_entropy: Callable[[Tensor, Tensor, Tensor, int, int], Tensor]
+    yarn_cos_sin: Callable[[int, int, float, float, int, float, float], tuple[Tensor, Tensor]]
+    bias_update: Callable[[Tensor, Tensor, float, float], Tensor]
+    embedding: Callable[[Tensor, Tensor], Tensor]
+    check_tokens: Callable[[Tensor, Tensor, int], None]

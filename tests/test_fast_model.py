@@ -9,6 +9,7 @@ and on the H200: parity with the spec model (loss and gradients), training throu
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,12 @@ def test_no_cuda_raises_before_touching_a_device(monkeypatch: pytest.MonkeyPatch
         fast_model.Model(_tiny())
 
 
+def test_tokens_off_the_models_device_raise_naming_the_gpu() -> None:
+    fast = fast_model.Model(_tiny(), device="meta")
+    with pytest.raises(ArchError, match=r"tokens on cpu, parameters on meta; move the batch"):
+        fast(torch.zeros(1, 4, dtype=torch.int64))
+
+
 def test_traincli_builds_the_fast_model_and_fails_loud_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     from nmoe import traincli
 
@@ -96,18 +103,12 @@ def test_attention_softmax_scale_is_the_spec_models(extra: tuple[str, ...]) -> N
 
 
 def test_fast_model_glue_is_the_spec_model_with_the_specs_ops(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With every op it calls swapped for the spec's (same signatures), the fast model's glue (casts, argument
-    order, rope tables, router counts, bias update) gives the spec model's loss, grads and biases on CPU."""
+    """With every fast kernel op swapped for the spec's (same signatures), the fast model's own glue (device
+    and dtype policy, embedding, token check, the dense FFN on matmuls) gives the spec model's loss, grads,
+    router counts and biases on CPU."""
+    from nmoe.layout import ModelOps
     from nmoe.reference import activation as ref_act
-    from nmoe.reference import attention as ref_attention
     from nmoe.reference import model as ref_model
-    from nmoe.reference import moe as ref_moe
-    from nmoe.reference import norm as ref_norm
-    from nmoe.reference import rope as ref_rope
-    from nmoe.reference import router as ref_router
-
-    def spec_ce(h: Tensor, w: Tensor, t: Tensor, ignore_index: int, chunk: int) -> Tensor:
-        return ref_model._CrossEntropy.apply(h, w, t, ignore_index, chunk)  # type: ignore[no-any-return]
 
     class SpecSwiglu(torch.autograd.Function):
         @staticmethod
@@ -119,12 +120,13 @@ def test_fast_model_glue_is_the_spec_model_with_the_specs_ops(monkeypatch: pytes
         def backward(ctx: Any, dy: Tensor) -> Tensor:
             return ref_act.swiglu_bwd(dy, ctx.saved_tensors[0])
 
-    for name, fn in [("model_device", lambda device: torch.device("cpu")),
-                     ("mla_attention", ref_attention.mla_attention),
-                     ("moe_layer", ref_moe.moe_layer), ("cross_entropy", spec_ce),
-                     ("rmsnorm", ref_norm.rmsnorm), ("swiglu", SpecSwiglu.apply),
-                     ("yarn_cos_sin", ref_rope.yarn_cos_sin), ("bias_update", ref_router.bias_update)]:
-        monkeypatch.setattr(fast_model, name, fn)
+    kernels = ("mla_attention", "moe_layer", "cross_entropy", "rmsnorm", "yarn_cos_sin", "bias_update")
+    glue = {"mla_softmax_scale", "dense_ffn", "embedding", "check_tokens"}
+    assert {f.name for f in dataclasses.fields(ModelOps)} == glue | set(kernels)
+    spec_ops = dataclasses.replace(fast_model.OPS, **{n: getattr(ref_model.OPS, n) for n in kernels})
+    monkeypatch.setattr(fast_model, "OPS", spec_ops)
+    monkeypatch.setattr(fast_model, "swiglu", SpecSwiglu.apply)
+    monkeypatch.setattr(fast_model, "model_device", lambda device: torch.device("cpu"))
     cfg = _tiny()
     spec = SpecModel(cfg, seed=3)
     fast = fast_model.Model(cfg, seed=4)

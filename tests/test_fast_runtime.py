@@ -416,6 +416,15 @@ def test_fast_package_never_imports_the_spec_parity_trainer_or_data() -> None:
     assert found == []
 
 
+def test_no_path_imports_in_the_shared_top_level_modules() -> None:
+    """docs/design.md: the modules both paths build on (one model definition among them) import no package."""
+    shared = ("nmoe.constants", "nmoe.layout", "nmoe.config", "nmoe.modeldef")
+    found = [f"{m}: {n}" for m in shared for n in sorted(op.imports(m))
+             if n.startswith(("nmoe.reference", "nmoe.fast", "nmoe.train", "nmoe.data", "parity"))]
+    assert found == []
+    assert "nmoe.layout" in op.imports("nmoe.modeldef")
+
+
 def test_fast_package_has_no_import_cycles() -> None:
     """Every import inside nmoe (module level or in a function), read with ast: the graph must be acyclic."""
     root = ROOT / "nmoe"

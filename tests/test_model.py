@@ -140,11 +140,16 @@ def test_loss_is_cross_entropy_of_logits() -> None:
 
 
 def test_hidden_wiring_matches_manual_composition() -> None:
-    """pre-norm residual blocks: h += attn(norm(h)); h += ffn(norm(h)); final norm."""
+    """pre-norm residual blocks: h += attn(norm(h)); h += ffn(norm(h)); final norm. Norm weights are drawn
+    apart first (init makes them all ones), so a block normed with the wrong weight shows."""
     cfg = _small()
     model = Model(cfg, seed=6)
     tok = _tokens(cfg, 2, 7)[:, :-1]
+    g = torch.Generator().manual_seed(7)
     with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm"):
+                p.copy_(torch.empty(p.shape).uniform_(0.5, 1.5, generator=g))
         got = model.hidden(tok)
         h = model.embed[tok].to(BF)
         for li, blk in enumerate(model.layers):

@@ -16,6 +16,7 @@ FAMILIES: tuple[str, ...] = (
 TESTS_BY_FILE: dict[str, tuple[str, ...]] = {
     "nmoe/reference/moe.py": ("tests/test_moe.py",),
     "nmoe/reference/model.py": ("tests/test_model.py",),
+    "nmoe/modeldef.py": ("tests/test_model.py", "tests/test_fast_model.py"),
 }
 
 

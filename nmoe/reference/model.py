@@ -1,7 +1,5 @@
-"""DeepSeek-shaped reference model: embed -> [MLA + dense FFN | MoE] blocks -> rmsnorm -> head.
-
-Parameters are fp32 masters; every forward uses bf16 casts of them (bf16 activations and residual stream),
-the mixed-precision recipe the fast path trains with. The router bias is a buffer moved by bias_update.
+"""The spec model: nmoe.modeldef's model on the CPU with the spec ops, fp32 masters and bf16 forward casts
+(the mixed-precision recipe the fast path trains with). The router bias is a buffer moved by bias_update.
 """
 
 from __future__ import annotations
@@ -9,10 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
+from nmoe import modeldef
 from nmoe.config import ModelConfig
-from nmoe.layout import MLAParams, MoEParams, MoERouting
+from nmoe.layout import ModelOps
+from nmoe.modeldef import MLA, Block, DenseFFN, MoE
 from nmoe.reference.attention import mla_attention, mla_softmax_scale
 from nmoe.reference.loss import cross_entropy, cross_entropy_bwd
 from nmoe.reference.moe import ffn, moe_layer
@@ -20,117 +20,7 @@ from nmoe.reference.norm import rmsnorm
 from nmoe.reference.rope import yarn_cos_sin
 from nmoe.reference.router import bias_update
 
-COMPUTE = torch.bfloat16
-
-
-def _bf(t: Tensor | None) -> Tensor | None:
-    return None if t is None else t.to(COMPUTE)
-
-
-class _Init:
-    """Draws parameters in construction order from one seeded generator, so init is reproducible."""
-
-    def __init__(self, seed: int, std: float) -> None:
-        self.gen = torch.Generator().manual_seed(seed)
-        self.std = std
-
-    def normal(self, *shape: int) -> nn.Parameter:
-        return nn.Parameter(torch.empty(*shape).normal_(0.0, self.std, generator=self.gen))
-
-    @staticmethod
-    def ones(n: int) -> nn.Parameter:
-        return nn.Parameter(torch.ones(n))
-
-
-class MLA(nn.Module):
-    def __init__(self, cfg: ModelConfig, init: _Init) -> None:
-        super().__init__()
-        self.cfg = cfg
-        h, dqk = cfg.n_heads, cfg.qk_head_dim
-        self.wq: nn.Parameter | None = None
-        self.wq_a: nn.Parameter | None = None
-        self.q_norm: nn.Parameter | None = None
-        self.wq_b: nn.Parameter | None = None
-        if cfg.q_lora_rank == 0:
-            self.wq = init.normal(h * dqk, cfg.dim)
-        else:
-            self.wq_a = init.normal(cfg.q_lora_rank, cfg.dim)
-            self.q_norm = init.ones(cfg.q_lora_rank)
-            self.wq_b = init.normal(h * dqk, cfg.q_lora_rank)
-        self.wkv_a = init.normal(cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.dim)
-        self.kv_norm = init.ones(cfg.kv_lora_rank)
-        self.wkv_b = init.normal(h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
-        self.wo = init.normal(cfg.dim, h * cfg.v_head_dim)
-        self.softmax_scale = mla_softmax_scale(dqk, cfg.rope_factor, cfg.mscale, cfg.max_seq_len,
-                                               cfg.original_seq_len)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        c = self.cfg
-        p = MLAParams(wkv_a=self.wkv_a.to(COMPUTE), kv_norm=self.kv_norm.to(COMPUTE),
-                      wkv_b=self.wkv_b.to(COMPUTE), wo=self.wo.to(COMPUTE), wq=_bf(self.wq),
-                      wq_a=_bf(self.wq_a), q_norm=_bf(self.q_norm), wq_b=_bf(self.wq_b))
-        return mla_attention(x, p, cos, sin, c.n_heads, c.qk_nope_head_dim, c.qk_rope_head_dim,
-                             c.v_head_dim, self.softmax_scale, c.norm_eps)
-
-
-class DenseFFN(nn.Module):
-    """SwiGLU MLP of the first n_dense_layers; w13 rows interleave gate/up like the experts."""
-
-    def __init__(self, cfg: ModelConfig, init: _Init) -> None:
-        super().__init__()
-        self.w13 = init.normal(2 * cfg.inter_dim, cfg.dim)
-        self.w2 = init.normal(cfg.dim, cfg.inter_dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return ffn(x, self.w13.to(COMPUTE), self.w2.to(COMPUTE), "swiglu", "bf16")
-
-
-class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, init: _Init) -> None:
-        super().__init__()
-        self.cfg = cfg
-        e, i, d, s = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim, cfg.n_shared_experts
-        up = 2 * i if cfg.activation == "swiglu" else i
-        self.router_w = init.normal(e, d)
-        self.router_bias: Tensor
-        self.register_buffer("router_bias", torch.zeros(e, dtype=torch.float32))
-        self.w_up = init.normal(e, up, d)
-        self.w2 = init.normal(e, d, i)
-        self.shared_up: nn.Parameter | None = init.normal(up * s, d) if s else None
-        self.shared_w2: nn.Parameter | None = init.normal(d, i * s) if s else None
-        self.last_routing: MoERouting | None = None
-
-    def params(self) -> MoEParams:
-        swiglu = self.cfg.activation == "swiglu"
-        up, shared_up = self.w_up.to(COMPUTE), _bf(self.shared_up)
-        return MoEParams(
-            router_w=self.router_w.to(COMPUTE), router_bias=self.router_bias, w2=self.w2.to(COMPUTE),
-            w13=up if swiglu else None, w1=None if swiglu else up,
-            shared_w13=shared_up if swiglu else None, shared_w1=None if swiglu else shared_up,
-            shared_w2=_bf(self.shared_w2),
-        )
-
-    def forward(self, x: Tensor) -> Tensor:
-        out, routing = moe_layer(x, self.params(), self.cfg)
-        self.last_routing = routing
-        return out
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, init: _Init) -> None:
-        super().__init__()
-        self.eps = cfg.norm_eps
-        self.attn_norm = init.ones(cfg.dim)
-        self.attn = MLA(cfg, init)
-        self.ffn_norm = init.ones(cfg.dim)
-        self.ffn: DenseFFN | MoE = DenseFFN(cfg, init) if layer_id < cfg.n_dense_layers else MoE(cfg, init)
-
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        a: Tensor = self.attn(rmsnorm(h, self.attn_norm.to(COMPUTE), self.eps), cos, sin)
-        h = h + a
-        b, s, d = h.shape
-        f: Tensor = self.ffn(rmsnorm(h, self.ffn_norm.to(COMPUTE), self.eps).reshape(b * s, d))
-        return h + f.reshape(b, s, d)
+__all__ = ["MLA", "OPS", "Block", "DenseFFN", "MoE", "Model"]
 
 
 class _CrossEntropy(torch.autograd.Function):
@@ -149,75 +39,36 @@ class _CrossEntropy(torch.autograd.Function):
         return dh, dw, None, None, None
 
 
-class Model(nn.Module):
+def _cross_entropy(h: Tensor, w: Tensor, targets: Tensor, ignore_index: int, chunk: int) -> Tensor:
+    loss: Tensor = _CrossEntropy.apply(h, w, targets, ignore_index, chunk)  # type: ignore[no-untyped-call]
+    return loss
+
+
+def _dense_ffn(x: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    return ffn(x, w13, w2, "swiglu", "bf16")
+
+
+def _embedding(tokens: Tensor, embed: Tensor) -> Tensor:
+    return embed[tokens]
+
+
+def _check_tokens(tokens: Tensor, embed: Tensor, vocab_size: int) -> None:
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        raise ValueError(f"Model: token ids must lie in [0, {vocab_size}); check the tokenizer "
+                         "and model.vocab_size")
+
+
+OPS = ModelOps(
+    mla_attention=mla_attention, mla_softmax_scale=mla_softmax_scale, rmsnorm=rmsnorm, dense_ffn=_dense_ffn,
+    moe_layer=moe_layer, cross_entropy=_cross_entropy, yarn_cos_sin=yarn_cos_sin, bias_update=bias_update,
+    embedding=_embedding, check_tokens=_check_tokens,
+)
+
+
+class Model(modeldef.Model):
     """forward(tokens [B,S]) -> fp32 logits [B,S,V]; with targets [B,S] -> fp32 mean CE over kept tokens."""
 
     def __init__(
         self, cfg: ModelConfig, seed: int = 0, ce_chunk: int = 4096, ignore_index: int = -100
     ) -> None:
-        super().__init__()
-        self.cfg, self.ce_chunk, self.ignore_index = cfg, ce_chunk, ignore_index
-        init = _Init(seed, cfg.init_std)
-        self.embed = init.normal(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg, i, init) for i in range(cfg.n_layers))
-        self.norm = init.ones(cfg.dim)
-        self.head = init.normal(cfg.vocab_size, cfg.dim)
-        cos, sin = yarn_cos_sin(cfg.max_seq_len, cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_factor,
-                                cfg.original_seq_len, cfg.beta_fast, cfg.beta_slow)
-        self.cos: Tensor
-        self.sin: Tensor
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
-
-    def moe_layers(self) -> list[MoE]:
-        return [blk.ffn for blk in self.layers if isinstance(blk.ffn, MoE)]
-
-    def hidden(self, tokens: Tensor) -> Tensor:
-        """Final-normed bf16 hidden states [B,S,D]."""
-        if tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"Model: tokens must be integer [B, S], got {tokens.dtype} "
-                             f"{tuple(tokens.shape)}")
-        if tokens.shape[1] > self.cfg.max_seq_len:
-            raise ValueError(f"Model: sequence length {tokens.shape[1]} > model.max_seq_len="
-                             f"{self.cfg.max_seq_len}; shorten data.seq_len or raise max_seq_len")
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.vocab_size):
-            raise ValueError(f"Model: token ids must lie in [0, {self.cfg.vocab_size}); check the tokenizer "
-                             "and model.vocab_size")
-        h = self.embed[tokens].to(COMPUTE)
-        for blk in self.layers:
-            h = blk(h, self.cos, self.sin)
-        return rmsnorm(h, self.norm.to(COMPUTE), self.cfg.norm_eps)
-
-    def forward(self, tokens: Tensor, targets: Tensor | None = None) -> Tensor:
-        h = self.hidden(tokens)
-        w = self.head.to(COMPUTE)
-        if targets is None:
-            return h.float() @ w.float().T
-        if targets.shape != tokens.shape:
-            raise ValueError(f"Model: targets {tuple(targets.shape)} must match tokens {tuple(tokens.shape)}")
-        b, s, d = h.shape
-        loss: Tensor = _CrossEntropy.apply(  # type: ignore[no-untyped-call]
-            h.reshape(b * s, d), w, targets.reshape(b * s), self.ignore_index, self.ce_chunk
-        )
-        return loss
-
-    def router_counts(self) -> list[Tensor]:
-        """Per-MoE-layer expert counts [E] of the last forward (all-reduce them before update under DP)."""
-        out = []
-        for moe in self.moe_layers():
-            if moe.last_routing is None:
-                raise RuntimeError("Model.router_counts: no forward has run yet; call the model first")
-            out.append(moe.last_routing.counts)
-        return out
-
-    @torch.no_grad()
-    def update_router_bias(self, counts: list[Tensor] | None = None) -> None:
-        """Aux-loss-free balancing step outside autograd: bias <- bias_update(bias, counts, rate, clamp)."""
-        moes = self.moe_layers()
-        counts = self.router_counts() if counts is None else counts
-        if len(counts) != len(moes):
-            raise ValueError(f"update_router_bias: got {len(counts)} count tensors for {len(moes)} MoE "
-                             "layers; pass one [E] tensor per MoE layer")
-        rate, clamp = self.cfg.bias_update_rate, self.cfg.bias_clamp
-        for moe, c in zip(moes, counts, strict=True):
-            moe.router_bias.copy_(bias_update(moe.router_bias, c, rate, clamp))
+        super().__init__(cfg, OPS, seed, ce_chunk, ignore_index, torch.device("cpu"), torch.float32)
