@@ -47,9 +47,10 @@ def _dsl_executor() -> Any:
     return JitExecutor(Module(), None, False)
 
 
-def _recompiled(module: Any, name: str, old: str, new: str) -> Callable[..., Any]:
-    """`module.name` rebuilt from its own source with `old` replaced by `new` (which must occur)."""
-    source = textwrap.dedent(inspect.getsource(getattr(module, name)))
+def recompiled(module: Any, name: str, old: str, new: str, owner: Any = None) -> Callable[..., Any]:
+    """`module.name` (or `owner.name`, a method) rebuilt from its own source in `module`'s globals with
+    `old` replaced by `new` (which must occur)."""
+    source = textwrap.dedent(inspect.getsource(getattr(module if owner is None else owner, name)))
     if old not in source:
         raise RuntimeError(f"{module.__name__}.{name} no longer contains {old!r}; update bench/hostcpu.py")
     scope: dict[str, Any] = {}
@@ -58,10 +59,10 @@ def _recompiled(module: Any, name: str, old: str, new: str) -> Callable[..., Any
 
 
 @contextmanager
-def cpu_as_gpu(dsl: bool = False) -> Iterator[None]:
-    """CPU tensors take the fast ops' eager CUDA path, with launches that do nothing; with `dsl`, through a
-    real CuTeDSL executor (its Python included; cutlass must be imported for sm_90a), else through a
-    stand-in that returns at once."""
+def cpu_as_gpu(dsl: bool = False, arch: str = "sm_90a") -> Iterator[None]:
+    """CPU tensors take the fast ops' eager CUDA path on an `arch` GPU, with launches that do nothing; with
+    `dsl`, through a real CuTeDSL executor (its Python included; cutlass must be imported for `arch`), else
+    through a stand-in that returns at once."""
     saved: list[tuple[Any, str, Any]] = []
     absent = object()
 
@@ -70,10 +71,10 @@ def cpu_as_gpu(dsl: bool = False) -> Iterator[None]:
         setattr(obj, name, value)
 
     route = "_route" if hasattr(op, "_route") else "_eager"
-    patch(op, route, _recompiled(op, route, "not a.is_cuda", "not a.is_cpu"))
-    device_arch = _recompiled(runtime, "device_arch", 'd.type != "cuda"', 'd.type != "cpu"')
+    patch(op, route, recompiled(op, route, "not a.is_cuda", "not a.is_cpu"))
+    device_arch = recompiled(runtime, "device_arch", 'd.type != "cuda"', 'd.type != "cpu"')
     patch(runtime, "device_arch", device_arch)
-    patch(runtime, "_arch_by_index", {0: "sm_90a"})
+    patch(runtime, "_arch_by_index", {0: arch})
     patch(runtime, "sm_count", lambda index: 132)
     patch(torch.cuda, "current_device", lambda: 0)
     patch(torch._C, "_cuda_getDevice", lambda: 0)
@@ -100,6 +101,91 @@ def cpu_as_gpu(dsl: bool = False) -> Iterator[None]:
                 delattr(obj, name)
             else:
                 setattr(obj, name, value)
+
+
+def _storages() -> list[tuple[int, int]]:
+    """(first byte, end) of every live tensor's storage."""
+    import gc
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        objects = [t for t in gc.get_objects() if isinstance(t, torch.Tensor)]
+    spans = {(s.data_ptr(), s.data_ptr() + s.nbytes()) for t in objects for s in (t.untyped_storage(),)}
+    return sorted(spans)
+
+
+class CheckedLauncher(op.Launcher):
+    """A launcher of a real host that launches nothing and refuses values that do not fit it: the count, an
+    int per pointer/integer slot and a number per Float32 one, a pointer inside a live tensor (or 0), and
+    no tensor's start address in a value slot."""
+
+    def __init__(self, name: str, slots: tuple[tuple[str, Any], ...], calls: dict[str, int]) -> None:
+        super().__init__(_NoLaunch(), slots)
+        self.name, self.slots, self.calls = name, slots[:-1], calls
+
+    def __call__(self, device: int, *values: int | float) -> None:
+        import ctypes
+
+        if len(values) != len(self.slots):
+            raise TypeError(f"{self.name}: its host takes {len(self.slots)} arguments before the stream, got "
+                            f"{len(values)}")
+        if type(device) is not int:
+            raise TypeError(f"{self.name}: device must be an int index, got {device!r}")
+        spans = _storages()
+        starts = {a for a, _ in spans if a}
+        for (arg, ctype), v in zip(self.slots, values, strict=True):
+            where = f"{self.name}: argument {arg} ({ctype.__name__})"
+            if ctype is ctypes.c_float and type(v) not in (int, float):
+                raise TypeError(f"{where} must be a Python number, got {type(v).__name__} {v!r}")
+            if ctype is not ctypes.c_float and type(v) is not int:
+                raise TypeError(f"{where} must be a Python int, got {type(v).__name__} {v!r}")
+            if ctype is ctypes.c_void_p and v and not any(a <= v <= e for a, e in spans):
+                raise TypeError(f"{where} = {v:#x} lies in no live tensor: not a device address")
+            if ctype is not ctypes.c_void_p and v in starts:
+                raise TypeError(f"{where} = {v:#x} is a tensor's address: a pointer in a value slot")
+        super().__call__(device, *values)
+        self.calls[self.name] = self.calls.get(self.name, 0) + 1
+
+
+@contextmanager
+def real_hosts(calls: dict[str, int]) -> Iterator[None]:
+    """Inside cpu_as_gpu (cutlass imported for its arch): every Kernel.launcher is a CheckedLauncher of its
+    real @cute.jit host, nothing compiled; `calls` counts the launches by kernel name."""
+    saved = op.Kernel.launcher
+
+    def launcher(self: op.Kernel, arch: str, **spec: Any) -> op.Launcher:
+        host, _ = self.build(self.kernels(arch), **spec)
+        return CheckedLauncher(self.name, op.runtime_slots(host), calls)
+
+    op.Kernel.launcher = launcher  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        op.Kernel.launcher = saved  # type: ignore[method-assign]
+
+
+@contextmanager
+def cpu_matmuls() -> Iterator[None]:
+    """torch.mm/addmm taking `out_dtype` (a CUDA-only overload) on CPU as fp32 products, and torch.empty as
+    zeros so that no glue check reads garbage."""
+    mm, addmm, empty, empty_like = torch.mm, torch.addmm, torch.empty, torch.empty_like
+
+    def mm_cpu(a: torch.Tensor, b: torch.Tensor, out_dtype: Any = None, out: Any = None) -> torch.Tensor:
+        r = mm(a.float(), b.float()) if out_dtype is not None else mm(a, b)
+        return r if out is None else out.copy_(r)
+
+    def addmm_cpu(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out_dtype: Any = None,
+                  out: Any = None) -> torch.Tensor:
+        r = addmm(c.float(), a.float(), b.float())
+        return r if out is None else out.copy_(r)
+
+    torch.mm, torch.addmm = mm_cpu, addmm_cpu  # type: ignore[assignment]
+    torch.empty, torch.empty_like = torch.zeros, torch.zeros_like  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.mm, torch.addmm, torch.empty, torch.empty_like = mm, addmm, empty, empty_like
 
 
 def host_us(steps: dict[str, Callable[[], object]], calls: int, samples: int,

@@ -342,35 +342,16 @@ def test_launcher_hands_a_jit_executor_its_own_argument_array() -> None:
 
 _MODEL_PROBE = """
     import json, torch
-    from nmoe.fast import op, runtime
+    from nmoe.fast import runtime
     runtime.import_cutlass("sm_90a")
-    from bench.hostcpu import cpu_as_gpu
+    from bench.hostcpu import cpu_as_gpu, cpu_matmuls, real_hosts
     from nmoe.config import load_config
-    class NoLaunch:
-        def run_compiled_program(self, args):
-            return None
-    real_host_args = op.Kernel.host_args
-    mm, addmm = torch.mm, torch.addmm
-    def mm_cpu(a, b, out_dtype=None, out=None):
-        r = mm(a.float(), b.float()) if out_dtype is not None else mm(a, b)
-        return r if out is None else out.copy_(r)
-    def addmm_cpu(c, a, b, out_dtype=None, out=None):
-        r = addmm(c.float(), a.float(), b.float())
-        return r if out is None else out.copy_(r)
     class FA4:
         @staticmethod
         def flash_attn_func(q, k, v, softmax_scale, causal, deterministic):
             return v + 0 * (q.sum() + k.sum()), None
-    launched = set()
-    with cpu_as_gpu():
-        op.Kernel.host_args = real_host_args
-        def launcher(self, arch, **spec):
-            launched.add(self.name)
-            host, _ = real_host_args(self, arch, **spec)
-            return op.Launcher(NoLaunch(), op.runtime_slots(host))
-        op.Kernel.launcher = launcher
-        torch.mm, torch.addmm = mm_cpu, addmm_cpu
-        torch.empty, torch.empty_like = torch.zeros, torch.zeros_like
+    launched = {}
+    with cpu_as_gpu(), cpu_matmuls(), real_hosts(launched):
         from nmoe.fast import attention, model as fast_model
         attention.flash_interface = lambda arch: FA4
         fast_model.model_device = lambda device: torch.device("cpu")
