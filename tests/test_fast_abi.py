@@ -30,10 +30,10 @@ def _rdep_group(stack: Any) -> Any:
         def __init__(self, nbytes: int, device: torch.device, rank: int, exchange: Any) -> None:
             self.buf = torch.zeros(nbytes, dtype=torch.uint8)
             self.own = self.buf.data_ptr()
-            peers = exchange(b"")
-            self.bases = tuple(self.own if r == rank else torch.zeros(nbytes, dtype=torch.uint8).data_ptr()
-                               for r in range(len(peers)))
-            stack.extend([self.buf])
+            world = len(exchange(b""))
+            bufs = [self.buf if r == rank else torch.zeros(nbytes, dtype=torch.uint8) for r in range(world)]
+            self.bases = tuple(b.data_ptr() for b in bufs)
+            stack.extend(bufs)
 
         def view(self) -> torch.Tensor:
             return self.buf
@@ -160,11 +160,14 @@ def probe(arch: str) -> dict[str, Any]:
         _portable_calls()
         _rdep_calls(_rdep_group(keep))
         _sm100_calls() if arch == "sm_100a" else _sm90_calls()
-    import nmoe.fast.attention
-    import nmoe.fast.gemm
-    import nmoe.fast.model
-    import nmoe.fast.rdep.group  # noqa: F401  (every module that holds a Kernel is loaded)
+    import importlib
+    import pkgutil
 
+    import nmoe.fast
+
+    for info in pkgutil.walk_packages(nmoe.fast.__path__, "nmoe.fast."):
+        if not info.name.startswith("nmoe.fast.kernels"):
+            importlib.import_module(info.name)
     fast = [m for m in list(sys.modules.values()) if m.__name__.startswith("nmoe.fast")]
     held = [v for m in fast for v in vars(m).values()]
     held += [v for table in held if isinstance(table, dict) for v in table.values()]
