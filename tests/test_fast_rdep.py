@@ -108,7 +108,7 @@ def _kernel_constants() -> dict[str, int]:
     path = Path(nmoe.fast.rdep.__file__).parents[1] / "kernels" / "rdep.py"
     found: dict[str, int] = {}
     for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Assign) and isinstance(node.value, (ast.Tuple, ast.Constant)):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple | ast.Constant):
             names = node.targets[0].elts if isinstance(node.targets[0], ast.Tuple) else node.targets
             values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
             for n, v in zip(names, values, strict=True):
