@@ -7,28 +7,28 @@ from mutations.model import Mutation, sep_mutation
 FILE = "nmoe/fast/kernels/combine.py"
 TESTS = "tests/test_fast_combine.py"
 FWD_SUM = (
-    "            wk = mw[t * k + kk]\n"
-    "            for j in range_constexpr(vec):\n"
-    "                if const_expr(kk == 0):\n"
-    "                    acc[j] = mul_rn(wk, yk[j])\n"
-    "                else:\n"
-    "                    acc[j] = add_rn(acc[j], mul_rn(wk, yk[j]))\n"
+    "        ws = mw[t * k + s]\n"
     "        for j in range_constexpr(vec):\n"
-    "            acc[j] = mul_rn(acc[j], scale)\n"
+    "            if const_expr(s == 0):\n"
+    "                acc[j] = mul_rn(ws, ys[j])\n"
+    "            else:\n"
+    "                acc[j] = add_rn(acc[j], mul_rn(ws, ys[j]))\n"
+    "    for j in range_constexpr(vec):\n"
+    "        acc[j] = mul_rn(acc[j], scale)\n"
 )
 
 MUTATIONS: tuple[Mutation, ...] = (
     sep_mutation(
         "combine.fast_fma_contracted", FILE,
-        "                    acc[j] = add_rn(acc[j], mul_rn(wk, yk[j]))",
-        "                    acc[j] = acc[j] + wk * yk[j]",
+        "                acc[j] = add_rn(acc[j], mul_rn(ws, ys[j]))",
+        "                acc[j] = acc[j] + ws * ys[j]",
         "slot products summed with plain fp32 ops that ptxas contracts into FMA (product not rounded)",
         TESTS, ("combine",), device="gpu",
     ),
     sep_mutation(
         "combine.fast_scale_folded", FILE, FWD_SUM,
-        FWD_SUM.replace("wk = mw[t * k + kk]", "wk = mul_rn(mw[t * k + kk], scale)")
-        .replace("        for j in range_constexpr(vec):\n            acc[j] = mul_rn(acc[j], scale)\n", ""),
+        FWD_SUM.replace("ws = mw[t * k + s]", "ws = mul_rn(mw[t * k + s], scale)")
+        .replace("    for j in range_constexpr(vec):\n        acc[j] = mul_rn(acc[j], scale)\n", ""),
         "fast combine folds routed_scale into each weight instead of scaling the fp32 sum", TESTS,
         ("combine",), device="gpu",
     ),
@@ -40,8 +40,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "combine.fast_gather_row_off_by_one", FILE,
-        "y_row = _load_f32(gyp, Int64(mrow[t * k + s]) * nvec + hv, vec)",
-        "y_row = _load_f32(gyp, (Int64(mrow[t * k + s]) + 1) * nvec + hv, vec)",
+        "row = Int64(mrow[t * k + s]) if const_expr(gather)",
+        "row = Int64(mrow[t * k + s]) + 1 if const_expr(gather)",
         "combine_gather reads the permuted row after the slot's own", "tests/test_fast_combine_gather.py",
         ("combine_gather",), device="gpu",
     ),

@@ -35,6 +35,34 @@ def _store_bits(g: cute.Tensor, i: Int64, v: cute.TensorSSA) -> None:
     cute.recast_tensor(g[(None, i)], bits.dtype).store(bits)
 
 
+@cute.jit
+def _combine_token(gy: cute.Tensor, mrow: cute.Tensor, mw: cute.Tensor, pshared: Pointer, pout: Pointer,
+                   t: Int64, t_rows: Int64, h: Int64, hv: Int64, scale: Float32, k: Constexpr[int],
+                   vec: Constexpr[int], has_shared: Constexpr[bool], gather: Constexpr[bool]) -> None:
+    """out[t] = bf16(scale * sum_s w[t,s] * y_s (+ shared[t])) in slot order; y_s is row t*k+s of gy, or row
+    mrow[t*k+s] when gathering from the expert-sorted output."""
+    nvec = h // vec
+    gout = cute.zipped_divide(cute.make_tensor(pout, cute.make_layout(t_rows * h)), (vec,))
+    acc = cute.make_rmem_tensor((vec,), Float32)
+    for s in range_constexpr(k):
+        row = Int64(mrow[t * k + s]) if const_expr(gather) else t * k + s
+        ys = _load_f32(gy, row * nvec + hv, vec)
+        ws = mw[t * k + s]
+        for j in range_constexpr(vec):
+            if const_expr(s == 0):
+                acc[j] = mul_rn(ws, ys[j])
+            else:
+                acc[j] = add_rn(acc[j], mul_rn(ws, ys[j]))
+    for j in range_constexpr(vec):
+        acc[j] = mul_rn(acc[j], scale)
+    if const_expr(has_shared):
+        gsh = cute.zipped_divide(cute.make_tensor(pshared, cute.make_layout(t_rows * h)), (vec,))
+        sh = _load_f32(gsh, t * nvec + hv, vec)
+        for j in range_constexpr(vec):
+            acc[j] = add_rn(acc[j], sh[j])
+    _store_bits(gout, t * nvec + hv, acc.load())
+
+
 @cute.kernel
 def combine_fwd_kernel(py: Pointer, pw: Pointer, pshared: Pointer, pout: Pointer, t_rows: Int64, h: Int64,
                        scale: Float32, k: Constexpr[int], vec: Constexpr[int],
@@ -47,24 +75,7 @@ def combine_fwd_kernel(py: Pointer, pw: Pointer, pshared: Pointer, pout: Pointer
     if hv < nvec:
         gy = cute.zipped_divide(cute.make_tensor(py, cute.make_layout(t_rows * k * h)), (vec,))
         mw = cute.make_tensor(pw, cute.make_layout(t_rows * k))
-        gout = cute.zipped_divide(cute.make_tensor(pout, cute.make_layout(t_rows * h)), (vec,))
-        acc = cute.make_rmem_tensor((vec,), Float32)
-        for kk in range_constexpr(k):
-            yk = _load_f32(gy, (t * k + kk) * nvec + hv, vec)
-            wk = mw[t * k + kk]
-            for j in range_constexpr(vec):
-                if const_expr(kk == 0):
-                    acc[j] = mul_rn(wk, yk[j])
-                else:
-                    acc[j] = add_rn(acc[j], mul_rn(wk, yk[j]))
-        for j in range_constexpr(vec):
-            acc[j] = mul_rn(acc[j], scale)
-        if const_expr(has_shared):
-            gs = cute.zipped_divide(cute.make_tensor(pshared, cute.make_layout(t_rows * h)), (vec,))
-            sh = _load_f32(gs, t * nvec + hv, vec)
-            for j in range_constexpr(vec):
-                acc[j] = add_rn(acc[j], sh[j])
-        _store_bits(gout, t * nvec + hv, acc.load())
+        _combine_token(gy, mw, mw, pshared, pout, t, t_rows, h, hv, scale, k, vec, has_shared, False)
 
 
 @cute.kernel
@@ -81,24 +92,7 @@ def combine_gather_fwd_kernel(pyp: Pointer, prow: Pointer, pw: Pointer, pshared:
         gyp = cute.zipped_divide(cute.make_tensor(pyp, cute.make_layout(n_rows * h)), (vec,))
         mrow = cute.make_tensor(prow, cute.make_layout(t_rows * k))
         mw = cute.make_tensor(pw, cute.make_layout(t_rows * k))
-        gout = cute.zipped_divide(cute.make_tensor(pout, cute.make_layout(t_rows * h)), (vec,))
-        total = cute.make_rmem_tensor((vec,), Float32)
-        for s in range_constexpr(k):
-            w_slot = mw[t * k + s]
-            y_row = _load_f32(gyp, Int64(mrow[t * k + s]) * nvec + hv, vec)
-            for j in range_constexpr(vec):
-                if const_expr(s == 0):
-                    total[j] = mul_rn(w_slot, y_row[j])
-                else:
-                    total[j] = add_rn(total[j], mul_rn(w_slot, y_row[j]))
-        for j in range_constexpr(vec):
-            total[j] = mul_rn(total[j], scale)
-        if const_expr(has_shared):
-            gsh = cute.zipped_divide(cute.make_tensor(pshared, cute.make_layout(t_rows * h)), (vec,))
-            shv = _load_f32(gsh, t * nvec + hv, vec)
-            for j in range_constexpr(vec):
-                total[j] = add_rn(total[j], shv[j])
-        _store_bits(gout, t * nvec + hv, total.load())
+        _combine_token(gyp, mrow, mw, pshared, pout, t, t_rows, h, hv, scale, k, vec, has_shared, True)
 
 
 @cute.kernel
