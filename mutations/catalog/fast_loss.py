@@ -30,7 +30,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "cross_entropy.fast_mean_over_t", GLUE,
-        "    loss = per_row.sum() / n_kept.clamp_min(1).to(torch.float32)",
+        "    loss = per_row.sum() / denom",
         "    loss = per_row.sum() / max(t, 1)",
         "the mean divides by all tokens, ignored ones included", TESTS, ("cross_entropy",), device="gpu",
     ),

@@ -55,7 +55,8 @@ def _fused_impl(h: Tensor, w_out: Tensor, targets: Tensor, ignore_index: int, ch
     h, w_out = h.contiguous(), w_out.contiguous()
     kept = targets != ignore_index
     n_kept = kept.sum()
-    coef = (1.0 / n_kept.clamp_min(1).to(torch.float32)).reshape(1)
+    denom = n_kept.clamp_min(1).to(torch.float32)
+    coef = (1.0 / denom).reshape(1)
     tgt = torch.where(kept, torch.where((targets < 0) | (targets >= v), v, targets), -1).to(torch.int32)
     per_row = torch.zeros(t, dtype=torch.float32, device=h.device)
     dh = torch.empty((t, hd) if grad else (0, hd), dtype=torch.float32, device=h.device)
@@ -73,7 +74,7 @@ def _fused_impl(h: Tensor, w_out: Tensor, targets: Tensor, ignore_index: int, ch
                 dlogits = logits.view(torch.bfloat16)[:, :v]
                 torch.mm(dlogits, w_out, out_dtype=torch.float32, out=dh[start:start + n])
                 torch.addmm(dw32, dlogits.T, hc, out_dtype=torch.float32, out=dw32)
-    loss = per_row.sum() / n_kept.clamp_min(1).to(torch.float32)
+    loss = per_row.sum() / denom
     return loss, dh, dw32
 
 
