@@ -91,9 +91,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if world > 1:
-        dist.init_process_group("nccl" if cfg.train.device == "cuda" else "gloo")
         if cfg.train.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cfg.train.device == "cuda" else "gloo")
     try:
         result = train(cfg, build_model(cfg), steps=optim_steps(cfg), device=cfg.train.device, rank=rank,
                        world=world)

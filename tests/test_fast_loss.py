@@ -122,6 +122,8 @@ def test_cpu_tensors_are_refused_naming_reference() -> None:
     (lambda: fast.cross_entropy(torch.ones(3, 8).bfloat16(),
                                 torch.ones(1, 8).bfloat16().expand(2**31 - fast.THREADS * fast.UNROLL + 1, 8),
                                 torch.zeros(3, dtype=torch.int64)), "int32 column index"),
+    (lambda: fast.cross_entropy(torch.ones(3, 8).bfloat16(), torch.ones(0, 8).bfloat16(),
+                                torch.zeros(3, dtype=torch.int64)), "vocab 0"),
 ])
 def test_bad_arguments_fail_loud_with_the_fix(call: Callable[[], object], match: str) -> None:
     with pytest.raises(ValueError, match=match):

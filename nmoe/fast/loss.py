@@ -38,6 +38,8 @@ def _check(h: Tensor, w_out: Tensor, targets: Tensor, chunk: int) -> None:
     if h.dtype != torch.bfloat16 or w_out.dtype != torch.bfloat16:
         raise ValueError(f"cross_entropy: the fast path takes bf16 h and w_out, got {h.dtype} and "
                          f"{w_out.dtype}; cast them, or use nmoe.reference.loss")
+    if w_out.shape[0] == 0:
+        raise ValueError("cross_entropy: w_out has no rows (vocab 0); every kept target is out of range")
     if w_out.shape[0] > 2**31 - THREADS * UNROLL:
         raise ValueError(f"cross_entropy: vocab {w_out.shape[0]} exceeds {2**31 - THREADS * UNROLL}: the "
                          "kernel's int32 column index runs to V rounded up to whole "
