@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nmoe.abtest import tree_pythonpath
+
 TREE: tuple[str, ...] = ("nmoe", "parity", "mutations", "tests", "configs", "pyproject.toml", "conftest.py")
 PYTEST_FLAGS: tuple[str, ...] = ("-x", "-q", "-p", "no:cacheprovider", "-rfE", "--tb=short")
 OUTCOME_PLUGIN: tuple[str, ...] = ("-p", "mutations.outcome")
@@ -81,8 +83,7 @@ def compile_error(path: Path) -> str | None:
 
 def child_env(copy: Path, device: str, threads: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
-    old = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = str(copy) + (os.pathsep + old if old else "")
+    env["PYTHONPATH"] = tree_pythonpath(copy, env.get("PYTHONPATH"))
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     env["COLUMNS"] = "200"
     env.setdefault("OMP_NUM_THREADS", str(threads))

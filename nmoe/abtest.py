@@ -62,6 +62,13 @@ def verdict(base: Sequence[float], new: Sequence[float], aa: Sequence[float],
 SIDES: Final = ("base", "new", "aa")
 
 
+def tree_pythonpath(tree: Path, inherited: str | None) -> str:
+    """`tree` first, then the inherited entries (where installed packages such as CuTeDSL may live) except
+    those that hold another checkout's `nmoe`, which would shadow the tree's own code."""
+    keep = [e for e in (inherited or "").split(os.pathsep) if e and not (Path(e) / "nmoe").is_dir()]
+    return os.pathsep.join([str(tree), *keep])
+
+
 class Worker:
     """One tree's bench worker (`bench/abrows.py`) in its own process, with its own kernel cache directory so
     two trees never share compiled kernels; it answers one command at a time."""
@@ -70,8 +77,8 @@ class Worker:
         from nmoe.fast.runtime import CACHE_ENV
 
         self.side, self.log = side, work / f"{side}.log"
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", CACHE_ENV)}
-        env.update(PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
+        env = {k: v for k, v in os.environ.items() if k != CACHE_ENV}
+        env.update(PYTHONPATH=tree_pythonpath(tree, env.get("PYTHONPATH")), PYTHONDONTWRITEBYTECODE="1")
         env[CACHE_ENV] = str(work / f"kernels-{side}")
         with self.log.open("w") as log:
             self.proc = subprocess.Popen([sys.executable, str(script)], cwd=tree, env=env,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
-from nmoe.abtest import MIN_REPS
+from nmoe.abtest import MIN_REPS, tree_pythonpath
 from nmoe.provestage import Plan, StageError, apply_mutant, export, mutant_file, stage, unstage
 
 CATALOG_FILE: Final = re.compile(r"^mutations/catalog/(?!__init__)(\w+)\.py$")
@@ -147,12 +147,13 @@ def gpu_arch() -> tuple[str | None, str]:
 
 
 def tree_env(tree: Path, plan: Plan, cache: Path) -> dict[str, str]:
-    """The environment of a command run in `tree`: that tree's code only, the plan's commit for provenance
+    """The environment of a command run in `tree`: that tree's code first, the plan's commit for provenance
     (the tree has no git), and a kernel cache of its own, so trees never share compiled kernels."""
     from nmoe.fast.runtime import CACHE_ENV
 
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1", NMOE_GIT_SHA=plan.head,
+    env = dict(os.environ)
+    env.update(PYTHONPATH=tree_pythonpath(tree, env.get("PYTHONPATH")), PYTHONDONTWRITEBYTECODE="1",
+               NMOE_GIT_SHA=plan.head,
                NMOE_GIT_DIRTY="1" if plan.dirty or plan.edit else "0")
     env[CACHE_ENV] = str(cache)
     return env
@@ -216,12 +217,12 @@ def run_parity(tree: Path, env: Mapping[str, str], ops: Sequence[str], known: Se
 
 def run_mutants(tree: Path, env: Mapping[str, str], ops: Sequence[str],
                 catalog: Sequence[tuple[str, list[str]]], opt: Options, arch: str | None,
-                why: str) -> dict[str, Any]:
+                why: str, applied: str = "") -> dict[str, Any]:
     """The new tree's catalog mutants whose `contracts` name a touched op: CPU mutants on a CPU, all of them
-    on a GPU."""
+    on a GPU; the mutant `applied` to the tree is left out (its anchor is gone from the mutated source)."""
     if not opt.mutants:
         return {"status": "not run", "reason": SKIPPED.format(flag="--no-mutants"), "mutants": []}
-    chosen = [i for i, contracts in catalog if set(contracts) & set(ops)]
+    chosen = [i for i, contracts in catalog if set(contracts) & set(ops) and i != applied]
     if not chosen:
         return {"status": "not run", "reason": "no mutant names these ops in its contracts",
                 "mutants": []}
@@ -372,7 +373,7 @@ def execute(p: Plan, trees: Mapping[str, Path], opt: Options, command: str, work
         env = tree_env(trees["new"], p, work / "kernels-new")
         known, catalog = inventory(trees["new"], env)
         sections = {"parity": run_parity(trees["new"], env, names, known, opt, arch, why),
-                    "mutation": run_mutants(trees["new"], env, names, catalog, opt, arch, why),
+                    "mutation": run_mutants(trees["new"], env, names, catalog, opt, arch, why, p.edit),
                     "bench": run_bench(trees, names, opt, arch, work)}
     else:
         why = "no op touched"

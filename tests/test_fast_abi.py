@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+from nmoe.abtest import tree_pythonpath
+
 ROOT = Path(__file__).resolve().parents[1]
 BF = torch.bfloat16
 
@@ -177,7 +179,7 @@ def probe(arch: str) -> dict[str, Any]:
 
 def _run(arch: str) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}
-    env.update(PYTHONPATH=str(ROOT), CUTE_DSL_ARCH=arch)
+    env.update(PYTHONPATH=tree_pythonpath(ROOT, env.get("PYTHONPATH")), CUTE_DSL_ARCH=arch)
     code = f"import json, tests.test_fast_abi as t; print(json.dumps(t.probe({arch!r})))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=600)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from bench.hostcpu import cpu_as_gpu, host_us, steps
+from nmoe.abtest import tree_pythonpath
 from nmoe.fast import activation, op
 from nmoe.fast.gemm import routing
 from nmoe.fast.gemm import sm90 as gemm
@@ -329,7 +330,7 @@ def test_launcher_hands_a_jit_executor_its_own_argument_array() -> None:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    env = {**os.environ, "PYTHONPATH": tree_pythonpath(root, os.environ.get("PYTHONPATH"))}
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_EXECUTOR_PROBE)], capture_output=True,
                           text=True, env=env, cwd=root, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

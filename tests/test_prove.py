@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from nmoe import prove
-from nmoe.abtest import order, run_ab, verdict
+from nmoe.abtest import order, run_ab, tree_pythonpath, verdict
 from nmoe.provereport import markdown
 from nmoe.provestage import export
 
@@ -305,3 +305,26 @@ def test_gpu_ab_double_launch_is_slower_and_aa_is_within_noise(tmp_path: Path) -
     assert same["verdict"] == "within noise", same
     [aa] = run_ab(script, {"base": base, "new": base}, {"relu2_fwd": ("relu2", 0.01)}, 8, tmp_path / "aa")
     assert aa["verdict"] == "within noise", aa
+
+
+def test_tree_env_keeps_installed_packages_but_not_another_checkout(tmp_path: Path) -> None:
+    other, site, tree = tmp_path / "other", tmp_path / "site", tmp_path / "tree"
+    (other / "nmoe").mkdir(parents=True)
+    (site / "cutlass").mkdir(parents=True)
+    path = tree_pythonpath(tree, os.pathsep.join([str(other), str(site)]))
+    assert path.split(os.pathsep) == [str(tree), str(site)]
+    assert tree_pythonpath(tree, None) == str(tree)
+
+
+def test_the_applied_mutant_is_left_out_of_its_trees_catalog_run(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[str] = []
+
+    def fake_in_tree(tree: Path, env: object, args: list[str], timeout: float) -> tuple[int, str, str]:
+        seen.append(args[args.index("--only") + 1])
+        return 2, "", "stop here"
+
+    monkeypatch.setattr(prove, "in_tree", fake_in_tree)
+    catalog = [("relu2.square_dropped", ["relu2"]), ("relu2.tail", ["relu2"])]
+    prove.run_mutants(REPO, {}, ["relu2"], catalog, prove.Options(None, tmp_path), None, "", "relu2.tail")
+    assert seen == ["relu2.square_dropped"]
