@@ -429,7 +429,7 @@ def test_overflow_raises_with_the_numbers(w: int) -> None:
 def test_silent_peer_times_out_naming_the_rank() -> None:
     from nmoe.fast.rdep import spmd as ranks
 
-    shape = fast.RdepShape(world=2, n_experts=4, tokens=8, top_k=2, hidden=16, dtype=torch.bfloat16,
+    shape = fast.RdepShape(world=2, n_experts=4, tokens=8, top_k=2, hidden=40, dtype=torch.bfloat16,
                            capacity=32, timeout_s=1.0)
     xs, ids = _routes(2, 2, 8, 2, "uniform", 6)
     pool = ranks.Pool(ranks.placement(2, spmd.placement_kind()))
