@@ -46,6 +46,23 @@ def d(x: Tensor) -> Tensor:
     return x.to(F64)
 
 
+def _grid_exponent(v: Tensor) -> int:
+    """The least k with every entry of v times 2**k an integer (v holds low-precision values)."""
+    for k in range(0, 200):
+        if bool((torch.frac(v * 2.0**k) == 0).all()):
+            return k
+    raise ValueError("values are not on a binary grid finer than 2**-200")
+
+
+def fp32_dot_exact(a: Tensor, b: Tensor) -> bool:
+    """True when every partial sum of every row of a @ b.T is a multiple of one grid unit below 2**24 units,
+    so fp32 accumulation in any order (split, tree, tensor-core) is exact."""
+    a64, b64 = d(a), d(b)
+    unit = 2.0 ** -(_grid_exponent(a64) + _grid_exponent(b64))
+    worst = float((a64.abs() @ b64.abs().T).max()) if a64.numel() and b64.numel() else 0.0
+    return worst / unit < 2.0**24
+
+
 def spec_out(x64: Tensor, dtype: torch.dtype) -> Expect:
     """Exact expected bits: x64 rounded once to the output dtype, every NaN the positive quiet NaN
     (0x7FC0 bf16, 0x7FC00000 fp32), as docs/spec-corners.md pins for bitwise float outputs."""

@@ -202,3 +202,32 @@ def test_negative_nan_reaches_e4m3(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(ref_fmt, "quantize_mxfp8", _mxfp8_unsigned_nan)
     bad = _failed(_selfcheck(tmp_path, "quantize_mxfp8_32", cases=1))
     assert bad and all(c["case"].startswith("adv:nan") for c in bad)
+
+
+def _fp32_sums(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """a @ b.T accumulated in fp32 left to right and right to left."""
+    prods = (a.double()[:, None, :] * b.double()[None, :, :]).to(torch.float32)
+    fwd, rev = torch.zeros(prods.shape[:2]), torch.zeros(prods.shape[:2])
+    for j in range(prods.shape[2]):
+        fwd = fwd + prods[..., j]
+        rev = rev + prods[..., -1 - j]
+    return fwd, rev
+
+
+def test_fp32_dot_exact_holds_only_where_every_order_is_exact() -> None:
+    from parity.oracles import fp32_dot_exact
+
+    g = torch.Generator().manual_seed(3)
+    grid = (torch.round(torch.randn(4, 512, generator=g) * 32).clamp(-127, 127) / 32).bfloat16()
+    signs = (torch.randint(-1, 2, (3, 512), generator=g) * 2.0**-5).bfloat16()
+    fwd, rev = _fp32_sums(grid, signs)
+    assert fp32_dot_exact(grid, signs)
+    assert torch.equal(fwd.double(), grid.double() @ signs.double().T) and torch.equal(fwd, rev)
+    wide = torch.randn(4, 512, generator=g).bfloat16()
+    fwd, rev = _fp32_sums(wide, torch.randn(3, 512, generator=g).bfloat16())
+    assert not torch.equal(fwd, rev)
+    assert not fp32_dot_exact(wide, torch.randn(3, 512, generator=g).bfloat16())
+    ones = torch.ones(1, 3)
+    assert fp32_dot_exact(torch.tensor([[2.0**23, 2.0**22, 1.0]]), ones)
+    assert not fp32_dot_exact(torch.tensor([[2.0**23, 2.0**23, 1.0]]), ones)
+    assert float(torch.tensor(2.0**24, dtype=torch.float32) + 1) == 2.0**24

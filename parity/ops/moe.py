@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from parity.oracles import (
     F64,
     Expect,
     d,
+    fp32_dot_exact,
     sigmoid64,
 )
 
@@ -64,7 +66,9 @@ def space_moe(big: bool) -> st.SearchStrategy[dict[str, Any]]:
 
 
 def make_moe_layer(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
-    """adv=ties: bias 0 and every other token 0, so its logits are exactly 0 and every expert ties."""
+    """x on the 2**-5 grid and router weights in {-1, 0, 1} * 2**-s: the router's fp32 sums are exact in any
+    order, so fast and spec route alike (logit rounding is router_logits' contract); adv=ties: bias 0 and
+    every other token 0, so its logits are exactly 0 and every expert ties."""
     from nmoe.config import ModelConfig
     from nmoe.layout import MoEParams
 
@@ -92,8 +96,10 @@ def make_moe_layer(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
         bias = -torch.log1p(torch.randperm(e, generator=g).to(torch.float32))
     elif adv == "ties":
         bias = torch.zeros_like(bias)
+    step = 2.0 ** -round(math.log2(dd) / 2)
+    router_w = (torch.randint(-1, 2, (e, dd), generator=g) * step).to(bf)
     params = MoEParams(
-        router_w=randn([e, dd], bf, g, dd**-0.5),
+        router_w=router_w,
         router_bias=bias,
         w2=randn([e, dd, i], bf, g, i**-0.5),
         w13=w_up if act == "swiglu" else None,
@@ -102,7 +108,7 @@ def make_moe_layer(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
         shared_w1=None if act == "swiglu" else sh_up,
         shared_w2=randn([dd, i * s], bf, g, (i * s) ** -0.5) if s else None,
     )
-    x = randn([t, dd], bf, g)
+    x = (torch.round(randn([t, dd], F64, g) * 32).clamp(-127, 127) / 32).to(bf)
     if adv == "zero":
         x = torch.zeros_like(x)
     elif adv == "ties":
@@ -145,7 +151,7 @@ def moe_layer(inp: Inputs, c: Contract) -> list[Expect | None]:
     x, p, cfg = inp.args
     xd, wr = d(x), d(p.router_w)
     logits = xd @ wr.T
-    rad = (x.shape[1] + 2) * U_FP32 * (xd.abs() @ wr.abs().T)
+    rad = 0.0 if fp32_dot_exact(x, p.router_w) else (x.shape[1] + 2) * U_FP32 * (xd.abs() @ wr.abs().T)
     k, e = cfg.n_activated_experts, cfg.n_routed_experts
     lo, hi = fp32_down(logits - rad), fp32_up(logits + rad)
     ids = route_ids(lo, hi, p.router_bias, k, cfg.score_func, cfg.n_expert_groups, cfg.n_limited_groups)
@@ -172,6 +178,7 @@ ENTRIES: list[OpEntry] = [
         output_names=("out", "weights", "ids", "counts"),
         output_contracts={1: BITWISE},
         adversarial=("zero", "ties", "single_token", "k1", "zipf"),
-        note="bf16 experts; routing bitwise, output ratio(2) against a bf16 torch composition",
+        note="bf16 experts; router inputs where fp32 sums are exact, so routing and weights are bitwise; "
+        "output ratio(2) against a bf16 torch composition",
     ),
 ]
