@@ -1,7 +1,7 @@
 """MLA attention: ratio contract against a bf16 torch baseline; ref64 is the spec on fp64 inputs.
 
 Why ratio(2) and not a fixed bound: the fast path rounds q, k, v, the probabilities and every projection
-to bf16 (2^-9 relative each), and how that propagates through softmax depends on the score spread; the
+to bf16 (up to 2^-8 relative each), and how that propagates through softmax depends on the score spread; the
 same math in bf16 torch ops (the FlashAttention test's baseline) carries the same roundings and more, so
 twice its max-norm error from the float64 spec, plus one bf16 ULP of max|ref64|, bounds any correct bf16
 implementation, while a masking, scaling or rope defect moves the output by far more

@@ -38,10 +38,10 @@ CE = bound_contract(1, 2, note="fp32 GEMM (u = 2^-24, K = D) through logsumexp; 
 CE_BWD = bound_contract(
     1,
     2,
-    note="fp32 dlogits rounded once to bf16 (the fast path feeds them to bf16 GEMMs: 2^-9 relative, "
-    "2^15 u), then fp32 GEMMs over V (dh) and T (dw); see cross_entropy_bwd",
+    note="fp32 dlogits rounded once to bf16 (the fast path feeds them to bf16 GEMMs: 2^-8 relative, "
+    "2^16 u), then fp32 GEMMs over V (dh) and T (dw); see cross_entropy_bwd",
 )
-BF16_IN_U = 2.0**15  # bf16 unit roundoff 2^-9 in units of u = 2^-24
+BF16_IN_U = 2.0**16  # bf16 unit roundoff 2^-8 (8 significant bits) in units of u = 2^-24
 
 
 def space_ce(big: bool) -> st.SearchStrategy[dict[str, Any]]:
@@ -123,7 +123,7 @@ def cross_entropy(inp: Inputs, c: Contract) -> list[Expect | None]:
 
 def cross_entropy_bwd(inp: Inputs, c: Contract) -> list[Expect | None]:
     """dlogits = dloss*(p - onehot)/N; its error (units of u) is coef*p*(2*lerr + V + 8) + 2|dlogits|, plus
-    2^15|dlogits| for its one rounding to bf16 (the GEMM operand); the two GEMMs add V (dh) and T (dw)."""
+    2^16|dlogits| for its one rounding to bf16 (the GEMM operand); the two GEMMs add V (dh) and T (dw)."""
     dloss = float(inp.args[0])
     shifted = Inputs(inp.args[1:], inp.kwargs, inp.shape, inp.dtype)
     h, w = d(inp.args[1]), d(inp.args[2])
