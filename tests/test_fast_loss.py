@@ -152,6 +152,26 @@ def test_bwd_contract_carries_the_bf16_dlogits_rounding() -> None:
         assert bound(got, e.value, gemm_radius(pl.CE_BWD, e.mag, e.k), pl.CE_BWD.n).passed
 
 
+def test_bwd_budget_covers_a_probability_flushed_to_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Logits 0 and -96: p = e^-96 ~ 2e-42 lies below fp32's least normal, where a flush-to-zero exp (as
+    GPU kernels use) returns 0; dw's row 1 is then 0 instead of ~1.3e-40, an absolute error no relative
+    budget covers. The underflow terms admit it; without them the same output fails."""
+    h = torch.tensor([[64.0]]).bfloat16()
+    w = torch.tensor([[0.0], [-1.5]]).bfloat16()
+    inp = Inputs((1.0, h, w, torch.tensor([0]), IGN, 4))
+    ftz_dw = torch.zeros(2, 1).bfloat16()
+
+    def verdict() -> bool:
+        _, e = pl.cross_entropy_bwd(inp, pl.CE_BWD)
+        assert e is not None and e.mag is not None
+        assert float(e.value[1, 0]) > float(torch.finfo(torch.bfloat16).smallest_normal) * 2.0**-8
+        return bound(ftz_dw, e.value, gemm_radius(pl.CE_BWD, e.mag, e.k), pl.CE_BWD.n).passed
+
+    assert verdict()
+    for name in ("TINY_U", "BF16_SUB_U", "F32_SUB_U"):
+        monkeypatch.setattr(pl, name, 0.0)
+    assert not verdict()
+
 def test_bf16_rounding_budget_covers_every_fp32_to_bf16_rounding() -> None:
     """ml_dtypes rounds every fp32 mantissa of one binade (scale-free): the worst relative error is just
     under 2^-8, twice the 2^-9 a half-ULP-at-the-top estimate gives, and inside BF16_IN_U."""

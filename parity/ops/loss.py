@@ -42,6 +42,9 @@ CE_BWD = bound_contract(
     "2^16 u), then fp32 GEMMs over V (dh) and T (dw); see cross_entropy_bwd",
 )
 BF16_IN_U = 2.0**16  # bf16 unit roundoff 2^-8 (8 significant bits) in units of u = 2^-24
+TINY_U = 2.0**-102  # a value below fp32's least normal 2^-126 flushed to zero (FTZ exp, MMA), in units of u
+BF16_SUB_U = 2.0**-110  # half of bf16's subnormal spacing 2^-133: a dlogit's absolute rounding there
+F32_SUB_U = 2.0**-126  # half of fp32's subnormal spacing 2^-149
 
 
 def space_ce(big: bool) -> st.SearchStrategy[dict[str, Any]]:
@@ -123,7 +126,9 @@ def cross_entropy(inp: Inputs, c: Contract) -> list[Expect | None]:
 
 def cross_entropy_bwd(inp: Inputs, c: Contract) -> list[Expect | None]:
     """dlogits = dloss*(p - onehot)/N; its error (units of u) is coef*p*(2*lerr + V + 8) + 2|dlogits|, plus
-    2^16|dlogits| for its one rounding to bf16 (the GEMM operand); the two GEMMs add V (dh) and T (dw)."""
+    2^16|dlogits| for its one rounding to bf16 (the GEMM operand) and the absolute errors of underflow (p
+    flushed below 2^-126, subnormal roundings); the two GEMMs add V (dh) and T (dw), each product flushable.
+    """
     dloss = float(inp.args[0])
     shifted = Inputs(inp.args[1:], inp.kwargs, inp.shape, inp.dtype)
     h, w = d(inp.args[1]), d(inp.args[2])
@@ -137,8 +142,10 @@ def cross_entropy_bwd(inp: Inputs, c: Contract) -> list[Expect | None]:
     g = torch.where(kept[:, None], (probs - onehot) * coef, 0.0)
     delta = torch.where(kept[:, None], abs(coef) * probs * (2 * lerr[:, None] + probs.shape[1] + 8), 0.0)
     delta = delta + (2 + BF16_IN_U) * g.abs()
-    mag_dh = delta @ w.abs() + probs.shape[1] * (g.abs() @ w.abs())
-    mag_dw = delta.T @ h.abs() + h.shape[0] * (g.abs().T @ h.abs())
+    delta = delta + torch.where(kept[:, None], abs(coef) * TINY_U + BF16_SUB_U + 2 * F32_SUB_U, 0.0)
+    v, t = probs.shape[1], h.shape[0]
+    mag_dh = delta @ w.abs() + v * (g.abs() @ w.abs()) + v * TINY_U
+    mag_dw = delta.T @ h.abs() + t * (g.abs().T @ h.abs()) + t * TINY_U
     return [Expect(g @ w, mag=mag_dh, k=1.0), Expect(g.T @ h, mag=mag_dw, k=1.0)]
 
 
