@@ -125,10 +125,9 @@ def cross_entropy(inp: Inputs, c: Contract) -> list[Expect | None]:
 
 
 def cross_entropy_bwd(inp: Inputs, c: Contract) -> list[Expect | None]:
-    """dlogits = dloss*(p - onehot)/N; its error (units of u) is coef*p*(2*lerr + V + 8) + 2|dlogits|, plus
-    2^16|dlogits| for its one rounding to bf16 (the GEMM operand) and the absolute errors of underflow (p
-    flushed below 2^-126, subnormal roundings); the two GEMMs add V (dh) and T (dw), each product flushable.
-    """
+    """dlogits = dloss*(p - onehot)/N, error (units of u) coef*p*(2*lerr + V + 8) + 2|dlogits|, 2^16|dlogits|
+    for its bf16 rounding, and underflow's absolute errors (p flushed below 2^-126, subnormals); the two GEMMs
+    add V (dh) and T (dw), each product flushable."""
     dloss = float(inp.args[0])
     shifted = Inputs(inp.args[1:], inp.kwargs, inp.shape, inp.dtype)
     h, w = d(inp.args[1]), d(inp.args[2])
