@@ -1,7 +1,9 @@
 """One moonlet training step (forward, backward, grad clip, AdamW, router bias update) at 2 x 4096 tokens, the
 shape issue #14 measured, on the fast path and, in the same run, on the plain-torch baseline
 (bench/torchbase.py: bf16 compute over fp32 masters, cuDNN SDPA, torch._grouped_mm experts, chunked CE,
-torch's fused AdamW); tokens/s and MFU counted as the trainer counts them.
+torch's fused AdamW); tokens/s and MFU counted as the trainer counts them. One more profiled step of the
+fast model gives the row's `breakdown` (bench/stepprofile.py): GPU time per op family and phase, each GEMM
+family's FLOP floor and AdamW's byte floor beside it.
 
 FLOP floor: nmoe.train.loop.flops_per_token (6 x active matmul parameters, experts scaled by k/E, embedding
 lookup excluded, plus causal attention) x tokens, against the bf16 dense ceiling measured in the same run;
@@ -11,14 +13,17 @@ The two models run one after the other (each holds ~70 GB of parameters, grads a
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import torch
-from conftest import cuda_median_ms, record
+from conftest import ceilings, cuda_median_ms, record
+from stepprofile import profile_step
 from torchbase import TorchMoonlet
 
 from nmoe.config import Config, load_config
@@ -43,6 +48,37 @@ def _timed(step: Callable[[], None]) -> tuple[float, float]:
     ms = cuda_median_ms(step, warmup=STEP_WARMUP, reps=STEP_REPS)
     peak = memory_stats(torch.device("cuda", torch.cuda.current_device()))["mem/max_allocated_gb"]
     return ms, peak
+
+
+def _no_phase(name: str) -> AbstractContextManager[Any]:
+    return contextlib.nullcontext()
+
+
+def _with_floors(parts: dict[str, Any], model: torch.nn.Module, cfg: Config, tokens: int) -> dict[str, Any]:
+    """Each GEMM category's FLOP floor and AdamW's byte floor beside its measured time (ceilings of this run):
+    expert matmuls 6 * params * k/E per token, other matmuls (head, router included) 6 * params, attention
+    as flops_per_token counts it; AdamW reads p, g, m, v and writes p, m, v in fp32 (28 B per parameter)."""
+    from nmoe.train.optim import param_kind
+
+    m = cfg.model
+    expert = dense = every = 0.0
+    for name, p in model.named_parameters():
+        every += p.numel()
+        if p.dim() < 2 or "embed" in name:
+            continue
+        if param_kind(name, p) == "expert":
+            expert += p.numel() * m.n_activated_experts / m.n_routed_experts
+        else:
+            dense += p.numel()
+    attn = 3.0 * m.n_layers * cfg.data.seq_len * m.n_heads * (m.qk_head_dim + m.v_head_dim)
+    ceil = ceilings()
+    flops = {"expert_gemm": 6 * expert * tokens, "dense_gemm": 6 * dense * tokens, "attention": attn * tokens}
+    for cat, f in flops.items():
+        parts["categories"].setdefault(cat, {"ms": 0.0, "launches": 0, "share": 0.0})
+        parts["categories"][cat]["floor_ms"] = f / (ceil["bf16_dense_TFLOPs"] * 1e12) * 1e3
+    parts["categories"].setdefault("adamw", {"ms": 0.0, "launches": 0, "share": 0.0})
+    parts["categories"]["adamw"]["floor_ms"] = 28 * every / (ceil["hbm_copy_TBps"] * 1e12) * 1e3
+    return parts
 
 
 def _torch_step_ms(cfg: Config) -> tuple[float, float]:
@@ -80,15 +116,21 @@ def test_bench_train_step_moonlet(benchmark: Any) -> None:
     params = [p for g in opt.param_groups for p in g["params"]]
     inputs, targets = _batch(cfg)
 
-    def step() -> None:
-        loss = model(inputs, targets)
-        loss.backward()
-        clip_grad_norm(params, cfg.optim.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        model.update_router_bias(model.router_counts())
+    def step(phase: Callable[[str], AbstractContextManager[Any]] = _no_phase) -> None:
+        with phase("forward"):
+            loss = model(inputs, targets)
+        with phase("backward"):
+            loss.backward()
+        with phase("clip"):
+            clip_grad_norm(params, cfg.optim.grad_clip)
+        with phase("optimizer"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        with phase("bias_update"):
+            model.update_router_bias(model.router_counts())
 
     ms, peak_gb = _timed(step)
+    parts = profile_step(step)
     fpt, peak = flops_per_token(model, cfg), peak_flops(torch.device("cuda", torch.cuda.current_device()))
     n = b * s
     row = record("train_step_moonlet", {"B": b, "S": s}, ms, flops=fpt * n,
@@ -100,6 +142,7 @@ def test_bench_train_step_moonlet(benchmark: Any) -> None:
     row["flops_per_token"] = fpt
     row["peak_flops"] = peak
     row["timing"] = "eager, CUDA events around the whole step (host syncs of clip and optimizer included)"
+    row["breakdown"] = _with_floors(parts, model, cfg, n)
     benchmark.extra_info.update(row)
 
     def run() -> None:

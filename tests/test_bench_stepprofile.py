@@ -1,0 +1,36 @@
+"""The step breakdown's grouping: kernel names as the profiler reports them land in the right op family."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.stepprofile import PHASES, breakdown, categorize
+
+
+@pytest.mark.parametrize(("kernel", "family"), [
+    ("kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_object_at_0", "attention"),
+    ("kernel_cutlass_grouped_gemm_kernel_nmoefastkernelssm90grouped_gemm_0", "expert_gemm"),
+    ("kernel_cutlass_grouped_wgrad_kernel_0", "expert_gemm"),
+    ("nvjet_sm90_tst_256x128_64x4_2x1_v_bz_coopA_TNT", "dense_gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "dense_gemm"),
+    ("kernel_cutlass_adamw_kernel_0", "adamw"),
+    ("kernel_cutlass_ce_fwd_kernel_0", "cross_entropy_rows"),
+    ("kernel_cutlass_combine_gather_fwd_kernel_0", "dispatch_combine"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>",
+     "copy_cast_elementwise"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<LpMaxFunctor>", "norms_reductions"),
+    ("Memcpy DtoD (Device -> Device)", "copy_cast_elementwise"),
+    ("some_unknown_kernel", "other"),
+])
+def test_kernel_names_fall_in_their_family(kernel: str, family: str) -> None:
+    assert categorize(kernel) == family
+
+
+def test_breakdown_sums_shares_and_busy_time() -> None:
+    kernels = [("nvjet_a", 3.0), ("nvjet_a", 1.0), ("flash_fwd", 2.0), ("mystery", 2.0)]
+    got = breakdown(kernels, {"forward": 5.0, "backward": 3.0}, step_ms=10.0, top=2)
+    assert got["kernel_ms"] == 8.0 and got["busy"] == 0.8
+    assert got["categories"]["dense_gemm"] == {"ms": 4.0, "launches": 2, "share": 0.5}
+    assert next(iter(got["categories"])) == "dense_gemm"
+    assert got["phases_ms"] == {p: {"forward": 5.0, "backward": 3.0}.get(p, 0.0) for p in PHASES}
+    assert [k["name"] for k in got["top_kernels"]] == ["nvjet_a", "flash_fwd"]
