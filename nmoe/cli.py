@@ -14,7 +14,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("nmoe.traincli", "main", "train from a TOML config (fast path; CPU spec model only by name)"),
     "prep": ("nmoe.data.prep", "main", "tokenize text into uint32 shards with a manifest"),
     "runs": ("nmoe.train.metrics", "runs_main", "list experiment runs"),
-    "metrics": ("nmoe.train.metrics", "metrics_main", "summarise one run's metrics"),
+    "metrics": ("nmoe.runreport", "main", "one run's metrics: a table, a PNG over steps and a report JSON"),
     "plots": ("nmoe.plots", "main", "plot bench results and a run's metrics as PNGs with an index page"),
     "prove": ("nmoe.prove", "main", "prove a change: parity, mutants and A/B bench of the ops it touches"),
     "report": ("nmoe.reportindex", "main", "index the committed reports per op: newest, sha, dirty, stale"),

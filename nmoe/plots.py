@@ -31,7 +31,8 @@ Series = dict[str, list[tuple[int, float]]]
 NOT_TIMINGS: Final = frozenset({"not run", "error", "summary"})
 DERIVED_SIZES: Final = frozenset({"M", "N", "Kred", "R", "align"})
 MOE_LAYER_PREFIX: Final = "moe_layer"
-TRAINING_TAGS: Final = (("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"))
+TRAINING_TAGS: Final = (("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"),
+                        ("mfu", "MFU"))
 ROUTER_STATS: Final = (("max_load", "max load / mean load"), ("load_cv", "load CV (std / mean)"),
                        ("entropy", "load entropy / log E"))
 
@@ -167,7 +168,7 @@ def plot_moe(rows: Sequence[Row], title: str, path: Path) -> Path:
     return _save(fig, path)
 
 
-def _slug(text: str) -> str:
+def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text)
 
 
@@ -184,7 +185,7 @@ def load_results(path: Path) -> dict[str, Any]:
 def bench_sections(path: Path, out: Path) -> list[Section]:
     """Plots of one results file, one section per kind; a kind without rows gets a line saying so."""
     doc = load_results(path)
-    stem, rows = _slug(path.stem), doc.get("results")
+    stem, rows = slug(path.stem), doc.get("results")
     if not isinstance(rows, list):
         return [Section(path.name, (Entry("no `results` list (not a `nmoe bench --out` file); "
                                           "nothing plotted"),))]
@@ -202,10 +203,10 @@ def bench_sections(path: Path, out: Path) -> list[Section]:
     elif memory:
         mem_entries = [Entry("memory-bound rows but no `ceilings.hbm_copy_TBps`; nothing plotted")]
     gemm = [Entry(f"{fam} vs its baselines", plot_gemm(fr, dense_ceilings(fr, ceil), f"{path.name}: {fam}",
-                                                       out / f"{stem}.gemm.{_slug(fam)}.png"), image=True)
+                                                       out / f"{stem}.gemm.{slug(fam)}.png"), image=True)
             for fam, fr in by["gemm"].items()]
     moe = [Entry(f"{fam} vs its baselines", plot_moe(fr, f"{path.name}: {fam}",
-                                                     out / f"{stem}.moe.{_slug(fam)}.png"), image=True)
+                                                     out / f"{stem}.moe.{slug(fam)}.png"), image=True)
            for fam, fr in by["moe"].items()]
     return [
         Section(f"{path.name}: memory-bound kernels", tuple(mem_entries)),
@@ -296,9 +297,9 @@ def plot_expert_load(loads: Mapping[str, Mapping[int, list[tuple[int, float]]]],
 def training_sections(series: Series, run_id: str, out: Path) -> list[Section]:
     """Loss, lr and tokens/s over steps; per-layer router load and per-expert load over steps (the router's
     health)."""
-    stem = _slug(run_id)
+    stem = slug(run_id)
     panels = [(label, {tag: series[tag]}) for tag, label in TRAINING_TAGS if series.get(tag)]
-    train = [Entry("loss, lr and tokens/s over steps", _steps_figure(
+    train = [Entry("loss, lr, tokens/s and MFU over steps", _steps_figure(
         panels, f"run {run_id}", out / f"{stem}.training.png"), image=True)] if panels else [
         Entry(f"run {run_id} logged none of {', '.join(t for t, _ in TRAINING_TAGS)}")]
     router: dict[str, dict[str, list[tuple[int, float]]]] = defaultdict(dict)

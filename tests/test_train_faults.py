@@ -19,9 +19,10 @@ from test_train_loop import REPO, make_cfg, run
 
 from nmoe.data import prep
 from nmoe.data.tokenizer import EOS_ID
+from nmoe.runreport import main as metrics_main
 from nmoe.train import checkpoint as ckpt
 from nmoe.train.data import DataError
-from nmoe.train.metrics import ExperimentsDB, metrics_main, runs_main
+from nmoe.train.metrics import ExperimentsDB, runs_main
 from nmoe.train.metricstore import MetricsWriter
 
 
@@ -35,7 +36,7 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 READER = textwrap.dedent("""
     import contextlib, io, sys, time
     from pathlib import Path
-    from nmoe.train.metrics import metrics_main
+    from nmoe.runreport import main as metrics_main
     run, db, ready, stop = sys.argv[1:5]
     seen, reads = 0, 0
     while True:

@@ -4,6 +4,7 @@ test repeats them with the reference model built from configs/tiny.toml."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -15,9 +16,10 @@ from torch import Tensor, nn
 
 from nmoe.config import Config, load_config
 from nmoe.data import prep
+from nmoe.runreport import main as metrics_main
 from nmoe.train import checkpoint as ckpt
 from nmoe.train.loop import TrainResult, train
-from nmoe.train.metrics import ExperimentsDB, metrics_main, runs_main
+from nmoe.train.metrics import ExperimentsDB, runs_main
 from nmoe.train.metricstore import rank_dir, visible_parts
 from nmoe.traincli import optim_steps
 
@@ -106,6 +108,12 @@ def test_twenty_steps_lower_the_loss_and_log(tmp_path: Path, dataset: Path,
                 "router/model/load_cv", "router/model/bias_range", "router/model/load/0",
                 "router/model/load/3"):
         assert f"\n{tag} " in out, out
+    report = json.loads((Path(cfg.metrics.dir) / f"{res.run_id}.report.json").read_text())
+    assert (Path(cfg.metrics.dir) / f"{res.run_id}.training.png").stat().st_size > 1000
+    assert report["run"]["id"] == res.run_id and report["exported_on"]["torch"] == torch.__version__
+    losses = [r["loss"] for r in report["steps"] if r["loss"] is not None]
+    assert losses and min(res.losses) <= losses[-1] <= max(res.losses)
+    assert report["steps"][-1]["tokens_per_s"] > 0
     assert runs_main(["--db", cfg.metrics.db_path]) == 0
     assert res.run_id in capsys.readouterr().out
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from nmoe.config import from_dict
+from nmoe.runreport import main as metrics_main
 from nmoe.train import metricstore
-from nmoe.train.metrics import ExperimentsDB, metrics_main, runs_main
+from nmoe.train.metrics import ExperimentsDB, runs_main
 from nmoe.train.metricstore import MetricsWriter, rank_dir, read_parts
 from nmoe.train.stepstats import router_stats
 

@@ -19,7 +19,7 @@ from typing import Any, Final
 
 from nmoe.config import Config, MetricsConfig, fingerprint, to_dict
 from nmoe.provenance import provenance
-from nmoe.train.metricstore import rank_dir, read_parts, visible_parts
+from nmoe.train.metricstore import read_parts
 
 STATUSES: Final[tuple[str, ...]] = ("running", "completed", "stopped", "interrupted", "failed", "dead")
 STALE_MS: Final[int] = 30 * 60 * 1000
@@ -175,11 +175,11 @@ def series(directory: Path, run_id: str) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-def _fmt(x: float) -> str:
+def fmt_value(x: float) -> str:
     return f"{x:.4g}" if math.isfinite(x) else str(x)
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+def text_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
@@ -211,39 +211,5 @@ def runs_main(argv: Sequence[str] | None = None) -> int:
         sha = (r["git_sha"] or "-")[:10] + ("+dirty" if r["git_dirty"] else "")
         rows.append([r["id"], r["experiment"], r["status"], str(r["last_step"]), _ts(r["start_ms"]),
                      f"{dur:.0f}s", sha])
-    print(_table(["run", "experiment", "status", "step", "started (UTC)", "duration", "git"], rows))
-    return 0
-
-
-def metrics_main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="nmoe metrics", description="summarise one run's metrics")
-    ap.add_argument("run", help="run id (see `nmoe runs`)")
-    ap.add_argument("--db", default=MetricsConfig().db_path, help="SQLite experiments db (metrics.db_path)")
-    ap.add_argument("--rank", type=int, default=0)
-    args = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
-    if not Path(args.db).is_file():
-        print(f"nmoe metrics: no experiments db at {args.db}; pass --db", file=sys.stderr)
-        return 1
-    db = ExperimentsDB(args.db)
-    try:
-        db.mark_dead()
-        runs = {r["id"]: r for r in db.runs()}
-    finally:
-        db.close()
-    if args.run not in runs:
-        near = [r for r in runs if args.run in r]
-        hint = f"; did you mean {', '.join(near[:5])}?" if near else "; list runs with `nmoe runs`"
-        print(f"nmoe metrics: no run {args.run!r} in {args.db}{hint}", file=sys.stderr)
-        return 1
-    path = rank_dir(runs[args.run]["metrics_dir"], args.run, args.rank)
-    if not visible_parts(path):
-        print(f"nmoe metrics: {path} holds no metrics yet (rank {args.rank} has not flushed)",
-              file=sys.stderr)
-        return 1
-    summary = summarize(path, args.run)
-    rows = [[s.tag, str(s.n), f"{s.first_step}-{s.last_step}", _fmt(s.last), _fmt(s.lo), _fmt(s.hi),
-             _fmt(s.mean)] for s in summary]
-    r = runs[args.run]
-    print(f"run {args.run} ({r['status']}, step {r['last_step']}, rank {args.rank})")
-    print(_table(["tag", "n", "steps", "last", "min", "max", "mean"], rows))
+    print(text_table(["run", "experiment", "status", "step", "started (UTC)", "duration", "git"], rows))
     return 0
