@@ -197,3 +197,27 @@ def test_reference_tiny_model_twenty_steps_and_exact_resume(tmp_path: Path, data
     run(cfg, 10, Model(cfg.model))
     second = run(cfg, 20, Model(cfg.model, seed=7))
     assert second.losses == full.losses[10:]
+
+
+def test_a_non_finite_loss_stops_before_the_optimizer_step(tmp_path: Path, dataset: Path) -> None:
+    """The loss is read once per step, after the backward (no sync between forward and backward); a NaN there
+    raises naming the step, and the weights stay those of the last good step."""
+    from nmoe.train.loop import default_loss
+
+    cfg = make_cfg(tmp_path, dataset)
+    model = ToyMoE()
+    seen: list[int] = []
+
+    def loss_fn(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        seen.append(len(seen))
+        loss = default_loss(m, x, y)
+        return loss * float("nan") if len(seen) == 3 else loss
+
+    before: dict[str, torch.Tensor] = {}
+
+    def keep(step: int, loss: float) -> None:
+        before.update({k: v.detach().clone() for k, v in model.state_dict().items()})
+
+    with pytest.raises(FloatingPointError, match="loss is nan at step 3"):
+        run(cfg, 5, model=model, loss_fn=loss_fn, on_step=keep)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items() if v.is_floating_point())

@@ -159,10 +159,17 @@ def test_wsd_hand_values() -> None:
 def test_clip_grad_norm() -> None:
     a, b = torch.zeros(1, requires_grad=True), torch.zeros(1, requires_grad=True)
     a.grad, b.grad = torch.tensor([3.0]), torch.tensor([4.0])
-    assert clip_grad_norm([a, b], 1.0) == pytest.approx(5.0)
+    norm = clip_grad_norm([a, b], 1.0)
+    assert norm.dim() == 0 and float(norm) == pytest.approx(5.0)
     assert float(a.grad) == pytest.approx(0.6, rel=1e-5) and float(b.grad) == pytest.approx(0.8, rel=1e-5)
     a.grad, b.grad = torch.tensor([3.0]), torch.tensor([4.0])
-    assert clip_grad_norm([a, b], 0.0) == pytest.approx(5.0) and float(a.grad) == 3.0
+    assert float(clip_grad_norm([a, b], 0.0)) == pytest.approx(5.0) and float(a.grad) == 3.0
+    a.grad, b.grad = torch.tensor([3.0]), torch.tensor([4.0])
+    assert float(clip_grad_norm([a, b], 5.0)) == 5.0 and (float(a.grad), float(b.grad)) == (3.0, 4.0)
+    a.grad, b.grad = torch.tensor([3.0]), torch.tensor([4.0])
+    clip_grad_norm([a, b], 4.5)
+    scale = np.float32(4.5 / (5.0 + 1e-6))
+    assert (float(a.grad), float(b.grad)) == (float(np.float32(3.0) * scale), float(np.float32(4.0) * scale))
 
 
 def test_optimizer_refuses_low_precision_masters() -> None:

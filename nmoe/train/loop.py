@@ -231,14 +231,15 @@ def _run(
                 inputs = batch.inputs.to(dev, non_blocking=True)
                 targets = batch.targets.to(dev, non_blocking=True)
                 loss = loss_fn(model, inputs, targets)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"loss is {float(loss)} at step {step + 1}; lower the learning "
-                                             "rate or inspect the batch (first global sequence "
-                                             f"{batch.first_seq})")
                 loss.backward()  # type: ignore[no-untyped-call]
                 if world > 1:
                     _allreduce_grads(params)
-                grad_norm = clip_grad_norm(params, cfg.optim.grad_clip)
+                norm = clip_grad_norm(params, cfg.optim.grad_clip)
+                loss_value, grad_norm = torch.stack([loss.detach().float(), norm.to(loss.device)]).tolist()
+                if not math.isfinite(loss_value):
+                    raise FloatingPointError(f"loss is {loss_value} at step {step + 1}; lower the learning "
+                                             "rate or inspect the batch (first global sequence "
+                                             f"{batch.first_seq})")
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 counts: list[Tensor] = []
@@ -249,7 +250,6 @@ def _run(
                             dist.all_reduce(c)
                     model.update_router_bias(counts)  # type: ignore[operator]
                 step, tokens = step + 1, tokens_after
-                loss_value = float(loss.detach())
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
                 dt = time.perf_counter() - t0

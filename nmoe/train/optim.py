@@ -134,18 +134,19 @@ def grads(params: Iterable[Tensor]) -> Iterator[Tensor]:
     return (p.grad for p in params if p.grad is not None)
 
 
-def clip_grad_norm(params: list[Tensor], max_norm: float) -> float:
-    """Global L2 norm in fp32 (reported always); grads are scaled only when max_norm > 0 and exceeded."""
+def clip_grad_norm(params: list[Tensor], max_norm: float) -> Tensor:
+    """Global L2 norm in fp32 as a 0-dim tensor (no host sync); grads are scaled by max_norm / (norm + 1e-6),
+    rounded to fp32, only when max_norm > 0 and the norm exceeds it (else by exactly 1)."""
     gs = list(grads(params))
     if not gs:
-        return 0.0
-    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in gs]))
-    norm = float(total)
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for g in gs:
-            g.mul_(scale)
-    return norm
+        return torch.zeros((), dtype=torch.float32)
+    norms = torch._foreach_norm(gs, 2, dtype=torch.float32)
+    total: Tensor = torch.linalg.vector_norm(torch.stack(norms))
+    if max_norm > 0:
+        t64 = total.double()
+        scale = torch.where(t64 > max_norm, max_norm / (t64 + 1e-6), torch.ones_like(t64)).float()
+        torch._foreach_mul_(gs, scale)
+    return total
 
 
 def wsd_factor(tokens: int, s: ScheduleConfig) -> float:
