@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU half of the checks (needs an sm_90a/sm_100a GPU and nvidia-cutlass-dsl): fast-path tests,
 # parity report, GPU mutation catalog, benchmarks, a training run. Usage: bash tests/gpu_check.sh OUTDIR [STAGES]
-# STAGES is a comma list of smoke,tests,parity,mutate,bench,train (default: all but smoke); every stage
-# runs even if one fails. smoke launches one elementwise op and one GEMM: run it first on a new launch path.
+# STAGES is a comma list of smoke,tests,parity,mutate,bench,train,moonlet (default: all but smoke and
+# moonlet); every stage runs even if one fails. smoke launches one elementwise op and one GEMM: run it first
+# on a new launch path. moonlet trains configs/moonlet.toml for NMOE_MOONLET_STEPS (default 200) steps and
+# writes its metrics table, PNG and report JSON (its checkpoint of ~50 GB goes to NMOE_MOONLET_CKPT).
 # NMOE_GPU_JOBS (default 12) sets the pytest and mutation workers; NMOE_BENCH_K selects bench rows (-k).
 set -uo pipefail
 out=$(mkdir -p "${1:?usage: gpu_check.sh OUTDIR [STAGES]}" && cd "$1" && pwd)
@@ -21,4 +23,12 @@ run() { local name=$1; shift; echo "== $name: $*"; "$@" > "$out/$name.log" 2>&1 
 [[ $stages == *,bench,* ]] && run bench python3 -m nmoe.cli bench ${NMOE_BENCH_K:+-k "$NMOE_BENCH_K"} \
   --out "$out/bench.json"
 [[ $stages == *,train,* ]] && run train bash -c "python3 -m nmoe.cli prep && python3 -m nmoe.cli train configs/tiny-gpu.toml"
+if [[ $stages == *,moonlet,* ]]; then
+  tokens=$(( ${NMOE_MOONLET_STEPS:-200} * 8 * 4096 ))
+  run moonlet bash -c "python3 -m nmoe.cli prep && python3 -m nmoe.cli train configs/moonlet.toml \
+    --schedule.total_tokens=$tokens --schedule.warmup_tokens=$(( tokens / 10 )) \
+    --checkpoint.dir=${NMOE_MOONLET_CKPT:-checkpoints/moonlet-check} --metrics.dir=$out/moonlet-metrics"
+  rid=$(grep -o 'run [A-Za-z0-9_.-]*$' "$out/moonlet.log" | tail -n 1 | cut -d' ' -f2)
+  [[ -n $rid ]] && run moonlet-report python3 -m nmoe.cli metrics "$rid" --db runs/experiments.sqlite --out "$out"
+fi
 exit $status
