@@ -171,12 +171,10 @@ class ModelOps:
     """
 
     mla_attention: Callable[[Tensor, MLAParams, Tensor, Tensor, int, int, int, int, float, float], Tensor]
-    mla_softmax_scale: Callable[[int, float, float, int, int], float]
     rmsnorm: Callable[[Tensor, Tensor, float], Tensor]
     dense_ffn: Callable[[Tensor, Tensor, Tensor], Tensor]
     moe_layer: Callable[[Tensor, MoEParams, ModelConfig], tuple[Tensor, MoERouting]]
     cross_entropy: Callable[[Tensor, Tensor, Tensor, int, int], Tensor]
-    yarn_cos_sin: Callable[[int, int, float, float, int, float, float], tuple[Tensor, Tensor]]
     bias_update: Callable[[Tensor, Tensor, float, float], Tensor]
     embedding: Callable[[Tensor, Tensor], Tensor]
     check_tokens: Callable[[Tensor, Tensor, int], None]

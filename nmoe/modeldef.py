@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from nmoe.config import ModelConfig
 from nmoe.layout import MLAParams, ModelOps, MoEParams, MoERouting
+from nmoe.yarn import mla_softmax_scale, yarn_cos_sin
 
 COMPUTE: Final[torch.dtype] = torch.bfloat16
 
@@ -54,8 +55,8 @@ class MLA(nn.Module):
         self.kv_norm = init.ones(cfg.kv_lora_rank)
         self.wkv_b = init.normal(h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
         self.wo = init.normal(cfg.dim, h * cfg.v_head_dim)
-        self.softmax_scale = ops.mla_softmax_scale(dqk, cfg.rope_factor, cfg.mscale, cfg.max_seq_len,
-                                                   cfg.original_seq_len)
+        self.softmax_scale = mla_softmax_scale(dqk, cfg.rope_factor, cfg.mscale, cfg.max_seq_len,
+                                               cfg.original_seq_len)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         c = self.cfg
@@ -148,8 +149,8 @@ class Model(nn.Module):
             cos = torch.empty(cfg.max_seq_len, half, device=device)
             sin = torch.empty(cfg.max_seq_len, half, device=device)
         else:
-            cos, sin = ops.yarn_cos_sin(cfg.max_seq_len, cfg.qk_rope_head_dim, cfg.rope_theta,
-                                        cfg.rope_factor, cfg.original_seq_len, cfg.beta_fast, cfg.beta_slow)
+            cos, sin = yarn_cos_sin(cfg.max_seq_len, cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_factor,
+                                    cfg.original_seq_len, cfg.beta_fast, cfg.beta_slow)
         self.cos: Tensor
         self.sin: Tensor
         self.register_buffer("cos", cos.to(device), persistent=False)

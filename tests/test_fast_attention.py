@@ -16,10 +16,10 @@ from torch import Tensor
 from nmoe.fast import FAST_MODULES
 from nmoe.fast import attention as fast_attn
 from nmoe.fast.arch import SUPPORTED_ARCHS, ArchError, ArchNotImplemented
-from nmoe.fast.attention import KERNELS, check_head_dims, mla_attention, mla_softmax_scale
-from nmoe.fast.rope import yarn_cos_sin
+from nmoe.fast.attention import KERNELS, check_head_dims, mla_attention
 from nmoe.layout import MLAParams
 from nmoe.reference import attention as spec_attn
+from nmoe.yarn import mla_softmax_scale, yarn_cos_sin
 
 F64 = torch.float64
 
@@ -105,13 +105,6 @@ def test_fa4_compiles_without_gpu(arch: str) -> None:
     """FA4 under FakeTensorMode, its PTX checked for TMA and the arch's MMA (about a minute per arch)."""
     rows = compile_rows("nmoe.fast.attention")
     assert_rows_ok(rows[arch], arch, len(KERNELS))
-
-
-def test_softmax_scale_matches_the_spec() -> None:
-    for args in [(192, 40.0, 0.707, 163840, 4096), (192, 40.0, 1.0, 4096, 4096), (96, 1.0, 1.0, 10, 4)]:
-        assert mla_softmax_scale(*args) == spec_attn.mla_softmax_scale(*args)
-    with pytest.raises(ValueError, match="qk_head_dim"):
-        mla_softmax_scale(0, 1.0, 1.0, 1, 1)
 
 
 @pytest.mark.parametrize(("arch", "d_qk", "d_v", "ok"), [

@@ -157,3 +157,11 @@ def test_sep_rope_half_split_layout() -> None:
     assert not torch.allclose(correct, mutated, atol=1e-3)
     y = apply_rope(x, cos, sin)
     assert torch.allclose(y, correct, rtol=1e-14, atol=1e-14)
+
+
+def test_tables_are_built_on_the_host_then_placed() -> None:
+    """The fast model asks for its tables on its GPU: the host build is moved, never recomputed there."""
+    host = yarn_cos_sin(64, 8, 1e4, 4.0, 16, 32.0, 1.0)
+    meta = yarn_cos_sin(64, 8, 1e4, 4.0, 16, 32.0, 1.0, device="meta")
+    assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in host)
+    assert all(m.device.type == "meta" and m.shape == h.shape for m, h in zip(meta, host, strict=True))

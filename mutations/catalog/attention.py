@@ -1,4 +1,4 @@
-"""mla.*: defects in MLA attention (nmoe/reference/attention.py)."""
+"""mla.*: defects in MLA attention (nmoe/reference/attention.py) and its softmax scale (nmoe/yarn.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "attention sees future tokens (causal mask never applied)", TESTS, ("mla_attention",),
     ),
     sep_mutation(
-        "mla.softmax_scale_no_mscale", FILE,
+        "mla.softmax_scale_no_mscale", "nmoe/yarn.py",
         "    return math.pow(qk_head_dim, -0.5) * m * m",
         "    return math.pow(qk_head_dim, -0.5)",
         "softmax scale lacks the YaRN mscale^2 factor", TESTS, ("mla_attention",),

@@ -7,7 +7,6 @@ compile checks run under torch's FakeTensorMode with FLASH_ATTENTION_ARCH set, a
 from __future__ import annotations
 
 import glob
-import math
 import os
 import tempfile
 from collections.abc import Iterator
@@ -25,7 +24,7 @@ from nmoe.fast import runtime
 from nmoe.fast.arch import SUPPORTED_ARCHS, ArchError, ArchNotImplemented
 from nmoe.fast.norm import rmsnorm
 from nmoe.fast.op import Kernel
-from nmoe.fast.rope import apply_rope, yarn_mscale
+from nmoe.fast.rope import apply_rope
 from nmoe.fast.runtime import KernelSpec
 from nmoe.layout import MLAParams, check_mla_params
 
@@ -37,15 +36,6 @@ _HEAD_ALIGN = 8
 _SM100_EXTRA = ((192, 128), (256, 256))
 # SM counts FA4 sizes its schedule for when compiled without a GPU (H100/H200, B200).
 _CHECK_SMS = {"sm_90a": 132, "sm_100a": 148}
-
-
-def mla_softmax_scale(qk_head_dim: int, rope_factor: float, mscale: float, max_seq_len: int,
-                      original_seq_len: int) -> float:
-    """qk_head_dim^-0.5 times the YaRN mscale squared, as the spec pins it (DeepSeek-V3)."""
-    if qk_head_dim < 1:
-        raise ValueError(f"mla_softmax_scale: qk_head_dim={qk_head_dim} must be >= 1")
-    m = yarn_mscale(rope_factor, mscale, max_seq_len, original_seq_len)
-    return math.pow(qk_head_dim, -0.5) * m * m
 
 
 def check_head_dims(arch: str, d_qk: int, d_v: int) -> None:

@@ -15,11 +15,10 @@ from nmoe.config import ModelConfig
 from nmoe.fast import runtime
 from nmoe.fast.activation import swiglu
 from nmoe.fast.arch import ArchError
-from nmoe.fast.attention import mla_attention, mla_softmax_scale
+from nmoe.fast.attention import mla_attention
 from nmoe.fast.loss import cross_entropy
 from nmoe.fast.moe import moe_layer
 from nmoe.fast.norm import rmsnorm
-from nmoe.fast.rope import yarn_cos_sin
 from nmoe.fast.router import bias_update
 from nmoe.layout import ModelOps
 from nmoe.modeldef import MLA, Block, DenseFFN, MoE
@@ -62,8 +61,8 @@ def _check_tokens(tokens: Tensor, embed: Tensor, vocab_size: int) -> None:
 
 
 OPS: Final[ModelOps] = ModelOps(
-    mla_attention=mla_attention, mla_softmax_scale=mla_softmax_scale, rmsnorm=rmsnorm, dense_ffn=_dense_ffn,
-    moe_layer=moe_layer, cross_entropy=cross_entropy, yarn_cos_sin=yarn_cos_sin, bias_update=bias_update,
+    mla_attention=mla_attention, rmsnorm=rmsnorm, dense_ffn=_dense_ffn,
+    moe_layer=moe_layer, cross_entropy=cross_entropy, bias_update=bias_update,
     embedding=F.embedding, check_tokens=_check_tokens,
 )
 

@@ -127,50 +127,6 @@ def apply_rope_bwd(dy: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return _rope_bwd_op(dy, cos, sin)
 
 
-def yarn_inv_freq(max_seq_len: int, rope_dim: int, rope_theta: float, rope_factor: float,
-                  original_seq_len: int, beta_fast: float, beta_slow: float) -> Tensor:
-    """fp32 [rope_dim//2] YaRN frequencies (DeepSeek-V3), the spec's fp64 steps on the host; the fast path
-    may not import the spec, so a CPU test holds this copy bitwise to nmoe.reference.rope."""
-    if max_seq_len < 1 or original_seq_len < 1 or rope_dim < 2 or rope_dim % 2:
-        raise ValueError(f"yarn: max_seq_len={max_seq_len}, original_seq_len={original_seq_len} must be >= 1 "
-                         f"and rope_dim={rope_dim} even and >= 2")
-    if not (rope_theta > 1.0 and rope_factor >= 1.0 and beta_fast > beta_slow > 0.0):
-        raise ValueError(f"yarn: need rope_theta={rope_theta} > 1, rope_factor={rope_factor} >= 1 and "
-                         f"beta_fast={beta_fast} > beta_slow={beta_slow} > 0 (DeepSeek-V3: 1e4, 40, 32, 1)")
-    idx = torch.arange(0, rope_dim, 2, dtype=torch.float64)
-    freq = 1.0 / rope_theta ** (idx / rope_dim)
-    if max_seq_len > original_seq_len:
-        def corr(n_rot: float) -> float:
-            return rope_dim * math.log(original_seq_len / (n_rot * 2 * math.pi)) / (2 * math.log(rope_theta))
-
-        low = max(math.floor(corr(beta_fast)), 0)
-        high = min(math.ceil(corr(beta_slow)), rope_dim - 1)
-        span = (high - low) if high != low else 0.001
-        ramp = ((torch.arange(rope_dim // 2, dtype=torch.float64) - low) / span).clamp(0.0, 1.0)
-        smooth = 1.0 - ramp
-        freq = freq / rope_factor * (1.0 - smooth) + freq * smooth
-    return freq.to(torch.float32)
-
-
-def yarn_cos_sin(max_seq_len: int, rope_dim: int, rope_theta: float, rope_factor: float,
-                 original_seq_len: int, beta_fast: float, beta_slow: float,
-                 device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
-    """(cos, sin) fp32 [max_seq_len, rope_dim//2] on `device`, built once per model on the host in fp64:
-    CUDA's fp64 cos/sin are not correctly rounded, so a device build could differ from the spec by an ulp."""
-    freq = yarn_inv_freq(max_seq_len, rope_dim, rope_theta, rope_factor, original_seq_len, beta_fast,
-                         beta_slow)
-    angle = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freq).to(torch.float64)
-    cos, sin = torch.cos(angle).to(torch.float32), torch.sin(angle).to(torch.float32)
-    return cos.to(device), sin.to(device)
-
-
-def yarn_mscale(rope_factor: float, mscale: float, max_seq_len: int, original_seq_len: int) -> float:
-    """YaRN temperature 0.1*mscale*ln(factor)+1 (1 when YaRN is off), as the spec pins it."""
-    if max_seq_len <= original_seq_len or rope_factor <= 1.0:
-        return 1.0
-    return 0.1 * mscale * math.log(rope_factor) + 1.0
-
-
 # ftz would flush subnormal products the spec keeps; fma (or mul/add without .rn, which ptxas may contract)
 # would skip the spec's rounding of each product; local memory means spills.
 _FORBID = (r"\.ftz\b", r"\bfma(\.rn)?\.f32", r"\b(ld|st)\.local\b", r"\bmul\.f32\b", r"\badd\.f32\b",

@@ -10,17 +10,10 @@ from torch import Tensor
 
 from nmoe.layout import MLAParams, check_mla_params
 from nmoe.reference.norm import rmsnorm
-from nmoe.reference.rope import apply_rope, yarn_mscale
+from nmoe.reference.rope import apply_rope
+from nmoe.yarn import mla_softmax_scale
 
-
-def mla_softmax_scale(
-    qk_head_dim: int, rope_factor: float, mscale: float, max_seq_len: int, original_seq_len: int
-) -> float:
-    """qk_head_dim^-0.5 times the YaRN mscale squared (DeepSeek-V3: softmax_scale *= mscale * mscale)."""
-    if qk_head_dim < 1:
-        raise ValueError(f"mla_softmax_scale: qk_head_dim={qk_head_dim} must be >= 1")
-    m = yarn_mscale(rope_factor, mscale, max_seq_len, original_seq_len)
-    return math.pow(qk_head_dim, -0.5) * m * m
+__all__ = ["mla_attention", "mla_softmax_scale"]
 
 
 def mla_attention(

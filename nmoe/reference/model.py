@@ -13,11 +13,10 @@ from nmoe import modeldef
 from nmoe.config import ModelConfig
 from nmoe.layout import ModelOps
 from nmoe.modeldef import MLA, Block, DenseFFN, MoE
-from nmoe.reference.attention import mla_attention, mla_softmax_scale
+from nmoe.reference.attention import mla_attention
 from nmoe.reference.loss import cross_entropy, cross_entropy_bwd
 from nmoe.reference.moe import ffn, moe_layer
 from nmoe.reference.norm import rmsnorm
-from nmoe.reference.rope import yarn_cos_sin
 from nmoe.reference.router import bias_update
 
 __all__ = ["MLA", "OPS", "Block", "DenseFFN", "MoE", "Model"]
@@ -59,8 +58,8 @@ def _check_tokens(tokens: Tensor, embed: Tensor, vocab_size: int) -> None:
 
 
 OPS = ModelOps(
-    mla_attention=mla_attention, mla_softmax_scale=mla_softmax_scale, rmsnorm=rmsnorm, dense_ffn=_dense_ffn,
-    moe_layer=moe_layer, cross_entropy=_cross_entropy, yarn_cos_sin=yarn_cos_sin, bias_update=bias_update,
+    mla_attention=mla_attention, rmsnorm=rmsnorm, dense_ffn=_dense_ffn,
+    moe_layer=moe_layer, cross_entropy=_cross_entropy, bias_update=bias_update,
     embedding=_embedding, check_tokens=_check_tokens,
 )
 
