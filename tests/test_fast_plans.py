@@ -384,7 +384,7 @@ def test_a_fast_model_step_reaches_every_launcher_with_its_hosts_arguments() -> 
 
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}
-    env["PYTHONPATH"] = str(root)
+    env["PYTHONPATH"] = tree_pythonpath(root, env.get("PYTHONPATH"))
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_MODEL_PROBE)], capture_output=True,
                           text=True, env=env, cwd=root, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

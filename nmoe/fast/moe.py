@@ -87,10 +87,10 @@ def _chunks(n: int) -> list[slice]:
 
 
 def _row_scale(t: Tensor, s: Tensor) -> Tensor:
-    """bf16(t[r] * s[r]) with the product in fp32, one rounding."""
+    """bf16(t[r] * s[r]) with the product in fp32, one rounding: one fused pass (torch computes in the
+    promoted fp32 and rounds on the store to `out`), no fp32 copy of t."""
     out = torch.empty_like(t)
-    for c in _chunks(t.shape[0]):
-        out[c] = (t[c].float() * s[c, None]).to(t.dtype)
+    torch.mul(t, s[:, None], out=out)
     return out
 
 
