@@ -3,7 +3,8 @@ shape issue #14 measured, on the fast path and, in the same run, on the plain-to
 (bench/torchbase.py: bf16 compute over fp32 masters, cuDNN SDPA, torch._grouped_mm experts, chunked CE,
 torch's fused AdamW); tokens/s and MFU counted as the trainer counts them. One more profiled step of the
 fast model gives the row's `breakdown` (bench/stepprofile.py): GPU time per op family and phase, each GEMM
-family's FLOP floor and AdamW's byte floor beside it.
+family's FLOP floor and AdamW's byte floor beside it. Then the same model steps with its forward and
+backward replayed as one CUDA graph (train.cuda_graph): the `graph_*` fields.
 
 FLOP floor: nmoe.train.loop.flops_per_token (6 x active matmul parameters, experts scaled by k/E, embedding
 lookup excluded, plus causal attention) x tokens, against the bf16 dense ceiling measured in the same run;
@@ -100,6 +101,7 @@ def _torch_step_ms(cfg: Config) -> tuple[float, float]:
 
 def test_bench_train_step_moonlet(benchmark: Any) -> None:
     from nmoe.fast.model import Model
+    from nmoe.train.graphstep import GraphedStep
     from nmoe.train.loop import flops_per_token
     from nmoe.train.optim import build_optimizer, clip_grad_norm
     from nmoe.train.stepstats import peak_flops
@@ -131,17 +133,32 @@ def test_bench_train_step_moonlet(benchmark: Any) -> None:
 
     ms, peak_gb = _timed(step)
     parts = profile_step(step)
+    opt.zero_grad(set_to_none=True)
+    torch.cuda.empty_cache()
+    graphed = GraphedStep(model, lambda m, x, y: m(x, y), inputs, targets)
+
+    def graph_step() -> None:
+        graphed(inputs, targets)
+        clip_grad_norm(params, cfg.optim.grad_clip)
+        opt.step()
+        model.update_router_bias(model.router_counts())
+
+    graph_ms, graph_peak_gb = _timed(graph_step)
     fpt, peak = flops_per_token(model, cfg), peak_flops(torch.device("cuda", torch.cuda.current_device()))
     n = b * s
     row = record("train_step_moonlet", {"B": b, "S": s}, ms, flops=fpt * n,
                  baseline=("torch_moonlet", base_ms))
-    for key, step_ms, gb in (("", ms, peak_gb), ("torch_", base_ms, base_peak)):
+    for key, step_ms, gb in (("", ms, peak_gb), ("torch_", base_ms, base_peak), ("graph_", graph_ms,
+                                                                                  graph_peak_gb)):
         row[f"{key}tokens_per_s"] = n / (step_ms * 1e-3)
         row[f"{key}mfu"] = None if peak is None else fpt * n / (step_ms * 1e-3) / peak
         row[f"{key}peak_mem_gb"] = gb
     row["flops_per_token"] = fpt
     row["peak_flops"] = peak
-    row["timing"] = "eager, CUDA events around the whole step (host syncs of clip and optimizer included)"
+    row["graph_ms"] = graph_ms
+    row["timing"] = ("eager, CUDA events around the whole step (host syncs of clip and optimizer included); "
+                     "graph_*: forward and backward replayed as one CUDA graph (train.cuda_graph), the rest "
+                     "eager")
     row["breakdown"] = _with_floors(parts, model, cfg, n)
     benchmark.extra_info.update(row)
 

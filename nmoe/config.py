@@ -242,9 +242,9 @@ class DataConfig(_Section):
 
 @dataclass(frozen=True)
 class TrainConfig(_Section):
-    """dtype (compute) is bf16 only: expert GEMMs take bf16 by contract; fp8/nvfp4 come from expert_dtype.
-    param_dtype / optim_state_dtype: fp32 masters and moments, the only kinds the optimizer keeps today.
-    model = "reference" (the CPU spec model) must be asked for by name: the fast path never falls back."""
+    """dtype bf16 only (fp8/nvfp4 come from expert_dtype); fp32 masters and moments; model = "reference" (the
+    CPU spec) only by name, the fast path never falls back; cuda_graph: forward and backward replay as one
+    CUDA graph after the first, eager step (the host no longer issues each kernel)."""
 
     SECTION: ClassVar[str] = "train"
 
@@ -255,6 +255,7 @@ class TrainConfig(_Section):
     param_dtype: str = _spec("fp32", choices=("fp32",))
     optim_state_dtype: str = _spec("fp32", choices=("fp32",))
     log_every: int = _spec(10, lo=1)
+    cuda_graph: bool = _spec(False)
     run_name: str = _spec("run")
     experiment: str = _spec("default")
 
@@ -266,6 +267,9 @@ class TrainConfig(_Section):
             raise ConfigError(self._p("model"), f'"{self.model}" on device "{self.device}"',
                               'the fast path runs on device = "cuda" (sm_90a/sm_100a); the spec model runs '
                               'on device = "cpu" with model = "reference"')
+        if self.cuda_graph and self.device != "cuda":
+            raise ConfigError(self._p("cuda_graph"), f'true on device "{self.device}"',
+                              "CUDA graphs replay GPU work only; set train.cuda_graph = false for the CPU")
 
 
 @dataclass(frozen=True)

@@ -293,3 +293,11 @@ def test_device_and_model_must_agree(device: str, model: str, needle: str) -> No
 def test_cpu_runs_only_the_spec_model_named() -> None:
     assert from_dict({"train": {"device": "cpu", "model": "reference"}}, env={}).train.model == "reference"
     assert from_dict({}, env={}).train.model == "fast"
+
+
+def test_cuda_graph_needs_the_gpu() -> None:
+    with pytest.raises(ConfigError) as ei:
+        load_config(CONFIGS / "tiny.toml", env={}, overrides=["--train.cuda_graph=true"])
+    assert _err(ei).startswith('config error: train.cuda_graph: true on device "cpu"')
+    gpu = load_config(CONFIGS / "tiny-gpu.toml", env={}, overrides=["--train.cuda_graph=true"])
+    assert gpu.train.cuda_graph

@@ -221,3 +221,12 @@ def test_a_non_finite_loss_stops_before_the_optimizer_step(tmp_path: Path, datas
     with pytest.raises(FloatingPointError, match="loss is nan at step 3"):
         run(cfg, 5, model=model, loss_fn=loss_fn, on_step=keep)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items() if v.is_floating_point())
+
+
+def test_graphed_step_refuses_a_cpu_batch() -> None:
+    from nmoe.train.graphstep import GraphedStep, GraphError
+    from nmoe.train.loop import default_loss
+
+    x = torch.zeros(2, 8, dtype=torch.int64)
+    with pytest.raises(GraphError, match="replay GPU work only"):
+        GraphedStep(ToyMoE(), default_loss, x, x)

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from nmoe.config import Config
 from nmoe.train import checkpoint as ckpt
 from nmoe.train.data import Loader, build_loader
+from nmoe.train.graphstep import GraphedStep
 from nmoe.train.metrics import ExperimentsDB, new_run_id
 from nmoe.train.metricstore import MetricsWriter
 from nmoe.train.optim import (
@@ -215,6 +216,7 @@ def _run(
     tty = progress and sys.stderr.isatty()
     t_start, steps_run = time.perf_counter(), 0
     beat = time.monotonic()
+    graphed: GraphedStep | None = None
 
     def save() -> Path:
         return ckpt.save(cfg.checkpoint.dir, step=step, tokens=tokens, model=model, optimizer=optimizer,
@@ -230,8 +232,14 @@ def _run(
                 optimizer.set_lr_factor(wsd_factor(tokens_after, cfg.schedule))
                 inputs = batch.inputs.to(dev, non_blocking=True)
                 targets = batch.targets.to(dev, non_blocking=True)
-                loss = loss_fn(model, inputs, targets)
-                loss.backward()  # type: ignore[no-untyped-call]
+                if cfg.train.cuda_graph and graphed is None and steps_run >= 1:
+                    torch.cuda.empty_cache()
+                    graphed = GraphedStep(model, loss_fn, inputs, targets)
+                if graphed is not None:
+                    loss = graphed(inputs, targets)
+                else:
+                    loss = loss_fn(model, inputs, targets)
+                    loss.backward()  # type: ignore[no-untyped-call]
                 if world > 1:
                     _allreduce_grads(params)
                 norm = clip_grad_norm(params, cfg.optim.grad_clip)
@@ -241,7 +249,8 @@ def _run(
                                              "rate or inspect the batch (first global sequence "
                                              f"{batch.first_seq})")
                 optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                if graphed is None:
+                    optimizer.zero_grad(set_to_none=True)
                 counts: list[Tensor] = []
                 if has_router:
                     counts = [c.clone() for c in model.router_counts()]  # type: ignore[operator]
