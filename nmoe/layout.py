@@ -127,10 +127,13 @@ def _up_weight(w13: Tensor | None, w1: Tensor | None, activation: str, who: str)
     return want
 
 
-def check_moe_params(x: Tensor, p: MoEParams, cfg: ModelConfig) -> tuple[Tensor, Tensor | None]:
-    """(up weight, shared up weight or None) after checking x and every weight against the config."""
+def check_moe_params(x: Tensor, p: MoEParams, cfg: ModelConfig,
+                     n_local: int | None = None) -> tuple[Tensor, Tensor | None]:
+    """(up weight, shared up weight or None) after checking x and every weight against the config; with
+    n_local the expert weights are this rank's shard of n_local experts (the router still sees all)."""
     d = x.shape[1] if x.dim() == 2 else -1
     e, i, s = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.n_shared_experts
+    ne = e if n_local is None else n_local
     up_rows = 2 * i if cfg.activation == "swiglu" else i
     if x.dim() != 2 or d != cfg.dim or x.dtype != torch.bfloat16:
         raise ValueError(f"moe_layer: x must be bf16 [T, {cfg.dim}], got {x.dtype} {tuple(x.shape)}")
@@ -139,8 +142,8 @@ def check_moe_params(x: Tensor, p: MoEParams, cfg: ModelConfig) -> tuple[Tensor,
     want: dict[str, tuple[Tensor | None, tuple[int, ...] | None]] = {
         "router_w": (p.router_w, (e, d)),
         "router_bias": (p.router_bias, (e,)),
-        "w13" if cfg.activation == "swiglu" else "w1": (up, (e, up_rows, d)),
-        "w2": (p.w2, (e, d, i)),
+        "w13" if cfg.activation == "swiglu" else "w1": (up, (ne, up_rows, d)),
+        "w2": (p.w2, (ne, d, i)),
         "shared up": (shared_up, (up_rows * s, d) if s else None),
         "shared_w2": (p.shared_w2, (d, i * s) if s else None),
     }
@@ -149,7 +152,8 @@ def check_moe_params(x: Tensor, p: MoEParams, cfg: ModelConfig) -> tuple[Tensor,
         if got != shape:
             raise ValueError(
                 f"moe_layer: {name} has shape {got}, expected {shape} from the config "
-                f"(n_routed_experts={e}, moe_inter_dim={i}, n_shared_experts={s})"
+                f"(n_routed_experts={e}, moe_inter_dim={i}, n_shared_experts={s}"
+                + (f", {n_local} experts on this rank)" if n_local is not None else ")")
             )
     if p.router_bias.dtype != torch.float32:
         raise ValueError(f"moe_layer: router_bias must be fp32, got {p.router_bias.dtype}")

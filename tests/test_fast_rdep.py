@@ -668,3 +668,111 @@ def test_ep_routed_matches_one_process(w: int) -> None:
         assert o["out_bitwise"], f"rank {r}: out differs from one process"
         for name in ("dx", "dweights", "dw_up", "dw2"):  # bf16 results: a few roundings of 2^-8
             assert float(o[name]) <= 2.0**-6, f"rank {r}: {name} max-norm relative error {o[name]}"
+
+
+def moe_layer_ep_job(group: object, xs: list[Tensor], p: Any, cfg: Any,
+                     douts: list[Tensor]) -> dict[str, float | bool]:
+    """The whole fast moe_layer with this rank's expert shard over RDEP against one process running every
+    rank's tokens through the unsharded layer: routing and out bitwise, gradients close (router and shared
+    expert gradients summed over ranks, as the trainer's reduction does)."""
+    import torch.distributed as dist
+
+    from nmoe.fast.rdep import ep
+    from nmoe.fast.rdep.group import RdepGroup
+    from nmoe.fast.rdep.spmd import exchange_gloo
+
+    assert isinstance(group, RdepGroup)
+    slots = RdepGroup(ep.slot_shape(group.shape), group.rank, group.device, exchange_gloo)
+    try:
+        got = _moe_layer_ep_rank(group, slots, xs, p, cfg, douts)
+    except BaseException:
+        dist.barrier()
+        raise
+    dist.barrier()
+    slots.close()
+    return got
+
+
+def _moe_layer_ep_rank(group: Any, slots: Any, xs: list[Tensor], p: Any, cfg: Any,
+                       douts: list[Tensor]) -> dict[str, float | bool]:
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from nmoe.fast.moe import moe_layer
+    from nmoe.fast.rdep import ep
+
+    dev, r, nl = group.device, group.rank, group.shape.n_local
+    full = {f.name: (None if getattr(p, f.name) is None else getattr(p, f.name).to(dev).requires_grad_(
+        getattr(p, f.name).is_floating_point() and f.name != "router_bias")) for f in dataclasses.fields(p)}
+    mine = {k: v for k, v in full.items()}
+    for name in ("w13", "w1", "w2"):
+        if full[name] is not None:
+            mine[name] = full[name].detach()[r * nl:(r + 1) * nl].clone().requires_grad_()
+    x = xs[r].to(dev).requires_grad_()
+    out, routing = moe_layer(x, type(p)(**mine), cfg, ep.Exchange(group, slots))
+    (out.float() * douts[r].to(dev)).sum().backward()
+    group.sync_check()
+    slots.sync_check()
+    t = xs[0].shape[0]
+    xa = torch.cat(xs).to(dev).requires_grad_()
+    ref_full = {k: (None if v is None else v.detach().clone().requires_grad_(v.requires_grad))
+                for k, v in full.items()}
+    ref, ref_routing = moe_layer(xa, type(p)(**ref_full), cfg)
+    (ref.float() * torch.cat(douts).to(dev)).sum().backward()
+    rows = slice(r * t, (r + 1) * t)
+    got: dict[str, float | bool] = {
+        "out_bitwise": bool(torch.equal(_bits(out), _bits(ref[rows]))),
+        "ids_equal": bool(torch.equal(routing.ids, ref_routing.ids[rows])),
+        "weights_bitwise": bool(torch.equal(_bits(routing.weights), _bits(ref_routing.weights[rows]))),
+    }
+    assert x.grad is not None and xa.grad is not None
+    got["dx"] = _rel(x.grad, xa.grad[rows])
+    for name in ("w13", "w1", "w2"):
+        if mine[name] is not None:
+            g, want = mine[name].grad, ref_full[name].grad
+            assert g is not None and want is not None
+            got[f"d{name}"] = _rel(g, want[r * nl:(r + 1) * nl])
+    for name in ("router_w", "shared_w13", "shared_w1", "shared_w2"):
+        if mine[name] is not None:
+            g, want = mine[name].grad, ref_full[name].grad
+            assert g is not None and want is not None
+            summed = g.float().cpu()
+            dist.all_reduce(summed)
+            got[f"d{name}"] = _rel(summed, want.float().cpu())
+    return got
+
+
+@gpu
+@pytest.mark.parametrize("w", [2, 4], ids=["W2", "W4"])
+def test_moe_layer_over_rdep_matches_one_process(w: int) -> None:
+    """Router inputs on a grid where fp32 logit sums are exact, so every rank routes as the one process."""
+    from nmoe.config import ModelConfig
+    from nmoe.fast.rdep import spmd as ranks
+    from nmoe.layout import MoEParams
+
+    t, d, e, k, i = 64, 128, 4 * w, 2, 64
+    cfg = ModelConfig(tokenizer="none", vocab_size=64, dim=d, moe_inter_dim=i, n_routed_experts=e,
+                      n_activated_experts=k, n_shared_experts=1, route_scale=2.5, permute_align=8,
+                      activation="swiglu", score_func="sigmoid")
+    g = torch.Generator().manual_seed(21)
+    xs = [(torch.round(torch.randn(t, d, generator=g) * 32).clamp(-127, 127) / 32).to(torch.bfloat16)
+          for _ in range(w)]
+    bf = torch.bfloat16
+    p = MoEParams(
+        router_w=(torch.randint(-1, 2, (e, d), generator=g) * 2.0**-4).to(bf),
+        router_bias=torch.randn(e, generator=g) * 0.05,
+        w2=(torch.randn(e, d, i, generator=g) / i**0.5).to(bf),
+        w13=(torch.randn(e, 2 * i, d, generator=g) / d**0.5).to(bf), w1=None,
+        shared_w13=(torch.randn(2 * i, d, generator=g) / d**0.5).to(bf), shared_w1=None,
+        shared_w2=(torch.randn(d, i, generator=g) / i**0.5).to(bf),
+    )
+    douts = [torch.randn(t, d, generator=g) for _ in range(w)]
+    shape = fast.RdepShape(world=w, n_experts=e, tokens=t, top_k=k, hidden=d, dtype=bf, capacity=w * t * k)
+    args = tuple((xs, p, cfg, douts) for _ in range(w))
+    for r, o in enumerate(spmd.pool(w).run(ranks.Job(moe_layer_ep_job, shape, args))):
+        assert o["ids_equal"] and o["weights_bitwise"], f"rank {r}: routing differs from one process"
+        assert o["out_bitwise"], f"rank {r}: out differs from one process"
+        for name, err in o.items():
+            if name.startswith("d"):  # bf16 results through different reduction orders
+                assert float(err) <= 2.0**-6, f"rank {r}: {name} max-norm relative error {err}"

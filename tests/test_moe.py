@@ -283,3 +283,19 @@ def test_moe_input_errors() -> None:
         moe_layer(x, dataclasses.replace(p, w2=p.w2.float()), cfg)
     with pytest.raises(ValueError, match=r"expert_dtype 'fp16' unknown"):
         expert_gemm(x, p.w2, torch.tensor([4] * 8, dtype=torch.int32), "fp16")
+
+
+def test_an_expert_shard_is_checked_against_its_local_count() -> None:
+    from nmoe.layout import check_moe_params
+
+    cfg = _cfg()
+    x, p = _make(cfg, 4, seed=8)
+    assert p.w13 is not None
+    shard = dataclasses.replace(p, w13=p.w13[2:4], w2=p.w2[2:4])
+    up, _ = check_moe_params(x, shard, cfg, n_local=2)
+    assert up.shape[0] == 2
+    with pytest.raises(ValueError, match=r"w13 has shape \(2, 32, 32\), expected \(4, 32, 32\).*4 experts "
+                       r"on this rank"):
+        check_moe_params(x, shard, cfg, n_local=4)
+    with pytest.raises(ValueError, match=r"expected \(8, "):
+        check_moe_params(x, shard, cfg)

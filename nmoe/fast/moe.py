@@ -3,7 +3,8 @@
 Autograd pieces: router_logits (its own op), _RouterTopk, _Shared (the shared MLP as one-group GEMMs) and
 _Routed, which runs permute -> up (+act) -> down -> combine_gather (each slot's row read in place from the
 permuted output: no [T,K,H] copy) and whose backward calls the fast permute, dgrad/wgrad, activation-bwd
-and combine_gather kernels.
+and combine_gather kernels. With an RDEP Exchange the experts are sharded over ranks and the routed half
+is nmoe.fast.rdep.ep.ep_routed (rows travel to their expert's rank and back).
 
 Saved for the backward, per token (K slots, up width N = 2I swiglu or I relu2, E experts):
   x (the layer input, already alive)      0 extra: xp = permute(x) is recomputed, a gather is cheaper than
@@ -41,6 +42,7 @@ from nmoe.fast.dispatch import permute, unpermute
 from nmoe.fast.formats import quantize_mxfp8, quantize_mxfp8_weight
 from nmoe.fast.gemm import grouped_gemm, grouped_gemm_dgrad, grouped_gemm_fp8, grouped_gemm_wgrad, sm90
 from nmoe.fast.gemm.routing import offs_built_on_device
+from nmoe.fast.rdep.ep import Exchange, ep_routed
 from nmoe.fast.router import expert_counts, router_logits, router_topk
 from nmoe.layout import FP8_ACT_BLOCK, MoEParams, MoERouting, check_moe_params
 
@@ -258,10 +260,27 @@ def _check_fast(x: Tensor, cfg: ModelConfig) -> None:
                          f"{EXPERT_DTYPES} (nvfp4 needs sm_100a's scaled MMA)")
 
 
-def moe_layer(x: Tensor, p: MoEParams, cfg: ModelConfig) -> tuple[Tensor, MoERouting]:
-    """x bf16 [T,D] -> (out bf16 [T,D], routing), the spec's results; differentiable in x and every weight."""
-    up, shared_up = check_moe_params(x, p, cfg)
+def _check_ep(x: Tensor, cfg: ModelConfig, ex: Exchange) -> None:
+    s = ex.fwd.shape
+    want = (cfg.n_routed_experts, x.shape[0], cfg.n_activated_experts, cfg.dim, torch.bfloat16)
+    if (s.n_experts, s.tokens, s.top_k, s.hidden, s.dtype) != want:
+        got = (s.n_experts, s.tokens, s.top_k, s.hidden, s.dtype)
+        raise ValueError(f"moe_layer: the exchange is shaped for (experts, tokens, top_k, hidden, dtype) = "
+                         f"{got}, this call needs {want}; build each MoE layer's Exchange from the config "
+                         "and the batch")
+    if cfg.expert_dtype != "bf16":
+        raise ArchNotImplemented(f"moe_layer: expert parallelism runs bf16 experts only (expert_dtype "
+                                 f"{cfg.expert_dtype!r}): the fp8 quantize-on-dispatch path is not written")
+
+
+def moe_layer(x: Tensor, p: MoEParams, cfg: ModelConfig,
+              ex: Exchange | None = None) -> tuple[Tensor, MoERouting]:
+    """x bf16 [T,D] -> (out bf16 [T,D], routing), the spec's results; differentiable in x and every weight.
+    With `ex`, p holds this rank's expert shard and the routed rows travel over RDEP (expert parallelism)."""
+    up, shared_up = check_moe_params(x, p, cfg, None if ex is None else ex.fwd.shape.n_local)
     _check_fast(x, cfg)
+    if ex is not None:
+        _check_ep(x, cfg, ex)
     k, e = cfg.n_activated_experts, cfg.n_routed_experts
     logits = router_logits(x, p.router_w)
     weights, ids = _apply(_RouterTopk, logits, p.router_bias, k, cfg.score_func, cfg.n_expert_groups,
@@ -270,5 +289,9 @@ def moe_layer(x: Tensor, p: MoEParams, cfg: ModelConfig) -> tuple[Tensor, MoERou
     if shared_up is not None:
         assert p.shared_w2 is not None
         shared = _apply(_Shared, x, shared_up, p.shared_w2, cfg.activation, cfg.expert_dtype)
-    out: Tensor = _apply(_Routed, x, up, p.w2, weights, shared, ids, cfg)
+    if ex is None:
+        out: Tensor = _apply(_Routed, x, up, p.w2, weights, shared, ids, cfg)
+    else:
+        with offs_built_on_device():
+            out = ep_routed(x, weights, ids, up, p.w2, cfg.activation, cfg.route_scale, shared, ex)
     return out, MoERouting(weights=weights, ids=ids, counts=expert_counts(ids, e))
