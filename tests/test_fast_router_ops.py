@@ -144,3 +144,28 @@ def test_router_logits_backward_glue_on_cpu() -> None:
     ctx = SimpleNamespace(saved_tensors=(x, w), needs_input_grad=(False, True))
     dx, dw = _router_logits_backward(ctx, g)
     assert dx is None and dw is not None
+
+
+def test_router_logits_backward_runs_full_fp32_under_a_tf32_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process allowing TF32 ("high") still gets full-precision router gradients and keeps its setting."""
+    from types import SimpleNamespace
+
+    from nmoe.fast.router import _router_logits_backward
+
+    seen: list[str] = []
+    mm = torch.mm
+
+    def spy(a: Tensor, b: Tensor) -> Tensor:
+        seen.append(torch.get_float32_matmul_precision())
+        return mm(a, b)
+
+    x, w = _xw(8, 16, 4, torch.bfloat16, 12)
+    ctx = SimpleNamespace(saved_tensors=(x, w), needs_input_grad=(True, True))
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        monkeypatch.setattr(torch, "mm", spy)
+        _router_logits_backward(ctx, torch.ones(8, 4))
+        assert seen == ["highest", "highest"] and torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(prev)

@@ -133,9 +133,16 @@ def _router_logits_fake(x: Tensor, wr: Tensor) -> Tensor:
 
 
 def _router_logits_backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """fp32 GEMMs at full fp32 precision whatever the process's matmul precision (TF32 would round the
+    logits' gradient to 10 mantissa bits); the setting is restored on return."""
     x, wr = ctx.saved_tensors
-    dx = torch.mm(g, wr.to(g.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
-    dwr = torch.mm(g.t(), x.to(g.dtype)).to(wr.dtype) if ctx.needs_input_grad[1] else None
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        dx = torch.mm(g, wr.to(g.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dwr = torch.mm(g.t(), x.to(g.dtype)).to(wr.dtype) if ctx.needs_input_grad[1] else None
+    finally:
+        torch.set_float32_matmul_precision(prev)
     return dx, dwr
 
 
