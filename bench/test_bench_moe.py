@@ -17,6 +17,8 @@ layer from torch ops with torch._grouped_mm for the experts, timed in the same r
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,12 +34,18 @@ from conftest import (
     try_compile,
 )
 from torch import Tensor
-from torchbase import permute_torch, router_topk_torch, torch_layer, unpermute_torch
+from torchbase import (
+    LAYER_CONFIGS,
+    layer_inputs,
+    permute_torch,
+    router_topk_torch,
+    torch_layer,
+    unpermute_torch,
+)
 
 from nmoe.layout import padded_rows
 
 CONFIGS = ((32768, 4096, 128, 8), (24576, 1536, 128, 8))
-LAYER_CONFIGS = ((32768, 4096, 1024, 128, 8), (24576, 1536, 256, 128, 8), (32768, 4096, 512, 256, 8))
 ALIGN = 128
 ROTATE_BYTES = 256 * 2**20
 
@@ -154,32 +162,12 @@ def test_bench_unpermute(benchmark: Any, cfg: tuple[int, ...]) -> None:
     assert check is None, f"unpermute: nmoe and the torch baseline disagree ({check})"
 
 
-ZIPF_BIAS = 0.25
-"""Zipf-skewed routing: router bias -ZIPF_BIAS * ln(1 + rank) over a random expert ranking."""
+def peer_row(name: str, shape: dict[str, int]) -> dict[str, Any] | None:
+    """SonicMoE's row for (name, shape) from the results NMOE_BENCH_PEER names, if it is set."""
+    from sonicpeer import find_row
 
-
-def _layer_inputs(cfg: tuple[int, ...], routing: str) -> tuple[Any, Any, Tensor, list[Tensor]]:
-    from nmoe.config import ModelConfig
-    from nmoe.layout import MoEParams
-    t, h, i, e, k = cfg
-    g = torch.Generator(device="cuda").manual_seed(3)
-
-    def rn(*shape: int, scale: float) -> Tensor:
-        w = torch.randn(*shape, device="cuda", generator=g) * scale
-        return w.to(torch.bfloat16).requires_grad_()
-
-    mc = ModelConfig(tokenizer="none", vocab_size=64, dim=h, moe_inter_dim=i, n_routed_experts=e,
-                     n_activated_experts=k, n_shared_experts=0, route_scale=1.0, permute_align=ALIGN,
-                     activation="swiglu", score_func="sigmoid", expert_dtype="bf16")
-    bias = torch.zeros(e, device="cuda")
-    if routing == "zipf":
-        rank = torch.randperm(e, device="cuda", generator=g).float()
-        bias = -ZIPF_BIAS * torch.log1p(rank)
-    p = MoEParams(router_w=rn(e, h, scale=h**-0.5), router_bias=bias,
-                  w2=rn(e, h, i, scale=i**-0.5), w13=rn(e, 2 * i, h, scale=h**-0.5))
-    x = rn(t, h, scale=1.0)
-    assert p.w13 is not None
-    return mc, p, x, [x, p.router_w, p.w13, p.w2]
+    path = os.environ.get("NMOE_BENCH_PEER")
+    return None if not path else find_row(Path(path), name, shape)
 
 
 def _peak_extra_bytes(step: Any) -> int:
@@ -199,7 +187,7 @@ def _peak_extra_bytes(step: Any) -> int:
 def test_bench_moe_layer(benchmark: Any, cfg: tuple[int, ...], routing: str, pass_: str) -> None:
     from nmoe.fast.moe import moe_layer
     t, h, i, e, k = cfg
-    mc, p, x, leaves = _layer_inputs(cfg, routing)
+    mc, p, x, leaves = layer_inputs(cfg, routing, ALIGN)
     dout = torch.randn(t, h, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))
     dout = dout.to(torch.bfloat16)
 
@@ -237,11 +225,15 @@ def test_bench_moe_layer(benchmark: Any, cfg: tuple[int, ...], routing: str, pas
     shape = dict(zip(("T", "H", "I", "E", "K"), cfg, strict=True))
     pick = None if torch_base["ms"] is None else ("torch_grouped_mm", float(torch_base["ms"]))
     row = record(f"moe_layer_{pass_}_{routing}", shape, ms, flops=flops, baseline=pick)
-    row.update(routing=routing, max_over_mean_load=load, baselines=[torch_base],
+    sonic = peer_row(f"moe_layer_{pass_}_{routing}", shape)
+    if sonic is not None:
+        sonic["eager_ms_ratio"] = sonic["ms"] / eager_ms
+    row.update(routing=routing, max_over_mean_load=load, baselines=[torch_base] + ([sonic] if sonic else []),
                peak_extra_GiB=mem_fast / 2**30, eager_ms=eager_ms, eager_host_ms=host_ms,
                host_frac_of_gpu=host_ms / ms,
-               sonicmoe="not run: SonicMoE runs in its own process with its pinned versions",
-               baseline_check=check or "ok")
+               sonicmoe="in baselines (its eager_ms_ratio is its time over our eager time)" if sonic else
+               "not run: SonicMoE runs in its own process (bench/sonicpeer.py); set NMOE_BENCH_PEER to its "
+               "results", baseline_check=check or "ok")
     benchmark.extra_info.update(row)
 
     def run() -> None:

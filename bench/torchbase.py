@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from nmoe.config import ModelConfig
-from nmoe.layout import padded_rows
+from nmoe.layout import MoEParams, padded_rows
 
 BF16 = torch.bfloat16
 
@@ -59,6 +59,36 @@ def torch_layer(x: Tensor, router_w: Tensor, router_bias: Tensor, w13: Tensor, w
     yp = torch._grouped_mm(a.to(BF16), w2.transpose(-2, -1), offs=offs)
     y = unpermute_torch(yp, slot, t, k)
     return ((w * route_scale)[:, :, None] * y.float()).sum(1).to(BF16)
+
+
+LAYER_CONFIGS = ((32768, 4096, 1024, 128, 8), (24576, 1536, 256, 128, 8), (32768, 4096, 512, 256, 8))
+"""(T, H, I, E, K) of the MoE layer rows."""
+ZIPF_BIAS = 0.25
+"""Zipf-skewed routing: router bias -ZIPF_BIAS * ln(1 + rank) over a random expert ranking."""
+
+
+def layer_inputs(cfg: tuple[int, ...], routing: str,
+                 align: int) -> tuple[ModelConfig, MoEParams, Tensor, list[Tensor]]:
+    """The MoE layer rows' config, weights and x at (T, H, I, E, K), seeded: every process builds the same."""
+    t, h, i, e, k = cfg
+    g = torch.Generator(device="cuda").manual_seed(3)
+
+    def rn(*shape: int, scale: float) -> Tensor:
+        w = torch.randn(*shape, device="cuda", generator=g) * scale
+        return w.to(torch.bfloat16).requires_grad_()
+
+    mc = ModelConfig(tokenizer="none", vocab_size=64, dim=h, moe_inter_dim=i, n_routed_experts=e,
+                     n_activated_experts=k, n_shared_experts=0, route_scale=1.0, permute_align=align,
+                     activation="swiglu", score_func="sigmoid", expert_dtype="bf16")
+    bias = torch.zeros(e, device="cuda")
+    if routing == "zipf":
+        rank = torch.randperm(e, device="cuda", generator=g).float()
+        bias = -ZIPF_BIAS * torch.log1p(rank)
+    p = MoEParams(router_w=rn(e, h, scale=h**-0.5), router_bias=bias,
+                  w2=rn(e, h, i, scale=i**-0.5), w13=rn(e, 2 * i, h, scale=h**-0.5))
+    x = rn(t, h, scale=1.0)
+    assert p.w13 is not None
+    return mc, p, x, [x, p.router_w, p.w13, p.w2]
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU half of the checks (needs an sm_90a/sm_100a GPU and nvidia-cutlass-dsl): fast-path tests,
 # parity report, GPU mutation catalog, benchmarks, a training run. Usage: bash tests/gpu_check.sh OUTDIR [STAGES]
-# STAGES is a comma list of smoke,tests,parity,mutate,bench,train,moonlet (default: all but smoke and
-# moonlet); every stage runs even if one fails. smoke launches one elementwise op and one GEMM: run it first
-# on a new launch path. moonlet trains configs/moonlet.toml for NMOE_MOONLET_STEPS (default 200) steps and
-# writes its metrics table, PNG and report JSON (its checkpoint of ~50 GB goes to NMOE_MOONLET_CKPT).
+# STAGES is a comma list of smoke,tests,parity,mutate,sonic,bench,train,moonlet (default: all but smoke,
+# sonic and moonlet); every stage runs even if one fails. smoke launches one elementwise op and one GEMM:
+# run it first on a new launch path. sonic times SonicMoE on the MoE layer rows in its own process
+# (SONIC_PYTHONPATH from the peer install); bench then puts those rows beside ours. moonlet trains
+# configs/moonlet.toml for NMOE_MOONLET_STEPS (default 200) steps and writes its metrics table, PNG and
+# report JSON (its checkpoint of ~50 GB goes to NMOE_MOONLET_CKPT).
 # NMOE_GPU_JOBS (default 12) sets the pytest and mutation workers; NMOE_BENCH_K selects bench rows (-k).
 set -uo pipefail
 out=$(mkdir -p "${1:?usage: gpu_check.sh OUTDIR [STAGES]}" && cd "$1" && pwd)
@@ -20,6 +22,9 @@ run() { local name=$1; shift; echo "== $name: $*"; "$@" > "$out/$name.log" 2>&1 
 [[ $stages == *,parity,* ]] && run parity python3 -m nmoe.cli parity --no-db --report "$out/parity.json"
 [[ $stages == *,mutate,* ]] && run mutate python3 -m nmoe.cli mutate --device gpu --only '*.fast_*' \
   --jobs "$jobs" --report "$out/mutations.json"
+[[ $stages == *,sonic,* ]] && run sonic env PYTHONPATH="${SONIC_PYTHONPATH:?install the peer first}:$PWD" \
+  python3 bench/sonicpeer.py --out "$out/sonic.json"
+[[ -f $out/sonic.json ]] && export NMOE_BENCH_PEER=$out/sonic.json
 [[ $stages == *,bench,* ]] && run bench python3 -m nmoe.cli bench ${NMOE_BENCH_K:+-k "$NMOE_BENCH_K"} \
   --out "$out/bench.json"
 [[ $stages == *,train,* ]] && run train bash -c "python3 -m nmoe.cli prep && python3 -m nmoe.cli train configs/tiny-gpu.toml"

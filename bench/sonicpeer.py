@@ -1,0 +1,116 @@
+"""SonicMoE on the MoE layer rows, in its own process (it pins another CuTeDSL): `python bench/sonicpeer.py
+--out FILE` with SonicMoE's site on PYTHONPATH; `nmoe bench` with NMOE_BENCH_PEER=FILE puts each row beside
+ours. Same weights, x, dout and routing as bench/test_bench_moe.py; the routing is given, not timed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from torchbase import LAYER_CONFIGS, layer_inputs, router_topk_torch
+
+ALIGN = 128
+WARMUP, REPS = 3, 10
+ROUTINGS = ("uniform", "zipf")
+PASSES = ("fwd", "fwd_bwd")
+
+
+def row_key(name: str, shape: dict[str, int]) -> str:
+    """How a peer row finds ours: the row name and its (T, H, I, E, K)."""
+    return name + "|" + ",".join(f"{k}={shape[k]}" for k in ("T", "H", "I", "E", "K"))
+
+
+def find_row(path: Path, name: str, shape: dict[str, int]) -> dict[str, Any] | None:
+    """The peer's row for (name, shape) in a results file of this script, without its lookup key."""
+    rows = {r["key"]: r for r in json.loads(path.read_text())["rows"]}
+    found = rows.get(row_key(name, shape))
+    return None if found is None else {k: v for k, v in found.items() if k != "key"}
+
+
+def _median_ms(step: Callable[[], object]) -> float:
+    for _ in range(WARMUP):
+        step()
+    times = []
+    for _ in range(REPS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _peak_extra_gib(step: Callable[[], object]) -> float:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = step()
+    torch.cuda.synchronize()
+    del out
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def _row(cfg: tuple[int, ...], routing: str, pass_: str) -> dict[str, Any]:
+    from sonicmoe import moe_general_routing_inputs
+    from sonicmoe.enums import ActivationType
+
+    t, h, i, e, k = cfg
+    _, p, x, _ = layer_inputs(cfg, routing, ALIGN)
+    assert p.w13 is not None
+    with torch.no_grad():
+        weights, ids = router_topk_torch(x.float() @ p.router_w.float().T, p.router_bias, k)
+    scores = weights.reshape(-1).contiguous()
+    tokens = torch.arange(t, device="cuda", dtype=torch.int32).repeat_interleave(k)
+    experts = ids.reshape(-1).to(torch.int32)
+    w1, w2 = p.w13.permute(1, 2, 0), p.w2.permute(1, 2, 0)
+    dout = torch.randn(t, h, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))
+    dout = dout.to(torch.bfloat16).contiguous()
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def layer() -> torch.Tensor:
+        out: torch.Tensor = moe_general_routing_inputs(x, scores, tokens, experts, w1, None, w2, None, e,
+                                                       stream, ActivationType.SWIGLU, pass_ == "fwd")[0]
+        return out
+
+    def step() -> object:
+        if pass_ == "fwd":
+            with torch.no_grad():
+                return layer()
+        return torch.autograd.grad(layer(), [x, p.w13, p.w2], dout)
+
+    ms = _median_ms(step)
+    flops = (6.0 if pass_ == "fwd" else 18.0) * t * i * h * k
+    name = f"moe_layer_{pass_}_{routing}"
+    shape = {"T": t, "H": h, "I": i, "E": e, "K": k}
+    return {"key": row_key(name, shape), "name": "sonicmoe", "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12,
+            "peak_extra_GiB": _peak_extra_gib(step), "timing": "eager",
+            "note": "moe_general_routing_inputs with the rows' routing given (router not timed); median of "
+                    f"{REPS} warm calls"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="sonicpeer", description=__doc__)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    import sonicmoe
+
+    rows = [_row(cfg, r, p) for cfg in LAYER_CONFIGS for r in ROUTINGS for p in PASSES]
+    doc = {"peer": "sonicmoe", "version": sonicmoe.__version__, "torch": torch.__version__,
+           "gpu": torch.cuda.get_device_name(), "rows": rows}
+    args.out.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    print(f"sonicpeer: wrote {args.out}: {len(rows)} rows")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
