@@ -43,6 +43,18 @@ def cuda_median_ms(fn: Callable[[], object], warmup: int = WARMUP, reps: int = R
     return statistics.median(times)
 
 
+def peak_extra_bytes(step: Callable[[], object]) -> int:
+    """Peak bytes allocated by one call of `step` above what was allocated before it."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return int(peak)
+
+
 def ceilings() -> dict[str, float]:
     """HBM copy TB/s and bf16 dense TFLOP/s on random normal data, measured once per run."""
     if not _CEILINGS:

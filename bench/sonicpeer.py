@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,31 +34,8 @@ def find_row(path: Path, name: str, shape: dict[str, int]) -> dict[str, Any] | N
     return None if found is None else {k: v for k, v in found.items() if k != "key"}
 
 
-def _median_ms(step: Callable[[], object]) -> float:
-    for _ in range(WARMUP):
-        step()
-    times = []
-    for _ in range(REPS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def _peak_extra_gib(step: Callable[[], object]) -> float:
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = step()
-    torch.cuda.synchronize()
-    del out
-    return (torch.cuda.max_memory_allocated() - base) / 2**30
-
-
 def _row(cfg: tuple[int, ...], routing: str, pass_: str) -> dict[str, Any]:
+    from conftest import cuda_median_ms, peak_extra_bytes  # bench/conftest.py, beside this script
     from sonicmoe import moe_general_routing_inputs
     from sonicmoe.enums import ActivationType
 
@@ -88,12 +63,12 @@ def _row(cfg: tuple[int, ...], routing: str, pass_: str) -> dict[str, Any]:
                 return layer()
         return torch.autograd.grad(layer(), [x, p.w13, p.w2], dout)
 
-    ms = _median_ms(step)
+    ms = cuda_median_ms(step, warmup=WARMUP, reps=REPS)
     flops = (6.0 if pass_ == "fwd" else 18.0) * t * i * h * k
     name = f"moe_layer_{pass_}_{routing}"
     shape = {"T": t, "H": h, "I": i, "E": e, "K": k}
     return {"key": row_key(name, shape), "name": "sonicmoe", "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12,
-            "peak_extra_GiB": _peak_extra_gib(step), "timing": "eager",
+            "peak_extra_GiB": peak_extra_bytes(step) / 2**30, "timing": "eager",
             "note": "moe_general_routing_inputs with the rows' routing given (router not timed); median of "
                     f"{REPS} warm calls"}
 

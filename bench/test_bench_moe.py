@@ -29,6 +29,7 @@ from conftest import (
     eager_call_ms,
     measure_op,
     mismatch,
+    peak_extra_bytes,
     record,
     replay_median_ms,
     try_compile,
@@ -170,17 +171,6 @@ def peer_row(name: str, shape: dict[str, int]) -> dict[str, Any] | None:
     return None if not path else find_row(Path(path), name, shape)
 
 
-def _peak_extra_bytes(step: Any) -> int:
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = step()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del out
-    return int(peak)
-
-
 @pytest.mark.parametrize("pass_", ["fwd", "fwd_bwd"])
 @pytest.mark.parametrize("routing", ["uniform", "zipf"])
 @pytest.mark.parametrize("cfg", LAYER_CONFIGS, ids=lambda c: "T{}_H{}_I{}_E{}_K{}".format(*c))
@@ -213,7 +203,7 @@ def test_bench_moe_layer(benchmark: Any, cfg: tuple[int, ...], routing: str, pas
     err = float((got - want).norm() / want.norm())
     del out, r, got, want
     check = f"relative error {err:.3g} against the torch layer (> 2e-2)" if err > 2e-2 else ""
-    mem_fast, mem_base = _peak_extra_bytes(fast), _peak_extra_bytes(base)
+    mem_fast, mem_base = peak_extra_bytes(fast), peak_extra_bytes(base)
     flops = (6.0 if pass_ == "fwd" else 18.0) * t * i * h * k
     graph = capture(fast)
     ms = replay_median_ms(graph)
