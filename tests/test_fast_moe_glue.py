@@ -266,3 +266,19 @@ def test_group_limited_routing_reaches_the_router(spec_kernels: None) -> None:
     assert torch.equal(got_out, want_out)
     for a, b in zip(got, want, strict=True):
         _close(a, b)
+
+
+def test_h_is_freed_by_the_backward_and_a_second_backward_says_so(spec_kernels: None) -> None:
+    """h leaves the layer's memory inside its backward (before the up-projection's wgrad and dgrad)."""
+    x, p, cfg = _case(*SWIGLU_SHARED, 3)
+    out, _ = fm.moe_layer(x, p, cfg)
+    dout = torch.ones_like(out)
+    node = out.grad_fn
+    while node is not None and not hasattr(node, "h"):
+        node = next((f for f, _ in node.next_functions if f is not None and "Routed" in type(f).__name__),
+                    None)
+    assert node is not None and node.h is not None
+    torch.autograd.backward(out, dout, retain_graph=True)
+    assert node.h is None
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        torch.autograd.backward(out, dout)

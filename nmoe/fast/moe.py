@@ -10,7 +10,8 @@ Saved for the backward, per token (K slots, up width N = 2I swiglu or I relu2, E
   x (the layer input, already alive)      0 extra: xp = permute(x) is recomputed, a gather is cheaper than
                                             keeping K copies of each row (2KH bytes)
   h [slots, N] bf16                        2KN bytes: the up-projection output; a = act(h) is recomputed
-                                            (elementwise), redoing the up GEMM would cost a third of the fwd
+                                            (elementwise), redoing the up GEMM would cost a third of the fwd;
+                                            the backward drops h once dh exists, before the up wgrad/dgrad
   weights fp32 [T,K], ids int64 [T,K],      16K + 8*(rows/T) bytes: routing
   row_of int32 [T,K], slot int64 [rows]
   logits fp32 [T,E]                         4E bytes: router_topk's backward (softmax needs every score)
@@ -171,15 +172,21 @@ class _Routed(torch.autograd.Function):
             out = combine(fp8_y[0], weights, cfg.route_scale, shared)
         else:
             out = combine_gather(yp, row_of, weights, cfg.route_scale, shared)
-        ctx.save_for_backward(x, w_up, w2, weights, ids, slot, row_of, offs, h, *fp8_y)
-        ctx.cfg, ctx.has_shared = cfg, shared is not None  # type: ignore[attr-defined]
+        ctx.save_for_backward(x, w_up, w2, weights, ids, slot, row_of, offs, *fp8_y)
+        # h, the largest saved tensor, is held outside saved_tensors so the backward can drop it as soon as
+        # dh exists, before the up-projection's wgrad and dgrad allocate theirs.
+        ctx.h, ctx.cfg, ctx.has_shared = h, cfg, shared is not None  # type: ignore[attr-defined]
         return out
 
     @staticmethod
     @_sync_free
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None,
                                                   Tensor | None, None, None]:
-        x, w_up, w2, weights, ids, slot, row_of, offs, h, *fp8_y = ctx.saved_tensors
+        x, w_up, w2, weights, ids, slot, row_of, offs, *fp8_y = ctx.saved_tensors
+        h, ctx.h = ctx.h, None
+        if h is None:
+            raise RuntimeError("moe_layer: its backward ran twice (retain_graph=True); the layer frees h "
+                               "during its backward, so run the forward again for a second backward")
         cfg: ModelConfig = ctx.cfg
         need_x, need_up, need_w2, need_w = ctx.needs_input_grad[:4]
         need_h = need_x or need_up
@@ -206,7 +213,7 @@ class _Routed(torch.autograd.Function):
         if need_h:
             assert dz is not None
             dh = act_bwd(_row_scale(dz, wrow), h)
-            del dz
+            del dz, h
             if need_up:
                 dw_up = grouped_gemm_wgrad(dh, permute(x, ids, e, align).xp, offs)
             if need_x:
