@@ -61,8 +61,9 @@ def torch_layer(x: Tensor, router_w: Tensor, router_bias: Tensor, w13: Tensor, w
     return ((w * route_scale)[:, :, None] * y.float()).sum(1).to(BF16)
 
 
-LAYER_CONFIGS = ((32768, 4096, 1024, 128, 8), (24576, 1536, 256, 128, 8), (32768, 4096, 512, 256, 8))
-"""(T, H, I, E, K) of the MoE layer rows."""
+LAYER_CONFIGS = ((32768, 4096, 1024, 128, 8), (24576, 1536, 256, 128, 8), (32768, 4096, 512, 256, 8),
+                 (32768, 2048, 512, 64, 6))
+"""(T, H, I, E, K) of the MoE layer rows: SonicMoE's three, then moonlet's layer at its 32k-token step."""
 ZIPF_BIAS = 0.25
 """Zipf-skewed routing: router bias -ZIPF_BIAS * ln(1 + rank) over a random expert ranking."""
 
