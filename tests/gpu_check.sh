@@ -32,7 +32,7 @@ if [[ $stages == *,moonlet,* ]]; then
   tokens=$(( ${NMOE_MOONLET_STEPS:-200} * 8 * 4096 ))
   run moonlet bash -c "python3 -m nmoe.cli prep && python3 -m nmoe.cli train configs/moonlet.toml \
     --schedule.total_tokens=$tokens --schedule.warmup_tokens=$(( tokens / 10 )) \
-    --checkpoint.dir=${NMOE_MOONLET_CKPT:-checkpoints/moonlet-check} --metrics.dir=$out/moonlet-metrics"
+    --checkpoint.dir=${NMOE_MOONLET_CKPT:-checkpoints/moonlet-check}"
   rid=$(grep -o 'run [A-Za-z0-9_.-]*$' "$out/moonlet.log" | tail -n 1 | cut -d' ' -f2)
   [[ -n $rid ]] && run moonlet-report python3 -m nmoe.cli metrics "$rid" --db runs/experiments.sqlite --out "$out"
 fi
