@@ -333,3 +333,31 @@ def test_sep_cross_entropy_bwd_fast_onehot_dropped() -> None:
     assert not bound((p @ w.double()).bfloat16(), exp[0].value, rad, pl.CE_BWD.n).passed
     dh, dw = fast.cross_entropy_bwd(1.0, h.cuda(), w.cuda(), tg.cuda(), IGN, 4)
     check_grads(dh, dw, 1.0, h, w, tg, 4)
+
+
+@gpu
+def test_a_target_outside_the_vocab_aborts_where_the_spec_raises() -> None:
+    """The spec raises naming the target; the kernel cannot raise, so it traps, and the CUDA error surfaces
+    at the next sync (run in a child: a trapped context is unusable)."""
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    from nmoe.reference.loss import cross_entropy as ref_ce
+
+    h, w = torch.ones(2, 8).bfloat16(), torch.ones(5, 8).bfloat16()
+    with pytest.raises(ValueError, match="target 5 is outside"):
+        ref_ce(h, w, torch.tensor([0, 5]), IGN, 4)
+    code = textwrap.dedent("""
+        import torch
+        from nmoe.fast.loss import cross_entropy
+        h, w = torch.ones(2, 8, device="cuda").bfloat16(), torch.ones(5, 8, device="cuda").bfloat16()
+        cross_entropy(h, w, torch.tensor([0, 5], device="cuda"), -100, 4)
+        torch.cuda.synchronize()
+        print("no error")
+    """)
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0 and "no error" not in out.stdout, out.stdout + out.stderr
+    assert "illegal instruction" in (out.stdout + out.stderr).lower(), out.stderr[-2000:]
