@@ -37,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--device", default="cuda", help="device of the fast op in parity mode (cpu: harness tests)"
     )
+    p.add_argument("--jobs", type=int, default=1, help="ops run in this many processes (each op in one)")
     p.add_argument("--no-compile", action="store_true", help="skip the sm_90a/sm_100a compile checks")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--list", action="store_true", help="list the registered contracts and exit")
@@ -62,6 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"nmoe parity: {e}", file=sys.stderr)
         return 2
+    if args.jobs < 1:
+        print(f"nmoe parity: --jobs {args.jobs} must be >= 1", file=sys.stderr)
+        return 2
     mode = args.mode
     if mode == "auto":
         mode = "parity" if detect_arch()[0] is not None else "selfcheck"
@@ -86,6 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cases=cases,
         compile=not args.no_compile and mode == "selfcheck",
         quiet=args.quiet,
+        jobs=args.jobs,
     )
     report = run(opts, "nmoe parity " + " ".join(sys.argv[1:] if argv is None else argv))
     problems = rep.validate(report)

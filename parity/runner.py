@@ -3,9 +3,12 @@ execute here, and the sm_90a/sm_100a compile rows, assembled into one report."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -20,7 +23,18 @@ from parity.cases import Case, build, make_cases
 from parity.compiles import selection
 from parity.execute import Outcome, fail, not_run, parity_case, selfcheck_case
 from parity.inputs import Inputs
-from parity.registry import ARCHS, CPU, OpEntry, fast_declared, resolve_fast, resolve_reference, select
+from parity.registry import (
+    ARCHS,
+    CPU,
+    REGISTRY,
+    OpEntry,
+    fast_declared,
+    resolve_fast,
+    resolve_reference,
+    select,
+)
+
+THREADS = os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -33,6 +47,7 @@ class Options:
     cases: int = 3
     compile: bool = True
     quiet: bool = False
+    jobs: int = 1
 
 
 class Progress:
@@ -166,6 +181,36 @@ def detect_arch() -> tuple[str | None, str]:
     return arch, "" if arch else f"GPU sm_{cap[0]}{cap[1]} is none of {', '.join(ARCHS)}"
 
 
+def _entry_rows(name: str, opts: Options, arch: str, archs: Sequence[str]) -> list[dict[str, Any]]:
+    """One op's rows, by registry name (what a worker process receives)."""
+    if opts.mode == "selfcheck" or opts.jobs > 1:
+        torch.set_num_threads(1 if opts.mode == "selfcheck" else max(1, THREADS // opts.jobs))
+    entry = REGISTRY[name]
+    rows = run_entry(entry, opts, arch)
+    if opts.mode == "selfcheck":
+        rows += fast_not_run_rows(entry, archs, "no CUDA device: fast path not executed")
+    return rows
+
+
+def _run_entries(entries: Sequence[OpEntry], opts: Options, arch: str, archs: Sequence[str],
+                 progress: Progress) -> list[dict[str, Any]]:
+    """Ops one after the other, or over opts.jobs spawned processes (each op whole in one of them, the rows
+    in registry order either way): the oracles' float64 math is CPU-bound, one process per core."""
+    if opts.jobs <= 1 or len(entries) <= 1:
+        rows: list[dict[str, Any]] = []
+        for i, entry in enumerate(entries, 1):
+            progress.op(i, entry.name, opts.cases + len(entry.adversarial) * len(entry.dtypes))
+            rows += _entry_rows(entry.name, opts, arch, archs)
+        return rows
+    with ProcessPoolExecutor(max_workers=opts.jobs, mp_context=mp.get_context("spawn")) as pool:
+        futures = [pool.submit(_entry_rows, e.name, opts, arch, list(archs)) for e in entries]
+        done: list[list[dict[str, Any]]] = []
+        for i, (entry, fut) in enumerate(zip(entries, futures, strict=True), 1):
+            done.append(fut.result())
+            progress.op(i, entry.name, len(done[-1]))
+    return [r for rows_ in done for r in rows_]
+
+
 def run(opts: Options, command: str = "nmoe parity") -> dict[str, Any]:
     """Execute the selected contracts and return the report (not yet written anywhere)."""
     entries = select(list(opts.ops) or None)
@@ -174,8 +219,6 @@ def run(opts: Options, command: str = "nmoe parity") -> dict[str, Any]:
     sel = selection(entries, bool(opts.ops)) if opts.compile else None
     procs = compilecheck.spawn(archs, sel) if sel is not None else []
     threads = torch.get_num_threads()
-    if opts.mode == "selfcheck":
-        torch.set_num_threads(1)
     rows: list[dict[str, Any]] = []
     progress = Progress(len(entries), opts.quiet)
     try:
@@ -186,17 +229,14 @@ def run(opts: Options, command: str = "nmoe parity") -> dict[str, Any]:
             if detected is None or (opts.arch and opts.arch != detected):
                 gpu_why = gpu_why or f"this GPU is {detected}, not the requested {opts.arch}"
                 gpu_arch = None
-        for i, entry in enumerate(entries, 1):
-            progress.op(i, entry.name, opts.cases + len(entry.adversarial) * len(entry.dtypes))
-            if opts.mode == "parity" and gpu_arch is None:
+        if opts.mode == "parity" and gpu_arch is None:
+            for entry in entries:
                 rows += [
                     _row(entry, opts.arch or "sm_90a", "parity", c, None, not_run(gpu_why), 0.0)
                     for c in make_cases(entry, opts.cases, opts.seed, big=False)
                 ]
-                continue
-            rows += run_entry(entry, opts, gpu_arch or CPU)
-            if opts.mode == "selfcheck":
-                rows += fast_not_run_rows(entry, archs, "no CUDA device: fast path not executed")
+        else:
+            rows = _run_entries(entries, opts, gpu_arch or CPU, archs, progress)
     finally:
         torch.set_num_threads(threads)
         progress.done()
@@ -207,6 +247,7 @@ def run(opts: Options, command: str = "nmoe parity") -> dict[str, Any]:
         "device": opts.device if opts.mode == "parity" else "cpu",
         "seed": opts.seed,
         "cases_per_op": opts.cases,
+        "jobs": opts.jobs,
         "ops": list(opts.ops),
         "hypothesis": hypothesis.__version__,
         "seconds": round(time.perf_counter() - t0, 2),

@@ -19,7 +19,7 @@ run() { local name=$1; shift; echo "== $name: $*"; "$@" > "$out/$name.log" 2>&1 
 [[ $stages == *,smoke,* ]] && run smoke python3 -m pytest -q -p no:cacheprovider -m gpu -x \
   tests/test_fast_activation.py tests/test_fast_gemm.py -k "test_relu2_any_size or test_fwd_uniform"
 [[ $stages == *,tests,* ]] && run gpu-tests python3 -m pytest -q -p no:cacheprovider -m gpu -n "$jobs" tests
-[[ $stages == *,parity,* ]] && run parity python3 -m nmoe.cli parity --no-db --report "$out/parity.json"
+[[ $stages == *,parity,* ]] && run parity python3 -m nmoe.cli parity --no-db --jobs "$jobs" --report "$out/parity.json"
 [[ $stages == *,mutate,* ]] && run mutate python3 -m nmoe.cli mutate --device gpu --only '*.fast_*' \
   --jobs "$jobs" --report "$out/mutations.json"
 [[ $stages == *,sonic,* ]] && run sonic env PYTHONPATH="${SONIC_PYTHONPATH:?install the peer first}:$PWD" \

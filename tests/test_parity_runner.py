@@ -292,3 +292,15 @@ def test_registry_covers_the_inventory() -> None:
     assert registry.select(["grouped_gemm*"])[0].name == "grouped_gemm"
     with pytest.raises(ValueError, match="known ops"):
         registry.select(["nope"])
+
+
+def test_jobs_spread_ops_over_processes_with_the_same_rows() -> None:
+    from parity.runner import Options, run
+
+    opts = Options(ops=("relu2", "rmsnorm", "combine"), mode="selfcheck", cases=2, compile=False, quiet=True)
+    one, many = run(opts), run(replace(opts, jobs=3))
+
+    def rows(r: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{k: v for k, v in c.items() if k != "seconds"} for c in r["cases"]]
+
+    assert rows(one) == rows(many) and many["run"]["jobs"] == 3 and report.validate(many) == []
