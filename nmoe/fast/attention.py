@@ -108,7 +108,7 @@ def mla_attention(
     if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] < s or cos.shape[1] != dr // 2:
         raise ValueError(
             f"mla_attention: cos/sin shapes {tuple(cos.shape)}/{tuple(sin.shape)} must be "
-            f"[>= {s}, {dr // 2}]; build them with nmoe.fast.rope.yarn_cos_sin(max_seq_len, "
+            f"[>= {s}, {dr // 2}]; build them with nmoe.yarn.yarn_cos_sin(max_seq_len, "
             "qk_rope_head_dim, ...)"
         )
     check_mla_params(p, dim, h, dn, dr, dv)

@@ -44,7 +44,7 @@ def table_plan(x: Tensor, cos: Tensor, sin: Tensor) -> TablePlan:
         )
     if cos.dtype != torch.float32 or sin.dtype != torch.float32:
         raise ValueError(f"apply_rope: fast tables are fp32, got cos {cos.dtype}, sin {sin.dtype}; build "
-                         "them with nmoe.fast.rope.yarn_cos_sin")
+                         "them with nmoe.yarn.yarn_cos_sin")
     dims = list(cos.shape[:-1])
     while dims and dims[0] == 1:
         dims.pop(0)
