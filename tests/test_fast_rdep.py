@@ -535,8 +535,9 @@ def test_ep_dispatch_backward_sums_slots_and_refuses_a_redispatched_group(
         first.sum().backward()
 
 
-def ep_grad_job(group: object, x: Tensor, ids: Tensor, c: Tensor) -> dict[str, Tensor]:
-    """On every rank: out = ep_return(2 * ep_dispatch(x)), loss = sum(c[t,k] * out[t,k,:]); out and dx."""
+def _with_slots(group: object, body: Any, *args: Any) -> Any:
+    """body(group, slots, *args) with this rank's slot group (the backward's exchange) open around it; every
+    rank passes the same barrier whatever raised, so one failing rank cannot stall the others."""
     import torch.distributed as dist
 
     from nmoe.fast.rdep import ep
@@ -546,22 +547,34 @@ def ep_grad_job(group: object, x: Tensor, ids: Tensor, c: Tensor) -> dict[str, T
     assert isinstance(group, RdepGroup)
     slots = RdepGroup(ep.slot_shape(group.shape), group.rank, group.device, exchange_gloo)
     try:
-        ex = ep.Exchange(group, slots)
-        xd = x.to(group.device).requires_grad_()
-        idd = ids.to(group.device)
-        rows, _, _ = ep.ep_dispatch(xd, idd, ex)
-        out = ep.ep_return(rows * 2, idd, ex)
-        (out.float() * c.to(group.device)[:, :, None]).sum().backward()
-        group.sync_check()
-        slots.sync_check()
-        assert xd.grad is not None
-        got = {"out": out.detach().cpu(), "dx": xd.grad.cpu()}
+        got = body(group, slots, *args)
     except BaseException:
-        dist.barrier()  # every rank passes the same barriers, whatever raised
+        dist.barrier()
         raise
     dist.barrier()
     slots.close()
     return got
+
+
+def ep_grad_job(group: object, x: Tensor, ids: Tensor, c: Tensor) -> dict[str, Tensor]:
+    """On every rank: out = ep_return(2 * ep_dispatch(x)), loss = sum(c[t,k] * out[t,k,:]); out and dx."""
+    got: dict[str, Tensor] = _with_slots(group, _ep_grad_rank, x, ids, c)
+    return got
+
+
+def _ep_grad_rank(group: Any, slots: Any, x: Tensor, ids: Tensor, c: Tensor) -> dict[str, Tensor]:
+    from nmoe.fast.rdep import ep
+
+    ex = ep.Exchange(group, slots)
+    xd = x.to(group.device).requires_grad_()
+    idd = ids.to(group.device)
+    rows, _, _ = ep.ep_dispatch(xd, idd, ex)
+    out = ep.ep_return(rows * 2, idd, ex)
+    (out.float() * c.to(group.device)[:, :, None]).sum().backward()
+    group.sync_check()
+    slots.sync_check()
+    assert xd.grad is not None
+    return {"out": out.detach().cpu(), "dx": xd.grad.cpu()}
 
 
 @gpu
@@ -591,21 +604,7 @@ def ep_routed_job(group: object, xs: list[Tensor], ids: list[Tensor], ws: list[T
                   w2: Tensor, douts: list[Tensor]) -> dict[str, float | bool]:
     """This rank's ep_routed (its experts only) against one process running every rank's tokens through
     every expert with the same kernels (torch gather/scatter around them): out bitwise, gradients close."""
-    import torch.distributed as dist
-
-    from nmoe.fast.rdep import ep
-    from nmoe.fast.rdep.group import RdepGroup
-    from nmoe.fast.rdep.spmd import exchange_gloo
-
-    assert isinstance(group, RdepGroup)
-    slots = RdepGroup(ep.slot_shape(group.shape), group.rank, group.device, exchange_gloo)
-    try:
-        got = _ep_routed_rank(group, slots, xs, ids, ws, w_up, w2, douts)
-    except BaseException:
-        dist.barrier()  # every rank passes the same barriers, whatever raised
-        raise
-    dist.barrier()
-    slots.close()
+    got: dict[str, float | bool] = _with_slots(group, _ep_routed_rank, xs, ids, ws, w_up, w2, douts)
     return got
 
 
@@ -675,21 +674,7 @@ def moe_layer_ep_job(group: object, xs: list[Tensor], p: Any, cfg: Any,
     """The whole fast moe_layer with this rank's expert shard over RDEP against one process running every
     rank's tokens through the unsharded layer: routing and out bitwise, gradients close (router and shared
     expert gradients summed over ranks, as the trainer's reduction does)."""
-    import torch.distributed as dist
-
-    from nmoe.fast.rdep import ep
-    from nmoe.fast.rdep.group import RdepGroup
-    from nmoe.fast.rdep.spmd import exchange_gloo
-
-    assert isinstance(group, RdepGroup)
-    slots = RdepGroup(ep.slot_shape(group.shape), group.rank, group.device, exchange_gloo)
-    try:
-        got = _moe_layer_ep_rank(group, slots, xs, p, cfg, douts)
-    except BaseException:
-        dist.barrier()
-        raise
-    dist.barrier()
-    slots.close()
+    got: dict[str, float | bool] = _with_slots(group, _moe_layer_ep_rank, xs, p, cfg, douts)
     return got
 
 
