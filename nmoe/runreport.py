@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any, Final
 
 from nmoe.config import MetricsConfig
-from nmoe.plots import PlotError, run_series, slug, training_sections
+from nmoe.plots import slug, training_sections
 from nmoe.provenance import provenance
-from nmoe.train.metrics import ExperimentsDB, fmt_value, summarize, text_table
+from nmoe.train.metrics import ExperimentsDB, fmt_value, series, summarize, text_table
 from nmoe.train.metricstore import rank_dir, visible_parts
 
 REPORT_TAGS: Final = ("loss", "lr", "tokens_per_s", "ms_per_step", "mfu", "mem/max_allocated_gb")
@@ -70,11 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(text_table(["tag", "n", "steps", "last", "min", "max", "mean"], rows))
     out: Path = args.out if args.out is not None else Path(r["metrics_dir"])
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        data = run_series(Path(args.db), args.run, args.rank)
-    except PlotError as e:
-        print(f"nmoe metrics: {e}", file=sys.stderr)
-        return 1
+    data = series(path, args.run)
     images = [e.target for s in training_sections(data, args.run, out) for e in s.entries if e.image]
     doc = out / f"{slug(args.run)}.report.json"
     doc.write_text(json.dumps(report(r, data), indent=1, allow_nan=False) + "\n")
