@@ -56,27 +56,17 @@ def _no_phase(name: str) -> AbstractContextManager[Any]:
 
 
 def _with_floors(parts: dict[str, Any], model: torch.nn.Module, cfg: Config, tokens: int) -> dict[str, Any]:
-    """Each GEMM category's FLOP floor and AdamW's byte floor beside its measured time (ceilings of this run):
-    expert matmuls 6 * params * k/E per token, other matmuls (head, router included) 6 * params, attention
-    as flops_per_token counts it; AdamW reads p, g, m, v and writes p, m, v in fp32 (28 B per parameter)."""
-    from nmoe.train.optim import param_kind
+    """Each GEMM family's FLOP floor (nmoe.train.loop.flops_parts, the trainer's MFU accounting) and AdamW's
+    byte floor beside its measured time; AdamW reads p, g, m, v and writes p, m, v in fp32 (28 B/param)."""
+    from nmoe.train.loop import flops_parts
 
-    m = cfg.model
-    expert = dense = every = 0.0
-    for name, p in model.named_parameters():
-        every += p.numel()
-        if p.dim() < 2 or "embed" in name:
-            continue
-        if param_kind(name, p) == "expert":
-            expert += p.numel() * m.n_activated_experts / m.n_routed_experts
-        else:
-            dense += p.numel()
-    attn = 3.0 * m.n_layers * cfg.data.seq_len * m.n_heads * (m.qk_head_dim + m.v_head_dim)
     ceil = ceilings()
-    flops = {"expert_gemm": 6 * expert * tokens, "dense_gemm": 6 * dense * tokens, "attention": attn * tokens}
+    kinds = flops_parts(model, cfg)
+    flops = {"expert_gemm": kinds["expert"], "dense_gemm": kinds["dense"], "attention": kinds["attention"]}
     for cat, f in flops.items():
         parts["categories"].setdefault(cat, {"ms": 0.0, "launches": 0, "share": 0.0})
-        parts["categories"][cat]["floor_ms"] = f / (ceil["bf16_dense_TFLOPs"] * 1e12) * 1e3
+        parts["categories"][cat]["floor_ms"] = f * tokens / (ceil["bf16_dense_TFLOPs"] * 1e12) * 1e3
+    every = sum(p.numel() for p in model.parameters())
     parts["categories"].setdefault("adamw", {"ms": 0.0, "launches": 0, "share": 0.0})
     parts["categories"]["adamw"]["floor_ms"] = 28 * every / (ceil["hbm_copy_TBps"] * 1e12) * 1e3
     return parts

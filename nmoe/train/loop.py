@@ -64,17 +64,25 @@ def default_loss(model: nn.Module, inputs: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), targets.reshape(-1))
 
 
-def flops_per_token(model: nn.Module, cfg: Config) -> float:
-    """6·(active matmul params, experts scaled by k/E, embedding lookup excluded) + causal attention."""
+def flops_parts(model: nn.Module, cfg: Config) -> dict[str, float]:
+    """FLOPs per token by kind: 6·expert matmul params·k/E, 6·other matmul params (embedding lookup
+    excluded), causal attention."""
     m = cfg.model
-    active = 0.0
+    parts = {"expert": 0.0, "dense": 0.0}
     for name, p in model.named_parameters():
         if p.dim() < 2 or "embed" in name:
             continue
-        share = m.n_activated_experts / m.n_routed_experts if param_kind(name, p) == "expert" else 1.0
-        active += p.numel() * share
-    attn = 3.0 * m.n_layers * cfg.data.seq_len * m.n_heads * (m.qk_head_dim + m.v_head_dim)
-    return 6.0 * active + attn
+        if param_kind(name, p) == "expert":
+            parts["expert"] += 6.0 * p.numel() * m.n_activated_experts / m.n_routed_experts
+        else:
+            parts["dense"] += 6.0 * p.numel()
+    parts["attention"] = 3.0 * m.n_layers * cfg.data.seq_len * m.n_heads * (m.qk_head_dim + m.v_head_dim)
+    return parts
+
+
+def flops_per_token(model: nn.Module, cfg: Config) -> float:
+    """6·(active matmul params, experts scaled by k/E, embedding lookup excluded) + causal attention."""
+    return sum(flops_parts(model, cfg).values())
 
 
 class _StopFlag:
