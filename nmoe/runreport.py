@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -16,15 +15,11 @@ from nmoe.plots import slug, training_sections
 from nmoe.provenance import provenance
 from nmoe.train.metrics import ExperimentsDB, fmt_value, series, summarize, text_table
 from nmoe.train.metricstore import rank_dir, visible_parts
+from parity.report import json_safe
 
 REPORT_TAGS: Final = ("loss", "lr", "tokens_per_s", "ms_per_step", "mfu", "mem/max_allocated_gb")
 RUN_FIELDS: Final = ("id", "experiment", "name", "status", "last_step", "start_ms", "end_ms", "git_sha",
                      "git_dirty", "world")
-
-
-def _finite(v: float | None) -> float | str | None:
-    """docs/reports.md: a non-finite number is written as a string."""
-    return v if v is None or math.isfinite(v) else str(v)
 
 
 def report(run: Mapping[str, Any], data: Mapping[str, list[tuple[int, float]]]) -> dict[str, Any]:
@@ -32,7 +27,7 @@ def report(run: Mapping[str, Any], data: Mapping[str, list[tuple[int, float]]]) 
     by_tag = {t: dict(data.get(t, [])) for t in REPORT_TAGS}
     steps = sorted({s for points in by_tag.values() for s in points})
     return {"run": {k: run.get(k) for k in RUN_FIELDS}, "exported_on": provenance(),
-            "steps": [{"step": s, **{t: _finite(by_tag[t].get(s)) for t in REPORT_TAGS}} for s in steps]}
+            "steps": [{"step": s, **{t: by_tag[t].get(s) for t in REPORT_TAGS}} for s in steps]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -73,6 +68,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = series(path, args.run)
     images = [e.target for s in training_sections(data, args.run, out) for e in s.entries if e.image]
     doc = out / f"{slug(args.run)}.report.json"
-    doc.write_text(json.dumps(report(r, data), indent=1, allow_nan=False) + "\n")
+    doc.write_text(json.dumps(json_safe(report(r, data)), indent=1, allow_nan=False) + "\n")
     print("wrote " + ", ".join(str(p) for p in (*images, doc)))
     return 0
