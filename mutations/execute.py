@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nmoe.abtest import tree_pythonpath
+from nmoe.checkout import tree_pythonpath
 
 TREE: tuple[str, ...] = ("nmoe", "parity", "mutations", "tests", "configs", "pyproject.toml", "conftest.py")
 PYTEST_FLAGS: tuple[str, ...] = ("-x", "-q", "-p", "no:cacheprovider", "-rfE", "--tb=short")

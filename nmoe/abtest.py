@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
 
+from nmoe.checkout import tree_pythonpath
+
 Verdict = Literal["faster", "slower", "within noise"]
 MIN_NOISE: Final = 0.01
 MIN_REPS: Final = 4
@@ -60,13 +62,6 @@ def verdict(base: Sequence[float], new: Sequence[float], aa: Sequence[float],
 
 
 SIDES: Final = ("base", "new", "aa")
-
-
-def tree_pythonpath(tree: Path, inherited: str | None) -> str:
-    """`tree` first, then the inherited entries (where installed packages such as CuTeDSL may live) except
-    those that hold another checkout's `nmoe`, which would shadow the tree's own code."""
-    keep = [e for e in (inherited or "").split(os.pathsep) if e and not (Path(e) / "nmoe").is_dir()]
-    return os.pathsep.join([str(tree), *keep])
 
 
 class Worker:

@@ -4,6 +4,7 @@ checkout and the `test` extra, and stop at once, naming the fix, when either is 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from typing import Final
 
@@ -40,3 +41,10 @@ def require_test_extra(command: str, modules: tuple[str, ...]) -> None:
     if missing:
         raise CheckoutError(f"{command} needs {', '.join(missing)} (the `test` extra); run `{INSTALL}` in "
                             "the source checkout")
+
+
+def tree_pythonpath(tree: Path, inherited: str | None) -> str:
+    """`tree` first, then the inherited entries (where installed packages such as CuTeDSL may live) except
+    those that hold another checkout's `nmoe`, which would shadow the tree's own code."""
+    keep = [e for e in (inherited or "").split(os.pathsep) if e and not (Path(e) / "nmoe").is_dir()]
+    return os.pathsep.join([str(tree), *keep])

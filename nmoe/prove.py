@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
-from nmoe.abtest import MIN_REPS, tree_pythonpath
+from nmoe.abtest import MIN_REPS
+from nmoe.checkout import tree_pythonpath
 from nmoe.provestage import Plan, StageError, apply_mutant, export, mutant_file, stage, unstage
 
 CATALOG_FILE: Final = re.compile(r"^mutations/catalog/(?!__init__)(\w+)\.py$")

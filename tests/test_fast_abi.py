@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from nmoe.abtest import tree_pythonpath
+from nmoe.checkout import tree_pythonpath
 
 ROOT = Path(__file__).resolve().parents[1]
 BF = torch.bfloat16

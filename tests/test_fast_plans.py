@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from bench.hostcpu import cpu_as_gpu, host_us, steps
-from nmoe.abtest import tree_pythonpath
+from nmoe.checkout import tree_pythonpath
 from nmoe.fast import activation, op
 from nmoe.fast.gemm import routing
 from nmoe.fast.gemm import sm90 as gemm

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from nmoe import prove
-from nmoe.abtest import order, run_ab, tree_pythonpath, verdict
+from nmoe.abtest import order, run_ab, verdict
+from nmoe.checkout import tree_pythonpath
 from nmoe.provereport import markdown
 from nmoe.provestage import export
 
