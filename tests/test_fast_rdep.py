@@ -728,12 +728,9 @@ def _moe_layer_ep_rank(group: Any, slots: Any, xs: list[Tensor], p: Any, cfg: An
     return got
 
 
-@gpu
-@pytest.mark.parametrize("w", [2, 4], ids=["W2", "W4"])
-def test_moe_layer_over_rdep_matches_one_process(w: int) -> None:
+def _moe_ep_case(w: int) -> tuple[list[Tensor], Any, Any, list[Tensor], Any]:
     """Router inputs on a grid where fp32 logit sums are exact, so every rank routes as the one process."""
     from nmoe.config import ModelConfig
-    from nmoe.fast.rdep import spmd as ranks
     from nmoe.layout import MoEParams
 
     t, d, e, k, i = 64, 128, 4 * w, 2, 64
@@ -754,10 +751,35 @@ def test_moe_layer_over_rdep_matches_one_process(w: int) -> None:
     )
     douts = [torch.randn(t, d, generator=g) for _ in range(w)]
     shape = fast.RdepShape(world=w, n_experts=e, tokens=t, top_k=k, hidden=d, dtype=bf, capacity=w * t * k)
+    return xs, p, cfg, douts, shape
+
+
+def _moe_ep_outcomes(w: int, xs: list[Tensor], p: Any, cfg: Any, douts: list[Tensor],
+                     shape: Any) -> list[dict[str, float | bool]]:
+    from nmoe.fast.rdep import spmd as ranks
+
     args = tuple((xs, p, cfg, douts) for _ in range(w))
-    for r, o in enumerate(spmd.pool(w).run(ranks.Job(moe_layer_ep_job, shape, args))):
+    out: list[dict[str, float | bool]] = spmd.pool(w).run(ranks.Job(moe_layer_ep_job, shape, args))
+    return out
+
+
+@gpu
+@pytest.mark.parametrize("w", [2, 4], ids=["W2", "W4"])
+def test_moe_layer_over_rdep_matches_one_process(w: int) -> None:
+    for r, o in enumerate(_moe_ep_outcomes(w, *_moe_ep_case(w))):
         assert o["ids_equal"] and o["weights_bitwise"], f"rank {r}: routing differs from one process"
         assert o["out_bitwise"], f"rank {r}: out differs from one process"
         for name, err in o.items():
             if name.startswith("d"):  # bf16 results through different reduction orders
                 assert float(err) <= 2.0**-6, f"rank {r}: {name} max-norm relative error {err}"
+
+
+@gpu
+def test_sep_moe_fast_ep_shared_dropped() -> None:
+    """The shared expert's output on these tokens is far from zero, so a layer that leaves it out of the
+    expert-parallel combine cannot match the one-process layer bit for bit."""
+    xs, p, cfg, douts, shape = _moe_ep_case(2)
+    h = xs[0].float() @ p.shared_w13.float().T
+    shared = (torch.nn.functional.silu(h[:, 0::2]) * h[:, 1::2]) @ p.shared_w2.float().T
+    assert float(shared.abs().max()) > 0.1
+    assert all(o["out_bitwise"] for o in _moe_ep_outcomes(2, xs, p, cfg, douts, shape))

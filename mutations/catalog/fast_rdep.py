@@ -1,4 +1,5 @@
-"""rdep.fast_*: defects in the CuTeDSL RDEP kernels (nmoe/fast/kernels/rdep.py); GPU host only."""
+"""rdep.fast_* and moe.fast_ep_*: defects in the CuTeDSL RDEP kernels (nmoe/fast/kernels/rdep.py) and in the
+expert-parallel branch of the fast MoE layer (nmoe/fast/moe.py); GPU host only."""
 
 from __future__ import annotations
 
@@ -32,5 +33,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        if need > capacity:\n", "        if need > capacity + 1:\n",
         "a rank receiving capacity + 1 rows passes the check (and writes one row past its window's rows)",
         TESTS, ("rdep_dispatch",), device="gpu",
+    ),
+    sep_mutation(
+        "moe.fast_ep_shared_dropped", "nmoe/fast/moe.py",
+        "out = ep_routed(x, weights, ids, up, p.w2, cfg.activation, cfg.route_scale, shared, ex)",
+        "out = ep_routed(x, weights, ids, up, p.w2, cfg.activation, cfg.route_scale, None, ex)",
+        "expert-parallel layer leaves the shared expert out of its combine", TESTS, ("moe_layer",),
+        device="gpu",
     ),
 )
