@@ -197,7 +197,7 @@ ROWS: Final[dict[str, Row]] = {
                                  _gemm("wgrad", 2 * I, H)),
     "grouped_gemm_wgrad_down": Row("grouped_gemm_wgrad", "cuda", 0.01, _gemm_floor(H, I),
                                    _gemm("wgrad", H, I)),
-    "relu2_spec_cpu": Row("relu2", "cpu", 0.05, f"{8 * CPU_ELEMS} B (fp32 in and out)", _relu2_spec_cpu),
+    "relu2_spec_cpu": Row("relu2", "cpu", 0.30, f"{8 * CPU_ELEMS} B (fp32 in and out)", _relu2_spec_cpu),
 }
 
 

@@ -25,7 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 RELU2 = ("    return round_to(r * r, x.dtype)", "    return round_to(r, x.dtype)")
 MORE_WORK = ("    return round_to(r * r, x.dtype)",
              "    for _ in range(30):\n        r = r + 0.0 * r\n    return round_to(r * r, x.dtype)")
-CPU_ROW = {"relu2_spec_cpu": ("relu2", 0.05)}
+# A shared 2-core CI runner shifts one worker process against another by up to ~15 % on this 0.1 ms row
+# (measured: A/A medians 14 % apart), so its declared floor is 30 %; the added work is +100 % and more.
+CPU_ROW = {"relu2_spec_cpu": ("relu2", 0.30)}
 
 
 def _git(repo: Path, *args: str) -> str:
