@@ -244,7 +244,8 @@ class DataConfig(_Section):
 class TrainConfig(_Section):
     """dtype bf16 only (fp8/nvfp4 come from expert_dtype); fp32 masters and moments; model = "reference" (the
     CPU spec) only by name, the fast path never falls back; cuda_graph: forward and backward replay as one
-    CUDA graph after the first, eager step (the host no longer issues each kernel)."""
+    CUDA graph after the first, eager step. expert_parallel: routed experts sharded over all ranks, rows moved
+    by RDEP; a rank receives at most ep_capacity x its own tokens x top-k rows, more raises."""
 
     SECTION: ClassVar[str] = "train"
 
@@ -256,6 +257,9 @@ class TrainConfig(_Section):
     optim_state_dtype: str = _spec("fp32", choices=("fp32",))
     log_every: int = _spec(10, lo=1)
     cuda_graph: bool = _spec(False)
+    expert_parallel: bool = _spec(False)
+    ep_capacity: float = _spec(2.0, lo=0.0, lo_open=True)
+    ep_timeout_s: float = _spec(60.0, lo=0.0, lo_open=True)
     run_name: str = _spec("run")
     experiment: str = _spec("default")
 
@@ -270,6 +274,13 @@ class TrainConfig(_Section):
         if self.cuda_graph and self.device != "cuda":
             raise ConfigError(self._p("cuda_graph"), f'true on device "{self.device}"',
                               "CUDA graphs replay GPU work only; set train.cuda_graph = false for the CPU")
+        if self.expert_parallel and self.model != "fast":
+            raise ConfigError(self._p("expert_parallel"), f'true with model "{self.model}"',
+                              'expert parallelism runs over RDEP on the fast path; set train.model = "fast"')
+        if self.expert_parallel and self.cuda_graph:
+            raise ConfigError(self._p("cuda_graph"), "true with train.expert_parallel",
+                              "a graphed step over RDEP is not built (its return buffers alternate per call "
+                              "on the host); set train.cuda_graph = false")
 
 
 @dataclass(frozen=True)
@@ -326,6 +337,10 @@ class Config:
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError("data.seq_len", f"{self.data.seq_len} > model.max_seq_len="
                               f"{self.model.max_seq_len}", "shorten seq_len or raise model.max_seq_len")
+        if self.train.expert_parallel and self.model.expert_dtype != "bf16":
+            raise ConfigError("train.expert_parallel", f'true with expert_dtype "{self.model.expert_dtype}"',
+                              'expert parallelism moves bf16 rows only (an fp8 dispatch is not built); set '
+                              'model.expert_dtype = "bf16"')
 
 
 def _suggest(key: str, valid: Iterable[str], prefix: str) -> str:

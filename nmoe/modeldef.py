@@ -8,8 +8,10 @@ from typing import Final
 import torch
 from torch import Tensor, nn
 
+from nmoe import sharding
 from nmoe.config import ModelConfig
 from nmoe.layout import MLAParams, ModelOps, MoEParams, MoERouting
+from nmoe.sharding import ExpertShard
 from nmoe.yarn import mla_softmax_scale, yarn_cos_sin
 
 COMPUTE: Final[torch.dtype] = torch.bfloat16
@@ -81,7 +83,10 @@ class DenseFFN(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, init: _Init, ops: ModelOps) -> None:
+    """With an ExpertShard the routed experts are this rank's rows of the full stacks, drawn whole so every
+    world size starts from the same weights; `ops` may be replaced by one that routes over ranks."""
+
+    def __init__(self, cfg: ModelConfig, init: _Init, ops: ModelOps, shard: ExpertShard | None) -> None:
         super().__init__()
         self.cfg, self.ops = cfg, ops
         e, i, d, s = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim, cfg.n_shared_experts
@@ -89,8 +94,8 @@ class MoE(nn.Module):
         self.router_w = init.normal(e, d)
         self.router_bias: Tensor
         self.register_buffer("router_bias", torch.zeros(e, dtype=torch.float32, device=init.device))
-        self.w_up = init.normal(e, up, d)
-        self.w2 = init.normal(e, d, i)
+        self.w_up = _local(init.normal(e, up, d), shard)
+        self.w2 = _local(init.normal(e, d, i), shard)
         self.shared_up: nn.Parameter | None = init.normal(up * s, d) if s else None
         self.shared_w2: nn.Parameter | None = init.normal(d, i * s) if s else None
         self.last_routing: MoERouting | None = None
@@ -111,15 +116,24 @@ class MoE(nn.Module):
         return out
 
 
+def _local(full: nn.Parameter, shard: ExpertShard | None) -> nn.Parameter:
+    if shard is None:
+        return full
+    p = nn.Parameter(full.data[shard.rows(full.shape[0])].clone())
+    sharding.mark(p, shard)
+    return p
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, init: _Init, ops: ModelOps) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, init: _Init, ops: ModelOps,
+                 shard: ExpertShard | None = None) -> None:
         super().__init__()
         self.eps, self.ops = cfg.norm_eps, ops
         self.attn_norm = init.ones(cfg.dim)
         self.attn = MLA(cfg, init, ops)
         self.ffn_norm = init.ones(cfg.dim)
         self.ffn: DenseFFN | MoE = (DenseFFN(cfg, init, ops) if layer_id < cfg.n_dense_layers
-                                    else MoE(cfg, init, ops))
+                                    else MoE(cfg, init, ops, shard))
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         a: Tensor = self.attn(self.ops.rmsnorm(h, self.attn_norm.to(COMPUTE), self.eps), cos, sin)
@@ -132,16 +146,20 @@ class Block(nn.Module):
 class Model(nn.Module):
     """forward(tokens [B,S]) -> fp32 logits [B,S,V]; with targets [B,S] -> fp32 mean CE over kept tokens.
 
-    Masters in `dtype` on `device`, cast to bf16 once per forward; on meta only shapes are built.
+    Masters in `dtype` on `device`, cast to bf16 once per forward; on meta only shapes are built. `shard`:
+    the routed experts this rank holds under expert parallelism (None: all of them).
     """
 
     def __init__(self, cfg: ModelConfig, ops: ModelOps, seed: int, ce_chunk: int, ignore_index: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, shard: ExpertShard | None = None) -> None:
         super().__init__()
         self.cfg, self.ops, self.ce_chunk, self.ignore_index = cfg, ops, ce_chunk, ignore_index
+        self.shard = shard
+        if shard is not None:
+            shard.rows(cfg.n_routed_experts)
         init = _Init(seed, cfg.init_std, device, dtype)
         self.embed = init.normal(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg, i, init, ops) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, init, ops, shard) for i in range(cfg.n_layers))
         self.norm = init.ones(cfg.dim)
         self.head = init.normal(cfg.vocab_size, cfg.dim)
         if device.type == "meta":

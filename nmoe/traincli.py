@@ -38,18 +38,29 @@ def gpu_problem() -> str | None:
     return None
 
 
-def build_model(cfg: Config) -> nn.Module:
-    """The spec model on the CPU, or the fast model built on the current GPU in train.param_dtype."""
+def build_model(cfg: Config, rank: int = 0, world: int = 1) -> nn.Module:
+    """The spec model on the CPU, or the fast model built on the current GPU in train.param_dtype; with
+    train.expert_parallel it holds this rank's experts and opens its RDEP exchange (collective)."""
     model: nn.Module
     if cfg.train.model == "reference":
         from nmoe.reference.model import Model as SpecModel
 
         model = SpecModel(cfg.model, seed=cfg.train.seed)
         return model
-    from nmoe.fast.model import Model
+    from nmoe.fast.model import Model, ep_shape
+    from nmoe.fast.rdep.ep import Exchange
+    from nmoe.fast.rdep.spmd import exchange_gloo
+    from nmoe.sharding import ExpertShard
 
-    model = Model(cfg.model, seed=cfg.train.seed, param_dtype=cfg.train.param_dtype)
-    return model
+    t = cfg.train
+    shard = ExpertShard(rank, world) if t.expert_parallel else None
+    fast = Model(cfg.model, seed=t.seed, param_dtype=t.param_dtype, shard=shard)
+    if shard is not None:
+        tokens = cfg.data.batch_size * cfg.data.seq_len
+        shape = ep_shape(cfg.model, tokens, world, t.ep_capacity, t.ep_timeout_s)
+        fast.attach_exchange(Exchange.open(shape, rank, torch.device("cuda", torch.cuda.current_device()),
+                                           exchange_gloo))
+    return fast
 
 
 def optim_steps(cfg: Config) -> OptimSteps:
@@ -95,8 +106,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if cfg.train.device == "cuda" else "gloo")
     try:
-        result = train(cfg, build_model(cfg), steps=optim_steps(cfg), device=cfg.train.device, rank=rank,
-                       world=world)
+        model = build_model(cfg, rank, world)
+        result = train(cfg, model, steps=optim_steps(cfg), device=cfg.train.device, rank=rank, world=world)
+        close = getattr(model, "close_exchange", None)
+        if close is not None:
+            close()
     except (CheckpointError, DataError, PrepError) as e:
         print(f"nmoe train: {e}", file=sys.stderr)
         return 1

@@ -479,42 +479,32 @@ def test_sep_rdep_fast_overflow_off_by_one() -> None:
 # ------------------------------------------------------------------ expert parallelism over RDEP
 
 
-def test_reduce_grads_never_communicates_expert_sharded_params() -> None:
-    from nmoe.fast.rdep import ep
-
-    shared, expert = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
-    shared.grad, expert.grad = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0, 6.0])
-    ep.mark_expert_sharded(expert)
-    reduced: list[int] = []
-
-    def all_reduce_sum(t: Tensor) -> None:
-        reduced.append(t.numel())
-        t.mul_(2.0)  # a world of 2 ranks holding the same gradient
-
-    ep.reduce_grads([shared, expert], 2, all_reduce_sum)
-    assert reduced == [3]
-    assert shared.grad.tolist() == [1.0, 2.0, 3.0] and expert.grad.tolist() == [2.0, 3.0]
-
-
 class _OneRank:
-    """RDEP of one rank holding one expert, on CPU: received rows are the slots in (t, k) order."""
+    """RDEP of one rank holding one expert, on CPU: every other dispatch receives the slots in reverse, so
+    a backward that answers the group's latest order instead of its own forward's shows."""
 
     def __init__(self, t: int, k: int) -> None:
-        self.t, self.k, self.dispatches = t, k, 0
+        self.t, self.k, self.calls = t, k, 0
+        self.last: fast.Received | None = None
 
     def dispatch(self, group: _OneRank, x: Tensor, ids: Tensor) -> fast.Received:
-        group.dispatches += 1
         n = self.t * self.k
-        rows = x.repeat_interleave(self.k, 0)
-        return fast.Received(rows, torch.arange(n), torch.zeros(n, dtype=torch.int64), torch.tensor([n]),
-                             torch.tensor([n], dtype=torch.int32))
+        order = torch.arange(n) if self.calls % 2 == 0 else torch.arange(n).flip(0)
+        self.calls += 1
+        rows = x.repeat_interleave(self.k, 0)[order]
+        self.last = fast.Received(rows, order.clone(), torch.zeros(n, dtype=torch.int64), torch.tensor([n]),
+                                  torch.tensor([n], dtype=torch.int32))
+        return self.last
 
-    def ret(self, group: _OneRank, y: Tensor) -> Tensor:
-        return y.view(self.t, self.k, -1)
+    def ret(self, group: _OneRank, y: Tensor, sent: fast.Sent | None = None) -> Tensor:
+        assert self.last is not None
+        row_id = (self.last.row_id if sent is None else sent.row_id)
+        out = torch.empty_like(y)
+        out[row_id] = y
+        return out.view(self.t, self.k, -1)
 
 
-def test_ep_dispatch_backward_sums_slots_and_refuses_a_redispatched_group(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sep_moe_ep_return_latest_order(monkeypatch: pytest.MonkeyPatch) -> None:
     from nmoe.fast.rdep import ep
 
     t, k = 3, 2
@@ -525,14 +515,13 @@ def test_ep_dispatch_backward_sums_slots_and_refuses_a_redispatched_group(
     x = torch.randn(t, 4, dtype=torch.float64, requires_grad=True)
     ids = torch.zeros(t, k, dtype=torch.int64)
     c = torch.arange(t * k, dtype=torch.float64)
+    own, latest = c.view(t, k).sum(1), c.flip(0).view(t, k).sum(1)
+    assert not torch.equal(own, latest), "the two receive orders give different gradients"
     rows, _, _ = ep.ep_dispatch(x, ids, ex)
+    ep.ep_dispatch(x, ids, ex)  # another layer's dispatch reuses the group before this backward
     (rows * c[:, None]).sum().backward()
     assert x.grad is not None
-    assert torch.equal(x.grad, c.view(t, k).sum(1)[:, None].expand(t, 4))
-    first, _, _ = ep.ep_dispatch(x, ids, ex)
-    ep.ep_dispatch(x, ids, ex)
-    with pytest.raises(RuntimeError, match="own Exchange"):
-        first.sum().backward()
+    assert torch.equal(x.grad, own[:, None].expand(t, 4))
 
 
 def _with_slots(group: object, body: Any, *args: Any) -> Any:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,8 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nmoe import sharding
 from nmoe.config import Config, OptimConfig, from_dict
 from nmoe.reference.optim import adamw_step, muon_step
+from nmoe.sharding import ExpertShard
 from nmoe.train import checkpoint as ckpt
 from nmoe.train.optim import OptimSteps, TrainOptimizer, build_optimizer
 
@@ -224,3 +228,66 @@ def test_second_trainer_on_one_dir_is_refused_naming_the_holder(tmp_path: Path) 
         pass
     with ckpt.DirLock(root, run="third"):
         pass
+
+
+class ExpertNet(Net):
+    """Net plus a [4, 3, 2] expert stack of which this rank holds rows [2*rank, 2*rank + 2)."""
+
+    def __init__(self, seed: int, shard: ExpertShard) -> None:
+        super().__init__(seed)
+        full = torch.randn(4, 3, 2, generator=torch.Generator().manual_seed(seed + 1))
+        self.w_up = nn.Parameter(full[shard.rows(4)].clone())
+        sharding.mark(self.w_up, shard)
+
+
+def _expert_rank(rank: int, port: int, tmp: str, out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        cfg = make_cfg(Path(tmp))
+        shard = ExpertShard(rank, 2)
+        net = ExpertNet(0, shard)
+        opt = build_optimizer(net, cfg.optim, SPEC)
+        ((net.w_up.sum() * (rank + 2)).pow(2) + net.lin.sum().pow(2)).backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        path = ckpt.save(cfg.checkpoint.dir, step=1, tokens=64, model=net, optimizer=opt, keep_last=2,
+                         loader_state={"global_seq": 1}, cfg=cfg, run_id="r1", rank=rank, world=2)
+        fresh = ExpertNet(10, shard)
+        fresh_opt = build_optimizer(fresh, cfg.optim, SPEC)
+        ckpt.load(path, model=fresh, optimizer=fresh_opt, cfg=cfg, rank=rank, world=2)
+        moments = fresh_opt.named_state()["w_up"]["exp_avg"], opt.named_state()["w_up"]["exp_avg"]
+        out.put((rank, torch.equal(fresh.w_up, net.w_up), torch.equal(*moments),
+                 torch.equal(fresh.lin, net.lin)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sep_checkpoint_expert_keys_shared(tmp_path: Path) -> None:
+    """Two gloo ranks, each holding different experts under one parameter name: each resumes its own
+    shard and its own optimizer moments (DCP keeps one rank's copy of a key that every rank saves)."""
+    a, b = ExpertNet(0, ExpertShard(0, 2)), ExpertNet(0, ExpertShard(1, 2))
+    assert not torch.equal(a.w_up, b.w_up), "the two ranks' experts differ"
+    ctx = torch.multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_expert_rank, args=(r, port, str(tmp_path), out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert got == [(0, True, True, True), (1, True, True, True)]
+    meta = json.loads((ckpt.latest(tmp_path / "ck") / "meta.json").read_text())  # type: ignore[operator]
+    assert meta["expert_parallel"] is True
+
+
+def test_expert_parallel_checkpoint_refuses_a_run_without_it(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path)
+    net, opt = trained(0, cfg)
+    path = save(cfg, net, opt, 1)
+    sharded = ExpertNet(0, ExpertShard(0, 1))
+    with pytest.raises(ckpt.CheckpointError, match=r"same train\.expert_parallel"):
+        ckpt.load(path, model=sharded, optimizer=build_optimizer(sharded, cfg.optim, SPEC), cfg=cfg)

@@ -49,7 +49,7 @@ def test_exit_code_follows_the_run(status: str, signum: int | None, code: int) -
 
 def test_interrupted_run_exits_non_zero(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(traincli, "train", lambda *a, **k: TrainResult("r", "interrupted", 3, 96, signum=15))
-    monkeypatch.setattr(traincli, "build_model", lambda cfg: None)
+    monkeypatch.setattr(traincli, "build_model", lambda cfg, rank, world: None)
     assert traincli.main([TINY]) == 143
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from nmoe.config import Config, load_config
 from nmoe.data import prep
 from nmoe.runreport import main as metrics_main
 from nmoe.train import checkpoint as ckpt
+from nmoe.train.data import build_loader
 from nmoe.train.loop import TrainResult, train
 from nmoe.train.metrics import ExperimentsDB, runs_main
 from nmoe.train.metricstore import rank_dir, visible_parts
@@ -230,3 +233,48 @@ def test_graphed_step_refuses_a_cpu_batch() -> None:
     x = torch.zeros(2, 8, dtype=torch.int64)
     with pytest.raises(GraphError, match="replay GPU work only"):
         GraphedStep(ToyMoE(), default_loss, x, x)
+
+
+def _dp_rank(rank: int, port: int, cfg: Config, out: Any) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        d = cfg.data
+        loader = build_loader(d.dataset_dir, d.mixture, seq_len=d.seq_len, batch_size=d.batch_size,
+                              seed=d.seed, prefetch=0, rank=rank, world=2)
+        batch = next(loader)
+        own = float(ToyMoE()(batch.inputs, batch.targets))
+        model = ToyMoE()
+        res = train(cfg, model, steps=optim_steps(cfg), max_steps=3, rank=rank, world=2, progress=False)
+        out.put((rank, own, res.losses, {n: p.detach().numpy().copy() for n, p in model.named_parameters()}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_train_like_one_rank_on_the_same_global_batch(tmp_path: Path, dataset: Path) -> None:
+    """Data parallel over 2 CPU ranks, each half of the global batch: the logged loss is the global mean
+    and the weights after 3 steps are one rank's on the whole batch (gradients summed, then averaged)."""
+    one_cfg = make_cfg(tmp_path, dataset, "--data.batch_size=4", name="one")
+    model = ToyMoE()
+    one = run(one_cfg, 3, model)
+    two_cfg = make_cfg(tmp_path, dataset, "--data.batch_size=2", name="two")
+    ctx = torch.multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_dp_rank, args=(r, port, two_cfg, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted((out.get(timeout=180) for _ in procs), key=lambda g: g[0])
+    for p in procs:
+        p.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert abs(got[0][1] - got[1][1]) > 1e-3, "the two ranks' own first losses differ"
+    assert (got[0][1] + got[1][1]) / 2 == pytest.approx(one.losses[0], rel=1e-5)
+    for _, _, losses, params in got:
+        assert losses == pytest.approx(one.losses, rel=1e-5), (losses, one.losses)
+        for name, p in model.named_parameters():
+            assert torch.allclose(torch.from_numpy(params[name]), p.detach(), rtol=1e-4, atol=1e-6), name

@@ -11,8 +11,8 @@ TESTS = "tests/test_fast_model.py"
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "model.fast_params_built_in_bf16", FILE,
-        "super().__init__(cfg, OPS, seed, ce_chunk, ignore_index, dev, PARAM_DTYPES[param_dtype])",
-        "super().__init__(cfg, OPS, seed, ce_chunk, ignore_index, dev, torch.bfloat16)",
+        "super().__init__(cfg, OPS, seed, ce_chunk, ignore_index, dev, PARAM_DTYPES[param_dtype], shard)",
+        "super().__init__(cfg, OPS, seed, ce_chunk, ignore_index, dev, torch.bfloat16, shard)",
         "train.param_dtype ignored: fp32 masters are built in bf16 (dtypes leave the spec model's)",
         tests=(f"{TESTS}::test_meta_model_has_the_spec_names_shapes_and_dtypes",), contracts=("model",),
     ),

@@ -1,5 +1,6 @@
 """rdep.fast_* and moe.fast_ep_*: defects in the CuTeDSL RDEP kernels (nmoe/fast/kernels/rdep.py) and in the
-expert-parallel branch of the fast MoE layer (nmoe/fast/moe.py); GPU host only."""
+expert-parallel branch of the fast MoE layer (nmoe/fast/moe.py), GPU host only; moe.ep_*: defects in the
+differentiable exchange (nmoe/fast/rdep/ep.py), killed on a CPU with a one-rank stand-in for RDEP."""
 
 from __future__ import annotations
 
@@ -40,5 +41,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "out = ep_routed(x, weights, ids, up, p.w2, cfg.activation, cfg.route_scale, None, ex)",
         "expert-parallel layer leaves the shared expert out of its combine", TESTS, ("moe_layer",),
         device="gpu",
+    ),
+    sep_mutation(
+        "moe.ep_return_latest_order", "nmoe/fast/rdep/ep.py",
+        "back = rdep_return(ctx.ex.fwd, dx_recv.contiguous(), ctx.sent)",
+        "back = rdep_return(ctx.ex.fwd, dx_recv.contiguous())",
+        "a dispatch's backward returns its gradient rows in the receive order of the group's latest dispatch "
+        "(another MoE layer's), not its own forward's", TESTS, ("moe_layer",),
     ),
 )

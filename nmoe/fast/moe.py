@@ -273,8 +273,8 @@ def _check_ep(x: Tensor, cfg: ModelConfig, ex: Exchange) -> None:
     if (s.n_experts, s.tokens, s.top_k, s.hidden, s.dtype) != want:
         got = (s.n_experts, s.tokens, s.top_k, s.hidden, s.dtype)
         raise ValueError(f"moe_layer: the exchange is shaped for (experts, tokens, top_k, hidden, dtype) = "
-                         f"{got}, this call needs {want}; build each MoE layer's Exchange from the config "
-                         "and the batch")
+                         f"{got}, this call needs {want}; build the model's Exchange from the config "
+                         "and the batch (nmoe.fast.model.ep_shape)")
     if cfg.expert_dtype != "bf16":
         raise ArchNotImplemented(f"moe_layer: expert parallelism runs bf16 experts only (expert_dtype "
                                  f"{cfg.expert_dtype!r}): the fp8 quantize-on-dispatch path is not written")

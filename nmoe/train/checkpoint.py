@@ -27,6 +27,7 @@ from nmoe.config import Config, diff, fingerprint, to_dict
 from nmoe.data.prep import sha256_file
 from nmoe.outpaths import LockHeld, exclusive
 from nmoe.provenance import provenance
+from nmoe.sharding import checkpoint_keys, shard_of
 from nmoe.train.optim import TrainOptimizer
 
 META: Final[str] = "meta.json"
@@ -97,7 +98,15 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 def _app_state(model: nn.Module, optimizer: TrainOptimizer) -> dict[str, Any]:
-    return {"model": model.state_dict(), "optim": optimizer.named_state()}
+    """Expert-sharded parameters and their optimizer state go under per-rank keys (DCP would keep one
+    rank's copy of a key every rank saves)."""
+    keys = checkpoint_keys(model.named_parameters())
+    return {"model": {keys.get(k, k): v for k, v in model.state_dict().items()},
+            "optim": {keys.get(k, k): v for k, v in optimizer.named_state().items()}}
+
+
+def _expert_parallel(model: nn.Module) -> bool:
+    return any(shard_of(p) is not None for p in model.parameters())
 
 
 def _fsync_json(path: Path, obj: Any) -> None:
@@ -276,6 +285,7 @@ def _write_partial(
         prov = provenance()
         _fsync_json(partial / META, {
             "format": FORMAT, "step": step, "tokens": tokens, "run_id": run_id, "world": world,
+            "expert_parallel": _expert_parallel(model),
             "fingerprint": fingerprint(cfg), "config": to_dict(cfg), "loader": loader_state,
             "git_sha": prov["git_sha"], "git_dirty": prov["git_dirty"], "created_utc": prov["created_utc"],
             "torch": prov["torch"],
@@ -345,6 +355,10 @@ def load(
     if meta["world"] != world:
         raise CheckpointError(f"{path} was written by {meta['world']} ranks, this run has {world}; resume "
                               "with the same world size")
+    if bool(meta.get("expert_parallel", False)) != _expert_parallel(model):
+        saved = "sharded over its ranks" if meta.get("expert_parallel") else "whole on every rank"
+        raise CheckpointError(f"{path} holds the routed experts {saved}, this run does not; resume with the "
+                              "same train.expert_parallel")
     state = _app_state(model, optimizer)
     try:
         with warnings.catch_warnings():
@@ -354,7 +368,8 @@ def load(
         raise CheckpointError(f"{path}: cannot load model/optimizer state into this model ({_reason(e)}); "
                               "the model shape or parameter names changed since the checkpoint was "
                               "written") from e
-    model.load_state_dict(state["model"])
+    names = {v: k for k, v in checkpoint_keys(model.named_parameters()).items()}
+    model.load_state_dict({names.get(k, k): v for k, v in state["model"].items()})
     rank_file = path / f"rank_{rank:05d}.pt"
     if not rank_file.is_file():
         raise CheckpointError(f"{rank_file} missing; the checkpoint is incomplete, resume from an older step")

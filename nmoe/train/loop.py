@@ -11,7 +11,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nmoe.config import Config
+from nmoe.sharding import full_numel, reduce_grads
 from nmoe.train import checkpoint as ckpt
 from nmoe.train.data import Loader, build_loader
 from nmoe.train.graphstep import GraphedStep
@@ -73,7 +74,7 @@ def flops_parts(model: nn.Module, cfg: Config) -> dict[str, float]:
         if p.dim() < 2 or "embed" in name:
             continue
         if param_kind(name, p) == "expert":
-            parts["expert"] += 6.0 * p.numel() * m.n_activated_experts / m.n_routed_experts
+            parts["expert"] += 6.0 * full_numel(p) * m.n_activated_experts / m.n_routed_experts
         else:
             parts["dense"] += 6.0 * p.numel()
     parts["attention"] = 3.0 * m.n_layers * cfg.data.seq_len * m.n_heads * (m.qk_head_dim + m.v_head_dim)
@@ -136,10 +137,8 @@ def _router_biases(model: nn.Module) -> list[Tensor]:
     return [b for n, b in model.named_buffers() if n.endswith("router_bias")]
 
 
-def _allreduce_grads(params: Sequence[Tensor]) -> None:
-    for p in params:
-        if p.grad is not None:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+def _all_reduce_sum(t: Tensor) -> None:
+    dist.all_reduce(t)
 
 
 def train(
@@ -214,6 +213,7 @@ def _run(
     writer = MetricsWriter(cfg.metrics.dir, run_id, rank)
     writer.truncate_after(step)
     has_router = hasattr(model, "router_counts") and hasattr(model, "update_router_bias")
+    check_exchange: Callable[[], None] | None = getattr(model, "check_exchange", None)
     router_names = _router_names(model)
     fpt, peak = flops_per_token(model, cfg), peak_flops(dev)
     db = ExperimentsDB(cfg.metrics.db_path) if rank == 0 else None
@@ -249,9 +249,16 @@ def _run(
                     loss = loss_fn(model, inputs, targets)
                     loss.backward()  # type: ignore[no-untyped-call]
                 if world > 1:
-                    _allreduce_grads(params)
-                norm = clip_grad_norm(params, cfg.optim.grad_clip)
-                loss_value, grad_norm = torch.stack([loss.detach().float(), norm.to(loss.device)]).tolist()
+                    reduce_grads(params, world, _all_reduce_sum)
+                norm = clip_grad_norm(params, cfg.optim.grad_clip, _all_reduce_sum if world > 1 else None)
+                mean_loss = loss.detach().float()
+                if world > 1:
+                    mean_loss = mean_loss.clone()
+                    _all_reduce_sum(mean_loss)
+                    mean_loss.div_(world)
+                loss_value, grad_norm = torch.stack([mean_loss, norm.to(loss.device)]).tolist()
+                if check_exchange is not None:
+                    check_exchange()
                 if not math.isfinite(loss_value):
                     raise FloatingPointError(f"loss is {loss_value} at step {step + 1}; lower the learning "
                                              "rate or inspect the batch (first global sequence "

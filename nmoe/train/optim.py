@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from nmoe.config import OptimConfig, ScheduleConfig
+from nmoe.sharding import AllReduceSum, grad_norm, shard_of
 
 Kind = Literal["dense", "router", "expert"]
 KINDS: Final[tuple[Kind, ...]] = ("dense", "router", "expert")
@@ -134,14 +135,17 @@ def grads(params: Iterable[Tensor]) -> Iterator[Tensor]:
     return (p.grad for p in params if p.grad is not None)
 
 
-def clip_grad_norm(params: list[Tensor], max_norm: float) -> Tensor:
+def clip_grad_norm(params: list[Tensor], max_norm: float,
+                   all_reduce_sum: AllReduceSum | None = None) -> Tensor:
     """Global L2 norm in fp32 as a 0-dim tensor (no host sync); grads are scaled by max_norm / (norm + 1e-6),
-    rounded to fp32, only when max_norm > 0 and the norm exceeds it (else by exactly 1)."""
-    gs = list(grads(params))
+    rounded to fp32, only when max_norm > 0 and the norm exceeds it (else by exactly 1). Expert-sharded
+    gradients count over every rank through `all_reduce_sum`."""
+    held = [p for p in params if p.grad is not None]
+    gs = list(grads(held))
     if not gs:
         return torch.zeros((), dtype=torch.float32)
-    norms = torch._foreach_norm(gs, 2, dtype=torch.float32)
-    total: Tensor = torch.linalg.vector_norm(torch.stack(norms))
+    norms = list(torch._foreach_norm(gs, 2, dtype=torch.float32))
+    total = grad_norm(norms, [shard_of(p) is not None for p in held], all_reduce_sum)
     if max_norm > 0:
         t64 = total.double()
         scale = torch.where(t64 > max_norm, max_norm / (t64 + 1e-6), torch.ones_like(t64)).float()

@@ -266,22 +266,22 @@ def sync_kernel(ppeers: Pointer, pepoch: Pointer, world: Int32, me: Int32, off_f
 
 
 @cute.kernel
-def return_rows_kernel(py: Pointer, plocal: Pointer, ppeers: Pointer, pepoch: Pointer, n_slots: Int32,
-                       world: Int32, me: Int32, capacity: Int32, row_vecs: Int32, off_row: Int64,
-                       off_out: Int64, status: Int64, vec: Constexpr[int], unit: Constexpr[str]) -> None:
+def return_rows_kernel(py: Pointer, pnrecv: Pointer, prow: Pointer, ppeers: Pointer, pepoch: Pointer,
+                       n_slots: Int32, world: Int32, capacity: Int32, row_vecs: Int32, off_out: Int64,
+                       status: Int64, vec: Constexpr[int], unit: Constexpr[str]) -> None:
     """Warp p sends received row p's output to its source's slot row_id % (T*K) (source row_id // (T*K)),
-    in the source's return buffer of this call's parity."""
+    in the source's return buffer of this call's parity. row_id and n_recv come from the dispatch being
+    answered: the window's own, or a copy kept while other dispatches reused the window."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     lane = Int32(tidx) % LANES
     p = Int32(bidx) * ROW_WARPS + Int32(tidx) // LANES
-    local = cute.make_tensor(plocal, cute.make_layout(2))
+    n_recv = cute.make_tensor(pnrecv, cute.make_layout(1))
     epoch = cute.make_tensor(pepoch, cute.make_layout(EPOCH_WORDS))
     par = (Int64(epoch[E_RETURN]) + 1) % 2  # sync_kernel counts this call after the rows move
-    if p < Int32(local[L_NRECV]):
+    if p < Int32(n_recv[0]):
         peers = cute.make_tensor(ppeers, cute.make_layout(world))
-        rows = cute.make_tensor(cute.make_ptr(Int64, Int64(peers[me]) + off_row, cute.AddressSpace.gmem,
-                                              assumed_align=8), cute.make_layout(capacity))
+        rows = cute.make_tensor(prow, cute.make_layout(capacity))
         rid = Int64(rows[p])
         if rid < 0 or rid >= Int64(world) * Int64(n_slots):
             if lane == 0:
@@ -325,12 +325,12 @@ def dispatch_host(px: Pointer, pids: Pointer, pslot: Pointer, pcounts: Pointer, 
 
 
 @cute.jit
-def return_host(py: Pointer, plocal: Pointer, ppeers: Pointer, pepoch: Pointer, n_slots: Int32, world: Int32,
-                me: Int32, capacity: Int32, row_vecs: Int32, off_row: Int64, off_out: Int64, off_flag: Int64,
+def return_host(py: Pointer, pnrecv: Pointer, prow: Pointer, ppeers: Pointer, pepoch: Pointer, n_slots: Int32,
+                world: Int32, me: Int32, capacity: Int32, row_vecs: Int32, off_out: Int64, off_flag: Int64,
                 limit_ns: Int64, status: Int64, stream: cuda.CUstream, vec: Constexpr[int],
                 unit: Constexpr[str]) -> None:
-    return_rows_kernel(py, plocal, ppeers, pepoch, n_slots, world, me, capacity, row_vecs, off_row, off_out,
-                       status, vec, unit).launch(
+    return_rows_kernel(py, pnrecv, prow, ppeers, pepoch, n_slots, world, capacity, row_vecs, off_out, status,
+                       vec, unit).launch(
         grid=[_blocks(capacity, ROW_WARPS), 1, 1], block=[ROW_WARPS * LANES, 1, 1], stream=stream)
     sync_kernel(ppeers, pepoch, world, me, off_flag, limit_ns, status, FLAG_RETURN).launch(
         grid=[1, 1, 1], block=[LANES, 1, 1], stream=stream)
@@ -355,7 +355,8 @@ def dispatch_args(unit: str, vec: int, ids64: bool) -> tuple[Any, tuple[Any, ...
 def return_args(unit: str, vec: int) -> tuple[Any, tuple[Any, ...]]:
     ut = UNIT_TYPES[unit]
     align = vec * ut.width // 8
-    ptrs = (pointer(ut, 0, align), pointer(Int32, 0, 4), pointer(Int64, 0, 8), pointer(Int64, 0, 8))
+    ptrs = (pointer(ut, 0, align), pointer(Int32, 0, 4), pointer(Int64, 0, 8), pointer(Int64, 0, 8),
+            pointer(Int64, 0, 8))
     ints = tuple(Int32(0) for _ in range(5))
-    longs = tuple(Int64(0) for _ in range(5))
+    longs = tuple(Int64(0) for _ in range(4))
     return return_host, (*ptrs, *ints, *longs, cuda.CUstream(0), vec, unit)

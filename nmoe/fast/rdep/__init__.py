@@ -5,8 +5,9 @@ from nmoe.fast.rdep.group import (
     RdepGroup,
     RdepShape,
     Received,
+    Sent,
     rdep_dispatch,
     rdep_return,
 )
 
-__all__ = ["KERNELS", "RdepGroup", "RdepShape", "Received", "rdep_dispatch", "rdep_return"]
+__all__ = ["KERNELS", "RdepGroup", "RdepShape", "Received", "Sent", "rdep_dispatch", "rdep_return"]

@@ -1,6 +1,5 @@
-"""Expert parallelism over RDEP: differentiable dispatch / return, and gradient reduction that knows which
-parameters are expert-sharded.
-"""
+"""Expert parallelism over RDEP: differentiable dispatch / return through one Exchange that serves every MoE
+layer of the model (a dispatch keeps its receive order for its backward's return)."""
 
 # The backward of a dispatch is a return and the backward of a return is a dispatch. A return's gradient
 # dout [T, K, H] is one row per slot, so it travels through a second group whose tokens are the T*K slots
@@ -9,7 +8,6 @@ parameters are expert-sharded.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -19,9 +17,7 @@ from torch import Tensor
 from nmoe.fast.combine import combine
 from nmoe.fast.gemm import grouped_gemm, grouped_gemm_act
 from nmoe.fast.rdep.group import RdepGroup, RdepShape, rdep_dispatch, rdep_return
-
-EXPERT_SHARDED = "_nmoe_expert_sharded"
-"""Attribute set on a parameter whose rows live on one rank only (experts [r*n_local, (r+1)*n_local))."""
+from nmoe.fast.rdep.window import Exchange as HandleExchange
 
 
 def slot_shape(shape: RdepShape) -> RdepShape:
@@ -31,28 +27,41 @@ def slot_shape(shape: RdepShape) -> RdepShape:
 
 @dataclass(frozen=True)
 class Exchange:
-    """The two groups of one MoE layer on this rank: `fwd` (tokens, top_k) and `slots` (T*K, 1)."""
+    """This rank's two groups: `fwd` (tokens, top_k) and `slots` (T*K, 1). Every MoE layer may share one:
+    each forward dispatch keeps its own receive order, and the windows are reused layer after layer."""
 
     fwd: RdepGroup
     slots: RdepGroup
+
+    @classmethod
+    def open(cls, shape: RdepShape, rank: int, device: torch.device, handles: HandleExchange) -> Exchange:
+        """Collective: every rank of the group opens its windows together."""
+        fwd = RdepGroup(shape, rank, device, handles)
+        return cls(fwd, RdepGroup(slot_shape(shape), rank, device, handles))
+
+    def check(self) -> None:
+        """Raise the first error a kernel reported (overflow, silent peer); a host read, no sync."""
+        self.fwd.check()
+        self.slots.check()
+
+    def close(self) -> None:
+        """After a barrier that every rank passed after its last RDEP call."""
+        self.fwd.close()
+        self.slots.close()
 
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, ids: Tensor, ex: Exchange) -> tuple[Tensor, Tensor, Tensor]:
         recv = rdep_dispatch(ex.fwd, x, ids)
-        ctx.ex, ctx.dispatch = ex, ex.fwd.dispatches
+        ctx.ex, ctx.sent = ex, recv.kept()
         counts, n_recv = recv.counts.clone(), recv.n_recv.clone()
         ctx.mark_non_differentiable(counts, n_recv)
         return recv.x.clone(), counts, n_recv
 
     @staticmethod
     def backward(ctx: Any, dx_recv: Tensor, *_: Any) -> tuple[Tensor, None, None]:
-        if ctx.ex.fwd.dispatches != ctx.dispatch:  # the receive window no longer holds this forward's row_ids
-            raise RuntimeError("ep_dispatch backward: its group dispatched again after this forward (an "
-                               "Exchange shared by two MoE layers, or a recompute); give every MoE layer its "
-                               "own Exchange and do not recompute ep_dispatch")
-        back = rdep_return(ctx.ex.fwd, dx_recv.contiguous())
+        back = rdep_return(ctx.ex.fwd, dx_recv.contiguous(), ctx.sent)
         return back.float().sum(1).to(dx_recv.dtype), None, None
 
 
@@ -83,23 +92,6 @@ def ep_return(y_recv: Tensor, ids: Tensor, ex: Exchange) -> Tensor:
     """[T, K, H] of this rank's slots from the owners' expert outputs; differentiable in y_recv."""
     out: Tensor = _Return.apply(y_recv, ids, ex)  # type: ignore[no-untyped-call]
     return out
-
-
-def mark_expert_sharded(*params: Tensor) -> None:
-    for p in params:
-        setattr(p, EXPERT_SHARDED, True)
-
-
-def reduce_grads(params: Iterable[Tensor], world: int, all_reduce_sum: Callable[[Tensor], None]) -> None:
-    """Data + expert parallel gradients for a loss averaged over ranks: replicated parameters are summed
-    across ranks and divided by world; an expert-sharded parameter already holds every rank's tokens'
-    contribution (RDEP brought them to its owner), so it is only divided by world, never communicated."""
-    for p in params:
-        if p.grad is None:
-            continue
-        if not getattr(p, EXPERT_SHARDED, False):
-            all_reduce_sum(p.grad)
-        p.grad.div_(world)
 
 
 def ep_routed(x: Tensor, weights: Tensor, ids: Tensor, w_up: Tensor, w2: Tensor, activation: str,

@@ -102,6 +102,19 @@ class Received:
     counts: Tensor
     n_recv: Tensor
 
+    def kept(self) -> Sent:
+        """Copies of what a return of this batch reads, so it can be answered after later dispatches."""
+        return Sent(self.row_id.clone(), self.n_recv.clone())
+
+
+@dataclass(frozen=True)
+class Sent:
+    """A dispatch's receive order: row_id int64 [capacity] and n_recv int32 [1], owned by the caller (one
+    group serves every MoE layer: a layer's backward returns into the order of its own forward)."""
+
+    row_id: Tensor
+    n_recv: Tensor
+
 
 class RdepGroup:
     """One rank's side of an RDEP group: its IPC window, the peers' windows, and the device state."""
@@ -131,7 +144,6 @@ class RdepGroup:
         self.local_eid = torch.full((s.capacity,), -1, dtype=torch.int64, device=device)
         self.no_x = torch.empty(s.tokens, 0, dtype=s.dtype, device=device)
         self.limit_ns = int(s.timeout_s * 1e9)
-        self.dispatches = 0  # host count of rdep_dispatch calls: what a backward checks its receive against
         self.returns = 0  # host count of rdep_return calls: its parity names the return buffer
 
     def check(self) -> None:
@@ -183,7 +195,6 @@ def rdep_dispatch(group: RdepGroup, x: Tensor, ids: Tensor) -> Received:
                          f"{tuple(ids.shape)}")
     xc, idc = x.contiguous(), ids.contiguous()
     sorted_slots = permute(group.no_x, idc, s.n_experts, 1)
-    group.dispatches += 1
     lay = group.layout
     unit, vec, row_vecs = _unit(s.row_bytes, xc.data_ptr())
     launch = DISPATCH.launcher(group.arch, unit=unit, vec=vec, ids64=idc.dtype == torch.int64)
@@ -196,21 +207,27 @@ def rdep_dispatch(group: RdepGroup, x: Tensor, ids: Tensor) -> Received:
     return Received(group.recv_x, group.recv_row, group.local_eid, group.recv_counts, group.local[1:2])
 
 
-def rdep_return(group: RdepGroup, y: Tensor) -> Tensor:
+def rdep_return(group: RdepGroup, y: Tensor, sent: Sent | None = None) -> Tensor:
     """Send received row p's output y[p] back to its source slot; returns this rank's [T, K, H], valid
-    until its next rdep_return (calls alternate two buffers). Every row_id comes back exactly once."""
+    until its next rdep_return (calls alternate two buffers). Every row_id comes back exactly once. `sent`
+    names the dispatch answered (Received.kept()); None means the group's last one."""
     s = group.shape
     group.check()
     if y.shape != (s.capacity, s.hidden) or y.dtype != s.dtype or y.device != group.device:
         raise ValueError(f"rdep_return: y must be {s.dtype} [{s.capacity},{s.hidden}] (one row per receive "
                          f"slot) on {group.device}, got {y.dtype} {tuple(y.shape)} on {y.device}")
-    yc = y.contiguous()
+    rows, n_recv = (group.recv_row, group.local[1:2]) if sent is None else (sent.row_id, sent.n_recv)
+    want = ((s.capacity,), torch.int64, group.device, (1,), torch.int32, group.device)
+    if (rows.shape, rows.dtype, rows.device, n_recv.shape, n_recv.dtype, n_recv.device) != want:
+        raise ValueError("rdep_return: sent must hold int64 row_id [capacity] and int32 n_recv [1] on "
+                         f"{group.device}; pass Received.kept() of this group's dispatch")
+    yc, rows, n_recv = y.contiguous(), rows.contiguous(), n_recv.contiguous()
     lay = group.layout
     unit, vec, row_vecs = _unit(s.row_bytes, yc.data_ptr())
     launch = RETURN.launcher(group.arch, unit=unit, vec=vec)
-    launch(group.device.index, yc.data_ptr(), group.local.data_ptr(), group.peers.data_ptr(),
-           group.epoch.data_ptr(), s.tokens * s.top_k, s.world, group.rank, s.capacity, row_vecs, lay.row,
-           lay.out, lay.flag, group.limit_ns, group.status.device)
+    launch(group.device.index, yc.data_ptr(), n_recv.data_ptr(), rows.data_ptr(), group.peers.data_ptr(),
+           group.epoch.data_ptr(), s.tokens * s.top_k, s.world, group.rank, s.capacity, row_vecs, lay.out,
+           lay.flag, group.limit_ns, group.status.device)
     group.returns += 1
     return group.outs[group.returns % 2]
 

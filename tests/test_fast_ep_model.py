@@ -1,0 +1,151 @@
+"""Expert parallelism end to end on the GPU: the fast model with its routed experts sharded over W ranks (W
+processes sharing one GPU, one RDEP exchange for every MoE layer) gives one process's loss and gradients on
+the same global batch; `nmoe train` under torchrun on two GPUs logs one GPU's losses."""
+
+# Bounds: the EP layer's output equals the one-process layer's bit for bit (tests/test_fast_rdep.py); what
+# differs is the batch split (per-rank CE means averaged, dense GEMMs of half the rows, gradient sums over
+# ranks in another order), a few fp32/bf16 roundings: loss within 2^-10 relative, each gradient tensor
+# within 2^-6 (the moe_layer EP bound) in L2.
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from nmoe.config import ModelConfig, load_config
+
+REPO = Path(__file__).resolve().parent.parent
+gpu = pytest.mark.gpu
+LOSS_REL, GRAD_REL = 2.0**-10, 2.0**-6
+
+
+def _cfg() -> ModelConfig:
+    return load_config(REPO / "configs" / "tiny-gpu.toml", env={}, overrides=[
+        "--model.tokenizer=none", "--model.vocab_size=4096", "--model.n_layers=3"]).model
+
+
+def _rel(a: Tensor, b: Tensor) -> float:
+    return float(torch.linalg.vector_norm(a.double() - b.double()) /
+                 torch.linalg.vector_norm(b.double()).clamp(min=1e-30))
+
+
+def ep_model_job(group: Any, cfg: ModelConfig, tokens: Tensor) -> dict[str, Any]:
+    """This rank's half of the batch through its shard, gradients reduced over ranks as the trainer does,
+    against one process holding every expert on the whole batch."""
+    import torch.distributed as dist
+
+    from nmoe.fast.model import Model
+    from nmoe.fast.rdep.ep import Exchange, slot_shape
+    from nmoe.fast.rdep.group import RdepGroup
+    from nmoe.fast.rdep.spmd import exchange_gloo
+    from nmoe.sharding import ExpertShard, reduce_grads, shard_of
+    from nmoe.train.optim import clip_grad_norm
+
+    rank, world, dev = group.rank, group.shape.world, group.device
+    slots = RdepGroup(slot_shape(group.shape), rank, dev, exchange_gloo)
+
+    def all_reduce_sum(t: Tensor) -> None:
+        dist.all_reduce(t)
+
+    try:
+        model = Model(cfg, seed=7, device=dev, shard=ExpertShard(rank, world))
+        model.attach_exchange(Exchange(group, slots))
+        b = tokens.shape[0] // world
+        tok = tokens[rank * b:(rank + 1) * b].to(dev)
+        loss = model(tok[:, :-1], tok[:, 1:])
+        loss.backward()
+        model.check_exchange()
+        params = list(model.parameters())
+        reduce_grads(params, world, all_reduce_sum)
+        norm = clip_grad_norm(params, 0.0, all_reduce_sum)
+        mean = loss.detach().float().clone()
+        all_reduce_sum(mean)
+        group.sync_check()
+        slots.sync_check()
+
+        one = Model(cfg, seed=7, device=dev)
+        whole = tokens.to(dev)
+        ref = one(whole[:, :-1], whole[:, 1:])
+        ref.backward()
+        ref_norm = clip_grad_norm(list(one.parameters()), 0.0)
+        ref_grads = {n: p.grad for n, p in one.named_parameters()}
+        errs = {}
+        for name, p in model.named_parameters():
+            assert p.grad is not None, name
+            want = ref_grads[name]
+            assert want is not None, name
+            s = shard_of(p)
+            errs[name] = _rel(p.grad, want if s is None else want[s.rows(want.shape[0])])
+        return {"loss": float(mean) / world, "ref_loss": float(ref.detach()), "norm": float(norm),
+                "ref_norm": float(ref_norm), "errs": errs}
+    finally:
+        dist.barrier()
+        slots.close()
+
+
+@gpu
+@pytest.mark.parametrize("w", [2, 4], ids=["W2", "W4"])
+def test_ep_model_matches_one_process_on_the_same_batch(w: int) -> None:
+    from nmoe.fast.model import ep_shape
+    from nmoe.fast.rdep import spmd as ranks
+    from parity import spmd
+
+    cfg = _cfg()
+    b, s = 2, 128
+    tokens = torch.randint(0, cfg.vocab_size, (w * b, s + 1), generator=torch.Generator().manual_seed(3))
+    shape = ep_shape(cfg, b * s, w, float(w), 60.0)
+    outs = spmd.pool(w).run(ranks.Job(ep_model_job, shape, tuple((cfg, tokens) for _ in range(w))))
+    for r, o in enumerate(outs):
+        print(f"rank {r}: loss {o['loss']:.6f} (one process {o['ref_loss']:.6f}), norm {o['norm']:.5f} "
+              f"({o['ref_norm']:.5f}), worst grad {max(o['errs'].items(), key=lambda kv: kv[1])}")
+        assert abs(o["loss"] - o["ref_loss"]) <= LOSS_REL * o["ref_loss"], f"rank {r} loss"
+        assert abs(o["norm"] - o["ref_norm"]) <= GRAD_REL * o["ref_norm"], f"rank {r} grad norm"
+        bad = {n: e for n, e in o["errs"].items() if e > GRAD_REL}
+        assert not bad, f"rank {r}: gradients beyond {GRAD_REL}: {bad}"
+
+
+_STEP = re.compile(r"step (\d+)/\d+ loss ([0-9.]+)")
+
+
+def _losses(err: str) -> dict[int, float]:
+    return {int(m.group(1)): float(m.group(2)) for m in _STEP.finditer(err)}
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 GPUs: NCCL refuses two ranks on one GPU (the one-GPU EP check is above)")
+def test_torchrun_two_gpus_expert_parallel_logs_one_gpus_losses(tmp_path: Path) -> None:
+    """Same global batch (2 ranks x 4 sequences against 1 rank x 8): the first steps' losses agree."""
+    from nmoe.data import prep
+
+    data = tmp_path / "data"
+    assert prep.main(["--out", str(data), "--workers", "1", "--no-progress"]) == 0
+    common = [f"--data.dataset_dir={data}", "--data.seq_len=256", "--train.log_every=1",
+              "--checkpoint.every_steps=0", f"--metrics.db_path={tmp_path / 'experiments.sqlite'}",
+              "--schedule.warmup_tokens=8192", "--schedule.total_tokens=10240"]
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}
+    runs = {}
+    for name, launch, extra in (
+        ("one", [sys.executable, "-m", "nmoe.cli"], ["--data.batch_size=8"]),
+        ("two", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "nmoe.cli"],
+         ["--data.batch_size=4", "--train.expert_parallel=true", "--train.ep_capacity=2.0"]),
+    ):
+        args = [*launch, "train", str(REPO / "configs" / "tiny-gpu.toml"), *common, *extra,
+                f"--checkpoint.dir={tmp_path / name / 'ckpt'}", f"--train.run_name={name}",
+                f"--metrics.dir={tmp_path / name / 'metrics'}"]
+        p = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs[name] = _losses(p.stderr)
+    print(runs)
+    assert len(runs["one"]) == 5 and runs["one"].keys() <= runs["two"].keys()
+    for step in (1, 2, 3):
+        a, b = runs["one"][step], runs["two"][step]
+        assert abs(a - b) <= 2.0**-8 * a, f"step {step}: one GPU {a}, two GPUs {b}"
