@@ -58,8 +58,12 @@ def build_model(cfg: Config, rank: int = 0, world: int = 1) -> nn.Module:
     if shard is not None:
         tokens = cfg.data.batch_size * cfg.data.seq_len
         shape = ep_shape(cfg.model, tokens, world, t.ep_capacity, t.ep_timeout_s)
-        fast.attach_exchange(Exchange.open(shape, rank, torch.device("cuda", torch.cuda.current_device()),
-                                           exchange_gloo))
+        ex = Exchange.open(shape, rank, torch.device("cuda", torch.cuda.current_device()), exchange_gloo)
+        fast.attach_exchange(ex)
+        if rank == 0:
+            gib = (ex.fwd.layout.nbytes + ex.slots.layout.nbytes) / 2**30
+            print(f"nmoe train: experts sharded over {world} ranks ({shape.n_local} each); RDEP windows "
+                  f"{gib:.2f} GiB per rank, receive capacity {shape.capacity} rows", file=sys.stderr)
     return fast
 
 
