@@ -266,6 +266,39 @@ def drain_stores() -> None:
 
 
 @cute.jit
+def cta_start(tma_atoms: tuple[cute.CopyAtom, ...]) -> tuple[Int32, Int32, Int32, Int32]:
+    """(thread, CTA, CTA count, warp) of a persistent grouped-GEMM CTA; warp 0 prefetches the TMA
+    descriptors."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    n_ctas, _, _ = cute.arch.grid_dim()
+    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    if warp_idx == 0:
+        for atom in tma_atoms:
+            cpasync.prefetch_descriptor(atom)
+    return tidx, bidx, n_ctas, warp_idx
+
+
+@cute.jit
+def cursor_start(bidx: Int32) -> tuple[Int32, Int32, Int32, Int32, Int32, Int32]:
+    """(e, g_start, g_end, before, here, t) before the first _seek: group e spans rows [g_start, g_end) and
+    linear tiles [before, before + here); t is this CTA's first tile."""
+    return Int32(-1), Int32(0), Int32(0), Int32(0), Int32(0), Int32(bidx)
+
+
+@cute.jit
+def mma_fragments(tiled_mma: cute.TiledMma, s_a: cute.Tensor, s_b: cute.Tensor, warp_idx: Int32,
+                  bn: Constexpr[int]) -> tuple[cute.Tensor, cute.Tensor, Any]:
+    """A consumer warpgroup's slice of the MMA: its operand fragments over the smem ring and the shape of its
+    BM x bn accumulator."""
+    wg = warp_idx // 4 - 1
+    thr_mma = tiled_mma.get_slice(wg * WG_THREADS)
+    t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
+    t_rb = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
+    return t_ra, t_rb, thr_mma.partition_shape_C((BM, bn))
+
+
+@cute.jit
 def cta_setup(m_offs: cute.Tensor, n_groups: Int32, ab_dtype: Constexpr[Any], a_layout: cute.ComposedLayout,
               b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout, stages: Constexpr[int]
               ) -> tuple[cute.Tensor, cute.Tensor, cute.Tensor, cute.Tensor, pipeline.PipelineTmaAsync]:
@@ -352,28 +385,14 @@ def grouped_gemm_kernel(
     b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int],
     bn: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
 ) -> None:
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    n_ctas, _, _ = cute.arch.grid_dim()
-    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    if warp_idx == 0:
-        cpasync.prefetch_descriptor(tma_atom_a)
-        cpasync.prefetch_descriptor(tma_atom_b)
-        cpasync.prefetch_descriptor(tma_atom_d)
-
+    tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b, tma_atom_d))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
                                                 stages)
 
     n_tiles_n = (n + bn - 1) // bn
     k_tiles = (k + BK - 1) // BK
 
-    # Cursor state: group e spans rows [g_start, g_end) and linear tiles [before, before + here).
-    e = Int32(-1)
-    g_start = Int32(0)
-    g_end = Int32(0)
-    before = Int32(0)
-    here = Int32(0)
-    t = Int32(bidx)
+    e, g_start, g_end, before, here, t = cursor_start(bidx)
 
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -383,11 +402,7 @@ def grouped_gemm_kernel(
     else:
         cute.arch.setmaxregister_increase(CONSUMER_REGS)
         ctid = tidx - WG_THREADS
-        wg = warp_idx // 4 - 1
-        thr_mma = tiled_mma.get_slice(wg * WG_THREADS)
-        t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
-        t_rb = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
-        acc_shape = thr_mma.partition_shape_C((BM, bn))
+        t_ra, t_rb, acc_shape = mma_fragments(tiled_mma, s_a, s_b, warp_idx, bn)
         acc = cute.make_rmem_tensor(acc_shape, Float32)
 
         epi = epilogue_copies(tiled_mma, acc, s_d, ctid, tma_atom_d, act)

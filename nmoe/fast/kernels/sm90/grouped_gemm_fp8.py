@@ -29,10 +29,13 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     WG_THREADS,
     _seek,
     cta_setup,
+    cta_start,
+    cursor_start,
     drain_stores,
     epi_smem_layout,
     epi_tma,
     epilogue_copies,
+    mma_fragments,
     pipeline_stages,
     pointer,
     produce_tiles,
@@ -105,28 +108,14 @@ def grouped_gemm_fp8_kernel(
     n_groups: Int32, tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
     d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], stages: Constexpr[int],
 ) -> None:
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    n_ctas, _, _ = cute.arch.grid_dim()
-    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    if warp_idx == 0:
-        cpasync.prefetch_descriptor(tma_atom_a)
-        cpasync.prefetch_descriptor(tma_atom_b)
-        cpasync.prefetch_descriptor(tma_atom_d)
-
+    tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b, tma_atom_d))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, Float8E4M3FN, a_layout, b_layout, d_layout,
                                                 stages)
 
     n_tiles_n = n // BN
     k_tiles = k // BK
 
-    # Cursor state: group e spans rows [g_start, g_end) and linear tiles [before, before + here).
-    e = Int32(-1)
-    g_start = Int32(0)
-    g_end = Int32(0)
-    before = Int32(0)
-    here = Int32(0)
-    t = Int32(bidx)
+    e, g_start, g_end, before, here, t = cursor_start(bidx)
 
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -136,11 +125,7 @@ def grouped_gemm_fp8_kernel(
     else:
         cute.arch.setmaxregister_increase(CONSUMER_REGS)
         ctid = tidx - WG_THREADS
-        wg = warp_idx // 4 - 1
-        thr_mma = tiled_mma.get_slice(wg * WG_THREADS)
-        t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
-        t_rb = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
-        acc_shape = thr_mma.partition_shape_C((BM, BN))
+        t_ra, t_rb, acc_shape = mma_fragments(tiled_mma, s_a, s_b, warp_idx, BN)
         assert acc_shape == ((2, 2, BN // 8), 1, 1), f"_promote assumes wgmma's m64 fragment, got {acc_shape}"
         acc = cute.make_rmem_tensor(acc_shape, Float32)
         blk = cute.make_rmem_tensor(acc_shape, Float32)

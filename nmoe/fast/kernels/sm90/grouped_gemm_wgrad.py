@@ -32,6 +32,8 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     WG_THREADS,
     _issue_mmas,
     cta_setup,
+    cta_start,
+    mma_fragments,
     pipeline_stages,
 )
 from nmoe.fast.limits import GEMM_BM as BM
@@ -81,14 +83,7 @@ def grouped_wgrad_kernel(
     d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
     stages: Constexpr[int],
 ) -> None:
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    n_ctas, _, _ = cute.arch.grid_dim()
-    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    if warp_idx == 0:
-        cpasync.prefetch_descriptor(tma_atom_a)
-        cpasync.prefetch_descriptor(tma_atom_b)
-
+    tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
                                                 stages)
 
@@ -126,11 +121,8 @@ def grouped_wgrad_kernel(
     else:
         cute.arch.setmaxregister_increase(CONSUMER_REGS)
         ctid = tidx - WG_THREADS
-        wg = warp_idx // 4 - 1
-        thr_mma = tiled_mma.get_slice(wg * WG_THREADS)
-        t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
-        t_rb = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
-        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, bn)), Float32)
+        t_ra, t_rb, acc_shape = mma_fragments(tiled_mma, s_a, s_b, warp_idx, bn)
+        acc = cute.make_rmem_tensor(acc_shape, Float32)
 
         stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16)
         r2s = cute.make_tiled_copy_S(stmatrix, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
