@@ -268,10 +268,10 @@ def _run(
                     optimizer.zero_grad(set_to_none=True)
                 counts: list[Tensor] = []
                 if has_router:
-                    counts = [c.clone() for c in model.router_counts()]  # type: ignore[operator]
+                    stacked = torch.stack(model.router_counts())  # type: ignore[operator]
                     if world > 1:
-                        for c in counts:
-                            dist.all_reduce(c)
+                        dist.all_reduce(stacked)
+                    counts = list(stacked.unbind(0))
                     model.update_router_bias(counts)  # type: ignore[operator]
                 step, tokens = step + 1, tokens_after
                 if dev.type == "cuda":
