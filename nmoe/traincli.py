@@ -121,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if world > 1:
             dist.destroy_process_group()
-    print(f"nmoe train: {result.status} at step {result.step} ({result.tokens:,} tokens); checkpoint "
-          f"{result.checkpoint}; run {result.run_id}")
+    if rank == 0:
+        print(f"nmoe train: {result.status} at step {result.step} ({result.tokens:,} tokens); checkpoint "
+              f"{result.checkpoint}; run {result.run_id}")
     return exit_code(result)

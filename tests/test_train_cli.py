@@ -4,6 +4,9 @@ only when named, and the exit status tells a finished run from an interrupted or
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,6 +64,26 @@ def test_tiny_config_trains_the_spec_model_on_cpu(tmp_path: Path, capsys: pytest
             "--schedule.total_tokens=64", "--schedule.warmup_tokens=0"]
     assert nmoe_main(["train", *args]) == 0
     assert "completed at step 1" in capsys.readouterr().out
+
+
+def test_torchrun_two_cpu_ranks_train_one_run(tmp_path: Path) -> None:
+    """`torchrun --nproc-per-node 2 -m nmoe.cli train` on the CPU (gloo): one progress line per step, one
+    closing line, and both ranks' metrics under rank 0's run id."""
+    data = tmp_path / "data"
+    assert prep.main(["--out", str(data), "--workers", "1", "--no-progress"]) == 0
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "nmoe.cli", "train",
+            TINY, f"--data.dataset_dir={data}", f"--checkpoint.dir={tmp_path / 'ck'}",
+            f"--metrics.db_path={tmp_path / 'x.sqlite'}", f"--metrics.dir={tmp_path / 'm'}",
+            "--data.batch_size=1", "--schedule.total_tokens=192", "--schedule.warmup_tokens=64",
+            "--train.log_every=1"]
+    p = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    steps = [ln for ln in p.stderr.splitlines() if ln.startswith("step ")]
+    assert [ln.split()[1] for ln in steps] == ["1/3", "2/3", "3/3"], p.stderr[-3000:]
+    (done,) = [ln for ln in p.stdout.splitlines() if "completed at step 3" in ln]
+    run = done.rsplit("run ", 1)[1]
+    assert sorted(d.name for d in (tmp_path / "m").iterdir()) == [f"{run}.rank000", f"{run}.rank001"]
 
 
 def _imported(node: ast.AST) -> list[str]:

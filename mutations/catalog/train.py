@@ -1,6 +1,6 @@
 """sharding.*, checkpoint.*, loop.*: defects in the trainer's data and expert parallelism (nmoe/sharding.py,
 the gradient reduction and norm over ranks; nmoe/train/checkpoint.py, the per-rank keys of expert shards;
-nmoe/train/loop.py, the loss every rank logs)."""
+nmoe/train/loop.py, the loss every rank logs and the run they log under)."""
 
 from __future__ import annotations
 
@@ -37,5 +37,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "",
         "each rank logs (and checks for NaN) its own half-batch loss, not the global batch's mean",
         tests=(LOOP_TEST,),
+    ),
+    Mutation(
+        "loop.run_id_per_rank", "nmoe/train/loop.py",
+        "        dist.broadcast_object_list(shared, src=0)\n",
+        "",
+        "every rank names the run itself: rank 1's metrics land under a run id no experiment row knows",
+        tests=("tests/test_train_cli.py::test_torchrun_two_cpu_ranks_train_one_run",),
     ),
 )

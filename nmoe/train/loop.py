@@ -169,13 +169,17 @@ def train(
                           rank=rank, world=world,
                           vocab_size=cfg.model.vocab_size)
     run_id = new_run_id(cfg.train.run_name)
+    if world > 1:
+        shared = [run_id]
+        dist.broadcast_object_list(shared, src=0)
+        run_id = str(shared[0])
     try:
         if rank == 0:
             ckpt.check_writable(cfg.checkpoint.dir, need_bytes=checkpoint_bytes(model))
         lock = ckpt.DirLock(cfg.checkpoint.dir, run=cfg.train.run_name)
         with lock if rank == 0 else contextlib.nullcontext():
             return _run(cfg, model, loader, optimizer, run_id, dev=dev, max_steps=max_steps, loss_fn=loss_fn,
-                        on_step=on_step, rank=rank, world=world, progress=progress)
+                        on_step=on_step, rank=rank, world=world, progress=progress and rank == 0)
     finally:
         loader.close()
 
