@@ -49,7 +49,7 @@ def build_model(cfg: Config, rank: int = 0, world: int = 1) -> nn.Module:
         return model
     from nmoe.fast.model import Model, ep_shape
     from nmoe.fast.rdep.ep import Exchange
-    from nmoe.fast.rdep.spmd import exchange_gloo
+    from nmoe.fast.rdep.spmd import all_gather_bytes
     from nmoe.sharding import ExpertShard
 
     t = cfg.train
@@ -58,7 +58,7 @@ def build_model(cfg: Config, rank: int = 0, world: int = 1) -> nn.Module:
     if shard is not None:
         tokens = cfg.data.batch_size * cfg.data.seq_len
         shape = ep_shape(cfg.model, tokens, world, t.ep_capacity, t.ep_timeout_s)
-        ex = Exchange.open(shape, rank, torch.device("cuda", torch.cuda.current_device()), exchange_gloo)
+        ex = Exchange.open(shape, rank, torch.device("cuda", torch.cuda.current_device()), all_gather_bytes)
         fast.attach_exchange(ex)
         if rank == 0:
             gib = (ex.fwd.layout.nbytes + ex.slots.layout.nbytes) / 2**30

@@ -45,12 +45,12 @@ def ep_model_job(group: Any, cfg: ModelConfig, tokens: Tensor) -> dict[str, Any]
     from nmoe.fast.model import Model
     from nmoe.fast.rdep.ep import Exchange, slot_shape
     from nmoe.fast.rdep.group import RdepGroup
-    from nmoe.fast.rdep.spmd import exchange_gloo
+    from nmoe.fast.rdep.spmd import all_gather_bytes
     from nmoe.sharding import ExpertShard, reduce_grads, shard_of
     from nmoe.train.optim import clip_grad_norm
 
     rank, world, dev = group.rank, group.shape.world, group.device
-    slots = RdepGroup(slot_shape(group.shape), rank, dev, exchange_gloo)
+    slots = RdepGroup(slot_shape(group.shape), rank, dev, all_gather_bytes)
 
     def all_reduce_sum(t: Tensor) -> None:
         dist.all_reduce(t)
@@ -170,13 +170,13 @@ def ep_train_job(group: Any, tmp: Path, data: Path) -> dict[str, Any]:
     from nmoe.fast.model import Model, ep_shape
     from nmoe.fast.rdep.ep import Exchange, slot_shape
     from nmoe.fast.rdep.group import RdepGroup
-    from nmoe.fast.rdep.spmd import exchange_gloo
+    from nmoe.fast.rdep.spmd import all_gather_bytes
     from nmoe.sharding import ExpertShard
     from nmoe.train.loop import train
     from nmoe.traincli import optim_steps
 
     rank, world, dev = group.rank, group.shape.world, group.device
-    slots = RdepGroup(slot_shape(group.shape), rank, dev, exchange_gloo)
+    slots = RdepGroup(slot_shape(group.shape), rank, dev, all_gather_bytes)
     try:
         ex = Exchange(group, slots)
         runs: dict[str, Any] = {}

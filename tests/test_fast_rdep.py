@@ -531,10 +531,10 @@ def _with_slots(group: object, body: Any, *args: Any) -> Any:
 
     from nmoe.fast.rdep import ep
     from nmoe.fast.rdep.group import RdepGroup
-    from nmoe.fast.rdep.spmd import exchange_gloo
+    from nmoe.fast.rdep.spmd import all_gather_bytes
 
     assert isinstance(group, RdepGroup)
-    slots = RdepGroup(ep.slot_shape(group.shape), group.rank, group.device, exchange_gloo)
+    slots = RdepGroup(ep.slot_shape(group.shape), group.rank, group.device, all_gather_bytes)
     try:
         got = body(group, slots, *args)
     except BaseException:

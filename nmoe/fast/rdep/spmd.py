@@ -37,7 +37,9 @@ class Job:
     args: tuple[Any, ...]
 
 
-def exchange_gloo(data: bytes) -> list[bytes]:
+def all_gather_bytes(data: bytes) -> list[bytes]:
+    """Every rank's bytes in rank order over the default process group (gloo or NCCL): how IPC handles
+    travel when a group opens."""
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, data)
     return [bytes(o) for o in out]
@@ -102,7 +104,7 @@ def _worker(rank: int, world: int, device: int, port: int, inq: Any, outq: Any) 
             continue
         group = None
         try:
-            group = RdepGroup(job.shape, rank, dev, exchange_gloo)
+            group = RdepGroup(job.shape, rank, dev, all_gather_bytes)
             dist.barrier()
             fn = JOBS[job.kind] if isinstance(job.kind, str) else job.kind
             outq.put((rank, "ok", fn(group, *job.args[0])))
