@@ -181,8 +181,10 @@ def test_kernels_declare_sm90_only() -> None:
     assert {s.op for s in KERNELS} == {"grouped_gemm", "grouped_gemm_dgrad", "grouped_gemm_wgrad",
                                        "grouped_gemm_act"}
     assert len({s.name for s in KERNELS}) == len(KERNELS) >= 3
-    fused = {s.name for s in KERNELS if s.op == "grouped_gemm_act"}
+    fused = {s.name for s in KERNELS if s.op == "grouped_gemm_act" and "gathered" not in s.name}
     assert fused == {f"grouped_gemm_act_{a}_n{bn}" for a in gemm.ACTIVATIONS for bn in GEMM_BN_CHOICES}
+    gathered = {s.name for s in KERNELS if "gathered" in s.name}
+    assert gathered == {"grouped_gemm_act_gathered_swiglu_n256", "grouped_gemm_act_gathered_relu2_n128"}
     for spec in KERNELS:
         assert set(spec.expect) == set(spec.forbid) == {"sm_90a"}
         assert any("wgmma" in rx for rx in spec.expect["sm_90a"])

@@ -7,18 +7,19 @@ from mutations.model import Mutation, sep_mutation
 FILE = "nmoe/fast/kernels/sm90/grouped_gemm.py"
 WGRAD = "nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py"
 TESTS = "tests/test_fast_gemm.py"
+GATHER_TESTS = "tests/test_fast_gemm_gather.py"
 
 MUTATIONS: tuple[Mutation, ...] = (
     sep_mutation(
         "gemm.fast_accumulate_bf16", FILE,
-        "                    warpgroup.wait_group(1)\n",
-        "                    warpgroup.wait_group(0)\n"
-        "                    acc.store(acc.load().to(BFloat16).to(Float32))\n",
+        "                warpgroup.wait_group(1)\n",
+        "                warpgroup.wait_group(0)\n"
+        "                acc.store(acc.load().to(BFloat16).to(Float32))\n",
         "accumulator rounded to bf16 after every K tile", TESTS, ("grouped_gemm",), device="gpu",
     ),
     sep_mutation(
         "gemm.fast_skip_last_k_tile", FILE,
-        "    k_tiles = (k + BK - 1) // BK\n", "    k_tiles = (k - 1) // BK\n",
+        "    return (k + BK - 1) // BK\n", "    return (k - 1) // BK\n",
         "the last (possibly partial) K tile is never multiplied", TESTS, ("grouped_gemm",), device="gpu",
     ),
     sep_mutation(
@@ -49,5 +50,25 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    if valid < BK:\n", "    if valid < 0:\n",
         "wgrad sums the next group's rows into a group's last K box", TESTS, ("grouped_gemm_wgrad",),
         device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_gather_row_off_by_one", FILE,
+        "                a = x_addr + s // Int64(top_k) * Int64(k * 2)",
+        "                a = x_addr + (s + Int64(1)) // Int64(top_k) * Int64(k * 2)",
+        "the gathered up projection reads the row of slot + 1's token", GATHER_TESTS, ("moe_layer",),
+        device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_gather_unswizzled", FILE,
+        "r * (BK * 2) + ((c8 ^ (r & 7)) << 4)", "r * (BK * 2) + (c8 << 4)",
+        "gathered A chunks written without the 128-byte swizzle the tensor cores read with", GATHER_TESTS,
+        ("moe_layer",), device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_gather_k_tail_unmasked", FILE,
+        "                    if col < k and src[j] != zero_addr:",
+        "                    if src[j] != zero_addr:",
+        "the last K box's columns past K are read from the next token's row instead of zeros",
+        GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
 )

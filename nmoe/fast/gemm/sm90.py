@@ -31,6 +31,9 @@ FWD = Kernel(_FWD_MODULE, "grouped_gemm_fwd", lambda km, n, k, bn, act: km.compi
              (ARCH,), "nmoe.fast.gemm.grouped_gemm")
 DGRAD = Kernel(_FWD_MODULE, "grouped_gemm_dgrad", lambda km, n, k, bn: km.compile_args(n, k, bn, False),
                (ARCH,), "nmoe.fast.gemm.grouped_gemm_dgrad")
+GATHER = Kernel(_FWD_MODULE, "grouped_gemm_gather",
+                lambda km, n, k, bn, act: km.compile_args_gather(n, k, bn, act), (ARCH,),
+                "nmoe.fast.gemm.grouped_gemm_act_gathered")
 WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad",
                lambda km, n, k, bn: km.compile_args(n, k, bn), (ARCH,), "nmoe.fast.gemm.grouped_gemm_wgrad")
 
@@ -299,6 +302,68 @@ def grouped_gemm_act_h(x: Tensor, w: Tensor, offs: Tensor, activation: str) -> t
     return _act_op(x, w, offs, activation)
 
 
+_ZERO_CHUNKS: dict[torch.device, Tensor] = {}
+
+
+def _zero_chunk(device: torch.device) -> Tensor:
+    """16 zero bytes the gathering kernel copies for pad rows and columns past K."""
+    z = _ZERO_CHUNKS.get(device)
+    if z is None:
+        z = _ZERO_CHUNKS[device] = torch.zeros(8, dtype=torch.bfloat16, device=device)
+    return z
+
+
+def _gathered_impl(x: Tensor, slot: Tensor, w: Tensor, offs: Tensor, top_k: int,
+                   activation: str) -> tuple[Tensor, Tensor]:
+    op = "grouped_gemm_act_gathered"
+    check_bf16(op, x=x, w=w)
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
+        raise ValueError(f"{op}: need x [T, K] and w [E, N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if slot.dtype != torch.int64 or slot.dim() != 1 or top_k < 1:
+        raise ValueError(f"{op}: need int64 slot [R] (permute's, -1 on pad rows) and top_k >= 1, got "
+                         f"{slot.dtype} {tuple(slot.shape)} and top_k={top_k}")
+    check_routing(op, offs, w.shape[0], slot.shape[0])
+    check_aligned(op, "w's", ("N", w.shape[1], GEMM_ALIGN), ("K", w.shape[2], GEMM_ALIGN))
+    width = act_width(w, activation)
+    device, arch = runtime.device_arch(x, slot, w, offs)
+    require(op, arch, ARCH)
+    x, w = tma_aligned(op, "x", x), tma_aligned(op, "w", w)
+    m, n, k = slot.shape[0], w.shape[1], w.shape[2]
+    h = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    a = torch.empty(m, width, dtype=torch.bfloat16, device=x.device)
+    if m == 0 or n == 0:
+        return a, h
+    if k == 0 or w.shape[0] == 0:
+        h.zero_()
+        a.zero_()
+        return a, h
+    check_offs_on_host(op, offs, m)
+    bn = pick_bn(n)
+    n_ctas = min(runtime.sm_count(device), tile_upper_bound(m, n, w.shape[0], bn))
+    launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act=activation)
+    launch(device, x.data_ptr(), _zero_chunk(x.device).data_ptr(), slot.contiguous().data_ptr(), w.data_ptr(),
+           h.data_ptr(), a.data_ptr(), offs.contiguous().data_ptr(), top_k, m, w.shape[0], n_ctas)
+    return a, h
+
+
+def _gathered_fake(x: Tensor, slot: Tensor, w: Tensor, offs: Tensor, top_k: int,
+                   activation: str) -> tuple[Tensor, Tensor]:
+    width = act_width(w, activation)
+    return x.new_empty(slot.shape[0], width), x.new_empty(slot.shape[0], w.shape[1])
+
+
+_gathered_op = fast_op("grouped_gemm_act_gathered", _gathered_impl, _gathered_fake)
+
+
+def grouped_gemm_act_gathered(x: Tensor, slot: Tensor, top_k: int, w: Tensor, offs: Tensor,
+                              activation: str) -> tuple[Tensor, Tensor]:
+    """(act(h), h) with h[p] = x[slot[p] // top_k] @ w[e]^T for permuted row p of group e (zero rows where
+    slot[p] = -1): permute's row order without its [R, K] copy of x. No autograd: its caller owns the
+    backward (the fast MoE layer)."""
+    out: tuple[Tensor, Tensor] = _gathered_op(x, slot, w, offs, top_k, activation)
+    return out
+
+
 def grouped_gemm_dgrad(dy: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     """dx[rows of e] = dy[rows of e] @ w[e] in fp32, rounded once to bf16; rows past offs[-1] are zero."""
     return _dgrad_op(dy, w, offs)
@@ -327,6 +392,19 @@ _EXPECT_WGRAD = (*_EXPECT_SM90, r"\bfence\.proxy\.async\.shared::cta\b")
 _EXPECT_EPILOGUE = (*_EXPECT_SM90, r"\bsetp\.nan\.f32\b")
 _FORBID_EPILOGUE = (*_FORBID_SM90, r"\b(mul|add|sub|div|fma)(\.r[nzmp])?\.ftz\.f32\b",
                     r"\bdiv\.(approx|full)(\.ftz)?\.f32\b")
+
+
+# The gathered up projection: A by 16-byte cp.async from token rows, each thread's arrival tracked by the
+# stage's mbarrier, and a proxy fence before the tensor cores read what the generic proxy wrote.
+_EXPECT_GATHER = (*_EXPECT_EPILOGUE, r"\bcp\.async\.cg\.shared\.global\b",
+                  r"\bcp\.async\.mbarrier\.arrive\.noinc\.shared\.b64\b",
+                  r"\bfence\.proxy\.async\.shared::cta\b")
+
+
+def _gather_spec(name: str, n: int, k: int, activation: str) -> KernelSpec:
+    return KernelSpec(op="grouped_gemm_act", name=name,
+                      compile=GATHER.compiler(n=n, k=k, bn=pick_bn(n), act=activation),
+                      expect={"sm_90a": _EXPECT_GATHER}, forbid={"sm_90a": _FORBID_EPILOGUE})
 
 
 def _spec(name: str, n: int, k: int, bn: int, w_k_major: bool | None, activation: str = "none") -> KernelSpec:
@@ -359,4 +437,6 @@ KERNELS: tuple[KernelSpec, ...] = (
     _spec("grouped_gemm_act_swiglu_n256", 4096, 1024, 256, True, "swiglu"),
     _spec("grouped_gemm_act_relu2_n128", 1024, 4096, 128, True, "relu2"),
     _spec("grouped_gemm_act_relu2_n256", 4096, 1024, 256, True, "relu2"),
+    _gather_spec("grouped_gemm_act_gathered_swiglu_n256", 2048, 4096, "swiglu"),
+    _gather_spec("grouped_gemm_act_gathered_relu2_n128", 1152, 2048, "relu2"),
 )

@@ -4,7 +4,7 @@ syncs the host. Import only after nmoe.fast.runtime.import_cutlass("sm_90a")."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn, cast
 
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
@@ -300,10 +300,12 @@ def mma_fragments(tiled_mma: cute.TiledMma, s_a: cute.Tensor, s_b: cute.Tensor, 
 
 @cute.jit
 def cta_setup(m_offs: cute.Tensor, n_groups: Int32, ab_dtype: Constexpr[Any], a_layout: cute.ComposedLayout,
-              b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout, stages: Constexpr[int]
+              b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout, stages: Constexpr[int],
+              a_by_tma: Constexpr[bool] = True,
               ) -> tuple[cute.Tensor, cute.Tensor, cute.Tensor, cute.Tensor, pipeline.PipelineTmaAsync]:
     """A grouped-GEMM CTA's shared memory (mbarriers, offs table, operand ring, output staging) and the TMA
-    pipeline whose init ends in a CTA-wide barrier, which also publishes the offs table."""
+    pipeline whose init ends in a CTA-wide barrier, which also publishes the offs table. Without a_by_tma a
+    stage is full once B's TMA bytes landed and each of the WG_THREADS gathering threads arrived."""
     tidx, _, _ = cute.arch.thread_idx()
     smem = SmemAllocator()
     barriers = smem.allocate_array(Int64, stages * 2, byte_alignment=8)
@@ -313,12 +315,14 @@ def cta_setup(m_offs: cute.Tensor, n_groups: Int32, ab_dtype: Constexpr[Any], a_
     s_d = smem.allocate_tensor(BFloat16, d_layout.outer, 1024, d_layout.inner)
     for i in range(tidx, n_groups, THREADS):
         s_offs[i] = m_offs[i]
-    tx_bytes = cute.size_in_bytes(ab_dtype, cute.slice_(a_layout, (None, None, 0))) + cute.size_in_bytes(
+    a_bytes = cute.size_in_bytes(ab_dtype, cute.slice_(a_layout, (None, None, 0)))
+    tx_bytes = (a_bytes if const_expr(a_by_tma) else 0) + cute.size_in_bytes(
         ab_dtype, cute.slice_(b_layout, (None, None, 0)))
     mainloop = pipeline.PipelineTmaAsync.create(
         barrier_storage=barriers,
         num_stages=stages,
-        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 if const_expr(a_by_tma)
+                                                 else 1 + WG_THREADS),
         consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_WGS * 4),
         tx_count=tx_bytes,
         cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
@@ -377,6 +381,70 @@ def _issue_mmas(tiled_mma: cute.TiledMma, acc: cute.Tensor, t_ra: cute.Tensor, t
     warpgroup.commit_group()
 
 
+@cute.jit
+def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma, s_a: cute.Tensor,
+                  s_b: cute.Tensor, s_d: cute.Tensor, s_offs: cute.Tensor, tma_atom_d: cute.CopyAtom,
+                  tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.Tensor, n_groups: Int32, m_rows: Int32,
+                  tidx: Int32, warp_idx: Int32, n_ctas: Int32, e: Int32, g_start: Int32, g_end: Int32,
+                  before: Int32, here: Int32, t: Int32, n: Constexpr[int], bn: Constexpr[int],
+                  k_tiles: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
+                  thread_written_a: Constexpr[bool]) -> None:
+    """The two consumer warpgroups: wgmma over each tile's K boxes, then the epilogue. thread_written_a: A
+    arrived by cp.async (generic proxy), so a proxy fence orders it before the tensor cores read it."""
+    cute.arch.setmaxregister_increase(CONSUMER_REGS)
+    ctid = tidx - WG_THREADS
+    t_ra, t_rb, acc_shape = mma_fragments(tiled_mma, s_a, s_b, warp_idx, bn)
+    acc = cute.make_rmem_tensor(acc_shape, Float32)
+
+    epi = epilogue_copies(tiled_mma, acc, s_d, ctid, tma_atom_d, act)
+
+    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+    read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+    release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+    e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before,
+                                            here, n_tiles_n_of(n, bn))
+    while e <= n_groups:
+        local = t - before
+        m_tile = local // n_tiles_n_of(n, bn)
+        n_tile = local - m_tile * n_tiles_n_of(n, bn)
+        row0 = g_start + m_tile * BM
+        acc.fill(0.0)
+        if e < n_groups and const_expr(k_tiles > 0):
+            mainloop.consumer_wait(read)
+            if const_expr(thread_written_a):
+                cute.arch.fence_proxy("async.shared", space="cta")
+            _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
+            read.advance()
+            for _kt in range(1, k_tiles):
+                mainloop.consumer_wait(read)
+                if const_expr(thread_written_a):
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
+                warpgroup.wait_group(1)
+                mainloop.consumer_release(release)
+                release.advance()
+                read.advance()
+            warpgroup.wait_group(0)
+            mainloop.consumer_release(release)
+            release.advance()
+
+        store_tile(epi, tma_d, m_d, m_act, row0, n_tile, g_end, n, bn, act)
+
+        t = t + n_ctas
+        e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,
+                                                before, here, n_tiles_n_of(n, bn))
+    drain_stores()
+
+
+def n_tiles_n_of(n: int, bn: int) -> int:
+    return (n + bn - 1) // bn
+
+
+def n_k_tiles(k: int) -> int:
+    """K boxes of a row, the last one partial where BK does not divide k."""
+    return (k + BK - 1) // BK
+
+
 @cute.kernel
 def grouped_gemm_kernel(
     tma_atom_a: cute.CopyAtom, m_a: cute.Tensor, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
@@ -390,7 +458,7 @@ def grouped_gemm_kernel(
                                                 stages)
 
     n_tiles_n = (n + bn - 1) // bn
-    k_tiles = (k + BK - 1) // BK
+    k_tiles = n_k_tiles(k)
 
     e, g_start, g_end, before, here, t = cursor_start(bidx)
 
@@ -400,45 +468,9 @@ def grouped_gemm_kernel(
             produce_tiles(mainloop, tma_atom_a, m_a, tma_atom_b, m_b, s_a, s_b, s_offs, n_groups, m_rows,
                           Int32(bidx), n_ctas, n_tiles_n, k_tiles, bn, BK, stages)
     else:
-        cute.arch.setmaxregister_increase(CONSUMER_REGS)
-        ctid = tidx - WG_THREADS
-        t_ra, t_rb, acc_shape = mma_fragments(tiled_mma, s_a, s_b, warp_idx, bn)
-        acc = cute.make_rmem_tensor(acc_shape, Float32)
-
-        epi = epilogue_copies(tiled_mma, acc, s_d, ctid, tma_atom_d, act)
-
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-        e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before,
-                                                here, n_tiles_n)
-        while e <= n_groups:
-            local = t - before
-            m_tile = local // n_tiles_n
-            n_tile = local - m_tile * n_tiles_n
-            row0 = g_start + m_tile * BM
-            acc.fill(0.0)
-            if e < n_groups and const_expr(k_tiles > 0):
-                mainloop.consumer_wait(read)
-                _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
-                read.advance()
-                for _kt in range(1, k_tiles):
-                    mainloop.consumer_wait(read)
-                    _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
-                    warpgroup.wait_group(1)
-                    mainloop.consumer_release(release)
-                    release.advance()
-                    read.advance()
-                warpgroup.wait_group(0)
-                mainloop.consumer_release(release)
-                release.advance()
-
-            store_tile(epi, tma_d, m_d, m_act, row0, n_tile, g_end, n, bn, act)
-
-            t = t + n_ctas
-            e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,
-                                                    before, here, n_tiles_n)
-        drain_stores()
+        consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, n_groups,
+                      m_rows, tidx, warp_idx, n_ctas, e, g_start, g_end, before, here, t, n, bn, k_tiles,
+                      stages, act, False)
 
 
 @cute.jit
@@ -482,6 +514,147 @@ def grouped_gemm_host(
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
 
 
+# Gathered A: the producer warpgroup's WG_THREADS threads load each BM x BK box of A with 16-byte cp.async
+# straight from the token rows, thread i taking chunk i % CHUNKS of rows i // CHUNKS + GATHER_ROW_STEP * j.
+CHUNKS = BK // VEC
+GATHER_ROW_STEP = WG_THREADS // CHUNKS
+GATHER_ROWS = BM // GATHER_ROW_STEP
+A_STAGE_BYTES = BM * BK * 2
+
+
+@cute.jit
+def _gather_sources(m_slot: cute.Tensor, row0: Int32, g_end: Int32, top_k: Int32, rb: Int32, x_addr: Int64,
+                    k: Constexpr[int], zero_addr: Int64, src: cute.Tensor) -> None:
+    """src[j]: byte address of the token row feeding tile row rb + GATHER_ROW_STEP * j (slot // top_k), or
+    of the zero chunk for pad rows (slot -1) and rows past the group."""
+    for j in range_constexpr(GATHER_ROWS):
+        r = row0 + rb + GATHER_ROW_STEP * j
+        a = zero_addr
+        if r < g_end:
+            s = m_slot[r]
+            if s >= Int64(0):
+                a = x_addr + s // Int64(top_k) * Int64(k * 2)
+        src[j] = a
+
+
+@cute.jit
+def produce_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
+                     m_slot: cute.Tensor, x_addr: Int64, zero_addr: Int64, top_k: Int32, s_a: cute.Tensor,
+                     s_b: cute.Tensor, s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, t: Int32,
+                     n_ctas: Int32, warp_idx: Int32, ptid: Int32, n_tiles_n: Constexpr[int],
+                     k: Constexpr[int], k_tiles: Constexpr[int], bn: Constexpr[int],
+                     stages: Constexpr[int]) -> None:
+    """The producer warpgroup with A gathered: warp 0 arms each stage and TMA-loads B; every thread copies
+    its A chunks with cp.async (zero chunks past K) and arrives when they land."""
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), BFloat16,
+                               num_bits_per_copy=128)
+    s_b_flat = cute.group_modes(s_b, 0, 2)
+    a_base = cast(Pointer, s_a.iterator).toint()
+    c8 = ptid % CHUNKS
+    rb = ptid // CHUNKS
+    src = cute.make_rmem_tensor(GATHER_ROWS, Int64)
+    e, g_start, g_end, before, here, t = cursor_start(t)
+    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+    e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
+                                            n_tiles_n)
+    while e <= n_groups:
+        if e < n_groups:
+            local = t - before
+            m_tile = local // n_tiles_n
+            n_tile = local - m_tile * n_tiles_n
+            row0 = g_start + m_tile * BM
+            _gather_sources(m_slot, row0, g_end, top_k, rb, x_addr, k, zero_addr, src)
+            g_b = cute.local_tile(m_b[(None, None, e)], (bn, BK), (n_tile, None))
+            t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1), s_b_flat,
+                                               cute.group_modes(g_b, 0, 2))
+            for kt in range(k_tiles):
+                if warp_idx == 0:
+                    mainloop.producer_acquire(state)
+                    cute.copy(tma_atom_b, t_gb[(None, kt)], t_sb[(None, state.index)],
+                              tma_bar_ptr=mainloop.producer_get_barrier(state))
+                else:
+                    mainloop.sync_object_empty.wait(state.index, state.phase)
+                col = kt * BK + c8 * VEC
+                for j in range_constexpr(GATHER_ROWS):
+                    r = rb + GATHER_ROW_STEP * j
+                    g = zero_addr
+                    if col < k and src[j] != zero_addr:
+                        g = src[j] + Int64(col * 2)
+                    # 128-byte swizzle: a row's 16-byte chunk c sits at chunk c ^ (row % 8).
+                    s_addr = a_base + state.index * A_STAGE_BYTES + r * (BK * 2) + ((c8 ^ (r & 7)) << 4)
+                    cute.copy(atom, cute.make_tensor(cute.make_ptr(BFloat16, g, cute.AddressSpace.gmem,
+                                                                   assumed_align=16), cute.make_layout(VEC)),
+                              cute.make_tensor(cute.make_ptr(BFloat16, s_addr, cute.AddressSpace.smem,
+                                                             assumed_align=16), cute.make_layout(VEC)))
+                cute.arch.cp_async_mbarrier_arrive_noinc(mainloop.producer_get_barrier(state))
+                state.advance()
+        t = t + n_ctas
+        e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
+                                                n_tiles_n)
+    if warp_idx == 0:
+        mainloop.producer_tail(state)
+
+
+@cute.kernel
+def grouped_gemm_gather_kernel(
+    tma_atom_b: cute.CopyAtom, m_b: cute.Tensor, tma_atom_d: cute.CopyAtom, tma_d: cute.Tensor,
+    m_d: cute.Tensor, m_act: cute.Tensor, m_offs: cute.Tensor, m_slot: cute.Tensor, x_addr: Int64,
+    zero_addr: Int64, top_k: Int32, m_rows: Int32, n_groups: Int32, tiled_mma: cute.TiledMma,
+    a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout,
+    n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
+) -> None:
+    tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_b, tma_atom_d))
+    s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
+                                                stages, False)
+    n_tiles_n = (n + bn - 1) // bn
+    k_tiles = n_k_tiles(k)
+    e, g_start, g_end, before, here, t = cursor_start(bidx)
+    if warp_idx < 4:
+        cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+        produce_gathered(mainloop, tma_atom_b, m_b, m_slot, x_addr, zero_addr, top_k, s_a, s_b, s_offs,
+                         n_groups, m_rows, Int32(bidx), n_ctas, warp_idx, tidx, n_tiles_n, k, k_tiles, bn,
+                         stages)
+    else:
+        consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, n_groups,
+                      m_rows, tidx, warp_idx, n_ctas, e, g_start, g_end, before, here, t, n, bn, k_tiles,
+                      stages, act, True)
+
+
+@cute.jit
+def grouped_gemm_gather_host(
+    x_addr: Int64, zero_addr: Int64, pslot: Pointer, pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer,
+    top_k: Int32, m_rows: Int32, n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream, n: Constexpr[int],
+    k: Constexpr[int], bn: Constexpr[int], act: Constexpr[str],
+) -> None:
+    """y[p, n] = x[slot[p] // top_k] @ B_e^T for permuted row p of group e (w K-major [E, n, k]), zero rows
+    where slot[p] = -1; with act != "none" also a = act(y). The permuted copy of x is never written."""
+    stages = stages_for(bn)
+    if const_expr(act != "none"):
+        check_pairing(EPI_N, act)
+    m_w = cute.make_tensor(pw, cute.make_layout((n, k, n_groups), stride=(k, 1, n * k)))
+    m_y = cute.make_tensor(py, cute.make_layout((m_rows, n), stride=(n, 1)))
+    n_act = n // EPILOGUES[act]
+    m_a = cute.make_tensor(pa, cute.make_layout((m_rows, n_act), stride=(n_act, 1)))
+    m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
+    m_slot = cute.make_tensor(pslot, cute.make_layout(m_rows))
+    tile = (BM, bn, BK)
+    k_major = LayoutEnum.ROW_MAJOR
+    tiled_mma = sm90_utils.make_trivial_tiled_mma(
+        BFloat16, BFloat16, k_major.sm90_mma_major_mode(), k_major.sm90_mma_major_mode(), Float32,
+        (CONSUMER_WGS, 1, 1), tiler_mn=(64, bn),
+    )
+    a_layout = sm90_utils.make_smem_layout_a(k_major, tile, BFloat16, stages)
+    b_layout = sm90_utils.make_smem_layout_b(k_major, tile, BFloat16, stages)
+    assert cute.size_in_bytes(BFloat16, cute.slice_(a_layout, (None, None, 0))) == A_STAGE_BYTES
+    tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensorTileG2SOp(), m_w, cute.slice_(b_layout, (None, None, 0)), (bn, BK))
+    tma_atom_d, tma_d = epi_tma(m_y)
+    grouped_gemm_gather_kernel(
+        tma_atom_b, tma_b, tma_atom_d, tma_d, m_y, m_a, m_offs, m_slot, x_addr, zero_addr, top_k, m_rows,
+        n_groups, tiled_mma, a_layout, b_layout, epi_smem_layout(), n, k, bn, stages, act,
+    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
+
+
 def pointer(dtype: Any, address: int, align: int = 16) -> Any:
     """TMA needs 16-byte aligned operand bases; the offs table is read as scalars."""
     return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
@@ -494,3 +667,13 @@ def compile_args(n: int, k: int, bn: int, w_k_major: bool, act: str = "none") ->
     ptrs = (*(pointer(BFloat16, 0) for _ in range(4)), pointer(Int32, 0, 4))
     return grouped_gemm_host, (*ptrs, Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k, bn, w_k_major,
                                act)
+
+
+def compile_args_gather(n: int, k: int, bn: int, act: str = "none") -> tuple[Any, tuple[Any, ...]]:
+    if act not in EPILOGUES:
+        raise ValueError(f"gathered grouped GEMM epilogue {act!r} unsupported; use one of "
+                         f"{sorted(EPILOGUES)}")
+    ptrs = (pointer(Int64, 0, 8), *(pointer(BFloat16, 0) for _ in range(3)), pointer(Int32, 0, 4))
+    return grouped_gemm_gather_host, (Int64(0), Int64(0), *ptrs, Int32(0), Int32(0), Int32(0), Int32(0),
+                                      cuda.CUstream(0), n, k, bn, act)
+

@@ -1,0 +1,136 @@
+"""The gathered up projection (nmoe.fast.gemm.sm90.grouped_gemm_act_gathered): A rows read by cp.async
+straight from the token rows permute names, never copied. Its contract is the fused kernel's on permute's
+copy: every output bit equal (same MMA order per row), pad and tail rows zero. Argument checks need no GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from nmoe.fast.dispatch import permute
+from nmoe.fast.gemm import sm90
+
+gpu = pytest.mark.gpu
+
+# (tokens, top_k, K = hidden, N = up width, experts, align, activation, routing): K = 288 leaves a 32-column
+# tail in the last box (its chunks come from the zero chunk); "skew" empties some experts.
+CASES = [
+    (300, 4, 288, 256, 8, 128, "swiglu", "uniform"),
+    (1000, 2, 512, 384, 16, 16, "relu2", "skew"),
+    (64, 6, 2048, 1024, 64, 128, "swiglu", "skew"),
+    (5, 1, 64, 128, 4, 128, "relu2", "uniform"),
+]
+
+
+def _ids(t: int, k: int, e: int, routing: str, g: torch.Generator) -> Tensor:
+    if routing == "uniform":
+        return torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    weights = torch.tensor([2.0 ** -(i // 2) if i % 3 else 0.0 for i in range(e)])
+    weights[0] = 1.0
+    return torch.stack([torch.multinomial(weights, k, replacement=False, generator=g) for _ in range(t)])
+
+
+@gpu
+@pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}K{c[1]}H{c[2]}N{c[3]}E{c[4]}-{c[6]}" for c in CASES])
+def test_gathered_up_projection_equals_the_fused_kernel_on_permutes_copy(
+        case: tuple[int, int, int, int, int, int, str, str]) -> None:
+    t, k, hid, n, e, align, act, routing = case
+    g = torch.Generator().manual_seed(t * 7 + e)
+    x = torch.randn(t, hid, generator=g).to(torch.bfloat16).cuda()
+    w = (torch.randn(e, n, hid, generator=g) / hid**0.5).to(torch.bfloat16).cuda()
+    ids = _ids(t, k, e, routing, g).cuda()
+    p = permute(x, ids, e, align)
+    want_a, want_h = sm90.grouped_gemm_act_h(p.xp, w, p.offs, act)
+    got_a, got_h = sm90.grouped_gemm_act_gathered(x, p.slot, k, w, p.offs, act)
+    torch.cuda.synchronize()
+    pads = int((p.slot < 0).sum())
+    assert pads > 0 or align == 16, "the case has pad rows"
+    assert torch.equal(got_h.view(torch.int16), want_h.view(torch.int16)), "h differs from the TMA path"
+    assert torch.equal(got_a.view(torch.int16), want_a.view(torch.int16)), "act(h) differs from the TMA path"
+    assert torch.all(got_h[p.slot < 0] == 0), "pad rows must be zero"
+
+
+@gpu
+def test_gathered_up_projection_reads_x_in_place_without_a_sync() -> None:
+    """No permuted copy of x: the call allocates only h and act(h), and never waits on the GPU."""
+    t, k, hid, n, e = 512, 4, 1024, 512, 16
+    x = torch.randn(t, hid, device="cuda").to(torch.bfloat16)
+    w = torch.randn(e, n, hid, device="cuda").to(torch.bfloat16)
+    ids = torch.randint(0, e, (t, k), device="cuda")
+    p = permute(x[:, :0], ids, e, 128)
+    sm90.grouped_gemm_act_gathered(x, p.slot, k, w, p.offs, "swiglu")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        a, h = sm90.grouped_gemm_act_gathered(x, p.slot, k, w, p.offs, "swiglu")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    grown = torch.cuda.memory_allocated() - before
+    assert grown <= (a.numel() + h.numel()) * 2 + 4096, f"{grown} bytes allocated beyond h and act(h)"
+
+
+def test_gathered_up_projection_refuses_bad_arguments() -> None:
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    w = torch.zeros(2, 128, 64, dtype=torch.bfloat16)
+    offs = torch.tensor([128, 256], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"need int64 slot \[R\]"):
+        sm90.grouped_gemm_act_gathered(x, torch.zeros(256, dtype=torch.int32), 2, w, offs, "swiglu")
+    with pytest.raises(ValueError, match="top_k >= 1"):
+        sm90.grouped_gemm_act_gathered(x, torch.zeros(256, dtype=torch.int64), 0, w, offs, "swiglu")
+    with pytest.raises(ValueError, match=r"need x \[T, K\] and w \[E, N, K\]"):
+        sm90.grouped_gemm_act_gathered(x[:, :32], torch.zeros(256, dtype=torch.int64), 2, w, offs, "swiglu")
+    with pytest.raises(ValueError, match="activation 'none' unknown"):
+        sm90.grouped_gemm_act_gathered(x, torch.zeros(256, dtype=torch.int64), 2, w, offs, "none")
+
+
+def _pair(t: int, k: int, hid: int, n: int, e: int, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(slot, gathered h, TMA-path h) for x on the GPU, uniform routing, swiglu."""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(e, n, hid, generator=g) / hid**0.5).to(torch.bfloat16).cuda()
+    p = permute(x, _ids(t, k, e, "uniform", g).cuda(), e, 128)
+    _, want = sm90.grouped_gemm_act_h(p.xp, w, p.offs, "swiglu")
+    _, got = sm90.grouped_gemm_act_gathered(x, p.slot, k, w, p.offs, "swiglu")
+    torch.cuda.synchronize()
+    return p.slot, got, want
+
+
+@gpu
+def test_sep_gemm_fast_gather_row_off_by_one() -> None:
+    t, k = 64, 2
+    x = torch.randn(t, 256).to(torch.bfloat16).cuda()
+    slot, got, want = _pair(t, k, 256, 256, 4, x)
+    real = slot[slot >= 0]
+    shifted = real[(real % k) == k - 1]
+    assert shifted.numel() > 0, "some row's slot + 1 names the next token"
+    assert not torch.equal(x[shifted // k], x[(shifted + 1) // k]), "and that token's row differs"
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@gpu
+def test_sep_gemm_fast_gather_unswizzled() -> None:
+    t, k = 64, 2
+    x = torch.randn(t, 256).to(torch.bfloat16).cuda()
+    chunks = x.view(t, -1, 8)
+    assert not torch.equal(chunks[:, 0], chunks[:, 1]), (
+        "16-byte chunks of a row differ, so chunk c placed at c instead of c ^ (row % 8) changes what the "
+        "tensor cores read for 7 rows of every 8")
+    _, got, want = _pair(t, k, 256, 256, 4, x)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@gpu
+def test_sep_gemm_fast_gather_k_tail_unmasked() -> None:
+    """K = 288: the last box's columns 288..319 of token t's row are, in memory, token t + 1's first 32
+    columns. With those infinite, a kernel reading them (times B's zero-filled columns) makes NaN in token
+    t's rows; the zero chunk keeps them finite and equal to the TMA path's."""
+    t, k, hid = 64, 2, 288
+    x = torch.randn(t, hid).to(torch.bfloat16)
+    x[1::2, :32] = float("inf")
+    x = x.cuda()
+    assert torch.isinf(x.view(-1)[hid:hid + 32]).all(), "token 0's row is followed by infinite columns"
+    slot, got, want = _pair(t, k, hid, 256, 4, x)
+    even = (slot >= 0) & ((slot // k) % 2 == 0)
+    assert torch.isfinite(want[even].float()).all(), "the TMA path keeps the even tokens' rows finite"
+    assert torch.equal(got[even].view(torch.int16), want[even].view(torch.int16))
