@@ -29,6 +29,13 @@ def _act_h(x: Tensor, w: Tensor, offs: Tensor, activation: str) -> tuple[Tensor,
     return rg.grouped_gemm_act(x, w, offs, activation), rg.grouped_gemm(x, w, offs)
 
 
+def _act_gathered(x: Tensor, slot: Tensor, top_k: int, w: Tensor, offs: Tensor,
+                  activation: str) -> tuple[Tensor, Tensor]:
+    """The gathered kernel's definition: permute's rows (x[slot // top_k], zero where slot = -1), then _act_h."""
+    rows = torch.where(slot[:, None] >= 0, x[slot.clamp(min=0) // top_k], torch.zeros_like(x[:1]))
+    return _act_h(rows, w, offs, activation)
+
+
 @pytest.fixture
 def spec_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     subs: dict[str, Any] = {
@@ -44,6 +51,7 @@ def spec_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     for name, fn in subs.items():
         monkeypatch.setattr(fm, name, fn)
     monkeypatch.setattr(sm90, "grouped_gemm_act_h", _act_h)
+    monkeypatch.setattr(sm90, "grouped_gemm_act_gathered", _act_gathered)
 
 
 def _case(activation: str, shared: int, dtype: str, score: str, seed: int,

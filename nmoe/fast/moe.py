@@ -1,9 +1,10 @@
 """Fast MoE layer: the spec's moe_layer (nmoe.reference.moe) from fast ops, sm_90a, no host sync.
 
 Autograd pieces: router_logits (its own op), _RouterTopk, _Shared (the shared MLP as one-group GEMMs) and
-_Routed, which runs permute -> up (+act) -> down -> combine_gather (each slot's row read in place from the
-permuted output: no [T,K,H] copy) and whose backward calls the fast permute, dgrad/wgrad, activation-bwd
-and combine_gather kernels. With an RDEP Exchange the experts are sharded over ranks and the routed half
+_Routed, which runs permute's routing (slot, offs; bf16 experts copy no rows: the up projection gathers x's
+rows as it loads) -> up (+act) -> down -> combine_gather (each slot's row read in place from the permuted
+output: no [T,K,H] copy) and whose backward calls the fast permute, dgrad/wgrad, activation-bwd and
+combine_gather kernels. With an RDEP Exchange the experts are sharded over ranks and the routed half
 is nmoe.fast.rdep.ep.ep_routed (rows travel to their expert's rank and back).
 
 Saved for the backward, per token (K slots, up width N = 2I swiglu or I relu2, E experts):
@@ -159,9 +160,13 @@ class _Routed(torch.autograd.Function):
                 ids: Tensor, cfg: ModelConfig) -> Tensor:
         t, k = ids.shape
         e, align = cfg.n_routed_experts, cfg.permute_align
-        p = permute(x, ids, e, align)
+        if cfg.expert_dtype == "bf16":
+            p = permute(x.new_empty(t, 0), ids, e, align)
+            a, h = sm90.grouped_gemm_act_gathered(x, p.slot, k, w_up, p.offs, cfg.activation)
+        else:
+            p = permute(x, ids, e, align)
+            a, h = _up(p.xp, w_up, p.offs, cfg.activation, cfg.expert_dtype)
         offs, slot = p.offs, p.slot
-        a, h = _up(p.xp, w_up, offs, cfg.activation, cfg.expert_dtype)
         del p
         yp = _gemm(a, w2, offs, cfg.expert_dtype)
         del a
