@@ -134,3 +134,69 @@ def test_sep_gemm_fast_gather_k_tail_unmasked() -> None:
     even = (slot >= 0) & ((slot // k) % 2 == 0)
     assert torch.isfinite(want[even].float()).all(), "the TMA path keeps the even tokens' rows finite"
     assert torch.equal(got[even].view(torch.int16), want[even].view(torch.int16))
+
+
+def _wgrad_pair(t: int, k: int, hid: int, n: int, e: int, x: Tensor, routing: str = "uniform",
+                align: int = 128) -> tuple[Tensor, Tensor, Tensor]:
+    """(slot, gathered dw, dw on permute's copy) for x with a random dy (pad rows too) on the GPU."""
+    g = torch.Generator().manual_seed(1)
+    p = permute(x, _ids(t, k, e, routing, g).cuda(), e, align)
+    dy = torch.randn(p.xp.shape[0], n, generator=g).to(torch.bfloat16).cuda()
+    want = sm90.grouped_gemm_wgrad(dy, p.xp, p.offs)
+    got = sm90.grouped_gemm_wgrad_gathered(dy, x, p.slot, k, p.offs)
+    torch.cuda.synchronize()
+    return p.slot, got, want
+
+
+@gpu
+@pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}K{c[1]}H{c[2]}N{c[3]}E{c[4]}" for c in CASES])
+def test_gathered_wgrad_equals_the_wgrad_on_permutes_copy(
+        case: tuple[int, int, int, int, int, int, str, str]) -> None:
+    t, k, hid, n, e, align, _, routing = case
+    x = torch.randn(t, hid, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16).cuda()
+    _, got, want = _wgrad_pair(t, k, hid, n, e, x, routing, align)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "dw differs from the TMA path"
+
+
+@gpu
+def test_sep_gemm_fast_wgrad_gather_row_off_by_one() -> None:
+    t, k = 64, 2
+    x = torch.randn(t, 256).to(torch.bfloat16).cuda()
+    slot, got, want = _wgrad_pair(t, k, 256, 256, 4, x)
+    real = slot[slot >= 0]
+    shifted = real[(real % k) == k - 1]
+    assert shifted.numel() > 0 and not torch.equal(x[shifted // k], x[(shifted + 1) // k]), (
+        "some row's slot + 1 names another token, whose row differs")
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@gpu
+def test_sep_gemm_fast_wgrad_gather_unswizzled() -> None:
+    t, k = 64, 2
+    x = torch.randn(t, 256).to(torch.bfloat16).cuda()
+    chunks = x.view(t, -1, 8)
+    assert not torch.equal(chunks[:, 0], chunks[:, 1]), "a row's 16-byte chunks differ"
+    _, got, want = _wgrad_pair(t, k, 256, 256, 4, x)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@gpu
+def test_sep_gemm_fast_wgrad_gather_pad_rows_read() -> None:
+    """Pad rows carry dy values here: read as token 0's row instead of zeros they add dy_pad^T x_0."""
+    t, k = 40, 3
+    x = torch.randn(t, 256).to(torch.bfloat16).cuda()
+    slot, got, want = _wgrad_pair(t, k, 256, 256, 4, x)
+    assert int((slot < 0).sum()) > 0 and bool(x[0].abs().sum() > 0), "pad rows exist and token 0 is nonzero"
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_gathered_wgrad_refuses_bad_arguments() -> None:
+    dy = torch.zeros(256, 128, dtype=torch.bfloat16)
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    offs = torch.tensor([128, 256], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"int64 slot \[R\]"):
+        sm90.grouped_gemm_wgrad_gathered(dy, x, torch.zeros(256, dtype=torch.int32), 2, offs)
+    with pytest.raises(ValueError, match=r"int64 slot \[R\]"):
+        sm90.grouped_gemm_wgrad_gathered(dy, x, torch.zeros(255, dtype=torch.int64), 2, offs)
+    with pytest.raises(ValueError, match="top_k=0"):
+        sm90.grouped_gemm_wgrad_gathered(dy, x, torch.zeros(256, dtype=torch.int64), 0, offs)

@@ -29,11 +29,18 @@ def _act_h(x: Tensor, w: Tensor, offs: Tensor, activation: str) -> tuple[Tensor,
     return rg.grouped_gemm_act(x, w, offs, activation), rg.grouped_gemm(x, w, offs)
 
 
+def _gathered_rows(x: Tensor, slot: Tensor, top_k: int) -> Tensor:
+    return torch.where(slot[:, None] >= 0, x[slot.clamp(min=0) // top_k], torch.zeros_like(x[:1]))
+
+
+def _wgrad_gathered(dy: Tensor, x: Tensor, slot: Tensor, top_k: int, offs: Tensor) -> Tensor:
+    return rg.grouped_gemm_wgrad(dy, _gathered_rows(x, slot, top_k), offs)
+
+
 def _act_gathered(x: Tensor, slot: Tensor, top_k: int, w: Tensor, offs: Tensor,
                   activation: str) -> tuple[Tensor, Tensor]:
-    """The gathered kernel's definition: permute's rows (x[slot // top_k], zero where slot = -1), then _act_h."""
-    rows = torch.where(slot[:, None] >= 0, x[slot.clamp(min=0) // top_k], torch.zeros_like(x[:1]))
-    return _act_h(rows, w, offs, activation)
+    """The gathered kernel's definition: permute's rows (x[slot // top_k], zero where slot = -1), _act_h."""
+    return _act_h(_gathered_rows(x, slot, top_k), w, offs, activation)
 
 
 @pytest.fixture
@@ -52,6 +59,7 @@ def spec_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(fm, name, fn)
     monkeypatch.setattr(sm90, "grouped_gemm_act_h", _act_h)
     monkeypatch.setattr(sm90, "grouped_gemm_act_gathered", _act_gathered)
+    monkeypatch.setattr(sm90, "grouped_gemm_wgrad_gathered", _wgrad_gathered)
 
 
 def _case(activation: str, shared: int, dtype: str, score: str, seed: int,
@@ -173,7 +181,7 @@ def test_sep_moe_fast_weight_wrong_slot(spec_kernels: None) -> None:
 
 
 def test_sep_moe_fast_gather_off_by_one(spec_kernels: None) -> None:
-    """The backward re-gathers x for the up wgrad; a neighbouring token's row differs everywhere."""
+    """The up wgrad gathers x's rows by slot; a neighbouring token's row differs everywhere."""
     x, _, _ = _case(*SWIGLU_SHARED, 3)
     assert bool((x.detach() != x.detach().roll(1, 0)).any(-1).all())
     got, _, _ = _run(fm.moe_layer, SWIGLU_SHARED)
@@ -225,6 +233,7 @@ def test_frozen_inputs_get_no_grad_and_skip_their_gemms(spec_kernels: None, monk
         return run
 
     monkeypatch.setattr(fm, "grouped_gemm_wgrad", counted("wgrad", rg.grouped_gemm_wgrad))
+    monkeypatch.setattr(sm90, "grouped_gemm_wgrad_gathered", counted("wgrad", _wgrad_gathered))
     monkeypatch.setattr(fm, "grouped_gemm_dgrad", counted("dgrad", rg.grouped_gemm_dgrad))
     dout = torch.randn(T, DIMS["bf16"][0], generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     runs = []

@@ -71,4 +71,26 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the last K box's columns past K are read from the next token's row instead of zeros",
         GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
+    sep_mutation(
+        "gemm.fast_wgrad_gather_row_off_by_one", WGRAD,
+        "                        g = x_addr + (s // Int64(top_k) * Int64(k) + Int64(col)) * Int64(2)",
+        "                        g = x_addr + ((s + Int64(1)) // Int64(top_k) * Int64(k) + Int64(col))"
+        " * Int64(2)",
+        "the gathered wgrad reads the row of slot + 1's token", GATHER_TESTS, ("moe_layer",), device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_wgrad_gather_unswizzled", WGRAD,
+        "                s_byte = _swizzled(b_outer((c, rr, state.index)) * 2)",
+        "                s_byte = b_outer((c, rr, state.index)) * 2",
+        "gathered x^T chunks written without the 128-byte swizzle", GATHER_TESTS, ("moe_layer",),
+        device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_wgrad_gather_pad_rows_read", WGRAD,
+        "                    s = m_slot[row]\n",
+        "                    s = dsl_max(m_slot[row], Int64(0))\n",
+        "pad rows (slot -1) read token 0's row instead of the zero chunk", GATHER_TESTS, ("moe_layer",),
+        device="gpu",
+    ),
 )
+

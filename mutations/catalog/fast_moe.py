@@ -30,9 +30,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "moe.fast_gather_off_by_one", FILE,
-        "dw_up = grouped_gemm_wgrad(dh, permute(x, ids, e, align).xp, offs)",
-        "dw_up = grouped_gemm_wgrad(dh, permute(x.roll(1, 0), ids, e, align).xp, offs)",
-        "the backward's re-gather of x reads the previous token's row", TESTS, ("moe_layer",),
+        "dw_up = sm90.grouped_gemm_wgrad_gathered(dh, x, slot, k, offs)",
+        "dw_up = sm90.grouped_gemm_wgrad_gathered(dh, x.roll(1, 0), slot, k, offs)",
+        "the up wgrad's gather of x reads the previous token's row", TESTS, ("moe_layer",),
     ),
     sep_mutation(
         "moe.fast_topk_grad_unnormalised", FILE,

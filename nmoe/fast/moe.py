@@ -8,8 +8,9 @@ combine_gather kernels. With an RDEP Exchange the experts are sharded over ranks
 is nmoe.fast.rdep.ep.ep_routed (rows travel to their expert's rank and back).
 
 Saved for the backward, per token (K slots, up width N = 2I swiglu or I relu2, E experts):
-  x (the layer input, already alive)      0 extra: xp = permute(x) is recomputed, a gather is cheaper than
-                                            keeping K copies of each row (2KH bytes)
+  x (the layer input, already alive)      0 extra: the up projection and its wgrad read x's rows by index
+                                            (no permuted copy in the forward or the backward, 2KH bytes
+                                            per token each); dx is reduced before dw_up is allocated
   h [slots, N] bf16                        2KN bytes: the up-projection output; a = act(h) is recomputed
                                             (elementwise), redoing the up GEMM would cost a third of the fwd;
                                             the backward drops h once dh exists, before the up wgrad/dgrad
@@ -219,13 +220,13 @@ class _Routed(torch.autograd.Function):
             assert dz is not None
             dh = act_bwd(_row_scale(dz, wrow), h)
             del dz, h
-            if need_up:
-                dw_up = grouped_gemm_wgrad(dh, permute(x, ids, e, align).xp, offs)
             if need_x:
                 dxp = grouped_gemm_dgrad(dh, w_up, offs)
-                del dh
                 ones = torch.ones(t, k, dtype=torch.float32, device=dout.device)
                 dx = combine_gather(dxp, row_of, ones, 1.0, None)
+                del dxp
+            if need_up:
+                dw_up = sm90.grouped_gemm_wgrad_gathered(dh, x, slot, k, offs)
         return dx, dw_up, dw2, dweights, dout if ctx.has_shared else None, None, None
 
 

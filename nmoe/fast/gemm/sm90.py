@@ -36,6 +36,9 @@ GATHER = Kernel(_FWD_MODULE, "grouped_gemm_gather",
                 "nmoe.fast.gemm.grouped_gemm_act_gathered")
 WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad",
                lambda km, n, k, bn: km.compile_args(n, k, bn), (ARCH,), "nmoe.fast.gemm.grouped_gemm_wgrad")
+WGRAD_GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad_gather",
+                      lambda km, n, k, bn: km.compile_args_gather(n, k, bn), (ARCH,),
+                      "nmoe.fast.gemm.grouped_gemm_wgrad_gathered")
 
 
 def pick_bn(n: int) -> int:
@@ -364,6 +367,48 @@ def grouped_gemm_act_gathered(x: Tensor, slot: Tensor, top_k: int, w: Tensor, of
     return out
 
 
+def _wgrad_gathered_impl(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_k: int) -> Tensor:
+    op = "grouped_gemm_wgrad_gathered"
+    check_bf16(op, dy=dy, x=x)
+    shapes_ok = dy.dim() == 2 and x.dim() == 2 and slot.shape == (dy.shape[0],)
+    if not shapes_ok or slot.dtype != torch.int64 or top_k < 1:
+        raise ValueError(f"{op}: need dy [R, N], x [T, K], int64 slot [R] (permute's, -1 on pad rows) and "
+                         f"top_k >= 1, got {tuple(dy.shape)}, {tuple(x.shape)}, {slot.dtype} "
+                         f"{tuple(slot.shape)}, top_k={top_k}")
+    check_routing(op, offs, None, dy.shape[0])
+    check_aligned(op, "dy and x widths", ("N", dy.shape[1], GEMM_ALIGN), ("K", x.shape[1], GEMM_ALIGN))
+    device, arch = runtime.device_arch(dy, x, slot, offs)
+    require(op, arch, ARCH)
+    dy, x = tma_aligned(op, "dy", dy), tma_aligned(op, "x", x)
+    m, n, k, e = dy.shape[0], dy.shape[1], x.shape[1], offs.shape[0]
+    dw = torch.empty(e, n, k, dtype=torch.bfloat16, device=dy.device)
+    if e * n * k == 0:
+        return dw
+    if m == 0:
+        return dw.zero_()
+    check_offs_on_host(op, offs, m)
+    bn = pick_bn(k)
+    n_ctas = min(runtime.sm_count(device), e * -(-n // GEMM_BM) * -(-k // bn))
+    launch = WGRAD_GATHER.launcher(arch, n=n, k=k, bn=bn)
+    zero = _zero_chunk(x.device).data_ptr()
+    launch(device, dy.data_ptr(), x.data_ptr(), zero, slot.contiguous().data_ptr(), dw.data_ptr(),
+           offs.contiguous().data_ptr(), top_k, m, e, n_ctas)
+    return dw
+
+
+def _wgrad_gathered_fake(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_k: int) -> Tensor:
+    return dy.new_empty(offs.shape[0], dy.shape[1], x.shape[1])
+
+
+_wgrad_gathered_op = fast_op("grouped_gemm_wgrad_gathered", _wgrad_gathered_impl, _wgrad_gathered_fake)
+
+
+def grouped_gemm_wgrad_gathered(dy: Tensor, x: Tensor, slot: Tensor, top_k: int, offs: Tensor) -> Tensor:
+    """dw[e] = dy[rows of e]^T @ x[slot[rows of e] // top_k] (zero rows where slot = -1): the up
+    projection's weight gradient straight from the token rows, without permute's [R, K] copy of x."""
+    return _wgrad_gathered_op(dy, x, slot, offs, top_k)
+
+
 def grouped_gemm_dgrad(dy: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     """dx[rows of e] = dy[rows of e] @ w[e] in fp32, rounded once to bf16; rows past offs[-1] are zero."""
     return _dgrad_op(dy, w, offs)
@@ -407,6 +452,15 @@ def _gather_spec(name: str, n: int, k: int, activation: str) -> KernelSpec:
                       expect={"sm_90a": _EXPECT_GATHER}, forbid={"sm_90a": _FORBID_EPILOGUE})
 
 
+_EXPECT_WGRAD_GATHER = (*_EXPECT_WGRAD, *_EXPECT_GATHER[len(_EXPECT_EPILOGUE):])
+
+
+def _wgrad_gather_spec(name: str, n: int, k: int) -> KernelSpec:
+    return KernelSpec(op="grouped_gemm_wgrad", name=name,
+                      compile=WGRAD_GATHER.compiler(n=n, k=k, bn=pick_bn(k)),
+                      expect={"sm_90a": _EXPECT_WGRAD_GATHER}, forbid={"sm_90a": _FORBID_SM90})
+
+
 def _spec(name: str, n: int, k: int, bn: int, w_k_major: bool | None, activation: str = "none") -> KernelSpec:
     expect = _EXPECT_WGRAD if w_k_major is None else _EXPECT_SM90
     fused = activation != "none"
@@ -439,4 +493,6 @@ KERNELS: tuple[KernelSpec, ...] = (
     _spec("grouped_gemm_act_relu2_n256", 4096, 1024, 256, True, "relu2"),
     _gather_spec("grouped_gemm_act_gathered_swiglu_n256", 2048, 4096, "swiglu"),
     _gather_spec("grouped_gemm_act_gathered_relu2_n128", 1152, 2048, "relu2"),
+    _wgrad_gather_spec("grouped_gemm_wgrad_gathered_n256", 2048, 4096),
+    _wgrad_gather_spec("grouped_gemm_wgrad_gathered_n128", 1024, 1152),
 )

@@ -301,11 +301,12 @@ def mma_fragments(tiled_mma: cute.TiledMma, s_a: cute.Tensor, s_b: cute.Tensor, 
 @cute.jit
 def cta_setup(m_offs: cute.Tensor, n_groups: Int32, ab_dtype: Constexpr[Any], a_layout: cute.ComposedLayout,
               b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout, stages: Constexpr[int],
-              a_by_tma: Constexpr[bool] = True,
+              by_tma: Constexpr[str] = "ab",
               ) -> tuple[cute.Tensor, cute.Tensor, cute.Tensor, cute.Tensor, pipeline.PipelineTmaAsync]:
     """A grouped-GEMM CTA's shared memory (mbarriers, offs table, operand ring, output staging) and the TMA
-    pipeline whose init ends in a CTA-wide barrier, which also publishes the offs table. Without a_by_tma a
-    stage is full once B's TMA bytes landed and each of the WG_THREADS gathering threads arrived."""
+    pipeline whose init ends in a CTA-wide barrier, which also publishes the offs table. by_tma names the
+    operands TMA loads; with one of them gathered, a stage is full once the other's TMA bytes landed and
+    each of the WG_THREADS gathering threads arrived."""
     tidx, _, _ = cute.arch.thread_idx()
     smem = SmemAllocator()
     barriers = smem.allocate_array(Int64, stages * 2, byte_alignment=8)
@@ -316,12 +317,12 @@ def cta_setup(m_offs: cute.Tensor, n_groups: Int32, ab_dtype: Constexpr[Any], a_
     for i in range(tidx, n_groups, THREADS):
         s_offs[i] = m_offs[i]
     a_bytes = cute.size_in_bytes(ab_dtype, cute.slice_(a_layout, (None, None, 0)))
-    tx_bytes = (a_bytes if const_expr(a_by_tma) else 0) + cute.size_in_bytes(
-        ab_dtype, cute.slice_(b_layout, (None, None, 0)))
+    b_bytes = cute.size_in_bytes(ab_dtype, cute.slice_(b_layout, (None, None, 0)))
+    tx_bytes = (a_bytes if const_expr("a" in by_tma) else 0) + (b_bytes if const_expr("b" in by_tma) else 0)
     mainloop = pipeline.PipelineTmaAsync.create(
         barrier_storage=barriers,
         num_stages=stages,
-        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 if const_expr(a_by_tma)
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 if const_expr(by_tma == "ab")
                                                  else 1 + WG_THREADS),
         consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_WGS * 4),
         tx_count=tx_bytes,
@@ -605,7 +606,7 @@ def grouped_gemm_gather_kernel(
 ) -> None:
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_b, tma_atom_d))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
-                                                stages, False)
+                                                stages, "b")
     n_tiles_n = (n + bn - 1) // bn
     k_tiles = n_k_tiles(k)
     e, g_start, g_end, before, here, t = cursor_start(bidx)

@@ -4,14 +4,14 @@ Import only after nmoe.fast.runtime.import_cutlass("sm_90a")."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int32
-from cutlass.base_dsl.ast_helpers import range_constexpr
+from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.runtime import make_ptr
@@ -75,6 +75,91 @@ def _mask_tail(s_a: cute.Tensor, s_b: cute.Tensor, stage: Int32, valid: Int32, b
         bar.arrive_and_wait()
 
 
+@cute.jit
+def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma, s_a: cute.Tensor,
+                  s_b: cute.Tensor, s_d: cute.Tensor, s_offs: cute.Tensor, m_d: cute.Tensor, m_rows: Int32,
+                  tidx: Int32, warp_idx: Int32, bidx: Int32, n_ctas: Int32, total: Int32,
+                  tiles_per_group: Int32, tiles_n: Int32, n: Constexpr[int], k: Constexpr[int],
+                  bn: Constexpr[int],
+                  stages: Constexpr[int], thread_written_b: Constexpr[bool]) -> None:
+    """The two consumer warpgroups of the wgrad: masked K boxes into wgmma, then the output tile through
+    shared memory. thread_written_b: B arrived by cp.async, fenced before the tensor cores read it."""
+    cute.arch.setmaxregister_increase(CONSUMER_REGS)
+    ctid = tidx - WG_THREADS
+    t_ra, t_rb, acc_shape = mma_fragments(tiled_mma, s_a, s_b, warp_idx, bn)
+    acc = cute.make_rmem_tensor(acc_shape, Float32)
+
+    stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16)
+    r2s = cute.make_tiled_copy_S(stmatrix, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
+    thr_r2s = r2s.get_slice(ctid)
+    t_rs_d = thr_r2s.partition_D(s_d)
+    t_rs_acc = r2s.retile(acc)
+    d_shape = thr_r2s.partition_S(s_d).shape
+    r_f = cute.make_rmem_tensor(d_shape, Float32)
+    r_d = cute.make_rmem_tensor(d_shape, BFloat16)
+
+    chunks_n = bn // VEC
+    s2g_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+    s2g = cute.make_tiled_copy_tv(
+        s2g_atom,
+        cute.make_layout((CONSUMER_THREADS // chunks_n, chunks_n), stride=(chunks_n, 1)),
+        cute.make_layout((1, VEC)),
+    )
+    thr_s2g = s2g.get_slice(ctid)
+    t_s_sd = thr_s2g.partition_S(s_d)
+    t_s_cd = thr_s2g.partition_D(cute.make_identity_tensor((BM, bn)))
+    epi_bar = pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID, num_threads=CONSUMER_THREADS)
+    mask_bar = pipeline.NamedBarrier(barrier_id=MASK_BARRIER_ID, num_threads=CONSUMER_THREADS)
+
+    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+    read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+    release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+    for t in range(bidx, total, n_ctas):
+        e = t // tiles_per_group
+        local = t - e * tiles_per_group
+        m_tile = local // tiles_n
+        n_tile = local - m_tile * tiles_n
+        start, end = _group_rows(s_offs, e, m_rows)
+        k_tiles = (end - start + BK - 1) // BK
+        acc.fill(0.0)
+        if k_tiles > 0:
+            mainloop.consumer_wait(read)
+            if const_expr(thread_written_b):
+                cute.arch.fence_proxy("async.shared", space="cta")
+            _mask_tail(s_a, s_b, read.index, end - start, bn, ctid, mask_bar)
+            _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
+            read.advance()
+            for kt in range(1, k_tiles):
+                mainloop.consumer_wait(read)
+                if const_expr(thread_written_b):
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                _mask_tail(s_a, s_b, read.index, end - start - kt * BK, bn, ctid, mask_bar)
+                _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
+                warpgroup.wait_group(1)
+                mainloop.consumer_release(release)
+                release.advance()
+                read.advance()
+            warpgroup.wait_group(0)
+            mainloop.consumer_release(release)
+            release.advance()
+
+        epi_bar.arrive_and_wait()
+        for v in range_constexpr(cute.size(r_f)):
+            r_f[v] = t_rs_acc[v]
+        r_d.store(r_f.load().to(BFloat16))
+        cute.copy(r2s, r_d, t_rs_d)
+        epi_bar.arrive_and_wait()
+        rows_valid = n - m_tile * BM
+        cols_valid = k - n_tile * bn
+        g_d = cute.local_tile(m_d[(None, None, e)], (BM, bn), (m_tile, n_tile))
+        t_s_gd = thr_s2g.partition_D(g_d)
+        for i in range_constexpr(cute.size(t_s_sd, mode=[1])):
+            for j in range_constexpr(cute.size(t_s_sd, mode=[2])):
+                coord = t_s_cd[(0, i, j)]
+                if coord[0] < rows_valid and coord[1] < cols_valid:
+                    cute.copy(s2g_atom, t_s_sd[(None, i, j)], t_s_gd[(None, i, j)])
+
+
 @cute.kernel
 def grouped_wgrad_kernel(
     tma_atom_a: cute.CopyAtom, m_a: cute.Tensor, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
@@ -119,76 +204,8 @@ def grouped_wgrad_kernel(
                     state.advance()
             mainloop.producer_tail(state)
     else:
-        cute.arch.setmaxregister_increase(CONSUMER_REGS)
-        ctid = tidx - WG_THREADS
-        t_ra, t_rb, acc_shape = mma_fragments(tiled_mma, s_a, s_b, warp_idx, bn)
-        acc = cute.make_rmem_tensor(acc_shape, Float32)
-
-        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16)
-        r2s = cute.make_tiled_copy_S(stmatrix, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
-        thr_r2s = r2s.get_slice(ctid)
-        t_rs_d = thr_r2s.partition_D(s_d)
-        t_rs_acc = r2s.retile(acc)
-        d_shape = thr_r2s.partition_S(s_d).shape
-        r_f = cute.make_rmem_tensor(d_shape, Float32)
-        r_d = cute.make_rmem_tensor(d_shape, BFloat16)
-
-        chunks_n = bn // VEC
-        s2g_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
-        s2g = cute.make_tiled_copy_tv(
-            s2g_atom,
-            cute.make_layout((CONSUMER_THREADS // chunks_n, chunks_n), stride=(chunks_n, 1)),
-            cute.make_layout((1, VEC)),
-        )
-        thr_s2g = s2g.get_slice(ctid)
-        t_s_sd = thr_s2g.partition_S(s_d)
-        t_s_cd = thr_s2g.partition_D(cute.make_identity_tensor((BM, bn)))
-        epi_bar = pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID, num_threads=CONSUMER_THREADS)
-        mask_bar = pipeline.NamedBarrier(barrier_id=MASK_BARRIER_ID, num_threads=CONSUMER_THREADS)
-
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-        for t in range(bidx, total, n_ctas):
-            e = t // tiles_per_group
-            local = t - e * tiles_per_group
-            m_tile = local // tiles_n
-            n_tile = local - m_tile * tiles_n
-            start, end = _group_rows(s_offs, e, m_rows)
-            k_tiles = (end - start + BK - 1) // BK
-            acc.fill(0.0)
-            if k_tiles > 0:
-                mainloop.consumer_wait(read)
-                _mask_tail(s_a, s_b, read.index, end - start, bn, ctid, mask_bar)
-                _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
-                read.advance()
-                for kt in range(1, k_tiles):
-                    mainloop.consumer_wait(read)
-                    _mask_tail(s_a, s_b, read.index, end - start - kt * BK, bn, ctid, mask_bar)
-                    _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
-                    warpgroup.wait_group(1)
-                    mainloop.consumer_release(release)
-                    release.advance()
-                    read.advance()
-                warpgroup.wait_group(0)
-                mainloop.consumer_release(release)
-                release.advance()
-
-            epi_bar.arrive_and_wait()
-            for v in range_constexpr(cute.size(r_f)):
-                r_f[v] = t_rs_acc[v]
-            r_d.store(r_f.load().to(BFloat16))
-            cute.copy(r2s, r_d, t_rs_d)
-            epi_bar.arrive_and_wait()
-            rows_valid = n - m_tile * BM
-            cols_valid = k - n_tile * bn
-            g_d = cute.local_tile(m_d[(None, None, e)], (BM, bn), (m_tile, n_tile))
-            t_s_gd = thr_s2g.partition_D(g_d)
-            for i in range_constexpr(cute.size(t_s_sd, mode=[1])):
-                for j in range_constexpr(cute.size(t_s_sd, mode=[2])):
-                    coord = t_s_cd[(0, i, j)]
-                    if coord[0] < rows_valid and coord[1] < cols_valid:
-                        cute.copy(s2g_atom, t_s_sd[(None, i, j)], t_s_gd[(None, i, j)])
+        consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, m_d, m_rows, tidx, warp_idx, bidx, n_ctas,
+                      total, tiles_per_group, tiles_n, n, k, bn, stages, False)
 
 
 @cute.jit
@@ -223,6 +240,123 @@ def grouped_wgrad_host(
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
 
 
+@cute.jit
+def _swizzled(byte: Int32) -> Int32:
+    """128-byte swizzle of a byte offset from a 1024-byte aligned base: 16-byte chunk ^= 128-byte row % 8."""
+    out: Int32 = byte ^ (((byte >> 7) & 7) << 4)
+    return out
+
+
+@cute.jit
+def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom_a: cute.CopyAtom, m_a: cute.Tensor,
+                           m_slot: cute.Tensor, x_addr: Int64, zero_addr: Int64, top_k: Int32,
+                           s_a: cute.Tensor, s_b: cute.Tensor, b_outer: cute.Layout, s_offs: cute.Tensor,
+                           m_rows: Int32, bidx: Int32, n_ctas: Int32, total: Int32, tiles_per_group: Int32,
+                           tiles_n: Int32, warp_idx: Int32, ptid: Int32, k: Constexpr[int],
+                           bn: Constexpr[int], stages: Constexpr[int]) -> None:
+    """The producer warpgroup with B = x's rows gathered: warp 0 arms each stage and TMA-loads dy's box; every
+    thread copies its 16-byte chunks of the bn x BK box of x^T (row p of the group reads token
+    slot[p] // top_k; pad rows, rows past the group and columns past K read a zero chunk) with cp.async."""
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), BFloat16,
+                               num_bits_per_copy=128)
+    s_a_flat = cute.group_modes(s_a, 0, 2)
+    b_base = cast(Pointer, s_b.iterator).toint()
+    per_row = bn // VEC
+    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+    for t in range(bidx, total, n_ctas):
+        e = t // tiles_per_group
+        local = t - e * tiles_per_group
+        m_tile = local // tiles_n
+        n_tile = local - m_tile * tiles_n
+        start, end = _group_rows(s_offs, e, m_rows)
+        g_a = cute.local_tile(cute.domain_offset((0, start), m_a), (BM, BK), (m_tile, None))
+        t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1), s_a_flat,
+                                           cute.group_modes(g_a, 0, 2))
+        for kt in range((end - start + BK - 1) // BK):
+            if warp_idx == 0:
+                mainloop.producer_acquire(state)
+                cute.copy(tma_atom_a, t_ga[(None, kt)], t_sa[(None, state.index)],
+                          tma_bar_ptr=mainloop.producer_get_barrier(state))
+            else:
+                mainloop.sync_object_empty.wait(state.index, state.phase)
+            for i in range_constexpr(BK * per_row // WG_THREADS):
+                chunk = ptid + WG_THREADS * i
+                rr = chunk // per_row
+                c = (chunk - rr * per_row) * VEC
+                row = start + kt * BK + rr
+                col = n_tile * bn + c
+                g = zero_addr
+                if row < end and col < k:
+                    s = m_slot[row]
+                    if s >= Int64(0):
+                        g = x_addr + (s // Int64(top_k) * Int64(k) + Int64(col)) * Int64(2)
+                s_byte = _swizzled(b_outer((c, rr, state.index)) * 2)
+                cute.copy(atom, cute.make_tensor(cute.make_ptr(BFloat16, g, cute.AddressSpace.gmem,
+                                                               assumed_align=16), cute.make_layout(VEC)),
+                          cute.make_tensor(cute.make_ptr(BFloat16, b_base + s_byte, cute.AddressSpace.smem,
+                                                         assumed_align=16), cute.make_layout(VEC)))
+            cute.arch.cp_async_mbarrier_arrive_noinc(mainloop.producer_get_barrier(state))
+            state.advance()
+    if warp_idx == 0:
+        mainloop.producer_tail(state)
+
+
+@cute.kernel
+def grouped_wgrad_gather_kernel(
+    tma_atom_a: cute.CopyAtom, m_a: cute.Tensor, m_slot: cute.Tensor, x_addr: Int64, zero_addr: Int64,
+    top_k: Int32, m_d: cute.Tensor, m_offs: cute.Tensor, m_rows: Int32, n_groups: Int32,
+    tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
+    d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
+    stages: Constexpr[int],
+) -> None:
+    tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a,))
+    s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
+                                                stages, "a")
+    tiles_m = (n + BM - 1) // BM
+    tiles_n = (k + bn - 1) // bn
+    tiles_per_group = tiles_m * tiles_n
+    total = n_groups * tiles_per_group
+    if warp_idx < 4:
+        cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+        produce_wgrad_gathered(mainloop, tma_atom_a, m_a, m_slot, x_addr, zero_addr, top_k, s_a, s_b,
+                               b_layout.outer, s_offs, m_rows, bidx, n_ctas, total, tiles_per_group, tiles_n,
+                               warp_idx, tidx, k, bn, stages)
+    else:
+        consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, m_d, m_rows, tidx, warp_idx, bidx, n_ctas,
+                      total, tiles_per_group, tiles_n, n, k, bn, stages, True)
+
+
+@cute.jit
+def grouped_wgrad_gather_host(
+    pdy: Pointer, x_addr: Int64, zero_addr: Int64, pslot: Pointer, pdw: Pointer, poffs: Pointer,
+    top_k: Int32, m_rows: Int32, n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream, n: Constexpr[int],
+    k: Constexpr[int], bn: Constexpr[int],
+) -> None:
+    """dw[E, n, k]: per group dy[rows, n]^T @ x[slot[rows] // top_k, k] (zero rows where slot = -1): the
+    wgrad of the gathered up projection, without permute's copy of x."""
+    stages = stages_for(bn)
+    m_dyt = cute.make_tensor(pdy, cute.make_layout((n, m_rows), stride=(1, n)))
+    m_dw = cute.make_tensor(pdw, cute.make_layout((n, k, n_groups), stride=(k, 1, n * k)))
+    m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
+    m_slot = cute.make_tensor(pslot, cute.make_layout(m_rows))
+    mn_major = LayoutEnum.COL_MAJOR
+    tile = (BM, bn, BK)
+    tiled_mma = sm90_utils.make_trivial_tiled_mma(
+        BFloat16, BFloat16, mn_major.sm90_mma_major_mode(), mn_major.sm90_mma_major_mode(), Float32,
+        (CONSUMER_WGS, 1, 1), tiler_mn=(64, bn),
+    )
+    a_layout = sm90_utils.make_smem_layout_a(mn_major, tile, BFloat16, stages)
+    b_layout = sm90_utils.make_smem_layout_b(mn_major, tile, BFloat16, stages)
+    d_layout = cute.slice_(sm90_utils.make_smem_layout_epi(BFloat16, LayoutEnum.ROW_MAJOR, (BM, bn), 1),
+                           (None, None, 0))
+    tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensorTileG2SOp(), m_dyt, cute.slice_(a_layout, (None, None, 0)), (BM, BK))
+    grouped_wgrad_gather_kernel(
+        tma_atom_a, tma_a, m_slot, x_addr, zero_addr, top_k, m_dw, m_offs, m_rows, n_groups, tiled_mma,
+        a_layout, b_layout, d_layout, n, k, bn, stages,
+    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
+
+
 def pointer(dtype: Any, address: int, align: int = 16) -> Any:
     return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
 
@@ -230,3 +364,9 @@ def pointer(dtype: Any, address: int, align: int = 16) -> Any:
 def compile_args(n: int, k: int, bn: int) -> tuple[Any, tuple[Any, ...]]:
     ptrs = (pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(Int32, 0, 4))
     return grouped_wgrad_host, (*ptrs, Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k, bn)
+
+
+def compile_args_gather(n: int, k: int, bn: int) -> tuple[Any, tuple[Any, ...]]:
+    ptrs = (pointer(Int64, 0, 8), pointer(BFloat16, 0), pointer(Int32, 0, 4))
+    return grouped_wgrad_gather_host, (pointer(BFloat16, 0), Int64(0), Int64(0), *ptrs, Int32(0), Int32(0),
+                                       Int32(0), Int32(0), cuda.CUstream(0), n, k, bn)
