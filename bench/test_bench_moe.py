@@ -236,3 +236,50 @@ def test_bench_moe_layer(benchmark: Any, cfg: tuple[int, ...], routing: str, pas
 
     benchmark.pedantic(run, rounds=3, iterations=1, warmup_rounds=1)
     assert not check, check
+
+
+@pytest.mark.parametrize("pass_", ["fwd", "wgrad"])
+@pytest.mark.parametrize("cfg", LAYER_CONFIGS, ids=lambda c: "T{}_H{}_I{}_E{}_K{}".format(*c))
+def test_bench_moe_up_gathered(benchmark: Any, cfg: tuple[int, ...], pass_: str) -> None:
+    """The layer's up projection (fwd: h and act(h); wgrad: dw_up) reading x's rows by index, against
+    permute's [R, H] copy then the TMA kernel, same run: what the gather buys in time and peak memory.
+    FLOPs 2*R*2I*H over the padded rows R (pad rows are multiplied too)."""
+    from nmoe.fast.dispatch import permute
+    from nmoe.fast.gemm import sm90
+
+    t, h, i, e, k = cfg
+    _, p, x, _ = layer_inputs(cfg, "uniform", ALIGN)
+    assert p.w13 is not None
+    x, w = x.detach(), p.w13.detach()
+    ids = _ids(t, e, k)
+    route = permute(x[:, :0], ids, e, ALIGN)
+    rows = route.slot.shape[0]
+    dh = torch.randn(rows, 2 * i, device="cuda", dtype=torch.bfloat16)
+    if pass_ == "fwd":
+        def gathered() -> object:
+            return sm90.grouped_gemm_act_gathered(x, route.slot, k, w, route.offs, "swiglu")
+
+        def copied() -> object:
+            return sm90.grouped_gemm_act_h(permute(x, ids, e, ALIGN).xp, w, route.offs, "swiglu")
+    else:
+        def gathered() -> object:
+            return sm90.grouped_gemm_wgrad_gathered(dh, x, route.slot, k, route.offs)
+
+        def copied() -> object:
+            return sm90.grouped_gemm_wgrad(dh, permute(x, ids, e, ALIGN).xp, route.offs)
+    got, want = gathered(), copied()
+    outs = zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,),
+               strict=True)
+    check = "; ".join(m for a, b in outs if (m := mismatch(a, b)) is not None) or "ok"
+    del got, want
+    ms = replay_median_ms(capture(gathered))
+    base = baseline("permute copy + TMA kernel", copied)
+    row = record(f"moe_up_gathered_{pass_}", _shape((t, h, e, k), I=i, R=rows), ms,
+                 flops=2.0 * rows * 2 * i * h, baseline=("permute copy + TMA kernel", base["ms"]))
+    row.update(check=check, peak_extra_gb=peak_extra_bytes(gathered) / 2**30,
+               baseline_peak_extra_gb=peak_extra_bytes(copied) / 2**30)
+    benchmark.extra_info.update(row)
+    graph = capture(gathered)
+    benchmark.pedantic(lambda: (graph.replay(), torch.cuda.synchronize()), rounds=3, iterations=1,
+                       warmup_rounds=1)
+    assert check == "ok", f"moe_up_gathered_{pass_}: gathered and copied results differ ({check})"
