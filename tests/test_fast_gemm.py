@@ -185,7 +185,8 @@ def test_kernels_declare_sm90_only() -> None:
     assert fused == {f"grouped_gemm_act_{a}_n{bn}" for a in gemm.ACTIVATIONS for bn in GEMM_BN_CHOICES}
     gathered = {s.name for s in KERNELS if "gathered" in s.name}
     assert gathered == {"grouped_gemm_act_gathered_swiglu_n256", "grouped_gemm_act_gathered_relu2_n128",
-                        "grouped_gemm_wgrad_gathered_n256", "grouped_gemm_wgrad_gathered_n128"}
+                        "grouped_gemm_wgrad_gathered_x_n256", "grouped_gemm_wgrad_gathered_x_n128",
+                        "grouped_gemm_wgrad_gathered_dy_n128", "grouped_gemm_dgrad_gathered_n128"}
     for spec in KERNELS:
         assert set(spec.expect) == set(spec.forbid) == {"sm_90a"}
         assert any("wgmma" in rx for rx in spec.expect["sm_90a"])

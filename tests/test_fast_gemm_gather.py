@@ -190,6 +190,27 @@ def test_sep_gemm_fast_wgrad_gather_pad_rows_read() -> None:
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
+@gpu
+@pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}K{c[1]}H{c[2]}N{c[3]}E{c[4]}" for c in CASES])
+def test_gathered_dgrad_and_dy_side_wgrad_equal_the_kernels_on_permutes_copy(
+        case: tuple[int, int, int, int, int, int, str, str]) -> None:
+    """The down projection's backward from the token-major dout: dz = dout[slot // K] @ w2[e] and
+    dw2[e] = dout[slot // K]^T @ a, bit for bit those of permute's copy of dout."""
+    t, k, hid, inter, e, align, _, routing = case
+    g = torch.Generator().manual_seed(t + 5)
+    dout = torch.randn(t, hid, generator=g).to(torch.bfloat16).cuda()
+    w2 = (torch.randn(e, hid, inter, generator=g) / inter**0.5).to(torch.bfloat16).cuda()
+    p = permute(dout, _ids(t, k, e, routing, g).cuda(), e, align)
+    a = torch.randn(p.xp.shape[0], inter, generator=g).to(torch.bfloat16).cuda()
+    want_dz = sm90.grouped_gemm_dgrad(p.xp, w2, p.offs)
+    want_dw = sm90.grouped_gemm_wgrad(p.xp, a, p.offs)
+    got_dz = sm90.grouped_gemm_dgrad_gathered(dout, p.slot, k, w2, p.offs)
+    got_dw = sm90.grouped_gemm_wgrad_gathered(dout, a, p.slot, k, p.offs, side="dy")
+    torch.cuda.synchronize()
+    assert torch.equal(got_dz.view(torch.int16), want_dz.view(torch.int16)), "dz differs from the TMA path"
+    assert torch.equal(got_dw.view(torch.int16), want_dw.view(torch.int16)), "dw2 differs from the TMA path"
+
+
 def test_gathered_wgrad_refuses_bad_arguments() -> None:
     dy = torch.zeros(256, 128, dtype=torch.bfloat16)
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
@@ -200,3 +221,10 @@ def test_gathered_wgrad_refuses_bad_arguments() -> None:
         sm90.grouped_gemm_wgrad_gathered(dy, x, torch.zeros(255, dtype=torch.int64), 2, offs)
     with pytest.raises(ValueError, match="top_k=0"):
         sm90.grouped_gemm_wgrad_gathered(dy, x, torch.zeros(256, dtype=torch.int64), 0, offs)
+    with pytest.raises(ValueError, match="side 'both'"):
+        sm90.grouped_gemm_wgrad_gathered(dy, x, torch.zeros(256, dtype=torch.int64), 2, offs, side="both")
+    w = torch.zeros(2, 128, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"need dy \[T, N\] and w \[E, N, K\]"):
+        sm90.grouped_gemm_dgrad_gathered(x, torch.zeros(256, dtype=torch.int64), 2, w, offs)
+    with pytest.raises(ValueError, match=r"int64 slot \[R\]"):
+        sm90.grouped_gemm_dgrad_gathered(dy, torch.zeros(256, dtype=torch.int32), 2, w, offs)

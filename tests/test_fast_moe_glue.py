@@ -33,8 +33,14 @@ def _gathered_rows(x: Tensor, slot: Tensor, top_k: int) -> Tensor:
     return torch.where(slot[:, None] >= 0, x[slot.clamp(min=0) // top_k], torch.zeros_like(x[:1]))
 
 
-def _wgrad_gathered(dy: Tensor, x: Tensor, slot: Tensor, top_k: int, offs: Tensor) -> Tensor:
+def _wgrad_gathered(dy: Tensor, x: Tensor, slot: Tensor, top_k: int, offs: Tensor, side: str = "x") -> Tensor:
+    if side == "dy":
+        return rg.grouped_gemm_wgrad(_gathered_rows(dy, slot, top_k), x, offs)
     return rg.grouped_gemm_wgrad(dy, _gathered_rows(x, slot, top_k), offs)
+
+
+def _dgrad_gathered(dy: Tensor, slot: Tensor, top_k: int, w: Tensor, offs: Tensor) -> Tensor:
+    return rg.grouped_gemm_dgrad(_gathered_rows(dy, slot, top_k), w, offs)
 
 
 def _act_gathered(x: Tensor, slot: Tensor, top_k: int, w: Tensor, offs: Tensor,
@@ -60,6 +66,7 @@ def spec_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sm90, "grouped_gemm_act_h", _act_h)
     monkeypatch.setattr(sm90, "grouped_gemm_act_gathered", _act_gathered)
     monkeypatch.setattr(sm90, "grouped_gemm_wgrad_gathered", _wgrad_gathered)
+    monkeypatch.setattr(sm90, "grouped_gemm_dgrad_gathered", _dgrad_gathered)
 
 
 def _case(activation: str, shared: int, dtype: str, score: str, seed: int,
@@ -227,13 +234,14 @@ def test_frozen_inputs_get_no_grad_and_skip_their_gemms(spec_kernels: None, monk
     calls: list[str] = []
 
     def counted(name: str, fn: Any) -> Any:
-        def run(*args: Any) -> Any:
+        def run(*args: Any, **kw: Any) -> Any:
             calls.append(name)
-            return fn(*args)
+            return fn(*args, **kw)
         return run
 
     monkeypatch.setattr(fm, "grouped_gemm_wgrad", counted("wgrad", rg.grouped_gemm_wgrad))
     monkeypatch.setattr(sm90, "grouped_gemm_wgrad_gathered", counted("wgrad", _wgrad_gathered))
+    monkeypatch.setattr(sm90, "grouped_gemm_dgrad_gathered", counted("dgrad", _dgrad_gathered))
     monkeypatch.setattr(fm, "grouped_gemm_dgrad", counted("dgrad", rg.grouped_gemm_dgrad))
     dout = torch.randn(T, DIMS["bf16"][0], generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     runs = []

@@ -73,15 +73,15 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "gemm.fast_wgrad_gather_row_off_by_one", WGRAD,
-        "                        g = x_addr + (s // Int64(top_k) * Int64(k) + Int64(col)) * Int64(2)",
-        "                        g = x_addr + ((s + Int64(1)) // Int64(top_k) * Int64(k) + Int64(col))"
+        "                        g = src_addr + (s // Int64(top_k) * Int64(width) + Int64(col)) * Int64(2)",
+        "                        g = src_addr + ((s + Int64(1)) // Int64(top_k) * Int64(width) + Int64(col))"
         " * Int64(2)",
         "the gathered wgrad reads the row of slot + 1's token", GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
         "gemm.fast_wgrad_gather_unswizzled", WGRAD,
-        "                s_byte = _swizzled(b_outer((c, rr, state.index)) * 2)",
-        "                s_byte = b_outer((c, rr, state.index)) * 2",
+        "                s_byte = _swizzled(g_outer((c, rr, state.index)) * 2)",
+        "                s_byte = g_outer((c, rr, state.index)) * 2",
         "gathered x^T chunks written without the 128-byte swizzle", GATHER_TESTS, ("moe_layer",),
         device="gpu",
     ),

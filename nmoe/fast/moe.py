@@ -8,9 +8,10 @@ combine_gather kernels. With an RDEP Exchange the experts are sharded over ranks
 is nmoe.fast.rdep.ep.ep_routed (rows travel to their expert's rank and back).
 
 Saved for the backward, per token (K slots, up width N = 2I swiglu or I relu2, E experts):
-  x (the layer input, already alive)      0 extra: the up projection and its wgrad read x's rows by index
-                                            (no permuted copy in the forward or the backward, 2KH bytes
-                                            per token each); dx is reduced before dw_up is allocated
+  x (the layer input, already alive)      0 extra: the up projection and its wgrad read x's rows by index,
+                                            the down projection's dgrad and wgrad read dout's rows by index
+                                            (no permuted copy of x or dout, 2KH bytes per token each); dx
+                                            is reduced before dw_up is allocated
   h [slots, N] bf16                        2KN bytes: the up-projection output; a = act(h) is recomputed
                                             (elementwise), redoing the up GEMM would cost a third of the fwd;
                                             the backward drops h once dh exists, before the up wgrad/dgrad
@@ -198,13 +199,11 @@ class _Routed(torch.autograd.Function):
         need_h = need_x or need_up
         dot_w = need_w and not fp8_y
         t, k = ids.shape
-        e, align = cfg.n_routed_experts, cfg.permute_align
         act, act_bwd = _ACT[cfg.activation]
         dout = dout.contiguous()
         scale = float(torch.tensor(cfg.route_scale, dtype=torch.float32))
         a = act(h) if need_w2 or dot_w else None
-        gp = permute(dout, ids, e, align).xp if need_h or need_w2 or dot_w else None
-        dz = grouped_gemm_dgrad(gp, w2, offs) if gp is not None and (need_h or dot_w) else None
+        dz = sm90.grouped_gemm_dgrad_gathered(dout, slot, k, w2, offs) if need_h or dot_w else None
         dweights = dw2 = dw_up = dx = None
         if need_w and fp8_y:
             dweights = combine_bwd(dout, fp8_y[0], weights, cfg.route_scale)[1]
@@ -213,9 +212,9 @@ class _Routed(torch.autograd.Function):
             dweights = _to_slots(_row_dot(a, dz) * scale, slot, t, k)
         wrow = _slot_weights(weights, slot) * scale
         if need_w2:
-            assert a is not None and gp is not None
-            dw2 = grouped_gemm_wgrad(gp, _row_scale(a, wrow), offs)
-        del gp, a
+            assert a is not None
+            dw2 = sm90.grouped_gemm_wgrad_gathered(dout, _row_scale(a, wrow), slot, k, offs, side="dy")
+        del a
         if need_h:
             assert dz is not None
             dh = act_bwd(_row_scale(dz, wrow), h)

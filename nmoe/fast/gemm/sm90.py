@@ -32,12 +32,12 @@ FWD = Kernel(_FWD_MODULE, "grouped_gemm_fwd", lambda km, n, k, bn, act: km.compi
 DGRAD = Kernel(_FWD_MODULE, "grouped_gemm_dgrad", lambda km, n, k, bn: km.compile_args(n, k, bn, False),
                (ARCH,), "nmoe.fast.gemm.grouped_gemm_dgrad")
 GATHER = Kernel(_FWD_MODULE, "grouped_gemm_gather",
-                lambda km, n, k, bn, act: km.compile_args_gather(n, k, bn, act), (ARCH,),
-                "nmoe.fast.gemm.grouped_gemm_act_gathered")
+                lambda km, n, k, bn, act, w_k_major: km.compile_args_gather(n, k, bn, act, w_k_major),
+                (ARCH,), "nmoe.fast.gemm.grouped_gemm_act_gathered")
 WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad",
                lambda km, n, k, bn: km.compile_args(n, k, bn), (ARCH,), "nmoe.fast.gemm.grouped_gemm_wgrad")
 WGRAD_GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad_gather",
-                      lambda km, n, k, bn: km.compile_args_gather(n, k, bn), (ARCH,),
+                      lambda km, n, k, bn, side: km.compile_args_gather(n, k, bn, side), (ARCH,),
                       "nmoe.fast.gemm.grouped_gemm_wgrad_gathered")
 
 
@@ -343,7 +343,7 @@ def _gathered_impl(x: Tensor, slot: Tensor, w: Tensor, offs: Tensor, top_k: int,
     check_offs_on_host(op, offs, m)
     bn = pick_bn(n)
     n_ctas = min(runtime.sm_count(device), tile_upper_bound(m, n, w.shape[0], bn))
-    launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act=activation)
+    launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act=activation, w_k_major=True)
     launch(device, x.data_ptr(), _zero_chunk(x.device).data_ptr(), slot.contiguous().data_ptr(), w.data_ptr(),
            h.data_ptr(), a.data_ptr(), offs.contiguous().data_ptr(), top_k, m, w.shape[0], n_ctas)
     return a, h
@@ -367,20 +367,64 @@ def grouped_gemm_act_gathered(x: Tensor, slot: Tensor, top_k: int, w: Tensor, of
     return out
 
 
-def _wgrad_gathered_impl(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_k: int) -> Tensor:
+def _dgrad_gathered_impl(dy: Tensor, slot: Tensor, w: Tensor, offs: Tensor, top_k: int) -> Tensor:
+    op = "grouped_gemm_dgrad_gathered"
+    check_bf16(op, dy=dy, w=w)
+    if dy.dim() != 2 or w.dim() != 3 or dy.shape[1] != w.shape[1]:
+        raise ValueError(f"{op}: need dy [T, N] and w [E, N, K], got {tuple(dy.shape)} and {tuple(w.shape)}")
+    if slot.dtype != torch.int64 or slot.dim() != 1 or top_k < 1:
+        raise ValueError(f"{op}: need int64 slot [R] (permute's, -1 on pad rows) and top_k >= 1, got "
+                         f"{slot.dtype} {tuple(slot.shape)} and top_k={top_k}")
+    check_routing(op, offs, w.shape[0], slot.shape[0])
+    check_aligned(op, "w's", ("N", w.shape[1], GEMM_ALIGN), ("K", w.shape[2], GEMM_ALIGN))
+    device, arch = runtime.device_arch(dy, slot, w, offs)
+    require(op, arch, ARCH)
+    dy, w = tma_aligned(op, "dy", dy), tma_aligned(op, "w", w)
+    m, n, k = slot.shape[0], w.shape[2], w.shape[1]
+    dx = torch.empty(m, n, dtype=torch.bfloat16, device=dy.device)
+    if m == 0 or n == 0:
+        return dx
+    if k == 0 or w.shape[0] == 0:
+        return dx.zero_()
+    check_offs_on_host(op, offs, m)
+    bn = pick_bn(n)
+    n_ctas = min(runtime.sm_count(device), tile_upper_bound(m, n, w.shape[0], bn))
+    launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act="none", w_k_major=False)
+    zero = _zero_chunk(dy.device).data_ptr()
+    launch(device, dy.data_ptr(), zero, slot.contiguous().data_ptr(), w.data_ptr(), dx.data_ptr(),
+           dx.data_ptr(), offs.contiguous().data_ptr(), top_k, m, w.shape[0], n_ctas)
+    return dx
+
+
+def _dgrad_gathered_fake(dy: Tensor, slot: Tensor, w: Tensor, offs: Tensor, top_k: int) -> Tensor:
+    return dy.new_empty(slot.shape[0], w.shape[2])
+
+
+_dgrad_gathered_op = fast_op("grouped_gemm_dgrad_gathered", _dgrad_gathered_impl, _dgrad_gathered_fake)
+
+
+def grouped_gemm_dgrad_gathered(dy: Tensor, slot: Tensor, top_k: int, w: Tensor, offs: Tensor) -> Tensor:
+    """dx[p] = dy[slot[p] // top_k] @ w[e] for permuted row p of group e (zero rows where slot = -1): the
+    down projection's dgrad straight from the layer's token-major output gradient, without permuting it."""
+    return _dgrad_gathered_op(dy, slot, w, offs, top_k)
+
+
+def _wgrad_gathered_impl(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_k: int, side: str) -> Tensor:
     op = "grouped_gemm_wgrad_gathered"
     check_bf16(op, dy=dy, x=x)
-    shapes_ok = dy.dim() == 2 and x.dim() == 2 and slot.shape == (dy.shape[0],)
-    if not shapes_ok or slot.dtype != torch.int64 or top_k < 1:
-        raise ValueError(f"{op}: need dy [R, N], x [T, K], int64 slot [R] (permute's, -1 on pad rows) and "
-                         f"top_k >= 1, got {tuple(dy.shape)}, {tuple(x.shape)}, {slot.dtype} "
+    permuted = x if side == "dy" else dy
+    shapes_ok = dy.dim() == 2 and x.dim() == 2 and slot.shape == (permuted.shape[0],)
+    if side not in ("x", "dy") or not shapes_ok or slot.dtype != torch.int64 or top_k < 1:
+        raise ValueError(f"{op}: need dy [R, N] and x [T, K] (side 'x': x is token-major) or dy [T, N] and "
+                         "x [R, K] (side 'dy'), int64 slot [R] (permute's, -1 on pad rows) and top_k >= 1; "
+                         f"got side {side!r}, {tuple(dy.shape)}, {tuple(x.shape)}, {slot.dtype} "
                          f"{tuple(slot.shape)}, top_k={top_k}")
-    check_routing(op, offs, None, dy.shape[0])
+    check_routing(op, offs, None, slot.shape[0])
     check_aligned(op, "dy and x widths", ("N", dy.shape[1], GEMM_ALIGN), ("K", x.shape[1], GEMM_ALIGN))
     device, arch = runtime.device_arch(dy, x, slot, offs)
     require(op, arch, ARCH)
     dy, x = tma_aligned(op, "dy", dy), tma_aligned(op, "x", x)
-    m, n, k, e = dy.shape[0], dy.shape[1], x.shape[1], offs.shape[0]
+    m, n, k, e = slot.shape[0], dy.shape[1], x.shape[1], offs.shape[0]
     dw = torch.empty(e, n, k, dtype=torch.bfloat16, device=dy.device)
     if e * n * k == 0:
         return dw
@@ -389,24 +433,28 @@ def _wgrad_gathered_impl(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_
     check_offs_on_host(op, offs, m)
     bn = pick_bn(k)
     n_ctas = min(runtime.sm_count(device), e * -(-n // GEMM_BM) * -(-k // bn))
-    launch = WGRAD_GATHER.launcher(arch, n=n, k=k, bn=bn)
-    zero = _zero_chunk(x.device).data_ptr()
-    launch(device, dy.data_ptr(), x.data_ptr(), zero, slot.contiguous().data_ptr(), dw.data_ptr(),
-           offs.contiguous().data_ptr(), top_k, m, e, n_ctas)
+    kernel_side = "a" if side == "dy" else "b"
+    launch = WGRAD_GATHER.launcher(arch, n=n, k=k, bn=bn, side=kernel_side)
+    tma_side, token_major = (x, dy) if side == "dy" else (dy, x)
+    zero = _zero_chunk(dy.device).data_ptr()
+    launch(device, tma_side.data_ptr(), token_major.data_ptr(), zero, slot.contiguous().data_ptr(),
+           dw.data_ptr(), offs.contiguous().data_ptr(), top_k, m, e, n_ctas)
     return dw
 
 
-def _wgrad_gathered_fake(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_k: int) -> Tensor:
+def _wgrad_gathered_fake(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_k: int, side: str) -> Tensor:
     return dy.new_empty(offs.shape[0], dy.shape[1], x.shape[1])
 
 
 _wgrad_gathered_op = fast_op("grouped_gemm_wgrad_gathered", _wgrad_gathered_impl, _wgrad_gathered_fake)
 
 
-def grouped_gemm_wgrad_gathered(dy: Tensor, x: Tensor, slot: Tensor, top_k: int, offs: Tensor) -> Tensor:
-    """dw[e] = dy[rows of e]^T @ x[slot[rows of e] // top_k] (zero rows where slot = -1): the up
-    projection's weight gradient straight from the token rows, without permute's [R, K] copy of x."""
-    return _wgrad_gathered_op(dy, x, slot, offs, top_k)
+def grouped_gemm_wgrad_gathered(dy: Tensor, x: Tensor, slot: Tensor, top_k: int, offs: Tensor,
+                                side: str = "x") -> Tensor:
+    """dw[e] = dy[rows of e]^T @ x[rows of e] where the `side` operand ("x" or "dy") is token-major and read
+    through slot (row p is token slot[p] // top_k, zero where slot = -1): the MoE layer's weight gradients
+    without permute's [R, width] copies."""
+    return _wgrad_gathered_op(dy, x, slot, offs, top_k, side)
 
 
 def grouped_gemm_dgrad(dy: Tensor, w: Tensor, offs: Tensor) -> Tensor:
@@ -448,16 +496,23 @@ _EXPECT_GATHER = (*_EXPECT_EPILOGUE, r"\bcp\.async\.cg\.shared\.global\b",
 
 def _gather_spec(name: str, n: int, k: int, activation: str) -> KernelSpec:
     return KernelSpec(op="grouped_gemm_act", name=name,
-                      compile=GATHER.compiler(n=n, k=k, bn=pick_bn(n), act=activation),
+                      compile=GATHER.compiler(n=n, k=k, bn=pick_bn(n), act=activation, w_k_major=True),
                       expect={"sm_90a": _EXPECT_GATHER}, forbid={"sm_90a": _FORBID_EPILOGUE})
 
 
 _EXPECT_WGRAD_GATHER = (*_EXPECT_WGRAD, *_EXPECT_GATHER[len(_EXPECT_EPILOGUE):])
+_EXPECT_DGRAD_GATHER = (*_EXPECT_SM90, *_EXPECT_GATHER[len(_EXPECT_EPILOGUE):])
 
 
-def _wgrad_gather_spec(name: str, n: int, k: int) -> KernelSpec:
+def _dgrad_gather_spec(name: str, n: int, k: int) -> KernelSpec:
+    return KernelSpec(op="grouped_gemm_dgrad", name=name,
+                      compile=GATHER.compiler(n=n, k=k, bn=pick_bn(n), act="none", w_k_major=False),
+                      expect={"sm_90a": _EXPECT_DGRAD_GATHER}, forbid={"sm_90a": _FORBID_SM90})
+
+
+def _wgrad_gather_spec(name: str, n: int, k: int, side: str) -> KernelSpec:
     return KernelSpec(op="grouped_gemm_wgrad", name=name,
-                      compile=WGRAD_GATHER.compiler(n=n, k=k, bn=pick_bn(k)),
+                      compile=WGRAD_GATHER.compiler(n=n, k=k, bn=pick_bn(k), side=side),
                       expect={"sm_90a": _EXPECT_WGRAD_GATHER}, forbid={"sm_90a": _FORBID_SM90})
 
 
@@ -493,6 +548,8 @@ KERNELS: tuple[KernelSpec, ...] = (
     _spec("grouped_gemm_act_relu2_n256", 4096, 1024, 256, True, "relu2"),
     _gather_spec("grouped_gemm_act_gathered_swiglu_n256", 2048, 4096, "swiglu"),
     _gather_spec("grouped_gemm_act_gathered_relu2_n128", 1152, 2048, "relu2"),
-    _wgrad_gather_spec("grouped_gemm_wgrad_gathered_n256", 2048, 4096),
-    _wgrad_gather_spec("grouped_gemm_wgrad_gathered_n128", 1024, 1152),
+    _wgrad_gather_spec("grouped_gemm_wgrad_gathered_x_n256", 2048, 4096, "b"),
+    _wgrad_gather_spec("grouped_gemm_wgrad_gathered_x_n128", 1024, 1152, "b"),
+    _wgrad_gather_spec("grouped_gemm_wgrad_gathered_dy_n128", 4096, 1152, "a"),
+    _dgrad_gather_spec("grouped_gemm_dgrad_gathered_n128", 1024, 4096),
 )

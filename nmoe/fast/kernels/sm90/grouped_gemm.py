@@ -625,14 +625,18 @@ def grouped_gemm_gather_kernel(
 def grouped_gemm_gather_host(
     x_addr: Int64, zero_addr: Int64, pslot: Pointer, pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer,
     top_k: Int32, m_rows: Int32, n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream, n: Constexpr[int],
-    k: Constexpr[int], bn: Constexpr[int], act: Constexpr[str],
+    k: Constexpr[int], bn: Constexpr[int], w_k_major: Constexpr[bool], act: Constexpr[str],
 ) -> None:
-    """y[p, n] = x[slot[p] // top_k] @ B_e^T for permuted row p of group e (w K-major [E, n, k]), zero rows
-    where slot[p] = -1; with act != "none" also a = act(y). The permuted copy of x is never written."""
+    """y[p, n] = x[slot[p] // top_k] @ B_e^T for permuted row p of group e (B_e = w[e] K-major [E, n, k],
+    else w[e]^T of w [E, k, n]: the dgrad), zero rows where slot[p] = -1; with act != "none" also
+    a = act(y). The permuted copy of x is never written."""
     stages = stages_for(bn)
     if const_expr(act != "none"):
         check_pairing(EPI_N, act)
-    m_w = cute.make_tensor(pw, cute.make_layout((n, k, n_groups), stride=(k, 1, n * k)))
+    if const_expr(w_k_major):
+        m_w = cute.make_tensor(pw, cute.make_layout((n, k, n_groups), stride=(k, 1, n * k)))
+    else:
+        m_w = cute.make_tensor(pw, cute.make_layout((n, k, n_groups), stride=(1, n, n * k)))
     m_y = cute.make_tensor(py, cute.make_layout((m_rows, n), stride=(n, 1)))
     n_act = n // EPILOGUES[act]
     m_a = cute.make_tensor(pa, cute.make_layout((m_rows, n_act), stride=(n_act, 1)))
@@ -640,12 +644,13 @@ def grouped_gemm_gather_host(
     m_slot = cute.make_tensor(pslot, cute.make_layout(m_rows))
     tile = (BM, bn, BK)
     k_major = LayoutEnum.ROW_MAJOR
+    b_enum = LayoutEnum.ROW_MAJOR if const_expr(w_k_major) else LayoutEnum.COL_MAJOR
     tiled_mma = sm90_utils.make_trivial_tiled_mma(
-        BFloat16, BFloat16, k_major.sm90_mma_major_mode(), k_major.sm90_mma_major_mode(), Float32,
+        BFloat16, BFloat16, k_major.sm90_mma_major_mode(), b_enum.sm90_mma_major_mode(), Float32,
         (CONSUMER_WGS, 1, 1), tiler_mn=(64, bn),
     )
     a_layout = sm90_utils.make_smem_layout_a(k_major, tile, BFloat16, stages)
-    b_layout = sm90_utils.make_smem_layout_b(k_major, tile, BFloat16, stages)
+    b_layout = sm90_utils.make_smem_layout_b(b_enum, tile, BFloat16, stages)
     assert cute.size_in_bytes(BFloat16, cute.slice_(a_layout, (None, None, 0))) == A_STAGE_BYTES
     tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
         cpasync.CopyBulkTensorTileG2SOp(), m_w, cute.slice_(b_layout, (None, None, 0)), (bn, BK))
@@ -670,11 +675,12 @@ def compile_args(n: int, k: int, bn: int, w_k_major: bool, act: str = "none") ->
                                act)
 
 
-def compile_args_gather(n: int, k: int, bn: int, act: str = "none") -> tuple[Any, tuple[Any, ...]]:
-    if act not in EPILOGUES:
-        raise ValueError(f"gathered grouped GEMM epilogue {act!r} unsupported; use one of "
-                         f"{sorted(EPILOGUES)}")
+def compile_args_gather(n: int, k: int, bn: int, act: str = "none",
+                        w_k_major: bool = True) -> tuple[Any, tuple[Any, ...]]:
+    if act not in EPILOGUES or (act != "none" and not w_k_major):
+        raise ValueError(f"gathered grouped GEMM epilogue {act!r} (w_k_major={w_k_major}) unsupported; the "
+                         f"fwd takes one of {sorted(EPILOGUES)}, the dgrad only 'none'")
     ptrs = (pointer(Int64, 0, 8), *(pointer(BFloat16, 0) for _ in range(3)), pointer(Int32, 0, 4))
     return grouped_gemm_gather_host, (Int64(0), Int64(0), *ptrs, Int32(0), Int32(0), Int32(0), Int32(0),
-                                      cuda.CUstream(0), n, k, bn, act)
+                                      cuda.CUstream(0), n, k, bn, w_k_major, act)
 

@@ -248,20 +248,22 @@ def _swizzled(byte: Int32) -> Int32:
 
 
 @cute.jit
-def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom_a: cute.CopyAtom, m_a: cute.Tensor,
-                           m_slot: cute.Tensor, x_addr: Int64, zero_addr: Int64, top_k: Int32,
-                           s_a: cute.Tensor, s_b: cute.Tensor, b_outer: cute.Layout, s_offs: cute.Tensor,
+def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyAtom, m_t: cute.Tensor,
+                           m_slot: cute.Tensor, src_addr: Int64, zero_addr: Int64, top_k: Int32,
+                           s_t: cute.Tensor, s_g: cute.Tensor, g_outer: cute.Layout, s_offs: cute.Tensor,
                            m_rows: Int32, bidx: Int32, n_ctas: Int32, total: Int32, tiles_per_group: Int32,
-                           tiles_n: Int32, warp_idx: Int32, ptid: Int32, k: Constexpr[int],
-                           bn: Constexpr[int], stages: Constexpr[int]) -> None:
-    """The producer warpgroup with B = x's rows gathered: warp 0 arms each stage and TMA-loads dy's box; every
-    thread copies its 16-byte chunks of the bn x BK box of x^T (row p of the group reads token
-    slot[p] // top_k; pad rows, rows past the group and columns past K read a zero chunk) with cp.async."""
+                           tiles_n: Int32, warp_idx: Int32, ptid: Int32, width: Constexpr[int],
+                           bn: Constexpr[int], side: Constexpr[str], stages: Constexpr[int]) -> None:
+    """The producer warpgroup with one operand read from token-major rows (side "b": x, side "a": dy):
+    warp 0 arms each stage and TMA-loads the other operand's box; every thread copies its 16-byte chunks of
+    the gathered MN-major box (row p of the group reads token slot[p] // top_k of a `width`-wide source;
+    pad rows, rows past the group and columns past `width` read a zero chunk) with cp.async."""
     atom = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), BFloat16,
                                num_bits_per_copy=128)
-    s_a_flat = cute.group_modes(s_a, 0, 2)
-    b_base = cast(Pointer, s_b.iterator).toint()
-    per_row = bn // VEC
+    s_t_flat = cute.group_modes(s_t, 0, 2)
+    g_base = cast(Pointer, s_g.iterator).toint()
+    box = bn if const_expr(side == "b") else BM
+    per_row = box // VEC
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     for t in range(bidx, total, n_ctas):
         e = t // tiles_per_group
@@ -269,13 +271,18 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom_a: cute
         m_tile = local // tiles_n
         n_tile = local - m_tile * tiles_n
         start, end = _group_rows(s_offs, e, m_rows)
-        g_a = cute.local_tile(cute.domain_offset((0, start), m_a), (BM, BK), (m_tile, None))
-        t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1), s_a_flat,
-                                           cute.group_modes(g_a, 0, 2))
+        if const_expr(side == "b"):
+            g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (BM, BK), (m_tile, None))
+            col0 = n_tile * bn
+        else:
+            g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (bn, BK), (n_tile, None))
+            col0 = m_tile * BM
+        t_st, t_gt = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), s_t_flat,
+                                           cute.group_modes(g_t, 0, 2))
         for kt in range((end - start + BK - 1) // BK):
             if warp_idx == 0:
                 mainloop.producer_acquire(state)
-                cute.copy(tma_atom_a, t_ga[(None, kt)], t_sa[(None, state.index)],
+                cute.copy(tma_atom, t_gt[(None, kt)], t_st[(None, state.index)],
                           tma_bar_ptr=mainloop.producer_get_barrier(state))
             else:
                 mainloop.sync_object_empty.wait(state.index, state.phase)
@@ -284,16 +291,16 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom_a: cute
                 rr = chunk // per_row
                 c = (chunk - rr * per_row) * VEC
                 row = start + kt * BK + rr
-                col = n_tile * bn + c
+                col = col0 + c
                 g = zero_addr
-                if row < end and col < k:
+                if row < end and col < width:
                     s = m_slot[row]
                     if s >= Int64(0):
-                        g = x_addr + (s // Int64(top_k) * Int64(k) + Int64(col)) * Int64(2)
-                s_byte = _swizzled(b_outer((c, rr, state.index)) * 2)
+                        g = src_addr + (s // Int64(top_k) * Int64(width) + Int64(col)) * Int64(2)
+                s_byte = _swizzled(g_outer((c, rr, state.index)) * 2)
                 cute.copy(atom, cute.make_tensor(cute.make_ptr(BFloat16, g, cute.AddressSpace.gmem,
                                                                assumed_align=16), cute.make_layout(VEC)),
-                          cute.make_tensor(cute.make_ptr(BFloat16, b_base + s_byte, cute.AddressSpace.smem,
+                          cute.make_tensor(cute.make_ptr(BFloat16, g_base + s_byte, cute.AddressSpace.smem,
                                                          assumed_align=16), cute.make_layout(VEC)))
             cute.arch.cp_async_mbarrier_arrive_noinc(mainloop.producer_get_barrier(state))
             state.advance()
@@ -303,24 +310,29 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom_a: cute
 
 @cute.kernel
 def grouped_wgrad_gather_kernel(
-    tma_atom_a: cute.CopyAtom, m_a: cute.Tensor, m_slot: cute.Tensor, x_addr: Int64, zero_addr: Int64,
+    tma_atom: cute.CopyAtom, m_t: cute.Tensor, m_slot: cute.Tensor, src_addr: Int64, zero_addr: Int64,
     top_k: Int32, m_d: cute.Tensor, m_offs: cute.Tensor, m_rows: Int32, n_groups: Int32,
     tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
     d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
-    stages: Constexpr[int],
+    side: Constexpr[str], stages: Constexpr[int],
 ) -> None:
-    tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a,))
+    tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom,))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
-                                                stages, "a")
+                                                stages, "a" if const_expr(side == "b") else "b")
     tiles_m = (n + BM - 1) // BM
     tiles_n = (k + bn - 1) // bn
     tiles_per_group = tiles_m * tiles_n
     total = n_groups * tiles_per_group
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-        produce_wgrad_gathered(mainloop, tma_atom_a, m_a, m_slot, x_addr, zero_addr, top_k, s_a, s_b,
-                               b_layout.outer, s_offs, m_rows, bidx, n_ctas, total, tiles_per_group, tiles_n,
-                               warp_idx, tidx, k, bn, stages)
+        if const_expr(side == "b"):
+            produce_wgrad_gathered(mainloop, tma_atom, m_t, m_slot, src_addr, zero_addr, top_k, s_a, s_b,
+                                   b_layout.outer, s_offs, m_rows, bidx, n_ctas, total, tiles_per_group,
+                                   tiles_n, warp_idx, tidx, k, bn, side, stages)
+        else:
+            produce_wgrad_gathered(mainloop, tma_atom, m_t, m_slot, src_addr, zero_addr, top_k, s_b, s_a,
+                                   a_layout.outer, s_offs, m_rows, bidx, n_ctas, total, tiles_per_group,
+                                   tiles_n, warp_idx, tidx, n, bn, side, stages)
     else:
         consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, m_d, m_rows, tidx, warp_idx, bidx, n_ctas,
                       total, tiles_per_group, tiles_n, n, k, bn, stages, True)
@@ -328,14 +340,14 @@ def grouped_wgrad_gather_kernel(
 
 @cute.jit
 def grouped_wgrad_gather_host(
-    pdy: Pointer, x_addr: Int64, zero_addr: Int64, pslot: Pointer, pdw: Pointer, poffs: Pointer,
+    pt: Pointer, src_addr: Int64, zero_addr: Int64, pslot: Pointer, pdw: Pointer, poffs: Pointer,
     top_k: Int32, m_rows: Int32, n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream, n: Constexpr[int],
-    k: Constexpr[int], bn: Constexpr[int],
+    k: Constexpr[int], bn: Constexpr[int], side: Constexpr[str],
 ) -> None:
-    """dw[E, n, k]: per group dy[rows, n]^T @ x[slot[rows] // top_k, k] (zero rows where slot = -1): the
-    wgrad of the gathered up projection, without permute's copy of x."""
+    """dw[E, n, k] = per group dy[rows, n]^T @ x[rows, k] with one side read from token-major rows through
+    slot (zero rows where slot = -1): side "b", x[slot // top_k] (pt = dy [R, n]); side "a",
+    dy[slot // top_k] (pt = x [R, k]). Neither side is permuted into a copy."""
     stages = stages_for(bn)
-    m_dyt = cute.make_tensor(pdy, cute.make_layout((n, m_rows), stride=(1, n)))
     m_dw = cute.make_tensor(pdw, cute.make_layout((n, k, n_groups), stride=(k, 1, n * k)))
     m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
     m_slot = cute.make_tensor(pslot, cute.make_layout(m_rows))
@@ -349,11 +361,17 @@ def grouped_wgrad_gather_host(
     b_layout = sm90_utils.make_smem_layout_b(mn_major, tile, BFloat16, stages)
     d_layout = cute.slice_(sm90_utils.make_smem_layout_epi(BFloat16, LayoutEnum.ROW_MAJOR, (BM, bn), 1),
                            (None, None, 0))
-    tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
-        cpasync.CopyBulkTensorTileG2SOp(), m_dyt, cute.slice_(a_layout, (None, None, 0)), (BM, BK))
+    if const_expr(side == "b"):
+        m_t = cute.make_tensor(pt, cute.make_layout((n, m_rows), stride=(1, n)))
+        tma_atom, tma_t = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), m_t, cute.slice_(a_layout, (None, None, 0)), (BM, BK))
+    else:
+        m_t = cute.make_tensor(pt, cute.make_layout((k, m_rows), stride=(1, k)))
+        tma_atom, tma_t = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), m_t, cute.slice_(b_layout, (None, None, 0)), (bn, BK))
     grouped_wgrad_gather_kernel(
-        tma_atom_a, tma_a, m_slot, x_addr, zero_addr, top_k, m_dw, m_offs, m_rows, n_groups, tiled_mma,
-        a_layout, b_layout, d_layout, n, k, bn, stages,
+        tma_atom, tma_t, m_slot, src_addr, zero_addr, top_k, m_dw, m_offs, m_rows, n_groups, tiled_mma,
+        a_layout, b_layout, d_layout, n, k, bn, side, stages,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
 
 
@@ -366,7 +384,9 @@ def compile_args(n: int, k: int, bn: int) -> tuple[Any, tuple[Any, ...]]:
     return grouped_wgrad_host, (*ptrs, Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k, bn)
 
 
-def compile_args_gather(n: int, k: int, bn: int) -> tuple[Any, tuple[Any, ...]]:
+def compile_args_gather(n: int, k: int, bn: int, side: str) -> tuple[Any, tuple[Any, ...]]:
+    if side not in ("a", "b"):
+        raise ValueError(f"gathered wgrad side {side!r}: 'a' (dy token-major) or 'b' (x token-major)")
     ptrs = (pointer(Int64, 0, 8), pointer(BFloat16, 0), pointer(Int32, 0, 4))
     return grouped_wgrad_gather_host, (pointer(BFloat16, 0), Int64(0), Int64(0), *ptrs, Int32(0), Int32(0),
-                                       Int32(0), Int32(0), cuda.CUstream(0), n, k, bn)
+                                       Int32(0), Int32(0), cuda.CUstream(0), n, k, bn, side)
