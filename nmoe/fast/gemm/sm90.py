@@ -316,36 +316,45 @@ def _zero_chunk(device: torch.device) -> Tensor:
     return z
 
 
-def _gathered_impl(x: Tensor, slot: Tensor, w: Tensor, offs: Tensor, top_k: int,
-                   activation: str) -> tuple[Tensor, Tensor]:
-    op = "grouped_gemm_act_gathered"
-    check_bf16(op, x=x, w=w)
-    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
-        raise ValueError(f"{op}: need x [T, K] and w [E, N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+def _gathered_gemm(op: str, src: Tensor, src_name: str, slot: Tensor, w: Tensor, offs: Tensor, top_k: int,
+                   activation: str, w_k_major: bool) -> tuple[Tensor, Tensor]:
+    """(h, act(h) or h): the gathering kernel over src's token rows; w [E, N, K] read K-major (the up
+    projection, h [R, N]) or N-major (a dgrad, h [R, K])."""
+    check_bf16(op, **{src_name: src, "w": w})
+    red = 2 if w_k_major else 1
+    if src.dim() != 2 or w.dim() != 3 or src.shape[1] != w.shape[red]:
+        want = "[T, K] and w [E, N, K]" if w_k_major else "[T, N] and w [E, N, K]"
+        raise ValueError(f"{op}: need {src_name} {want}, got {tuple(src.shape)} and {tuple(w.shape)}")
     if slot.dtype != torch.int64 or slot.dim() != 1 or top_k < 1:
         raise ValueError(f"{op}: need int64 slot [R] (permute's, -1 on pad rows) and top_k >= 1, got "
                          f"{slot.dtype} {tuple(slot.shape)} and top_k={top_k}")
     check_routing(op, offs, w.shape[0], slot.shape[0])
     check_aligned(op, "w's", ("N", w.shape[1], GEMM_ALIGN), ("K", w.shape[2], GEMM_ALIGN))
-    width = act_width(w, activation)
-    device, arch = runtime.device_arch(x, slot, w, offs)
+    width = act_width(w, activation) if activation != "none" else 0
+    device, arch = runtime.device_arch(src, slot, w, offs)
     require(op, arch, ARCH)
-    x, w = tma_aligned(op, "x", x), tma_aligned(op, "w", w)
-    m, n, k = slot.shape[0], w.shape[1], w.shape[2]
-    h = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    a = torch.empty(m, width, dtype=torch.bfloat16, device=x.device)
+    src, w = tma_aligned(op, src_name, src), tma_aligned(op, "w", w)
+    m, n, k = slot.shape[0], w.shape[1 if w_k_major else 2], w.shape[red]
+    h = torch.empty(m, n, dtype=torch.bfloat16, device=src.device)
+    a = torch.empty(m, width, dtype=torch.bfloat16, device=src.device) if width else h
     if m == 0 or n == 0:
-        return a, h
+        return h, a
     if k == 0 or w.shape[0] == 0:
-        h.zero_()
-        a.zero_()
-        return a, h
+        return h.zero_(), a.zero_()
     check_offs_on_host(op, offs, m)
     bn = pick_bn(n)
     n_ctas = min(runtime.sm_count(device), tile_upper_bound(m, n, w.shape[0], bn))
-    launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act=activation, w_k_major=True)
-    launch(device, x.data_ptr(), _zero_chunk(x.device).data_ptr(), slot.contiguous().data_ptr(), w.data_ptr(),
-           h.data_ptr(), a.data_ptr(), offs.contiguous().data_ptr(), top_k, m, w.shape[0], n_ctas)
+    launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act=activation, w_k_major=w_k_major)
+    zero = _zero_chunk(src.device).data_ptr()
+    launch(device, src.data_ptr(), zero, slot.contiguous().data_ptr(), w.data_ptr(), h.data_ptr(),
+           a.data_ptr(), offs.contiguous().data_ptr(), top_k, m, w.shape[0], n_ctas)
+    return h, a
+
+
+def _gathered_impl(x: Tensor, slot: Tensor, w: Tensor, offs: Tensor, top_k: int,
+                   activation: str) -> tuple[Tensor, Tensor]:
+    act_width(w, activation)
+    h, a = _gathered_gemm("grouped_gemm_act_gathered", x, "x", slot, w, offs, top_k, activation, True)
     return a, h
 
 
@@ -368,32 +377,7 @@ def grouped_gemm_act_gathered(x: Tensor, slot: Tensor, top_k: int, w: Tensor, of
 
 
 def _dgrad_gathered_impl(dy: Tensor, slot: Tensor, w: Tensor, offs: Tensor, top_k: int) -> Tensor:
-    op = "grouped_gemm_dgrad_gathered"
-    check_bf16(op, dy=dy, w=w)
-    if dy.dim() != 2 or w.dim() != 3 or dy.shape[1] != w.shape[1]:
-        raise ValueError(f"{op}: need dy [T, N] and w [E, N, K], got {tuple(dy.shape)} and {tuple(w.shape)}")
-    if slot.dtype != torch.int64 or slot.dim() != 1 or top_k < 1:
-        raise ValueError(f"{op}: need int64 slot [R] (permute's, -1 on pad rows) and top_k >= 1, got "
-                         f"{slot.dtype} {tuple(slot.shape)} and top_k={top_k}")
-    check_routing(op, offs, w.shape[0], slot.shape[0])
-    check_aligned(op, "w's", ("N", w.shape[1], GEMM_ALIGN), ("K", w.shape[2], GEMM_ALIGN))
-    device, arch = runtime.device_arch(dy, slot, w, offs)
-    require(op, arch, ARCH)
-    dy, w = tma_aligned(op, "dy", dy), tma_aligned(op, "w", w)
-    m, n, k = slot.shape[0], w.shape[2], w.shape[1]
-    dx = torch.empty(m, n, dtype=torch.bfloat16, device=dy.device)
-    if m == 0 or n == 0:
-        return dx
-    if k == 0 or w.shape[0] == 0:
-        return dx.zero_()
-    check_offs_on_host(op, offs, m)
-    bn = pick_bn(n)
-    n_ctas = min(runtime.sm_count(device), tile_upper_bound(m, n, w.shape[0], bn))
-    launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act="none", w_k_major=False)
-    zero = _zero_chunk(dy.device).data_ptr()
-    launch(device, dy.data_ptr(), zero, slot.contiguous().data_ptr(), w.data_ptr(), dx.data_ptr(),
-           dx.data_ptr(), offs.contiguous().data_ptr(), top_k, m, w.shape[0], n_ctas)
-    return dx
+    return _gathered_gemm("grouped_gemm_dgrad_gathered", dy, "dy", slot, w, offs, top_k, "none", False)[0]
 
 
 def _dgrad_gathered_fake(dy: Tensor, slot: Tensor, w: Tensor, offs: Tensor, top_k: int) -> Tensor:

@@ -208,6 +208,23 @@ def grouped_wgrad_kernel(
                       total, tiles_per_group, tiles_n, n, k, bn, stages, False)
 
 
+def _mn_major_setup(bn: int, stages: int) -> tuple[cute.TiledMma, cute.ComposedLayout, cute.ComposedLayout,
+                                                    cute.ComposedLayout]:
+    """The wgrad's MMA and shared layouts: both operands MN-major (rows are the reduction), output staged
+    whole."""
+    mn_major = LayoutEnum.COL_MAJOR
+    tile = (BM, bn, BK)
+    tiled_mma = sm90_utils.make_trivial_tiled_mma(
+        BFloat16, BFloat16, mn_major.sm90_mma_major_mode(), mn_major.sm90_mma_major_mode(), Float32,
+        (CONSUMER_WGS, 1, 1), tiler_mn=(64, bn),
+    )
+    a_layout = sm90_utils.make_smem_layout_a(mn_major, tile, BFloat16, stages)
+    b_layout = sm90_utils.make_smem_layout_b(mn_major, tile, BFloat16, stages)
+    d_layout = cute.slice_(sm90_utils.make_smem_layout_epi(BFloat16, LayoutEnum.ROW_MAJOR, (BM, bn), 1),
+                           (None, None, 0))
+    return tiled_mma, a_layout, b_layout, d_layout
+
+
 @cute.jit
 def grouped_wgrad_host(
     pdy: Pointer, px: Pointer, pdw: Pointer, poffs: Pointer, m_rows: Int32, n_groups: Int32, n_ctas: Int32,
@@ -220,16 +237,7 @@ def grouped_wgrad_host(
     m_dw = cute.make_tensor(pdw, cute.make_layout((n, k, n_groups), stride=(k, 1, n * k)))
     m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
 
-    mn_major = LayoutEnum.COL_MAJOR
-    tile = (BM, bn, BK)
-    tiled_mma = sm90_utils.make_trivial_tiled_mma(
-        BFloat16, BFloat16, mn_major.sm90_mma_major_mode(), mn_major.sm90_mma_major_mode(), Float32,
-        (CONSUMER_WGS, 1, 1), tiler_mn=(64, bn),
-    )
-    a_layout = sm90_utils.make_smem_layout_a(mn_major, tile, BFloat16, stages)
-    b_layout = sm90_utils.make_smem_layout_b(mn_major, tile, BFloat16, stages)
-    d_layout = cute.slice_(sm90_utils.make_smem_layout_epi(BFloat16, LayoutEnum.ROW_MAJOR, (BM, bn), 1),
-                           (None, None, 0))
+    tiled_mma, a_layout, b_layout, d_layout = _mn_major_setup(bn, stages)
     tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
         cpasync.CopyBulkTensorTileG2SOp(), m_dyt, cute.slice_(a_layout, (None, None, 0)), (BM, BK))
     tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
@@ -351,16 +359,7 @@ def grouped_wgrad_gather_host(
     m_dw = cute.make_tensor(pdw, cute.make_layout((n, k, n_groups), stride=(k, 1, n * k)))
     m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
     m_slot = cute.make_tensor(pslot, cute.make_layout(m_rows))
-    mn_major = LayoutEnum.COL_MAJOR
-    tile = (BM, bn, BK)
-    tiled_mma = sm90_utils.make_trivial_tiled_mma(
-        BFloat16, BFloat16, mn_major.sm90_mma_major_mode(), mn_major.sm90_mma_major_mode(), Float32,
-        (CONSUMER_WGS, 1, 1), tiler_mn=(64, bn),
-    )
-    a_layout = sm90_utils.make_smem_layout_a(mn_major, tile, BFloat16, stages)
-    b_layout = sm90_utils.make_smem_layout_b(mn_major, tile, BFloat16, stages)
-    d_layout = cute.slice_(sm90_utils.make_smem_layout_epi(BFloat16, LayoutEnum.ROW_MAJOR, (BM, bn), 1),
-                           (None, None, 0))
+    tiled_mma, a_layout, b_layout, d_layout = _mn_major_setup(bn, stages)
     if const_expr(side == "b"):
         m_t = cute.make_tensor(pt, cute.make_layout((n, m_rows), stride=(1, n)))
         tma_atom, tma_t = cpasync.make_tiled_tma_atom(
