@@ -623,7 +623,7 @@ def grouped_gemm_gather_kernel(
 
 @cute.jit
 def grouped_gemm_gather_host(
-    x_addr: Int64, zero_addr: Int64, pslot: Pointer, pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer,
+    px: Pointer, pzero: Pointer, pslot: Pointer, pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer,
     top_k: Int32, m_rows: Int32, n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream, n: Constexpr[int],
     k: Constexpr[int], bn: Constexpr[int], w_k_major: Constexpr[bool], act: Constexpr[str],
 ) -> None:
@@ -656,7 +656,8 @@ def grouped_gemm_gather_host(
         cpasync.CopyBulkTensorTileG2SOp(), m_w, cute.slice_(b_layout, (None, None, 0)), (bn, BK))
     tma_atom_d, tma_d = epi_tma(m_y)
     grouped_gemm_gather_kernel(
-        tma_atom_b, tma_b, tma_atom_d, tma_d, m_y, m_a, m_offs, m_slot, x_addr, zero_addr, top_k, m_rows,
+        tma_atom_b, tma_b, tma_atom_d, tma_d, m_y, m_a, m_offs, m_slot, Int64(px.toint()),
+        Int64(pzero.toint()), top_k, m_rows,
         n_groups, tiled_mma, a_layout, b_layout, epi_smem_layout(), n, k, bn, stages, act,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
 
@@ -680,7 +681,8 @@ def compile_args_gather(n: int, k: int, bn: int, act: str = "none",
     if act not in EPILOGUES or (act != "none" and not w_k_major):
         raise ValueError(f"gathered grouped GEMM epilogue {act!r} (w_k_major={w_k_major}) unsupported; the "
                          f"fwd takes one of {sorted(EPILOGUES)}, the dgrad only 'none'")
-    ptrs = (pointer(Int64, 0, 8), *(pointer(BFloat16, 0) for _ in range(3)), pointer(Int32, 0, 4))
-    return grouped_gemm_gather_host, (Int64(0), Int64(0), *ptrs, Int32(0), Int32(0), Int32(0), Int32(0),
-                                      cuda.CUstream(0), n, k, bn, w_k_major, act)
+    ptrs = (pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(Int64, 0, 8),
+            *(pointer(BFloat16, 0) for _ in range(3)), pointer(Int32, 0, 4))
+    return grouped_gemm_gather_host, (*ptrs, Int32(0), Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k,
+                                      bn, w_k_major, act)
 

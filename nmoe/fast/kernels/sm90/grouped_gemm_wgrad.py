@@ -348,7 +348,7 @@ def grouped_wgrad_gather_kernel(
 
 @cute.jit
 def grouped_wgrad_gather_host(
-    pt: Pointer, src_addr: Int64, zero_addr: Int64, pslot: Pointer, pdw: Pointer, poffs: Pointer,
+    pt: Pointer, psrc: Pointer, pzero: Pointer, pslot: Pointer, pdw: Pointer, poffs: Pointer,
     top_k: Int32, m_rows: Int32, n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream, n: Constexpr[int],
     k: Constexpr[int], bn: Constexpr[int], side: Constexpr[str],
 ) -> None:
@@ -369,7 +369,8 @@ def grouped_wgrad_gather_host(
         tma_atom, tma_t = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), m_t, cute.slice_(b_layout, (None, None, 0)), (bn, BK))
     grouped_wgrad_gather_kernel(
-        tma_atom, tma_t, m_slot, src_addr, zero_addr, top_k, m_dw, m_offs, m_rows, n_groups, tiled_mma,
+        tma_atom, tma_t, m_slot, Int64(psrc.toint()), Int64(pzero.toint()), top_k, m_dw, m_offs, m_rows,
+        n_groups, tiled_mma,
         a_layout, b_layout, d_layout, n, k, bn, side, stages,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
 
@@ -386,6 +387,7 @@ def compile_args(n: int, k: int, bn: int) -> tuple[Any, tuple[Any, ...]]:
 def compile_args_gather(n: int, k: int, bn: int, side: str) -> tuple[Any, tuple[Any, ...]]:
     if side not in ("a", "b"):
         raise ValueError(f"gathered wgrad side {side!r}: 'a' (dy token-major) or 'b' (x token-major)")
-    ptrs = (pointer(Int64, 0, 8), pointer(BFloat16, 0), pointer(Int32, 0, 4))
-    return grouped_wgrad_gather_host, (pointer(BFloat16, 0), Int64(0), Int64(0), *ptrs, Int32(0), Int32(0),
-                                       Int32(0), Int32(0), cuda.CUstream(0), n, k, bn, side)
+    ptrs = (*(pointer(BFloat16, 0) for _ in range(3)), pointer(Int64, 0, 8), pointer(BFloat16, 0),
+            pointer(Int32, 0, 4))
+    return grouped_wgrad_gather_host, (*ptrs, Int32(0), Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k,
+                                       bn, side)
