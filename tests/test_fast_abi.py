@@ -113,7 +113,8 @@ def _portable_calls() -> None:
 
 
 def _sm90_calls() -> None:
-    """The sm_90a GEMM glue: forward (plain and each fused activation), dgrad, wgrad, and MXFP8."""
+    """The sm_90a GEMM glue: forward (plain and each fused activation), dgrad, wgrad, the forms that gather
+    token rows through slot, and MXFP8."""
     from nmoe.fast import formats
     from nmoe.fast.gemm import sm90, sm90_fp8
 
@@ -126,6 +127,11 @@ def _sm90_calls() -> None:
     sm90.grouped_gemm_wgrad(torch.randn(t, h, dtype=BF), xg.detach(), offs)
     sm90.grouped_gemm_act(xg.detach(), torch.randn(e, 2 * h, h, dtype=BF), offs, "swiglu")
     sm90.grouped_gemm_act(xg.detach(), wg, offs, "relu2")
+    slot = torch.arange(t, dtype=torch.int64)
+    sm90.grouped_gemm_act_gathered(xg.detach(), slot, 1, torch.randn(e, 2 * h, h, dtype=BF), offs, "swiglu")
+    sm90.grouped_gemm_dgrad_gathered(torch.randn(t, h, dtype=BF), slot, 1, wg, offs)
+    sm90.grouped_gemm_wgrad_gathered(torch.randn(t, h, dtype=BF), xg.detach(), slot, 1, offs)
+    sm90.grouped_gemm_wgrad_gathered(torch.randn(t, h, dtype=BF), xg.detach(), slot, 1, offs, side="dy")
     xq, xs = formats.quantize_mxfp8(xg.detach(), 128)
     wq, ws = formats.quantize_mxfp8_weight(wg)
     sm90_fp8.grouped_gemm_fp8(xq, xs, wq, ws, offs)
