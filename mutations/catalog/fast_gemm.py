@@ -60,9 +60,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "gemm.fast_gather_unswizzled", FILE,
-        "r * (BK * 2) + ((c8 ^ (r & 7)) << 4)", "r * (BK * 2) + (c8 << 4)",
-        "gathered A chunks written without the 128-byte swizzle the tensor cores read with", GATHER_TESTS,
-        ("moe_layer",), device="gpu",
+        "    out: Int32 = byte ^ (((byte >> 7) & 7) << 4)\n", "    out: Int32 = byte\n",
+        "gathered chunks (fwd, dgrad and wgrad) written without the 128-byte swizzle the tensor cores read",
+        GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
         "gemm.fast_gather_k_tail_unmasked", FILE,
@@ -77,13 +77,6 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                        g = src_addr + ((s + Int64(1)) // Int64(top_k) * Int64(width) + Int64(col))"
         " * Int64(2)",
         "the gathered wgrad reads the row of slot + 1's token", GATHER_TESTS, ("moe_layer",), device="gpu",
-    ),
-    sep_mutation(
-        "gemm.fast_wgrad_gather_unswizzled", WGRAD,
-        "                s_byte = _swizzled(g_outer((c, rr, state.index)) * 2)",
-        "                s_byte = g_outer((c, rr, state.index)) * 2",
-        "gathered x^T chunks written without the 128-byte swizzle", GATHER_TESTS, ("moe_layer",),
-        device="gpu",
     ),
     sep_mutation(
         "gemm.fast_wgrad_gather_pad_rows_read", WGRAD,

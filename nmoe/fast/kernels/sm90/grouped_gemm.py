@@ -520,7 +520,41 @@ def grouped_gemm_host(
 CHUNKS = BK // VEC
 GATHER_ROW_STEP = WG_THREADS // CHUNKS
 GATHER_ROWS = BM // GATHER_ROW_STEP
-A_STAGE_BYTES = BM * BK * 2
+
+
+@cute.jit
+def swizzled(byte: Int32) -> Int32:
+    """128-byte swizzle of a byte offset from a 1024-byte aligned base: 16-byte chunk ^= 128-byte row % 8
+    (what TMA writes and wgmma reads for these layouts)."""
+    out: Int32 = byte ^ (((byte >> 7) & 7) << 4)
+    return out
+
+
+@cute.jit
+def arm_stage(mainloop: pipeline.PipelineTmaAsync, state: Any, warp_idx: Int32, tma_atom: cute.CopyAtom,
+              src: cute.Tensor, dst: cute.Tensor) -> None:
+    """A gathering producer's stage: every thread waits for it to be free; warp 0 arms its barrier and
+    TMA-loads the operand that is not gathered."""
+    if warp_idx == 0:
+        mainloop.producer_acquire(state)
+        cute.copy(tma_atom, src, dst, tma_bar_ptr=mainloop.producer_get_barrier(state))
+    else:
+        mainloop.sync_object_empty.wait(state.index, state.phase)
+
+
+@cute.jit
+def copy_chunk(atom: cute.CopyAtom, g: Int64, s_addr: Int32) -> None:
+    """One 16-byte cp.async from global byte address g to shared byte address s_addr."""
+    cute.copy(atom, cute.make_tensor(cute.make_ptr(BFloat16, g, cute.AddressSpace.gmem, assumed_align=16),
+                                     cute.make_layout(VEC)),
+              cute.make_tensor(cute.make_ptr(BFloat16, s_addr, cute.AddressSpace.smem, assumed_align=16),
+                               cute.make_layout(VEC)))
+
+
+def chunk_atom() -> cute.CopyAtom:
+    atom: cute.CopyAtom = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), BFloat16,
+                                              num_bits_per_copy=128)
+    return atom
 
 
 @cute.jit
@@ -541,14 +575,14 @@ def _gather_sources(m_slot: cute.Tensor, row0: Int32, g_end: Int32, top_k: Int32
 @cute.jit
 def produce_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
                      m_slot: cute.Tensor, x_addr: Int64, zero_addr: Int64, top_k: Int32, s_a: cute.Tensor,
-                     s_b: cute.Tensor, s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, t: Int32,
+                     a_outer: cute.Layout, s_b: cute.Tensor, s_offs: cute.Tensor, n_groups: Int32,
+                     m_rows: Int32, t: Int32,
                      n_ctas: Int32, warp_idx: Int32, ptid: Int32, n_tiles_n: Constexpr[int],
                      k: Constexpr[int], k_tiles: Constexpr[int], bn: Constexpr[int],
                      stages: Constexpr[int]) -> None:
     """The producer warpgroup with A gathered: warp 0 arms each stage and TMA-loads B; every thread copies
     its A chunks with cp.async (zero chunks past K) and arrives when they land."""
-    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), BFloat16,
-                               num_bits_per_copy=128)
+    atom = chunk_atom()
     s_b_flat = cute.group_modes(s_b, 0, 2)
     a_base = cast(Pointer, s_a.iterator).toint()
     c8 = ptid % CHUNKS
@@ -569,24 +603,15 @@ def produce_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyA
             t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1), s_b_flat,
                                                cute.group_modes(g_b, 0, 2))
             for kt in range(k_tiles):
-                if warp_idx == 0:
-                    mainloop.producer_acquire(state)
-                    cute.copy(tma_atom_b, t_gb[(None, kt)], t_sb[(None, state.index)],
-                              tma_bar_ptr=mainloop.producer_get_barrier(state))
-                else:
-                    mainloop.sync_object_empty.wait(state.index, state.phase)
+                arm_stage(mainloop, state, warp_idx, tma_atom_b, t_gb[(None, kt)],
+                          t_sb[(None, state.index)])
                 col = kt * BK + c8 * VEC
                 for j in range_constexpr(GATHER_ROWS):
-                    r = rb + GATHER_ROW_STEP * j
                     g = zero_addr
                     if col < k and src[j] != zero_addr:
                         g = src[j] + Int64(col * 2)
-                    # 128-byte swizzle: a row's 16-byte chunk c sits at chunk c ^ (row % 8).
-                    s_addr = a_base + state.index * A_STAGE_BYTES + r * (BK * 2) + ((c8 ^ (r & 7)) << 4)
-                    cute.copy(atom, cute.make_tensor(cute.make_ptr(BFloat16, g, cute.AddressSpace.gmem,
-                                                                   assumed_align=16), cute.make_layout(VEC)),
-                              cute.make_tensor(cute.make_ptr(BFloat16, s_addr, cute.AddressSpace.smem,
-                                                             assumed_align=16), cute.make_layout(VEC)))
+                    r = rb + GATHER_ROW_STEP * j
+                    copy_chunk(atom, g, a_base + swizzled(a_outer((r, c8 * VEC, state.index)) * 2))
                 cute.arch.cp_async_mbarrier_arrive_noinc(mainloop.producer_get_barrier(state))
                 state.advance()
         t = t + n_ctas
@@ -612,7 +637,8 @@ def grouped_gemm_gather_kernel(
     e, g_start, g_end, before, here, t = cursor_start(bidx)
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-        produce_gathered(mainloop, tma_atom_b, m_b, m_slot, x_addr, zero_addr, top_k, s_a, s_b, s_offs,
+        produce_gathered(mainloop, tma_atom_b, m_b, m_slot, x_addr, zero_addr, top_k, s_a, a_layout.outer,
+                         s_b, s_offs,
                          n_groups, m_rows, Int32(bidx), n_ctas, warp_idx, tidx, n_tiles_n, k, k_tiles, bn,
                          stages)
     else:
@@ -651,7 +677,6 @@ def grouped_gemm_gather_host(
     )
     a_layout = sm90_utils.make_smem_layout_a(k_major, tile, BFloat16, stages)
     b_layout = sm90_utils.make_smem_layout_b(b_enum, tile, BFloat16, stages)
-    assert cute.size_in_bytes(BFloat16, cute.slice_(a_layout, (None, None, 0))) == A_STAGE_BYTES
     tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
         cpasync.CopyBulkTensorTileG2SOp(), m_w, cute.slice_(b_layout, (None, None, 0)), (bn, BK))
     tma_atom_d, tma_d = epi_tma(m_y)

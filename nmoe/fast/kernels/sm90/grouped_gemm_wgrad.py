@@ -31,10 +31,14 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     VEC,
     WG_THREADS,
     _issue_mmas,
+    arm_stage,
+    chunk_atom,
+    copy_chunk,
     cta_setup,
     cta_start,
     mma_fragments,
     pipeline_stages,
+    swizzled,
 )
 from nmoe.fast.limits import GEMM_BM as BM
 
@@ -54,6 +58,17 @@ def _group_rows(s_offs: cute.Tensor, e: Int32, m_rows: Int32) -> tuple[Int32, In
         start = dsl_min(dsl_max(s_offs[e - 1], Int32(0)), m_rows)
     end = dsl_max(dsl_min(dsl_max(s_offs[e], Int32(0)), m_rows), start)
     return start, end
+
+
+@cute.jit
+def _wgrad_tile(s_offs: cute.Tensor, m_rows: Int32, t: Int32, tiles_per_group: Int32,
+                tiles_n: Int32) -> tuple[Int32, Int32, Int32, Int32, Int32]:
+    """Linear tile t of the wgrad: (group, m tile, n tile, group's first row, its end)."""
+    e = t // tiles_per_group
+    local = t - e * tiles_per_group
+    m_tile = local // tiles_n
+    start, end = _group_rows(s_offs, e, m_rows)
+    return e, m_tile, local - m_tile * tiles_n, start, end
 
 
 @cute.jit
@@ -115,11 +130,7 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     for t in range(bidx, total, n_ctas):
-        e = t // tiles_per_group
-        local = t - e * tiles_per_group
-        m_tile = local // tiles_n
-        n_tile = local - m_tile * tiles_n
-        start, end = _group_rows(s_offs, e, m_rows)
+        e, m_tile, n_tile, start, end = _wgrad_tile(s_offs, m_rows, t, tiles_per_group, tiles_n)
         k_tiles = (end - start + BK - 1) // BK
         acc.fill(0.0)
         if k_tiles > 0:
@@ -184,11 +195,7 @@ def grouped_wgrad_kernel(
         if warp_idx == 0:
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
             for t in range(bidx, total, n_ctas):
-                e = t // tiles_per_group
-                local = t - e * tiles_per_group
-                m_tile = local // tiles_n
-                n_tile = local - m_tile * tiles_n
-                start, end = _group_rows(s_offs, e, m_rows)
+                _, m_tile, n_tile, start, end = _wgrad_tile(s_offs, m_rows, t, tiles_per_group, tiles_n)
                 g_a = cute.local_tile(cute.domain_offset((0, start), m_a), (BM, BK), (m_tile, None))
                 g_b = cute.local_tile(cute.domain_offset((0, start), m_b), (bn, BK), (n_tile, None))
                 t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1), s_a_flat,
@@ -249,13 +256,6 @@ def grouped_wgrad_host(
 
 
 @cute.jit
-def _swizzled(byte: Int32) -> Int32:
-    """128-byte swizzle of a byte offset from a 1024-byte aligned base: 16-byte chunk ^= 128-byte row % 8."""
-    out: Int32 = byte ^ (((byte >> 7) & 7) << 4)
-    return out
-
-
-@cute.jit
 def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyAtom, m_t: cute.Tensor,
                            m_slot: cute.Tensor, src_addr: Int64, zero_addr: Int64, top_k: Int32,
                            s_t: cute.Tensor, s_g: cute.Tensor, g_outer: cute.Layout, s_offs: cute.Tensor,
@@ -266,19 +266,14 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.C
     warp 0 arms each stage and TMA-loads the other operand's box; every thread copies its 16-byte chunks of
     the gathered MN-major box (row p of the group reads token slot[p] // top_k of a `width`-wide source;
     pad rows, rows past the group and columns past `width` read a zero chunk) with cp.async."""
-    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), BFloat16,
-                               num_bits_per_copy=128)
+    atom = chunk_atom()
     s_t_flat = cute.group_modes(s_t, 0, 2)
     g_base = cast(Pointer, s_g.iterator).toint()
     box = bn if const_expr(side == "b") else BM
     per_row = box // VEC
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     for t in range(bidx, total, n_ctas):
-        e = t // tiles_per_group
-        local = t - e * tiles_per_group
-        m_tile = local // tiles_n
-        n_tile = local - m_tile * tiles_n
-        start, end = _group_rows(s_offs, e, m_rows)
+        _, m_tile, n_tile, start, end = _wgrad_tile(s_offs, m_rows, t, tiles_per_group, tiles_n)
         if const_expr(side == "b"):
             g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (BM, BK), (m_tile, None))
             col0 = n_tile * bn
@@ -288,12 +283,7 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.C
         t_st, t_gt = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), s_t_flat,
                                            cute.group_modes(g_t, 0, 2))
         for kt in range((end - start + BK - 1) // BK):
-            if warp_idx == 0:
-                mainloop.producer_acquire(state)
-                cute.copy(tma_atom, t_gt[(None, kt)], t_st[(None, state.index)],
-                          tma_bar_ptr=mainloop.producer_get_barrier(state))
-            else:
-                mainloop.sync_object_empty.wait(state.index, state.phase)
+            arm_stage(mainloop, state, warp_idx, tma_atom, t_gt[(None, kt)], t_st[(None, state.index)])
             for i in range_constexpr(BK * per_row // WG_THREADS):
                 chunk = ptid + WG_THREADS * i
                 rr = chunk // per_row
@@ -305,11 +295,7 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.C
                     s = m_slot[row]
                     if s >= Int64(0):
                         g = src_addr + (s // Int64(top_k) * Int64(width) + Int64(col)) * Int64(2)
-                s_byte = _swizzled(g_outer((c, rr, state.index)) * 2)
-                cute.copy(atom, cute.make_tensor(cute.make_ptr(BFloat16, g, cute.AddressSpace.gmem,
-                                                               assumed_align=16), cute.make_layout(VEC)),
-                          cute.make_tensor(cute.make_ptr(BFloat16, g_base + s_byte, cute.AddressSpace.smem,
-                                                         assumed_align=16), cute.make_layout(VEC)))
+                copy_chunk(atom, g, g_base + swizzled(g_outer((c, rr, state.index)) * 2))
             cute.arch.cp_async_mbarrier_arrive_noinc(mainloop.producer_get_barrier(state))
             state.advance()
     if warp_idx == 0:
