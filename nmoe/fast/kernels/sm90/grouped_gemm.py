@@ -139,6 +139,14 @@ def _group_end(s_offs: cute.Tensor, e: Int32, n_groups: Int32, m_rows: Int32) ->
 
 
 @cute.jit
+def _tile_at(t: Int32, before: Int32, g_start: Int32, n_tiles_n: Constexpr[int]) -> tuple[Int32, Int32]:
+    """(n tile, first row) of tile t inside the group whose tiles start at linear index `before`."""
+    local = t - before
+    m_tile = local // n_tiles_n
+    return local - m_tile * n_tiles_n, g_start + m_tile * BM
+
+
+@cute.jit
 def _seek(s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, t: Int32, e: Int32, g_start: Int32,
           g_end: Int32, before: Int32, here: Int32, n_tiles_n: Constexpr[int]
           ) -> tuple[Int32, Int32, Int32, Int32, Int32]:
@@ -350,10 +358,7 @@ def produce_tiles(mainloop: pipeline.PipelineTmaAsync, tma_atom_a: cute.CopyAtom
                                             n_tiles_n)
     while e <= n_groups:
         if e < n_groups:
-            local = t - before
-            m_tile = local // n_tiles_n
-            n_tile = local - m_tile * n_tiles_n
-            row0 = g_start + m_tile * BM
+            n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n)
             g_a = cute.local_tile(cute.domain_offset((row0, 0), m_a), (BM, bk), (0, None))
             g_b = cute.local_tile(m_b[(None, None, e)], (bn, bk), (n_tile, None))
             t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1), s_a_flat,
@@ -405,10 +410,7 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before,
                                             here, n_tiles_n_of(n, bn))
     while e <= n_groups:
-        local = t - before
-        m_tile = local // n_tiles_n_of(n, bn)
-        n_tile = local - m_tile * n_tiles_n_of(n, bn)
-        row0 = g_start + m_tile * BM
+        n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n_of(n, bn))
         acc.fill(0.0)
         if e < n_groups and const_expr(k_tiles > 0):
             mainloop.consumer_wait(read)
@@ -594,10 +596,7 @@ def produce_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyA
                                             n_tiles_n)
     while e <= n_groups:
         if e < n_groups:
-            local = t - before
-            m_tile = local // n_tiles_n
-            n_tile = local - m_tile * n_tiles_n
-            row0 = g_start + m_tile * BM
+            n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n)
             _gather_sources(m_slot, row0, g_end, top_k, rb, x_addr, k, zero_addr, src)
             g_b = cute.local_tile(m_b[(None, None, e)], (bn, BK), (n_tile, None))
             t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1), s_b_flat,

@@ -28,6 +28,7 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     THREADS,
     WG_THREADS,
     _seek,
+    _tile_at,
     cta_setup,
     cta_start,
     cursor_start,
@@ -137,10 +138,7 @@ def grouped_gemm_fp8_kernel(
         e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before,
                                                 here, n_tiles_n)
         while e <= n_groups:
-            local = t - before
-            m_tile = local // n_tiles_n
-            n_tile = local - m_tile * n_tiles_n
-            row0 = g_start + m_tile * BM
+            n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n)
             acc.fill(0.0)
             if e < n_groups:
                 # Rows past the group are computed, then masked at the store; past M they read row M - 1.
