@@ -3,6 +3,7 @@ ModelOps bundle, so the spec and fast models share names, shapes, init draws, ca
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Final
 
 import torch
@@ -112,7 +113,7 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         out, routing = self.ops.moe_layer(x, self.params(), self.cfg)
-        self.last_routing = routing
+        self.last_routing = replace(routing, weights=routing.weights.detach())
         return out
 
 

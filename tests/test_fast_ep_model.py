@@ -192,7 +192,8 @@ def ep_train_job(group: Any, tmp: Path, data: Path) -> dict[str, Any]:
             runs[f"{name}_state"] = {k: v.detach().cpu() for k, v in model.state_dict().items()}
             dist.barrier()
         return {"full": runs["full"][0], "split": runs["split"][0] + runs["split"][1],
-                "same": sorted(k for k, v in runs["full_state"].items() if torch.equal(v, runs["split_state"][k])),
+                "same": sorted(k for k, v in runs["full_state"].items()
+                                if torch.equal(v, runs["split_state"][k])),
                 "keys": sorted(runs["full_state"])}
     finally:
         dist.barrier()

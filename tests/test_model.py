@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from nmoe.config import ModelConfig, load_config
 from nmoe.layout import MLAParams
@@ -213,3 +214,33 @@ def test_model_input_errors() -> None:
         model(tok + 512)
     with pytest.raises(ValueError, match=r"targets \(1, 4\) must match tokens \(1, 5\)"):
         model(tok, tok[:, 1:])
+
+
+def _held_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """Tensors the modules keep as plain attributes, directly or in a dataclass (parameters and buffers
+    aside)."""
+    for mname, m in model.named_modules():
+        for k, v in vars(m).items():
+            if isinstance(v, Tensor):
+                yield f"{mname}.{k}", v
+            elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+                for f in dataclasses.fields(v):
+                    t = getattr(v, f.name)
+                    if isinstance(t, Tensor):
+                        yield f"{mname}.{k}.{f.name}", t
+
+
+def test_sep_model_routing_graph_kept() -> None:
+    """What the model keeps after a step carries no autograd graph: a kept one would hold the router's
+    AccumulateGrad node, made on that step's stream, into the next step (and a CUDA graph capture fails)."""
+    cfg = _small()
+    model = Model(cfg)
+    moe = model.moe_layers()[0]
+    x = torch.randn(6, cfg.dim).to(BF).requires_grad_()
+    _, routing = moe_layer(x, moe.params(), cfg)
+    assert routing.weights.grad_fn is not None, "the routing a layer returns carries the router's graph"
+    tok = _tokens(cfg, 2, 12)
+    model(tok[:, :-1], tok[:, 1:]).backward()
+    held = [name for name, t in _held_tensors(model) if t.grad_fn is not None]
+    assert held == [], f"kept with their autograd graph: {held}"
+    assert model.router_counts(), "and the step's routing counts are still there for the bias update"

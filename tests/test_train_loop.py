@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -278,3 +279,31 @@ def test_two_gloo_ranks_train_like_one_rank_on_the_same_global_batch(tmp_path: P
         assert losses == pytest.approx(one.losses, rel=1e-5), (losses, one.losses)
         for name, p in model.named_parameters():
             assert torch.allclose(torch.from_numpy(params[name]), p.detach(), rtol=1e-4, atol=1e-6), name
+
+
+def test_sep_loop_previous_graph_kept(tmp_path: Path, dataset: Path) -> None:
+    """A step's autograd graph is freed before the next forward. A kept one keeps its parameters'
+    AccumulateGrad nodes, which remember the stream of the eager step, so a CUDA graph captured next makes
+    that stream wait on the capture and fails (train.cuda_graph)."""
+    from nmoe.train.loop import default_loss
+
+    cfg = make_cfg(tmp_path, dataset)
+    model = ToyMoE()
+    x = torch.zeros(2, 8, dtype=torch.int64)
+    probe = default_loss(model, x, x)
+    ref = weakref.ref(probe)
+    assert ref() is not None, "a loss still referenced is seen alive (what a kept graph looks like)"
+    del probe
+    assert ref() is None, "and a dropped one is freed at once: nothing else holds the graph"
+
+    alive: list[bool] = []
+    last: list[weakref.ref[Tensor]] = []
+
+    def loss_fn(m: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        alive.append(bool(last) and last[-1]() is not None)
+        loss = default_loss(m, x, y)
+        last.append(weakref.ref(loss))
+        return loss
+
+    run(cfg, 3, model=model, loss_fn=loss_fn)
+    assert alive == [False, False, False], "a step's loss (and its graph) is alive at the next forward"

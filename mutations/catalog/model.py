@@ -12,6 +12,14 @@ WIRING = f"{TESTS}::test_hidden_wiring_matches_manual_composition"
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
+        "model.routing_graph_kept", FILE,
+        "        self.last_routing = replace(routing, weights=routing.weights.detach())",
+        "        self.last_routing = routing",
+        "the MoE layer keeps its routing weights with their autograd graph until the next forward: the "
+        "router's AccumulateGrad node, made on the eager step's stream, reaches a CUDA graph capture",
+        tests=(f"{TESTS}::test_sep_model_routing_graph_kept",), contracts=("model",),
+    ),
+    Mutation(
         "model.final_norm_dropped", FILE,
         "        return self.ops.rmsnorm(h, self.norm.to(COMPUTE), self.cfg.norm_eps)",
         "        return h",

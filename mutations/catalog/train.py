@@ -1,6 +1,6 @@
 """sharding.*, checkpoint.*, loop.*: defects in the trainer's data and expert parallelism (nmoe/sharding.py,
 the gradient reduction and norm over ranks; nmoe/train/checkpoint.py, the per-rank keys of expert shards;
-nmoe/train/loop.py, the loss every rank logs and the run they log under)."""
+nmoe/train/loop.py, the loss every rank logs, the run they log under and the graph a step frees)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "",
         "each rank logs (and checks for NaN) its own half-batch loss, not the global batch's mean",
         tests=(LOOP_TEST,),
+    ),
+    sep_mutation(
+        "loop.previous_graph_kept", "nmoe/train/loop.py",
+        "                    loss = loss.detach()\n", "",
+        "the eager step's loss keeps its autograd graph into the next step: its AccumulateGrad nodes, made "
+        "on the default stream, make that stream wait on the CUDA graph capture (train.cuda_graph fails)",
+        "tests/test_train_loop.py",
     ),
     Mutation(
         "loop.run_id_per_rank", "nmoe/train/loop.py",

@@ -46,8 +46,10 @@ class GraphedStep:
         except RuntimeError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise GraphError(f"train.cuda_graph: capturing the forward and backward failed ({first}); an "
-                             "op that syncs with the host or allocates outside the graph cannot be captured; "
-                             "set train.cuda_graph = false") from e
+                             "op that syncs with the host or allocates outside the graph cannot be captured, "
+                             "nor a step while an eager step's autograd graph is still held (its "
+                             "AccumulateGrad nodes keep that step's stream); set train.cuda_graph = false"
+                             ) from e
         self.grads = [p.grad for p in params]
 
     def __call__(self, inputs: Tensor, targets: Tensor) -> Tensor:

@@ -252,6 +252,8 @@ def _run(
                 else:
                     loss = loss_fn(model, inputs, targets)
                     loss.backward()  # type: ignore[no-untyped-call]
+                    # A kept graph keeps its AccumulateGrad nodes, made on this stream, into a later capture.
+                    loss = loss.detach()
                 if world > 1:
                     reduce_grads(params, world, _all_reduce_sum)
                 norm = clip_grad_norm(params, cfg.optim.grad_clip, _all_reduce_sum if world > 1 else None)
