@@ -8,6 +8,7 @@ FILE = "nmoe/fast/kernels/sm90/grouped_gemm.py"
 WGRAD = "nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py"
 TESTS = "tests/test_fast_gemm.py"
 GATHER_TESTS = "tests/test_fast_gemm_gather.py"
+SCHEDULE_TESTS = "tests/test_fast_wgrad_schedule.py"
 
 MUTATIONS: tuple[Mutation, ...] = (
     sep_mutation(
@@ -50,6 +51,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    if valid < BK:\n", "    if valid < 0:\n",
         "wgrad sums the next group's rows into a group's last K box", TESTS, ("grouped_gemm_wgrad",),
         device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_wgrad_order_ties_collide", WGRAD,
+        "            if e_j - s_j == end - start and j < i:\n                rank += 1\n", "",
+        "the wgrad ranks groups by rows alone: equal groups share a rank, another rank's group is never "
+        "computed", SCHEDULE_TESTS, ("grouped_gemm_wgrad",), device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_wgrad_last_round_dropped", WGRAD,
+        "    return (total + n_ctas - 1) // n_ctas\n", "    return total // n_ctas\n",
+        "the wgrad deals whole rounds only: the tiles of a partial last round are never computed",
+        SCHEDULE_TESTS, ("grouped_gemm_wgrad",), device="gpu",
     ),
     sep_mutation(
         "gemm.fast_gather_row_off_by_one", FILE,

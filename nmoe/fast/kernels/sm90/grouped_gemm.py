@@ -309,16 +309,15 @@ def mma_fragments(tiled_mma: cute.TiledMma, s_a: cute.Tensor, s_b: cute.Tensor, 
 @cute.jit
 def cta_setup(m_offs: cute.Tensor, n_groups: Int32, ab_dtype: Constexpr[Any], a_layout: cute.ComposedLayout,
               b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout, stages: Constexpr[int],
-              by_tma: Constexpr[str] = "ab",
+              by_tma: Constexpr[str] = "ab", tables: Constexpr[int] = 1,
               ) -> tuple[cute.Tensor, cute.Tensor, cute.Tensor, cute.Tensor, pipeline.PipelineTmaAsync]:
-    """A grouped-GEMM CTA's shared memory (mbarriers, offs table, operand ring, output staging) and the TMA
-    pipeline whose init ends in a CTA-wide barrier, which also publishes the offs table. by_tma names the
-    operands TMA loads; with one of them gathered, a stage is full once the other's TMA bytes landed and
-    each of the WG_THREADS gathering threads arrived."""
+    """A grouped-GEMM CTA's shared memory (mbarriers, offs table, a second with tables=2, operand ring, output
+    staging) and its TMA pipeline, whose init barrier publishes the offs. by_tma: the TMA-loaded operands;
+    with one gathered, a stage fills on the other's TMA bytes plus one arrival per gathering thread."""
     tidx, _, _ = cute.arch.thread_idx()
     smem = SmemAllocator()
     barriers = smem.allocate_array(Int64, stages * 2, byte_alignment=8)
-    s_offs = smem.allocate_tensor(Int32, cute.make_layout(MAX_GROUPS), 16)
+    s_offs = smem.allocate_tensor(Int32, cute.make_layout(MAX_GROUPS * tables), 16)
     s_a = smem.allocate_tensor(ab_dtype, a_layout.outer, 1024, a_layout.inner)
     s_b = smem.allocate_tensor(ab_dtype, b_layout.outer, 1024, b_layout.inner)
     s_d = smem.allocate_tensor(BFloat16, d_layout.outer, 1024, d_layout.inner)

@@ -1,6 +1,6 @@
 """sm_90a grouped wgrad dw[e] = dy[rows of e]^T @ x[rows of e]: 64-row TMA boxes start at the group's first
-row; consumers zero the last box's rows that belong to the next group before the MMA reads them.
-Import only after nmoe.fast.runtime.import_cutlass("sm_90a")."""
+row; consumers zero the last box's rows that belong to the next group before the MMA reads them. Tiles go
+heaviest group first, dealt to the CTAs in snake order. Import only after runtime.import_cutlass("sm_90a")."""
 
 from __future__ import annotations
 
@@ -41,13 +41,14 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     swizzled,
 )
 from nmoe.fast.limits import GEMM_BM as BM
+from nmoe.fast.limits import GEMM_MAX_GROUPS as MAX_GROUPS
 
 MASK_BARRIER_ID = 2
 
 
 def stages_for(bn: int) -> int:
-    """wgrad still stages its whole BM x bn output tile in shared memory."""
-    return pipeline_stages((BM + bn) * BK * 2, BM * bn * 2)
+    """wgrad still stages its whole BM x bn output tile in shared memory, beside its group order table."""
+    return pipeline_stages((BM + bn) * BK * 2, BM * bn * 2 + MAX_GROUPS * 4)
 
 
 @cute.jit
@@ -61,12 +62,48 @@ def _group_rows(s_offs: cute.Tensor, e: Int32, m_rows: Int32) -> tuple[Int32, In
 
 
 @cute.jit
-def _wgrad_tile(s_offs: cute.Tensor, m_rows: Int32, t: Int32, tiles_per_group: Int32,
+def order_groups(s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, tidx: Int32) -> cute.Tensor:
+    """The second group table: order[r] is the group with the r-th most rows (ties by index), so the longest
+    reductions start first instead of leaving CTAs idle behind the heaviest expert under skew."""
+    s_order = cute.make_tensor(s_offs.iterator + MAX_GROUPS, cute.make_layout(MAX_GROUPS))
+    for i in range(tidx, n_groups, THREADS):
+        start, end = _group_rows(s_offs, i, m_rows)
+        rank = Int32(0)
+        for j in range(n_groups):
+            s_j, e_j = _group_rows(s_offs, j, m_rows)
+            if e_j - s_j > end - start:
+                rank += 1
+            if e_j - s_j == end - start and j < i:
+                rank += 1
+        s_order[rank] = i
+    cute.arch.sync_threads()
+    return s_order
+
+
+@cute.jit
+def n_rounds(total: Int32, n_ctas: Int32) -> Int32:
+    """Rounds of the deal: every CTA takes one tile per round, the last round partial."""
+    return (total + n_ctas - 1) // n_ctas
+
+
+@cute.jit
+def snake_tile(i: Int32, bidx: Int32, n_ctas: Int32) -> Int32:
+    """The tile a CTA takes in round i: rounds alternate direction, so the CTA dealt a heavy tile early is
+    dealt a light one next."""
+    t = i * n_ctas + bidx
+    if i % 2 == 1:
+        t = i * n_ctas + n_ctas - 1 - bidx
+    return t
+
+
+@cute.jit
+def _wgrad_tile(s_offs: cute.Tensor, s_order: cute.Tensor, m_rows: Int32, t: Int32, tiles_per_group: Int32,
                 tiles_n: Int32) -> tuple[Int32, Int32, Int32, Int32, Int32]:
     """Linear tile t of the wgrad: (group, m tile, n tile, group's first row, its end)."""
-    e = t // tiles_per_group
-    local = t - e * tiles_per_group
+    r = t // tiles_per_group
+    local = t - r * tiles_per_group
     m_tile = local // tiles_n
+    e = s_order[r]
     start, end = _group_rows(s_offs, e, m_rows)
     return e, m_tile, local - m_tile * tiles_n, start, end
 
@@ -92,11 +129,10 @@ def _mask_tail(s_a: cute.Tensor, s_b: cute.Tensor, stage: Int32, valid: Int32, b
 
 @cute.jit
 def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma, s_a: cute.Tensor,
-                  s_b: cute.Tensor, s_d: cute.Tensor, s_offs: cute.Tensor, m_d: cute.Tensor, m_rows: Int32,
-                  tidx: Int32, warp_idx: Int32, bidx: Int32, n_ctas: Int32, total: Int32,
-                  tiles_per_group: Int32, tiles_n: Int32, n: Constexpr[int], k: Constexpr[int],
-                  bn: Constexpr[int],
-                  stages: Constexpr[int], thread_written_b: Constexpr[bool]) -> None:
+                  s_b: cute.Tensor, s_d: cute.Tensor, s_offs: cute.Tensor, s_order: cute.Tensor,
+                  m_d: cute.Tensor, m_rows: Int32, tidx: Int32, warp_idx: Int32, bidx: Int32, n_ctas: Int32,
+                  total: Int32, tiles_per_group: Int32, tiles_n: Int32, n: Constexpr[int], k: Constexpr[int],
+                  bn: Constexpr[int], stages: Constexpr[int], thread_written_b: Constexpr[bool]) -> None:
     """The two consumer warpgroups of the wgrad: masked K boxes into wgmma, then the output tile through
     shared memory. thread_written_b: B arrived by cp.async, fenced before the tensor cores read it."""
     cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -129,46 +165,49 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
     read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-    for t in range(bidx, total, n_ctas):
-        e, m_tile, n_tile, start, end = _wgrad_tile(s_offs, m_rows, t, tiles_per_group, tiles_n)
-        k_tiles = (end - start + BK - 1) // BK
-        acc.fill(0.0)
-        if k_tiles > 0:
-            mainloop.consumer_wait(read)
-            if const_expr(thread_written_b):
-                cute.arch.fence_proxy("async.shared", space="cta")
-            _mask_tail(s_a, s_b, read.index, end - start, bn, ctid, mask_bar)
-            _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
-            read.advance()
-            for kt in range(1, k_tiles):
+    for rnd in range(n_rounds(total, n_ctas)):
+        t = snake_tile(rnd, bidx, n_ctas)
+        if t < total:
+            e, m_tile, n_tile, start, end = _wgrad_tile(s_offs, s_order, m_rows, t, tiles_per_group,
+                                                        tiles_n)
+            k_tiles = (end - start + BK - 1) // BK
+            acc.fill(0.0)
+            if k_tiles > 0:
                 mainloop.consumer_wait(read)
                 if const_expr(thread_written_b):
                     cute.arch.fence_proxy("async.shared", space="cta")
-                _mask_tail(s_a, s_b, read.index, end - start - kt * BK, bn, ctid, mask_bar)
+                _mask_tail(s_a, s_b, read.index, end - start, bn, ctid, mask_bar)
                 _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
-                warpgroup.wait_group(1)
+                read.advance()
+                for kt in range(1, k_tiles):
+                    mainloop.consumer_wait(read)
+                    if const_expr(thread_written_b):
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                    _mask_tail(s_a, s_b, read.index, end - start - kt * BK, bn, ctid, mask_bar)
+                    _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
+                    warpgroup.wait_group(1)
+                    mainloop.consumer_release(release)
+                    release.advance()
+                    read.advance()
+                warpgroup.wait_group(0)
                 mainloop.consumer_release(release)
                 release.advance()
-                read.advance()
-            warpgroup.wait_group(0)
-            mainloop.consumer_release(release)
-            release.advance()
 
-        epi_bar.arrive_and_wait()
-        for v in range_constexpr(cute.size(r_f)):
-            r_f[v] = t_rs_acc[v]
-        r_d.store(r_f.load().to(BFloat16))
-        cute.copy(r2s, r_d, t_rs_d)
-        epi_bar.arrive_and_wait()
-        rows_valid = n - m_tile * BM
-        cols_valid = k - n_tile * bn
-        g_d = cute.local_tile(m_d[(None, None, e)], (BM, bn), (m_tile, n_tile))
-        t_s_gd = thr_s2g.partition_D(g_d)
-        for i in range_constexpr(cute.size(t_s_sd, mode=[1])):
-            for j in range_constexpr(cute.size(t_s_sd, mode=[2])):
-                coord = t_s_cd[(0, i, j)]
-                if coord[0] < rows_valid and coord[1] < cols_valid:
-                    cute.copy(s2g_atom, t_s_sd[(None, i, j)], t_s_gd[(None, i, j)])
+            epi_bar.arrive_and_wait()
+            for v in range_constexpr(cute.size(r_f)):
+                r_f[v] = t_rs_acc[v]
+            r_d.store(r_f.load().to(BFloat16))
+            cute.copy(r2s, r_d, t_rs_d)
+            epi_bar.arrive_and_wait()
+            rows_valid = n - m_tile * BM
+            cols_valid = k - n_tile * bn
+            g_d = cute.local_tile(m_d[(None, None, e)], (BM, bn), (m_tile, n_tile))
+            t_s_gd = thr_s2g.partition_D(g_d)
+            for i in range_constexpr(cute.size(t_s_sd, mode=[1])):
+                for j in range_constexpr(cute.size(t_s_sd, mode=[2])):
+                    coord = t_s_cd[(0, i, j)]
+                    if coord[0] < rows_valid and coord[1] < cols_valid:
+                        cute.copy(s2g_atom, t_s_sd[(None, i, j)], t_s_gd[(None, i, j)])
 
 
 @cute.kernel
@@ -181,7 +220,8 @@ def grouped_wgrad_kernel(
 ) -> None:
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
-                                                stages)
+                                                stages, tables=2)
+    s_order = order_groups(s_offs, n_groups, m_rows, tidx)
 
     tiles_m = (n + BM - 1) // BM
     tiles_n = (k + bn - 1) // bn
@@ -194,25 +234,28 @@ def grouped_wgrad_kernel(
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         if warp_idx == 0:
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-            for t in range(bidx, total, n_ctas):
-                _, m_tile, n_tile, start, end = _wgrad_tile(s_offs, m_rows, t, tiles_per_group, tiles_n)
-                g_a = cute.local_tile(cute.domain_offset((0, start), m_a), (BM, BK), (m_tile, None))
-                g_b = cute.local_tile(cute.domain_offset((0, start), m_b), (bn, BK), (n_tile, None))
-                t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1), s_a_flat,
-                                                   cute.group_modes(g_a, 0, 2))
-                t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1), s_b_flat,
-                                                   cute.group_modes(g_b, 0, 2))
-                for kt in range((end - start + BK - 1) // BK):
-                    mainloop.producer_acquire(state)
-                    bar = mainloop.producer_get_barrier(state)
-                    cute.copy(tma_atom_a, t_ga[(None, kt)], t_sa[(None, state.index)], tma_bar_ptr=bar)
-                    cute.copy(tma_atom_b, t_gb[(None, kt)], t_sb[(None, state.index)], tma_bar_ptr=bar)
-                    mainloop.producer_commit(state)
-                    state.advance()
+            for rnd in range(n_rounds(total, n_ctas)):
+                t = snake_tile(rnd, bidx, n_ctas)
+                if t < total:
+                    _, m_tile, n_tile, start, end = _wgrad_tile(s_offs, s_order, m_rows, t, tiles_per_group,
+                                                                tiles_n)
+                    g_a = cute.local_tile(cute.domain_offset((0, start), m_a), (BM, BK), (m_tile, None))
+                    g_b = cute.local_tile(cute.domain_offset((0, start), m_b), (bn, BK), (n_tile, None))
+                    t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1), s_a_flat,
+                                                       cute.group_modes(g_a, 0, 2))
+                    t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1), s_b_flat,
+                                                       cute.group_modes(g_b, 0, 2))
+                    for kt in range((end - start + BK - 1) // BK):
+                        mainloop.producer_acquire(state)
+                        bar = mainloop.producer_get_barrier(state)
+                        cute.copy(tma_atom_a, t_ga[(None, kt)], t_sa[(None, state.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_atom_b, t_gb[(None, kt)], t_sb[(None, state.index)], tma_bar_ptr=bar)
+                        mainloop.producer_commit(state)
+                        state.advance()
             mainloop.producer_tail(state)
     else:
-        consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, m_d, m_rows, tidx, warp_idx, bidx, n_ctas,
-                      total, tiles_per_group, tiles_n, n, k, bn, stages, False)
+        consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, s_order, m_d, m_rows, tidx, warp_idx, bidx,
+                      n_ctas, total, tiles_per_group, tiles_n, n, k, bn, stages, False)
 
 
 def _mn_major_setup(bn: int, stages: int) -> tuple[cute.TiledMma, cute.ComposedLayout, cute.ComposedLayout,
@@ -259,9 +302,10 @@ def grouped_wgrad_host(
 def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyAtom, m_t: cute.Tensor,
                            m_slot: cute.Tensor, src_addr: Int64, zero_addr: Int64, top_k: Int32,
                            s_t: cute.Tensor, s_g: cute.Tensor, g_outer: cute.Layout, s_offs: cute.Tensor,
-                           m_rows: Int32, bidx: Int32, n_ctas: Int32, total: Int32, tiles_per_group: Int32,
-                           tiles_n: Int32, warp_idx: Int32, ptid: Int32, width: Constexpr[int],
-                           bn: Constexpr[int], side: Constexpr[str], stages: Constexpr[int]) -> None:
+                           s_order: cute.Tensor, m_rows: Int32, bidx: Int32, n_ctas: Int32, total: Int32,
+                           tiles_per_group: Int32, tiles_n: Int32, warp_idx: Int32, ptid: Int32,
+                           width: Constexpr[int], bn: Constexpr[int], side: Constexpr[str],
+                           stages: Constexpr[int]) -> None:
     """The producer warpgroup with one operand read from token-major rows (side "b": x, side "a": dy):
     warp 0 arms each stage and TMA-loads the other operand's box; every thread copies its 16-byte chunks of
     the gathered MN-major box (row p of the group reads token slot[p] // top_k of a `width`-wide source;
@@ -272,32 +316,34 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.C
     box = bn if const_expr(side == "b") else BM
     per_row = box // VEC
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-    for t in range(bidx, total, n_ctas):
-        _, m_tile, n_tile, start, end = _wgrad_tile(s_offs, m_rows, t, tiles_per_group, tiles_n)
-        if const_expr(side == "b"):
-            g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (BM, BK), (m_tile, None))
-            col0 = n_tile * bn
-        else:
-            g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (bn, BK), (n_tile, None))
-            col0 = m_tile * BM
-        t_st, t_gt = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), s_t_flat,
-                                           cute.group_modes(g_t, 0, 2))
-        for kt in range((end - start + BK - 1) // BK):
-            arm_stage(mainloop, state, warp_idx, tma_atom, t_gt[(None, kt)], t_st[(None, state.index)])
-            for i in range_constexpr(BK * per_row // WG_THREADS):
-                chunk = ptid + WG_THREADS * i
-                rr = chunk // per_row
-                c = (chunk - rr * per_row) * VEC
-                row = start + kt * BK + rr
-                col = col0 + c
-                g = zero_addr
-                if row < end and col < width:
-                    s = m_slot[row]
-                    if s >= Int64(0):
-                        g = src_addr + (s // Int64(top_k) * Int64(width) + Int64(col)) * Int64(2)
-                copy_chunk(atom, g, g_base + swizzled(g_outer((c, rr, state.index)) * 2))
-            cute.arch.cp_async_mbarrier_arrive_noinc(mainloop.producer_get_barrier(state))
-            state.advance()
+    for rnd in range(n_rounds(total, n_ctas)):
+        t = snake_tile(rnd, bidx, n_ctas)
+        if t < total:
+            _, m_tile, n_tile, start, end = _wgrad_tile(s_offs, s_order, m_rows, t, tiles_per_group, tiles_n)
+            if const_expr(side == "b"):
+                g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (BM, BK), (m_tile, None))
+                col0 = n_tile * bn
+            else:
+                g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (bn, BK), (n_tile, None))
+                col0 = m_tile * BM
+            t_st, t_gt = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), s_t_flat,
+                                               cute.group_modes(g_t, 0, 2))
+            for kt in range((end - start + BK - 1) // BK):
+                arm_stage(mainloop, state, warp_idx, tma_atom, t_gt[(None, kt)], t_st[(None, state.index)])
+                for i in range_constexpr(BK * per_row // WG_THREADS):
+                    chunk = ptid + WG_THREADS * i
+                    rr = chunk // per_row
+                    c = (chunk - rr * per_row) * VEC
+                    row = start + kt * BK + rr
+                    col = col0 + c
+                    g = zero_addr
+                    if row < end and col < width:
+                        s = m_slot[row]
+                        if s >= Int64(0):
+                            g = src_addr + (s // Int64(top_k) * Int64(width) + Int64(col)) * Int64(2)
+                    copy_chunk(atom, g, g_base + swizzled(g_outer((c, rr, state.index)) * 2))
+                cute.arch.cp_async_mbarrier_arrive_noinc(mainloop.producer_get_barrier(state))
+                state.advance()
     if warp_idx == 0:
         mainloop.producer_tail(state)
 
@@ -312,7 +358,8 @@ def grouped_wgrad_gather_kernel(
 ) -> None:
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom,))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
-                                                stages, "a" if const_expr(side == "b") else "b")
+                                                stages, "a" if const_expr(side == "b") else "b", 2)
+    s_order = order_groups(s_offs, n_groups, m_rows, tidx)
     tiles_m = (n + BM - 1) // BM
     tiles_n = (k + bn - 1) // bn
     tiles_per_group = tiles_m * tiles_n
@@ -321,15 +368,15 @@ def grouped_wgrad_gather_kernel(
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         if const_expr(side == "b"):
             produce_wgrad_gathered(mainloop, tma_atom, m_t, m_slot, src_addr, zero_addr, top_k, s_a, s_b,
-                                   b_layout.outer, s_offs, m_rows, bidx, n_ctas, total, tiles_per_group,
-                                   tiles_n, warp_idx, tidx, k, bn, side, stages)
+                                   b_layout.outer, s_offs, s_order, m_rows, bidx, n_ctas, total,
+                                   tiles_per_group, tiles_n, warp_idx, tidx, k, bn, side, stages)
         else:
             produce_wgrad_gathered(mainloop, tma_atom, m_t, m_slot, src_addr, zero_addr, top_k, s_b, s_a,
-                                   a_layout.outer, s_offs, m_rows, bidx, n_ctas, total, tiles_per_group,
-                                   tiles_n, warp_idx, tidx, n, bn, side, stages)
+                                   a_layout.outer, s_offs, s_order, m_rows, bidx, n_ctas, total,
+                                   tiles_per_group, tiles_n, warp_idx, tidx, n, bn, side, stages)
     else:
-        consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, m_d, m_rows, tidx, warp_idx, bidx, n_ctas,
-                      total, tiles_per_group, tiles_n, n, k, bn, stages, True)
+        consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, s_order, m_d, m_rows, tidx, warp_idx, bidx,
+                      n_ctas, total, tiles_per_group, tiles_n, n, k, bn, stages, True)
 
 
 @cute.jit
