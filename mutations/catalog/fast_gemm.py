@@ -60,7 +60,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "gemm.fast_wgrad_last_round_dropped", WGRAD,
-        "    return (total + n_ctas - 1) // n_ctas\n", "    return total // n_ctas\n",
+        "    return cast(Int32, (total + n_ctas - 1) // n_ctas)\n",
+        "    return cast(Int32, total // n_ctas)\n",
         "the wgrad deals whole rounds only: the tiles of a partial last round are never computed",
         SCHEDULE_TESTS, ("grouped_gemm_wgrad",), device="gpu",
     ),

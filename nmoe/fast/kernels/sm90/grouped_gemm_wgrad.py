@@ -65,7 +65,7 @@ def _group_rows(s_offs: cute.Tensor, e: Int32, m_rows: Int32) -> tuple[Int32, In
 def order_groups(s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, tidx: Int32) -> cute.Tensor:
     """The second group table: order[r] is the group with the r-th most rows (ties by index), so the longest
     reductions start first instead of leaving CTAs idle behind the heaviest expert under skew."""
-    s_order = cute.make_tensor(s_offs.iterator + MAX_GROUPS, cute.make_layout(MAX_GROUPS))
+    s_order = cute.make_tensor(cast(Any, s_offs.iterator) + MAX_GROUPS, cute.make_layout(MAX_GROUPS))
     for i in range(tidx, n_groups, THREADS):
         start, end = _group_rows(s_offs, i, m_rows)
         rank = Int32(0)
@@ -77,13 +77,13 @@ def order_groups(s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, tidx: Int3
                 rank += 1
         s_order[rank] = i
     cute.arch.sync_threads()
-    return s_order
+    return cast(cute.Tensor, s_order)
 
 
 @cute.jit
 def n_rounds(total: Int32, n_ctas: Int32) -> Int32:
     """Rounds of the deal: every CTA takes one tile per round, the last round partial."""
-    return (total + n_ctas - 1) // n_ctas
+    return cast(Int32, (total + n_ctas - 1) // n_ctas)
 
 
 @cute.jit
@@ -93,7 +93,7 @@ def snake_tile(i: Int32, bidx: Int32, n_ctas: Int32) -> Int32:
     t = i * n_ctas + bidx
     if i % 2 == 1:
         t = i * n_ctas + n_ctas - 1 - bidx
-    return t
+    return cast(Int32, t)
 
 
 @cute.jit
@@ -103,7 +103,7 @@ def _wgrad_tile(s_offs: cute.Tensor, s_order: cute.Tensor, m_rows: Int32, t: Int
     r = t // tiles_per_group
     local = t - r * tiles_per_group
     m_tile = local // tiles_n
-    e = s_order[r]
+    e = cast(Int32, s_order[r])
     start, end = _group_rows(s_offs, e, m_rows)
     return e, m_tile, local - m_tile * tiles_n, start, end
 
