@@ -1,21 +1,51 @@
-"""The wgrad's tile schedule (nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py): groups ordered by rows, heaviest
-first, ties by index, tiles dealt to the CTAs in snake rounds. Every tile must still be computed exactly once:
-the output is NaN-filled first, so a tile no CTA takes stays NaN and fails the float64 bound."""
+"""The wgrad's work schedule (nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py): groups ranked by rows, heaviest
+first (ties by index); a group with more rows than a CTA's average share is cut into chunks whose fp32
+partials are summed in chunk order; the tiles are dealt to the CTAs in snake rounds. Outputs are NaN-filled
+first, so a tile no CTA writes stays NaN and fails the float64 bound. The split's sizes need no GPU."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
-from test_fast_gemm import check_wgrad, zipf_counts
+from test_fast_gemm import check_wgrad, cumsum, offs_of, zipf_counts
 
 from nmoe.fast import runtime
-from nmoe.fast.limits import GEMM_BM
+from nmoe.fast.gemm import sm90 as gemm
+from nmoe.fast.gemm.sm90 import wgrad_split
+from nmoe.fast.limits import GEMM_BK, GEMM_BM
 
 gpu = pytest.mark.gpu
 
 # 40 Zipf groups with repeated sizes and empty groups; n=256, k=512 at bn=128 make 8 tiles per group.
 SKEWED = [*zipf_counts(9000, 30), 0, 0, 64, 64, 64, 1, 1, 300, 300, 0]
 N, K, BN = 256, 512, 128
+
+
+def _chunks(counts: list[int], thresh: int, rows: int) -> int:
+    """Workspace slices the kernel's rule takes: every chunk of every group that splits into more than one."""
+    parts = [-(-c // rows) if c > thresh else 1 for c in counts]
+    return sum(p for p in parts if p > 1)
+
+
+def test_split_workspace_holds_every_routing() -> None:
+    """Adversarial routings (all rows in one group, just past the threshold, ragged) never need more
+    workspace than the plan allocates from shapes alone; a plan where no group can exceed a CTA's share
+    splits nothing."""
+    rng = random.Random(0)
+    for m, n, k, bn, e, sms in [(9005, 256, 512, 128, 40, 132), (20007, 128, 256, 256, 2, 132),
+                                (196608, 1536, 256, 256, 128, 132), (3000, 128, 128, 128, 2, 148)]:
+        plan = wgrad_split(m, n, k, bn, e, sms)
+        tpg = -(-n // GEMM_BM) * -(-k // bn)
+        assert plan.rows % GEMM_BK == 0 and plan.rows >= 4 * GEMM_BK and plan.counters == e * tpg
+        worst = [m] + [0] * (e - 1)
+        just = [plan.thresh + 1] * min(e, m // (plan.thresh + 1))
+        cases = [worst, just] + [[rng.randint(0, m // e * 3) for _ in range(e)] for _ in range(200)]
+        for counts in cases:
+            if sum(counts) <= m:
+                assert _chunks(counts, plan.thresh, plan.rows) * tpg <= plan.ws_tiles, (m, counts[:4])
+    assert wgrad_split(32768 * 8, 2048, 4096, 256, 128, 132).ws_tiles == 0, "wide tiles: nothing splits"
 
 
 @gpu
@@ -29,7 +59,45 @@ def test_sep_gemm_fast_wgrad_order_ties_collide() -> None:
 @gpu
 def test_sep_gemm_fast_wgrad_last_round_dropped() -> None:
     """More than two rounds (so the snake turns), the last one partial: every tile of it is kept."""
-    total = len(SKEWED) * (N // GEMM_BM) * (K // BN)
+    plan = wgrad_split(sum(SKEWED) + 5, N, K, BN, len(SKEWED), runtime.sm_count(torch.cuda.current_device()))
+    assert plan.ws_tiles > 0, "the heaviest groups split, so units outnumber groups"
+    units = len(SKEWED) + sum(-(-c // plan.rows) - 1 for c in SKEWED if c > plan.thresh)
+    total = units * (N // GEMM_BM) * (K // BN)
     n_ctas = min(runtime.sm_count(torch.cuda.current_device()), total)
     assert total % n_ctas != 0 and total > 2 * n_ctas, "more than two rounds, the last one partial"
     check_wgrad(sum(SKEWED) + 5, N, K, SKEWED, seed=24, bn=BN)
+
+
+@gpu
+def test_sep_gemm_fast_wgrad_split_partial_dropped() -> None:
+    """A split group's result is the sum of all its chunks: without the first chunk's partial, the bound
+    fails on its rows' share."""
+    counts = [4000, 5, 300]
+    plan = wgrad_split(sum(counts), 128, 256, 256, 3, runtime.sm_count(torch.cuda.current_device()))
+    assert counts[0] > plan.thresh and -(-counts[0] // plan.rows) >= 3, "group 0 splits into 3+ chunks"
+    check_wgrad(sum(counts), 128, 256, counts, seed=25, bn=256)
+
+
+@gpu
+def test_sep_gemm_fast_wgrad_split_order_reversed() -> None:
+    """The chunks' fp32 partials are added in chunk order, whichever CTA finishes last. dw[0][0, 0] gets
+    2^24 from chunk 0, 1 from chunk 1 and -2^24 from chunk 2: in chunk order (2^24 + 1) rounds to 2^24
+    and the sum is 0; in reverse order it is 1 (the float64 value, also inside the bound)."""
+    a, b, c = torch.tensor(2.0**24), torch.tensor(1.0), torch.tensor(-(2.0**24))
+    assert float((a + b) + c) == 0.0 and float((c + b) + a) == 1.0, "the two orders differ in fp32"
+    counts, n, k = [1200, 40], 128, 128
+    m = sum(counts)
+    plan = wgrad_split(m, n, k, 128, 2, runtime.sm_count(torch.cuda.current_device()))
+    assert counts[0] > plan.thresh and counts[0] > 2 * plan.rows, "group 0 splits into 3+ chunks"
+    g = torch.Generator().manual_seed(26)
+    dy = torch.randn(m, n, generator=g)
+    x = torch.randn(m, k, generator=g)
+    dy[:, 0] = 0.0
+    x[:, 0] = 0.0
+    for row, (u, w) in zip((3, plan.rows + 5, 2 * plan.rows + 7), ((4096.0, 4096.0), (1.0, 1.0),
+                                                                   (-4096.0, 4096.0)), strict=True):
+        dy[row, 0], x[row, 0] = u, w
+    dw = torch.full((2, n, k), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gemm._launch_wgrad(dy.to(torch.bfloat16).cuda(), x.to(torch.bfloat16).cuda(), offs_of(cumsum(counts)), dw,
+                       128)
+    assert float(dw[0, 0, 0]) == 0.0, f"chunk partials summed out of order: {float(dw[0, 0, 0])}"

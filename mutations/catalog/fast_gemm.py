@@ -66,6 +66,19 @@ MUTATIONS: tuple[Mutation, ...] = (
         SCHEDULE_TESTS, ("grouped_gemm_wgrad",), device="gpu",
     ),
     sep_mutation(
+        "gemm.fast_wgrad_split_partial_dropped", WGRAD,
+        "        for c in range(splits):\n", "        for c in range(1, splits):\n",
+        "the CTA finishing a split group's tile sums every chunk's partial but the first",
+        SCHEDULE_TESTS, ("grouped_gemm_wgrad",), device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_wgrad_split_order_reversed", WGRAD,
+        "acc[v] = acc[v] + m_ws[(v, ctid, (first_slice + c) * slice_stride + local)]",
+        "acc[v] = acc[v] + m_ws[(v, ctid, (first_slice + splits - 1 - c) * slice_stride + local)]",
+        "a split group's chunk partials are summed last chunk first (still deterministic, other bits)",
+        SCHEDULE_TESTS, ("grouped_gemm_wgrad",), device="gpu",
+    ),
+    sep_mutation(
         "gemm.fast_gather_row_off_by_one", FILE,
         "                a = x_addr + s // Int64(top_k) * Int64(k * 2)",
         "                a = x_addr + (s + Int64(1)) // Int64(top_k) * Int64(k * 2)",

@@ -19,6 +19,8 @@ ROUTER_MAX_GROUPS: Final[int] = 32
 
 GEMM_BM: Final[int] = 128
 """M tile of every grouped GEMM (sm_90a and sm_100a): groups are padded to it in tile counts."""
+GEMM_BK: Final[int] = 64
+"""K box of the sm_90a grouped GEMMs (rows of the wgrad's reduction): its row splits are multiples of it."""
 GEMM_BN_CHOICES: Final[tuple[int, ...]] = (128, 256)
 GEMM_MAX_GROUPS: Final[int] = 1024
 """Groups the grouped GEMM's shared-memory offs table holds."""

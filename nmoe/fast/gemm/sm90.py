@@ -20,7 +20,7 @@ from nmoe.fast.gemm.routing import (
     require,
     tile_upper_bound,
 )
-from nmoe.fast.limits import GEMM_ALIGN, GEMM_BM, GEMM_BN_CHOICES
+from nmoe.fast.limits import GEMM_ALIGN, GEMM_BK, GEMM_BM, GEMM_BN_CHOICES
 from nmoe.fast.op import Kernel, Launcher, fast_op, remember, save_inputs
 from nmoe.fast.runtime import KernelSpec, tma_aligned
 
@@ -63,6 +63,37 @@ def _pick_bn(op: str, width: int, bn: int | None) -> int:
 
 
 @dataclass(frozen=True)
+class WgradSplit:
+    """The wgrad's row split, from shapes alone (no routing value reaches the host): a group of more than
+    `thresh` rows (a CTA's average share of the work) is cut into `rows`-row chunks whose fp32 partials fill
+    at most `ws_tiles` workspace tiles and are summed in chunk order; `counters` count finished chunks."""
+
+    thresh: int
+    rows: int
+    ws_tiles: int
+    counters: int
+
+    def scalars(self) -> tuple[int, int, int]:
+        return self.thresh, self.rows, self.ws_tiles
+
+    def buffers(self, device: torch.device, bn: int) -> tuple[Tensor, Tensor]:
+        """Workspace (uninitialised) and counters (zeroed): one launch's, so a replayed graph starts clean."""
+        ws = torch.empty(max(self.ws_tiles, 1) * GEMM_BM * bn, dtype=torch.float32, device=device)
+        return ws, torch.zeros(max(self.counters, 1), dtype=torch.int32, device=device)
+
+
+def wgrad_split(m: int, n: int, k: int, bn: int, n_groups: int, sms: int) -> WgradSplit:
+    """Chunks of half a CTA's share, in K boxes. A split group has S = ceil(R / rows) < 2R / rows chunks
+    (R > rows), so together they take fewer than 2m / rows workspace slices of tiles_per_group tiles."""
+    tpg = -(-n // GEMM_BM) * -(-k // bn)
+    share = -(-m * tpg // sms)
+    if share >= m:
+        return WgradSplit(m, m, 0, 0)
+    rows = -(-max(4 * GEMM_BK, -(-share // 2)) // GEMM_BK) * GEMM_BK
+    return WgradSplit(share, rows, (2 * m // rows) * tpg, n_groups * tpg)
+
+
+@dataclass(frozen=True)
 class _Plan:
     """A validated call of one layout (shapes, strides, dtypes, devices, aligned bases): what it allocates,
     and whether it launches, zeroes its outputs or does nothing; only the offs values are read per call.
@@ -77,8 +108,9 @@ class _Plan:
     w_ready: bool
     launch: Launcher | None
     zero: bool
-    scalars: tuple[int, int, int]
+    scalars: tuple[int, ...]
     act_ptr: bool
+    split: tuple[WgradSplit, int] | None = None
 
     def run(self, a: Tensor, w: Tensor, offs: Tensor, outs: tuple[Tensor, ...]) -> None:
         launch = self.launch
@@ -92,7 +124,10 @@ class _Plan:
             launch(self.index, a.data_ptr(), w.data_ptr(), outs[0].data_ptr(), outs[-1].data_ptr(),
                    offs.data_ptr(), *self.scalars)
         else:
-            launch(self.index, a.data_ptr(), w.data_ptr(), outs[0].data_ptr(), offs.data_ptr(), *self.scalars)
+            assert self.split is not None, "a wgrad plan carries its row split"
+            ws, counters = self.split[0].buffers(a.device, self.split[1])
+            launch(self.index, a.data_ptr(), w.data_ptr(), outs[0].data_ptr(), offs.data_ptr(), ws.data_ptr(),
+                   counters.data_ptr(), *self.scalars, *self.split[0].scalars())
 
 
 def _prepare(op: str, a: Tensor, w: Tensor, offs: Tensor, n: int, w_k_major: bool, bn: int | None,
@@ -124,24 +159,32 @@ def _launch(op: str, a: Tensor, w: Tensor, offs: Tensor, out: Tensor, w_k_major:
 
 def _launch_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, bn: int | None = None) -> None:
     """dw[e] = dy[rows of e]^T @ x[rows of e]; groups without rows get zeros."""
-    device, launch, zero, scalars = _prepare_wgrad(dy, x, offs, dw.shape, bn, dw)
-    _Plan("grouped_gemm_wgrad", device, dy.device, (), 0, True, True, launch, zero, scalars, False).run(
-        dy, x, offs, (dw,))
+    device, launch, zero, scalars, split = _prepare_wgrad(dy, x, offs, dw.shape, bn, dw)
+    _Plan("grouped_gemm_wgrad", device, dy.device, (), 0, True, True, launch, zero, scalars, False,
+          split).run(dy, x, offs, (dw,))
 
 
 def _prepare_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw_shape: tuple[int, ...], bn: int | None,
-                   *outs: Tensor) -> tuple[int, Launcher | None, bool, tuple[int, int, int]]:
+                   *outs: Tensor) -> tuple[int, Launcher | None, bool, tuple[int, int, int],
+                                           tuple[WgradSplit, int] | None]:
     device, arch = runtime.device_arch(dy, x, offs, *outs)
     require("grouped_gemm_wgrad", arch, ARCH)
     m = dy.shape[0]
     n_groups, n, k = dw_shape
     if n_groups * n * k == 0:
-        return device, None, False, (m, 0, 0)
+        return device, None, False, (m, 0, 0), None
     if m == 0:
-        return device, None, True, (m, 0, 0)
+        return device, None, True, (m, 0, 0), None
     bn = _pick_bn("grouped_gemm_wgrad", k, bn)
-    n_ctas = min(runtime.sm_count(device), n_groups * -(-n // GEMM_BM) * -(-k // bn))
-    return device, WGRAD.launcher(arch, n=n, k=k, bn=bn), False, (m, n_groups, n_ctas)
+    n_ctas, split = _wgrad_grid(device, m, n, k, bn, n_groups)
+    return device, WGRAD.launcher(arch, n=n, k=k, bn=bn), False, (m, n_groups, n_ctas), (split, bn)
+
+
+def _wgrad_grid(device: int, m: int, n: int, k: int, bn: int, n_groups: int) -> tuple[int, WgradSplit]:
+    """(CTAs, row split) of a wgrad over m rows: a CTA per SM, fewer only when there are fewer tiles."""
+    sms = runtime.sm_count(device)
+    split = wgrad_split(m, n, k, bn, n_groups, sms)
+    return min(sms, n_groups * -(-n // GEMM_BM) * -(-k // bn) + split.ws_tiles), split
 
 
 def _check_wgrad(dy: Tensor, x: Tensor, offs: Tensor) -> None:
@@ -178,13 +221,14 @@ def _plan(op: str, a: Tensor, w: Tensor, offs: Tensor, a_name: str, w_name: str,
         _check(op, a, w, offs, a_name, 1 if dgrad else 2)
         shape = (a.shape[0], w.shape[2] if dgrad else w.shape[1])
     ca, cw = tma_aligned(op, a_name, a), tma_aligned(op, w_name, w)
+    split: tuple[WgradSplit, int] | None = None
     if op == "grouped_gemm_wgrad":
-        index, launch, zero, scalars = _prepare_wgrad(ca, cw, offs, shape, None)
+        index, launch, zero, scalars, split = _prepare_wgrad(ca, cw, offs, shape, None)
     else:
         index, launch, zero, scalars = _prepare(op, ca, cw, offs, shape[1], not dgrad, None,
                                                  activation or "none")
     plan = _Plan(op, index, a.device, shape, width, ca is a, cw is w, launch, zero, scalars,
-                 op != "grouped_gemm_wgrad")
+                 op != "grouped_gemm_wgrad", split)
     return remember(_PLANS, key, plan)
 
 
@@ -416,13 +460,15 @@ def _wgrad_gathered_impl(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_
         return dw.zero_()
     check_offs_on_host(op, offs, m)
     bn = pick_bn(k)
-    n_ctas = min(runtime.sm_count(device), e * -(-n // GEMM_BM) * -(-k // bn))
+    n_ctas, split = _wgrad_grid(device, m, n, k, bn, e)
     kernel_side = "a" if side == "dy" else "b"
     launch = WGRAD_GATHER.launcher(arch, n=n, k=k, bn=bn, side=kernel_side)
     tma_side, token_major = (x, dy) if side == "dy" else (dy, x)
     zero = _zero_chunk(dy.device).data_ptr()
+    ws, counters = split.buffers(dy.device, bn)
     launch(device, tma_side.data_ptr(), token_major.data_ptr(), zero, slot.contiguous().data_ptr(),
-           dw.data_ptr(), offs.contiguous().data_ptr(), top_k, m, e, n_ctas)
+           dw.data_ptr(), offs.contiguous().data_ptr(), ws.data_ptr(), counters.data_ptr(), top_k, m, e,
+           n_ctas, *split.scalars())
     return dw
 
 
@@ -461,7 +507,9 @@ _FORBID_SM90 = (r"\b(ld|st)\.local\b", r"\bmma\.sync\b")
 
 # wgrad zeroes the rows of its last box that belong to the next group with ordinary stores, which the
 # tensor cores may read only after an async-proxy fence.
-_EXPECT_WGRAD = (*_EXPECT_SM90, r"\bfence\.proxy\.async\.shared::cta\b")
+# A split group's chunks publish fp32 partials, then count in with a device-scope acq_rel atomic.
+_EXPECT_WGRAD = (*_EXPECT_SM90, r"\bfence\.proxy\.async\.shared::cta\b", r"\bfence\.acq_rel\.gpu\b",
+                 r"\batom\.global\.acq_rel(\.gpu)?\.add\.u32\b")
 
 
 # The fused epilogue must round like the standalone activations: canonical NaN selects, no ftz arithmetic

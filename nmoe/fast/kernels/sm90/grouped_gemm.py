@@ -24,10 +24,10 @@ from cutlass.tensor_utils import LayoutEnum
 from nmoe.fast.kernels.activation import relu2_bits
 from nmoe.fast.kernels.prims import out_bits
 from nmoe.fast.kernels.swiglu import swiglu_pairs
+from nmoe.fast.limits import GEMM_BK as BK
 from nmoe.fast.limits import GEMM_BM as BM
 from nmoe.fast.limits import GEMM_MAX_GROUPS as MAX_GROUPS
 
-BK = 64
 K_BLOCKS = BK // 16
 WG_THREADS = 128
 CONSUMER_WGS = 2
@@ -311,13 +311,13 @@ def cta_setup(m_offs: cute.Tensor, n_groups: Int32, ab_dtype: Constexpr[Any], a_
               b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout, stages: Constexpr[int],
               by_tma: Constexpr[str] = "ab", tables: Constexpr[int] = 1,
               ) -> tuple[cute.Tensor, cute.Tensor, cute.Tensor, cute.Tensor, pipeline.PipelineTmaAsync]:
-    """A grouped-GEMM CTA's shared memory (mbarriers, offs table, a second with tables=2, operand ring, output
+    """A grouped-GEMM CTA's shared memory (mbarriers, offs table and tables - 1 more, operand ring, output
     staging) and its TMA pipeline, whose init barrier publishes the offs. by_tma: the TMA-loaded operands;
     with one gathered, a stage fills on the other's TMA bytes plus one arrival per gathering thread."""
     tidx, _, _ = cute.arch.thread_idx()
     smem = SmemAllocator()
     barriers = smem.allocate_array(Int64, stages * 2, byte_alignment=8)
-    s_offs = smem.allocate_tensor(Int32, cute.make_layout(MAX_GROUPS * tables), 16)
+    s_offs = smem.allocate_tensor(Int32, cute.make_layout(MAX_GROUPS * tables + 8 * (tables - 1)), 16)
     s_a = smem.allocate_tensor(ab_dtype, a_layout.outer, 1024, a_layout.inner)
     s_b = smem.allocate_tensor(ab_dtype, b_layout.outer, 1024, b_layout.inner)
     s_d = smem.allocate_tensor(BFloat16, d_layout.outer, 1024, d_layout.inner)

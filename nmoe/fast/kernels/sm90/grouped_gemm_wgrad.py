@@ -21,7 +21,6 @@ from cutlass.cutlass_dsl.cutlass import min as dsl_min
 from cutlass.tensor_utils import LayoutEnum
 
 from nmoe.fast.kernels.sm90.grouped_gemm import (
-    BK,
     CONSUMER_REGS,
     CONSUMER_THREADS,
     CONSUMER_WGS,
@@ -40,15 +39,19 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     pipeline_stages,
     swizzled,
 )
+from nmoe.fast.limits import GEMM_BK as BK
 from nmoe.fast.limits import GEMM_BM as BM
 from nmoe.fast.limits import GEMM_MAX_GROUPS as MAX_GROUPS
 
 MASK_BARRIER_ID = 2
+PACK = 1 << 16
+LOG_GROUPS = MAX_GROUPS.bit_length() - 1
+assert 1 << LOG_GROUPS == MAX_GROUPS, "the unit search halves a power-of-two table"
 
 
 def stages_for(bn: int) -> int:
-    """wgrad still stages its whole BM x bn output tile in shared memory, beside its group order table."""
-    return pipeline_stages((BM + bn) * BK * 2, BM * bn * 2 + MAX_GROUPS * 4)
+    """wgrad still stages its whole BM x bn output tile in shared memory, beside its two unit tables."""
+    return pipeline_stages((BM + bn) * BK * 2, BM * bn * 2 + (2 * MAX_GROUPS + 8) * 4)
 
 
 @cute.jit
@@ -61,11 +64,20 @@ def _group_rows(s_offs: cute.Tensor, e: Int32, m_rows: Int32) -> tuple[Int32, In
     return start, end
 
 
+def _at(table: cute.Tensor, i: Any) -> Int32:
+    return cast(Int32, table[i])
+
+
 @cute.jit
-def order_groups(s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, tidx: Int32) -> cute.Tensor:
-    """The second group table: order[r] is the group with the r-th most rows (ties by index), so the longest
-    reductions start first instead of leaving CTAs idle behind the heaviest expert under skew."""
-    s_order = cute.make_tensor(cast(Any, s_offs.iterator) + MAX_GROUPS, cute.make_layout(MAX_GROUPS))
+def plan_units(s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, thresh: Int32, split_rows: Int32,
+               tidx: Int32) -> tuple[cute.Tensor, cute.Tensor, cute.Tensor]:
+    """Rank tables of the work units: by_rank[r] = e + PACK * S for the group with the r-th most rows (ties by
+    index), cut into S chunks of split_rows rows when it has more than `thresh`; starts[r] = its first unit +
+    PACK * its first workspace slice. Heaviest first, so the longest reductions start first."""
+    base = cast(Any, s_offs.iterator)
+    by_rank = cute.make_tensor(base + MAX_GROUPS, cute.make_layout(MAX_GROUPS))
+    starts = cute.make_tensor(base + 2 * MAX_GROUPS, cute.make_layout(MAX_GROUPS + 1))
+    flag = cute.make_tensor(base + 3 * MAX_GROUPS + 4, cute.make_layout(1))
     for i in range(tidx, n_groups, THREADS):
         start, end = _group_rows(s_offs, i, m_rows)
         rank = Int32(0)
@@ -75,9 +87,29 @@ def order_groups(s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, tidx: Int3
                 rank += 1
             if e_j - s_j == end - start and j < i:
                 rank += 1
-        s_order[rank] = i
+        splits = Int32(1)
+        if end - start > thresh:
+            splits = (end - start + split_rows - 1) // split_rows
+        by_rank[rank] = i + PACK * splits
     cute.arch.sync_threads()
-    return cast(cute.Tensor, s_order)
+    if tidx == 0:
+        units = Int32(0)
+        slices = Int32(0)
+        for r in range(n_groups):
+            starts[r] = units + PACK * slices
+            splits = _at(by_rank, r) // PACK
+            units += splits
+            if splits > 1:
+                slices += splits
+        starts[n_groups] = units + PACK * slices
+    cute.arch.sync_threads()
+    return by_rank, starts, flag
+
+
+@cute.jit
+def n_units(starts: cute.Tensor, n_groups: Int32, tiles_per_group: Int32) -> Int32:
+    """Output tiles of every unit: each unit (a group, or one chunk of a split group) has tiles_per_group."""
+    return cast(Int32, (_at(starts, n_groups) % PACK) * tiles_per_group)
 
 
 @cute.jit
@@ -97,15 +129,53 @@ def snake_tile(i: Int32, bidx: Int32, n_ctas: Int32) -> Int32:
 
 
 @cute.jit
-def _wgrad_tile(s_offs: cute.Tensor, s_order: cute.Tensor, m_rows: Int32, t: Int32, tiles_per_group: Int32,
-                tiles_n: Int32) -> tuple[Int32, Int32, Int32, Int32, Int32]:
-    """Linear tile t of the wgrad: (group, m tile, n tile, group's first row, its end)."""
-    r = t // tiles_per_group
-    local = t - r * tiles_per_group
-    m_tile = local // tiles_n
-    e = cast(Int32, s_order[r])
+def _wgrad_tile(s_offs: cute.Tensor, by_rank: cute.Tensor, starts: cute.Tensor, n_groups: Int32,
+                m_rows: Int32, split_rows: Int32, t: Int32, tiles_per_group: Int32,
+                tiles_n: Int32) -> tuple[Int32, Int32, Int32, Int32, Int32, Int32, Int32, Int32]:
+    """Tile t: (group, m tile, n tile, first row, end row, the group's chunk count S, this chunk's index,
+    the group's first workspace slice); S = 1: the whole group."""
+    v = t // tiles_per_group
+    local = t - v * tiles_per_group
+    r = Int32(0)
+    for b in range_constexpr(LOG_GROUPS):
+        step = 1 << (LOG_GROUPS - 1 - b)
+        if r + step < n_groups and _at(starts, r + step) % PACK <= v:
+            r += step
+    e = _at(by_rank, r) % PACK
+    splits = _at(by_rank, r) // PACK
+    part = v - _at(starts, r) % PACK
     start, end = _group_rows(s_offs, e, m_rows)
-    return e, m_tile, local - m_tile * tiles_n, start, end
+    if splits > 1:
+        start = start + part * split_rows
+        end = dsl_min(end, start + split_rows)
+    m_tile = local // tiles_n
+    return (cast(Int32, e), m_tile, local - m_tile * tiles_n, start, end, cast(Int32, splits),
+            cast(Int32, part), cast(Int32, _at(starts, r) // PACK))
+
+
+@cute.jit
+def _split_partial(acc: Any, m_ws: Any, m_count: cute.Tensor, flag: cute.Tensor,
+                   counter: Int32, first_slice: Int32, part: Int32, splits: Int32, slice_stride: Int32,
+                   local: Int32, ctid: Int32, bar: pipeline.NamedBarrier) -> Int32:
+    """A chunk's fp32 partial goes to its workspace slice; the CTA that finishes a tile's last chunk (a
+    device-scope counter) sums the slices in chunk order, so the bits never depend on which CTA is last."""
+    for v in range_constexpr(cute.size(acc)):
+        m_ws[(v, ctid, (first_slice + part) * slice_stride + local)] = acc[v]
+    cute.arch.fence_acq_rel_gpu()
+    bar.arrive_and_wait()
+    if ctid == 0:
+        flag[0] = cute.arch.atomic_add((m_count.iterator + counter).llvm_ptr, Int32(1), sem="acq_rel",
+                                       scope="gpu")
+    bar.arrive_and_wait()
+    last = Int32(0)
+    if flag[0] == splits - 1:
+        last = Int32(1)
+        cute.arch.fence_acq_rel_gpu()
+        acc.fill(0.0)
+        for c in range(splits):
+            for v in range_constexpr(cute.size(acc)):
+                acc[v] = acc[v] + m_ws[(v, ctid, (first_slice + c) * slice_stride + local)]
+    return last
 
 
 @cute.jit
@@ -129,12 +199,17 @@ def _mask_tail(s_a: cute.Tensor, s_b: cute.Tensor, stage: Int32, valid: Int32, b
 
 @cute.jit
 def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma, s_a: cute.Tensor,
-                  s_b: cute.Tensor, s_d: cute.Tensor, s_offs: cute.Tensor, s_order: cute.Tensor,
-                  m_d: cute.Tensor, m_rows: Int32, tidx: Int32, warp_idx: Int32, bidx: Int32, n_ctas: Int32,
-                  total: Int32, tiles_per_group: Int32, tiles_n: Int32, n: Constexpr[int], k: Constexpr[int],
-                  bn: Constexpr[int], stages: Constexpr[int], thread_written_b: Constexpr[bool]) -> None:
+                  s_b: cute.Tensor, s_d: cute.Tensor, s_offs: cute.Tensor, units: tuple[cute.Tensor, ...],
+                  m_d: cute.Tensor, m_rows: Int32, n_groups: Int32, split_rows: Int32, tidx: Int32,
+                  warp_idx: Int32,
+                  bidx: Int32, n_ctas: Int32, tiles_per_group: Int32, tiles_n: Int32, n: Constexpr[int],
+                  k: Constexpr[int], bn: Constexpr[int], stages: Constexpr[int],
+                  thread_written_b: Constexpr[bool]) -> None:
     """The two consumer warpgroups of the wgrad: masked K boxes into wgmma, then the output tile through
-    shared memory. thread_written_b: B arrived by cp.async, fenced before the tensor cores read it."""
+    shared memory (a split group's chunk first through its workspace slice). units: (by_rank, starts, flag,
+    workspace, counters). thread_written_b: B arrived by cp.async, fenced before the tensor cores read it."""
+    by_rank, starts, flag, m_ws, m_count = units
+    total = n_units(starts, n_groups, tiles_per_group)
     cute.arch.setmaxregister_increase(CONSUMER_REGS)
     ctid = tidx - WG_THREADS
     t_ra, t_rb, acc_shape = mma_fragments(tiled_mma, s_a, s_b, warp_idx, bn)
@@ -168,8 +243,8 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     for rnd in range(n_rounds(total, n_ctas)):
         t = snake_tile(rnd, bidx, n_ctas)
         if t < total:
-            e, m_tile, n_tile, start, end = _wgrad_tile(s_offs, s_order, m_rows, t, tiles_per_group,
-                                                        tiles_n)
+            e, m_tile, n_tile, start, end, splits, part, first_slice = _wgrad_tile(
+                s_offs, by_rank, starts, n_groups, m_rows, split_rows, t, tiles_per_group, tiles_n)
             k_tiles = (end - start + BK - 1) // BK
             acc.fill(0.0)
             if k_tiles > 0:
@@ -193,42 +268,49 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                 mainloop.consumer_release(release)
                 release.advance()
 
-            epi_bar.arrive_and_wait()
-            for v in range_constexpr(cute.size(r_f)):
-                r_f[v] = t_rs_acc[v]
-            r_d.store(r_f.load().to(BFloat16))
-            cute.copy(r2s, r_d, t_rs_d)
-            epi_bar.arrive_and_wait()
-            rows_valid = n - m_tile * BM
-            cols_valid = k - n_tile * bn
-            g_d = cute.local_tile(m_d[(None, None, e)], (BM, bn), (m_tile, n_tile))
-            t_s_gd = thr_s2g.partition_D(g_d)
-            for i in range_constexpr(cute.size(t_s_sd, mode=[1])):
-                for j in range_constexpr(cute.size(t_s_sd, mode=[2])):
-                    coord = t_s_cd[(0, i, j)]
-                    if coord[0] < rows_valid and coord[1] < cols_valid:
-                        cute.copy(s2g_atom, t_s_sd[(None, i, j)], t_s_gd[(None, i, j)])
+            local = m_tile * tiles_n + n_tile
+            write = Int32(1)
+            if splits > 1:
+                write = _split_partial(acc, m_ws, m_count, flag, e * tiles_per_group + local, first_slice,
+                                       part, splits, tiles_per_group, local, ctid, epi_bar)
+            if write == 1:
+                epi_bar.arrive_and_wait()
+                for v in range_constexpr(cute.size(r_f)):
+                    r_f[v] = t_rs_acc[v]
+                r_d.store(r_f.load().to(BFloat16))
+                cute.copy(r2s, r_d, t_rs_d)
+                epi_bar.arrive_and_wait()
+                rows_valid = n - m_tile * BM
+                cols_valid = k - n_tile * bn
+                g_d = cute.local_tile(m_d[(None, None, e)], (BM, bn), (m_tile, n_tile))
+                t_s_gd = thr_s2g.partition_D(g_d)
+                for i in range_constexpr(cute.size(t_s_sd, mode=[1])):
+                    for j in range_constexpr(cute.size(t_s_sd, mode=[2])):
+                        coord = t_s_cd[(0, i, j)]
+                        if coord[0] < rows_valid and coord[1] < cols_valid:
+                            cute.copy(s2g_atom, t_s_sd[(None, i, j)], t_s_gd[(None, i, j)])
 
 
 @cute.kernel
 def grouped_wgrad_kernel(
     tma_atom_a: cute.CopyAtom, m_a: cute.Tensor, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
-    m_d: cute.Tensor, m_offs: cute.Tensor, m_rows: Int32, n_groups: Int32,
+    m_d: cute.Tensor, m_offs: cute.Tensor, m_ws: cute.Tensor, m_count: cute.Tensor, m_rows: Int32,
+    n_groups: Int32, thresh: Int32, split_rows: Int32,
     tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
     d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
     stages: Constexpr[int],
 ) -> None:
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
-                                                stages, tables=2)
-    s_order = order_groups(s_offs, n_groups, m_rows, tidx)
+                                                stages, tables=3)
+    by_rank, starts, flag = plan_units(s_offs, n_groups, m_rows, thresh, split_rows, tidx)
 
     tiles_m = (n + BM - 1) // BM
     tiles_n = (k + bn - 1) // bn
     tiles_per_group = tiles_m * tiles_n
     s_a_flat = cute.group_modes(s_a, 0, 2)
     s_b_flat = cute.group_modes(s_b, 0, 2)
-    total = n_groups * tiles_per_group
+    total = n_units(starts, n_groups, tiles_per_group)
 
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -237,8 +319,8 @@ def grouped_wgrad_kernel(
             for rnd in range(n_rounds(total, n_ctas)):
                 t = snake_tile(rnd, bidx, n_ctas)
                 if t < total:
-                    _, m_tile, n_tile, start, end = _wgrad_tile(s_offs, s_order, m_rows, t, tiles_per_group,
-                                                                tiles_n)
+                    _, m_tile, n_tile, start, end, _, _, _ = _wgrad_tile(
+                        s_offs, by_rank, starts, n_groups, m_rows, split_rows, t, tiles_per_group, tiles_n)
                     g_a = cute.local_tile(cute.domain_offset((0, start), m_a), (BM, BK), (m_tile, None))
                     g_b = cute.local_tile(cute.domain_offset((0, start), m_b), (bn, BK), (n_tile, None))
                     t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1), s_a_flat,
@@ -254,8 +336,10 @@ def grouped_wgrad_kernel(
                         state.advance()
             mainloop.producer_tail(state)
     else:
-        consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, s_order, m_d, m_rows, tidx, warp_idx, bidx,
-                      n_ctas, total, tiles_per_group, tiles_n, n, k, bn, stages, False)
+        consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, (by_rank, starts, flag, m_ws, m_count), m_d,
+                      m_rows, n_groups, split_rows, tidx, warp_idx, bidx, n_ctas, tiles_per_group, tiles_n, n,
+                      k, bn,
+                      stages, False)
 
 
 def _mn_major_setup(bn: int, stages: int) -> tuple[cute.TiledMma, cute.ComposedLayout, cute.ComposedLayout,
@@ -275,13 +359,27 @@ def _mn_major_setup(bn: int, stages: int) -> tuple[cute.TiledMma, cute.ComposedL
     return tiled_mma, a_layout, b_layout, d_layout
 
 
+def _split_tensors(pws: Pointer, pcount: Pointer, ws_tiles: Int32, n_groups: Int32, n: int, k: int,
+                   bn: int) -> tuple[cute.Tensor, cute.Tensor]:
+    """The split's fp32 workspace, [value, consumer thread, slice] (a warp's stores coalesce), and its
+    per-tile counters."""
+    per = BM * bn // CONSUMER_THREADS
+    m_ws = cute.make_tensor(pws, cute.make_layout((per, CONSUMER_THREADS, ws_tiles),
+                                                  stride=(CONSUMER_THREADS, 1, per * CONSUMER_THREADS)))
+    tiles = ((n + BM - 1) // BM) * ((k + bn - 1) // bn)
+    return m_ws, cute.make_tensor(pcount, cute.make_layout(n_groups * tiles))
+
+
 @cute.jit
 def grouped_wgrad_host(
-    pdy: Pointer, px: Pointer, pdw: Pointer, poffs: Pointer, m_rows: Int32, n_groups: Int32, n_ctas: Int32,
-    stream: cuda.CUstream, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
+    pdy: Pointer, px: Pointer, pdw: Pointer, poffs: Pointer, pws: Pointer, pcount: Pointer, m_rows: Int32,
+    n_groups: Int32, n_ctas: Int32, thresh: Int32, split_rows: Int32, ws_tiles: Int32, stream: cuda.CUstream,
+    n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
 ) -> None:
-    """dw[E, n, k]: per group dy[rows, n]^T @ x[rows, k]; both operands enter as MN-major views."""
+    """dw[E, n, k]: per group dy[rows, n]^T @ x[rows, k]; both operands enter as MN-major views. A group of
+    more than thresh rows splits into split_rows chunks (fp32 partials in pws, counters pcount, zeroed)."""
     stages = stages_for(bn)
+    m_ws, m_count = _split_tensors(pws, pcount, ws_tiles, n_groups, n, k, bn)
     m_dyt = cute.make_tensor(pdy, cute.make_layout((n, m_rows), stride=(1, n)))
     m_xt = cute.make_tensor(px, cute.make_layout((k, m_rows), stride=(1, k)))
     m_dw = cute.make_tensor(pdw, cute.make_layout((n, k, n_groups), stride=(k, 1, n * k)))
@@ -293,8 +391,8 @@ def grouped_wgrad_host(
     tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
         cpasync.CopyBulkTensorTileG2SOp(), m_xt, cute.slice_(b_layout, (None, None, 0)), (bn, BK))
     grouped_wgrad_kernel(
-        tma_atom_a, tma_a, tma_atom_b, tma_b, m_dw, m_offs, m_rows, n_groups, tiled_mma, a_layout, b_layout,
-        d_layout, n, k, bn, stages,
+        tma_atom_a, tma_a, tma_atom_b, tma_b, m_dw, m_offs, m_ws, m_count, m_rows, n_groups, thresh,
+        split_rows, tiled_mma, a_layout, b_layout, d_layout, n, k, bn, stages,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
 
 
@@ -302,8 +400,9 @@ def grouped_wgrad_host(
 def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyAtom, m_t: cute.Tensor,
                            m_slot: cute.Tensor, src_addr: Int64, zero_addr: Int64, top_k: Int32,
                            s_t: cute.Tensor, s_g: cute.Tensor, g_outer: cute.Layout, s_offs: cute.Tensor,
-                           s_order: cute.Tensor, m_rows: Int32, bidx: Int32, n_ctas: Int32, total: Int32,
-                           tiles_per_group: Int32, tiles_n: Int32, warp_idx: Int32, ptid: Int32,
+                           by_rank: cute.Tensor, starts: cute.Tensor, n_groups: Int32, split_rows: Int32,
+                           m_rows: Int32, bidx: Int32, n_ctas: Int32, total: Int32, tiles_per_group: Int32,
+                           tiles_n: Int32, warp_idx: Int32, ptid: Int32,
                            width: Constexpr[int], bn: Constexpr[int], side: Constexpr[str],
                            stages: Constexpr[int]) -> None:
     """The producer warpgroup with one operand read from token-major rows (side "b": x, side "a": dy):
@@ -319,7 +418,8 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.C
     for rnd in range(n_rounds(total, n_ctas)):
         t = snake_tile(rnd, bidx, n_ctas)
         if t < total:
-            _, m_tile, n_tile, start, end = _wgrad_tile(s_offs, s_order, m_rows, t, tiles_per_group, tiles_n)
+            _, m_tile, n_tile, start, end, _, _, _ = _wgrad_tile(s_offs, by_rank, starts, n_groups, m_rows,
+                                                                 split_rows, t, tiles_per_group, tiles_n)
             if const_expr(side == "b"):
                 g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (BM, BK), (m_tile, None))
                 col0 = n_tile * bn
@@ -351,39 +451,44 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.C
 @cute.kernel
 def grouped_wgrad_gather_kernel(
     tma_atom: cute.CopyAtom, m_t: cute.Tensor, m_slot: cute.Tensor, src_addr: Int64, zero_addr: Int64,
-    top_k: Int32, m_d: cute.Tensor, m_offs: cute.Tensor, m_rows: Int32, n_groups: Int32,
-    tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
-    d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
+    top_k: Int32, m_d: cute.Tensor, m_offs: cute.Tensor, m_ws: cute.Tensor, m_count: cute.Tensor,
+    m_rows: Int32, n_groups: Int32, thresh: Int32, split_rows: Int32, tiled_mma: cute.TiledMma,
+    a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout,
+    n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
     side: Constexpr[str], stages: Constexpr[int],
 ) -> None:
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom,))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
-                                                stages, "a" if const_expr(side == "b") else "b", 2)
-    s_order = order_groups(s_offs, n_groups, m_rows, tidx)
+                                                stages, "a" if const_expr(side == "b") else "b", 3)
+    by_rank, starts, flag = plan_units(s_offs, n_groups, m_rows, thresh, split_rows, tidx)
     tiles_m = (n + BM - 1) // BM
     tiles_n = (k + bn - 1) // bn
     tiles_per_group = tiles_m * tiles_n
-    total = n_groups * tiles_per_group
+    total = n_units(starts, n_groups, tiles_per_group)
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         if const_expr(side == "b"):
             produce_wgrad_gathered(mainloop, tma_atom, m_t, m_slot, src_addr, zero_addr, top_k, s_a, s_b,
-                                   b_layout.outer, s_offs, s_order, m_rows, bidx, n_ctas, total,
+                                   b_layout.outer, s_offs, by_rank, starts, n_groups, split_rows,
+                                   m_rows, bidx, n_ctas, total,
                                    tiles_per_group, tiles_n, warp_idx, tidx, k, bn, side, stages)
         else:
             produce_wgrad_gathered(mainloop, tma_atom, m_t, m_slot, src_addr, zero_addr, top_k, s_b, s_a,
-                                   a_layout.outer, s_offs, s_order, m_rows, bidx, n_ctas, total,
+                                   a_layout.outer, s_offs, by_rank, starts, n_groups, split_rows,
+                                   m_rows, bidx, n_ctas, total,
                                    tiles_per_group, tiles_n, warp_idx, tidx, n, bn, side, stages)
     else:
-        consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, s_order, m_d, m_rows, tidx, warp_idx, bidx,
-                      n_ctas, total, tiles_per_group, tiles_n, n, k, bn, stages, True)
+        consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, (by_rank, starts, flag, m_ws, m_count), m_d,
+                      m_rows, n_groups, split_rows, tidx, warp_idx, bidx, n_ctas, tiles_per_group, tiles_n, n,
+                      k, bn, stages, True)
 
 
 @cute.jit
 def grouped_wgrad_gather_host(
-    pt: Pointer, psrc: Pointer, pzero: Pointer, pslot: Pointer, pdw: Pointer, poffs: Pointer,
-    top_k: Int32, m_rows: Int32, n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream, n: Constexpr[int],
-    k: Constexpr[int], bn: Constexpr[int], side: Constexpr[str],
+    pt: Pointer, psrc: Pointer, pzero: Pointer, pslot: Pointer, pdw: Pointer, poffs: Pointer, pws: Pointer,
+    pcount: Pointer, top_k: Int32, m_rows: Int32, n_groups: Int32, n_ctas: Int32, thresh: Int32,
+    split_rows: Int32, ws_tiles: Int32, stream: cuda.CUstream, n: Constexpr[int], k: Constexpr[int],
+    bn: Constexpr[int], side: Constexpr[str],
 ) -> None:
     """dw[E, n, k] = per group dy[rows, n]^T @ x[rows, k] with one side read from token-major rows through
     slot (zero rows where slot = -1): side "b", x[slot // top_k] (pt = dy [R, n]); side "a",
@@ -392,6 +497,7 @@ def grouped_wgrad_gather_host(
     m_dw = cute.make_tensor(pdw, cute.make_layout((n, k, n_groups), stride=(k, 1, n * k)))
     m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
     m_slot = cute.make_tensor(pslot, cute.make_layout(m_rows))
+    m_ws, m_count = _split_tensors(pws, pcount, ws_tiles, n_groups, n, k, bn)
     tiled_mma, a_layout, b_layout, d_layout = _mn_major_setup(bn, stages)
     if const_expr(side == "b"):
         m_t = cute.make_tensor(pt, cute.make_layout((n, m_rows), stride=(1, n)))
@@ -402,9 +508,9 @@ def grouped_wgrad_gather_host(
         tma_atom, tma_t = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), m_t, cute.slice_(b_layout, (None, None, 0)), (bn, BK))
     grouped_wgrad_gather_kernel(
-        tma_atom, tma_t, m_slot, Int64(psrc.toint()), Int64(pzero.toint()), top_k, m_dw, m_offs, m_rows,
-        n_groups, tiled_mma,
-        a_layout, b_layout, d_layout, n, k, bn, side, stages,
+        tma_atom, tma_t, m_slot, Int64(psrc.toint()), Int64(pzero.toint()), top_k, m_dw, m_offs, m_ws,
+        m_count, m_rows, n_groups, thresh, split_rows, tiled_mma, a_layout, b_layout, d_layout, n, k, bn,
+        side, stages,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
 
 
@@ -413,14 +519,15 @@ def pointer(dtype: Any, address: int, align: int = 16) -> Any:
 
 
 def compile_args(n: int, k: int, bn: int) -> tuple[Any, tuple[Any, ...]]:
-    ptrs = (pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(Int32, 0, 4))
-    return grouped_wgrad_host, (*ptrs, Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k, bn)
+    ptrs = (pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(Int32, 0, 4),
+            pointer(Float32, 0), pointer(Int32, 0, 4))
+    return grouped_wgrad_host, (*ptrs, *(Int32(0) for _ in range(6)), cuda.CUstream(0), n, k, bn)
 
 
 def compile_args_gather(n: int, k: int, bn: int, side: str) -> tuple[Any, tuple[Any, ...]]:
     if side not in ("a", "b"):
         raise ValueError(f"gathered wgrad side {side!r}: 'a' (dy token-major) or 'b' (x token-major)")
     ptrs = (*(pointer(BFloat16, 0) for _ in range(3)), pointer(Int64, 0, 8), pointer(BFloat16, 0),
-            pointer(Int32, 0, 4))
-    return grouped_wgrad_gather_host, (*ptrs, Int32(0), Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k,
-                                       bn, side)
+            pointer(Int32, 0, 4), pointer(Float32, 0), pointer(Int32, 0, 4))
+    return grouped_wgrad_gather_host, (*ptrs, *(Int32(0) for _ in range(7)), cuda.CUstream(0), n, k, bn,
+                                       side)
