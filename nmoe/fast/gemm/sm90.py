@@ -66,20 +66,23 @@ def _pick_bn(op: str, width: int, bn: int | None) -> int:
 class WgradSplit:
     """The wgrad's row split, from shapes alone (no routing value reaches the host): a group of more than
     `thresh` rows (a CTA's average share of the work) is cut into `rows`-row chunks whose fp32 partials fill
-    at most `ws_tiles` workspace tiles and are summed in chunk order; `counters` count finished chunks."""
+    at most `ws_tiles` workspace tiles of `tile_floats` and are summed in chunk order; `counters` count
+    finished chunks."""
 
     thresh: int
     rows: int
     ws_tiles: int
     counters: int
+    tile_floats: int
 
-    def scalars(self) -> tuple[int, int, int]:
-        return self.thresh, self.rows, self.ws_tiles
-
-    def buffers(self, device: torch.device, bn: int) -> tuple[Tensor, Tensor]:
-        """Workspace (uninitialised) and counters (zeroed): one launch's, so a replayed graph starts clean."""
-        ws = torch.empty(max(self.ws_tiles, 1) * GEMM_BM * bn, dtype=torch.float32, device=device)
-        return ws, torch.zeros(max(self.counters, 1), dtype=torch.int32, device=device)
+    def args(self, device: torch.device) -> tuple[tuple[Tensor, ...], tuple[int, ...]]:
+        """(buffers to keep alive over the launch, the kernel's split arguments): a fresh workspace and zeroed
+        counters per launch, so a replayed graph starts clean; none (null pointers) where nothing splits."""
+        if self.counters == 0:
+            return (), (0, 0, self.thresh, self.rows, self.ws_tiles)
+        ws = torch.empty(self.ws_tiles * self.tile_floats, dtype=torch.float32, device=device)
+        counters = torch.zeros(self.counters, dtype=torch.int32, device=device)
+        return (ws, counters), (ws.data_ptr(), counters.data_ptr(), self.thresh, self.rows, self.ws_tiles)
 
 
 def wgrad_split(m: int, n: int, k: int, bn: int, n_groups: int, sms: int) -> WgradSplit:
@@ -88,9 +91,9 @@ def wgrad_split(m: int, n: int, k: int, bn: int, n_groups: int, sms: int) -> Wgr
     tpg = -(-n // GEMM_BM) * -(-k // bn)
     share = -(-m * tpg // sms)
     if share >= m:
-        return WgradSplit(m, m, 0, 0)
+        return WgradSplit(m, m, 0, 0, GEMM_BM * bn)
     rows = -(-max(4 * GEMM_BK, -(-share // 2)) // GEMM_BK) * GEMM_BK
-    return WgradSplit(share, rows, (2 * m // rows) * tpg, n_groups * tpg)
+    return WgradSplit(share, rows, (2 * m // rows) * tpg, n_groups * tpg, GEMM_BM * bn)
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,7 @@ class _Plan:
     zero: bool
     scalars: tuple[int, ...]
     act_ptr: bool
-    split: tuple[WgradSplit, int] | None = None
+    split: WgradSplit | None = None
 
     def run(self, a: Tensor, w: Tensor, offs: Tensor, outs: tuple[Tensor, ...]) -> None:
         launch = self.launch
@@ -125,9 +128,9 @@ class _Plan:
                    offs.data_ptr(), *self.scalars)
         else:
             assert self.split is not None, "a wgrad plan carries its row split"
-            ws, counters = self.split[0].buffers(a.device, self.split[1])
-            launch(self.index, a.data_ptr(), w.data_ptr(), outs[0].data_ptr(), offs.data_ptr(), ws.data_ptr(),
-                   counters.data_ptr(), *self.scalars, *self.split[0].scalars())
+            _keep, (ws, counters, *split) = self.split.args(a.device)
+            launch(self.index, a.data_ptr(), w.data_ptr(), outs[0].data_ptr(), offs.data_ptr(), ws, counters,
+                   *self.scalars, *split)
 
 
 def _prepare(op: str, a: Tensor, w: Tensor, offs: Tensor, n: int, w_k_major: bool, bn: int | None,
@@ -166,7 +169,7 @@ def _launch_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, bn: int | Non
 
 def _prepare_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw_shape: tuple[int, ...], bn: int | None,
                    *outs: Tensor) -> tuple[int, Launcher | None, bool, tuple[int, int, int],
-                                           tuple[WgradSplit, int] | None]:
+                                           WgradSplit | None]:
     device, arch = runtime.device_arch(dy, x, offs, *outs)
     require("grouped_gemm_wgrad", arch, ARCH)
     m = dy.shape[0]
@@ -177,7 +180,7 @@ def _prepare_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw_shape: tuple[int, ...
         return device, None, True, (m, 0, 0), None
     bn = _pick_bn("grouped_gemm_wgrad", k, bn)
     n_ctas, split = _wgrad_grid(device, m, n, k, bn, n_groups)
-    return device, WGRAD.launcher(arch, n=n, k=k, bn=bn), False, (m, n_groups, n_ctas), (split, bn)
+    return device, WGRAD.launcher(arch, n=n, k=k, bn=bn), False, (m, n_groups, n_ctas), split
 
 
 def _wgrad_grid(device: int, m: int, n: int, k: int, bn: int, n_groups: int) -> tuple[int, WgradSplit]:
@@ -221,7 +224,7 @@ def _plan(op: str, a: Tensor, w: Tensor, offs: Tensor, a_name: str, w_name: str,
         _check(op, a, w, offs, a_name, 1 if dgrad else 2)
         shape = (a.shape[0], w.shape[2] if dgrad else w.shape[1])
     ca, cw = tma_aligned(op, a_name, a), tma_aligned(op, w_name, w)
-    split: tuple[WgradSplit, int] | None = None
+    split: WgradSplit | None = None
     if op == "grouped_gemm_wgrad":
         index, launch, zero, scalars, split = _prepare_wgrad(ca, cw, offs, shape, None)
     else:
@@ -465,10 +468,9 @@ def _wgrad_gathered_impl(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_
     launch = WGRAD_GATHER.launcher(arch, n=n, k=k, bn=bn, side=kernel_side)
     tma_side, token_major = (x, dy) if side == "dy" else (dy, x)
     zero = _zero_chunk(dy.device).data_ptr()
-    ws, counters = split.buffers(dy.device, bn)
+    _keep, (ws, counters, *split_args) = split.args(dy.device)
     launch(device, tma_side.data_ptr(), token_major.data_ptr(), zero, slot.contiguous().data_ptr(),
-           dw.data_ptr(), offs.contiguous().data_ptr(), ws.data_ptr(), counters.data_ptr(), top_k, m, e,
-           n_ctas, *split.scalars())
+           dw.data_ptr(), offs.contiguous().data_ptr(), ws, counters, top_k, m, e, n_ctas, *split_args)
     return dw
 
 
