@@ -475,18 +475,12 @@ def grouped_gemm_kernel(
                       stages, act, False)
 
 
-@cute.jit
-def grouped_gemm_host(
-    px: Pointer, pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer, m_rows: Int32, n_groups: Int32,
-    n_ctas: Int32, stream: cuda.CUstream, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
-    w_k_major: Constexpr[bool], act: Constexpr[str],
-) -> None:
-    """y[M, n] = per-group x[M, k] @ B_e^T, B_e [n, k] read from w (K-major w [E, n, k], else w [E, k, n]);
-    with act != "none" also a[M, n / ratio] = act(y) (pa is ignored for "none")."""
-    stages = stages_for(bn)
+def _gemm_setup(pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer, m_rows: Int32, n_groups: Int32, n: int,
+                k: int, bn: int, stages: int, w_k_major: bool, act: str) -> tuple[Any, ...]:
+    """What the TMA and the gathering fwd/dgrad hosts share: B (w, K-major or not) by TMA, y by TMA, the
+    activation output, offs, the MMA and the K-major A / B shared layouts."""
     if const_expr(act != "none"):
         check_pairing(EPI_N, act)
-    m_x = cute.make_tensor(px, cute.make_layout((m_rows, k), stride=(k, 1)))
     if const_expr(w_k_major):
         m_w = cute.make_tensor(pw, cute.make_layout((n, k, n_groups), stride=(k, 1, n * k)))
     else:
@@ -495,7 +489,6 @@ def grouped_gemm_host(
     n_act = n // EPILOGUES[act]
     m_a = cute.make_tensor(pa, cute.make_layout((m_rows, n_act), stride=(n_act, 1)))
     m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
-
     a_enum = LayoutEnum.ROW_MAJOR
     b_enum = LayoutEnum.ROW_MAJOR if const_expr(w_k_major) else LayoutEnum.COL_MAJOR
     tile = (BM, bn, BK)
@@ -505,11 +498,26 @@ def grouped_gemm_host(
     )
     a_layout = sm90_utils.make_smem_layout_a(a_enum, tile, BFloat16, stages)
     b_layout = sm90_utils.make_smem_layout_b(b_enum, tile, BFloat16, stages)
-    tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
-        cpasync.CopyBulkTensorTileG2SOp(), m_x, cute.slice_(a_layout, (None, None, 0)), (BM, BK))
     tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
         cpasync.CopyBulkTensorTileG2SOp(), m_w, cute.slice_(b_layout, (None, None, 0)), (bn, BK))
     tma_atom_d, tma_d = epi_tma(m_y)
+    return m_y, m_a, m_offs, tiled_mma, a_layout, b_layout, tma_atom_b, tma_b, tma_atom_d, tma_d
+
+
+@cute.jit
+def grouped_gemm_host(
+    px: Pointer, pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer, m_rows: Int32, n_groups: Int32,
+    n_ctas: Int32, stream: cuda.CUstream, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
+    w_k_major: Constexpr[bool], act: Constexpr[str],
+) -> None:
+    """y[M, n] = per-group x[M, k] @ B_e^T, B_e [n, k] read from w (K-major w [E, n, k], else w [E, k, n]);
+    with act != "none" also a[M, n / ratio] = act(y) (pa is ignored for "none")."""
+    stages = stages_for(bn)
+    m_y, m_a, m_offs, tiled_mma, a_layout, b_layout, tma_atom_b, tma_b, tma_atom_d, tma_d = _gemm_setup(
+        pw, py, pa, poffs, m_rows, n_groups, n, k, bn, stages, w_k_major, act)
+    m_x = cute.make_tensor(px, cute.make_layout((m_rows, k), stride=(k, 1)))
+    tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensorTileG2SOp(), m_x, cute.slice_(a_layout, (None, None, 0)), (BM, BK))
     grouped_gemm_kernel(
         tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, m_y, m_a, m_offs, m_rows, n_groups,
         tiled_mma, a_layout, b_layout, epi_smem_layout(), n, k, bn, stages, act,
@@ -655,29 +663,9 @@ def grouped_gemm_gather_host(
     else w[e]^T of w [E, k, n]: the dgrad), zero rows where slot[p] = -1; with act != "none" also
     a = act(y). The permuted copy of x is never written."""
     stages = stages_for(bn)
-    if const_expr(act != "none"):
-        check_pairing(EPI_N, act)
-    if const_expr(w_k_major):
-        m_w = cute.make_tensor(pw, cute.make_layout((n, k, n_groups), stride=(k, 1, n * k)))
-    else:
-        m_w = cute.make_tensor(pw, cute.make_layout((n, k, n_groups), stride=(1, n, n * k)))
-    m_y = cute.make_tensor(py, cute.make_layout((m_rows, n), stride=(n, 1)))
-    n_act = n // EPILOGUES[act]
-    m_a = cute.make_tensor(pa, cute.make_layout((m_rows, n_act), stride=(n_act, 1)))
-    m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
+    m_y, m_a, m_offs, tiled_mma, a_layout, b_layout, tma_atom_b, tma_b, tma_atom_d, tma_d = _gemm_setup(
+        pw, py, pa, poffs, m_rows, n_groups, n, k, bn, stages, w_k_major, act)
     m_slot = cute.make_tensor(pslot, cute.make_layout(m_rows))
-    tile = (BM, bn, BK)
-    k_major = LayoutEnum.ROW_MAJOR
-    b_enum = LayoutEnum.ROW_MAJOR if const_expr(w_k_major) else LayoutEnum.COL_MAJOR
-    tiled_mma = sm90_utils.make_trivial_tiled_mma(
-        BFloat16, BFloat16, k_major.sm90_mma_major_mode(), b_enum.sm90_mma_major_mode(), Float32,
-        (CONSUMER_WGS, 1, 1), tiler_mn=(64, bn),
-    )
-    a_layout = sm90_utils.make_smem_layout_a(k_major, tile, BFloat16, stages)
-    b_layout = sm90_utils.make_smem_layout_b(b_enum, tile, BFloat16, stages)
-    tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
-        cpasync.CopyBulkTensorTileG2SOp(), m_w, cute.slice_(b_layout, (None, None, 0)), (bn, BK))
-    tma_atom_d, tma_d = epi_tma(m_y)
     grouped_gemm_gather_kernel(
         tma_atom_b, tma_b, tma_atom_d, tma_d, m_y, m_a, m_offs, m_slot, Int64(px.toint()),
         Int64(pzero.toint()), top_k, m_rows,
