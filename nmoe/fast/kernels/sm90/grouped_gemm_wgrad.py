@@ -4,7 +4,7 @@ heaviest group first, dealt to the CTAs in snake order. Import only after runtim
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
@@ -68,9 +68,25 @@ def _at(table: cute.Tensor, i: Any) -> Int32:
     return cast(Int32, table[i])
 
 
+class Units(NamedTuple):
+    """A CTA's view of the wgrad's work: the offs and the two rank tables in shared memory, the flag a
+    split's counter result is broadcast through, the chunk size, the tile grid and the unit tiles' count."""
+
+    s_offs: cute.Tensor
+    by_rank: cute.Tensor
+    starts: cute.Tensor
+    flag: cute.Tensor
+    n_groups: Int32
+    m_rows: Int32
+    split_rows: Int32
+    tiles_per_group: int
+    tiles_n: int
+    total: Int32
+
+
 @cute.jit
 def plan_units(s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, thresh: Int32, split_rows: Int32,
-               tidx: Int32) -> tuple[cute.Tensor, cute.Tensor, cute.Tensor]:
+               tidx: Int32, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int]) -> Units:
     """Rank tables of the work units: by_rank[r] = e + PACK * S for the group with the r-th most rows (ties by
     index), cut into S chunks of split_rows rows when it has more than `thresh`; starts[r] = its first unit +
     PACK * its first workspace slice. Heaviest first, so the longest reductions start first."""
@@ -103,13 +119,11 @@ def plan_units(s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, thresh: Int3
                 slices += splits
         starts[n_groups] = units + PACK * slices
     cute.arch.sync_threads()
-    return by_rank, starts, flag
-
-
-@cute.jit
-def n_units(starts: cute.Tensor, n_groups: Int32, tiles_per_group: Int32) -> Int32:
-    """Output tiles of every unit: each unit (a group, or one chunk of a split group) has tiles_per_group."""
-    return cast(Int32, (_at(starts, n_groups) % PACK) * tiles_per_group)
+    tiles_n = (k + bn - 1) // bn
+    tiles_per_group = ((n + BM - 1) // BM) * tiles_n
+    total = (_at(starts, n_groups) % PACK) * tiles_per_group
+    return Units(s_offs, by_rank, starts, flag, n_groups, m_rows, split_rows, tiles_per_group, tiles_n,
+                 cast(Int32, total))
 
 
 @cute.jit
@@ -129,27 +143,26 @@ def snake_tile(i: Int32, bidx: Int32, n_ctas: Int32) -> Int32:
 
 
 @cute.jit
-def _wgrad_tile(s_offs: cute.Tensor, by_rank: cute.Tensor, starts: cute.Tensor, n_groups: Int32,
-                m_rows: Int32, split_rows: Int32, t: Int32, tiles_per_group: Int32,
-                tiles_n: Int32) -> tuple[Int32, Int32, Int32, Int32, Int32, Int32, Int32, Int32]:
+def _wgrad_tile(u: Units, t: Int32) -> tuple[Int32, Int32, Int32, Int32, Int32, Int32, Int32, Int32]:
     """Tile t: (group, m tile, n tile, first row, end row, the group's chunk count S, this chunk's index,
     the group's first workspace slice); S = 1: the whole group."""
-    v = t // tiles_per_group
-    local = t - v * tiles_per_group
+    by_rank, starts = u.by_rank, u.starts
+    v = t // u.tiles_per_group
+    local = t - v * u.tiles_per_group
     r = Int32(0)
     for b in range_constexpr(LOG_GROUPS):
         step = 1 << (LOG_GROUPS - 1 - b)
-        if r + step < n_groups and _at(starts, r + step) % PACK <= v:
+        if r + step < u.n_groups and _at(starts, r + step) % PACK <= v:
             r += step
     e = _at(by_rank, r) % PACK
     splits = _at(by_rank, r) // PACK
     part = v - _at(starts, r) % PACK
-    start, end = _group_rows(s_offs, e, m_rows)
+    start, end = _group_rows(u.s_offs, e, u.m_rows)
     if splits > 1:
-        start = start + part * split_rows
-        end = dsl_min(end, start + split_rows)
-    m_tile = local // tiles_n
-    return (cast(Int32, e), m_tile, local - m_tile * tiles_n, start, end, cast(Int32, splits),
+        start = start + part * u.split_rows
+        end = dsl_min(end, start + u.split_rows)
+    m_tile = local // u.tiles_n
+    return (cast(Int32, e), m_tile, local - m_tile * u.tiles_n, start, end, cast(Int32, splits),
             cast(Int32, part), cast(Int32, _at(starts, r) // PACK))
 
 
@@ -199,17 +212,13 @@ def _mask_tail(s_a: cute.Tensor, s_b: cute.Tensor, stage: Int32, valid: Int32, b
 
 @cute.jit
 def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma, s_a: cute.Tensor,
-                  s_b: cute.Tensor, s_d: cute.Tensor, s_offs: cute.Tensor, units: tuple[cute.Tensor, ...],
-                  m_d: cute.Tensor, m_rows: Int32, n_groups: Int32, split_rows: Int32, tidx: Int32,
-                  warp_idx: Int32,
-                  bidx: Int32, n_ctas: Int32, tiles_per_group: Int32, tiles_n: Int32, n: Constexpr[int],
-                  k: Constexpr[int], bn: Constexpr[int], stages: Constexpr[int],
+                  s_b: cute.Tensor, s_d: cute.Tensor, u: Units, m_ws: cute.Tensor, m_count: cute.Tensor,
+                  m_d: cute.Tensor, tidx: Int32, warp_idx: Int32, bidx: Int32, n_ctas: Int32,
+                  n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], stages: Constexpr[int],
                   thread_written_b: Constexpr[bool]) -> None:
     """The two consumer warpgroups of the wgrad: masked K boxes into wgmma, then the output tile through
-    shared memory (a split group's chunk first through its workspace slice). units: (by_rank, starts, flag,
-    workspace, counters). thread_written_b: B arrived by cp.async, fenced before the tensor cores read it."""
-    by_rank, starts, flag, m_ws, m_count = units
-    total = n_units(starts, n_groups, tiles_per_group)
+    shared memory (a split group's chunk first through its workspace slice and counter). thread_written_b:
+    B arrived by cp.async, fenced before the tensor cores read it."""
     cute.arch.setmaxregister_increase(CONSUMER_REGS)
     ctid = tidx - WG_THREADS
     t_ra, t_rb, acc_shape = mma_fragments(tiled_mma, s_a, s_b, warp_idx, bn)
@@ -240,11 +249,10 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
     read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-    for rnd in range(n_rounds(total, n_ctas)):
+    for rnd in range(n_rounds(u.total, n_ctas)):
         t = snake_tile(rnd, bidx, n_ctas)
-        if t < total:
-            e, m_tile, n_tile, start, end, splits, part, first_slice = _wgrad_tile(
-                s_offs, by_rank, starts, n_groups, m_rows, split_rows, t, tiles_per_group, tiles_n)
+        if t < u.total:
+            e, m_tile, n_tile, start, end, splits, part, first_slice = _wgrad_tile(u, t)
             k_tiles = (end - start + BK - 1) // BK
             acc.fill(0.0)
             if k_tiles > 0:
@@ -268,11 +276,11 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                 mainloop.consumer_release(release)
                 release.advance()
 
-            local = m_tile * tiles_n + n_tile
+            local = m_tile * u.tiles_n + n_tile
             write = Int32(1)
             if splits > 1:
-                write = _split_partial(acc, m_ws, m_count, flag, e * tiles_per_group + local, first_slice,
-                                       part, splits, tiles_per_group, local, ctid, epi_bar)
+                write = _split_partial(acc, m_ws, m_count, u.flag, e * u.tiles_per_group + local, first_slice,
+                                       part, splits, u.tiles_per_group, local, ctid, epi_bar)
             if write == 1:
                 epi_bar.arrive_and_wait()
                 for v in range_constexpr(cute.size(r_f)):
@@ -303,24 +311,18 @@ def grouped_wgrad_kernel(
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
                                                 stages, tables=3)
-    by_rank, starts, flag = plan_units(s_offs, n_groups, m_rows, thresh, split_rows, tidx)
-
-    tiles_m = (n + BM - 1) // BM
-    tiles_n = (k + bn - 1) // bn
-    tiles_per_group = tiles_m * tiles_n
+    u = plan_units(s_offs, n_groups, m_rows, thresh, split_rows, tidx, n, k, bn)
     s_a_flat = cute.group_modes(s_a, 0, 2)
     s_b_flat = cute.group_modes(s_b, 0, 2)
-    total = n_units(starts, n_groups, tiles_per_group)
 
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         if warp_idx == 0:
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-            for rnd in range(n_rounds(total, n_ctas)):
+            for rnd in range(n_rounds(u.total, n_ctas)):
                 t = snake_tile(rnd, bidx, n_ctas)
-                if t < total:
-                    _, m_tile, n_tile, start, end, _, _, _ = _wgrad_tile(
-                        s_offs, by_rank, starts, n_groups, m_rows, split_rows, t, tiles_per_group, tiles_n)
+                if t < u.total:
+                    _, m_tile, n_tile, start, end, _, _, _ = _wgrad_tile(u, t)
                     g_a = cute.local_tile(cute.domain_offset((0, start), m_a), (BM, BK), (m_tile, None))
                     g_b = cute.local_tile(cute.domain_offset((0, start), m_b), (bn, BK), (n_tile, None))
                     t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1), s_a_flat,
@@ -336,10 +338,8 @@ def grouped_wgrad_kernel(
                         state.advance()
             mainloop.producer_tail(state)
     else:
-        consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, (by_rank, starts, flag, m_ws, m_count), m_d,
-                      m_rows, n_groups, split_rows, tidx, warp_idx, bidx, n_ctas, tiles_per_group, tiles_n, n,
-                      k, bn,
-                      stages, False)
+        consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, u, m_ws, m_count, m_d, tidx, warp_idx, bidx, n_ctas,
+                      n, k, bn, stages, False)
 
 
 def _mn_major_setup(bn: int, stages: int) -> tuple[cute.TiledMma, cute.ComposedLayout, cute.ComposedLayout,
@@ -399,12 +399,9 @@ def grouped_wgrad_host(
 @cute.jit
 def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyAtom, m_t: cute.Tensor,
                            m_slot: cute.Tensor, src_addr: Int64, zero_addr: Int64, top_k: Int32,
-                           s_t: cute.Tensor, s_g: cute.Tensor, g_outer: cute.Layout, s_offs: cute.Tensor,
-                           by_rank: cute.Tensor, starts: cute.Tensor, n_groups: Int32, split_rows: Int32,
-                           m_rows: Int32, bidx: Int32, n_ctas: Int32, total: Int32, tiles_per_group: Int32,
-                           tiles_n: Int32, warp_idx: Int32, ptid: Int32,
-                           width: Constexpr[int], bn: Constexpr[int], side: Constexpr[str],
-                           stages: Constexpr[int]) -> None:
+                           s_t: cute.Tensor, s_g: cute.Tensor, g_outer: cute.Layout, u: Units, bidx: Int32,
+                           n_ctas: Int32, warp_idx: Int32, ptid: Int32, width: Constexpr[int],
+                           bn: Constexpr[int], side: Constexpr[str], stages: Constexpr[int]) -> None:
     """The producer warpgroup with one operand read from token-major rows (side "b": x, side "a": dy):
     warp 0 arms each stage and TMA-loads the other operand's box; every thread copies its 16-byte chunks of
     the gathered MN-major box (row p of the group reads token slot[p] // top_k of a `width`-wide source;
@@ -415,11 +412,10 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.C
     box = bn if const_expr(side == "b") else BM
     per_row = box // VEC
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-    for rnd in range(n_rounds(total, n_ctas)):
+    for rnd in range(n_rounds(u.total, n_ctas)):
         t = snake_tile(rnd, bidx, n_ctas)
-        if t < total:
-            _, m_tile, n_tile, start, end, _, _, _ = _wgrad_tile(s_offs, by_rank, starts, n_groups, m_rows,
-                                                                 split_rows, t, tiles_per_group, tiles_n)
+        if t < u.total:
+            _, m_tile, n_tile, start, end, _, _, _ = _wgrad_tile(u, t)
             if const_expr(side == "b"):
                 g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (BM, BK), (m_tile, None))
                 col0 = n_tile * bn
@@ -460,27 +456,18 @@ def grouped_wgrad_gather_kernel(
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom,))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
                                                 stages, "a" if const_expr(side == "b") else "b", 3)
-    by_rank, starts, flag = plan_units(s_offs, n_groups, m_rows, thresh, split_rows, tidx)
-    tiles_m = (n + BM - 1) // BM
-    tiles_n = (k + bn - 1) // bn
-    tiles_per_group = tiles_m * tiles_n
-    total = n_units(starts, n_groups, tiles_per_group)
+    u = plan_units(s_offs, n_groups, m_rows, thresh, split_rows, tidx, n, k, bn)
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         if const_expr(side == "b"):
             produce_wgrad_gathered(mainloop, tma_atom, m_t, m_slot, src_addr, zero_addr, top_k, s_a, s_b,
-                                   b_layout.outer, s_offs, by_rank, starts, n_groups, split_rows,
-                                   m_rows, bidx, n_ctas, total,
-                                   tiles_per_group, tiles_n, warp_idx, tidx, k, bn, side, stages)
+                                   b_layout.outer, u, bidx, n_ctas, warp_idx, tidx, k, bn, side, stages)
         else:
             produce_wgrad_gathered(mainloop, tma_atom, m_t, m_slot, src_addr, zero_addr, top_k, s_b, s_a,
-                                   a_layout.outer, s_offs, by_rank, starts, n_groups, split_rows,
-                                   m_rows, bidx, n_ctas, total,
-                                   tiles_per_group, tiles_n, warp_idx, tidx, n, bn, side, stages)
+                                   a_layout.outer, u, bidx, n_ctas, warp_idx, tidx, n, bn, side, stages)
     else:
-        consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, (by_rank, starts, flag, m_ws, m_count), m_d,
-                      m_rows, n_groups, split_rows, tidx, warp_idx, bidx, n_ctas, tiles_per_group, tiles_n, n,
-                      k, bn, stages, True)
+        consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, u, m_ws, m_count, m_d, tidx, warp_idx, bidx, n_ctas,
+                      n, k, bn, stages, True)
 
 
 @cute.jit
