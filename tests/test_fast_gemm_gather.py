@@ -96,15 +96,21 @@ def _pair(t: int, k: int, hid: int, n: int, e: int, x: Tensor) -> tuple[Tensor, 
     return p.slot, got, want
 
 
+def _assert_off_by_one_separates(slot: Tensor, x: Tensor, k: int) -> None:
+    """Some real row's slot + 1 is still a real slot of the next token, whose row differs: reading slot + 1's
+    token changes that row."""
+    real = slot[slot >= 0]
+    shifted = real[((real % k) == k - 1) & (real + 1 < x.shape[0] * k)]
+    assert shifted.numel() > 0, "some row's slot + 1 names the next token"
+    assert not torch.equal(x[shifted // k], x[(shifted + 1) // k]), "and that token's row differs"
+
+
 @gpu
 def test_sep_gemm_fast_gather_row_off_by_one() -> None:
     t, k = 64, 2
     x = torch.randn(t, 256).to(torch.bfloat16).cuda()
     slot, got, want = _pair(t, k, 256, 256, 4, x)
-    real = slot[slot >= 0]
-    shifted = real[((real % k) == k - 1) & (real + 1 < t * k)]
-    assert shifted.numel() > 0, "some row's slot + 1 names the next token"
-    assert not torch.equal(x[shifted // k], x[(shifted + 1) // k]), "and that token's row differs"
+    _assert_off_by_one_separates(slot, x, k)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
@@ -165,10 +171,7 @@ def test_sep_gemm_fast_wgrad_gather_row_off_by_one() -> None:
     t, k = 64, 2
     x = torch.randn(t, 256).to(torch.bfloat16).cuda()
     slot, got, want = _wgrad_pair(t, k, 256, 256, 4, x)
-    real = slot[slot >= 0]
-    shifted = real[((real % k) == k - 1) & (real + 1 < t * k)]
-    assert shifted.numel() > 0 and not torch.equal(x[shifted // k], x[(shifted + 1) // k]), (
-        "some row's slot + 1 names another token, whose row differs")
+    _assert_off_by_one_separates(slot, x, k)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
