@@ -223,3 +223,16 @@ def test_gathered_wgrad_refuses_bad_arguments() -> None:
         sm90.grouped_gemm_dgrad_gathered(x, torch.zeros(256, dtype=torch.int64), 2, w, offs)
     with pytest.raises(ValueError, match=r"int64 slot \[R\]"):
         sm90.grouped_gemm_dgrad_gathered(dy, torch.zeros(256, dtype=torch.int32), 2, w, offs)
+
+
+def test_zero_chunk_is_made_eagerly_never_inside_a_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Made inside a capture, the zero chunk would hold zeros only after a replay: a first call there raises
+    naming the fix (nothing allocated); a chunk made eagerly is reused by capturing calls."""
+    monkeypatch.setattr(sm90, "_ZERO_CHUNKS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="run one eager"):
+        sm90._zero_chunk("grouped_gemm_act_gathered", torch.device("cuda", 0))
+    assert sm90._ZERO_CHUNKS == {}
+    made = torch.zeros(8, dtype=torch.bfloat16)
+    sm90._ZERO_CHUNKS[torch.device("cuda", 0)] = made
+    assert sm90._zero_chunk("grouped_gemm_act_gathered", torch.device("cuda", 0)) is made

@@ -355,10 +355,14 @@ def grouped_gemm_act_h(x: Tensor, w: Tensor, offs: Tensor, activation: str) -> t
 _ZERO_CHUNKS: dict[torch.device, Tensor] = {}
 
 
-def _zero_chunk(device: torch.device) -> Tensor:
-    """16 zero bytes the gathering kernel copies for pad rows and columns past K."""
+def _zero_chunk(op: str, device: torch.device) -> Tensor:
+    """16 zero bytes the gathering kernel copies for pad rows and columns past K, made once per device by an
+    eager call: made inside a CUDA graph capture, they would hold zeros only once the graph replays."""
     z = _ZERO_CHUNKS.get(device)
     if z is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{op}: first call on {device} is inside a CUDA graph capture; its zero chunk "
+                               "is made by an eager call, so run one eager (warm-up) call before capturing")
         z = _ZERO_CHUNKS[device] = torch.zeros(8, dtype=torch.bfloat16, device=device)
     return z
 
@@ -392,7 +396,7 @@ def _gathered_gemm(op: str, src: Tensor, src_name: str, slot: Tensor, w: Tensor,
     bn = pick_bn(n)
     n_ctas = min(runtime.sm_count(device), tile_upper_bound(m, n, w.shape[0], bn))
     launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act=activation, w_k_major=w_k_major)
-    zero = _zero_chunk(src.device).data_ptr()
+    zero = _zero_chunk(op, src.device).data_ptr()
     launch(device, src.data_ptr(), zero, slot.contiguous().data_ptr(), w.data_ptr(), h.data_ptr(),
            a.data_ptr(), offs.contiguous().data_ptr(), top_k, m, w.shape[0], n_ctas)
     return h, a
@@ -467,7 +471,7 @@ def _wgrad_gathered_impl(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_
     kernel_side = "a" if side == "dy" else "b"
     launch = WGRAD_GATHER.launcher(arch, n=n, k=k, bn=bn, side=kernel_side)
     tma_side, token_major = (x, dy) if side == "dy" else (dy, x)
-    zero = _zero_chunk(dy.device).data_ptr()
+    zero = _zero_chunk(op, dy.device).data_ptr()
     _keep, (ws, counters, *split_args) = split.args(dy.device)
     launch(device, tma_side.data_ptr(), token_major.data_ptr(), zero, slot.contiguous().data_ptr(),
            dw.data_ptr(), offs.contiguous().data_ptr(), ws, counters, top_k, m, e, n_ctas, *split_args)
