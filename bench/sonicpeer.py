@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ def find_row(path: Path, name: str, shape: dict[str, int]) -> dict[str, Any] | N
     return None if found is None else {k: v for k, v in found.items() if k != "key"}
 
 
-def _row(cfg: tuple[int, ...], routing: str, pass_: str) -> dict[str, Any]:
+def _row(cfg: tuple[int, ...], routing: str, pass_: str, warm_only: bool = False) -> dict[str, Any]:
     from conftest import cuda_median_ms, peak_extra_bytes  # bench/conftest.py, beside this script
     from sonicmoe import moe_general_routing_inputs
     from sonicmoe.enums import ActivationType
@@ -63,6 +64,10 @@ def _row(cfg: tuple[int, ...], routing: str, pass_: str) -> dict[str, Any]:
                 return layer()
         return torch.autograd.grad(layer(), [x, p.w13, p.w2], dout)
 
+    if warm_only:
+        step()
+        torch.cuda.synchronize()
+        return {}
     ms = cuda_median_ms(step, warmup=WARMUP, reps=REPS)
     flops = (6.0 if pass_ == "fwd" else 18.0) * t * i * h * k
     name = f"moe_layer_{pass_}_{routing}"
@@ -76,8 +81,20 @@ def _row(cfg: tuple[int, ...], routing: str, pass_: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="sonicpeer", description=__doc__)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--go", type=Path, help="compile every row first, then time only once this file exists "
+                    "(so the minutes of compilation can overlap other work and the timing cannot)")
     args = ap.parse_args(argv)
     import sonicmoe
+
+    if args.go is not None:
+        for cfg in LAYER_CONFIGS:
+            for r in ROUTINGS:
+                for p in PASSES:
+                    _row(cfg, r, p, warm_only=True)
+        torch.cuda.empty_cache()
+        print("sonicpeer: compiled; waiting for", args.go, flush=True)
+        while not args.go.exists():
+            time.sleep(1)
 
     rows = [_row(cfg, r, p) for cfg in LAYER_CONFIGS for r in ROUTINGS for p in PASSES]
     doc = {"peer": "sonicmoe", "version": sonicmoe.__version__, "torch": torch.__version__,
