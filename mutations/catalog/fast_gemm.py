@@ -108,17 +108,22 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "gemm.fast_wgrad_gather_row_off_by_one", WGRAD,
-        "                        g = src_addr + (s // Int64(top_k) * Int64(width) + Int64(col)) * Int64(2)",
-        "                        g = src_addr + ((s + Int64(1)) // Int64(top_k) * Int64(width) + Int64(col))"
-        " * Int64(2)",
+        "                    src = src_addr + s // Int64(top_k) * row_bytes",
+        "                    src = src_addr + (s + Int64(1)) // Int64(top_k) * row_bytes",
         "the gathered wgrad reads the row of slot + 1's token", GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
         "gemm.fast_wgrad_gather_pad_rows_read", WGRAD,
-        "                    s = m_slot[row]\n",
-        "                    s = dsl_max(m_slot[row], Int64(0))\n",
+        "        s = cast(Int64, m_slot[row])\n",
+        "        s = dsl_max(cast(Int64, m_slot[row]), Int64(0))\n",
         "pad rows (slot -1) read token 0's row instead of the zero chunk", GATHER_TESTS, ("moe_layer",),
         device="gpu",
     ),
+    sep_mutation(
+        "gemm.fast_wgrad_gather_lanes_unspread", WGRAD,
+        "    return warp * q + j % q + 4 * q * (j // q)\n",
+        "    return warp * q + j % q + q * (j // q)\n",
+        "the gathered wgrad's lanes look up rows q apart instead of 4q (the warps' stride), so a chunk's "
+        "shuffled source is another row's", SCHEDULE_TESTS, ("grouped_gemm_wgrad",),
+    ),
 )
-

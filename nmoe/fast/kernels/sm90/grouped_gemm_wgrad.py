@@ -396,6 +396,33 @@ def grouped_wgrad_host(
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
 
 
+def gather_lanes(per_row: int) -> tuple[int, int, int]:
+    """(q, rows per warp, chunks per thread) of the gathered wgrad box: a warp copies q rows per chunk
+    instruction and looks up its 16 distinct rows of a stage once, one lane each, not once per chunk."""
+    if 32 % per_row or BK * per_row % WG_THREADS:
+        raise ValueError(f"gathered wgrad: {per_row} chunks per box row do not tile a warp")
+    return 32 // per_row, BK // 4, BK * per_row // WG_THREADS
+
+
+def own_row(lane: Any, warp: Any, q: int) -> Any:
+    """The box row (of the stage's BK) whose source lane `lane` of producer warp `warp` looks up."""
+    j = lane % (BK // 4)
+    return warp * q + j % q + 4 * q * (j // q)
+
+
+def source_lane(i: int, lane: Any, per_row: int, q: int) -> Any:
+    """The lane holding the source of chunk i's row for `lane`: row ptid // per_row + 4 q i."""
+    return i * q + lane // per_row
+
+
+@cute.jit
+def _slot_at(m_slot: cute.Tensor, row: Int32, end: Int32) -> Int64:
+    s = Int64(-1)
+    if row < end:
+        s = cast(Int64, m_slot[row])
+    return s
+
+
 @cute.jit
 def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyAtom, m_t: cute.Tensor,
                            m_slot: cute.Tensor, src_addr: Int64, zero_addr: Int64, top_k: Int32,
@@ -403,14 +430,20 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.C
                            n_ctas: Int32, warp_idx: Int32, ptid: Int32, width: Constexpr[int],
                            bn: Constexpr[int], side: Constexpr[str], stages: Constexpr[int]) -> None:
     """The producer warpgroup with one operand read from token-major rows (side "b": x, side "a": dy):
-    warp 0 arms each stage and TMA-loads the other operand's box; every thread copies its 16-byte chunks of
-    the gathered MN-major box (row p of the group reads token slot[p] // top_k of a `width`-wide source;
-    pad rows, rows past the group and columns past `width` read a zero chunk) with cp.async."""
+    warp 0 arms each stage and TMA-loads the other operand's box; each lane looks up one row's source
+    (slot // top_k, or the zero chunk for pad rows and rows past the group; the next stage's slot is
+    loaded a stage ahead), warps share them by shuffle, and every thread cp.asyncs its 16-byte chunks."""
     atom = chunk_atom()
     s_t_flat = cute.group_modes(s_t, 0, 2)
     g_base = cast(Pointer, s_g.iterator).toint()
     box = bn if const_expr(side == "b") else BM
     per_row = box // VEC
+    q, _, n_chunks = gather_lanes(per_row)
+    lane = ptid % 32
+    mine = own_row(lane, ptid // 32, q)
+    c = (lane % per_row) * VEC
+    row_bytes = Int64(width * 2)
+    slot = cute.make_rmem_tensor(1, Int64)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     for rnd in range(n_rounds(u.total, n_ctas)):
         t = snake_tile(rnd, bidx, n_ctas)
@@ -418,25 +451,26 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.C
             _, m_tile, n_tile, start, end, _, _, _ = _wgrad_tile(u, t)
             if const_expr(side == "b"):
                 g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (BM, BK), (m_tile, None))
-                col0 = n_tile * bn
+                col = n_tile * bn + c
             else:
                 g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (bn, BK), (n_tile, None))
-                col0 = m_tile * BM
+                col = m_tile * BM + c
             t_st, t_gt = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), s_t_flat,
                                                cute.group_modes(g_t, 0, 2))
+            slot[0] = _slot_at(m_slot, start + mine, end)
             for kt in range((end - start + BK - 1) // BK):
                 arm_stage(mainloop, state, warp_idx, tma_atom, t_gt[(None, kt)], t_st[(None, state.index)])
-                for i in range_constexpr(BK * per_row // WG_THREADS):
-                    chunk = ptid + WG_THREADS * i
-                    rr = chunk // per_row
-                    c = (chunk - rr * per_row) * VEC
-                    row = start + kt * BK + rr
-                    col = col0 + c
+                s = slot[0]
+                slot[0] = _slot_at(m_slot, start + (kt + 1) * BK + mine, end)
+                src = zero_addr
+                if s >= Int64(0):
+                    src = src_addr + s // Int64(top_k) * row_bytes
+                for i in range_constexpr(n_chunks):
+                    a = cute.arch.shuffle_sync(src, source_lane(i, lane, per_row, q))
                     g = zero_addr
-                    if row < end and col < width:
-                        s = m_slot[row]
-                        if s >= Int64(0):
-                            g = src_addr + (s // Int64(top_k) * Int64(width) + Int64(col)) * Int64(2)
+                    if col < width and a != zero_addr:
+                        g = a + Int64(col * 2)
+                    rr = ptid // per_row + 4 * q * i
                     copy_chunk(atom, g, g_base + swizzled(g_outer((c, rr, state.index)) * 2))
                 cute.arch.cp_async_mbarrier_arrive_noinc(mainloop.producer_get_barrier(state))
                 state.advance()
