@@ -1,6 +1,6 @@
 """Where grouped-GEMM time goes: each ablation is one named source edit (a stage left out, a knob forced),
 timed in its own copy of the tree against the unedited baseline of the same run. Compiles run in parallel,
-timings one at a time. Usage (GPU): python -m bench.ablate --out FILE.json"""
+timings one at a time. Usage (GPU): python -m bench.ablate [--set gemm|gather] --out FILE.json"""
 
 from __future__ import annotations
 
@@ -47,6 +47,16 @@ ABLATIONS: tuple[Mutation, ...] = (
         "N tile 128 everywhere (deeper pipeline, more A re-reads)",
     ),
 )
+GATHER_KERNEL = "nmoe/fast/kernels/sm90/grouped_gemm.py"
+GATHER_ABLATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "ablate.gather_no_consumer_fence", GATHER_KERNEL,
+        "                      stages, act, True)",
+        "                      stages, act, False)",
+        "the consumers skip the proxy fence before wgmma reads cp.async-written A (timing only: the fence is "
+        "what orders those writes): what the fence costs per K box",
+    ),
+)
 SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
     (32768, 4096, 1024, 128, 8), (24576, 1536, 256, 128, 8), (32768, 4096, 512, 256, 8),
 )
@@ -77,9 +87,50 @@ def _time(m: int, n: int, k: int, e: int, compile_only: bool) -> float:
     return replay_median_ms(capture(lambda: gemm.grouped_gemm(x, w, offs)))
 
 
-def child(compile_only: bool) -> None:
+def _gather_rows(t: int, h: int, i: int, e: int, k: int, compile_only: bool) -> list[dict[str, Any]]:
+    """The up projection (act, swiglu) and its x-side wgrad, uniform routing: A read through slot from x's
+    token rows (gathered), through slot from permute's copy in row order (in_order: the same cp.async
+    path without the scattered rows), and by TMA from the copy (copied)."""
+    import torch
+
+    from bench.conftest import capture, replay_median_ms
+    from nmoe.fast.dispatch import permute
+    from nmoe.fast.gemm import sm90
+
+    align, gen = 128, torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ids = torch.rand(t, e, device="cuda", generator=gen).topk(k, dim=1).indices
+    p = permute(x, ids, e, align)
+    rows = p.slot.shape[0]
+    in_order = torch.where(p.slot >= 0, torch.arange(rows, device="cuda") * k, -1)
+    dh = torch.randn(rows, 2 * i, device="cuda", dtype=torch.bfloat16, generator=gen)
+    runs = {
+        "up_gathered": lambda: sm90.grouped_gemm_act_gathered(x, p.slot, k, w, p.offs, "swiglu"),
+        "up_in_order": lambda: sm90.grouped_gemm_act_gathered(p.xp, in_order, k, w, p.offs, "swiglu"),
+        "up_copied": lambda: sm90.grouped_gemm_act_h(p.xp, w, p.offs, "swiglu"),
+        "wgrad_gathered": lambda: sm90.grouped_gemm_wgrad_gathered(dh, x, p.slot, k, p.offs),
+        "wgrad_copied": lambda: sm90.grouped_gemm_wgrad(dh, p.xp, p.offs),
+    }
+    out = []
+    for name, fn in runs.items():
+        fn()
+        torch.cuda.synchronize()
+        if not compile_only:
+            ms = replay_median_ms(capture(fn))
+            out.append({"shape": f"{name} T={t} H={h} I={i} E={e}", "ms": ms,
+                        "tflops": 2.0 * rows * 2 * i * h / ms / 1e9, "bn": sm90.pick_bn(2 * i)})
+    return out
+
+
+def child(compile_only: bool, which: str) -> None:
     from nmoe.fast.gemm.sm90 import pick_bn
 
+    if which == "gather":
+        for shape in SHAPES:
+            for row in _gather_rows(*shape, compile_only):
+                print(json.dumps(row), flush=True)
+        return
     for label, m, n, k, e in _problems():
         ms = _time(m, n, k, e, compile_only)
         if not compile_only:
@@ -87,10 +138,11 @@ def child(compile_only: bool) -> None:
             print(json.dumps(row), flush=True)
 
 
-def _run(copy: Path, compile_only: bool) -> subprocess.Popen[str]:
+def _run(copy: Path, compile_only: bool, which: str) -> subprocess.Popen[str]:
     env = child_env(copy, "gpu", 2)
     env["NMOE_KERNEL_CACHE"] = str(copy / ".kernels")
-    cmd = [sys.executable, "-m", "bench.ablate", "--child"] + (["--compile-only"] if compile_only else [])
+    cmd = [sys.executable, "-m", "bench.ablate", "--child", "--set", which]
+    cmd += ["--compile-only"] if compile_only else []
     return subprocess.Popen(cmd, cwd=copy, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 
@@ -99,13 +151,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.ablate", description=__doc__)
     p.add_argument("--out", type=Path, help="JSON file for the timings")
     p.add_argument("--only", default="", help="comma-separated ablation ids (default: all)")
+    p.add_argument("--set", default="gemm", choices=("gemm", "gather"),
+                   help="gemm: the TMA kernels' ablations; gather: the gathering up projection and wgrad")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        child(args.compile_only)
+        child(args.compile_only, args.set)
         return 0
-    chosen = [a for a in ABLATIONS if not args.only or a.id in args.only.split(",")]
+    catalog = GATHER_ABLATIONS if args.set == "gather" else ABLATIONS
+    chosen = [a for a in catalog if not args.only or a.id in args.only.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="nmoe-ablate-"))
     copies: dict[str, Path] = {}
     variants = [("baseline", None), *((a.id, a) for a in chosen), ("baseline_again", None)]
@@ -118,14 +173,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             path = copy / edit.file
             path.write_text(apply(path.read_text(encoding="utf-8"), edit), encoding="utf-8")
         copies[name] = copy
-    failed = {n: out for n, proc in [(n, _run(c, True)) for n, c in copies.items()]
+    failed = {n: out for n, proc in [(n, _run(c, True, args.set)) for n, c in copies.items()]
               if (out := proc.communicate()[0]) and proc.returncode}
     rows: dict[str, Any] = {}
     for name, copy in copies.items():
         if name in failed:
             rows[name] = {"error": failed[name][-2000:]}
             continue
-        out, _ = _run(copy, False).communicate()
+        out, _ = _run(copy, False, args.set).communicate()
         timed = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         rows[name] = timed or {"error": out[-2000:]}
     shutil.rmtree(tmp, ignore_errors=True)
