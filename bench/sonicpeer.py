@@ -81,22 +81,34 @@ def _row(cfg: tuple[int, ...], routing: str, pass_: str, warm_only: bool = False
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="sonicpeer", description=__doc__)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--configs", type=int, default=len(LAYER_CONFIGS),
+                    help="time the first N layer configs (SonicMoE's three come first; each compiles for "
+                    "minutes)")
     ap.add_argument("--go", type=Path, help="compile every row first, then time only once this file exists "
                     "(so the minutes of compilation can overlap other work and the timing cannot)")
     args = ap.parse_args(argv)
     import sonicmoe
 
+    configs = LAYER_CONFIGS[:args.configs]
+    t0 = time.monotonic()
     if args.go is not None:
-        for cfg in LAYER_CONFIGS:
+        for cfg in configs:
             for r in ROUTINGS:
                 for p in PASSES:
                     _row(cfg, r, p, warm_only=True)
+                    print(f"sonicpeer: compiled {cfg} {r} {p} at {time.monotonic() - t0:.0f} s", flush=True)
         torch.cuda.empty_cache()
         print("sonicpeer: compiled; waiting for", args.go, flush=True)
         while not args.go.exists():
             time.sleep(1)
 
-    rows = [_row(cfg, r, p) for cfg in LAYER_CONFIGS for r in ROUTINGS for p in PASSES]
+    rows = []
+    for cfg in configs:
+        for r in ROUTINGS:
+            for p in PASSES:
+                rows.append(_row(cfg, r, p))
+                print(f"sonicpeer: {cfg} {r} {p} {rows[-1]['ms']:.3f} ms at {time.monotonic() - t0:.0f} s",
+                      flush=True)
     doc = {"peer": "sonicmoe", "version": sonicmoe.__version__, "torch": torch.__version__,
            "gpu": torch.cuda.get_device_name(), "rows": rows}
     args.out.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
