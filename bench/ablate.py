@@ -50,11 +50,18 @@ ABLATIONS: tuple[Mutation, ...] = (
 GATHER_KERNEL = "nmoe/fast/kernels/sm90/grouped_gemm.py"
 GATHER_ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
-        "ablate.gather_no_consumer_fence", GATHER_KERNEL,
-        "                      stages, act, True)",
-        "                      stages, act, False)",
-        "the consumers skip the proxy fence before wgmma reads cp.async-written A (timing only: the fence is "
-        "what orders those writes): what the fence costs per K box",
+        "ablate.gather_no_fence", GATHER_KERNEL,
+        "    cute.arch.cp_async_wait_group(lag)\n"
+        "    cute.arch.fence_proxy(\"async.shared\", space=\"cta\")\n",
+        "    cute.arch.cp_async_wait_group(lag)\n",
+        "the producers land a stage without the proxy fence (timing only: the fence is what orders "
+        "cp.async's generic writes before wgmma's async reads): what the fence costs",
+    ),
+    Mutation(
+        "ablate.gather_lag_one", GATHER_KERNEL,
+        "    return stages - 2\n", "    return 1\n",
+        "the producers land each stage one stage after issuing it (fewer copies in flight): what the "
+        "lag buys",
     ),
 )
 SHAPES: tuple[tuple[int, int, int, int, int], ...] = (

@@ -4,10 +4,13 @@ copy: every output bit equal (same MMA order per row), pad and tail rows zero. A
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from torch import Tensor
 
+from nmoe.fast import runtime
 from nmoe.fast.dispatch import permute
 from nmoe.fast.gemm import sm90
 
@@ -236,3 +239,47 @@ def test_zero_chunk_is_made_eagerly_never_inside_a_capture(monkeypatch: pytest.M
     made = torch.zeros(8, dtype=torch.bfloat16)
     sm90._ZERO_CHUNKS[torch.device("cuda", 0)] = made
     assert sm90._zero_chunk("grouped_gemm_act_gathered", torch.device("cuda", 0)) is made
+
+
+def _pipeline_finishes(stages: int, lag: int, tiles: list[int]) -> bool:
+    """Play the gathering pipeline to the end or a standstill. The producer takes slot p % stages once the
+    consumers released stage p - stages, and arrives on stage p - lag right after issuing stage p (the rest
+    after its last stage); the consumers need stage j's arrival, release j - 1 once j's MMAs are issued, and
+    a tile's last stage after its MMAs drain."""
+    total = sum(tiles)
+    last_of_tile = {sum(tiles[:i + 1]) - 1 for i in range(len(tiles))}
+    issued = arrived = consumed = 0
+    released: set[int] = set()
+    while consumed < total:
+        moved = False
+        if issued < total and (issued < stages or issued - stages in released):
+            issued += 1
+            arrived = total if issued == total else max(arrived, issued - lag)
+            moved = True
+        if consumed < arrived:
+            j = consumed
+            if j >= 1 and j - 1 not in last_of_tile:
+                released.add(j - 1)
+            if j in last_of_tile:
+                released.add(j)
+            consumed += 1
+            moved = True
+        if not moved:
+            return False
+    return True
+
+
+def test_sep_gemm_fast_gather_lag_too_deep() -> None:
+    """The gathering producers land a stage (wait for its copies, fence, arrive) gather_lag stages after
+    issuing it. One stage more and the slot the producer needs is freed only by the consumers' reading a
+    stage the producer has not landed: the pipeline stands still, for every depth and any tiling."""
+    runtime.import_cutlass("sm_90a")
+    from nmoe.fast.kernels.sm90.grouped_gemm import gather_lag
+
+    rng = random.Random(5)
+    for stages in range(3, 9):
+        tilings = [[1] * 20, [40], [rng.randint(1, 6) for _ in range(30)]]
+        assert not _pipeline_finishes(stages, stages - 1, [40]), "one stage deeper stands still"
+        assert all(_pipeline_finishes(stages, gather_lag(stages), t) for t in tilings), stages
+    with pytest.raises(ValueError, match="3 or more pipeline stages"):
+        gather_lag(2)

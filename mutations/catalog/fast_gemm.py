@@ -126,4 +126,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the gathered wgrad's lanes look up rows q apart instead of 4q (the warps' stride), so a chunk's "
         "shuffled source is another row's", SCHEDULE_TESTS, ("grouped_gemm_wgrad",),
     ),
+    sep_mutation(
+        "gemm.fast_gather_lag_too_deep", FILE,
+        "    return stages - 2\n", "    return stages - 1\n",
+        "the gathering producers land a stage one stage later, so the slot they wait for is freed only after "
+        "a stage they have not landed: the pipeline stands still", GATHER_TESTS, ("grouped_gemm_act",),
+    ),
 )

@@ -525,10 +525,10 @@ _FORBID_EPILOGUE = (*_FORBID_SM90, r"\b(mul|add|sub|div|fma)(\.r[nzmp])?\.ftz\.f
                     r"\bdiv\.(approx|full)(\.ftz)?\.f32\b")
 
 
-# The gathered up projection: A by 16-byte cp.async from token rows, each thread's arrival tracked by the
-# stage's mbarrier, and a proxy fence before the tensor cores read what the generic proxy wrote.
+# The gathered up projection: A by 16-byte cp.async from token rows in commit groups; each thread waits for
+# a group, fences it from the generic into the async proxy the tensor cores read, then arrives.
 _EXPECT_GATHER = (*_EXPECT_EPILOGUE, r"\bcp\.async\.cg\.shared\.global\b",
-                  r"\bcp\.async\.mbarrier\.arrive\.noinc\.shared\.b64\b",
+                  r"\bcp\.async\.commit_group\b", r"\bcp\.async\.wait_group\b",
                   r"\bfence\.proxy\.async\.shared::cta\b")
 
 

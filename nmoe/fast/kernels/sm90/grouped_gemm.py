@@ -392,10 +392,8 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                   tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.Tensor, n_groups: Int32, m_rows: Int32,
                   tidx: Int32, warp_idx: Int32, n_ctas: Int32, e: Int32, g_start: Int32, g_end: Int32,
                   before: Int32, here: Int32, t: Int32, n: Constexpr[int], bn: Constexpr[int],
-                  k_tiles: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
-                  thread_written_a: Constexpr[bool]) -> None:
-    """The two consumer warpgroups: wgmma over each tile's K boxes, then the epilogue. thread_written_a: A
-    arrived by cp.async (generic proxy), so a proxy fence orders it before the tensor cores read it."""
+                  k_tiles: Constexpr[int], stages: Constexpr[int], act: Constexpr[str]) -> None:
+    """The two consumer warpgroups: wgmma over each tile's K boxes, then the epilogue."""
     cute.arch.setmaxregister_increase(CONSUMER_REGS)
     ctid = tidx - WG_THREADS
     t_ra, t_rb, acc_shape = mma_fragments(tiled_mma, s_a, s_b, warp_idx, bn)
@@ -413,14 +411,10 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
         acc.fill(0.0)
         if e < n_groups and const_expr(k_tiles > 0):
             mainloop.consumer_wait(read)
-            if const_expr(thread_written_a):
-                cute.arch.fence_proxy("async.shared", space="cta")
             _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
             read.advance()
             for _kt in range(1, k_tiles):
                 mainloop.consumer_wait(read)
-                if const_expr(thread_written_a):
-                    cute.arch.fence_proxy("async.shared", space="cta")
                 _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
                 warpgroup.wait_group(1)
                 mainloop.consumer_release(release)
@@ -472,7 +466,7 @@ def grouped_gemm_kernel(
     else:
         consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, n_groups,
                       m_rows, tidx, warp_idx, n_ctas, e, g_start, g_end, before, here, t, n, bn, k_tiles,
-                      stages, act, False)
+                      stages, act)
 
 
 def _gemm_setup(pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer, m_rows: Int32, n_groups: Int32, n: int,
@@ -566,6 +560,33 @@ def chunk_atom() -> cute.CopyAtom:
     return atom
 
 
+def gather_lag(stages: int) -> int:
+    """Stages a gathering producer leaves in flight before it lands its oldest: at most stages - 2, since the
+    slot it acquires next is freed only once the consumers have read the stage after the one it holds."""
+    if stages < 3:
+        raise ValueError(f"a gathering producer needs 3 or more pipeline stages, got {stages}")
+    return stages - 2
+
+
+@cute.jit
+def land_stage(mainloop: pipeline.PipelineTmaAsync, landed: Any, lag: Constexpr[int]) -> None:
+    """This thread's copies of the stage committed `lag` stages ago have landed: fence them from the generic
+    into the async proxy (wgmma reads through it) and arrive on that stage's barrier."""
+    cute.arch.cp_async_wait_group(lag)
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.mbarrier_arrive(mainloop.producer_get_barrier(landed))
+
+
+@cute.jit
+def land_all(mainloop: pipeline.PipelineTmaAsync, landed: Any, pending: Int32) -> None:
+    """The producer's last `pending` stages: wait for every copy, fence, arrive on each."""
+    cute.arch.cp_async_wait_group(0)
+    cute.arch.fence_proxy("async.shared", space="cta")
+    for _ in range(pending):
+        cute.arch.mbarrier_arrive(mainloop.producer_get_barrier(landed))
+        landed.advance()
+
+
 @cute.jit
 def _gather_sources(m_slot: cute.Tensor, row0: Int32, g_end: Int32, top_k: Int32, rb: Int32, x_addr: Int64,
                     k: Constexpr[int], zero_addr: Int64, src: cute.Tensor) -> None:
@@ -590,15 +611,19 @@ def produce_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyA
                      k: Constexpr[int], k_tiles: Constexpr[int], bn: Constexpr[int],
                      stages: Constexpr[int]) -> None:
     """The producer warpgroup with A gathered: warp 0 arms each stage and TMA-loads B; every thread copies
-    its A chunks with cp.async (zero chunks past K) and arrives when they land."""
+    its A chunks with cp.async (zero chunks past K), and arrives on a stage once its copies have landed and
+    are fenced, gather_lag stages later, so the consumers need no fence of their own."""
     atom = chunk_atom()
     s_b_flat = cute.group_modes(s_b, 0, 2)
     a_base = cast(Pointer, s_a.iterator).toint()
     c8 = ptid % CHUNKS
     rb = ptid // CHUNKS
     src = cute.make_rmem_tensor(GATHER_ROWS, Int64)
+    lag = gather_lag(stages)
     e, g_start, g_end, before, here, t = cursor_start(t)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+    landed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+    pending = Int32(0)
     e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
                                             n_tiles_n)
     while e <= n_groups:
@@ -618,11 +643,17 @@ def produce_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyA
                         g = src[j] + Int64(col * 2)
                     r = rb + GATHER_ROW_STEP * j
                     copy_chunk(atom, g, a_base + swizzled(a_outer((r, c8 * VEC, state.index)) * 2))
-                cute.arch.cp_async_mbarrier_arrive_noinc(mainloop.producer_get_barrier(state))
+                cute.arch.cp_async_commit_group()
                 state.advance()
+                if pending == lag:
+                    land_stage(mainloop, landed, lag)
+                    landed.advance()
+                else:
+                    pending = pending + 1
         t = t + n_ctas
         e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
                                                 n_tiles_n)
+    land_all(mainloop, landed, pending)
     if warp_idx == 0:
         mainloop.producer_tail(state)
 
@@ -650,7 +681,7 @@ def grouped_gemm_gather_kernel(
     else:
         consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, n_groups,
                       m_rows, tidx, warp_idx, n_ctas, e, g_start, g_end, before, here, t, n, bn, k_tiles,
-                      stages, act, True)
+                      stages, act)
 
 
 @cute.jit

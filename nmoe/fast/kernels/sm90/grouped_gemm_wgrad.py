@@ -35,6 +35,9 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     copy_chunk,
     cta_setup,
     cta_start,
+    gather_lag,
+    land_all,
+    land_stage,
     mma_fragments,
     pipeline_stages,
     swizzled,
@@ -214,11 +217,9 @@ def _mask_tail(s_a: cute.Tensor, s_b: cute.Tensor, stage: Int32, valid: Int32, b
 def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma, s_a: cute.Tensor,
                   s_b: cute.Tensor, s_d: cute.Tensor, u: Units, m_ws: cute.Tensor, m_count: cute.Tensor,
                   m_d: cute.Tensor, tidx: Int32, warp_idx: Int32, bidx: Int32, n_ctas: Int32,
-                  n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], stages: Constexpr[int],
-                  thread_written_b: Constexpr[bool]) -> None:
+                  n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], stages: Constexpr[int]) -> None:
     """The two consumer warpgroups of the wgrad: masked K boxes into wgmma, then the output tile through
-    shared memory (a split group's chunk first through its workspace slice and counter). thread_written_b:
-    B arrived by cp.async, fenced before the tensor cores read it."""
+    shared memory (a split group's chunk first through its workspace slice and counter)."""
     cute.arch.setmaxregister_increase(CONSUMER_REGS)
     ctid = tidx - WG_THREADS
     t_ra, t_rb, acc_shape = mma_fragments(tiled_mma, s_a, s_b, warp_idx, bn)
@@ -257,15 +258,11 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
             acc.fill(0.0)
             if k_tiles > 0:
                 mainloop.consumer_wait(read)
-                if const_expr(thread_written_b):
-                    cute.arch.fence_proxy("async.shared", space="cta")
                 _mask_tail(s_a, s_b, read.index, end - start, bn, ctid, mask_bar)
                 _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
                 read.advance()
                 for kt in range(1, k_tiles):
                     mainloop.consumer_wait(read)
-                    if const_expr(thread_written_b):
-                        cute.arch.fence_proxy("async.shared", space="cta")
                     _mask_tail(s_a, s_b, read.index, end - start - kt * BK, bn, ctid, mask_bar)
                     _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
                     warpgroup.wait_group(1)
@@ -339,7 +336,7 @@ def grouped_wgrad_kernel(
             mainloop.producer_tail(state)
     else:
         consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, u, m_ws, m_count, m_d, tidx, warp_idx, bidx, n_ctas,
-                      n, k, bn, stages, False)
+                      n, k, bn, stages)
 
 
 def _mn_major_setup(bn: int, stages: int) -> tuple[cute.TiledMma, cute.ComposedLayout, cute.ComposedLayout,
@@ -432,7 +429,8 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.C
     """The producer warpgroup with one operand read from token-major rows (side "b": x, side "a": dy):
     warp 0 arms each stage and TMA-loads the other operand's box; each lane looks up one row's source
     (slot // top_k, or the zero chunk for pad rows and rows past the group; the next stage's slot is
-    loaded a stage ahead), warps share them by shuffle, and every thread cp.asyncs its 16-byte chunks."""
+    loaded a stage ahead), warps share them by shuffle, and every thread cp.asyncs its 16-byte chunks,
+    landing each stage (fence, arrive) gather_lag stages later."""
     atom = chunk_atom()
     s_t_flat = cute.group_modes(s_t, 0, 2)
     g_base = cast(Pointer, s_g.iterator).toint()
@@ -444,7 +442,10 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.C
     c = (lane % per_row) * VEC
     row_bytes = Int64(width * 2)
     slot = cute.make_rmem_tensor(1, Int64)
+    lag = gather_lag(stages)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+    landed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+    pending = Int32(0)
     for rnd in range(n_rounds(u.total, n_ctas)):
         t = snake_tile(rnd, bidx, n_ctas)
         if t < u.total:
@@ -472,8 +473,14 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.C
                         g = a + Int64(col * 2)
                     rr = ptid // per_row + 4 * q * i
                     copy_chunk(atom, g, g_base + swizzled(g_outer((c, rr, state.index)) * 2))
-                cute.arch.cp_async_mbarrier_arrive_noinc(mainloop.producer_get_barrier(state))
+                cute.arch.cp_async_commit_group()
                 state.advance()
+                if pending == lag:
+                    land_stage(mainloop, landed, lag)
+                    landed.advance()
+                else:
+                    pending = pending + 1
+    land_all(mainloop, landed, pending)
     if warp_idx == 0:
         mainloop.producer_tail(state)
 
@@ -501,7 +508,7 @@ def grouped_wgrad_gather_kernel(
                                    a_layout.outer, u, bidx, n_ctas, warp_idx, tidx, n, bn, side, stages)
     else:
         consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, u, m_ws, m_count, m_d, tidx, warp_idx, bidx, n_ctas,
-                      n, k, bn, stages, True)
+                      n, k, bn, stages)
 
 
 @cute.jit
