@@ -41,6 +41,18 @@ ABLATIONS: tuple[Mutation, ...] = (
         "operand pipeline one stage shallower: how much depth matters",
     ),
     Mutation(
+        "ablate.epi_n64", KERNEL,
+        "EPI_N = 32\n", "EPI_N = 64\n",
+        "the output leaves in 64-column subtiles: half the epilogue's barriers, one operand stage less at "
+        "bn=256",
+    ),
+    Mutation(
+        "ablate.epi_bufs4", KERNEL,
+        "EPI_BUFS = 2\n", "EPI_BUFS = 4\n",
+        "four output subtile buffers, so no subtile waits for an earlier store to leave shared memory; one "
+        "operand stage less at bn=256",
+    ),
+    Mutation(
         "ablate.bn128", GLUE,
         "    return 256 if n % 256 == 0 else 128",
         "    return 128",
