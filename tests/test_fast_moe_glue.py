@@ -115,28 +115,6 @@ def test_glue_matches_spec(spec_kernels: None, activation: str, shared: int, dty
         assert err < 1e-2, f"grad {i}: relative error {err:.3g}"
 
 
-def test_row_helpers_round_like_the_formula(monkeypatch: pytest.MonkeyPatch) -> None:
-    """_row_scale against float64 products rounded to fp32 then bf16 (ml_dtypes), specials included;
-    _row_dot chunked within its fp32 sum bound."""
-    import ml_dtypes
-    import numpy as np
-
-    monkeypatch.setattr(fm, "ROW_CHUNK", 3)
-    g = torch.Generator().manual_seed(9)
-    a, b = (torch.randn(10, 6, generator=g).to(torch.bfloat16) for _ in range(2))
-    sp = a.clone()
-    sp[0, :4] = torch.tensor([float("nan"), float("inf"), -0.0, 1e-39])
-    s = torch.randn(10, generator=g) * 2.0**60
-    s[1] = 0.0
-    want = (sp.double().numpy() * s.double().numpy()[:, None]).astype(np.float32).astype(ml_dtypes.bfloat16)
-    got = fm._row_scale(sp, s).float().numpy()
-    np.testing.assert_array_equal(got, want.astype(np.float32))
-    assert np.array_equal(np.signbit(got), np.signbit(want.astype(np.float32)))
-    exact = (a.double() * b.double()).sum(-1)
-    assert bool(((fm._row_dot(a, b).double() - exact).abs() <= 6 * 2.0**-24 * (a.double() * b.double()).abs()
-                 .sum(-1)).all())
-
-
 def _run(fn: Any, cfg_args: tuple[str, int, str, str]) -> tuple[dict[str, Tensor], Tensor, Tensor]:
     """(grads by name, routing weights' grad, routing weights) of one layer call on the glue case."""
     x, p, cfg = _case(*cfg_args, 3)

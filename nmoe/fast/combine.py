@@ -164,9 +164,10 @@ def combine_gather(yp: Tensor, row_of: Tensor, w: Tensor, routed_scale: float,
 
 
 def combine_bwd(dout: Tensor, y: Tensor, w: Tensor, routed_scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(dy, dw, dshared): g = dout*routed_scale, dy_k = bf16(g*w_k), dw_k = sum_h g*y_k (fp32), dout."""
+    """(dy, dw, dshared): g = dout*routed_scale, dy_k = bf16(g*w_k), dw_k = sum_h g*y_k (fp32), and dout
+    itself as dshared (equal to the spec's copy; no [T,H] copy is made)."""
     dy, dw = _combine_bwd_op(dout, y, w, routed_scale)
-    return dy, dw, dout.clone()
+    return dy, dw, dout
 
 
 # The contract pins every product and sum as separately rounded: any fma (scalar or sm_100a's packed

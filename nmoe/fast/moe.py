@@ -4,7 +4,8 @@ Autograd pieces: router_logits (its own op), _RouterTopk, _Shared (the shared ML
 _Routed, which runs permute's routing (slot, offs; bf16 experts copy no rows: the up projection gathers x's
 rows as it loads) -> up (+act) -> down -> combine_gather (each slot's row read in place from the permuted
 output: no [T,K,H] copy) and whose backward calls the fast permute, dgrad/wgrad, activation-bwd and
-combine_gather kernels. With an RDEP Exchange the experts are sharded over ranks and the routed half
+combine_gather kernels, and combine/combine_bwd with K = 1 for the router-weight scaling of a and dz and
+dweights' row dot (one pass each over [rows, I]). With an RDEP Exchange the experts are sharded over ranks and the routed half
 is nmoe.fast.rdep.ep.ep_routed (rows travel to their expert's rank and back).
 
 Saved for the backward, per token (K slots, up width N = 2I swiglu or I relu2, E experts):
@@ -54,7 +55,6 @@ __all__ = ["MoEParams", "MoERouting", "moe_layer"]
 
 ARCH = "sm_90a"
 EXPERT_DTYPES = ("bf16", "fp8")
-ROW_CHUNK = 65536
 """Rows per chunk of the backward's fp32 row products, bounding their fp32 temporaries."""
 
 _ACT = {"swiglu": (swiglu, swiglu_bwd), "relu2": (relu2, relu2_bwd)}
@@ -86,26 +86,6 @@ def _up(x: Tensor, w: Tensor, offs: Tensor, activation: str, dtype: str) -> tupl
         return sm90.grouped_gemm_act_h(x, w, offs, activation)
     h = _gemm(x, w, offs, dtype)
     return _ACT[activation][0](h), h
-
-
-def _chunks(n: int) -> list[slice]:
-    return [slice(i, min(i + ROW_CHUNK, n)) for i in range(0, n, ROW_CHUNK)]
-
-
-def _row_scale(t: Tensor, s: Tensor) -> Tensor:
-    """bf16(t[r] * s[r]) with the product in fp32, one rounding: one fused pass (torch computes in the
-    promoted fp32 and rounds on the store to `out`), no fp32 copy of t."""
-    out = torch.empty_like(t)
-    torch.mul(t, s[:, None], out=out)
-    return out
-
-
-def _row_dot(a: Tensor, b: Tensor) -> Tensor:
-    """fp32 [R]: sum over columns of a*b, products and sum in fp32."""
-    out = torch.empty(a.shape[0], dtype=torch.float32, device=a.device)
-    for c in _chunks(a.shape[0]):
-        out[c] = (a[c].float() * b[c].float()).sum(-1)
-    return out
 
 
 def _slot_weights(weights: Tensor, slot: Tensor) -> Tensor:
@@ -202,23 +182,31 @@ class _Routed(torch.autograd.Function):
         act, act_bwd = _ACT[cfg.activation]
         dout = dout.contiguous()
         scale = float(torch.tensor(cfg.route_scale, dtype=torch.float32))
-        a = act(h) if need_w2 or dot_w else None
-        dz = sm90.grouped_gemm_dgrad_gathered(dout, slot, k, w2, offs) if need_h or dot_w else None
+        a = act(h) if need_w2 or need_h or dot_w else None
+        # Per permuted row r with wr = w[slot r] * scale: bf16(dz_r * wr), bf16(a_r * wr) and the fp32
+        # <a_r, dz_r> come from the combine kernels with K = 1 and routed_scale 1 (exact), one pass each.
+        wrow = (_slot_weights(weights, slot) * scale)[:, None]
+        dz_w = dot = None
+        if need_h or dot_w:
+            assert a is not None
+            dz = sm90.grouped_gemm_dgrad_gathered(dout, slot, k, w2, offs)
+            dz_w, dot = combine_bwd(dz, a[:, None], wrow, 1.0)[:2]
+            del dz
         dweights = dw2 = dw_up = dx = None
         if need_w and fp8_y:
             dweights = combine_bwd(dout, fp8_y[0], weights, cfg.route_scale)[1]
         elif need_w:
-            assert a is not None and dz is not None
-            dweights = _to_slots(_row_dot(a, dz) * scale, slot, t, k)
-        wrow = _slot_weights(weights, slot) * scale
+            assert dot is not None
+            dweights = _to_slots(dot.view(-1) * scale, slot, t, k)
         if need_w2:
             assert a is not None
-            dw2 = sm90.grouped_gemm_wgrad_gathered(dout, _row_scale(a, wrow), slot, k, offs, side="dy")
+            dw2 = sm90.grouped_gemm_wgrad_gathered(dout, combine(a[:, None], wrow, 1.0), slot, k, offs,
+                                                   side="dy")
         del a
         if need_h:
-            assert dz is not None
-            dh = act_bwd(_row_scale(dz, wrow), h)
-            del dz, h
+            assert dz_w is not None
+            dh = act_bwd(dz_w.view(h.shape[0], -1), h)
+            del dz_w, h
             if need_x:
                 dxp = grouped_gemm_dgrad(dh, w_up, offs)
                 ones = torch.ones(t, k, dtype=torch.float32, device=dout.device)
