@@ -5,8 +5,8 @@ _Routed, which runs permute's routing (slot, offs; bf16 experts copy no rows: th
 rows as it loads) -> up (+act) -> down -> combine_gather (each slot's row read in place from the permuted
 output: no [T,K,H] copy) and whose backward calls the fast permute, dgrad/wgrad, activation-bwd and
 combine_gather kernels, and combine/combine_bwd with K = 1 for the router-weight scaling of a and dz and
-dweights' row dot (one pass each over [rows, I]). With an RDEP Exchange the experts are sharded over ranks and the routed half
-is nmoe.fast.rdep.ep.ep_routed (rows travel to their expert's rank and back).
+dweights' row dot (one pass each over [rows, I]). With an RDEP Exchange the experts are sharded over
+ranks and the routed half is nmoe.fast.rdep.ep.ep_routed (rows travel to their expert's rank and back).
 
 Saved for the backward, per token (K slots, up width N = 2I swiglu or I relu2, E experts):
   x (the layer input, already alive)      0 extra: the up projection and its wgrad read x's rows by index,
