@@ -152,6 +152,53 @@ def _gemm(pass_: str, n: int, k: int) -> Callable[[], Step]:
     return build
 
 
+def _gathered(kind: str) -> Callable[[], Step]:
+    """The MoE layer's gathering GEMMs, uniform routing, token rows read through permute's slot: up
+    act(x[slot] @ w13), dgrad_down dout[slot] @ w2, wgrad_up dh^T x[slot], wgrad_down dout[slot]^T a."""
+
+    def build() -> Step:
+        import torch
+
+        from nmoe.fast.dispatch import permute
+        from nmoe.fast.gemm import sm90
+
+        route = permute(torch.empty(T, 0, device="cuda", dtype=torch.bfloat16), _ids(), E, ALIGN)
+        slot, offs, rows = route.slot, route.offs, route.slot.shape[0]
+        if kind == "up":
+            x, w13 = _randn(T, H, seed=10), _randn(E, 2 * I, H, seed=11, scale=H**-0.5)
+            return lambda: sm90.grouped_gemm_act_gathered(x, slot, K, w13, offs, "swiglu")
+        dout = _randn(T, H, seed=9)
+        if kind == "dgrad_down":
+            w2 = _randn(E, H, I, seed=11, scale=I**-0.5)
+            return lambda: sm90.grouped_gemm_dgrad_gathered(dout, slot, K, w2, offs)
+        if kind == "wgrad_up":
+            dh, x = _randn(rows, 2 * I, seed=12), _randn(T, H, seed=10)
+            return lambda: sm90.grouped_gemm_wgrad_gathered(dh, x, slot, K, offs)
+        a = _randn(rows, I, seed=12)
+        return lambda: sm90.grouped_gemm_wgrad_gathered(dout, a, slot, K, offs, side="dy")
+
+    return build
+
+
+def _moe_layer() -> Step:
+    """The bf16 MoE layer's forward and backward (sigmoid router, swiglu, no shared expert)."""
+    import torch
+
+    from nmoe.config import ModelConfig
+    from nmoe.fast.moe import moe_layer
+    from nmoe.layout import MoEParams
+
+    mc = ModelConfig(tokenizer="none", vocab_size=64, dim=H, moe_inter_dim=I, n_routed_experts=E,
+                     n_activated_experts=K, n_shared_experts=0, route_scale=ROUTED_SCALE, permute_align=ALIGN,
+                     activation="swiglu", score_func="sigmoid", expert_dtype="bf16")
+    leaves = [_randn(T, H, seed=0), _randn(E, H, seed=1, scale=H**-0.5),
+              _randn(E, 2 * I, H, seed=2, scale=H**-0.5), _randn(E, H, I, seed=3, scale=I**-0.5)]
+    x, router_w, w13, w2 = (t.requires_grad_() for t in leaves)
+    p = MoEParams(router_w=router_w, router_bias=torch.zeros(E, device="cuda"), w2=w2, w13=w13)
+    dout = _randn(T, H, seed=4)
+    return lambda: torch.autograd.grad(moe_layer(x, p, mc)[0], leaves, dout)
+
+
 def _relu2_spec_cpu() -> Step:
     import torch
 
@@ -197,6 +244,15 @@ ROWS: Final[dict[str, Row]] = {
                                  _gemm("wgrad", 2 * I, H)),
     "grouped_gemm_wgrad_down": Row("grouped_gemm_wgrad", "cuda", 0.01, _gemm_floor(H, I),
                                    _gemm("wgrad", H, I)),
+    "gemm_act_gathered_up": Row("grouped_gemm_act", "cuda", 0.01, _gemm_floor(2 * I, H), _gathered("up")),
+    "gemm_dgrad_gathered_down": Row("grouped_gemm_dgrad", "cuda", 0.01, _gemm_floor(I, H),
+                                    _gathered("dgrad_down")),
+    "gemm_wgrad_gathered_up": Row("grouped_gemm_wgrad", "cuda", 0.01, _gemm_floor(2 * I, H),
+                                  _gathered("wgrad_up")),
+    "gemm_wgrad_gathered_down": Row("grouped_gemm_wgrad", "cuda", 0.01, _gemm_floor(H, I),
+                                    _gathered("wgrad_down")),
+    "moe_layer_fwd_bwd": Row("moe_layer", "cuda", 0.01, f"{18 * T * I * H * K / 1e12:.1f} TFLOP (18TIHK)",
+                             _moe_layer),
     "relu2_spec_cpu": Row("relu2", "cpu", 0.30, f"{8 * CPU_ELEMS} B (fp32 in and out)", _relu2_spec_cpu),
 }
 
