@@ -70,6 +70,13 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "cp.async's generic writes before wgmma's async reads): what the fence costs",
     ),
     Mutation(
+        "ablate.gather_wgrad_bn128", GLUE,
+        "    bn = pick_bn(k)\n    n_ctas, split = _wgrad_grid(device, m, n, k, bn, e)\n",
+        "    bn = 128\n    n_ctas, split = _wgrad_grid(device, m, n, k, bn, e)\n",
+        "the gathered wgrad in 128-wide tiles: five operand stages (landing lag 3) instead of three (lag 1), "
+        "at twice the re-reads of the TMA operand",
+    ),
+    Mutation(
         "ablate.gather_lag_one", GATHER_KERNEL,
         "    return stages - 2\n", "    return 1\n",
         "the producers land each stage one stage after issuing it (fewer copies in flight): what the "
