@@ -77,7 +77,7 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "at twice the re-reads of the TMA operand",
     ),
     Mutation(
-        "ablate.gather_lag_one", GATHER_KERNEL,
+        "ablate.gather_lag_one", "nmoe/fast/kernels/sm90/gatherplan.py",
         "    return stages - 2\n", "    return 1\n",
         "the producers land each stage one stage after issuing it (fewer copies in flight): what the "
         "lag buys",

@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch import Tensor
 
-from nmoe.fast import runtime
 from nmoe.fast.dispatch import permute
 from nmoe.fast.gemm import sm90
 
@@ -273,8 +272,7 @@ def test_sep_gemm_fast_gather_lag_too_deep() -> None:
     """The gathering producers land a stage (wait for its copies, fence, arrive) gather_lag stages after
     issuing it. One stage more and the slot the producer needs is freed only by the consumers' reading a
     stage the producer has not landed: the pipeline stands still, for every depth and any tiling."""
-    runtime.import_cutlass("sm_90a")
-    from nmoe.fast.kernels.sm90.grouped_gemm import gather_lag
+    from nmoe.fast.kernels.sm90.gatherplan import gather_lag
 
     rng = random.Random(5)
     for stages in range(3, 9):

@@ -51,7 +51,7 @@ def test_split_workspace_holds_every_routing() -> None:
 def _lanes_cover(own: object, per_row: int) -> bool:
     """Every chunk's shuffled source lane looks up that chunk's own row, and each stage row is looked up by
     exactly one of the 16 lanes 0..15 of exactly one warp."""
-    from nmoe.fast.kernels.sm90.grouped_gemm_wgrad import gather_lanes, source_lane
+    from nmoe.fast.kernels.sm90.gatherplan import gather_lanes, source_lane
 
     q, rows, chunks = gather_lanes(per_row)
     looked = sorted(own(lane, w, q) for w in range(4) for lane in range(rows))  # type: ignore[operator]
@@ -64,8 +64,7 @@ def test_sep_gemm_fast_wgrad_gather_lanes_unspread() -> None:
     """The gathered wgrad looks up each stage row's source once, in one lane, and shuffles it to the lanes
     that copy that row's chunks (box rows of 16 and 32 chunks). Rows q apart instead of 4q cover the stage
     twice over in part and miss the rest."""
-    runtime.import_cutlass("sm_90a")
-    from nmoe.fast.kernels.sm90.grouped_gemm_wgrad import gather_lanes, own_row
+    from nmoe.fast.kernels.sm90.gatherplan import gather_lanes, own_row
 
     def unspread(lane: int, warp: int, q: int) -> int:
         j = lane % (GEMM_BK // 4)

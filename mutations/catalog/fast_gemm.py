@@ -6,6 +6,7 @@ from mutations.model import Mutation, sep_mutation
 
 FILE = "nmoe/fast/kernels/sm90/grouped_gemm.py"
 WGRAD = "nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py"
+PLAN = "nmoe/fast/kernels/sm90/gatherplan.py"
 TESTS = "tests/test_fast_gemm.py"
 GATHER_TESTS = "tests/test_fast_gemm_gather.py"
 SCHEDULE_TESTS = "tests/test_fast_wgrad_schedule.py"
@@ -120,14 +121,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         device="gpu",
     ),
     sep_mutation(
-        "gemm.fast_wgrad_gather_lanes_unspread", WGRAD,
+        "gemm.fast_wgrad_gather_lanes_unspread", PLAN,
         "    return warp * q + j % q + 4 * q * (j // q)\n",
         "    return warp * q + j % q + q * (j // q)\n",
         "the gathered wgrad's lanes look up rows q apart instead of 4q (the warps' stride), so a chunk's "
         "shuffled source is another row's", SCHEDULE_TESTS, ("grouped_gemm_wgrad",),
     ),
     sep_mutation(
-        "gemm.fast_gather_lag_too_deep", FILE,
+        "gemm.fast_gather_lag_too_deep", PLAN,
         "    return stages - 2\n", "    return stages - 1\n",
         "the gathering producers land a stage one stage later, so the slot they wait for is freed only after "
         "a stage they have not landed: the pipeline stands still", GATHER_TESTS, ("grouped_gemm_act",),

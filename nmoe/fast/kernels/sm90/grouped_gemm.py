@@ -23,13 +23,14 @@ from cutlass.tensor_utils import LayoutEnum
 
 from nmoe.fast.kernels.activation import relu2_bits
 from nmoe.fast.kernels.prims import out_bits
+from nmoe.fast.kernels.sm90.gatherplan import PRODUCER_THREADS, gather_lag
 from nmoe.fast.kernels.swiglu import swiglu_pairs
 from nmoe.fast.limits import GEMM_BK as BK
 from nmoe.fast.limits import GEMM_BM as BM
 from nmoe.fast.limits import GEMM_MAX_GROUPS as MAX_GROUPS
 
 K_BLOCKS = BK // 16
-WG_THREADS = 128
+WG_THREADS = PRODUCER_THREADS
 CONSUMER_WGS = 2
 CONSUMER_THREADS = CONSUMER_WGS * WG_THREADS
 THREADS = WG_THREADS + CONSUMER_THREADS
@@ -558,14 +559,6 @@ def chunk_atom() -> cute.CopyAtom:
     atom: cute.CopyAtom = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), BFloat16,
                                               num_bits_per_copy=128)
     return atom
-
-
-def gather_lag(stages: int) -> int:
-    """Stages a gathering producer leaves in flight before it lands its oldest: at most stages - 2, since the
-    slot it acquires next is freed only once the consumers have read the stage after the one it holds."""
-    if stages < 3:
-        raise ValueError(f"a gathering producer needs 3 or more pipeline stages, got {stages}")
-    return stages - 2
 
 
 @cute.jit

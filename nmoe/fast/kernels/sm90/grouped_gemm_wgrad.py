@@ -20,6 +20,7 @@ from cutlass.cutlass_dsl.cutlass import max as dsl_max
 from cutlass.cutlass_dsl.cutlass import min as dsl_min
 from cutlass.tensor_utils import LayoutEnum
 
+from nmoe.fast.kernels.sm90.gatherplan import gather_lag, gather_lanes, own_row, source_lane
 from nmoe.fast.kernels.sm90.grouped_gemm import (
     CONSUMER_REGS,
     CONSUMER_THREADS,
@@ -35,7 +36,6 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     copy_chunk,
     cta_setup,
     cta_start,
-    gather_lag,
     land_all,
     land_stage,
     mma_fragments,
@@ -391,25 +391,6 @@ def grouped_wgrad_host(
         tma_atom_a, tma_a, tma_atom_b, tma_b, m_dw, m_offs, m_ws, m_count, m_rows, n_groups, thresh,
         split_rows, tiled_mma, a_layout, b_layout, d_layout, n, k, bn, stages,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
-
-
-def gather_lanes(per_row: int) -> tuple[int, int, int]:
-    """(q, rows per warp, chunks per thread) of the gathered wgrad box: a warp copies q rows per chunk
-    instruction and looks up its 16 distinct rows of a stage once, one lane each, not once per chunk."""
-    if 32 % per_row or BK * per_row % WG_THREADS:
-        raise ValueError(f"gathered wgrad: {per_row} chunks per box row do not tile a warp")
-    return 32 // per_row, BK // 4, BK * per_row // WG_THREADS
-
-
-def own_row(lane: Any, warp: Any, q: int) -> Any:
-    """The box row (of the stage's BK) whose source lane `lane` of producer warp `warp` looks up."""
-    j = lane % (BK // 4)
-    return warp * q + j % q + 4 * q * (j // q)
-
-
-def source_lane(i: int, lane: Any, per_row: int, q: int) -> Any:
-    """The lane holding the source of chunk i's row for `lane`: row ptid // per_row + 4 q i."""
-    return i * q + lane // per_row
 
 
 @cute.jit
