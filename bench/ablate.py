@@ -1,6 +1,7 @@
-"""Where grouped-GEMM time goes: each ablation is one named source edit (a stage left out, a knob forced),
-timed in its own copy of the tree against the unedited baseline of the same run. Compiles run in parallel,
-timings one at a time. Usage (GPU): python -m bench.ablate [--set gemm|gather] --out FILE.json"""
+"""Where grouped-GEMM time goes, fwd, dgrad and wgrad: each ablation is one named source edit (a stage left
+out, a knob forced), timed in its own copy of the tree against the unedited baseline of the same run.
+Compiles run in parallel, timings one at a time. Usage (GPU): python -m bench.ablate [--set gemm|gather]
+--out FILE.json"""
 
 from __future__ import annotations
 
@@ -83,6 +84,7 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "lag buys",
     ),
 )
+PASSES = ("fwd", "dgrad", "wgrad")
 SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
     (32768, 4096, 1024, 128, 8), (24576, 1536, 256, 128, 8), (32768, 4096, 512, 256, 8),
 )
@@ -97,7 +99,8 @@ def _problems() -> list[tuple[str, int, int, int, int]]:
     return out
 
 
-def _time(m: int, n: int, k: int, e: int, compile_only: bool) -> float:
+def _time(pass_: str, m: int, n: int, k: int, e: int, compile_only: bool) -> float:
+    """One pass of the problem, uniform routing: fwd x[m,k] w[e,n,k]; dgrad dy[m,n] w; wgrad dy x."""
     import torch
 
     from bench.conftest import capture, replay_median_ms
@@ -106,11 +109,15 @@ def _time(m: int, n: int, k: int, e: int, compile_only: bool) -> float:
     offs = torch.full((e,), m // e, dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    calls = {"fwd": lambda: gemm.grouped_gemm(x, w, offs),
+             "dgrad": lambda: gemm.grouped_gemm_dgrad(dy, w, offs),
+             "wgrad": lambda: gemm.grouped_gemm_wgrad(dy, x, offs)}
     if compile_only:
-        gemm.grouped_gemm(x, w, offs)
+        calls[pass_]()
         torch.cuda.synchronize()
         return 0.0
-    return replay_median_ms(capture(lambda: gemm.grouped_gemm(x, w, offs)))
+    return replay_median_ms(capture(calls[pass_]))
 
 
 def _gather_rows(t: int, h: int, i: int, e: int, k: int, compile_only: bool) -> list[dict[str, Any]]:
@@ -158,10 +165,12 @@ def child(compile_only: bool, which: str) -> None:
                 print(json.dumps(row), flush=True)
         return
     for label, m, n, k, e in _problems():
-        ms = _time(m, n, k, e, compile_only)
-        if not compile_only:
-            row = {"shape": label, "ms": ms, "tflops": 2.0 * m * n * k / ms / 1e9, "bn": pick_bn(n)}
-            print(json.dumps(row), flush=True)
+        for pass_ in PASSES:
+            ms = _time(pass_, m, n, k, e, compile_only)
+            if not compile_only:
+                row = {"shape": f"{pass_} {label}", "ms": ms, "tflops": 2.0 * m * n * k / ms / 1e9,
+                       "bn": pick_bn(n if pass_ == "fwd" else k)}
+                print(json.dumps(row), flush=True)
 
 
 def _run(copy: Path, compile_only: bool, which: str) -> subprocess.Popen[str]:
@@ -215,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, rs in rows.items():
         for r in rs if isinstance(rs, list) else []:
             ratio = base.get(r["shape"], float("nan")) / r["ms"]
-            print(f"{name:26s} {r['shape']:34s} bn={r['bn']:3d} {r['tflops']:6.1f} TFLOP/s  "
+            print(f"{name:26s} {r['shape']:40s} bn={r['bn']:3d} {r['tflops']:6.1f} TFLOP/s  "
                   f"x{ratio:.3f} vs baseline")
         if not isinstance(rs, list):
             print(f"{name}: failed\n{rs['error']}")
