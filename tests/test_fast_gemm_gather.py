@@ -241,10 +241,9 @@ def test_zero_chunk_is_made_eagerly_never_inside_a_capture(monkeypatch: pytest.M
 
 
 def _pipeline_finishes(stages: int, lag: int, tiles: list[int]) -> bool:
-    """Play the gathering pipeline to the end or a standstill. The producer takes slot p % stages once the
-    consumers released stage p - stages, and arrives on stage p - lag right after issuing stage p (the rest
-    after its last stage); the consumers need stage j's arrival, release j - 1 once j's MMAs are issued, and
-    a tile's last stage after its MMAs drain."""
+    """Play the gathering pipeline out: the producer takes stage p's slot once stage p - stages is released
+    and lands p - lag after issuing p (the rest at its end); the consumers need stage j landed and release
+    j - 1 once j's MMAs are issued, a tile's last stage once its MMAs drain. False at a standstill."""
     total = sum(tiles)
     last_of_tile = {sum(tiles[:i + 1]) - 1 for i in range(len(tiles))}
     issued = arrived = consumed = 0

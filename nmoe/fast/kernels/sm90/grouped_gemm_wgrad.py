@@ -407,11 +407,9 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.C
                            s_t: cute.Tensor, s_g: cute.Tensor, g_outer: cute.Layout, u: Units, bidx: Int32,
                            n_ctas: Int32, warp_idx: Int32, ptid: Int32, width: Constexpr[int],
                            bn: Constexpr[int], side: Constexpr[str], stages: Constexpr[int]) -> None:
-    """The producer warpgroup with one operand read from token-major rows (side "b": x, side "a": dy):
-    warp 0 arms each stage and TMA-loads the other operand's box; each lane looks up one row's source
-    (slot // top_k, or the zero chunk for pad rows and rows past the group; the next stage's slot is
-    loaded a stage ahead), warps share them by shuffle, and every thread cp.asyncs its 16-byte chunks,
-    landing each stage (fence, arrive) gather_lag stages later."""
+    """One operand from token-major rows (side "b": x, "a": dy), the other by TMA (warp 0): one lane per row
+    looks up its source a stage ahead (slot // top_k; the zero chunk for pad rows and rows past the group),
+    shuffled to the lanes that cp.async its 16-byte chunks; each stage lands gather_lag stages later."""
     atom = chunk_atom()
     s_t_flat = cute.group_modes(s_t, 0, 2)
     g_base = cast(Pointer, s_g.iterator).toint()
