@@ -64,9 +64,9 @@ GATHER_KERNEL = "nmoe/fast/kernels/sm90/grouped_gemm.py"
 GATHER_ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
         "ablate.gather_no_fence", GATHER_KERNEL,
-        "    cute.arch.cp_async_wait_group(lag)\n"
-        "    cute.arch.fence_proxy(\"async.shared\", space=\"cta\")\n",
-        "    cute.arch.cp_async_wait_group(lag)\n",
+        "        cute.arch.cp_async_wait_group(lag)\n"
+        "        cute.arch.fence_proxy(\"async.shared\", space=\"cta\")\n",
+        "        cute.arch.cp_async_wait_group(lag)\n",
         "the producers land a stage without the proxy fence (timing only: the fence is what orders "
         "cp.async's generic writes before wgmma's async reads): what the fence costs",
     ),
@@ -107,17 +107,16 @@ def _time(pass_: str, m: int, n: int, k: int, e: int, compile_only: bool) -> flo
     from nmoe.fast import gemm
 
     offs = torch.full((e,), m // e, dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    calls = {"fwd": lambda: gemm.grouped_gemm(x, w, offs),
-             "dgrad": lambda: gemm.grouped_gemm_dgrad(dy, w, offs),
-             "wgrad": lambda: gemm.grouped_gemm_wgrad(dy, x, offs)}
+
+    fn, (shape_a, shape_b) = {"fwd": (gemm.grouped_gemm, ((m, k), (e, n, k))),
+                              "dgrad": (gemm.grouped_gemm_dgrad, ((m, n), (e, n, k))),
+                              "wgrad": (gemm.grouped_gemm_wgrad, ((m, n), (m, k)))}[pass_]
+    a, b = (torch.randn(*s, device="cuda", dtype=torch.bfloat16) for s in (shape_a, shape_b))
     if compile_only:
-        calls[pass_]()
+        fn(a, b, offs)
         torch.cuda.synchronize()
         return 0.0
-    return replay_median_ms(capture(calls[pass_]))
+    return replay_median_ms(capture(lambda: fn(a, b, offs)))
 
 
 def _gather_rows(t: int, h: int, i: int, e: int, k: int, compile_only: bool) -> list[dict[str, Any]]:

@@ -562,22 +562,30 @@ def chunk_atom() -> cute.CopyAtom:
 
 
 @cute.jit
-def land_stage(mainloop: pipeline.PipelineTmaAsync, landed: Any, lag: Constexpr[int]) -> None:
-    """This thread's copies of the stage committed `lag` stages ago have landed: fence them from the generic
-    into the async proxy (wgmma reads through it) and arrive on that stage's barrier."""
-    cute.arch.cp_async_wait_group(lag)
-    cute.arch.fence_proxy("async.shared", space="cta")
-    cute.arch.mbarrier_arrive(mainloop.producer_get_barrier(landed))
+def _land(mainloop: pipeline.PipelineTmaAsync, index: Int32) -> None:
+    cute.arch.mbarrier_arrive(cast(pipeline.MbarrierArray, mainloop.sync_object_full).get_barrier(index))
 
 
 @cute.jit
-def land_all(mainloop: pipeline.PipelineTmaAsync, landed: Any, pending: Int32) -> None:
-    """The producer's last `pending` stages: wait for every copy, fence, arrive on each."""
+def commit_stage(mainloop: pipeline.PipelineTmaAsync, state: Any, lag: Constexpr[int],
+                 stages: Constexpr[int]) -> None:
+    """Commit this thread's copies of the stage `state` names; from stage `lag` on, land the stage issued
+    `lag` before it: wait for its copies, fence them into the async proxy wgmma reads through, arrive."""
+    cute.arch.cp_async_commit_group()
+    if state.count >= lag:
+        cute.arch.cp_async_wait_group(lag)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        _land(mainloop, (state.index + (stages - lag)) % stages)
+
+
+@cute.jit
+def land_all(mainloop: pipeline.PipelineTmaAsync, state: Any, lag: Constexpr[int],
+             stages: Constexpr[int]) -> None:
+    """After the producer's last stage (`state` past it): land the up to `lag` stages still in flight."""
     cute.arch.cp_async_wait_group(0)
     cute.arch.fence_proxy("async.shared", space="cta")
-    for _ in range(pending):
-        cute.arch.mbarrier_arrive(mainloop.producer_get_barrier(landed))
-        landed.advance()
+    for i in range(dsl_min(state.count, lag)):
+        _land(mainloop, (state.index + (stages - 1) - i) % stages)
 
 
 @cute.jit
@@ -615,8 +623,6 @@ def produce_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyA
     lag = gather_lag(stages)
     e, g_start, g_end, before, here, t = cursor_start(t)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-    landed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-    pending = Int32(0)
     e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
                                             n_tiles_n)
     while e <= n_groups:
@@ -636,17 +642,12 @@ def produce_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyA
                         g = src[j] + Int64(col * 2)
                     r = rb + GATHER_ROW_STEP * j
                     copy_chunk(atom, g, a_base + swizzled(a_outer((r, c8 * VEC, state.index)) * 2))
-                cute.arch.cp_async_commit_group()
+                commit_stage(mainloop, state, lag, stages)
                 state.advance()
-                if pending == lag:
-                    land_stage(mainloop, landed, lag)
-                    landed.advance()
-                else:
-                    pending = pending + 1
         t = t + n_ctas
         e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
                                                 n_tiles_n)
-    land_all(mainloop, landed, pending)
+    land_all(mainloop, state, lag, stages)
     if warp_idx == 0:
         mainloop.producer_tail(state)
 

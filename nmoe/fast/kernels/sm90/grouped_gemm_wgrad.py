@@ -33,11 +33,11 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     _issue_mmas,
     arm_stage,
     chunk_atom,
+    commit_stage,
     copy_chunk,
     cta_setup,
     cta_start,
     land_all,
-    land_stage,
     mma_fragments,
     pipeline_stages,
     swizzled,
@@ -423,8 +423,6 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.C
     slot = cute.make_rmem_tensor(1, Int64)
     lag = gather_lag(stages)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-    landed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-    pending = Int32(0)
     for rnd in range(n_rounds(u.total, n_ctas)):
         t = snake_tile(rnd, bidx, n_ctas)
         if t < u.total:
@@ -452,14 +450,9 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.C
                         g = a + Int64(col * 2)
                     rr = ptid // per_row + 4 * q * i
                     copy_chunk(atom, g, g_base + swizzled(g_outer((c, rr, state.index)) * 2))
-                cute.arch.cp_async_commit_group()
+                commit_stage(mainloop, state, lag, stages)
                 state.advance()
-                if pending == lag:
-                    land_stage(mainloop, landed, lag)
-                    landed.advance()
-                else:
-                    pending = pending + 1
-    land_all(mainloop, landed, pending)
+    land_all(mainloop, state, lag, stages)
     if warp_idx == 0:
         mainloop.producer_tail(state)
 
