@@ -89,26 +89,21 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import sonicmoe
 
-    configs = LAYER_CONFIGS[:args.configs]
+    cases = [(cfg, r, p) for cfg in LAYER_CONFIGS[:args.configs] for r in ROUTINGS for p in PASSES]
     t0 = time.monotonic()
     if args.go is not None:
-        for cfg in configs:
-            for r in ROUTINGS:
-                for p in PASSES:
-                    _row(cfg, r, p, warm_only=True)
-                    print(f"sonicpeer: compiled {cfg} {r} {p} at {time.monotonic() - t0:.0f} s", flush=True)
+        for cfg, r, p in cases:
+            _row(cfg, r, p, warm_only=True)
+            print(f"sonicpeer: compiled {cfg} {r} {p} at {time.monotonic() - t0:.0f} s", flush=True)
         torch.cuda.empty_cache()
         print("sonicpeer: compiled; waiting for", args.go, flush=True)
         while not args.go.exists():
             time.sleep(1)
-
     rows = []
-    for cfg in configs:
-        for r in ROUTINGS:
-            for p in PASSES:
-                rows.append(_row(cfg, r, p))
-                print(f"sonicpeer: {cfg} {r} {p} {rows[-1]['ms']:.3f} ms at {time.monotonic() - t0:.0f} s",
-                      flush=True)
+    for cfg, r, p in cases:
+        rows.append(_row(cfg, r, p))
+        print(f"sonicpeer: {cfg} {r} {p} {rows[-1]['ms']:.3f} ms at {time.monotonic() - t0:.0f} s",
+              flush=True)
     doc = {"peer": "sonicmoe", "version": sonicmoe.__version__, "torch": torch.__version__,
            "gpu": torch.cuda.get_device_name(), "rows": rows}
     args.out.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
