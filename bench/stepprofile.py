@@ -5,8 +5,8 @@ clip, optimizer). Used by bench/test_bench_train_step.py; the grouping is pure a
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 # First match wins: the project's own kernels and FlashAttention before the generic cuBLAS/torch names.
@@ -64,25 +64,38 @@ def breakdown(kernels: Iterable[tuple[str, float]], phases: Mapping[str, float],
     }
 
 
-def profile_step(step: Callable[[Callable[[str], AbstractContextManager[Any]]], None]) -> dict[str, Any]:
-    """Run `step(phase)` once under torch.profiler, `phase(name)` marking each phase; then its breakdown."""
-    import torch
+def kernel_times(events: Iterable[Any]) -> list[tuple[str, float]]:
+    """(name, device ms) of each kernel, memcpy or memset among profiler events; the device-side copies of
+    user annotations (record_function ranges such as Optimizer.step) are spans, not work, and are left out."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile, record_function
+
+    return [(e.name, e.time_range.elapsed_us() / 1e3) for e in events
+            if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+
+
+def profile_step(step: Callable[[Callable[[str], AbstractContextManager[Any]]], None]) -> dict[str, Any]:
+    """Run `step(phase)` once under torch.profiler, `phase(name)` marking each phase with CUDA events on the
+    current stream (the backward's kernels launch from autograd's thread, which profiler ranges miss)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    marks: list[tuple[str, Any, Any]] = []
+
+    @contextmanager
+    def phase(name: str) -> Iterator[None]:
+        begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        yield
+        done.record()
+        marks.append((name, begin, done))
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start.record()
-        step(lambda name: record_function(f"phase/{name}"))
+        step(phase)
         end.record()
         torch.cuda.synchronize()
-    events = prof.events()
-    kernels = [(e.name, e.time_range.elapsed_us() / 1e3) for e in events if e.device_type == DeviceType.CUDA]
     phases: dict[str, float] = {}
-    for e in events:
-        if e.device_type == DeviceType.CPU and e.name.startswith("phase/"):
-            dev = getattr(e, "device_time_total", None)
-            if dev is None:
-                dev = e.cuda_time_total
-            phases[e.name[len("phase/"):]] = phases.get(e.name[len("phase/"):], 0.0) + dev / 1e3
-    return breakdown(kernels, phases, start.elapsed_time(end))
+    for name, begin, done in marks:
+        phases[name] = phases.get(name, 0.0) + begin.elapsed_time(done)
+    return breakdown(kernel_times(prof.events()), phases, start.elapsed_time(end))

@@ -34,3 +34,20 @@ def test_breakdown_sums_shares_and_busy_time() -> None:
     assert next(iter(got["categories"])) == "dense_gemm"
     assert got["phases_ms"] == {p: {"forward": 5.0, "backward": 3.0}.get(p, 0.0) for p in PHASES}
     assert [k["name"] for k in got["top_kernels"]] == ["nvjet_a", "flash_fwd"]
+
+
+def test_kernel_times_leave_out_annotation_spans() -> None:
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from bench.stepprofile import kernel_times
+
+    def event(name: str, device: DeviceType, us: float, annotation: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation,
+                               time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+    events = [event("nvjet_a", DeviceType.CUDA, 3000.0), event("aten::mm", DeviceType.CPU, 9000.0),
+              event("Optimizer.step#AdamW.step", DeviceType.CUDA, 28000.0, annotation=True),
+              event("Memcpy DtoD (Device -> Device)", DeviceType.CUDA, 500.0)]
+    assert kernel_times(events) == [("nvjet_a", 3.0), ("Memcpy DtoD (Device -> Device)", 0.5)]
