@@ -56,13 +56,15 @@ def _no_phase(name: str) -> AbstractContextManager[Any]:
 
 
 def _with_floors(parts: dict[str, Any], model: torch.nn.Module, cfg: Config, tokens: int) -> dict[str, Any]:
-    """Each GEMM family's FLOP floor (nmoe.train.loop.flops_parts, the trainer's MFU accounting) and AdamW's
-    byte floor beside its measured time; AdamW reads p, g, m, v and writes p, m, v in fp32 (28 B/param)."""
+    """Each GEMM family's FLOP floor (flops_parts, the MFU accounting; shared experts run in the grouped
+    kernels, so their FLOPs move from dense to expert) and AdamW's fp32 byte floor (p,g,m,v in, p,m,v out)."""
     from nmoe.train.loop import flops_parts
 
     ceil = ceilings()
     kinds = flops_parts(model, cfg)
-    flops = {"expert_gemm": kinds["expert"], "dense_gemm": kinds["dense"], "attention": kinds["attention"]}
+    shared = sum(6.0 * p.numel() for name, p in model.named_parameters() if "shared_" in name)
+    flops = {"expert_gemm": kinds["expert"] + shared, "dense_gemm": kinds["dense"] - shared,
+             "attention": kinds["attention"]}
     for cat, f in flops.items():
         parts["categories"].setdefault(cat, {"ms": 0.0, "launches": 0, "share": 0.0})
         parts["categories"][cat]["floor_ms"] = f * tokens / (ceil["bf16_dense_TFLOPs"] * 1e12) * 1e3
