@@ -83,6 +83,27 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "the producers land each stage one stage after issuing it (fewer copies in flight): what the "
         "lag buys",
     ),
+    Mutation(
+        "ablate.gather_no_mma", GATHER_KERNEL,
+        "    for kb in range_constexpr(K_BLOCKS):\n        cute.gemm(",
+        "    for kb in range_constexpr(0):\n        cute.gemm(",
+        "timing only: the consumers issue no wgmma (every kernel, gathered or not), so each variant runs at "
+        "its producer's pace: whether loading A, not the MMAs, sets the gathered kernels' time",
+    ),
+    Mutation(
+        "ablate.gather_no_copies", GATHER_KERNEL,
+        "                    copy_chunk(atom, g, a_base",
+        "                    if col < 0:\n                        copy_chunk(atom, g, a_base",
+        "timing only: the gathered fwd/dgrad producer issues no cp.async (its lookups, commit groups, waits, "
+        "fences and arrivals stay): the pipeline protocol's cost without the row data",
+    ),
+    Mutation(
+        "ablate.gather_wgrad_no_copies", "nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py",
+        "                    copy_chunk(atom, g, g_base",
+        "                    if col < 0:\n                        copy_chunk(atom, g, g_base",
+        "timing only: the gathered wgrad producer issues no cp.async (lookups, shuffles and the landing "
+        "protocol stay)",
+    ),
 )
 PASSES = ("fwd", "dgrad", "wgrad")
 SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
