@@ -55,7 +55,6 @@ __all__ = ["MoEParams", "MoERouting", "moe_layer"]
 
 ARCH = "sm_90a"
 EXPERT_DTYPES = ("bf16", "fp8")
-"""Rows per chunk of the backward's fp32 row products, bounding their fp32 temporaries."""
 
 _ACT = {"swiglu": (swiglu, swiglu_bwd), "relu2": (relu2, relu2_bwd)}
 F = TypeVar("F", bound=Callable[..., Any])
