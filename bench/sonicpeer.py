@@ -8,6 +8,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +36,12 @@ def find_row(path: Path, name: str, shape: dict[str, int]) -> dict[str, Any] | N
     return None if found is None else {k: v for k, v in found.items() if k != "key"}
 
 
-def _row(cfg: tuple[int, ...], routing: str, pass_: str, warm_only: bool = False) -> dict[str, Any]:
-    from conftest import cuda_median_ms, peak_extra_bytes  # bench/conftest.py, beside this script
+def _step(cfg: tuple[int, ...], routing: str, pass_: str) -> Callable[[], object]:
+    """SonicMoE's layer on the row's inputs and routing: its forward, or forward and backward."""
     from sonicmoe import moe_general_routing_inputs
     from sonicmoe.enums import ActivationType
 
-    t, h, i, e, k = cfg
+    t, h, _, e, k = cfg
     _, p, x, _ = layer_inputs(cfg, routing, ALIGN)
     assert p.w13 is not None
     with torch.no_grad():
@@ -64,10 +65,14 @@ def _row(cfg: tuple[int, ...], routing: str, pass_: str, warm_only: bool = False
                 return layer()
         return torch.autograd.grad(layer(), [x, p.w13, p.w2], dout)
 
-    if warm_only:
-        step()
-        torch.cuda.synchronize()
-        return {}
+    return step
+
+
+def _row(cfg: tuple[int, ...], routing: str, pass_: str) -> dict[str, Any]:
+    from conftest import cuda_median_ms, peak_extra_bytes  # bench/conftest.py, beside this script
+
+    t, h, i, e, k = cfg
+    step = _step(cfg, routing, pass_)
     ms = cuda_median_ms(step, warmup=WARMUP, reps=REPS)
     flops = (6.0 if pass_ == "fwd" else 18.0) * t * i * h * k
     name = f"moe_layer_{pass_}_{routing}"
@@ -93,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     if args.go is not None:
         for cfg, r, p in cases:
-            _row(cfg, r, p, warm_only=True)
+            _step(cfg, r, p)()
+            torch.cuda.synchronize()
             print(f"sonicpeer: compiled {cfg} {r} {p} at {time.monotonic() - t0:.0f} s", flush=True)
         torch.cuda.empty_cache()
         print("sonicpeer: compiled; waiting for", args.go, flush=True)
