@@ -299,14 +299,23 @@ def run_bench(trees: Mapping[str, Path] | None, ops: Sequence[str], opt: Options
                          work / "bench")
     except (ABError, ValueError) as e:
         return {"status": "fail", "reason": str(e), **empty}
-    broken = [r for r in results if "new" in r.get("error", {})]
-    measured = [r for r in results if "verdict" in r]
-    counts = {v: sum(r["verdict"] == v for r in measured) for v in ("faster", "slower", "within noise")}
-    status = "fail" if broken else "pass" if measured else "not run"
-    reason = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
-    if broken:
-        reason = f"the new tree cannot run {', '.join(r['name'] for r in broken)}; " + reason
+    status, reason = bench_verdict(results)
     return {"status": status, "reason": reason, "repetitions": opt.reps, "interleaved": True, "rows": results}
+
+
+def bench_verdict(results: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
+    """Red only when the new tree breaks a row BASE runs; a row neither tree runs is not run (it postdates
+    both), never a failure of the change."""
+    broken = [r["name"] for r in results if "new" in r.get("error", {}) and "base" not in r["error"]]
+    absent = [r["name"] for r in results if {"new", "base"} <= set(r.get("error", {}))]
+    counts = {v: sum(r.get("verdict") == v for r in results) for v in ("faster", "slower", "within noise")}
+    status = "fail" if broken else "pass" if any(counts.values()) else "not run"
+    parts = [", ".join(f"{n} {v}" for v, n in counts.items() if n)] if any(counts.values()) else []
+    if absent:
+        parts.append(f"neither tree runs {', '.join(absent)}")
+    if broken:
+        parts.insert(0, f"the new tree cannot run {', '.join(broken)}")
+    return status, "; ".join(parts)
 
 
 def overall(sections: Mapping[str, Mapping[str, Any]], ops: Sequence[str]) -> str:

@@ -310,6 +310,17 @@ def test_gpu_ab_double_launch_is_slower_and_aa_is_within_noise(tmp_path: Path) -
     assert aa["verdict"] == "within noise", aa
 
 
+def test_a_row_neither_tree_runs_is_not_run_but_one_the_change_breaks_is_red() -> None:
+    """A row newer than both trees (a historical proof) says so; breaking a row BASE runs is red."""
+    faster = {"name": "up", "verdict": "faster"}
+    later = {"name": "gathered", "error": {"base": "ImportError", "new": "ImportError", "aa": "ImportError"}}
+    regressed = {"name": "down", "error": {"new": "RuntimeError"}}
+    assert prove.bench_verdict([faster, later]) == ("pass", "1 faster; neither tree runs gathered")
+    assert prove.bench_verdict([later]) == ("not run", "neither tree runs gathered")
+    assert prove.bench_verdict([faster, regressed, later]) == \
+        ("fail", "the new tree cannot run down; 1 faster; neither tree runs gathered")
+
+
 def test_tree_env_keeps_installed_packages_but_not_another_checkout(tmp_path: Path) -> None:
     other, site, tree = tmp_path / "other", tmp_path / "site", tmp_path / "tree"
     (other / "nmoe").mkdir(parents=True)
