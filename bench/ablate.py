@@ -104,18 +104,6 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "timing only: the gathered wgrad producer issues no cp.async (lookups, shuffles and the landing "
         "protocol stay)",
     ),
-    Mutation(
-        "ablate.gather_no_prefetch", GATHER_KERNEL,
-        "            prefetch_rows(src, c8, zero_addr, k)\n", "",
-        "the gathered fwd/dgrad producer copies its rows without first pulling them into L2: what the "
-        "prefetch buys",
-    ),
-    Mutation(
-        "ablate.gather_wgrad_no_prefetch", "nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py",
-        "            pf_bytes = dsl_min(box, width - box0) * 2\n",
-        "            pf_bytes = dsl_min(box, width - box0) * 2\n            box0 = width\n",
-        "the gathered wgrad producer without its rows pulled into L2 PREFETCH_STAGES stages ahead",
-    ),
 )
 PASSES = ("fwd", "dgrad", "wgrad")
 SHAPES: tuple[tuple[int, int, int, int, int], ...] = (

@@ -9,9 +9,6 @@ from typing import Any
 from nmoe.fast.limits import GEMM_BK as BK
 
 PRODUCER_THREADS = 128
-PREFETCH_STAGES = 4
-"""How many stages ahead a gathered wgrad producer pulls its rows into L2: cp.async waits out DRAM latency
-with only gather_lag stages in flight, a bulk prefetch does not occupy them."""
 
 
 def gather_lag(stages: int) -> int:

@@ -18,7 +18,6 @@ from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 from cutlass.cutlass_dsl.cutlass import max as dsl_max
 from cutlass.cutlass_dsl.cutlass import min as dsl_min
-from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_prefetch
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
@@ -605,16 +604,6 @@ def _gather_sources(m_slot: cute.Tensor, row0: Int32, g_end: Int32, top_k: Int32
 
 
 @cute.jit
-def prefetch_rows(src: cute.Tensor, c8: Int32, zero_addr: Int64, k: Constexpr[int]) -> None:
-    """The tile's source rows into L2 whole, one thread per row, as the tile starts: cp.async keeps only a
-    few stages in flight, so each stage that waits on DRAM instead of L2 stalls the whole CTA."""
-    for j in range_constexpr(GATHER_ROWS):
-        if j % CHUNKS == c8 and src[j] != zero_addr:
-            cp_async_bulk_prefetch(cute.make_ptr(BFloat16, src[j], cute.AddressSpace.gmem, assumed_align=16),
-                                   k * 2)
-
-
-@cute.jit
 def produce_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
                      m_slot: cute.Tensor, x_addr: Int64, zero_addr: Int64, top_k: Int32, s_a: cute.Tensor,
                      a_outer: cute.Layout, s_b: cute.Tensor, s_offs: cute.Tensor, n_groups: Int32,
@@ -640,7 +629,6 @@ def produce_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyA
         if e < n_groups:
             n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n)
             _gather_sources(m_slot, row0, g_end, top_k, rb, x_addr, k, zero_addr, src)
-            prefetch_rows(src, c8, zero_addr, k)
             g_b = cute.local_tile(m_b[(None, None, e)], (bn, BK), (n_tile, None))
             t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1), s_b_flat,
                                                cute.group_modes(g_b, 0, 2))

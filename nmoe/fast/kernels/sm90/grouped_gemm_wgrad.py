@@ -18,16 +18,9 @@ from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 from cutlass.cutlass_dsl.cutlass import max as dsl_max
 from cutlass.cutlass_dsl.cutlass import min as dsl_min
-from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_prefetch
 from cutlass.tensor_utils import LayoutEnum
 
-from nmoe.fast.kernels.sm90.gatherplan import (
-    PREFETCH_STAGES,
-    gather_lag,
-    gather_lanes,
-    own_row,
-    source_lane,
-)
+from nmoe.fast.kernels.sm90.gatherplan import gather_lag, gather_lanes, own_row, source_lane
 from nmoe.fast.kernels.sm90.grouped_gemm import (
     CONSUMER_REGS,
     CONSUMER_THREADS,
@@ -409,13 +402,6 @@ def _slot_at(m_slot: cute.Tensor, row: Int32, end: Int32) -> Int64:
 
 
 @cute.jit
-def _prefetch_row(s: Int64, src_addr: Int64, top_k: Int32, row_bytes: Int64, col: Int32, size: Int32) -> None:
-    if s >= Int64(0):
-        at = src_addr + s // Int64(top_k) * row_bytes + Int64(col * 2)
-        cp_async_bulk_prefetch(cute.make_ptr(BFloat16, at, cute.AddressSpace.gmem, assumed_align=16), size)
-
-
-@cute.jit
 def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyAtom, m_t: cute.Tensor,
                            m_slot: cute.Tensor, src_addr: Int64, zero_addr: Int64, top_k: Int32,
                            s_t: cute.Tensor, s_g: cute.Tensor, g_outer: cute.Layout, u: Units, bidx: Int32,
@@ -435,7 +421,6 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.C
     c = (lane % per_row) * VEC
     row_bytes = Int64(width * 2)
     slot = cute.make_rmem_tensor(1, Int64)
-    ahead = cute.make_rmem_tensor(PREFETCH_STAGES, Int64)
     lag = gather_lag(stages)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     for rnd in range(n_rounds(u.total, n_ctas)):
@@ -451,21 +436,10 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.C
             t_st, t_gt = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), s_t_flat,
                                                cute.group_modes(g_t, 0, 2))
             slot[0] = _slot_at(m_slot, start + mine, end)
-            box0 = col - c
-            pf_bytes = dsl_min(box, width - box0) * 2
-            if lane < BK // 4 and box0 < width:
-                for i in range_constexpr(PREFETCH_STAGES):
-                    ahead[i] = _slot_at(m_slot, start + i * BK + mine, end)
-                for i in range_constexpr(PREFETCH_STAGES):
-                    _prefetch_row(ahead[i], src_addr, top_k, row_bytes, box0, pf_bytes)
-                ahead[0] = _slot_at(m_slot, start + PREFETCH_STAGES * BK + mine, end)
             for kt in range((end - start + BK - 1) // BK):
                 arm_stage(mainloop, state, warp_idx, tma_atom, t_gt[(None, kt)], t_st[(None, state.index)])
                 s = slot[0]
                 slot[0] = _slot_at(m_slot, start + (kt + 1) * BK + mine, end)
-                if lane < BK // 4 and box0 < width:
-                    _prefetch_row(ahead[0], src_addr, top_k, row_bytes, box0, pf_bytes)
-                    ahead[0] = _slot_at(m_slot, start + (kt + PREFETCH_STAGES + 1) * BK + mine, end)
                 src = zero_addr
                 if s >= Int64(0):
                     src = src_addr + s // Int64(top_k) * row_bytes
