@@ -104,6 +104,12 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "timing only: the gathered wgrad producer issues no cp.async (lookups, shuffles and the landing "
         "protocol stay)",
     ),
+    Mutation(
+        "ablate.gather_cache_all", GATHER_KERNEL,
+        "cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL)", "cpasync.CopyG2SOp(cpasync.LoadCacheMode.ALWAYS)",
+        "every gathering producer's cp.async allocates in L1 (.ca) instead of bypassing it (.cg): whether "
+        "the bypass path limits the copies",
+    ),
 )
 PASSES = ("fwd", "dgrad", "wgrad")
 SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
