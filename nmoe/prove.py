@@ -309,13 +309,11 @@ def bench_verdict(results: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
     broken = [r["name"] for r in results if "new" in r.get("error", {}) and "base" not in r["error"]]
     absent = [r["name"] for r in results if {"new", "base"} <= set(r.get("error", {}))]
     counts = {v: sum(r.get("verdict") == v for r in results) for v in ("faster", "slower", "within noise")}
-    status = "fail" if broken else "pass" if any(counts.values()) else "not run"
-    parts = [", ".join(f"{n} {v}" for v, n in counts.items() if n)] if any(counts.values()) else []
-    if absent:
-        parts.append(f"neither tree runs {', '.join(absent)}")
-    if broken:
-        parts.insert(0, f"the new tree cannot run {', '.join(broken)}")
-    return status, "; ".join(parts)
+    timed = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
+    status = "fail" if broken else "pass" if timed else "not run"
+    parts = [f"the new tree cannot run {', '.join(broken)}" if broken else "", timed,
+             f"neither tree runs {', '.join(absent)}" if absent else ""]
+    return status, "; ".join(p for p in parts if p)
 
 
 def overall(sections: Mapping[str, Mapping[str, Any]], ops: Sequence[str]) -> str:
