@@ -349,22 +349,24 @@ def test_kernel_source_hash_covers_the_kernel_file() -> None:
             *shared} <= set(op.source_files(gemm.WGRAD.module))
 
 
-def count_tiles(ends: Sequence[int], m: int, n: int, bn: int) -> int:
-    """Independent count of the kernel's work list: each 128-row block of each group and of the tail."""
+def count_tiles(ends: Sequence[int], m: int, n: int, bn: int, cm: int = 1) -> int:
+    """Independent count of the kernel's work list: each block of cm x 128 rows of each group and of the
+    tail."""
     tiles, start = 0, 0
     for end in [*ends, m]:
-        tiles += len(range(start, end, 128)) * len(range(0, n, bn))
+        tiles += len(range(start, end, 128 * cm)) * len(range(0, n, bn))
         start = end
     return tiles
 
 
 @settings(max_examples=60, deadline=None)
 @given(counts=st.lists(st.integers(0, 700), min_size=1, max_size=40), tail=st.integers(0, 300),
-       n=st.sampled_from([8, 128, 200, 256, 4096]), bn=st.sampled_from([128, 256]))
-def test_grid_bound_covers_every_routing(counts: list[int], tail: int, n: int, bn: int) -> None:
+       n=st.sampled_from([8, 128, 200, 256, 4096]), bn=st.sampled_from([128, 256]),
+       cm=st.sampled_from([1, 2]))
+def test_grid_bound_covers_every_routing(counts: list[int], tail: int, n: int, bn: int, cm: int) -> None:
     ends = cumsum(counts)
     m = ends[-1] + tail
-    assert tile_upper_bound(m, n, len(counts), bn) >= count_tiles(ends, m, n, bn)
+    assert tile_upper_bound(m, n, len(counts), bn, cm) >= count_tiles(ends, m, n, bn, cm)
 
 
 def test_oracle_ulp_and_bound_hand_values() -> None:
@@ -744,6 +746,22 @@ def test_sep_gemm_fast_tail_not_zeroed() -> None:
     y = torch.full((250, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
     mutated = ref.clone()
     mutated[100:] = float("nan")
+    assert violates(mutated, ref, mag, 128)
+    gemm._launch("test", x, w, offs_of(ends), y, True)
+    assert_bound(y, ref, mag, 128)
+
+
+@gpu
+def test_sep_gemm_fast_cluster_rank_dropped() -> None:
+    """A cluster's CTAs take side-by-side M tiles: group 0's second tile (rows 128..255) is its unit's second
+    CTA's; groups of odd tile counts also leave a CTA past its group's end, which must store nothing."""
+    counts = [300, 60]
+    x, w = make(370, 256, 128, 2, seed=23)
+    ends = cumsum(counts)
+    ref, mag = oracle(x, lambda e: w[e].t(), ends, 256)
+    y = torch.full((370, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
+    mutated = ref.clone()
+    mutated[128:256] = float("nan")
     assert violates(mutated, ref, mag, 128)
     gemm._launch("test", x, w, offs_of(ends), y, True)
     assert_bound(y, ref, mag, 128)

@@ -88,6 +88,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         SCHEDULE_TESTS, ("grouped_gemm_wgrad",), device="gpu",
     ),
     sep_mutation(
+        "gemm.fast_cluster_rank_dropped", FILE,
+        "    return local - m_unit * n_tiles_n, g_start + (m_unit * cm + rank) * BM\n",
+        "    return local - m_unit * n_tiles_n, g_start + m_unit * cm * BM\n",
+        "both CTAs of a cluster take the unit's first M tile: the second tile's rows are never computed",
+        TESTS, ("grouped_gemm",), device="gpu",
+    ),
+    sep_mutation(
         "gemm.fast_gather_row_off_by_one", FILE,
         "                a = x_addr + s // Int64(top_k) * Int64(k * 2)",
         "                a = x_addr + (s + Int64(1)) // Int64(top_k) * Int64(k * 2)",

@@ -57,9 +57,10 @@ def as_bytes(op: str, name: str, t: Tensor, allowed: tuple[torch.dtype, ...]) ->
     return t.contiguous().view(torch.uint8)
 
 
-def tile_upper_bound(m: int, n: int, n_groups: int, bn: int) -> int:
-    """Most tiles any routing of m rows into n_groups groups (plus the zero tail) can make."""
-    return (-(-m // GEMM_BM) + n_groups + 1) * -(-n // bn)
+def tile_upper_bound(m: int, n: int, n_groups: int, bn: int, cm: int = 1) -> int:
+    """Most work units (cm M tiles side by side by one N tile) any routing of m rows into n_groups groups
+    (plus the zero tail) can make: a group of t tiles takes ceil(t / cm) <= (t + cm - 1) / cm units."""
+    return (-(-m // GEMM_BM) + cm * (n_groups + 1)) // cm * -(-n // bn)
 
 
 _OFFS_BUILT_ON_DEVICE = contextvars.ContextVar("nmoe_offs_built_on_device", default=False)

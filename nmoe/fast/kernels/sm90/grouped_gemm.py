@@ -27,6 +27,7 @@ from nmoe.fast.kernels.sm90.gatherplan import PRODUCER_THREADS, gather_lag
 from nmoe.fast.kernels.swiglu import swiglu_pairs
 from nmoe.fast.limits import GEMM_BK as BK
 from nmoe.fast.limits import GEMM_BM as BM
+from nmoe.fast.limits import GEMM_CLUSTER_M as CLUSTER_M
 from nmoe.fast.limits import GEMM_MAX_GROUPS as MAX_GROUPS
 
 K_BLOCKS = BK // 16
@@ -140,20 +141,22 @@ def _group_end(s_offs: cute.Tensor, e: Int32, n_groups: Int32, m_rows: Int32) ->
 
 
 @cute.jit
-def _tile_at(t: Int32, before: Int32, g_start: Int32, n_tiles_n: Constexpr[int]) -> tuple[Int32, Int32]:
-    """(n tile, first row) of tile t inside the group whose tiles start at linear index `before`."""
+def _tile_at(t: Int32, before: Int32, g_start: Int32, n_tiles_n: Constexpr[int], cm: Constexpr[int] = 1,
+             rank: Int32 | int = 0) -> tuple[Int32, Int32]:
+    """(n tile, first row) of CTA `rank`'s tile in work unit t inside the group whose units start at linear
+    index `before`: a unit is cm M tiles stacked, the CTAs of one cluster, sharing their B tile."""
     local = t - before
-    m_tile = local // n_tiles_n
-    return local - m_tile * n_tiles_n, g_start + m_tile * BM
+    m_unit = local // n_tiles_n
+    return local - m_unit * n_tiles_n, g_start + (m_unit * cm + rank) * BM
 
 
 @cute.jit
 def _seek(s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, t: Int32, e: Int32, g_start: Int32,
-          g_end: Int32, before: Int32, here: Int32, n_tiles_n: Constexpr[int]
+          g_end: Int32, before: Int32, here: Int32, n_tiles_n: Constexpr[int], cm: Constexpr[int] = 1
           ) -> tuple[Int32, Int32, Int32, Int32, Int32]:
-    """Advance the group cursor until tile t lies in group e (e > n_groups: no work left). Tiles run group by
-    group (experts, then the rows past offs[-1] as group E, zero-filled), n fastest; a CTA's t only grows,
-    so the cursor only moves forward."""
+    """Advance the group cursor until unit t (cm M tiles by one N tile) lies in group e (e > n_groups: no work
+    left). Units run group by group (experts, then the rows past offs[-1] as group E, zero-filled), n fastest;
+    a CTA's t only grows, so the cursor only moves forward."""
     while t >= before + here and e <= n_groups:
         before = before + here
         e = e + 1
@@ -161,7 +164,7 @@ def _seek(s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, t: Int32, e: Int3
         g_end = g_start
         if e <= n_groups:
             g_end = dsl_max(_group_end(s_offs, e, n_groups, m_rows), g_start)
-        here = (g_end - g_start + (BM - 1)) // BM * n_tiles_n
+        here = (g_end - g_start + (cm * BM - 1)) // (cm * BM) * n_tiles_n
     return e, g_start, g_end, before, here
 
 
@@ -296,6 +299,13 @@ def cursor_start(bidx: Int32) -> tuple[Int32, Int32, Int32, Int32, Int32, Int32]
 
 
 @cute.jit
+def cluster_units(bidx: Int32, n_ctas: Int32, cm: Constexpr[int]) -> tuple[Int32, Int32, Int32]:
+    """(first work unit, unit stride, rank) of a CTA: the cm consecutive CTAs of a cluster take one unit at a
+    time, CTA `rank` its rank-th M tile."""
+    return bidx // cm, n_ctas // cm, bidx % cm
+
+
+@cute.jit
 def mma_fragments(tiled_mma: cute.TiledMma, s_a: cute.Tensor, s_b: cute.Tensor, warp_idx: Int32,
                   bn: Constexpr[int]) -> tuple[cute.Tensor, cute.Tensor, Any]:
     """A consumer warpgroup's slice of the MMA: its operand fragments over the smem ring and the shape of its
@@ -310,11 +320,11 @@ def mma_fragments(tiled_mma: cute.TiledMma, s_a: cute.Tensor, s_b: cute.Tensor, 
 @cute.jit
 def cta_setup(m_offs: cute.Tensor, n_groups: Int32, ab_dtype: Constexpr[Any], a_layout: cute.ComposedLayout,
               b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout, stages: Constexpr[int],
-              by_tma: Constexpr[str] = "ab", tables: Constexpr[int] = 1,
+              by_tma: Constexpr[str] = "ab", tables: Constexpr[int] = 1, cm: Constexpr[int] = 1,
               ) -> tuple[cute.Tensor, cute.Tensor, cute.Tensor, cute.Tensor, pipeline.PipelineTmaAsync]:
-    """A grouped-GEMM CTA's shared memory (mbarriers, offs table and tables - 1 more, operand ring, output
-    staging) and its TMA pipeline, whose init barrier publishes the offs. by_tma: the TMA-loaded operands;
-    with one gathered, a stage fills on the other's TMA bytes plus one arrival per gathering thread."""
+    """A CTA's shared memory (mbarriers, offs + tables - 1 tables, operand ring, output staging) and TMA
+    pipeline (cm > 1: B multicast over the cluster, a stage freed by all its consumers; init publishes offs).
+    by_tma: the TMA operands; with one gathered, a stage also waits for one arrival per gathering thread."""
     tidx, _, _ = cute.arch.thread_idx()
     smem = SmemAllocator()
     barriers = smem.allocate_array(Int64, stages * 2, byte_alignment=8)
@@ -332,10 +342,15 @@ def cta_setup(m_offs: cute.Tensor, n_groups: Int32, ab_dtype: Constexpr[Any], a_
         num_stages=stages,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 if const_expr(by_tma == "ab")
                                                  else 1 + WG_THREADS),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_WGS * 4),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_WGS * 4 * cm),
         tx_count=tx_bytes,
-        cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        cta_layout_vmnk=cute.make_layout((1, cm, 1, 1)),
+        defer_sync=cm > 1,
     )
+    if const_expr(cm > 1):
+        cute.arch.mbarrier_init_fence()
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
     return s_offs, s_a, s_b, s_d, mainloop
 
 
@@ -344,8 +359,9 @@ def produce_tiles(mainloop: pipeline.PipelineTmaAsync, tma_atom_a: cute.CopyAtom
                   tma_atom_b: cute.CopyAtom, m_b: cute.Tensor, s_a: cute.Tensor, s_b: cute.Tensor,
                   s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, t: Int32, n_ctas: Int32,
                   n_tiles_n: Constexpr[int], k_tiles: Constexpr[int], bn: Constexpr[int], bk: Constexpr[int],
-                  stages: Constexpr[int]) -> None:
-    """The producer warp: TMA loads of every K box of this CTA's tiles (t, t + n_ctas, ...) into the ring."""
+                  stages: Constexpr[int], cm: Constexpr[int] = 1, rank: Int32 | int = 0) -> None:
+    """The producer warp: TMA loads of every K box of this CTA's tiles (units t, t + n_ctas, ...) into the
+    ring; with cm > 1 it loads its 1/cm of the B tile, multicast to every CTA of the cluster."""
     s_a_flat = cute.group_modes(s_a, 0, 2)
     s_b_flat = cute.group_modes(s_b, 0, 2)
     e = Int32(-1)
@@ -355,27 +371,36 @@ def produce_tiles(mainloop: pipeline.PipelineTmaAsync, tma_atom_a: cute.CopyAtom
     here = Int32(0)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
-                                            n_tiles_n)
+                                            n_tiles_n, cm)
     while e <= n_groups:
         if e < n_groups:
-            n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n)
+            n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n, cm, rank)
             g_a = cute.local_tile(cute.domain_offset((row0, 0), m_a), (BM, bk), (0, None))
             g_b = cute.local_tile(m_b[(None, None, e)], (bn, bk), (n_tile, None))
             t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1), s_a_flat,
                                                cute.group_modes(g_a, 0, 2))
-            t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1), s_b_flat,
+            t_sb, t_gb = cpasync.tma_partition(tma_atom_b, rank, cute.make_layout(cm), s_b_flat,
                                                cute.group_modes(g_b, 0, 2))
             for kt in range(k_tiles):
                 mainloop.producer_acquire(state)
                 bar = mainloop.producer_get_barrier(state)
                 cute.copy(tma_atom_a, t_ga[(None, kt)], t_sa[(None, state.index)], tma_bar_ptr=bar)
-                cute.copy(tma_atom_b, t_gb[(None, kt)], t_sb[(None, state.index)], tma_bar_ptr=bar)
+                copy_b(tma_atom_b, t_gb[(None, kt)], t_sb[(None, state.index)], bar, cm)
                 mainloop.producer_commit(state)
                 state.advance()
         t = t + n_ctas
         e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
-                                                n_tiles_n)
+                                                n_tiles_n, cm)
     mainloop.producer_tail(state)
+
+
+@cute.jit
+def copy_b(atom: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, bar: Any, cm: Constexpr[int]) -> None:
+    """One TMA load of this CTA's share of a B box, multicast to all cm CTAs of its cluster when cm > 1."""
+    if const_expr(cm > 1):
+        cute.copy(atom, src, dst, tma_bar_ptr=bar, mcast_mask=Int16((1 << cm) - 1))
+    else:
+        cute.copy(atom, src, dst, tma_bar_ptr=bar)
 
 
 @cute.jit
@@ -393,8 +418,10 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                   tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.Tensor, n_groups: Int32, m_rows: Int32,
                   tidx: Int32, warp_idx: Int32, n_ctas: Int32, e: Int32, g_start: Int32, g_end: Int32,
                   before: Int32, here: Int32, t: Int32, n: Constexpr[int], bn: Constexpr[int],
-                  k_tiles: Constexpr[int], stages: Constexpr[int], act: Constexpr[str]) -> None:
-    """The two consumer warpgroups: wgmma over each tile's K boxes, then the epilogue."""
+                  k_tiles: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
+                  cm: Constexpr[int] = 1, rank: Int32 | int = 0) -> None:
+    """The two consumer warpgroups: wgmma over each tile's K boxes, then the epilogue (none for a cluster's
+    tile past its group's end, which only keeps the shared B stages flowing)."""
     cute.arch.setmaxregister_increase(CONSUMER_REGS)
     ctid = tidx - WG_THREADS
     t_ra, t_rb, acc_shape = mma_fragments(tiled_mma, s_a, s_b, warp_idx, bn)
@@ -406,9 +433,9 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before,
-                                            here, n_tiles_n_of(n, bn))
+                                            here, n_tiles_n_of(n, bn), cm)
     while e <= n_groups:
-        n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n_of(n, bn))
+        n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n_of(n, bn), cm, rank)
         acc.fill(0.0)
         if e < n_groups and const_expr(k_tiles > 0):
             mainloop.consumer_wait(read)
@@ -429,7 +456,7 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
 
         t = t + n_ctas
         e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,
-                                                before, here, n_tiles_n_of(n, bn))
+                                                before, here, n_tiles_n_of(n, bn), cm)
     drain_stores()
 
 
@@ -452,22 +479,22 @@ def grouped_gemm_kernel(
 ) -> None:
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b, tma_atom_d))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
-                                                stages)
+                                                stages, cm=CLUSTER_M)
 
     n_tiles_n = (n + bn - 1) // bn
     k_tiles = n_k_tiles(k)
-
-    e, g_start, g_end, before, here, t = cursor_start(bidx)
+    unit, n_units, rank = cluster_units(bidx, n_ctas, CLUSTER_M)
+    e, g_start, g_end, before, here, t = cursor_start(unit)
 
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         if warp_idx == 0:
             produce_tiles(mainloop, tma_atom_a, m_a, tma_atom_b, m_b, s_a, s_b, s_offs, n_groups, m_rows,
-                          Int32(bidx), n_ctas, n_tiles_n, k_tiles, bn, BK, stages)
+                          unit, n_units, n_tiles_n, k_tiles, bn, BK, stages, CLUSTER_M, rank)
     else:
         consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, n_groups,
-                      m_rows, tidx, warp_idx, n_ctas, e, g_start, g_end, before, here, t, n, bn, k_tiles,
-                      stages, act)
+                      m_rows, tidx, warp_idx, n_units, e, g_start, g_end, before, here, t, n, bn, k_tiles,
+                      stages, act, CLUSTER_M, rank)
 
 
 def _gemm_setup(pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer, m_rows: Int32, n_groups: Int32, n: int,
@@ -493,10 +520,17 @@ def _gemm_setup(pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer, m_rows: I
     )
     a_layout = sm90_utils.make_smem_layout_a(a_enum, tile, BFloat16, stages)
     b_layout = sm90_utils.make_smem_layout_b(b_enum, tile, BFloat16, stages)
-    tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
-        cpasync.CopyBulkTensorTileG2SOp(), m_w, cute.slice_(b_layout, (None, None, 0)), (bn, BK))
+    tma_atom_b, tma_b = b_tma(m_w, b_layout, bn, CLUSTER_M)
     tma_atom_d, tma_d = epi_tma(m_y)
     return m_y, m_a, m_offs, tiled_mma, a_layout, b_layout, tma_atom_b, tma_b, tma_atom_d, tma_d
+
+
+def b_tma(m_w: cute.Tensor, b_layout: cute.ComposedLayout, bn: int, cm: int) -> tuple[cute.CopyAtom, Any]:
+    """TMA of the B tile (bn x BK), each of the cm CTAs of a cluster loading 1/cm of it for all of them."""
+    op = cpasync.CopyBulkTensorTileG2SMulticastOp() if cm > 1 else cpasync.CopyBulkTensorTileG2SOp()
+    atom, tensor = cpasync.make_tiled_tma_atom(op, m_w, cute.slice_(b_layout, (None, None, 0)), (bn, BK),
+                                               num_multicast=cm)
+    return atom, tensor
 
 
 @cute.jit
@@ -516,7 +550,8 @@ def grouped_gemm_host(
     grouped_gemm_kernel(
         tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, m_y, m_a, m_offs, m_rows, n_groups,
         tiled_mma, a_layout, b_layout, epi_smem_layout(), n, k, bn, stages, act,
-    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
+    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=[CLUSTER_M, 1, 1], min_blocks_per_mp=1,
+             stream=stream)
 
 
 # Gathered A: the producer warpgroup's WG_THREADS threads load each BM x BK box of A with 16-byte cp.async
@@ -536,12 +571,12 @@ def swizzled(byte: Int32) -> Int32:
 
 @cute.jit
 def arm_stage(mainloop: pipeline.PipelineTmaAsync, state: Any, warp_idx: Int32, tma_atom: cute.CopyAtom,
-              src: cute.Tensor, dst: cute.Tensor) -> None:
+              src: cute.Tensor, dst: cute.Tensor, cm: Constexpr[int] = 1) -> None:
     """A gathering producer's stage: every thread waits for it to be free; warp 0 arms its barrier and
-    TMA-loads the operand that is not gathered."""
+    TMA-loads the operand that is not gathered (its 1/cm share, multicast over the cluster)."""
     if warp_idx == 0:
         mainloop.producer_acquire(state)
-        cute.copy(tma_atom, src, dst, tma_bar_ptr=mainloop.producer_get_barrier(state))
+        copy_b(tma_atom, src, dst, mainloop.producer_get_barrier(state), cm)
     else:
         mainloop.sync_object_empty.wait(state.index, state.phase)
 
@@ -610,7 +645,7 @@ def produce_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyA
                      m_rows: Int32, t: Int32,
                      n_ctas: Int32, warp_idx: Int32, ptid: Int32, n_tiles_n: Constexpr[int],
                      k: Constexpr[int], k_tiles: Constexpr[int], bn: Constexpr[int],
-                     stages: Constexpr[int]) -> None:
+                     stages: Constexpr[int], cm: Constexpr[int] = 1, rank: Int32 | int = 0) -> None:
     """The producer warpgroup with A gathered: warp 0 arms each stage and TMA-loads B; every thread copies
     its A chunks with cp.async (zero chunks past K), and arrives on a stage once its copies have landed and
     are fenced, gather_lag stages later, so the consumers need no fence of their own."""
@@ -624,17 +659,17 @@ def produce_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyA
     e, g_start, g_end, before, here, t = cursor_start(t)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
-                                            n_tiles_n)
+                                            n_tiles_n, cm)
     while e <= n_groups:
         if e < n_groups:
-            n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n)
+            n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n, cm, rank)
             _gather_sources(m_slot, row0, g_end, top_k, rb, x_addr, k, zero_addr, src)
             g_b = cute.local_tile(m_b[(None, None, e)], (bn, BK), (n_tile, None))
-            t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1), s_b_flat,
+            t_sb, t_gb = cpasync.tma_partition(tma_atom_b, rank, cute.make_layout(cm), s_b_flat,
                                                cute.group_modes(g_b, 0, 2))
             for kt in range(k_tiles):
                 arm_stage(mainloop, state, warp_idx, tma_atom_b, t_gb[(None, kt)],
-                          t_sb[(None, state.index)])
+                          t_sb[(None, state.index)], cm)
                 col = kt * BK + c8 * VEC
                 for j in range_constexpr(GATHER_ROWS):
                     g = zero_addr
@@ -646,7 +681,7 @@ def produce_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyA
                 state.advance()
         t = t + n_ctas
         e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
-                                                n_tiles_n)
+                                                n_tiles_n, cm)
     land_all(mainloop, state, lag, stages)
     if warp_idx == 0:
         mainloop.producer_tail(state)
@@ -662,20 +697,20 @@ def grouped_gemm_gather_kernel(
 ) -> None:
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_b, tma_atom_d))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
-                                                stages, "b")
+                                                stages, "b", cm=CLUSTER_M)
     n_tiles_n = (n + bn - 1) // bn
     k_tiles = n_k_tiles(k)
-    e, g_start, g_end, before, here, t = cursor_start(bidx)
+    unit, n_units, rank = cluster_units(bidx, n_ctas, CLUSTER_M)
+    e, g_start, g_end, before, here, t = cursor_start(unit)
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         produce_gathered(mainloop, tma_atom_b, m_b, m_slot, x_addr, zero_addr, top_k, s_a, a_layout.outer,
-                         s_b, s_offs,
-                         n_groups, m_rows, Int32(bidx), n_ctas, warp_idx, tidx, n_tiles_n, k, k_tiles, bn,
-                         stages)
+                         s_b, s_offs, n_groups, m_rows, unit, n_units, warp_idx, tidx, n_tiles_n, k, k_tiles,
+                         bn, stages, CLUSTER_M, rank)
     else:
         consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, n_groups,
-                      m_rows, tidx, warp_idx, n_ctas, e, g_start, g_end, before, here, t, n, bn, k_tiles,
-                      stages, act)
+                      m_rows, tidx, warp_idx, n_units, e, g_start, g_end, before, here, t, n, bn, k_tiles,
+                      stages, act, CLUSTER_M, rank)
 
 
 @cute.jit
@@ -695,7 +730,8 @@ def grouped_gemm_gather_host(
         tma_atom_b, tma_b, tma_atom_d, tma_d, m_y, m_a, m_offs, m_slot, Int64(px.toint()),
         Int64(pzero.toint()), top_k, m_rows,
         n_groups, tiled_mma, a_layout, b_layout, epi_smem_layout(), n, k, bn, stages, act,
-    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
+    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=[CLUSTER_M, 1, 1], min_blocks_per_mp=1,
+             stream=stream)
 
 
 def pointer(dtype: Any, address: int, align: int = 16) -> Any:
