@@ -22,14 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 KERNEL = "nmoe/fast/kernels/sm90/grouped_gemm.py"
 GLUE = "nmoe/fast/gemm/sm90.py"
 LIMITS = "nmoe/fast/limits.py"
-
-
-def _cluster_one(name: str) -> Mutation:
-    return Mutation(name, LIMITS, "GEMM_CLUSTER_M: Final[int] = 2\n", "GEMM_CLUSTER_M: Final[int] = 1\n",
-                    "fwd and dgrad CTAs run alone, each loading its whole B box (no cluster, no multicast): "
-                    "what sharing B across a 2-CTA cluster buys")
-
-
 ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
         "ablate.no_tma_stores", KERNEL,
@@ -68,7 +60,12 @@ ABLATIONS: tuple[Mutation, ...] = (
         "    return 128",
         "N tile 128 everywhere (deeper pipeline, more A re-reads)",
     ),
-    _cluster_one("ablate.cluster_one"),
+    Mutation(
+        "ablate.cluster_one", LIMITS,
+        "GEMM_CLUSTER_M: Final[int] = 2\n", "GEMM_CLUSTER_M: Final[int] = 1\n",
+        "fwd and dgrad CTAs run alone, each loading its whole B box (no cluster, no multicast): what sharing "
+        "B across a 2-CTA cluster buys",
+    ),
 )
 GATHER_KERNEL = "nmoe/fast/kernels/sm90/grouped_gemm.py"
 GATHER_ABLATIONS: tuple[Mutation, ...] = (
@@ -120,7 +117,6 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "every gathering producer's cp.async allocates in L1 (.ca) instead of bypassing it (.cg): whether "
         "the bypass path limits the copies",
     ),
-    _cluster_one("ablate.gather_cluster_one"),
 )
 PASSES = ("fwd", "dgrad", "wgrad")
 SHAPES: tuple[tuple[int, int, int, int, int], ...] = (

@@ -498,7 +498,7 @@ def grouped_gemm_kernel(
 
 
 def _gemm_setup(pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer, m_rows: Int32, n_groups: Int32, n: int,
-                k: int, bn: int, stages: int, w_k_major: bool, act: str) -> tuple[Any, ...]:
+                k: int, bn: int, stages: int, w_k_major: bool, act: str, cm: int) -> tuple[Any, ...]:
     """What the TMA and the gathering fwd/dgrad hosts share: B (w, K-major or not) by TMA, y by TMA, the
     activation output, offs, the MMA and the K-major A / B shared layouts."""
     if const_expr(act != "none"):
@@ -520,7 +520,7 @@ def _gemm_setup(pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer, m_rows: I
     )
     a_layout = sm90_utils.make_smem_layout_a(a_enum, tile, BFloat16, stages)
     b_layout = sm90_utils.make_smem_layout_b(b_enum, tile, BFloat16, stages)
-    tma_atom_b, tma_b = b_tma(m_w, b_layout, bn, CLUSTER_M)
+    tma_atom_b, tma_b = b_tma(m_w, b_layout, bn, cm)
     tma_atom_d, tma_d = epi_tma(m_y)
     return m_y, m_a, m_offs, tiled_mma, a_layout, b_layout, tma_atom_b, tma_b, tma_atom_d, tma_d
 
@@ -543,7 +543,7 @@ def grouped_gemm_host(
     with act != "none" also a[M, n / ratio] = act(y) (pa is ignored for "none")."""
     stages = stages_for(bn)
     m_y, m_a, m_offs, tiled_mma, a_layout, b_layout, tma_atom_b, tma_b, tma_atom_d, tma_d = _gemm_setup(
-        pw, py, pa, poffs, m_rows, n_groups, n, k, bn, stages, w_k_major, act)
+        pw, py, pa, poffs, m_rows, n_groups, n, k, bn, stages, w_k_major, act, CLUSTER_M)
     m_x = cute.make_tensor(px, cute.make_layout((m_rows, k), stride=(k, 1)))
     tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
         cpasync.CopyBulkTensorTileG2SOp(), m_x, cute.slice_(a_layout, (None, None, 0)), (BM, BK))
@@ -571,12 +571,12 @@ def swizzled(byte: Int32) -> Int32:
 
 @cute.jit
 def arm_stage(mainloop: pipeline.PipelineTmaAsync, state: Any, warp_idx: Int32, tma_atom: cute.CopyAtom,
-              src: cute.Tensor, dst: cute.Tensor, cm: Constexpr[int] = 1) -> None:
+              src: cute.Tensor, dst: cute.Tensor) -> None:
     """A gathering producer's stage: every thread waits for it to be free; warp 0 arms its barrier and
-    TMA-loads the operand that is not gathered (its 1/cm share, multicast over the cluster)."""
+    TMA-loads the operand that is not gathered."""
     if warp_idx == 0:
         mainloop.producer_acquire(state)
-        copy_b(tma_atom, src, dst, mainloop.producer_get_barrier(state), cm)
+        cute.copy(tma_atom, src, dst, tma_bar_ptr=mainloop.producer_get_barrier(state))
     else:
         mainloop.sync_object_empty.wait(state.index, state.phase)
 
@@ -645,7 +645,7 @@ def produce_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyA
                      m_rows: Int32, t: Int32,
                      n_ctas: Int32, warp_idx: Int32, ptid: Int32, n_tiles_n: Constexpr[int],
                      k: Constexpr[int], k_tiles: Constexpr[int], bn: Constexpr[int],
-                     stages: Constexpr[int], cm: Constexpr[int] = 1, rank: Int32 | int = 0) -> None:
+                     stages: Constexpr[int]) -> None:
     """The producer warpgroup with A gathered: warp 0 arms each stage and TMA-loads B; every thread copies
     its A chunks with cp.async (zero chunks past K), and arrives on a stage once its copies have landed and
     are fenced, gather_lag stages later, so the consumers need no fence of their own."""
@@ -659,17 +659,17 @@ def produce_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyA
     e, g_start, g_end, before, here, t = cursor_start(t)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
-                                            n_tiles_n, cm)
+                                            n_tiles_n)
     while e <= n_groups:
         if e < n_groups:
-            n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n, cm, rank)
+            n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n)
             _gather_sources(m_slot, row0, g_end, top_k, rb, x_addr, k, zero_addr, src)
             g_b = cute.local_tile(m_b[(None, None, e)], (bn, BK), (n_tile, None))
-            t_sb, t_gb = cpasync.tma_partition(tma_atom_b, rank, cute.make_layout(cm), s_b_flat,
+            t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1), s_b_flat,
                                                cute.group_modes(g_b, 0, 2))
             for kt in range(k_tiles):
                 arm_stage(mainloop, state, warp_idx, tma_atom_b, t_gb[(None, kt)],
-                          t_sb[(None, state.index)], cm)
+                          t_sb[(None, state.index)])
                 col = kt * BK + c8 * VEC
                 for j in range_constexpr(GATHER_ROWS):
                     g = zero_addr
@@ -681,7 +681,7 @@ def produce_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyA
                 state.advance()
         t = t + n_ctas
         e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
-                                                n_tiles_n, cm)
+                                                n_tiles_n)
     land_all(mainloop, state, lag, stages)
     if warp_idx == 0:
         mainloop.producer_tail(state)
@@ -697,20 +697,19 @@ def grouped_gemm_gather_kernel(
 ) -> None:
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_b, tma_atom_d))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
-                                                stages, "b", cm=CLUSTER_M)
+                                                stages, "b")
     n_tiles_n = (n + bn - 1) // bn
     k_tiles = n_k_tiles(k)
-    unit, n_units, rank = cluster_units(bidx, n_ctas, CLUSTER_M)
-    e, g_start, g_end, before, here, t = cursor_start(unit)
+    e, g_start, g_end, before, here, t = cursor_start(bidx)
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         produce_gathered(mainloop, tma_atom_b, m_b, m_slot, x_addr, zero_addr, top_k, s_a, a_layout.outer,
-                         s_b, s_offs, n_groups, m_rows, unit, n_units, warp_idx, tidx, n_tiles_n, k, k_tiles,
-                         bn, stages, CLUSTER_M, rank)
+                         s_b, s_offs, n_groups, m_rows, Int32(bidx), n_ctas, warp_idx, tidx, n_tiles_n, k,
+                         k_tiles, bn, stages)
     else:
         consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, n_groups,
-                      m_rows, tidx, warp_idx, n_units, e, g_start, g_end, before, here, t, n, bn, k_tiles,
-                      stages, act, CLUSTER_M, rank)
+                      m_rows, tidx, warp_idx, n_ctas, e, g_start, g_end, before, here, t, n, bn, k_tiles,
+                      stages, act)
 
 
 @cute.jit
@@ -724,14 +723,13 @@ def grouped_gemm_gather_host(
     a = act(y). The permuted copy of x is never written."""
     stages = stages_for(bn)
     m_y, m_a, m_offs, tiled_mma, a_layout, b_layout, tma_atom_b, tma_b, tma_atom_d, tma_d = _gemm_setup(
-        pw, py, pa, poffs, m_rows, n_groups, n, k, bn, stages, w_k_major, act)
+        pw, py, pa, poffs, m_rows, n_groups, n, k, bn, stages, w_k_major, act, 1)
     m_slot = cute.make_tensor(pslot, cute.make_layout(m_rows))
     grouped_gemm_gather_kernel(
         tma_atom_b, tma_b, tma_atom_d, tma_d, m_y, m_a, m_offs, m_slot, Int64(px.toint()),
         Int64(pzero.toint()), top_k, m_rows,
         n_groups, tiled_mma, a_layout, b_layout, epi_smem_layout(), n, k, bn, stages, act,
-    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=[CLUSTER_M, 1, 1], min_blocks_per_mp=1,
-             stream=stream)
+    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
 
 
 def pointer(dtype: Any, address: int, align: int = 16) -> Any:
