@@ -68,6 +68,32 @@ ABLATIONS: tuple[Mutation, ...] = (
     ),
 )
 GATHER_KERNEL = "nmoe/fast/kernels/sm90/grouped_gemm.py"
+# The gathering producers' landing (commit_stage and land_all), and the same two with each thread's copies
+# arriving on their stage's barrier by themselves.
+_LANDING = (
+    "    cute.arch.cp_async_commit_group()\n"
+    "    if state.count >= lag:\n"
+    "        cute.arch.cp_async_wait_group(lag)\n"
+    "        cute.arch.fence_proxy(\"async.shared\", space=\"cta\")\n"
+    "        _land(mainloop, (state.index + (stages - lag)) % stages)\n"
+)
+_NOINC = (
+    "    cute.arch.cp_async_mbarrier_arrive_noinc(\n"
+    "        cast(pipeline.MbarrierArray, mainloop.sync_object_full).get_barrier(state.index))\n"
+)
+_LAND_ALL = (
+    "\n\n@cute.jit\ndef land_all(mainloop: pipeline.PipelineTmaAsync, state: Any, lag: Constexpr[int],\n"
+    "             stages: Constexpr[int]) -> None:\n"
+    "    \"\"\"After the producer's last stage (`state` past it): land the up to `lag` stages still in "
+    "flight.\"\"\"\n"
+)
+_LANDING += _LAND_ALL + (
+    "    cute.arch.cp_async_wait_group(0)\n"
+    "    cute.arch.fence_proxy(\"async.shared\", space=\"cta\")\n"
+    "    for i in range(dsl_min(state.count, lag)):\n"
+    "        _land(mainloop, (state.index + (stages - 1) - i) % stages)\n"
+)
+_NOINC += _LAND_ALL + "    cute.arch.cp_async_commit_group()\n    cute.arch.cp_async_wait_group(0)\n"
 GATHER_ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
         "ablate.gather_no_fence", GATHER_KERNEL,
@@ -116,6 +142,26 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL)", "cpasync.CopyG2SOp(cpasync.LoadCacheMode.ALWAYS)",
         "every gathering producer's cp.async allocates in L1 (.ca) instead of bypassing it (.cg): whether "
         "the bypass path limits the copies",
+    ),
+    Mutation(
+        "ablate.gather_noinc", GATHER_KERNEL,
+        _LANDING, _NOINC,
+        "timing only (no proxy fence): each gathering thread's copies arrive on the stage's barrier when "
+        "they land (cp.async.mbarrier.arrive.noinc), so no producer thread ever waits on its own copies",
+    ),
+    Mutation(
+        "ablate.gather_act_no_stores", GATHER_KERNEL,
+        "                    if coord_a[0] < rows_valid and coord_a[1] < cols_valid - sub * EPI_N:",
+        "                    if coord_a[0] < rows_valid - 4 * BM:",
+        "timing only: the fused-activation epilogue stores neither h nor act(h) (stmatrix and barriers "
+        "stay): what its per-thread stores and activation cost",
+    ),
+    Mutation(
+        "ablate.gather_act_h_only", GATHER_KERNEL,
+        "                        _act_chunk(epi.r_h, epi.r_a, act)\n"
+        "                        cute.copy(epi.act_atom, epi.r_a, t_s_ga[(None, i, j)])\n",
+        "",
+        "timing only: the fused-activation epilogue stores h but neither computes nor stores act(h)",
     ),
 )
 PASSES = ("fwd", "dgrad", "wgrad")
