@@ -152,7 +152,7 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
         "ablate.gather_act_no_stores", GATHER_KERNEL,
         "                    if coord_a[0] < rows_valid and coord_a[1] < cols_valid - sub * EPI_N:",
-        "                    if coord_a[0] < rows_valid - 4 * BM:",
+        "                    if coord_a[0] < 0:",
         "timing only: the fused-activation epilogue stores neither h nor act(h) (stmatrix and barriers "
         "stay): what its per-thread stores and activation cost",
     ),
@@ -162,6 +162,20 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "                        cute.copy(epi.act_atom, epi.r_a, t_s_ga[(None, i, j)])\n",
         "",
         "timing only: the fused-activation epilogue stores h but neither computes nor stores act(h)",
+    ),
+    Mutation(
+        "ablate.gather_act_no_compute", GATHER_KERNEL,
+        "                        _act_chunk(epi.r_h, epi.r_a, act)\n", "",
+        "timing only: the fused-activation epilogue stores h and a register tile as act(h) without computing "
+        "it: what the activation's arithmetic costs",
+    ),
+    Mutation(
+        "ablate.gather_act_no_a_store", GATHER_KERNEL,
+        "                        cute.copy(epi.act_atom, epi.r_a, t_s_ga[(None, i, j)])\n",
+        "                        if coord_a[0] < 0:\n"
+        "                            cute.copy(epi.act_atom, epi.r_a, t_s_ga[(None, i, j)])\n",
+        "timing only: the fused-activation epilogue computes act(h) but never stores it: what the act(h) "
+        "stores cost",
     ),
 )
 PASSES = ("fwd", "dgrad", "wgrad")
