@@ -369,6 +369,16 @@ def test_grid_bound_covers_every_routing(counts: list[int], tail: int, n: int, b
     assert tile_upper_bound(m, n, len(counts), bn, cm) >= count_tiles(ends, m, n, bn, cm)
 
 
+@pytest.mark.parametrize("sms", [132, 133, 8])
+def test_fwd_grid_is_whole_clusters_one_cta_per_sm(monkeypatch: pytest.MonkeyPatch, sms: int) -> None:
+    """A cluster launch needs a grid of whole clusters: never more CTAs than SMs, never a lone CTA."""
+    monkeypatch.setattr(runtime, "sm_count", lambda index: sms)
+    for m, n_groups in ((1, 1), (300, 2), (262144, 128)):
+        for cm in (1, 2):
+            ctas = gemm.fwd_ctas(0, m, 2048, n_groups, 256, cm)
+            assert ctas % cm == 0 and cm <= ctas <= sms
+
+
 def test_oracle_ulp_and_bound_hand_values() -> None:
     v = torch.tensor([1.0, 1.5, 2.0, 255.0, 256.0, 0.0, 2.0**-130, -3.0], dtype=torch.float64)
     assert ulp_bf16(v).tolist() == [2.0**-7, 2.0**-7, 2.0**-6, 1.0, 2.0, 2.0**-133, 2.0**-133, 2.0**-6]
