@@ -164,13 +164,6 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "timing only: the fused-activation epilogue stores h but neither computes nor stores act(h)",
     ),
     Mutation(
-        "ablate.gather_sigmoid_divides_all", "nmoe/fast/kernels/swiglu.py",
-        "    s.store(cute.where(exact, num, cute.where(exact, one, num) / den.load()))\n",
-        "    s.store(num / den.load())\n",
-        "the fused swiglu divides every gate's numerator, subnormal ones included (same bits, the division's "
-        "slow path): what keeping the subnormal tail out of the division buys on large gates",
-    ),
-    Mutation(
         "ablate.gather_act_no_compute", GATHER_KERNEL,
         "                        _act_chunk(epi.r_h, epi.r_a, act)\n", "",
         "timing only: the fused-activation epilogue stores h and a register tile as act(h) without computing "
