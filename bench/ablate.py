@@ -164,6 +164,25 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "timing only: the fused-activation epilogue stores h but neither computes nor stores act(h)",
     ),
     Mutation(
+        "ablate.gather_scaled_weights", "bench/ablate.py",
+        "    w = torch.randn(e, 2 * i, h, device=\"cuda\", dtype=torch.bfloat16, generator=gen)\n",
+        "    w = (torch.randn(e, 2 * i, h, device=\"cuda\", generator=gen) * h**-0.5).to(torch.bfloat16)\n",
+        "weights at an init scale (std H^-1/2, so h ~ N(0, 1)) instead of unit normal (h ~ N(0, H)): whether "
+        "what the fused activation costs depends on the gates' magnitude",
+    ),
+    Mutation(
+        "ablate.gather_act_no_exp", "nmoe/fast/kernels/swiglu.py",
+        "    e = cute.math.exp(-cute.math.absf(gv))  # type: ignore[attr-defined]\n",
+        "    e = cute.math.absf(gv)  # type: ignore[attr-defined]\n",
+        "timing only: the fused (and standalone) swiglu takes |g| for exp(-|g|): what expf costs",
+    ),
+    Mutation(
+        "ablate.gather_act_no_div", "nmoe/fast/kernels/swiglu.py",
+        "cute.full_like(gv, 1.0), e) / den.load())", "cute.full_like(gv, 1.0), e) * den.load())",
+        "timing only: the fused (and standalone) swiglu multiplies by 1 + e instead of dividing: what the "
+        "IEEE division costs",
+    ),
+    Mutation(
         "ablate.gather_act_no_compute", GATHER_KERNEL,
         "                        _act_chunk(epi.r_h, epi.r_a, act)\n", "",
         "timing only: the fused-activation epilogue stores h and a register tile as act(h) without computing "
