@@ -747,48 +747,35 @@ def test_sep_gemm_fast_group_boundary_off_by_one() -> None:
     assert_bound(grouped_gemm(x, w, offs_of(ends)), ref, mag, 128)
 
 
+def check_unwritten_caught(counts: Sequence[int], m: int, n: int, k: int, seed: int, region: Any,
+                           bn: int | None = None) -> None:
+    """A mutant leaving `region` of the NaN-filled output unwritten breaks the bound; the kernel keeps it."""
+    x, w = make(m, n, k, len(counts), seed=seed)
+    ends = cumsum(counts)
+    ref, mag = oracle(x, lambda e: w[e].t(), ends, n)
+    y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    mutated = ref.clone()
+    mutated[region] = float("nan")
+    assert violates(mutated, ref, mag, k)
+    gemm._launch("test", x, w, offs_of(ends), y, True, bn)
+    assert_bound(y, ref, mag, k)
+
+
 @gpu
 def test_sep_gemm_fast_tail_not_zeroed() -> None:
-    counts = [40, 0, 60]
-    x, w = make(250, 256, 128, 3, seed=17)
-    ends = cumsum(counts)
-    ref, mag = oracle(x, lambda e: w[e].t(), ends, 256)
-    y = torch.full((250, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
-    mutated = ref.clone()
-    mutated[100:] = float("nan")
-    assert violates(mutated, ref, mag, 128)
-    gemm._launch("test", x, w, offs_of(ends), y, True)
-    assert_bound(y, ref, mag, 128)
+    check_unwritten_caught([40, 0, 60], 250, 256, 128, 17, slice(100, None))
 
 
 @gpu
 def test_sep_gemm_fast_cluster_rank_dropped() -> None:
     """A cluster's CTAs take side-by-side M tiles: group 0's second tile (rows 128..255) is its unit's second
     CTA's; groups of odd tile counts also leave a CTA past its group's end, which must store nothing."""
-    counts = [300, 60]
-    x, w = make(370, 256, 128, 2, seed=23)
-    ends = cumsum(counts)
-    ref, mag = oracle(x, lambda e: w[e].t(), ends, 256)
-    y = torch.full((370, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
-    mutated = ref.clone()
-    mutated[128:256] = float("nan")
-    assert violates(mutated, ref, mag, 128)
-    gemm._launch("test", x, w, offs_of(ends), y, True)
-    assert_bound(y, ref, mag, 128)
+    check_unwritten_caught([300, 60], 370, 256, 128, 23, slice(128, 256))
 
 
 @gpu
 def test_sep_gemm_fast_ragged_n_dropped() -> None:
-    counts = [90, 150]
-    x, w = make(240, 200, 64, 2, seed=18)
-    ends = cumsum(counts)
-    ref, mag = oracle(x, lambda e: w[e].t(), ends, 200)
-    y = torch.full((240, 200), float("nan"), dtype=torch.bfloat16, device="cuda")
-    mutated = ref.clone()
-    mutated[:, 128:] = float("nan")
-    assert violates(mutated, ref, mag, 64)
-    gemm._launch("test", x, w, offs_of(ends), y, True, 128)
-    assert_bound(y, ref, mag, 64)
+    check_unwritten_caught([90, 150], 240, 200, 64, 18, (slice(None), slice(128, None)), 128)
 
 
 @gpu
