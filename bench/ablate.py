@@ -199,6 +199,11 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "of SASS listing, no spills): whether the unrolled epilogue's size is the fused activation's cost",
     ),
     Mutation(
+        "ablate.gather_cluster_two", LIMITS,
+        "GEMM_GATHER_CLUSTER_M: Final[int] = 1\n", "GEMM_GATHER_CLUSTER_M: Final[int] = 2\n",
+        "the gathering fwd/dgrad in 2-CTA clusters sharing each B box by multicast, like the TMA-fed ones",
+    ),
+    Mutation(
         "ablate.gather_act_no_compute", GATHER_KERNEL,
         "                        _act_chunk(epi.r_h, epi.r_a, act)\n", "",
         "timing only: the fused-activation epilogue stores h and a register tile as act(h) without computing "
@@ -213,6 +218,29 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "stores cost",
     ),
 )
+# Ablations of more than one edit, applied in order; the first names the variant and says what it measures.
+GATHER_COMPOUNDS: tuple[tuple[Mutation, ...], ...] = (
+    (
+        Mutation(
+            "ablate.gather_cluster_two_noinc", LIMITS,
+            "GEMM_GATHER_CLUSTER_M: Final[int] = 1\n", "GEMM_GATHER_CLUSTER_M: Final[int] = 2\n",
+            "the gathering fwd/dgrad in 2-CTA clusters sharing B by multicast (as SonicMoE's up projection), "
+            "with each thread's copies arriving by cp.async.mbarrier.arrive.noinc (timing only, no proxy "
+            "fence): whether the landing, not the clusters, made the clustered gathering kernels slower",
+        ),
+        Mutation("ablate.gather_cluster_two_noinc_landing", GATHER_KERNEL, _LANDING, _NOINC,
+                 "the noinc landing of ablate.gather_noinc"),
+    ),
+)
+
+
+def variants_of(which: str) -> list[tuple[Mutation, ...]]:
+    """The ablations of a set as edit sequences: a plain ablation is one edit."""
+    if which == "gather":
+        return [*((a,) for a in GATHER_ABLATIONS), *GATHER_COMPOUNDS]
+    return [(a,) for a in ABLATIONS]
+
+
 PASSES = ("fwd", "dgrad", "wgrad")
 SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
     (32768, 4096, 1024, 128, 8), (24576, 1536, 256, 128, 8), (32768, 4096, 512, 256, 8),
@@ -322,17 +350,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.child:
         child(args.compile_only, args.set)
         return 0
-    catalog = GATHER_ABLATIONS if args.set == "gather" else ABLATIONS
-    chosen = [a for a in catalog if not args.only or a.id in args.only.split(",")]
+    catalog = variants_of(args.set)
+    chosen = [v for v in catalog if not args.only or v[0].id in args.only.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="nmoe-ablate-"))
     copies: dict[str, Path] = {}
-    variants = [("baseline", None), *((a.id, a) for a in chosen), ("baseline_again", None)]
-    for name, edit in variants:
+    variants = [("baseline", ()), *((v[0].id, v) for v in chosen), ("baseline_again", ())]
+    for name, edits in variants:
         copy = tmp / name
         copy_tree(ROOT, copy)
         shutil.copytree(ROOT / "bench", copy / "bench",
                         ignore=shutil.ignore_patterns("results", "__pycache__"))
-        if edit is not None:
+        for edit in edits:
             path = copy / edit.file
             path.write_text(apply(path.read_text(encoding="utf-8"), edit), encoding="utf-8")
         copies[name] = copy
@@ -347,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         timed = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         rows[name] = timed or {"error": out[-2000:]}
     shutil.rmtree(tmp, ignore_errors=True)
-    notes = {a.id: a.description for a in chosen}
+    notes = {v[0].id: v[0].description for v in chosen}
     base = {r["shape"]: r["ms"] for r in rows["baseline"]} if isinstance(rows["baseline"], list) else {}
     for name, rs in rows.items():
         for r in rs if isinstance(rs, list) else []:

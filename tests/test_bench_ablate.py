@@ -4,19 +4,34 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.ablate import ABLATIONS, GATHER_ABLATIONS
+import pytest
+
+from bench.ablate import ABLATIONS, GATHER_ABLATIONS, GATHER_COMPOUNDS, variants_of
 from mutations.model import apply, check_anchors
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_ablation_anchors_match_once() -> None:
-    assert ABLATIONS and GATHER_ABLATIONS and check_anchors(ROOT, ABLATIONS + GATHER_ABLATIONS) == []
+    parts = tuple(m for v in GATHER_COMPOUNDS for m in v[:1])
+    assert ABLATIONS and GATHER_ABLATIONS and check_anchors(ROOT, ABLATIONS + GATHER_ABLATIONS + parts) == []
 
 
-def test_each_ablation_changes_its_file() -> None:
-    for a in ABLATIONS + GATHER_ABLATIONS:
-        source = (ROOT / a.file).read_text(encoding="utf-8")
-        edited = apply(source, a)
-        assert edited != source
-        compile(edited, a.file, "exec")
+@pytest.mark.parametrize("which", ["gemm", "gather"])
+def test_each_ablation_changes_its_files_in_order(which: str) -> None:
+    """Every edit of a variant matches exactly once in the source its earlier edits left, and changes it."""
+    for variant in variants_of(which):
+        sources: dict[str, str] = {}
+        for a in variant:
+            source = sources.get(a.file, (ROOT / a.file).read_text(encoding="utf-8"))
+            assert source.count(a.anchor) == 1, (variant[0].id, a.id)
+            sources[a.file] = apply(source, a)
+            assert sources[a.file] != source
+        for file, edited in sources.items():
+            compile(edited, file, "exec")
+
+
+def test_variant_ids_are_unique_and_compounds_are_in_the_gather_set() -> None:
+    ids = [v[0].id for w in ("gemm", "gather") for v in variants_of(w)]
+    assert len(ids) == len(set(ids))
+    assert {v[0].id for v in GATHER_COMPOUNDS} <= {v[0].id for v in variants_of("gather")}

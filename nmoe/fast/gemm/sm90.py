@@ -20,7 +20,14 @@ from nmoe.fast.gemm.routing import (
     require,
     tile_upper_bound,
 )
-from nmoe.fast.limits import GEMM_ALIGN, GEMM_BK, GEMM_BM, GEMM_BN_CHOICES, GEMM_CLUSTER_M
+from nmoe.fast.limits import (
+    GEMM_ALIGN,
+    GEMM_BK,
+    GEMM_BM,
+    GEMM_BN_CHOICES,
+    GEMM_CLUSTER_M,
+    GEMM_GATHER_CLUSTER_M,
+)
 from nmoe.fast.op import Kernel, Launcher, fast_op, remember, save_inputs
 from nmoe.fast.runtime import KernelSpec, tma_aligned
 
@@ -400,7 +407,7 @@ def _gathered_gemm(op: str, src: Tensor, src_name: str, slot: Tensor, w: Tensor,
         return h.zero_(), a.zero_()
     check_offs_on_host(op, offs, m)
     bn = pick_bn(n)
-    n_ctas = fwd_ctas(device, m, n, w.shape[0], bn, 1)
+    n_ctas = fwd_ctas(device, m, n, w.shape[0], bn, GEMM_GATHER_CLUSTER_M)
     launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act=activation, w_k_major=w_k_major)
     zero = _zero_chunk(op, src.device).data_ptr()
     launch(device, src.data_ptr(), zero, slot.contiguous().data_ptr(), w.data_ptr(), h.data_ptr(),

@@ -28,6 +28,7 @@ from nmoe.fast.kernels.swiglu import swiglu_pairs
 from nmoe.fast.limits import GEMM_BK as BK
 from nmoe.fast.limits import GEMM_BM as BM
 from nmoe.fast.limits import GEMM_CLUSTER_M as CLUSTER_M
+from nmoe.fast.limits import GEMM_GATHER_CLUSTER_M as GATHER_CLUSTER_M
 from nmoe.fast.limits import GEMM_MAX_GROUPS as MAX_GROUPS
 
 K_BLOCKS = BK // 16
@@ -525,6 +526,11 @@ def _gemm_setup(pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer, m_rows: I
     return m_y, m_a, m_offs, tiled_mma, a_layout, b_layout, tma_atom_b, tma_b, tma_atom_d, tma_d
 
 
+def cluster_dims(cm: int) -> list[int] | None:
+    """A launch's cluster shape: none at all for CTAs that run alone."""
+    return [cm, 1, 1] if cm > 1 else None
+
+
 def b_tma(m_w: cute.Tensor, b_layout: cute.ComposedLayout, bn: int, cm: int) -> tuple[cute.CopyAtom, Any]:
     """TMA of the B tile (bn x BK), each of the cm CTAs of a cluster loading 1/cm of it for all of them."""
     op = cpasync.CopyBulkTensorTileG2SMulticastOp() if cm > 1 else cpasync.CopyBulkTensorTileG2SOp()
@@ -550,7 +556,7 @@ def grouped_gemm_host(
     grouped_gemm_kernel(
         tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, m_y, m_a, m_offs, m_rows, n_groups,
         tiled_mma, a_layout, b_layout, epi_smem_layout(), n, k, bn, stages, act,
-    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=[CLUSTER_M, 1, 1], min_blocks_per_mp=1,
+    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(CLUSTER_M), min_blocks_per_mp=1,
              stream=stream)
 
 
@@ -571,12 +577,12 @@ def swizzled(byte: Int32) -> Int32:
 
 @cute.jit
 def arm_stage(mainloop: pipeline.PipelineTmaAsync, state: Any, warp_idx: Int32, tma_atom: cute.CopyAtom,
-              src: cute.Tensor, dst: cute.Tensor) -> None:
+              src: cute.Tensor, dst: cute.Tensor, cm: Constexpr[int] = 1) -> None:
     """A gathering producer's stage: every thread waits for it to be free; warp 0 arms its barrier and
-    TMA-loads the operand that is not gathered."""
+    TMA-loads the operand that is not gathered (its 1/cm share, multicast over the cluster)."""
     if warp_idx == 0:
         mainloop.producer_acquire(state)
-        cute.copy(tma_atom, src, dst, tma_bar_ptr=mainloop.producer_get_barrier(state))
+        copy_b(tma_atom, src, dst, mainloop.producer_get_barrier(state), cm)
     else:
         mainloop.sync_object_empty.wait(state.index, state.phase)
 
@@ -645,7 +651,7 @@ def produce_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyA
                      m_rows: Int32, t: Int32,
                      n_ctas: Int32, warp_idx: Int32, ptid: Int32, n_tiles_n: Constexpr[int],
                      k: Constexpr[int], k_tiles: Constexpr[int], bn: Constexpr[int],
-                     stages: Constexpr[int]) -> None:
+                     stages: Constexpr[int], cm: Constexpr[int] = 1, rank: Int32 | int = 0) -> None:
     """The producer warpgroup with A gathered: warp 0 arms each stage and TMA-loads B; every thread copies
     its A chunks with cp.async (zero chunks past K), and arrives on a stage once its copies have landed and
     are fenced, gather_lag stages later, so the consumers need no fence of their own."""
@@ -659,17 +665,17 @@ def produce_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyA
     e, g_start, g_end, before, here, t = cursor_start(t)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
-                                            n_tiles_n)
+                                            n_tiles_n, cm)
     while e <= n_groups:
         if e < n_groups:
-            n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n)
+            n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n, cm, rank)
             _gather_sources(m_slot, row0, g_end, top_k, rb, x_addr, k, zero_addr, src)
             g_b = cute.local_tile(m_b[(None, None, e)], (bn, BK), (n_tile, None))
-            t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1), s_b_flat,
+            t_sb, t_gb = cpasync.tma_partition(tma_atom_b, rank, cute.make_layout(cm), s_b_flat,
                                                cute.group_modes(g_b, 0, 2))
             for kt in range(k_tiles):
                 arm_stage(mainloop, state, warp_idx, tma_atom_b, t_gb[(None, kt)],
-                          t_sb[(None, state.index)])
+                          t_sb[(None, state.index)], cm)
                 col = kt * BK + c8 * VEC
                 for j in range_constexpr(GATHER_ROWS):
                     g = zero_addr
@@ -681,7 +687,7 @@ def produce_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyA
                 state.advance()
         t = t + n_ctas
         e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
-                                                n_tiles_n)
+                                                n_tiles_n, cm)
     land_all(mainloop, state, lag, stages)
     if warp_idx == 0:
         mainloop.producer_tail(state)
@@ -697,19 +703,20 @@ def grouped_gemm_gather_kernel(
 ) -> None:
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_b, tma_atom_d))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
-                                                stages, "b")
+                                                stages, "b", cm=GATHER_CLUSTER_M)
     n_tiles_n = (n + bn - 1) // bn
     k_tiles = n_k_tiles(k)
-    e, g_start, g_end, before, here, t = cursor_start(bidx)
+    unit, n_units, rank = cluster_units(bidx, n_ctas, GATHER_CLUSTER_M)
+    e, g_start, g_end, before, here, t = cursor_start(unit)
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         produce_gathered(mainloop, tma_atom_b, m_b, m_slot, x_addr, zero_addr, top_k, s_a, a_layout.outer,
-                         s_b, s_offs, n_groups, m_rows, Int32(bidx), n_ctas, warp_idx, tidx, n_tiles_n, k,
-                         k_tiles, bn, stages)
+                         s_b, s_offs, n_groups, m_rows, unit, n_units, warp_idx, tidx, n_tiles_n, k, k_tiles,
+                         bn, stages, GATHER_CLUSTER_M, rank)
     else:
         consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, n_groups,
-                      m_rows, tidx, warp_idx, n_ctas, e, g_start, g_end, before, here, t, n, bn, k_tiles,
-                      stages, act)
+                      m_rows, tidx, warp_idx, n_units, e, g_start, g_end, before, here, t, n, bn, k_tiles,
+                      stages, act, GATHER_CLUSTER_M, rank)
 
 
 @cute.jit
@@ -723,13 +730,14 @@ def grouped_gemm_gather_host(
     a = act(y). The permuted copy of x is never written."""
     stages = stages_for(bn)
     m_y, m_a, m_offs, tiled_mma, a_layout, b_layout, tma_atom_b, tma_b, tma_atom_d, tma_d = _gemm_setup(
-        pw, py, pa, poffs, m_rows, n_groups, n, k, bn, stages, w_k_major, act, 1)
+        pw, py, pa, poffs, m_rows, n_groups, n, k, bn, stages, w_k_major, act, GATHER_CLUSTER_M)
     m_slot = cute.make_tensor(pslot, cute.make_layout(m_rows))
     grouped_gemm_gather_kernel(
         tma_atom_b, tma_b, tma_atom_d, tma_d, m_y, m_a, m_offs, m_slot, Int64(px.toint()),
         Int64(pzero.toint()), top_k, m_rows,
         n_groups, tiled_mma, a_layout, b_layout, epi_smem_layout(), n, k, bn, stages, act,
-    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
+    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(GATHER_CLUSTER_M),
+             min_blocks_per_mp=1, stream=stream)
 
 
 def pointer(dtype: Any, address: int, align: int = 16) -> Any:
