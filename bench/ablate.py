@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,16 @@ _LANDING += _LAND_ALL + (
     "        _land(mainloop, (state.index + (stages - 1) - i) % stages)\n"
 )
 _NOINC += _LAND_ALL + "    cute.arch.cp_async_commit_group()\n    cute.arch.cp_async_wait_group(0)\n"
+_GATHER_NOINC = Mutation(
+    "ablate.gather_noinc", GATHER_KERNEL, _LANDING, _NOINC,
+    "timing only (no proxy fence): each gathering thread's copies arrive on the stage's barrier when they "
+    "land (cp.async.mbarrier.arrive.noinc), so no producer thread ever waits on its own copies",
+)
+_GATHER_CLUSTER_TWO = Mutation(
+    "ablate.gather_cluster_two", LIMITS,
+    "GEMM_GATHER_CLUSTER_M: Final[int] = 1\n", "GEMM_GATHER_CLUSTER_M: Final[int] = 2\n",
+    "the gathering fwd/dgrad in 2-CTA clusters sharing each B box by multicast, like the TMA-fed ones",
+)
 GATHER_ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
         "ablate.gather_no_fence", GATHER_KERNEL,
@@ -143,12 +154,7 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "every gathering producer's cp.async allocates in L1 (.ca) instead of bypassing it (.cg): whether "
         "the bypass path limits the copies",
     ),
-    Mutation(
-        "ablate.gather_noinc", GATHER_KERNEL,
-        _LANDING, _NOINC,
-        "timing only (no proxy fence): each gathering thread's copies arrive on the stage's barrier when "
-        "they land (cp.async.mbarrier.arrive.noinc), so no producer thread ever waits on its own copies",
-    ),
+    _GATHER_NOINC,
     Mutation(
         "ablate.gather_act_no_stores", GATHER_KERNEL,
         "                    if coord_a[0] < rows_valid and coord_a[1] < cols_valid - sub * EPI_N:",
@@ -198,11 +204,7 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "switch), so the activation's code appears once, not once per subtile (swiglu: 3609 -> 1466 lines "
         "of SASS listing, no spills): whether the unrolled epilogue's size is the fused activation's cost",
     ),
-    Mutation(
-        "ablate.gather_cluster_two", LIMITS,
-        "GEMM_GATHER_CLUSTER_M: Final[int] = 1\n", "GEMM_GATHER_CLUSTER_M: Final[int] = 2\n",
-        "the gathering fwd/dgrad in 2-CTA clusters sharing each B box by multicast, like the TMA-fed ones",
-    ),
+    _GATHER_CLUSTER_TWO,
     Mutation(
         "ablate.gather_act_no_compute", GATHER_KERNEL,
         "                        _act_chunk(epi.r_h, epi.r_a, act)\n", "",
@@ -221,15 +223,11 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
 # Ablations of more than one edit, applied in order; the first names the variant and says what it measures.
 GATHER_COMPOUNDS: tuple[tuple[Mutation, ...], ...] = (
     (
-        Mutation(
-            "ablate.gather_cluster_two_noinc", LIMITS,
-            "GEMM_GATHER_CLUSTER_M: Final[int] = 1\n", "GEMM_GATHER_CLUSTER_M: Final[int] = 2\n",
-            "the gathering fwd/dgrad in 2-CTA clusters sharing B by multicast (as SonicMoE's up projection), "
-            "with each thread's copies arriving by cp.async.mbarrier.arrive.noinc (timing only, no proxy "
-            "fence): whether the landing, not the clusters, made the clustered gathering kernels slower",
-        ),
-        Mutation("ablate.gather_cluster_two_noinc_landing", GATHER_KERNEL, _LANDING, _NOINC,
-                 "the noinc landing of ablate.gather_noinc"),
+        replace(_GATHER_CLUSTER_TWO, id="ablate.gather_cluster_two_noinc",
+                description="gather_cluster_two with gather_noinc's landing (as SonicMoE's up projection; "
+                "timing only): whether the landing, not the clusters, made the clustered gathering kernels "
+                "slower"),
+        replace(_GATHER_NOINC, id="ablate.gather_cluster_two_noinc_landing"),
     ),
 )
 
