@@ -26,9 +26,9 @@ LIMITS = "nmoe/fast/limits.py"
 ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
         "ablate.no_tma_stores", KERNEL,
-        "                if warp_idx == STORE_WARP:\n                    cute.copy(epi.tma_atom",
-        "                if warp_idx == STORE_WARP and rows_valid < 0:\n"
-        "                    cute.copy(epi.tma_atom",
+        "            if warp_idx == STORE_WARP:\n                cute.copy(epi.tma_atom",
+        "            if warp_idx == STORE_WARP and rows_valid < 0:\n"
+        "                cute.copy(epi.tma_atom",
         "full tiles skip their TMA stores: the output's share of the time under uniform routing",
     ),
     Mutation(
@@ -156,20 +156,6 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     ),
     _GATHER_NOINC,
     Mutation(
-        "ablate.gather_act_no_stores", GATHER_KERNEL,
-        "                    if coord_a[0] < rows_valid and coord_a[1] < cols_valid - sub * EPI_N:",
-        "                    if coord_a[0] < 0:",
-        "timing only: the fused-activation epilogue stores neither h nor act(h) (stmatrix and barriers "
-        "stay): what its per-thread stores and activation cost",
-    ),
-    Mutation(
-        "ablate.gather_act_h_only", GATHER_KERNEL,
-        "                        _act_chunk(epi.r_h, epi.r_a, act)\n"
-        "                        cute.copy(epi.act_atom, epi.r_a, t_s_ga[(None, i, j)])\n",
-        "",
-        "timing only: the fused-activation epilogue stores h but neither computes nor stores act(h)",
-    ),
-    Mutation(
         "ablate.gather_scaled_weights", "bench/ablate.py",
         "    w = torch.randn(e, 2 * i, h, device=\"cuda\", dtype=torch.bfloat16, generator=gen)\n",
         "    w = (torch.randn(e, 2 * i, h, device=\"cuda\", generator=gen) * h**-0.5).to(torch.bfloat16)\n",
@@ -207,17 +193,16 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     _GATHER_CLUSTER_TWO,
     Mutation(
         "ablate.gather_act_no_compute", GATHER_KERNEL,
-        "                        _act_chunk(epi.r_h, epi.r_a, act)\n", "",
-        "timing only: the fused-activation epilogue stores h and a register tile as act(h) without computing "
-        "it: what the activation's arithmetic costs",
+        "    r_bits.store(bits)\n", "    r_bits.fill(0)\n",
+        "timing only: the fused-activation epilogue stages and stores zeros as act(h) instead of computing it: "
+        "what the activation's arithmetic costs",
     ),
     Mutation(
-        "ablate.gather_act_no_a_store", GATHER_KERNEL,
-        "                        cute.copy(epi.act_atom, epi.r_a, t_s_ga[(None, i, j)])\n",
-        "                        if coord_a[0] < 0:\n"
-        "                            cute.copy(epi.act_atom, epi.r_a, t_s_ga[(None, i, j)])\n",
-        "timing only: the fused-activation epilogue computes act(h) but never stores it: what the act(h) "
-        "stores cost",
+        "ablate.gather_act_no_a_tma", GATHER_KERNEL,
+        "                if const_expr(act != \"none\"):\n"
+        "                    cute.copy(epi.act_tma_atom, b_sa[(None, buf)], b_ga[(None, (0, sub))])\n", "",
+        "timing only: the fused-activation epilogue computes and stages act(h) but never stores it to global "
+        "memory: what its TMA store costs",
     ),
 )
 # Ablations of more than one edit, applied in order; the first names the variant and says what it measures.

@@ -56,8 +56,19 @@ def pipeline_stages(stage_bytes: int, epi_bytes: int = EPI_SMEM_BYTES) -> int:
     return min(8, (SMEM_BYTES - epi_bytes - MAX_GROUPS * 4 - 2048) // stage_bytes)
 
 
-def stages_for(bn: int) -> int:
-    return pipeline_stages((BM + bn) * BK * 2)
+def stages_for(bn: int, act: str = "none") -> int:
+    return pipeline_stages((BM + bn) * BK * 2, EPI_SMEM_BYTES + act_smem_bytes(act))
+
+
+def act_smem_bytes(act: str) -> int:
+    """act(h) leaves through its own EPI_BUFS subtiles of BM x EPI_N / ratio, beside h's."""
+    return 0 if act == "none" else BM * (EPI_N // EPILOGUES[act]) * 2 * EPI_BUFS
+
+
+def act_smem_layout(act: str) -> cute.Layout:
+    """Row-major act(h) subtiles (32- or 64-byte rows, unswizzled): written by scalar stores, read by TMA."""
+    cols = EPI_N // EPILOGUES[act]
+    return cute.make_layout((BM, cols, EPI_BUFS), stride=(cols, 1, BM * cols))
 
 
 def epi_smem_layout() -> cute.ComposedLayout:
@@ -66,11 +77,15 @@ def epi_smem_layout() -> cute.ComposedLayout:
     return layout
 
 
-def epi_tma(m_y: cute.Tensor) -> tuple[cute.CopyAtom, cute.Tensor]:
-    """TMA store of one output subtile; full tiles leave this way, asynchronously, tiles cut by a group end or
-    the last N columns through masked per-thread stores."""
-    layout = cute.slice_(epi_smem_layout(), (None, None, 0))
-    atom, tensor = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), m_y, layout, (BM, EPI_N))
+def epi_tma(m_y: cute.Tensor, act: str = "none") -> tuple[cute.CopyAtom, cute.Tensor]:
+    """TMA store of one output subtile (of h, or with act given of act(h)); full tiles leave this way,
+    asynchronously, tiles cut by a group end or the last N columns through masked per-thread stores."""
+    if act == "none":
+        layout: Any = cute.slice_(epi_smem_layout(), (None, None, 0))
+        cols = EPI_N
+    else:
+        layout, cols = cute.slice_(act_smem_layout(act), (None, None, 0)), EPI_N // EPILOGUES[act]
+    atom, tensor = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), m_y, layout, (BM, cols))
     return atom, tensor
 
 
@@ -117,19 +132,6 @@ def check_pairing(bn: int, act: str) -> None:
                 for p in range(ratio):
                     if tuple(h0.layout((ratio * v + p, i, j))) != (r, ratio * c + p):
                         fail(f"output offset {(r, c)} would read h offset {h0.layout((ratio * v + p, i, j))}")
-
-
-@cute.jit
-def _act_chunk(r_h: cute.Tensor, r_a: cute.Tensor, act: Constexpr[str]) -> None:
-    """a = act(h) of one chunk of VEC bf16 h columns, by the standalone activation kernels' own math."""
-    h = r_h.load().reshape((VEC,))
-    if const_expr(act == "relu2"):
-        bits = relu2_bits(h, "bfloat16")
-    else:
-        hf = cute.make_rmem_tensor((VEC,), Float32)
-        hf.store(h.to(Float32))
-        bits = out_bits(swiglu_pairs(hf, VEC // 2).load(), "bfloat16")
-    cute.recast_tensor(r_a, Int16).store(bits.reshape(r_a.shape))
 
 
 @cute.jit
@@ -182,20 +184,26 @@ class Epilogue(NamedTuple):
     t_s_sd: cute.Tensor
     t_s_cd: cute.Tensor
     bar: pipeline.NamedBarrier
-    act_atom: cute.CopyAtom
-    thr_act: Any
-    r_h: cute.Tensor
-    r_a: cute.Tensor
     s_d: cute.Tensor
     tma_atom: cute.CopyAtom
+    t_rs_c: cute.Tensor
+    s_act: Any
+    act_atom: cute.CopyAtom
+    t_s_sa: Any
+    thr_act: Any
+    act_tma_atom: Any
 
 
 def epilogue_copies(tiled_mma: cute.TiledMma, acc: cute.Tensor, s_d: cute.Tensor, ctid: Int32,
-                    tma_atom: cute.CopyAtom, act: str = "none") -> Epilogue:
-    """stmatrix from the fp32 accumulator into a bf16 smem subtile (s_d: BM x EPI_N x EPI_BUFS), then a TMA
-    store or 16-byte masked smem -> global chunks."""
+                    tma_atom: cute.CopyAtom, act: str = "none", s_act: Any = None,
+                    act_tma_atom: Any = None) -> Epilogue:
+    """stmatrix from the fp32 accumulator into a bf16 smem subtile (s_d: BM x EPI_N x EPI_BUFS), act(h) by
+    scalar stores into s_act (BM x EPI_N / ratio x EPI_BUFS), then TMA stores or masked smem -> global
+    chunks."""
     stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16)
     r2s = cute.make_tiled_copy_S(stmatrix, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
+    if act == "swiglu":
+        check_fragment_pairs(r2s)
     thr_r2s = r2s.get_slice(ctid)
     # The retiled accumulator enumerates the subtiles one after another, each in the smem partition's order.
     d_shape = thr_r2s.partition_S(s_d).shape[:3]
@@ -203,25 +211,60 @@ def epilogue_copies(tiled_mma: cute.TiledMma, acc: cute.Tensor, s_d: cute.Tensor
     thr_s2g = s2g.get_slice(ctid)
     act_atom, act_copy = store_copy(EPI_N, VEC // EPILOGUES[act])
     thr_act = act_copy.get_slice(ctid)
-    a_chunk = thr_act.partition_D(cute.make_identity_tensor((BM, EPI_N // EPILOGUES[act])))[(None, 0, 0)]
     t_s_sd = thr_s2g.partition_S(s_d)
     return Epilogue(
         r2s, thr_r2s.partition_D(s_d), r2s.retile(acc), cute.make_rmem_tensor(d_shape, Float32),
         cute.make_rmem_tensor(d_shape, BFloat16), s2g_atom, thr_s2g, t_s_sd,
         thr_s2g.partition_D(cute.make_identity_tensor((BM, EPI_N))),
-        pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID, num_threads=CONSUMER_THREADS),
-        act_atom, thr_act, cute.make_rmem_tensor(t_s_sd[(None, 0, 0, 0)].shape, BFloat16),
-        cute.make_rmem_tensor(a_chunk.shape, BFloat16), s_d, tma_atom,
+        pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID, num_threads=CONSUMER_THREADS), s_d, tma_atom,
+        thr_r2s.partition_S(cute.make_identity_tensor((BM, EPI_N))), s_act, act_atom,
+        None if act == "none" else thr_act.partition_S(s_act), thr_act, act_tma_atom,
     )
+
+
+def check_fragment_pairs(r2s: cute.TiledCopy) -> None:
+    """Trace-time proof over every consumer thread that its subtile values 2p and 2p + 1 hold h columns
+    c and c + 1 of one row, c even: the (gate, up) pair swiglu takes from registers."""
+    ident = cute.make_identity_tensor((BM, EPI_N))
+    for t in range(CONSUMER_THREADS):
+        part = r2s.get_slice(t).partition_S(ident)
+        base_r, base_c = part.iterator
+        for v in range(0, cute.size(part), 2):
+            (r0, c0), (r1, c1) = part.layout(v), part.layout(v + 1)
+            if base_c % 2 or c0 % 2 or (r0, c0 + 1) != (r1, c1):
+                raise RuntimeError(f"swiglu epilogue pairing broken: thread {t} values {v}, {v + 1} sit at "
+                                   f"{(base_r + r0, base_c + c0)} and {(base_r + r1, base_c + c1)}; the "
+                                   "stmatrix partition no longer keeps column pairs in adjacent values")
+
+
+@cute.jit
+def _act_subtile(epi: Epilogue, buf: Int32 | int, act: Constexpr[str]) -> None:
+    """act(h) of this thread's subtile values, from the bf16 h in registers by the standalone activation
+    kernels' own math, stored to the act staging buffer at (row, col // ratio)."""
+    size = cute.size(epi.r_d)
+    ratio = EPILOGUES[act]
+    h = epi.r_d.load().reshape((size,))
+    if const_expr(act == "relu2"):
+        bits = relu2_bits(h, "bfloat16")
+    else:
+        hf = cute.make_rmem_tensor((size,), Float32)
+        hf.store(h.to(Float32))
+        bits = out_bits(swiglu_pairs(hf, size // 2).load(), "bfloat16")
+    r_bits = cute.make_rmem_tensor((size // ratio,), Int16)
+    r_bits.store(bits)
+    s_bits = cute.recast_tensor(epi.s_act, Int16)
+    for p in range_constexpr(size // ratio):
+        coord: Any = epi.t_rs_c[ratio * p]
+        s_bits[(coord[0], coord[1] // ratio, buf)] = r_bits[p]
 
 
 @cute.jit
 def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.Tensor, row0: Int32,
                n_tile: Int32, row_end: Int32, n: Constexpr[int], bn: Constexpr[int],
-               act: Constexpr[str]) -> None:
+               act: Constexpr[str], tma_act: Any = None) -> None:
     """The tile's rows below row_end and columns below n, one EPI_N subtile at a time: registers -> bf16
-    smem subtile -> TMA store (full tiles) or masked 16-byte stores; a fused act(h) is computed from the same
-    bf16 h chunk in registers and stored beside it."""
+    smem subtile (and act(h) computed from the same bf16 registers -> its own subtile) -> TMA stores (full
+    tiles) or masked 16-byte stores."""
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     rows_valid = row_end - row0
     cols_valid = n - n_tile * bn
@@ -230,6 +273,11 @@ def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.
     b_sd, b_gd = cpasync.tma_partition(epi.tma_atom, 0, cute.make_layout(1), cute.group_modes(epi.s_d, 0, 2),
                                        cute.zipped_divide(g_tile, (BM, EPI_N)))
     ratio = EPILOGUES[act]
+    if const_expr(act != "none"):
+        g_act = cute.local_tile(cute.domain_offset((row0, 0), tma_act), (BM, bn // ratio), (0, n_tile))
+        b_sa, b_ga = cpasync.tma_partition(epi.act_tma_atom, 0, cute.make_layout(1),
+                                           cute.group_modes(epi.s_act, 0, 2),
+                                           cute.zipped_divide(g_act, (BM, EPI_N // ratio)))
     size_sub = cute.size(epi.r_f)
     for sub in range_constexpr(bn // EPI_N):
         buf = sub % EPI_BUFS
@@ -237,36 +285,33 @@ def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.
             epi.r_f[v] = epi.t_rs_acc[sub * size_sub + v]
         epi.r_d.store(epi.r_f.load().to(BFloat16))
         cute.copy(epi.r2s, epi.r_d, epi.t_rs_d[(None, None, None, buf)])
+        if const_expr(act != "none"):
+            _act_subtile(epi, buf, act)
         cute.arch.fence_proxy("async.shared", space="cta")
         epi.bar.arrive_and_wait()
         sub_n = n_tile * (bn // EPI_N) + sub
-        g_d = cute.local_tile(cute.domain_offset((row0, 0), m_d), (BM, EPI_N), (0, sub_n))
-        t_s_gd = epi.thr_s2g.partition_D(g_d)
-        if const_expr(act == "none"):
-            if tma_ok:
-                if warp_idx == STORE_WARP:
-                    cute.copy(epi.tma_atom, b_sd[(None, buf)], b_gd[(None, (0, sub))])
-                    cute.arch.cp_async_bulk_commit_group()
-                    cute.arch.cp_async_bulk_wait_group(EPI_BUFS - 1, read=True)
-            else:
-                for i in range_constexpr(cute.size(epi.t_s_sd, mode=[1])):
-                    for j in range_constexpr(cute.size(epi.t_s_sd, mode=[2])):
-                        coord: Any = epi.t_s_cd[(0, i, j)]
-                        if coord[0] < rows_valid and coord[1] < cols_valid - sub * EPI_N:
-                            cute.copy(epi.s2g_atom, epi.t_s_sd[(None, i, j, buf)], t_s_gd[(None, i, j)])
-                if warp_idx == STORE_WARP:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if tma_ok:
+            if warp_idx == STORE_WARP:
+                cute.copy(epi.tma_atom, b_sd[(None, buf)], b_gd[(None, (0, sub))])
+                if const_expr(act != "none"):
+                    cute.copy(epi.act_tma_atom, b_sa[(None, buf)], b_ga[(None, (0, sub))])
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(EPI_BUFS - 1, read=True)
         else:
-            g_a = cute.local_tile(cute.domain_offset((row0, 0), m_act), (BM, EPI_N // ratio), (0, sub_n))
-            t_s_ga = epi.thr_act.partition_D(g_a)
+            g_d = cute.local_tile(cute.domain_offset((row0, 0), m_d), (BM, EPI_N), (0, sub_n))
+            t_s_gd = epi.thr_s2g.partition_D(g_d)
             for i in range_constexpr(cute.size(epi.t_s_sd, mode=[1])):
                 for j in range_constexpr(cute.size(epi.t_s_sd, mode=[2])):
-                    coord_a: Any = epi.t_s_cd[(0, i, j)]
-                    if coord_a[0] < rows_valid and coord_a[1] < cols_valid - sub * EPI_N:
-                        cute.copy(epi.s2g_atom, epi.t_s_sd[(None, i, j, buf)], epi.r_h)
-                        cute.copy(epi.s2g_atom, epi.r_h, t_s_gd[(None, i, j)])
-                        _act_chunk(epi.r_h, epi.r_a, act)
-                        cute.copy(epi.act_atom, epi.r_a, t_s_ga[(None, i, j)])
+                    coord: Any = epi.t_s_cd[(0, i, j)]
+                    if coord[0] < rows_valid and coord[1] < cols_valid - sub * EPI_N:
+                        cute.copy(epi.s2g_atom, epi.t_s_sd[(None, i, j, buf)], t_s_gd[(None, i, j)])
+                        if const_expr(act != "none"):
+                            g_a = cute.local_tile(cute.domain_offset((row0, 0), m_act), (BM, EPI_N // ratio),
+                                                  (0, sub_n))
+                            cute.copy(epi.act_atom, epi.t_s_sa[(None, i, j, buf)],
+                                      epi.thr_act.partition_D(g_a)[(None, i, j)])
+            if warp_idx == STORE_WARP:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
         epi.bar.arrive_and_wait()
 
 
@@ -316,6 +361,15 @@ def mma_fragments(tiled_mma: cute.TiledMma, s_a: cute.Tensor, s_b: cute.Tensor, 
     t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
     t_rb = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
     return t_ra, t_rb, thr_mma.partition_shape_C((BM, bn))
+
+
+@cute.jit
+def act_staging(s_d: cute.Tensor, act: Constexpr[str]) -> cute.Tensor:
+    """Shared staging for act(h)'s subtiles (with no fused activation: s_d, never written through it)."""
+    if const_expr(act == "none"):
+        return s_d
+    s_act: cute.Tensor = SmemAllocator().allocate_tensor(BFloat16, act_smem_layout(act), 1024)
+    return s_act
 
 
 @cute.jit
@@ -416,7 +470,8 @@ def _issue_mmas(tiled_mma: cute.TiledMma, acc: cute.Tensor, t_ra: cute.Tensor, t
 @cute.jit
 def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma, s_a: cute.Tensor,
                   s_b: cute.Tensor, s_d: cute.Tensor, s_offs: cute.Tensor, tma_atom_d: cute.CopyAtom,
-                  tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.Tensor, n_groups: Int32, m_rows: Int32,
+                  tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.Tensor, s_act: Any,
+                  tma_atom_act: cute.CopyAtom, tma_act: cute.Tensor, n_groups: Int32, m_rows: Int32,
                   tidx: Int32, warp_idx: Int32, n_ctas: Int32, e: Int32, g_start: Int32, g_end: Int32,
                   before: Int32, here: Int32, t: Int32, n: Constexpr[int], bn: Constexpr[int],
                   k_tiles: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
@@ -428,7 +483,7 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     t_ra, t_rb, acc_shape = mma_fragments(tiled_mma, s_a, s_b, warp_idx, bn)
     acc = cute.make_rmem_tensor(acc_shape, Float32)
 
-    epi = epilogue_copies(tiled_mma, acc, s_d, ctid, tma_atom_d, act)
+    epi = epilogue_copies(tiled_mma, acc, s_d, ctid, tma_atom_d, act, s_act, tma_atom_act)
 
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
     read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
@@ -453,7 +508,7 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
             mainloop.consumer_release(release)
             release.advance()
 
-        store_tile(epi, tma_d, m_d, m_act, row0, n_tile, g_end, n, bn, act)
+        store_tile(epi, tma_d, m_d, m_act, row0, n_tile, g_end, n, bn, act, tma_act)
 
         t = t + n_ctas
         e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,
@@ -473,14 +528,16 @@ def n_k_tiles(k: int) -> int:
 @cute.kernel
 def grouped_gemm_kernel(
     tma_atom_a: cute.CopyAtom, m_a: cute.Tensor, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
-    tma_atom_d: cute.CopyAtom, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.Tensor, m_offs: cute.Tensor,
+    tma_atom_d: cute.CopyAtom, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.Tensor,
+    tma_atom_act: cute.CopyAtom, tma_act: cute.Tensor, m_offs: cute.Tensor,
     m_rows: Int32, n_groups: Int32, tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout,
     b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int],
     bn: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
 ) -> None:
-    tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b, tma_atom_d))
+    tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b, tma_atom_d, tma_atom_act))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
                                                 stages, cm=CLUSTER_M)
+    s_act = act_staging(s_d, act)
 
     n_tiles_n = (n + bn - 1) // bn
     k_tiles = n_k_tiles(k)
@@ -493,7 +550,8 @@ def grouped_gemm_kernel(
             produce_tiles(mainloop, tma_atom_a, m_a, tma_atom_b, m_b, s_a, s_b, s_offs, n_groups, m_rows,
                           unit, n_units, n_tiles_n, k_tiles, bn, BK, stages, CLUSTER_M, rank)
     else:
-        consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, n_groups,
+        consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, s_act,
+                      tma_atom_act, tma_act, n_groups,
                       m_rows, tidx, warp_idx, n_units, e, g_start, g_end, before, here, t, n, bn, k_tiles,
                       stages, act, CLUSTER_M, rank)
 
@@ -523,7 +581,9 @@ def _gemm_setup(pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer, m_rows: I
     b_layout = sm90_utils.make_smem_layout_b(b_enum, tile, BFloat16, stages)
     tma_atom_b, tma_b = b_tma(m_w, b_layout, bn, cm)
     tma_atom_d, tma_d = epi_tma(m_y)
-    return m_y, m_a, m_offs, tiled_mma, a_layout, b_layout, tma_atom_b, tma_b, tma_atom_d, tma_d
+    tma_atom_act, tma_act = (tma_atom_d, tma_d) if const_expr(act == "none") else epi_tma(m_a, act)
+    return (m_y, m_a, m_offs, tiled_mma, a_layout, b_layout, tma_atom_b, tma_b, tma_atom_d, tma_d,
+            tma_atom_act, tma_act)
 
 
 def cluster_dims(cm: int) -> list[int] | None:
@@ -547,14 +607,16 @@ def grouped_gemm_host(
 ) -> None:
     """y[M, n] = per-group x[M, k] @ B_e^T, B_e [n, k] read from w (K-major w [E, n, k], else w [E, k, n]);
     with act != "none" also a[M, n / ratio] = act(y) (pa is ignored for "none")."""
-    stages = stages_for(bn)
-    m_y, m_a, m_offs, tiled_mma, a_layout, b_layout, tma_atom_b, tma_b, tma_atom_d, tma_d = _gemm_setup(
+    stages = stages_for(bn, act)
+    (m_y, m_a, m_offs, tiled_mma, a_layout, b_layout, tma_atom_b, tma_b, tma_atom_d, tma_d, tma_atom_act,
+     tma_act) = _gemm_setup(
         pw, py, pa, poffs, m_rows, n_groups, n, k, bn, stages, w_k_major, act, CLUSTER_M)
     m_x = cute.make_tensor(px, cute.make_layout((m_rows, k), stride=(k, 1)))
     tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
         cpasync.CopyBulkTensorTileG2SOp(), m_x, cute.slice_(a_layout, (None, None, 0)), (BM, BK))
     grouped_gemm_kernel(
-        tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, m_y, m_a, m_offs, m_rows, n_groups,
+        tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, m_y, m_a, tma_atom_act, tma_act, m_offs,
+        m_rows, n_groups,
         tiled_mma, a_layout, b_layout, epi_smem_layout(), n, k, bn, stages, act,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(CLUSTER_M), min_blocks_per_mp=1,
              stream=stream)
@@ -696,14 +758,16 @@ def produce_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyA
 @cute.kernel
 def grouped_gemm_gather_kernel(
     tma_atom_b: cute.CopyAtom, m_b: cute.Tensor, tma_atom_d: cute.CopyAtom, tma_d: cute.Tensor,
-    m_d: cute.Tensor, m_act: cute.Tensor, m_offs: cute.Tensor, m_slot: cute.Tensor, x_addr: Int64,
+    m_d: cute.Tensor, m_act: cute.Tensor, tma_atom_act: cute.CopyAtom, tma_act: cute.Tensor,
+    m_offs: cute.Tensor, m_slot: cute.Tensor, x_addr: Int64,
     zero_addr: Int64, top_k: Int32, m_rows: Int32, n_groups: Int32, tiled_mma: cute.TiledMma,
     a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout,
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
 ) -> None:
-    tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_b, tma_atom_d))
+    tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_b, tma_atom_d, tma_atom_act))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
                                                 stages, "b", cm=GATHER_CLUSTER_M)
+    s_act = act_staging(s_d, act)
     n_tiles_n = (n + bn - 1) // bn
     k_tiles = n_k_tiles(k)
     unit, n_units, rank = cluster_units(bidx, n_ctas, GATHER_CLUSTER_M)
@@ -714,7 +778,8 @@ def grouped_gemm_gather_kernel(
                          s_b, s_offs, n_groups, m_rows, unit, n_units, warp_idx, tidx, n_tiles_n, k, k_tiles,
                          bn, stages, GATHER_CLUSTER_M, rank)
     else:
-        consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, n_groups,
+        consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, s_act,
+                      tma_atom_act, tma_act, n_groups,
                       m_rows, tidx, warp_idx, n_units, e, g_start, g_end, before, here, t, n, bn, k_tiles,
                       stages, act, GATHER_CLUSTER_M, rank)
 
@@ -728,12 +793,14 @@ def grouped_gemm_gather_host(
     """y[p, n] = x[slot[p] // top_k] @ B_e^T for permuted row p of group e (B_e = w[e] K-major [E, n, k],
     else w[e]^T of w [E, k, n]: the dgrad), zero rows where slot[p] = -1; with act != "none" also
     a = act(y). The permuted copy of x is never written."""
-    stages = stages_for(bn)
-    m_y, m_a, m_offs, tiled_mma, a_layout, b_layout, tma_atom_b, tma_b, tma_atom_d, tma_d = _gemm_setup(
+    stages = stages_for(bn, act)
+    (m_y, m_a, m_offs, tiled_mma, a_layout, b_layout, tma_atom_b, tma_b, tma_atom_d, tma_d, tma_atom_act,
+     tma_act) = _gemm_setup(
         pw, py, pa, poffs, m_rows, n_groups, n, k, bn, stages, w_k_major, act, GATHER_CLUSTER_M)
     m_slot = cute.make_tensor(pslot, cute.make_layout(m_rows))
     grouped_gemm_gather_kernel(
-        tma_atom_b, tma_b, tma_atom_d, tma_d, m_y, m_a, m_offs, m_slot, Int64(px.toint()),
+        tma_atom_b, tma_b, tma_atom_d, tma_d, m_y, m_a, tma_atom_act, tma_act, m_offs, m_slot,
+        Int64(px.toint()),
         Int64(pzero.toint()), top_k, m_rows,
         n_groups, tiled_mma, a_layout, b_layout, epi_smem_layout(), n, k, bn, stages, act,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(GATHER_CLUSTER_M),
