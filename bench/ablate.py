@@ -68,7 +68,7 @@ ABLATIONS: tuple[Mutation, ...] = (
         "B across a 2-CTA cluster buys",
     ),
 )
-GATHER_KERNEL = "nmoe/fast/kernels/sm90/grouped_gemm.py"
+GATHER_KERNEL = "nmoe/fast/kernels/sm90/grouped_gemm_gather.py"
 # The gathering producers' landing (commit_stage and land_all), and the same two with each thread's copies
 # arriving on their stage's barrier by themselves.
 _LANDING = (
@@ -128,7 +128,7 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "lag buys",
     ),
     Mutation(
-        "ablate.gather_no_mma", GATHER_KERNEL,
+        "ablate.gather_no_mma", KERNEL,
         "    for kb in range_constexpr(K_BLOCKS):\n        cute.gemm(",
         "    for kb in range_constexpr(0):\n        cute.gemm(",
         "timing only: the consumers issue no wgmma (every kernel, gathered or not), so each variant runs at "
@@ -175,7 +175,7 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "IEEE division costs",
     ),
     Mutation(
-        "ablate.gather_epi_rolled", GATHER_KERNEL,
+        "ablate.gather_epi_rolled", KERNEL,
         "    for sub in range_constexpr(bn // EPI_N):\n"
         "        buf = sub % EPI_BUFS\n"
         "        for v in range_constexpr(size_sub):\n"
@@ -192,13 +192,13 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     ),
     _GATHER_CLUSTER_TWO,
     Mutation(
-        "ablate.gather_act_no_compute", GATHER_KERNEL,
+        "ablate.gather_act_no_compute", KERNEL,
         "    r_bits.store(bits)\n", "    r_bits.fill(0)\n",
-        "timing only: the fused-activation epilogue stages and stores zeros as act(h) instead of computing it: "
-        "what the activation's arithmetic costs",
+        "timing only: the fused-activation epilogue stages and stores zeros as act(h) instead of computing "
+        "it: what the activation's arithmetic costs",
     ),
     Mutation(
-        "ablate.gather_act_no_a_tma", GATHER_KERNEL,
+        "ablate.gather_act_no_a_tma", KERNEL,
         "                if const_expr(act != \"none\"):\n"
         "                    cute.copy(epi.act_tma_atom, b_sa[(None, buf)], b_ga[(None, (0, sub))])\n", "",
         "timing only: the fused-activation epilogue computes and stages act(h) but never stores it to global "

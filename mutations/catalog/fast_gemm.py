@@ -7,6 +7,7 @@ from mutations.model import Mutation, sep_mutation
 FILE = "nmoe/fast/kernels/sm90/grouped_gemm.py"
 WGRAD = "nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py"
 PLAN = "nmoe/fast/kernels/sm90/gatherplan.py"
+GATHER = "nmoe/fast/kernels/sm90/grouped_gemm_gather.py"
 TESTS = "tests/test_fast_gemm.py"
 GATHER_TESTS = "tests/test_fast_gemm_gather.py"
 SCHEDULE_TESTS = "tests/test_fast_wgrad_schedule.py"
@@ -95,20 +96,20 @@ MUTATIONS: tuple[Mutation, ...] = (
         TESTS, ("grouped_gemm",), device="gpu",
     ),
     sep_mutation(
-        "gemm.fast_gather_row_off_by_one", FILE,
+        "gemm.fast_gather_row_off_by_one", GATHER,
         "                a = x_addr + s // Int64(top_k) * Int64(k * 2)",
         "                a = x_addr + (s + Int64(1)) // Int64(top_k) * Int64(k * 2)",
         "the gathered up projection reads the row of slot + 1's token", GATHER_TESTS, ("moe_layer",),
         device="gpu",
     ),
     sep_mutation(
-        "gemm.fast_gather_unswizzled", FILE,
+        "gemm.fast_gather_unswizzled", GATHER,
         "    out: Int32 = byte ^ (((byte >> 7) & 7) << 4)\n", "    out: Int32 = byte\n",
         "gathered chunks (fwd, dgrad and wgrad) written without the 128-byte swizzle the tensor cores read",
         GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
-        "gemm.fast_gather_k_tail_unmasked", FILE,
+        "gemm.fast_gather_k_tail_unmasked", GATHER,
         "                    if col < k and src[j] != zero_addr:",
         "                    if src[j] != zero_addr:",
         "the last K box's columns past K are read from the next token's row instead of zeros",

@@ -38,7 +38,7 @@ FWD = Kernel(_FWD_MODULE, "grouped_gemm_fwd", lambda km, n, k, bn, act: km.compi
              (ARCH,), "nmoe.fast.gemm.grouped_gemm")
 DGRAD = Kernel(_FWD_MODULE, "grouped_gemm_dgrad", lambda km, n, k, bn: km.compile_args(n, k, bn, False),
                (ARCH,), "nmoe.fast.gemm.grouped_gemm_dgrad")
-GATHER = Kernel(_FWD_MODULE, "grouped_gemm_gather",
+GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_gather", "grouped_gemm_gather",
                 lambda km, n, k, bn, act, w_k_major: km.compile_args_gather(n, k, bn, act, w_k_major),
                 (ARCH,), "nmoe.fast.gemm.grouped_gemm_act_gathered")
 WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad",

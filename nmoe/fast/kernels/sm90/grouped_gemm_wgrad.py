@@ -31,15 +31,17 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     VEC,
     WG_THREADS,
     _issue_mmas,
+    cta_setup,
+    cta_start,
+    mma_fragments,
+    pipeline_stages,
+)
+from nmoe.fast.kernels.sm90.grouped_gemm_gather import (
     arm_stage,
     chunk_atom,
     commit_stage,
     copy_chunk,
-    cta_setup,
-    cta_start,
     land_all,
-    mma_fragments,
-    pipeline_stages,
     swizzled,
 )
 from nmoe.fast.limits import GEMM_BK as BK
