@@ -174,22 +174,6 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "timing only: the fused (and standalone) swiglu multiplies by 1 + e instead of dividing: what the "
         "IEEE division costs",
     ),
-    Mutation(
-        "ablate.gather_epi_rolled", KERNEL,
-        "    for sub in range_constexpr(bn // EPI_N):\n"
-        "        buf = sub % EPI_BUFS\n"
-        "        for v in range_constexpr(size_sub):\n"
-        "            epi.r_f[v] = epi.t_rs_acc[sub * size_sub + v]\n",
-        "    for sub in range(bn // EPI_N):\n"
-        "        buf = sub % EPI_BUFS\n"
-        "        for s in range_constexpr(bn // EPI_N):\n"
-        "            if sub == s:\n"
-        "                for v in range_constexpr(size_sub):\n"
-        "                    epi.r_f[v] = epi.t_rs_acc[s * size_sub + v]\n",
-        "the epilogue's subtile loop rolled (each subtile's accumulator registers picked by a static "
-        "switch), so the activation's code appears once, not once per subtile (swiglu: 3609 -> 1466 lines "
-        "of SASS listing, no spills): whether the unrolled epilogue's size is the fused activation's cost",
-    ),
     _GATHER_CLUSTER_TWO,
     Mutation(
         "ablate.gather_act_no_compute", KERNEL,
@@ -199,7 +183,7 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ablate.gather_act_no_a_tma", KERNEL,
-        "                if const_expr(act != \"none\"):\n"
+        "                if const_expr(act_by_tma(n, act)):\n"
         "                    cute.copy(epi.act_tma_atom, b_sa[(None, buf)], b_ga[(None, (0, sub))])\n", "",
         "timing only: the fused-activation epilogue computes and stages act(h) but never stores it to global "
         "memory: what its TMA store costs",

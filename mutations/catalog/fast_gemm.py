@@ -52,7 +52,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     sep_mutation(
         "gemm.fast_epilogue_act_swapped", FILE,
         "        hf.store(h.to(Float32))\n",
-        "        for v in range_constexpr(size):\n            hf[v] = epi.r_d[v ^ 1].to(Float32)\n",
+        "        for v in range_constexpr(total):\n            hf[v] = r_ha[v ^ 1].to(Float32)\n",
         "the fused swiglu epilogue takes silu of the up column and multiplies the gate (gate/up swapped)",
         TESTS, ("grouped_gemm_act",), device="gpu",
     ),

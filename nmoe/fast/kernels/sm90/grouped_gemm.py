@@ -46,6 +46,8 @@ EPI_N = 32
 EPI_BUFS = 2
 EPI_SMEM_BYTES = BM * EPI_N * 2 * EPI_BUFS
 STORE_WARP = 4
+# Subtiles whose activation is computed in one batch: as much overlap as fits in registers without spilling.
+ACT_SUBTILES = 2
 # h columns per output column of each fused epilogue ("none": the plain GEMM).
 EPILOGUES: dict[str, int] = {"none": 1, "swiglu": 2, "relu2": 1}
 
@@ -238,24 +240,43 @@ def check_fragment_pairs(r2s: cute.TiledCopy) -> None:
 
 
 @cute.jit
-def _act_subtile(epi: Epilogue, buf: Int32 | int, act: Constexpr[str]) -> None:
-    """act(h) of this thread's subtile values, from the bf16 h in registers by the standalone activation
-    kernels' own math, stored to the act staging buffer at (row, col // ratio)."""
-    size = cute.size(epi.r_d)
+def _act_tile(epi: Epilogue, first: Constexpr[int], total: Constexpr[int], act: Constexpr[str]
+              ) -> tuple[cute.Tensor, cute.Tensor]:
+    """bf16 h and act(h) bits (the standalone activation kernels' own math) of ACT_SUBTILES subtiles from
+    value `first`, computed before they are staged so the activation's chains overlap instead of queuing."""
     ratio = EPILOGUES[act]
-    h = epi.r_d.load().reshape((size,))
+    r_fa = cute.make_rmem_tensor((total,), Float32)
+    for v in range_constexpr(total):
+        r_fa[v] = epi.t_rs_acc[first + v]
+    r_ha = cute.make_rmem_tensor((total,), BFloat16)
+    r_ha.store(r_fa.load().to(BFloat16))
+    h = r_ha.load()
     if const_expr(act == "relu2"):
         bits = relu2_bits(h, "bfloat16")
     else:
-        hf = cute.make_rmem_tensor((size,), Float32)
+        hf = cute.make_rmem_tensor((total,), Float32)
         hf.store(h.to(Float32))
-        bits = out_bits(swiglu_pairs(hf, size // 2).load(), "bfloat16")
-    r_bits = cute.make_rmem_tensor((size // ratio,), Int16)
+        bits = out_bits(swiglu_pairs(hf, total // 2).load(), "bfloat16")
+    r_bits = cute.make_rmem_tensor((total // ratio,), Int16)
     r_bits.store(bits)
+    return r_ha, r_bits
+
+
+@cute.jit
+def _stage_act(epi: Epilogue, r_bits: cute.Tensor, sub: Constexpr[int], buf: Constexpr[int],
+               act: Constexpr[str]) -> None:
+    """Subtile sub's act(h) bits to the act staging buffer at (row, col // ratio)."""
+    ratio = EPILOGUES[act]
+    per = cute.size(epi.r_d) // ratio
     s_bits = cute.recast_tensor(epi.s_act, Int16)
-    for p in range_constexpr(size // ratio):
+    for p in range_constexpr(per):
         coord: Any = epi.t_rs_c[ratio * p]
-        s_bits[(coord[0], coord[1] // ratio, buf)] = r_bits[p]
+        s_bits[(coord[0], coord[1] // ratio, buf)] = r_bits[sub % ACT_SUBTILES * per + p]
+
+
+def act_by_tma(n: int, act: str) -> bool:
+    """act(h) rows of n / ratio bf16 leave by TMA only when their stride is whole 16-byte units."""
+    return act != "none" and (n // EPILOGUES[act]) * 2 % 16 == 0
 
 
 @cute.jit
@@ -273,7 +294,7 @@ def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.
     b_sd, b_gd = cpasync.tma_partition(epi.tma_atom, 0, cute.make_layout(1), cute.group_modes(epi.s_d, 0, 2),
                                        cute.zipped_divide(g_tile, (BM, EPI_N)))
     ratio = EPILOGUES[act]
-    if const_expr(act != "none"):
+    if const_expr(act_by_tma(n, act)):
         g_act = cute.local_tile(cute.domain_offset((row0, 0), tma_act), (BM, bn // ratio), (0, n_tile))
         b_sa, b_ga = cpasync.tma_partition(epi.act_tma_atom, 0, cute.make_layout(1),
                                            cute.group_modes(epi.s_act, 0, 2),
@@ -281,22 +302,30 @@ def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.
     size_sub = cute.size(epi.r_f)
     for sub in range_constexpr(bn // EPI_N):
         buf = sub % EPI_BUFS
-        for v in range_constexpr(size_sub):
-            epi.r_f[v] = epi.t_rs_acc[sub * size_sub + v]
-        epi.r_d.store(epi.r_f.load().to(BFloat16))
+        if const_expr(act != "none" and sub % ACT_SUBTILES == 0):
+            r_ha, r_bits = _act_tile(epi, sub * size_sub, ACT_SUBTILES * size_sub, act)
+        if const_expr(act == "none"):
+            for v in range_constexpr(size_sub):
+                epi.r_f[v] = epi.t_rs_acc[sub * size_sub + v]
+            epi.r_d.store(epi.r_f.load().to(BFloat16))
+        else:
+            for v in range_constexpr(size_sub):
+                epi.r_d[v] = r_ha[sub % ACT_SUBTILES * size_sub + v]
+            _stage_act(epi, r_bits, sub, buf, act)
         cute.copy(epi.r2s, epi.r_d, epi.t_rs_d[(None, None, None, buf)])
-        if const_expr(act != "none"):
-            _act_subtile(epi, buf, act)
         cute.arch.fence_proxy("async.shared", space="cta")
         epi.bar.arrive_and_wait()
         sub_n = n_tile * (bn // EPI_N) + sub
         if tma_ok:
             if warp_idx == STORE_WARP:
                 cute.copy(epi.tma_atom, b_sd[(None, buf)], b_gd[(None, (0, sub))])
-                if const_expr(act != "none"):
+                if const_expr(act_by_tma(n, act)):
                     cute.copy(epi.act_tma_atom, b_sa[(None, buf)], b_ga[(None, (0, sub))])
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(EPI_BUFS - 1, read=True)
+            if const_expr(act != "none" and not act_by_tma(n, act)):
+                g_a = cute.local_tile(cute.domain_offset((row0, 0), m_act), (BM, EPI_N // ratio), (0, sub_n))
+                cute.copy(epi.act_atom, epi.t_s_sa[(None, None, None, buf)], epi.thr_act.partition_D(g_a))
         else:
             g_d = cute.local_tile(cute.domain_offset((row0, 0), m_d), (BM, EPI_N), (0, sub_n))
             t_s_gd = epi.thr_s2g.partition_D(g_d)
@@ -581,7 +610,7 @@ def _gemm_setup(pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer, m_rows: I
     b_layout = sm90_utils.make_smem_layout_b(b_enum, tile, BFloat16, stages)
     tma_atom_b, tma_b = b_tma(m_w, b_layout, bn, cm)
     tma_atom_d, tma_d = epi_tma(m_y)
-    tma_atom_act, tma_act = (tma_atom_d, tma_d) if const_expr(act == "none") else epi_tma(m_a, act)
+    tma_atom_act, tma_act = epi_tma(m_a, act) if const_expr(act_by_tma(n, act)) else (tma_atom_d, tma_d)
     return (m_y, m_a, m_offs, tiled_mma, a_layout, b_layout, tma_atom_b, tma_b, tma_atom_d, tma_d,
             tma_atom_act, tma_act)
 
