@@ -779,6 +779,19 @@ def test_sep_gemm_fast_ragged_n_dropped() -> None:
 
 
 @gpu
+def test_sep_gemm_fast_act_staged_wrong_buffer() -> None:
+    """Full tiles stage each 16-column act(h) subtile for its TMA store; staged in the other buffer, a subtile
+    would leave with its neighbour's values, which differ from its own on this data."""
+    counts = [256, 128]
+    x, w = make(384, 512, 128, 2, seed=43)
+    offs = offs_of(cumsum(counts))
+    want = swiglu(grouped_gemm(x, w, offs))
+    assert float((bits(want[:, 16:]) != bits(want[:, :-16])).double().mean()) > 0.5
+    a, _ = fused(x, w, offs, "swiglu", None)
+    assert torch.equal(bits(a), bits(want))
+
+
+@gpu
 def test_sep_gemm_fast_wgrad_mask_dropped() -> None:
     """Unmasked, the last 64-row box of a group also reduces the next group's rows (or the tail rows)."""
     counts = [70, 100, 30]

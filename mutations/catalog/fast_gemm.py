@@ -57,6 +57,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         TESTS, ("grouped_gemm_act",), device="gpu",
     ),
     sep_mutation(
+        "gemm.fast_act_staged_wrong_buffer", FILE,
+        "        s_bits[(coord[0], coord[1] // ratio, buf)] = ",
+        "        s_bits[(coord[0], coord[1] // ratio, (buf + 1) % EPI_BUFS)] = ",
+        "the fused epilogue stages act(h) in the other buffer than its TMA store reads, so each full tile's "
+        "act subtile leaves with its neighbour's values", TESTS, ("grouped_gemm_act",), device="gpu",
+    ),
+    sep_mutation(
         "gemm.fast_wgrad_mask_dropped", WGRAD,
         "    if valid < BK:\n", "    if valid < 0:\n",
         "wgrad sums the next group's rows into a group's last K box", TESTS, ("grouped_gemm_wgrad",),
