@@ -176,6 +176,12 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     ),
     _GATHER_CLUSTER_TWO,
     Mutation(
+        "ablate.gather_bn128", GLUE,
+        "    return 256 if n % 256 == 0 else 128\n", "    return 128\n",
+        "every grouped GEMM in 128-wide N tiles: six operand stages (gathering lag 4) instead of four (lag 2), "
+        "at twice the re-reads of A: whether more stages in flight pace the gathering producer",
+    ),
+    Mutation(
         "ablate.gather_act_no_compute", KERNEL,
         "    r_bits.store(bits)\n", "    r_bits.fill(0)\n",
         "timing only: the fused-activation epilogue stages and stores zeros as act(h) instead of computing "
