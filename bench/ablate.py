@@ -178,8 +178,8 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
         "ablate.gather_bn128", GLUE,
         "    return 256 if n % 256 == 0 else 128\n", "    return 128\n",
-        "every grouped GEMM in 128-wide N tiles: six operand stages (gathering lag 4) instead of four (lag 2), "
-        "at twice the re-reads of A: whether more stages in flight pace the gathering producer",
+        "every grouped GEMM in 128-wide N tiles: six operand stages (gathering lag 4) instead of four "
+        "(lag 2), at twice the re-reads of A: whether more stages in flight pace the gathering producer",
     ),
     Mutation(
         "ablate.gather_act_no_compute", KERNEL,
