@@ -448,11 +448,7 @@ def produce_tiles(mainloop: pipeline.PipelineTmaAsync, tma_atom_a: cute.CopyAtom
     ring; with cm > 1 it loads its 1/cm of the B tile, multicast to every CTA of the cluster."""
     s_a_flat = cute.group_modes(s_a, 0, 2)
     s_b_flat = cute.group_modes(s_b, 0, 2)
-    e = Int32(-1)
-    g_start = Int32(0)
-    g_end = Int32(0)
-    before = Int32(0)
-    here = Int32(0)
+    e, g_start, g_end, before, here, t = cursor_start(t)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
                                             n_tiles_n, cm)
@@ -554,6 +550,20 @@ def n_k_tiles(k: int) -> int:
     return (k + BK - 1) // BK
 
 
+@cute.jit
+def fwd_cta_begin(tma_atoms: tuple[cute.CopyAtom, ...], m_offs: cute.Tensor, n_groups: Int32,
+                  a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout,
+                  stages: Constexpr[int], by_tma: Constexpr[str], cm: Constexpr[int], act: Constexpr[str]
+                  ) -> tuple[Any, ...]:
+    """What a fwd/dgrad CTA sets up before its warps split: (thread, warp, first unit, unit stride, cluster
+    rank, offs table, A / B / output / act(h) shared tensors, operand pipeline)."""
+    tidx, bidx, n_ctas, warp_idx = cta_start(tma_atoms)
+    s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
+                                                stages, by_tma, cm=cm)
+    unit, n_units, rank = cluster_units(bidx, n_ctas, cm)
+    return tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, act_staging(s_d, act), mainloop
+
+
 @cute.kernel
 def grouped_gemm_kernel(
     tma_atom_a: cute.CopyAtom, m_a: cute.Tensor, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
@@ -563,16 +573,12 @@ def grouped_gemm_kernel(
     b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int],
     bn: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
 ) -> None:
-    tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b, tma_atom_d, tma_atom_act))
-    s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
-                                                stages, cm=CLUSTER_M)
-    s_act = act_staging(s_d, act)
-
-    n_tiles_n = (n + bn - 1) // bn
+    tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, s_act, mainloop = fwd_cta_begin(
+        (tma_atom_a, tma_atom_b, tma_atom_d, tma_atom_act), m_offs, n_groups, a_layout, b_layout, d_layout,
+        stages, "ab", CLUSTER_M, act)
+    n_tiles_n = n_tiles_n_of(n, bn)
     k_tiles = n_k_tiles(k)
-    unit, n_units, rank = cluster_units(bidx, n_ctas, CLUSTER_M)
     e, g_start, g_end, before, here, t = cursor_start(unit)
-
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         if warp_idx == 0:

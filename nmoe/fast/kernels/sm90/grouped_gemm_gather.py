@@ -26,16 +26,14 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     _gemm_setup,
     _seek,
     _tile_at,
-    act_staging,
     cluster_dims,
-    cluster_units,
     consume_tiles,
     copy_b,
-    cta_setup,
-    cta_start,
     cursor_start,
     epi_smem_layout,
+    fwd_cta_begin,
     n_k_tiles,
+    n_tiles_n_of,
     pointer,
     stages_for,
 )
@@ -185,13 +183,11 @@ def grouped_gemm_gather_kernel(
     a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout,
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
 ) -> None:
-    tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_b, tma_atom_d, tma_atom_act))
-    s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
-                                                stages, "b", cm=GATHER_CLUSTER_M)
-    s_act = act_staging(s_d, act)
-    n_tiles_n = (n + bn - 1) // bn
+    tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, s_act, mainloop = fwd_cta_begin(
+        (tma_atom_b, tma_atom_d, tma_atom_act), m_offs, n_groups, a_layout, b_layout, d_layout, stages, "b",
+        GATHER_CLUSTER_M, act)
+    n_tiles_n = n_tiles_n_of(n, bn)
     k_tiles = n_k_tiles(k)
-    unit, n_units, rank = cluster_units(bidx, n_ctas, GATHER_CLUSTER_M)
     e, g_start, g_end, before, here, t = cursor_start(unit)
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
