@@ -61,14 +61,19 @@ def stages_for(bn: int, act: str = "none") -> int:
     return pipeline_stages((BM + bn) * BK * 2, EPI_SMEM_BYTES + act_smem_bytes(act))
 
 
+def act_cols(act: str) -> int:
+    """Columns of an act(h) subtile: one per ratio h columns of the EPI_N-wide h subtile."""
+    return EPI_N // EPILOGUES[act]
+
+
 def act_smem_bytes(act: str) -> int:
-    """act(h) leaves through its own EPI_BUFS subtiles of BM x EPI_N / ratio, beside h's."""
-    return 0 if act == "none" else BM * (EPI_N // EPILOGUES[act]) * 2 * EPI_BUFS
+    """act(h) leaves through its own EPI_BUFS subtiles of BM x act_cols, beside h's."""
+    return 0 if act == "none" else BM * act_cols(act) * 2 * EPI_BUFS
 
 
 def act_smem_layout(act: str) -> cute.Layout:
     """Row-major act(h) subtiles (32- or 64-byte rows, unswizzled): written by scalar stores, read by TMA."""
-    cols = EPI_N // EPILOGUES[act]
+    cols = act_cols(act)
     layout: cute.Layout = cute.make_layout((BM, cols, EPI_BUFS), stride=(cols, 1, BM * cols))
     return layout
 
@@ -86,7 +91,7 @@ def epi_tma(m_y: cute.Tensor, act: str = "none") -> tuple[cute.CopyAtom, cute.Te
         layout: Any = cute.slice_(epi_smem_layout(), (None, None, 0))
         cols = EPI_N
     else:
-        layout, cols = cute.slice_(act_smem_layout(act), (None, None, 0)), EPI_N // EPILOGUES[act]
+        layout, cols = cute.slice_(act_smem_layout(act), (None, None, 0)), act_cols(act)
     atom, tensor = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), m_y, layout, (BM, cols))
     return atom, tensor
 
@@ -298,7 +303,7 @@ def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.
         g_act = cute.local_tile(cute.domain_offset((row0, 0), tma_act), (BM, bn // ratio), (0, n_tile))
         b_sa, b_ga = cpasync.tma_partition(epi.act_tma_atom, 0, cute.make_layout(1),
                                            cute.group_modes(epi.s_act, 0, 2),
-                                           cute.zipped_divide(g_act, (BM, EPI_N // ratio)))
+                                           cute.zipped_divide(g_act, (BM, act_cols(act))))
     size_sub = cute.size(epi.r_f)
     for sub in range_constexpr(bn // EPI_N):
         buf = sub % EPI_BUFS
@@ -316,6 +321,9 @@ def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.
         cute.arch.fence_proxy("async.shared", space="cta")
         epi.bar.arrive_and_wait()
         sub_n = n_tile * (bn // EPI_N) + sub
+        if const_expr(act != "none"):
+            t_s_ga = epi.thr_act.partition_D(
+                cute.local_tile(cute.domain_offset((row0, 0), m_act), (BM, act_cols(act)), (0, sub_n)))
         if tma_ok:
             if warp_idx == STORE_WARP:
                 cute.copy(epi.tma_atom, b_sd[(None, buf)], b_gd[(None, (0, sub))])
@@ -324,8 +332,7 @@ def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(EPI_BUFS - 1, read=True)
             if const_expr(act != "none" and not act_by_tma(n, act)):
-                g_a = cute.local_tile(cute.domain_offset((row0, 0), m_act), (BM, EPI_N // ratio), (0, sub_n))
-                cute.copy(epi.act_atom, epi.t_s_sa[(None, None, None, buf)], epi.thr_act.partition_D(g_a))
+                cute.copy(epi.act_atom, epi.t_s_sa[(None, None, None, buf)], t_s_ga)
         else:
             g_d = cute.local_tile(cute.domain_offset((row0, 0), m_d), (BM, EPI_N), (0, sub_n))
             t_s_gd = epi.thr_s2g.partition_D(g_d)
@@ -335,10 +342,7 @@ def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.
                     if coord[0] < rows_valid and coord[1] < cols_valid - sub * EPI_N:
                         cute.copy(epi.s2g_atom, epi.t_s_sd[(None, i, j, buf)], t_s_gd[(None, i, j)])
                         if const_expr(act != "none"):
-                            g_a = cute.local_tile(cute.domain_offset((row0, 0), m_act), (BM, EPI_N // ratio),
-                                                  (0, sub_n))
-                            cute.copy(epi.act_atom, epi.t_s_sa[(None, i, j, buf)],
-                                      epi.thr_act.partition_D(g_a)[(None, i, j)])
+                            cute.copy(epi.act_atom, epi.t_s_sa[(None, i, j, buf)], t_s_ga[(None, i, j)])
             if warp_idx == STORE_WARP:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         epi.bar.arrive_and_wait()
@@ -367,10 +371,13 @@ def cta_start(tma_atoms: tuple[cute.CopyAtom, ...]) -> tuple[Int32, Int32, Int32
 
 
 @cute.jit
-def cursor_start(bidx: Int32) -> tuple[Int32, Int32, Int32, Int32, Int32, Int32]:
-    """(e, g_start, g_end, before, here, t) before the first _seek: group e spans rows [g_start, g_end) and
-    linear tiles [before, before + here); t is this CTA's first tile."""
-    return Int32(-1), Int32(0), Int32(0), Int32(0), Int32(0), Int32(bidx)
+def first_unit(s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, t: Int32, n_tiles_n: Constexpr[int],
+               cm: Constexpr[int] = 1) -> tuple[Int32, Int32, Int32, Int32, Int32]:
+    """The group cursor (e, g_start, g_end, before, here) at a CTA's first work unit t, sought from before
+    group 0: group e spans rows [g_start, g_end) and linear units [before, before + here)."""
+    cursor: tuple[Int32, Int32, Int32, Int32, Int32] = _seek(
+        s_offs, n_groups, m_rows, t, Int32(-1), Int32(0), Int32(0), Int32(0), Int32(0), n_tiles_n, cm)
+    return cursor
 
 
 @cute.jit
@@ -448,10 +455,8 @@ def produce_tiles(mainloop: pipeline.PipelineTmaAsync, tma_atom_a: cute.CopyAtom
     ring; with cm > 1 it loads its 1/cm of the B tile, multicast to every CTA of the cluster."""
     s_a_flat = cute.group_modes(s_a, 0, 2)
     s_b_flat = cute.group_modes(s_b, 0, 2)
-    e, g_start, g_end, before, here, t = cursor_start(t)
+    e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, n_tiles_n, cm)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-    e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
-                                            n_tiles_n, cm)
     while e <= n_groups:
         if e < n_groups:
             n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n, cm, rank)
@@ -497,8 +502,8 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                   s_b: cute.Tensor, s_d: cute.Tensor, s_offs: cute.Tensor, tma_atom_d: cute.CopyAtom,
                   tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.Tensor, s_act: Any,
                   tma_atom_act: cute.CopyAtom, tma_act: cute.Tensor, n_groups: Int32, m_rows: Int32,
-                  tidx: Int32, warp_idx: Int32, n_ctas: Int32, e: Int32, g_start: Int32, g_end: Int32,
-                  before: Int32, here: Int32, t: Int32, n: Constexpr[int], bn: Constexpr[int],
+                  tidx: Int32, warp_idx: Int32, n_ctas: Int32, t: Int32, n: Constexpr[int],
+                  bn: Constexpr[int],
                   k_tiles: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
                   cm: Constexpr[int] = 1, rank: Int32 | int = 0) -> None:
     """The two consumer warpgroups: wgmma over each tile's K boxes, then the epilogue (none for a cluster's
@@ -513,8 +518,7 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
     read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-    e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before,
-                                            here, n_tiles_n_of(n, bn), cm)
+    e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, n_tiles_n_of(n, bn), cm)
     while e <= n_groups:
         n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n_of(n, bn), cm, rank)
         acc.fill(0.0)
@@ -578,7 +582,6 @@ def grouped_gemm_kernel(
         stages, "ab", CLUSTER_M, act)
     n_tiles_n = n_tiles_n_of(n, bn)
     k_tiles = n_k_tiles(k)
-    e, g_start, g_end, before, here, t = cursor_start(unit)
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         if warp_idx == 0:
@@ -587,7 +590,7 @@ def grouped_gemm_kernel(
     else:
         consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, s_act,
                       tma_atom_act, tma_act, n_groups,
-                      m_rows, tidx, warp_idx, n_units, e, g_start, g_end, before, here, t, n, bn, k_tiles,
+                      m_rows, tidx, warp_idx, n_units, unit, n, bn, k_tiles,
                       stages, act, CLUSTER_M, rank)
 
 

@@ -31,11 +31,11 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     _tile_at,
     cta_setup,
     cta_start,
-    cursor_start,
     drain_stores,
     epi_smem_layout,
     epi_tma,
     epilogue_copies,
+    first_unit,
     mma_fragments,
     pipeline_stages,
     pointer,
@@ -116,8 +116,6 @@ def grouped_gemm_fp8_kernel(
     n_tiles_n = n // BN
     k_tiles = k // BK
 
-    e, g_start, g_end, before, here, t = cursor_start(bidx)
-
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         if warp_idx == 0:
@@ -135,8 +133,8 @@ def grouped_gemm_fp8_kernel(
         epi = epilogue_copies(tiled_mma, acc, s_d, ctid, tma_atom_d)
 
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-        e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before,
-                                                here, n_tiles_n)
+        t = Int32(bidx)
+        e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, n_tiles_n)
         while e <= n_groups:
             n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n)
             acc.fill(0.0)

@@ -29,8 +29,8 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     cluster_dims,
     consume_tiles,
     copy_b,
-    cursor_start,
     epi_smem_layout,
+    first_unit,
     fwd_cta_begin,
     n_k_tiles,
     n_tiles_n_of,
@@ -143,10 +143,8 @@ def produce_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyA
     rb = ptid // CHUNKS
     src = cute.make_rmem_tensor(GATHER_ROWS, Int64)
     lag = gather_lag(stages)
-    e, g_start, g_end, before, here, t = cursor_start(t)
+    e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, n_tiles_n, cm)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-    e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
-                                            n_tiles_n, cm)
     while e <= n_groups:
         if e < n_groups:
             n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n, cm, rank)
@@ -188,7 +186,6 @@ def grouped_gemm_gather_kernel(
         GATHER_CLUSTER_M, act)
     n_tiles_n = n_tiles_n_of(n, bn)
     k_tiles = n_k_tiles(k)
-    e, g_start, g_end, before, here, t = cursor_start(unit)
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         produce_gathered(mainloop, tma_atom_b, m_b, m_slot, x_addr, zero_addr, top_k, s_a, a_layout.outer,
@@ -197,7 +194,7 @@ def grouped_gemm_gather_kernel(
     else:
         consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, s_act,
                       tma_atom_act, tma_act, n_groups,
-                      m_rows, tidx, warp_idx, n_units, e, g_start, g_end, before, here, t, n, bn, k_tiles,
+                      m_rows, tidx, warp_idx, n_units, unit, n, bn, k_tiles,
                       stages, act, GATHER_CLUSTER_M, rank)
 
 
