@@ -23,6 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 KERNEL = "nmoe/fast/kernels/sm90/grouped_gemm.py"
 GLUE = "nmoe/fast/gemm/sm90.py"
 LIMITS = "nmoe/fast/limits.py"
+_BN128 = Mutation(
+    "ablate.bn128", GLUE,
+    "    return 256 if n % 256 == 0 else 128",
+    "    return 128",
+    "N tile 128 everywhere (deeper pipeline, more A re-reads)",
+)
 ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
         "ablate.no_tma_stores", KERNEL,
@@ -55,12 +61,7 @@ ABLATIONS: tuple[Mutation, ...] = (
         "four output subtile buffers, so no subtile waits for an earlier store to leave shared memory; one "
         "operand stage less at bn=256",
     ),
-    Mutation(
-        "ablate.bn128", GLUE,
-        "    return 256 if n % 256 == 0 else 128",
-        "    return 128",
-        "N tile 128 everywhere (deeper pipeline, more A re-reads)",
-    ),
+    _BN128,
     Mutation(
         "ablate.cluster_one", LIMITS,
         "GEMM_CLUSTER_M: Final[int] = 2\n", "GEMM_CLUSTER_M: Final[int] = 1\n",
@@ -175,12 +176,10 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "IEEE division costs",
     ),
     _GATHER_CLUSTER_TWO,
-    Mutation(
-        "ablate.gather_bn128", GLUE,
-        "    return 256 if n % 256 == 0 else 128\n", "    return 128\n",
-        "every grouped GEMM in 128-wide N tiles: six operand stages (gathering lag 4) instead of four "
-        "(lag 2), at twice the re-reads of A: whether more stages in flight pace the gathering producer",
-    ),
+    replace(_BN128, id="ablate.gather_bn128",
+            description="every grouped GEMM in 128-wide N tiles: six operand stages (gathering lag 4) "
+            "instead of four (lag 2), at twice the re-reads of A: whether more stages in flight pace the "
+            "gathering producer"),
     Mutation(
         "ablate.gather_act_no_compute", KERNEL,
         "    r_bits.store(bits)\n", "    r_bits.fill(0)\n",
