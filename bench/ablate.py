@@ -136,13 +136,6 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "its producer's pace: whether loading A, not the MMAs, sets the gathered kernels' time",
     ),
     Mutation(
-        "ablate.gather_no_copies", GATHER_KERNEL,
-        "                    copy_chunk(atom, g, a_base",
-        "                    if col < 0:\n                        copy_chunk(atom, g, a_base",
-        "timing only: the gathered fwd/dgrad producer issues no cp.async (its lookups, commit groups, waits, "
-        "fences and arrivals stay): the pipeline protocol's cost without the row data",
-    ),
-    Mutation(
         "ablate.gather_wgrad_no_copies", "nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py",
         "                    copy_chunk(atom, g, g_base",
         "                    if col < 0:\n                        copy_chunk(atom, g, g_base",

@@ -1,4 +1,4 @@
-"""The gathered up projection (nmoe.fast.gemm.sm90.grouped_gemm_act_gathered): A rows read by cp.async
+"""The gathered up projection (nmoe.fast.gemm.sm90.grouped_gemm_act_gathered): A rows read by one TMA box each
 straight from the token rows permute names, never copied. Its contract is the fused kernel's on permute's
 copy: every output bit equal (same MMA order per row), pad and tail rows zero. Argument checks need no GPU."""
 
@@ -16,7 +16,7 @@ from nmoe.fast.gemm import sm90
 gpu = pytest.mark.gpu
 
 # (tokens, top_k, K = hidden, N = up width, experts, align, activation, routing): K = 288 leaves a 32-column
-# tail in the last box (its chunks come from the zero chunk); "skew" empties some experts.
+# tail in the last box (TMA's zero fill in the fwd, the zero chunk in the wgrad); "skew" empties some experts.
 CASES = [
     (300, 4, 288, 256, 8, 128, "swiglu", "uniform"),
     (1000, 2, 512, 384, 16, 16, "relu2", "skew"),
@@ -134,7 +134,7 @@ def test_sep_gemm_fast_gather_unswizzled() -> None:
 def test_sep_gemm_fast_gather_k_tail_unmasked() -> None:
     """K = 288: the last box's columns 288..319 of token t's row are, in memory, token t + 1's first 32
     columns. With those infinite, a kernel reading them (times B's zero-filled columns) makes NaN in token
-    t's rows; the zero chunk keeps them finite and equal to the TMA path's."""
+    t's rows; the row box's zero fill past K keeps them finite and equal to the TMA path's."""
     t, k, hid = 64, 2, 288
     x = torch.randn(t, hid).to(torch.bfloat16)
     x[1::2, :32] = float("inf")
@@ -144,6 +144,29 @@ def test_sep_gemm_fast_gather_k_tail_unmasked() -> None:
     even = (slot >= 0) & ((slot // k) % 2 == 0)
     assert torch.isfinite(want[even].float()).all(), "the TMA path keeps the even tokens' rows finite"
     assert torch.equal(got[even].view(torch.int16), want[even].view(torch.int16))
+
+
+@gpu
+def test_sep_gemm_fast_gather_pad_rows_read() -> None:
+    """Read as token 0's row, a pad row (slot -1) of the gathered h holds x_0 @ w_e^T instead of zeros."""
+    t, k = 40, 3
+    x = torch.randn(t, 256).to(torch.bfloat16).cuda()
+    slot, got, want = _pair(t, k, 256, 256, 4, x)
+    assert int((slot < 0).sum()) > 0 and bool(x[0].abs().sum() > 0), "pad rows exist and token 0 is nonzero"
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@gpu
+def test_sep_gemm_fast_gather_row_lane_rotated() -> None:
+    """Tile row r of a warp's 32 loaded from the source row looked up for row r + 1 (mod 32): with distinct
+    tokens in adjacent permuted rows, every such row changes."""
+    t, k = 64, 2
+    x = torch.randn(t, 256).to(torch.bfloat16).cuda()
+    slot, got, want = _pair(t, k, 256, 256, 4, x)
+    real = slot[:17]
+    assert bool((real >= 0).all()) and bool((real[:-1] // k != real[1:] // k).any()), (
+        "the first warp's first rows name tokens that differ from their next lane's")
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 def _wgrad_pair(t: int, k: int, hid: int, n: int, e: int, x: Tensor, routing: str = "uniform",

@@ -104,22 +104,36 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "gemm.fast_gather_row_off_by_one", GATHER,
-        "                a = x_addr + s // Int64(top_k) * Int64(k * 2)",
-        "                a = x_addr + (s + Int64(1)) // Int64(top_k) * Int64(k * 2)",
+        "            src = Int32(s) // top_k\n",
+        "            src = (Int32(s) + 1) // top_k\n",
         "the gathered up projection reads the row of slot + 1's token", GATHER_TESTS, ("moe_layer",),
         device="gpu",
     ),
     sep_mutation(
+        "gemm.fast_gather_pad_rows_read", GATHER,
+        "    src = src_rows\n    if row < g_end:\n",
+        "    src = Int32(0)\n    if row < g_end:\n",
+        "the gathered up projection's pad rows (slot -1) read token 0's row instead of TMA's zero fill",
+        GATHER_TESTS, ("moe_layer",), device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_gather_row_lane_rotated", GATHER,
+        "cute.arch.shuffle_sync(src, i)", "cute.arch.shuffle_sync(src, (i + 1) % 32)",
+        "each tile row is loaded from the source row its warp's next lane looked up",
+        GATHER_TESTS, ("moe_layer",), device="gpu",
+    ),
+    sep_mutation(
         "gemm.fast_gather_unswizzled", GATHER,
         "    out: Int32 = byte ^ (((byte >> 7) & 7) << 4)\n", "    out: Int32 = byte\n",
-        "gathered chunks (fwd, dgrad and wgrad) written without the 128-byte swizzle the tensor cores read",
+        "the gathered wgrad's chunks written without the 128-byte swizzle the tensor cores read",
         GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
         "gemm.fast_gather_k_tail_unmasked", GATHER,
-        "                    if col < k and src[j] != zero_addr:",
-        "                    if src[j] != zero_addr:",
-        "the last K box's columns past K are read from the next token's row instead of zeros",
+        "    m_x = cute.make_tensor(px, cute.make_layout((src_rows, k), stride=(k, 1)))\n",
+        "    m_x = cute.make_tensor(px, cute.make_layout((src_rows, k + BK), stride=(k, 1)))\n",
+        "the row TMA's K extent runs a box past K, so the last box's columns past K are read from the next "
+        "token's row instead of zero-filled",
         GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(

@@ -409,9 +409,8 @@ def _gathered_gemm(op: str, src: Tensor, src_name: str, slot: Tensor, w: Tensor,
     bn = pick_bn(n)
     n_ctas = fwd_ctas(device, m, n, w.shape[0], bn, GEMM_GATHER_CLUSTER_M)
     launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act=activation, w_k_major=w_k_major)
-    zero = _zero_chunk(op, src.device).data_ptr()
-    launch(device, src.data_ptr(), zero, slot.contiguous().data_ptr(), w.data_ptr(), h.data_ptr(),
-           a.data_ptr(), offs.contiguous().data_ptr(), top_k, m, w.shape[0], n_ctas)
+    launch(device, src.data_ptr(), slot.contiguous().data_ptr(), w.data_ptr(), h.data_ptr(), a.data_ptr(),
+           offs.contiguous().data_ptr(), top_k, src.shape[0], m, w.shape[0], n_ctas)
     return h, a
 
 
@@ -542,27 +541,32 @@ _FORBID_EPILOGUE = (*_FORBID_SM90, r"\b(mul|add|sub|div|fma)(\.r[nzmp])?\.ftz\.f
                     r"\bdiv\.(approx|full)(\.ftz)?\.f32\b")
 
 
-# The gathered up projection: A by 16-byte cp.async from token rows in commit groups; each thread waits for
-# a group, fences it from the generic into the async proxy the tensor cores read, then arrives.
-_EXPECT_GATHER = (*_EXPECT_EPILOGUE, r"\bcp\.async\.cg\.shared\.global\b",
-                  r"\bcp\.async\.commit_group\b", r"\bcp\.async\.wait_group\b",
-                  r"\bfence\.proxy\.async\.shared::cta\b")
+# The gathered up projection and dgrad: each A row by its own 2-D TMA box (1 x BK), its source row shuffled to
+# the issuing lane, onto the stage barrier B's TMA arrives on; no cp.async.
+_ROW_TMA = (r"\bcp\.async\.bulk\.tensor\.2d\.shared::cta\.global\b", r"\bshfl\.sync\.idx\.b32\b")
+_EXPECT_GATHER = (*_EXPECT_EPILOGUE, *_ROW_TMA)
+_NO_CP_ASYNC = (r"\bcp\.async\.(cg|ca)\.shared\.global\b",)
 
 
 def _gather_spec(name: str, n: int, k: int, activation: str) -> KernelSpec:
     return KernelSpec(op="grouped_gemm_act", name=name,
                       compile=GATHER.compiler(n=n, k=k, bn=pick_bn(n), act=activation, w_k_major=True),
-                      expect={"sm_90a": _EXPECT_GATHER}, forbid={"sm_90a": _FORBID_EPILOGUE})
+                      expect={"sm_90a": _EXPECT_GATHER},
+                      forbid={"sm_90a": (*_FORBID_EPILOGUE, *_NO_CP_ASYNC)})
 
 
-_EXPECT_WGRAD_GATHER = (*_EXPECT_WGRAD, *_EXPECT_GATHER[len(_EXPECT_EPILOGUE):])
-_EXPECT_DGRAD_GATHER = (*_EXPECT_SM90, *_EXPECT_GATHER[len(_EXPECT_EPILOGUE):])
+# The gathered wgrad: the token-major operand by 16-byte cp.async in commit groups; each thread waits for a
+# group, fences it from the generic into the async proxy the tensor cores read, then arrives.
+_EXPECT_WGRAD_GATHER = (*_EXPECT_WGRAD, r"\bcp\.async\.cg\.shared\.global\b", r"\bcp\.async\.commit_group\b",
+                        r"\bcp\.async\.wait_group\b", r"\bfence\.proxy\.async\.shared::cta\b")
+_EXPECT_DGRAD_GATHER = (*_EXPECT_SM90, *_ROW_TMA)
 
 
 def _dgrad_gather_spec(name: str, n: int, k: int) -> KernelSpec:
     return KernelSpec(op="grouped_gemm_dgrad", name=name,
                       compile=GATHER.compiler(n=n, k=k, bn=pick_bn(n), act="none", w_k_major=False),
-                      expect={"sm_90a": _EXPECT_DGRAD_GATHER}, forbid={"sm_90a": _FORBID_SM90})
+                      expect={"sm_90a": _EXPECT_DGRAD_GATHER},
+                      forbid={"sm_90a": (*_FORBID_SM90, *_NO_CP_ASYNC)})
 
 
 def _wgrad_gather_spec(name: str, n: int, k: int, side: str) -> KernelSpec:

@@ -1,6 +1,7 @@
 """sm_90a grouped GEMM whose A rows are gathered by index as they load (the up projection from token rows,
-the dgrad from dy rows): a producer warpgroup of cp.async copies beside the B TMA, the consumers and
-epilogue of grouped_gemm. Import only after nmoe.fast.runtime.import_cutlass("sm_90a")."""
+the dgrad from dy rows) by one TMA box per row beside the B TMA, with the consumers and epilogue of
+grouped_gemm; also the cp.async chunk copies the gathered wgrad lands. Import after
+nmoe.fast.runtime.import_cutlass("sm_90a")."""
 
 from __future__ import annotations
 
@@ -16,13 +17,11 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.typing import Pointer
 from cutlass.cutlass_dsl.cutlass import min as dsl_min
 
-from nmoe.fast.kernels.sm90.gatherplan import gather_lag
 from nmoe.fast.kernels.sm90.grouped_gemm import (
     EPILOGUES,
     PRODUCER_REGS,
     THREADS,
     VEC,
-    WG_THREADS,
     _gemm_setup,
     _seek,
     _tile_at,
@@ -38,14 +37,7 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     stages_for,
 )
 from nmoe.fast.limits import GEMM_BK as BK
-from nmoe.fast.limits import GEMM_BM as BM
 from nmoe.fast.limits import GEMM_GATHER_CLUSTER_M as GATHER_CLUSTER_M
-
-# Gathered A: the producer warpgroup's WG_THREADS threads load each BM x BK box of A with 16-byte cp.async
-# straight from the token rows, thread i taking chunk i % CHUNKS of rows i // CHUNKS + GATHER_ROW_STEP * j.
-CHUNKS = BK // VEC
-GATHER_ROW_STEP = WG_THREADS // CHUNKS
-GATHER_ROWS = BM // GATHER_ROW_STEP
 
 
 @cute.jit
@@ -110,87 +102,103 @@ def land_all(mainloop: pipeline.PipelineTmaAsync, state: Any, lag: Constexpr[int
         _land(mainloop, (state.index + (stages - 1) - i) % stages)
 
 
-@cute.jit
-def _gather_sources(m_slot: cute.Tensor, row0: Int32, g_end: Int32, top_k: Int32, rb: Int32, x_addr: Int64,
-                    k: Constexpr[int], zero_addr: Int64, src: cute.Tensor) -> None:
-    """src[j]: byte address of the token row feeding tile row rb + GATHER_ROW_STEP * j (slot // top_k), or
-    of the zero chunk for pad rows (slot -1) and rows past the group."""
-    for j in range_constexpr(GATHER_ROWS):
-        r = row0 + rb + GATHER_ROW_STEP * j
-        a = zero_addr
-        if r < g_end:
-            s = m_slot[r]
-            if s >= Int64(0):
-                a = x_addr + s // Int64(top_k) * Int64(k * 2)
-        src[j] = a
+def row_layout(a_layout: cute.ComposedLayout) -> cute.ComposedLayout:
+    """One A row (1 x BK) under the A tile's 128-byte swizzle: TMA swizzles by shared address, so a row box
+    landing at its row's 128-byte line takes the place the whole-tile box would give it."""
+    layout: cute.ComposedLayout = cute.make_composed_layout(a_layout.inner, 0,
+                                                            cute.make_layout((1, BK), stride=(BK, 1)))
+    return layout
+
+
+def row_tma(m_x: cute.Tensor, a_layout: cute.ComposedLayout) -> tuple[cute.CopyAtom, cute.Tensor]:
+    """TMA of one source row's BK box: rows past the source and columns past K arrive as zeros."""
+    atom, tensor = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_x, row_layout(a_layout),
+                                               (1, BK))
+    return atom, tensor
 
 
 @cute.jit
-def produce_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
-                     m_slot: cute.Tensor, x_addr: Int64, zero_addr: Int64, top_k: Int32, s_a: cute.Tensor,
-                     a_outer: cute.Layout, s_b: cute.Tensor, s_offs: cute.Tensor, n_groups: Int32,
-                     m_rows: Int32, t: Int32,
-                     n_ctas: Int32, warp_idx: Int32, ptid: Int32, n_tiles_n: Constexpr[int],
-                     k: Constexpr[int], k_tiles: Constexpr[int], bn: Constexpr[int],
-                     stages: Constexpr[int], cm: Constexpr[int] = 1, rank: Int32 | int = 0) -> None:
-    """The producer warpgroup with A gathered: warp 0 arms each stage and TMA-loads B; every thread copies
-    its A chunks with cp.async (zero chunks past K), and arrives on a stage once its copies have landed and
-    are fenced, gather_lag stages later, so the consumers need no fence of their own."""
-    atom = chunk_atom()
+def _source_row(m_slot: cute.Tensor, row: Int32, g_end: Int32, top_k: Int32, src_rows: Int32) -> Int32:
+    """The source row feeding permuted row `row` (slot // top_k), or src_rows, out of the source's bounds
+    and so zero-filled by TMA, for pad rows (slot -1) and rows past the group."""
+    src = src_rows
+    if row < g_end:
+        s = m_slot[row]
+        if s >= Int64(0):
+            src = Int32(s) // top_k
+    return src
+
+
+@cute.jit
+def _copy_row(atom: cute.CopyAtom, tma_x: cute.Tensor, src: Int32, kt: Int32, dst: Int32,
+              a_row: cute.ComposedLayout, bar: Any) -> None:
+    """TMA of source row src's K box kt into the A row whose 128-byte line starts at shared byte dst."""
+    s_row = cute.make_tensor(cute.make_ptr(BFloat16, dst, cute.AddressSpace.smem, assumed_align=128), a_row)
+    g_row = cute.local_tile(tma_x, (1, BK), (src, kt))
+    t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_row, 0, 2),
+                                     cute.group_modes(g_row, 0, 2))
+    cute.copy(atom, t_g, t_s, tma_bar_ptr=bar)
+
+
+@cute.jit
+def produce_rows(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
+                 row_atom: cute.CopyAtom, tma_x: cute.Tensor, a_row: cute.ComposedLayout, m_slot: cute.Tensor,
+                 top_k: Int32, src_rows: Int32, s_a: cute.Tensor, a_outer: cute.Layout, s_b: cute.Tensor,
+                 s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, t: Int32, n_ctas: Int32,
+                 warp_idx: Int32, ptid: Int32, n_tiles_n: Constexpr[int], k_tiles: Constexpr[int],
+                 bn: Constexpr[int], stages: Constexpr[int], cm: Constexpr[int] = 1,
+                 rank: Int32 | int = 0) -> None:
+    """The producer warpgroup with A gathered: warp 0 arms each stage for A and B and TMA-loads B; warp w
+    loads tile rows 32w..32w+31 by one row TMA each onto the same barrier, each source row looked up once
+    per tile by its row's lane and shuffled to the issuing lane."""
     s_b_flat = cute.group_modes(s_b, 0, 2)
     a_base = cast(Pointer, s_a.iterator).toint()
-    c8 = ptid % CHUNKS
-    rb = ptid // CHUNKS
-    src = cute.make_rmem_tensor(GATHER_ROWS, Int64)
-    lag = gather_lag(stages)
+    lane = ptid % 32
+    mine = (ptid // 32) * 32 + lane
     e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, n_tiles_n, cm)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     while e <= n_groups:
         if e < n_groups:
             n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n, cm, rank)
-            _gather_sources(m_slot, row0, g_end, top_k, rb, x_addr, k, zero_addr, src)
+            src = _source_row(m_slot, row0 + mine, g_end, top_k, src_rows)
             g_b = cute.local_tile(m_b[(None, None, e)], (bn, BK), (n_tile, None))
             t_sb, t_gb = cpasync.tma_partition(tma_atom_b, rank, cute.make_layout(cm), s_b_flat,
                                                cute.group_modes(g_b, 0, 2))
             for kt in range(k_tiles):
                 arm_stage(mainloop, state, warp_idx, tma_atom_b, t_gb[(None, kt)],
                           t_sb[(None, state.index)], cm)
-                col = kt * BK + c8 * VEC
-                for j in range_constexpr(GATHER_ROWS):
-                    g = zero_addr
-                    if col < k and src[j] != zero_addr:
-                        g = src[j] + Int64(col * 2)
-                    r = rb + GATHER_ROW_STEP * j
-                    copy_chunk(atom, g, a_base + swizzled(a_outer((r, c8 * VEC, state.index)) * 2))
-                commit_stage(mainloop, state, lag, stages)
+                bar = mainloop.producer_get_barrier(state)
+                for i in range_constexpr(32):
+                    r = mine - lane + i
+                    _copy_row(row_atom, tma_x, cute.arch.shuffle_sync(src, i), kt,
+                              a_base + a_outer((r, 0, state.index)) * 2, a_row, bar)
                 state.advance()
         t = t + n_ctas
         e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
                                                 n_tiles_n, cm)
-    land_all(mainloop, state, lag, stages)
     if warp_idx == 0:
         mainloop.producer_tail(state)
 
 
 @cute.kernel
 def grouped_gemm_gather_kernel(
-    tma_atom_b: cute.CopyAtom, m_b: cute.Tensor, tma_atom_d: cute.CopyAtom, tma_d: cute.Tensor,
-    m_d: cute.Tensor, m_act: cute.Tensor, tma_atom_act: cute.CopyAtom, tma_act: cute.Tensor,
-    m_offs: cute.Tensor, m_slot: cute.Tensor, x_addr: Int64,
-    zero_addr: Int64, top_k: Int32, m_rows: Int32, n_groups: Int32, tiled_mma: cute.TiledMma,
+    tma_atom_b: cute.CopyAtom, m_b: cute.Tensor, row_atom: cute.CopyAtom, tma_x: cute.Tensor,
+    tma_atom_d: cute.CopyAtom, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.Tensor,
+    tma_atom_act: cute.CopyAtom, tma_act: cute.Tensor, m_offs: cute.Tensor, m_slot: cute.Tensor,
+    top_k: Int32, src_rows: Int32, m_rows: Int32, n_groups: Int32, tiled_mma: cute.TiledMma,
     a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout,
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
 ) -> None:
     tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, s_act, mainloop = fwd_cta_begin(
-        (tma_atom_b, tma_atom_d, tma_atom_act), m_offs, n_groups, a_layout, b_layout, d_layout, stages, "b",
-        GATHER_CLUSTER_M, act)
+        (tma_atom_b, row_atom, tma_atom_d, tma_atom_act), m_offs, n_groups, a_layout, b_layout, d_layout,
+        stages, "ab", GATHER_CLUSTER_M, act)
     n_tiles_n = n_tiles_n_of(n, bn)
     k_tiles = n_k_tiles(k)
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-        produce_gathered(mainloop, tma_atom_b, m_b, m_slot, x_addr, zero_addr, top_k, s_a, a_layout.outer,
-                         s_b, s_offs, n_groups, m_rows, unit, n_units, warp_idx, tidx, n_tiles_n, k, k_tiles,
-                         bn, stages, GATHER_CLUSTER_M, rank)
+        produce_rows(mainloop, tma_atom_b, m_b, row_atom, tma_x, row_layout(a_layout), m_slot, top_k,
+                     src_rows, s_a, a_layout.outer, s_b, s_offs, n_groups, m_rows, unit, n_units, warp_idx,
+                     tidx, n_tiles_n, k_tiles, bn, stages, GATHER_CLUSTER_M, rank)
     else:
         consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, s_act,
                       tma_atom_act, tma_act, n_groups,
@@ -200,23 +208,24 @@ def grouped_gemm_gather_kernel(
 
 @cute.jit
 def grouped_gemm_gather_host(
-    px: Pointer, pzero: Pointer, pslot: Pointer, pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer,
-    top_k: Int32, m_rows: Int32, n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream, n: Constexpr[int],
-    k: Constexpr[int], bn: Constexpr[int], w_k_major: Constexpr[bool], act: Constexpr[str],
+    px: Pointer, pslot: Pointer, pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer,
+    top_k: Int32, src_rows: Int32, m_rows: Int32, n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream,
+    n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], w_k_major: Constexpr[bool], act: Constexpr[str],
 ) -> None:
-    """y[p, n] = x[slot[p] // top_k] @ B_e^T for permuted row p of group e (B_e = w[e] K-major [E, n, k],
-    else w[e]^T of w [E, k, n]: the dgrad), zero rows where slot[p] = -1; with act != "none" also
-    a = act(y). The permuted copy of x is never written."""
+    """y[p, n] = x[slot[p] // top_k] @ B_e^T for permuted row p of group e (x [src_rows, k]; B_e = w[e]
+    K-major [E, n, k], else w[e]^T of w [E, k, n]: the dgrad), zero rows where slot[p] = -1; with act !=
+    "none" also a = act(y). The permuted copy of x is never written."""
     stages = stages_for(bn, act)
     (m_y, m_a, m_offs, tiled_mma, a_layout, b_layout, tma_atom_b, tma_b, tma_atom_d, tma_d, tma_atom_act,
      tma_act) = _gemm_setup(
         pw, py, pa, poffs, m_rows, n_groups, n, k, bn, stages, w_k_major, act, GATHER_CLUSTER_M)
     m_slot = cute.make_tensor(pslot, cute.make_layout(m_rows))
+    m_x = cute.make_tensor(px, cute.make_layout((src_rows, k), stride=(k, 1)))
+    row_atom, tma_x = row_tma(m_x, a_layout)
     grouped_gemm_gather_kernel(
-        tma_atom_b, tma_b, tma_atom_d, tma_d, m_y, m_a, tma_atom_act, tma_act, m_offs, m_slot,
-        Int64(px.toint()),
-        Int64(pzero.toint()), top_k, m_rows,
-        n_groups, tiled_mma, a_layout, b_layout, epi_smem_layout(), n, k, bn, stages, act,
+        tma_atom_b, tma_b, row_atom, tma_x, tma_atom_d, tma_d, m_y, m_a, tma_atom_act, tma_act, m_offs,
+        m_slot, top_k, src_rows, m_rows, n_groups, tiled_mma, a_layout, b_layout, epi_smem_layout(), n, k, bn,
+        stages, act,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(GATHER_CLUSTER_M),
              min_blocks_per_mp=1, stream=stream)
 
@@ -226,8 +235,7 @@ def compile_args_gather(n: int, k: int, bn: int, act: str = "none",
     if act not in EPILOGUES or (act != "none" and not w_k_major):
         raise ValueError(f"gathered grouped GEMM epilogue {act!r} (w_k_major={w_k_major}) unsupported; the "
                          f"fwd takes one of {sorted(EPILOGUES)}, the dgrad only 'none'")
-    ptrs = (pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(Int64, 0, 8),
-            *(pointer(BFloat16, 0) for _ in range(3)), pointer(Int32, 0, 4))
-    return grouped_gemm_gather_host, (*ptrs, Int32(0), Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k,
-                                      bn, w_k_major, act)
-
+    ptrs = (pointer(BFloat16, 0), pointer(Int64, 0, 8), *(pointer(BFloat16, 0) for _ in range(3)),
+            pointer(Int32, 0, 4))
+    return grouped_gemm_gather_host, (*ptrs, *(Int32(0) for _ in range(5)), cuda.CUstream(0), n, k, bn,
+                                      w_k_major, act)
