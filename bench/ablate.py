@@ -69,13 +69,64 @@ ABLATIONS: tuple[Mutation, ...] = (
         "B across a 2-CTA cluster buys",
     ),
 )
+GATHER_KERNEL = "nmoe/fast/kernels/sm90/grouped_gemm_gather.py"
+# The gathering producers' landing (commit_stage and land_all), and the same two with each thread's copies
+# arriving on their stage's barrier by themselves.
+_LANDING = (
+    "    cute.arch.cp_async_commit_group()\n"
+    "    if state.count >= lag:\n"
+    "        cute.arch.cp_async_wait_group(lag)\n"
+    "        cute.arch.fence_proxy(\"async.shared\", space=\"cta\")\n"
+    "        _land(mainloop, (state.index + (stages - lag)) % stages)\n"
+)
+_NOINC = (
+    "    cute.arch.cp_async_mbarrier_arrive_noinc(\n"
+    "        cast(pipeline.MbarrierArray, mainloop.sync_object_full).get_barrier(state.index))\n"
+)
+_LAND_ALL = (
+    "\n\n@cute.jit\ndef land_all(mainloop: pipeline.PipelineTmaAsync, state: Any, lag: Constexpr[int],\n"
+    "             stages: Constexpr[int]) -> None:\n"
+    "    \"\"\"After the producer's last stage (`state` past it): land the up to `lag` stages still in "
+    "flight.\"\"\"\n"
+)
+_LANDING += _LAND_ALL + (
+    "    cute.arch.cp_async_wait_group(0)\n"
+    "    cute.arch.fence_proxy(\"async.shared\", space=\"cta\")\n"
+    "    for i in range(dsl_min(state.count, lag)):\n"
+    "        _land(mainloop, (state.index + (stages - 1) - i) % stages)\n"
+)
+_NOINC += _LAND_ALL + "    cute.arch.cp_async_commit_group()\n    cute.arch.cp_async_wait_group(0)\n"
+_GATHER_NOINC = Mutation(
+    "ablate.gather_noinc", GATHER_KERNEL, _LANDING, _NOINC,
+    "timing only (no proxy fence): each gathering thread's copies arrive on the stage's barrier when they "
+    "land (cp.async.mbarrier.arrive.noinc), so no producer thread ever waits on its own copies",
+)
+_GATHER_CLUSTER_TWO = Mutation(
+    "ablate.gather_cluster_two", LIMITS,
+    "GEMM_GATHER_CLUSTER_M: Final[int] = 1\n", "GEMM_GATHER_CLUSTER_M: Final[int] = 2\n",
+    "the gathering fwd/dgrad in 2-CTA clusters sharing each B box by multicast, like the TMA-fed ones",
+)
 GATHER_ABLATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "ablate.gather_no_fence", GATHER_KERNEL,
+        "        cute.arch.cp_async_wait_group(lag)\n"
+        "        cute.arch.fence_proxy(\"async.shared\", space=\"cta\")\n",
+        "        cute.arch.cp_async_wait_group(lag)\n",
+        "the producers land a stage without the proxy fence (timing only: the fence is what orders "
+        "cp.async's generic writes before wgmma's async reads): what the fence costs",
+    ),
     Mutation(
         "ablate.gather_wgrad_bn128", GLUE,
         "    bn = pick_bn(k)\n    n_ctas, split = _wgrad_grid(device, m, n, k, bn, e)\n",
         "    bn = 128\n    n_ctas, split = _wgrad_grid(device, m, n, k, bn, e)\n",
-        "the gathered wgrad in 128-wide tiles: five operand stages instead of three, at twice the re-reads "
-        "of the TMA operand",
+        "the gathered wgrad in 128-wide tiles: five operand stages (landing lag 3) instead of three (lag 1), "
+        "at twice the re-reads of the TMA operand",
+    ),
+    Mutation(
+        "ablate.gather_lag_one", "nmoe/fast/kernels/sm90/gatherplan.py",
+        "    return stages - 2\n", "    return 1\n",
+        "the producers land each stage one stage after issuing it (fewer copies in flight): what the "
+        "lag buys",
     ),
     Mutation(
         "ablate.gather_no_mma", KERNEL,
@@ -84,6 +135,20 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "timing only: the consumers issue no wgmma (every kernel, gathered or not), so each variant runs at "
         "its producer's pace: whether loading A, not the MMAs, sets the gathered kernels' time",
     ),
+    Mutation(
+        "ablate.gather_wgrad_no_copies", "nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py",
+        "                    copy_chunk(atom, g, g_base",
+        "                    if col < 0:\n                        copy_chunk(atom, g, g_base",
+        "timing only: the gathered wgrad producer issues no cp.async (lookups, shuffles and the landing "
+        "protocol stay)",
+    ),
+    Mutation(
+        "ablate.gather_cache_all", GATHER_KERNEL,
+        "cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL)", "cpasync.CopyG2SOp(cpasync.LoadCacheMode.ALWAYS)",
+        "every gathering producer's cp.async allocates in L1 (.ca) instead of bypassing it (.cg): whether "
+        "the bypass path limits the copies",
+    ),
+    _GATHER_NOINC,
     Mutation(
         "ablate.gather_scaled_weights", "bench/ablate.py",
         "    w = torch.randn(e, 2 * i, h, device=\"cuda\", dtype=torch.bfloat16, generator=gen)\n",
@@ -103,14 +168,11 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "timing only: the fused (and standalone) swiglu multiplies by 1 + e instead of dividing: what the "
         "IEEE division costs",
     ),
-    Mutation(
-        "ablate.gather_cluster_two", LIMITS,
-        "GEMM_GATHER_CLUSTER_M: Final[int] = 1\n", "GEMM_GATHER_CLUSTER_M: Final[int] = 2\n",
-        "the gathering fwd/dgrad in 2-CTA clusters sharing each B box by multicast, like the TMA-fed ones",
-    ),
+    _GATHER_CLUSTER_TWO,
     replace(_BN128, id="ablate.gather_bn128",
-            description="every grouped GEMM in 128-wide N tiles: six operand stages instead of four, at "
-            "twice the re-reads of A: whether more stages in flight pace the gathering producer"),
+            description="every grouped GEMM in 128-wide N tiles: six operand stages (gathering lag 4) "
+            "instead of four (lag 2), at twice the re-reads of A: whether more stages in flight pace the "
+            "gathering producer"),
     Mutation(
         "ablate.gather_act_no_compute", KERNEL,
         "    r_bits.store(bits)\n", "    r_bits.fill(0)\n",
@@ -125,11 +187,23 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "memory: what its TMA store costs",
     ),
 )
+# Ablations of more than one edit, applied in order; the first names the variant and says what it measures.
+GATHER_COMPOUNDS: tuple[tuple[Mutation, ...], ...] = (
+    (
+        replace(_GATHER_CLUSTER_TWO, id="ablate.gather_cluster_two_noinc",
+                description="gather_cluster_two with gather_noinc's landing (as SonicMoE's up projection; "
+                "timing only): whether the landing, not the clusters, made the clustered gathering kernels "
+                "slower"),
+        replace(_GATHER_NOINC, id="ablate.gather_cluster_two_noinc_landing"),
+    ),
+)
 
 
 def variants_of(which: str) -> list[tuple[Mutation, ...]]:
-    """The ablations of a set, each as the edits applied to its copy of the tree."""
-    return [(a,) for a in (GATHER_ABLATIONS if which == "gather" else ABLATIONS)]
+    """The ablations of a set as edit sequences: a plain ablation is one edit."""
+    if which == "gather":
+        return [*((a,) for a in GATHER_ABLATIONS), *GATHER_COMPOUNDS]
+    return [(a,) for a in ABLATIONS]
 
 
 PASSES = ("fwd", "dgrad", "wgrad")
@@ -169,7 +243,7 @@ def _time(pass_: str, m: int, n: int, k: int, e: int, compile_only: bool) -> flo
 
 def _gather_rows(t: int, h: int, i: int, e: int, k: int, compile_only: bool) -> list[dict[str, Any]]:
     """The up projection (act, swiglu) and its x-side wgrad, uniform routing: A read through slot from x's
-    token rows (gathered), through slot from permute's copy in row order (in_order: the same row-TMA
+    token rows (gathered), through slot from permute's copy in row order (in_order: the same cp.async
     path without the scattered rows), and by TMA from the copy (copied)."""
     import torch
 

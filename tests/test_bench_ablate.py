@@ -6,14 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from bench.ablate import ABLATIONS, GATHER_ABLATIONS, variants_of
+from bench.ablate import ABLATIONS, GATHER_ABLATIONS, GATHER_COMPOUNDS, variants_of
 from mutations.model import apply, check_anchors
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_ablation_anchors_match_once() -> None:
-    assert ABLATIONS and GATHER_ABLATIONS and check_anchors(ROOT, ABLATIONS + GATHER_ABLATIONS) == []
+    parts = tuple(m for v in GATHER_COMPOUNDS for m in v[:1])
+    assert ABLATIONS and GATHER_ABLATIONS and check_anchors(ROOT, ABLATIONS + GATHER_ABLATIONS + parts) == []
 
 
 @pytest.mark.parametrize("which", ["gemm", "gather"])
@@ -30,6 +31,7 @@ def test_each_ablation_changes_its_files_in_order(which: str) -> None:
             compile(edited, file, "exec")
 
 
-def test_variant_ids_are_unique() -> None:
+def test_variant_ids_are_unique_and_compounds_are_in_the_gather_set() -> None:
     ids = [v[0].id for w in ("gemm", "gather") for v in variants_of(w)]
     assert len(ids) == len(set(ids))
+    assert {v[0].id for v in GATHER_COMPOUNDS} <= {v[0].id for v in variants_of("gather")}

@@ -4,6 +4,8 @@ copy: every output bit equal (same MMA order per row), pad and tail rows zero. A
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from torch import Tensor
@@ -107,13 +109,25 @@ def _assert_off_by_one_separates(slot: Tensor, x: Tensor, k: int) -> None:
 
 @gpu
 def test_sep_gemm_fast_gather_row_off_by_one() -> None:
-    """The fwd/dgrad and the wgrad share the row lookup: both must read slot // top_k's row."""
     t, k = 64, 2
     x = torch.randn(t, 256).to(torch.bfloat16).cuda()
-    for pair in (_pair, _wgrad_pair):
-        slot, got, want = pair(t, k, 256, 256, 4, x)
-        _assert_off_by_one_separates(slot, x, k)
-        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), pair.__name__
+    slot, got, want = _pair(t, k, 256, 256, 4, x)
+    _assert_off_by_one_separates(slot, x, k)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@gpu
+def test_sep_gemm_fast_gather_unswizzled() -> None:
+    t, k = 64, 2
+    x = torch.randn(t, 256).to(torch.bfloat16).cuda()
+    chunks = x.view(t, -1, 8)
+    assert not torch.equal(chunks[:, 0], chunks[:, 1]), (
+        "16-byte chunks of a row differ, so chunk c placed at c instead of c ^ (row % 8) changes what the "
+        "tensor cores read for 7 rows of every 8 (the up projection and the wgrad share the swizzle)")
+    _, got, want = _pair(t, k, 256, 256, 4, x)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    _, got, want = _wgrad_pair(t, k, 256, 256, 4, x)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 @gpu
@@ -134,14 +148,12 @@ def test_sep_gemm_fast_gather_k_tail_unmasked() -> None:
 
 @gpu
 def test_sep_gemm_fast_gather_pad_rows_read() -> None:
-    """Read as token 0's row, a pad row (slot -1) of the gathered h holds x_0 @ w_e^T instead of zeros, and
-    in the wgrad (pad rows carry dy values here) adds dy_pad^T x_0."""
+    """Read as token 0's row, a pad row (slot -1) of the gathered h holds x_0 @ w_e^T instead of zeros."""
     t, k = 40, 3
     x = torch.randn(t, 256).to(torch.bfloat16).cuda()
-    for pair in (_pair, _wgrad_pair):
-        slot, got, want = pair(t, k, 256, 256, 4, x)
-        assert int((slot < 0).sum()) > 0 and bool(x[0].abs().sum() > 0), "pad rows exist, token 0 is nonzero"
-        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), pair.__name__
+    slot, got, want = _pair(t, k, 256, 256, 4, x)
+    assert int((slot < 0).sum()) > 0 and bool(x[0].abs().sum() > 0), "pad rows exist and token 0 is nonzero"
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 @gpu
@@ -180,13 +192,21 @@ def test_gathered_wgrad_equals_the_wgrad_on_permutes_copy(
 
 
 @gpu
-def test_sep_gemm_fast_wgrad_row_box_repeated() -> None:
-    """A gathered x row enters the wgrad tile in 64-column boxes (four at bn = 256): each box of a row must
-    come from its own columns, which differ here."""
+def test_sep_gemm_fast_wgrad_gather_row_off_by_one() -> None:
     t, k = 64, 2
     x = torch.randn(t, 256).to(torch.bfloat16).cuda()
-    assert sm90.pick_bn(256) == 256 and not torch.equal(x[:, :64], x[:, 64:128]), "four distinct boxes a row"
-    _, got, want = _wgrad_pair(t, k, 256, 256, 4, x)
+    slot, got, want = _wgrad_pair(t, k, 256, 256, 4, x)
+    _assert_off_by_one_separates(slot, x, k)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@gpu
+def test_sep_gemm_fast_wgrad_gather_pad_rows_read() -> None:
+    """Pad rows carry dy values here: read as token 0's row instead of zeros they add dy_pad^T x_0."""
+    t, k = 40, 3
+    x = torch.randn(t, 256).to(torch.bfloat16).cuda()
+    slot, got, want = _wgrad_pair(t, k, 256, 256, 4, x)
+    assert int((slot < 0).sum()) > 0 and bool(x[0].abs().sum() > 0), "pad rows exist and token 0 is nonzero"
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
@@ -228,3 +248,58 @@ def test_gathered_wgrad_refuses_bad_arguments() -> None:
         sm90.grouped_gemm_dgrad_gathered(x, torch.zeros(256, dtype=torch.int64), 2, w, offs)
     with pytest.raises(ValueError, match=r"int64 slot \[R\]"):
         sm90.grouped_gemm_dgrad_gathered(dy, torch.zeros(256, dtype=torch.int32), 2, w, offs)
+
+
+def test_zero_chunk_is_made_eagerly_never_inside_a_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Made inside a capture, the zero chunk would hold zeros only after a replay: a first call there raises
+    naming the fix (nothing allocated); a chunk made eagerly is reused by capturing calls."""
+    monkeypatch.setattr(sm90, "_ZERO_CHUNKS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="run one eager"):
+        sm90._zero_chunk("grouped_gemm_act_gathered", torch.device("cuda", 0))
+    assert sm90._ZERO_CHUNKS == {}
+    made = torch.zeros(8, dtype=torch.bfloat16)
+    sm90._ZERO_CHUNKS[torch.device("cuda", 0)] = made
+    assert sm90._zero_chunk("grouped_gemm_act_gathered", torch.device("cuda", 0)) is made
+
+
+def _pipeline_finishes(stages: int, lag: int, tiles: list[int]) -> bool:
+    """Play the gathering pipeline out: the producer takes stage p's slot once stage p - stages is released
+    and lands p - lag after issuing p (the rest at its end); the consumers need stage j landed and release
+    j - 1 once j's MMAs are issued, a tile's last stage once its MMAs drain. False at a standstill."""
+    total = sum(tiles)
+    last_of_tile = {sum(tiles[:i + 1]) - 1 for i in range(len(tiles))}
+    issued = arrived = consumed = 0
+    released: set[int] = set()
+    while consumed < total:
+        moved = False
+        if issued < total and (issued < stages or issued - stages in released):
+            issued += 1
+            arrived = total if issued == total else max(arrived, issued - lag)
+            moved = True
+        if consumed < arrived:
+            j = consumed
+            if j >= 1 and j - 1 not in last_of_tile:
+                released.add(j - 1)
+            if j in last_of_tile:
+                released.add(j)
+            consumed += 1
+            moved = True
+        if not moved:
+            return False
+    return True
+
+
+def test_sep_gemm_fast_gather_lag_too_deep() -> None:
+    """The gathering producers land a stage (wait for its copies, fence, arrive) gather_lag stages after
+    issuing it. One stage more and the slot the producer needs is freed only by the consumers' reading a
+    stage the producer has not landed: the pipeline stands still, for every depth and any tiling."""
+    from nmoe.fast.kernels.sm90.gatherplan import gather_lag
+
+    rng = random.Random(5)
+    for stages in range(3, 9):
+        tilings = [[1] * 20, [40], [rng.randint(1, 6) for _ in range(30)]]
+        assert not _pipeline_finishes(stages, stages - 1, [40]), "one stage deeper stands still"
+        assert all(_pipeline_finishes(stages, gather_lag(stages), t) for t in tilings), stages
+    with pytest.raises(ValueError, match="3 or more pipeline stages"):
+        gather_lag(2)

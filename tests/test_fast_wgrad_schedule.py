@@ -48,6 +48,35 @@ def test_split_workspace_holds_every_routing() -> None:
     assert wgrad_split(32768 * 8, 2048, 4096, 256, 128, 132).ws_tiles == 0, "wide tiles: nothing splits"
 
 
+def _lanes_cover(own: object, per_row: int) -> bool:
+    """Every chunk's shuffled source lane looks up that chunk's own row, and each stage row is looked up by
+    exactly one of the 16 lanes 0..15 of exactly one warp."""
+    from nmoe.fast.kernels.sm90.gatherplan import gather_lanes, source_lane
+
+    q, rows, chunks = gather_lanes(per_row)
+    looked = sorted(own(lane, w, q) for w in range(4) for lane in range(rows))  # type: ignore[operator]
+    return looked == list(range(GEMM_BK)) and all(
+        own(source_lane(i, lane, per_row, q), w, q) == (32 * w + lane) // per_row + 4 * q * i  # type: ignore[operator]
+        for w in range(4) for lane in range(32) for i in range(chunks))
+
+
+def test_sep_gemm_fast_wgrad_gather_lanes_unspread() -> None:
+    """The gathered wgrad looks up each stage row's source once, in one lane, and shuffles it to the lanes
+    that copy that row's chunks (box rows of 16 and 32 chunks). Rows q apart instead of 4q cover the stage
+    twice over in part and miss the rest."""
+    from nmoe.fast.kernels.sm90.gatherplan import gather_lanes, own_row
+
+    def unspread(lane: int, warp: int, q: int) -> int:
+        j = lane % (GEMM_BK // 4)
+        return warp * q + j % q + q * (j // q)
+
+    for per_row in (16, 32):
+        assert not _lanes_cover(unspread, per_row), "the separating mapping fails the cover"
+        assert _lanes_cover(own_row, per_row), per_row
+    with pytest.raises(ValueError, match="do not tile a warp"):
+        gather_lanes(12)
+
+
 @gpu
 def test_sep_gemm_fast_wgrad_order_ties_collide() -> None:
     """Groups of equal rows are ordered by index. Ranked by rows alone, two equal groups take one rank and

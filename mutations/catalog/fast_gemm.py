@@ -6,12 +6,21 @@ from mutations.model import Mutation, sep_mutation
 
 FILE = "nmoe/fast/kernels/sm90/grouped_gemm.py"
 WGRAD = "nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py"
+PLAN = "nmoe/fast/kernels/sm90/gatherplan.py"
 GATHER = "nmoe/fast/kernels/sm90/grouped_gemm_gather.py"
 TESTS = "tests/test_fast_gemm.py"
 GATHER_TESTS = "tests/test_fast_gemm_gather.py"
 SCHEDULE_TESTS = "tests/test_fast_wgrad_schedule.py"
 
 MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "gemm.fast_zero_chunk_made_in_capture", "nmoe/fast/gemm/sm90.py",
+        '        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():',
+        "        if False:",
+        "the gathering GEMMs' zero chunk is first made inside a CUDA graph capture, where it holds zeros "
+        "only once the graph replays (eager calls read garbage for pad rows)",
+        tests=(f"{GATHER_TESTS}::test_zero_chunk_is_made_eagerly_never_inside_a_capture",),
+    ),
     sep_mutation(
         "gemm.fast_accumulate_bf16", FILE,
         "                warpgroup.wait_group(1)\n",
@@ -97,21 +106,26 @@ MUTATIONS: tuple[Mutation, ...] = (
         "gemm.fast_gather_row_off_by_one", GATHER,
         "            src = Int32(s) // top_k\n",
         "            src = (Int32(s) + 1) // top_k\n",
-        "the gathered up projection, dgrad and wgrad read the row of slot + 1's token", GATHER_TESTS,
-        ("moe_layer",),
+        "the gathered up projection reads the row of slot + 1's token", GATHER_TESTS, ("moe_layer",),
         device="gpu",
     ),
     sep_mutation(
         "gemm.fast_gather_pad_rows_read", GATHER,
         "    src = src_rows\n    if row < g_end:\n",
         "    src = Int32(0)\n    if row < g_end:\n",
-        "the gathered kernels' pad rows (slot -1) read token 0's row instead of TMA's zero fill",
+        "the gathered up projection's pad rows (slot -1) read token 0's row instead of TMA's zero fill",
         GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
         "gemm.fast_gather_row_lane_rotated", GATHER,
         "cute.arch.shuffle_sync(src, i)", "cute.arch.shuffle_sync(src, (i + 1) % 32)",
         "each tile row is loaded from the source row its warp's next lane looked up",
+        GATHER_TESTS, ("moe_layer",), device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_gather_unswizzled", GATHER,
+        "    out: Int32 = byte ^ (((byte >> 7) & 7) << 4)\n", "    out: Int32 = byte\n",
+        "the gathered wgrad's chunks written without the 128-byte swizzle the tensor cores read",
         GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
@@ -123,10 +137,29 @@ MUTATIONS: tuple[Mutation, ...] = (
         GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
-        "gemm.fast_wgrad_row_box_repeated", WGRAD,
-        "_copy_row(row_atom, tma_src, row_src, col_box + j,",
-        "_copy_row(row_atom, tma_src, row_src, col_box,",
-        "every 64-column box of a gathered wgrad row is loaded from the row's first box", GATHER_TESTS,
-        ("moe_layer",), device="gpu",
+        "gemm.fast_wgrad_gather_row_off_by_one", WGRAD,
+        "                    src = src_addr + s // Int64(top_k) * row_bytes",
+        "                    src = src_addr + (s + Int64(1)) // Int64(top_k) * row_bytes",
+        "the gathered wgrad reads the row of slot + 1's token", GATHER_TESTS, ("moe_layer",), device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_wgrad_gather_pad_rows_read", WGRAD,
+        "        s = cast(Int64, m_slot[row])\n",
+        "        s = dsl_max(cast(Int64, m_slot[row]), Int64(0))\n",
+        "pad rows (slot -1) read token 0's row instead of the zero chunk", GATHER_TESTS, ("moe_layer",),
+        device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_wgrad_gather_lanes_unspread", PLAN,
+        "    return warp * q + j % q + 4 * q * (j // q)\n",
+        "    return warp * q + j % q + q * (j // q)\n",
+        "the gathered wgrad's lanes look up rows q apart instead of 4q (the warps' stride), so a chunk's "
+        "shuffled source is another row's", SCHEDULE_TESTS, ("grouped_gemm_wgrad",),
+    ),
+    sep_mutation(
+        "gemm.fast_gather_lag_too_deep", PLAN,
+        "    return stages - 2\n", "    return stages - 1\n",
+        "the gathering producers land a stage one stage later, so the slot they wait for is freed only after "
+        "a stage they have not landed: the pipeline stands still", GATHER_TESTS, ("grouped_gemm_act",),
     ),
 )

@@ -365,6 +365,21 @@ def grouped_gemm_act_h(x: Tensor, w: Tensor, offs: Tensor, activation: str) -> t
     return _act_op(x, w, offs, activation)
 
 
+_ZERO_CHUNKS: dict[torch.device, Tensor] = {}
+
+
+def _zero_chunk(op: str, device: torch.device) -> Tensor:
+    """16 zero bytes the gathering kernel copies for pad rows and columns past K, made once per device by an
+    eager call: made inside a CUDA graph capture, they would hold zeros only once the graph replays."""
+    z = _ZERO_CHUNKS.get(device)
+    if z is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{op}: first call on {device} is inside a CUDA graph capture; its zero chunk "
+                               "is made by an eager call, so run one eager (warm-up) call before capturing")
+        z = _ZERO_CHUNKS[device] = torch.zeros(8, dtype=torch.bfloat16, device=device)
+    return z
+
+
 def _gathered_gemm(op: str, src: Tensor, src_name: str, slot: Tensor, w: Tensor, offs: Tensor, top_k: int,
                    activation: str, w_k_major: bool) -> tuple[Tensor, Tensor]:
     """(h, act(h) or h): the gathering kernel over src's token rows; w [E, N, K] read K-major (the up
@@ -468,9 +483,10 @@ def _wgrad_gathered_impl(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_
     kernel_side = "a" if side == "dy" else "b"
     launch = WGRAD_GATHER.launcher(arch, n=n, k=k, bn=bn, side=kernel_side)
     tma_side, token_major = (x, dy) if side == "dy" else (dy, x)
+    zero = _zero_chunk(op, dy.device).data_ptr()
     _keep, (ws, counters, *split_args) = split.args(dy.device)
-    launch(device, tma_side.data_ptr(), token_major.data_ptr(), slot.contiguous().data_ptr(), dw.data_ptr(),
-           offs.contiguous().data_ptr(), ws, counters, top_k, token_major.shape[0], m, e, n_ctas, *split_args)
+    launch(device, tma_side.data_ptr(), token_major.data_ptr(), zero, slot.contiguous().data_ptr(),
+           dw.data_ptr(), offs.contiguous().data_ptr(), ws, counters, top_k, m, e, n_ctas, *split_args)
     return dw
 
 
@@ -539,8 +555,10 @@ def _gather_spec(name: str, n: int, k: int, activation: str) -> KernelSpec:
                       forbid={"sm_90a": (*_FORBID_EPILOGUE, *_NO_CP_ASYNC)})
 
 
-# The gathered wgrad: the token-major operand's rows by the same row TMA, in 64-column boxes.
-_EXPECT_WGRAD_GATHER = (*_EXPECT_WGRAD, *_ROW_TMA)
+# The gathered wgrad: the token-major operand by 16-byte cp.async in commit groups; each thread waits for a
+# group, fences it from the generic into the async proxy the tensor cores read, then arrives.
+_EXPECT_WGRAD_GATHER = (*_EXPECT_WGRAD, r"\bcp\.async\.cg\.shared\.global\b", r"\bcp\.async\.commit_group\b",
+                        r"\bcp\.async\.wait_group\b", r"\bfence\.proxy\.async\.shared::cta\b")
 _EXPECT_DGRAD_GATHER = (*_EXPECT_SM90, *_ROW_TMA)
 
 
@@ -554,8 +572,7 @@ def _dgrad_gather_spec(name: str, n: int, k: int) -> KernelSpec:
 def _wgrad_gather_spec(name: str, n: int, k: int, side: str) -> KernelSpec:
     return KernelSpec(op="grouped_gemm_wgrad", name=name,
                       compile=WGRAD_GATHER.compiler(n=n, k=k, bn=pick_bn(k), side=side),
-                      expect={"sm_90a": _EXPECT_WGRAD_GATHER},
-                      forbid={"sm_90a": (*_FORBID_SM90, *_NO_CP_ASYNC)})
+                      expect={"sm_90a": _EXPECT_WGRAD_GATHER}, forbid={"sm_90a": _FORBID_SM90})
 
 
 def _spec(name: str, n: int, k: int, bn: int, w_k_major: bool | None, activation: str = "none") -> KernelSpec:

@@ -23,6 +23,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from nmoe.fast.kernels.activation import relu2_bits
 from nmoe.fast.kernels.prims import out_bits
+from nmoe.fast.kernels.sm90.gatherplan import PRODUCER_THREADS
 from nmoe.fast.kernels.swiglu import swiglu_pairs
 from nmoe.fast.limits import GEMM_BK as BK
 from nmoe.fast.limits import GEMM_BM as BM
@@ -30,7 +31,7 @@ from nmoe.fast.limits import GEMM_CLUSTER_M as CLUSTER_M
 from nmoe.fast.limits import GEMM_MAX_GROUPS as MAX_GROUPS
 
 K_BLOCKS = BK // 16
-WG_THREADS = 128
+WG_THREADS = PRODUCER_THREADS
 CONSUMER_WGS = 2
 CONSUMER_THREADS = CONSUMER_WGS * WG_THREADS
 THREADS = WG_THREADS + CONSUMER_THREADS
@@ -410,11 +411,11 @@ def act_staging(s_d: cute.Tensor, act: Constexpr[str]) -> cute.Tensor:
 @cute.jit
 def cta_setup(m_offs: cute.Tensor, n_groups: Int32, ab_dtype: Constexpr[Any], a_layout: cute.ComposedLayout,
               b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout, stages: Constexpr[int],
-              tables: Constexpr[int] = 1, cm: Constexpr[int] = 1,
+              by_tma: Constexpr[str] = "ab", tables: Constexpr[int] = 1, cm: Constexpr[int] = 1,
               ) -> tuple[cute.Tensor, cute.Tensor, cute.Tensor, cute.Tensor, pipeline.PipelineTmaAsync]:
     """A CTA's shared memory (mbarriers, offs + tables - 1 tables, operand ring, output staging) and TMA
-    pipeline: one arrival arms a stage for both operands' bytes, whole boxes or gathered rows (cm > 1: B
-    multicast over the cluster, a stage freed by all its consumers; init publishes offs)."""
+    pipeline (cm > 1: B multicast over the cluster, a stage freed by all its consumers; init publishes offs).
+    by_tma: the TMA operands; with one gathered, a stage also waits for one arrival per gathering thread."""
     tidx, _, _ = cute.arch.thread_idx()
     smem = SmemAllocator()
     barriers = smem.allocate_array(Int64, stages * 2, byte_alignment=8)
@@ -426,12 +427,14 @@ def cta_setup(m_offs: cute.Tensor, n_groups: Int32, ab_dtype: Constexpr[Any], a_
         s_offs[i] = m_offs[i]
     a_bytes = cute.size_in_bytes(ab_dtype, cute.slice_(a_layout, (None, None, 0)))
     b_bytes = cute.size_in_bytes(ab_dtype, cute.slice_(b_layout, (None, None, 0)))
+    tx_bytes = (a_bytes if const_expr("a" in by_tma) else 0) + (b_bytes if const_expr("b" in by_tma) else 0)
     mainloop = pipeline.PipelineTmaAsync.create(
         barrier_storage=barriers,
         num_stages=stages,
-        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 if const_expr(by_tma == "ab")
+                                                 else 1 + WG_THREADS),
         consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_WGS * 4 * cm),
-        tx_count=a_bytes + b_bytes,
+        tx_count=tx_bytes,
         cta_layout_vmnk=cute.make_layout((1, cm, 1, 1)),
         defer_sync=cm > 1,
     )
@@ -554,13 +557,13 @@ def n_k_tiles(k: int) -> int:
 @cute.jit
 def fwd_cta_begin(tma_atoms: tuple[cute.CopyAtom, ...], m_offs: cute.Tensor, n_groups: Int32,
                   a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout,
-                  stages: Constexpr[int], cm: Constexpr[int], act: Constexpr[str]
+                  stages: Constexpr[int], by_tma: Constexpr[str], cm: Constexpr[int], act: Constexpr[str]
                   ) -> tuple[Any, ...]:
     """What a fwd/dgrad CTA sets up before its warps split: (thread, warp, first unit, unit stride, cluster
     rank, offs table, A / B / output / act(h) shared tensors, operand pipeline)."""
     tidx, bidx, n_ctas, warp_idx = cta_start(tma_atoms)
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
-                                                stages, cm=cm)
+                                                stages, by_tma, cm=cm)
     unit, n_units, rank = cluster_units(bidx, n_ctas, cm)
     return tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, act_staging(s_d, act), mainloop
 
@@ -576,7 +579,7 @@ def grouped_gemm_kernel(
 ) -> None:
     tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, s_act, mainloop = fwd_cta_begin(
         (tma_atom_a, tma_atom_b, tma_atom_d, tma_atom_act), m_offs, n_groups, a_layout, b_layout, d_layout,
-        stages, CLUSTER_M, act)
+        stages, "ab", CLUSTER_M, act)
     n_tiles_n = n_tiles_n_of(n, bn)
     k_tiles = n_k_tiles(k)
     if warp_idx < 4:

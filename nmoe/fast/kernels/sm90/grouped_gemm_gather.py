@@ -1,6 +1,6 @@
 """sm_90a grouped GEMM whose A rows are gathered by index as they load (the up projection from token rows,
 the dgrad from dy rows) by one TMA box per row beside the B TMA, with the consumers and epilogue of
-grouped_gemm; the gathered wgrad loads its token-major rows the same way. Import after
+grouped_gemm; also the cp.async chunk copies the gathered wgrad lands. Import after
 nmoe.fast.runtime.import_cutlass("sm_90a")."""
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ from cutlass.base_dsl.ast_helpers import range_constexpr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.typing import Pointer
+from cutlass.cutlass_dsl.cutlass import min as dsl_min
 
 from nmoe.fast.kernels.sm90.grouped_gemm import (
     EPILOGUES,
     PRODUCER_REGS,
     THREADS,
+    VEC,
     _gemm_setup,
     _seek,
     _tile_at,
@@ -39,10 +41,18 @@ from nmoe.fast.limits import GEMM_GATHER_CLUSTER_M as GATHER_CLUSTER_M
 
 
 @cute.jit
+def swizzled(byte: Int32) -> Int32:
+    """128-byte swizzle of a byte offset from a 1024-byte aligned base: 16-byte chunk ^= 128-byte row % 8
+    (what TMA writes and wgmma reads for these layouts)."""
+    out: Int32 = byte ^ (((byte >> 7) & 7) << 4)
+    return out
+
+
+@cute.jit
 def arm_stage(mainloop: pipeline.PipelineTmaAsync, state: Any, warp_idx: Int32, tma_atom: cute.CopyAtom,
               src: cute.Tensor, dst: cute.Tensor, cm: Constexpr[int] = 1) -> None:
-    """A gathering producer's stage: every thread waits for it to be free; warp 0 arms its barrier for both
-    operands and TMA-loads the one that is not gathered (its 1/cm share, multicast over the cluster)."""
+    """A gathering producer's stage: every thread waits for it to be free; warp 0 arms its barrier and
+    TMA-loads the operand that is not gathered (its 1/cm share, multicast over the cluster)."""
     if warp_idx == 0:
         mainloop.producer_acquire(state)
         copy_b(tma_atom, src, dst, mainloop.producer_get_barrier(state), cm)
@@ -50,17 +60,58 @@ def arm_stage(mainloop: pipeline.PipelineTmaAsync, state: Any, warp_idx: Int32, 
         mainloop.sync_object_empty.wait(state.index, state.phase)
 
 
+@cute.jit
+def copy_chunk(atom: cute.CopyAtom, g: Int64, s_addr: Int32) -> None:
+    """One 16-byte cp.async from global byte address g to shared byte address s_addr."""
+    cute.copy(atom, cute.make_tensor(cute.make_ptr(BFloat16, g, cute.AddressSpace.gmem, assumed_align=16),
+                                     cute.make_layout(VEC)),
+              cute.make_tensor(cute.make_ptr(BFloat16, s_addr, cute.AddressSpace.smem, assumed_align=16),
+                               cute.make_layout(VEC)))
+
+
+def chunk_atom() -> cute.CopyAtom:
+    atom: cute.CopyAtom = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), BFloat16,
+                                              num_bits_per_copy=128)
+    return atom
+
+
+@cute.jit
+def _land(mainloop: pipeline.PipelineTmaAsync, index: Int32) -> None:
+    cute.arch.mbarrier_arrive(cast(pipeline.MbarrierArray, mainloop.sync_object_full).get_barrier(index))
+
+
+@cute.jit
+def commit_stage(mainloop: pipeline.PipelineTmaAsync, state: Any, lag: Constexpr[int],
+                 stages: Constexpr[int]) -> None:
+    """Commit this thread's copies of the stage `state` names; from stage `lag` on, land the stage issued
+    `lag` before it: wait for its copies, fence them into the async proxy wgmma reads through, arrive."""
+    cute.arch.cp_async_commit_group()
+    if state.count >= lag:
+        cute.arch.cp_async_wait_group(lag)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        _land(mainloop, (state.index + (stages - lag)) % stages)
+
+
+@cute.jit
+def land_all(mainloop: pipeline.PipelineTmaAsync, state: Any, lag: Constexpr[int],
+             stages: Constexpr[int]) -> None:
+    """After the producer's last stage (`state` past it): land the up to `lag` stages still in flight."""
+    cute.arch.cp_async_wait_group(0)
+    cute.arch.fence_proxy("async.shared", space="cta")
+    for i in range(dsl_min(state.count, lag)):
+        _land(mainloop, (state.index + (stages - 1) - i) % stages)
+
+
 def row_layout(a_layout: cute.ComposedLayout) -> cute.ComposedLayout:
-    """A 1 x BK box of one row under a tile's 128-byte swizzle (K-major A, or an MN-major wgrad operand): TMA
-    swizzles by shared address, so a box landing at its 128-byte line takes the place a whole-tile box
-    would give it."""
+    """One A row (1 x BK) under the A tile's 128-byte swizzle: TMA swizzles by shared address, so a row box
+    landing at its row's 128-byte line takes the place the whole-tile box would give it."""
     layout: cute.ComposedLayout = cute.make_composed_layout(a_layout.inner, 0,
                                                             cute.make_layout((1, BK), stride=(BK, 1)))
     return layout
 
 
 def row_tma(m_x: cute.Tensor, a_layout: cute.ComposedLayout) -> tuple[cute.CopyAtom, cute.Tensor]:
-    """TMA of BK-column boxes of single source rows: rows and columns past the source arrive as zeros."""
+    """TMA of one source row's BK box: rows past the source and columns past K arrive as zeros."""
     atom, tensor = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_x, row_layout(a_layout),
                                                (1, BK))
     return atom, tensor
@@ -81,7 +132,7 @@ def _source_row(m_slot: cute.Tensor, row: Int32, g_end: Int32, top_k: Int32, src
 @cute.jit
 def _copy_row(atom: cute.CopyAtom, tma_x: cute.Tensor, src: Int32, kt: Int32, dst: Int32,
               a_row: cute.ComposedLayout, bar: Any) -> None:
-    """TMA of source row src's BK-column box kt into the 128-byte line that starts at shared byte dst."""
+    """TMA of source row src's K box kt into the A row whose 128-byte line starts at shared byte dst."""
     s_row = cute.make_tensor(cute.make_ptr(BFloat16, dst, cute.AddressSpace.smem, assumed_align=128), a_row)
     g_row = cute.local_tile(tma_x, (1, BK), (src, kt))
     t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_row, 0, 2),
@@ -140,7 +191,7 @@ def grouped_gemm_gather_kernel(
 ) -> None:
     tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, s_act, mainloop = fwd_cta_begin(
         (tma_atom_b, row_atom, tma_atom_d, tma_atom_act), m_offs, n_groups, a_layout, b_layout, d_layout,
-        stages, GATHER_CLUSTER_M, act)
+        stages, "ab", GATHER_CLUSTER_M, act)
     n_tiles_n = n_tiles_n_of(n, bn)
     k_tiles = n_k_tiles(k)
     if warp_idx < 4:

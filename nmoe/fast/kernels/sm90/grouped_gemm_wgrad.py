@@ -20,6 +20,7 @@ from cutlass.cutlass_dsl.cutlass import max as dsl_max
 from cutlass.cutlass_dsl.cutlass import min as dsl_min
 from cutlass.tensor_utils import LayoutEnum
 
+from nmoe.fast.kernels.sm90.gatherplan import gather_lag, gather_lanes, own_row, source_lane
 from nmoe.fast.kernels.sm90.grouped_gemm import (
     CONSUMER_REGS,
     CONSUMER_THREADS,
@@ -35,14 +36,19 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     mma_fragments,
     pipeline_stages,
 )
-from nmoe.fast.kernels.sm90.grouped_gemm_gather import _copy_row, _source_row, arm_stage, row_layout, row_tma
+from nmoe.fast.kernels.sm90.grouped_gemm_gather import (
+    arm_stage,
+    chunk_atom,
+    commit_stage,
+    copy_chunk,
+    land_all,
+    swizzled,
+)
 from nmoe.fast.limits import GEMM_BK as BK
 from nmoe.fast.limits import GEMM_BM as BM
 from nmoe.fast.limits import GEMM_MAX_GROUPS as MAX_GROUPS
 
 MASK_BARRIER_ID = 2
-# Rows of a gathered K box each of the four producer warps loads (and looks up, one lane per row).
-WARP_ROWS = BK // 4
 PACK = 1 << 16
 LOG_GROUPS = MAX_GROUPS.bit_length() - 1
 assert 1 << LOG_GROUPS == MAX_GROUPS, "the unit search halves a power-of-two table"
@@ -390,21 +396,34 @@ def grouped_wgrad_host(
 
 
 @cute.jit
-def produce_wgrad_rows(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyAtom, m_t: cute.Tensor,
-                       row_atom: cute.CopyAtom, tma_src: cute.Tensor, m_slot: cute.Tensor, top_k: Int32,
-                       src_rows: Int32, s_t: cute.Tensor, s_g: cute.Tensor, g_layout: cute.ComposedLayout,
-                       u: Units, bidx: Int32, n_ctas: Int32, warp_idx: Int32, ptid: Int32,
-                       bn: Constexpr[int], side: Constexpr[str], stages: Constexpr[int]) -> None:
-    """One operand from token-major rows (side "b": x, "a": dy), the other by TMA: warp 0 arms each stage for
-    both and loads the TMA operand; warp w loads the stage's rows 16w..16w+15 of the gathered one, each row
-    in 64-column boxes by row TMA, its source looked up a stage ahead by its lane and shuffled out."""
+def _slot_at(m_slot: cute.Tensor, row: Int32, end: Int32) -> Int64:
+    s = Int64(-1)
+    if row < end:
+        s = cast(Int64, m_slot[row])
+    return s
+
+
+@cute.jit
+def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyAtom, m_t: cute.Tensor,
+                           m_slot: cute.Tensor, src_addr: Int64, zero_addr: Int64, top_k: Int32,
+                           s_t: cute.Tensor, s_g: cute.Tensor, g_outer: cute.Layout, u: Units, bidx: Int32,
+                           n_ctas: Int32, warp_idx: Int32, ptid: Int32, width: Constexpr[int],
+                           bn: Constexpr[int], side: Constexpr[str], stages: Constexpr[int]) -> None:
+    """One operand from token-major rows (side "b": x, "a": dy), the other by TMA (warp 0): one lane per row
+    looks up its source a stage ahead (slot // top_k; the zero chunk for pad rows and rows past the group),
+    shuffled to the lanes that cp.async its 16-byte chunks; each stage lands gather_lag stages later."""
+    atom = chunk_atom()
     s_t_flat = cute.group_modes(s_t, 0, 2)
     g_base = cast(Pointer, s_g.iterator).toint()
-    g_row = row_layout(g_layout)
-    g_outer = g_layout.outer
     box = bn if const_expr(side == "b") else BM
+    per_row = box // VEC
+    q, _, n_chunks = gather_lanes(per_row)
     lane = ptid % 32
-    mine = (ptid // 32) * WARP_ROWS + lane % WARP_ROWS
+    mine = own_row(lane, ptid // 32, q)
+    c = (lane % per_row) * VEC
+    row_bytes = Int64(width * 2)
+    slot = cute.make_rmem_tensor(1, Int64)
+    lag = gather_lag(stages)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     for rnd in range(n_rounds(u.total, n_ctas)):
         t = snake_tile(rnd, bidx, n_ctas)
@@ -412,50 +431,55 @@ def produce_wgrad_rows(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyA
             _, m_tile, n_tile, start, end, _, _, _ = _wgrad_tile(u, t)
             if const_expr(side == "b"):
                 g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (BM, BK), (m_tile, None))
-                col_box = n_tile * (bn // BK)
+                col = n_tile * bn + c
             else:
                 g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (bn, BK), (n_tile, None))
-                col_box = m_tile * (BM // BK)
+                col = m_tile * BM + c
             t_st, t_gt = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), s_t_flat,
                                                cute.group_modes(g_t, 0, 2))
-            nxt = _source_row(m_slot, start + mine, end, top_k, src_rows)
+            slot[0] = _slot_at(m_slot, start + mine, end)
             for kt in range((end - start + BK - 1) // BK):
                 arm_stage(mainloop, state, warp_idx, tma_atom, t_gt[(None, kt)], t_st[(None, state.index)])
-                src = nxt
-                nxt = _source_row(m_slot, start + (kt + 1) * BK + mine, end, top_k, src_rows)
-                bar = mainloop.producer_get_barrier(state)
-                for i in range_constexpr(WARP_ROWS):
-                    r = mine - lane % WARP_ROWS + i
-                    row_src = cute.arch.shuffle_sync(src, i)
-                    for j in range_constexpr(box // BK):
-                        _copy_row(row_atom, tma_src, row_src, col_box + j,
-                                  g_base + g_outer((j * BK, r, state.index)) * 2, g_row, bar)
+                s = slot[0]
+                slot[0] = _slot_at(m_slot, start + (kt + 1) * BK + mine, end)
+                src = zero_addr
+                if s >= Int64(0):
+                    src = src_addr + s // Int64(top_k) * row_bytes
+                for i in range_constexpr(n_chunks):
+                    a = cute.arch.shuffle_sync(src, source_lane(i, lane, per_row, q))
+                    g = zero_addr
+                    if col < width and a != zero_addr:
+                        g = a + Int64(col * 2)
+                    rr = ptid // per_row + 4 * q * i
+                    copy_chunk(atom, g, g_base + swizzled(g_outer((c, rr, state.index)) * 2))
+                commit_stage(mainloop, state, lag, stages)
                 state.advance()
+    land_all(mainloop, state, lag, stages)
     if warp_idx == 0:
         mainloop.producer_tail(state)
 
 
 @cute.kernel
 def grouped_wgrad_gather_kernel(
-    tma_atom: cute.CopyAtom, m_t: cute.Tensor, row_atom: cute.CopyAtom, tma_src: cute.Tensor,
-    m_slot: cute.Tensor, top_k: Int32, src_rows: Int32, m_d: cute.Tensor, m_offs: cute.Tensor,
-    m_ws: cute.Tensor, m_count: cute.Tensor, m_rows: Int32, n_groups: Int32, thresh: Int32, split_rows: Int32,
-    tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
-    d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
+    tma_atom: cute.CopyAtom, m_t: cute.Tensor, m_slot: cute.Tensor, src_addr: Int64, zero_addr: Int64,
+    top_k: Int32, m_d: cute.Tensor, m_offs: cute.Tensor, m_ws: cute.Tensor, m_count: cute.Tensor,
+    m_rows: Int32, n_groups: Int32, thresh: Int32, split_rows: Int32, tiled_mma: cute.TiledMma,
+    a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout,
+    n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
     side: Constexpr[str], stages: Constexpr[int],
 ) -> None:
-    tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom, row_atom))
+    tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom,))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
-                                                stages, 3)
+                                                stages, "a" if const_expr(side == "b") else "b", 3)
     u = plan_units(s_offs, n_groups, m_rows, thresh, split_rows, tidx, n, k, bn)
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         if const_expr(side == "b"):
-            produce_wgrad_rows(mainloop, tma_atom, m_t, row_atom, tma_src, m_slot, top_k, src_rows, s_a, s_b,
-                               b_layout, u, bidx, n_ctas, warp_idx, tidx, bn, side, stages)
+            produce_wgrad_gathered(mainloop, tma_atom, m_t, m_slot, src_addr, zero_addr, top_k, s_a, s_b,
+                                   b_layout.outer, u, bidx, n_ctas, warp_idx, tidx, k, bn, side, stages)
         else:
-            produce_wgrad_rows(mainloop, tma_atom, m_t, row_atom, tma_src, m_slot, top_k, src_rows, s_b, s_a,
-                               a_layout, u, bidx, n_ctas, warp_idx, tidx, bn, side, stages)
+            produce_wgrad_gathered(mainloop, tma_atom, m_t, m_slot, src_addr, zero_addr, top_k, s_b, s_a,
+                                   a_layout.outer, u, bidx, n_ctas, warp_idx, tidx, n, bn, side, stages)
     else:
         consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, u, m_ws, m_count, m_d, tidx, warp_idx, bidx, n_ctas,
                       n, k, bn, stages)
@@ -463,14 +487,14 @@ def grouped_wgrad_gather_kernel(
 
 @cute.jit
 def grouped_wgrad_gather_host(
-    pt: Pointer, psrc: Pointer, pslot: Pointer, pdw: Pointer, poffs: Pointer, pws: Pointer, pcount: Pointer,
-    top_k: Int32, src_rows: Int32, m_rows: Int32, n_groups: Int32, n_ctas: Int32, thresh: Int32,
+    pt: Pointer, psrc: Pointer, pzero: Pointer, pslot: Pointer, pdw: Pointer, poffs: Pointer, pws: Pointer,
+    pcount: Pointer, top_k: Int32, m_rows: Int32, n_groups: Int32, n_ctas: Int32, thresh: Int32,
     split_rows: Int32, ws_tiles: Int32, stream: cuda.CUstream, n: Constexpr[int], k: Constexpr[int],
     bn: Constexpr[int], side: Constexpr[str],
 ) -> None:
     """dw[E, n, k] = per group dy[rows, n]^T @ x[rows, k] with one side read from token-major rows through
-    slot (zero rows where slot = -1): side "b", x[slot // top_k] (pt = dy [R, n], psrc = x [src_rows, k]);
-    side "a", dy[slot // top_k] (pt = x [R, k], psrc = dy [src_rows, n]). Neither side is permuted."""
+    slot (zero rows where slot = -1): side "b", x[slot // top_k] (pt = dy [R, n]); side "a",
+    dy[slot // top_k] (pt = x [R, k]). Neither side is permuted into a copy."""
     stages = stages_for(bn)
     m_dw = cute.make_tensor(pdw, cute.make_layout((n, k, n_groups), stride=(k, 1, n * k)))
     m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
@@ -481,17 +505,14 @@ def grouped_wgrad_gather_host(
         m_t = cute.make_tensor(pt, cute.make_layout((n, m_rows), stride=(1, n)))
         tma_atom, tma_t = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), m_t, cute.slice_(a_layout, (None, None, 0)), (BM, BK))
-        m_src = cute.make_tensor(psrc, cute.make_layout((src_rows, k), stride=(k, 1)))
-        row_atom, tma_src = row_tma(m_src, b_layout)
     else:
         m_t = cute.make_tensor(pt, cute.make_layout((k, m_rows), stride=(1, k)))
         tma_atom, tma_t = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), m_t, cute.slice_(b_layout, (None, None, 0)), (bn, BK))
-        m_src = cute.make_tensor(psrc, cute.make_layout((src_rows, n), stride=(n, 1)))
-        row_atom, tma_src = row_tma(m_src, a_layout)
     grouped_wgrad_gather_kernel(
-        tma_atom, tma_t, row_atom, tma_src, m_slot, top_k, src_rows, m_dw, m_offs, m_ws, m_count, m_rows,
-        n_groups, thresh, split_rows, tiled_mma, a_layout, b_layout, d_layout, n, k, bn, side, stages,
+        tma_atom, tma_t, m_slot, Int64(psrc.toint()), Int64(pzero.toint()), top_k, m_dw, m_offs, m_ws,
+        m_count, m_rows, n_groups, thresh, split_rows, tiled_mma, a_layout, b_layout, d_layout, n, k, bn,
+        side, stages,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
 
 
@@ -508,7 +529,7 @@ def compile_args(n: int, k: int, bn: int) -> tuple[Any, tuple[Any, ...]]:
 def compile_args_gather(n: int, k: int, bn: int, side: str) -> tuple[Any, tuple[Any, ...]]:
     if side not in ("a", "b"):
         raise ValueError(f"gathered wgrad side {side!r}: 'a' (dy token-major) or 'b' (x token-major)")
-    ptrs = (pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(Int64, 0, 8), pointer(BFloat16, 0),
+    ptrs = (*(pointer(BFloat16, 0) for _ in range(3)), pointer(Int64, 0, 8), pointer(BFloat16, 0),
             pointer(Int32, 0, 4), pointer(Float32, 0), pointer(Int32, 0, 4))
-    return grouped_wgrad_gather_host, (*ptrs, *(Int32(0) for _ in range(8)), cuda.CUstream(0), n, k, bn,
+    return grouped_wgrad_gather_host, (*ptrs, *(Int32(0) for _ in range(7)), cuda.CUstream(0), n, k, bn,
                                        side)

@@ -1,0 +1,38 @@
+"""The sm_90a gathering producers' plans in plain Python, no cutlass import: which lane looks up which row of
+a stage, and how many stages a producer leaves in flight before it lands one. The kernels trace them; CPU
+tests check them in any process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nmoe.fast.limits import GEMM_BK as BK
+
+PRODUCER_THREADS = 128
+
+
+def gather_lag(stages: int) -> int:
+    """Stages a gathering producer leaves in flight before it lands its oldest: at most stages - 2, since the
+    slot it acquires next is freed only once the consumers have read the stage after the one it holds."""
+    if stages < 3:
+        raise ValueError(f"a gathering producer needs 3 or more pipeline stages, got {stages}")
+    return stages - 2
+
+
+def gather_lanes(per_row: int) -> tuple[int, int, int]:
+    """(q, rows per warp, chunks per thread) of the gathered wgrad box: a warp copies q rows per chunk
+    instruction and looks up its 16 distinct rows of a stage once, one lane each, not once per chunk."""
+    if 32 % per_row or BK * per_row % PRODUCER_THREADS:
+        raise ValueError(f"gathered wgrad: {per_row} chunks per box row do not tile a warp")
+    return 32 // per_row, BK // 4, BK * per_row // PRODUCER_THREADS
+
+
+def own_row(lane: Any, warp: Any, q: int) -> Any:
+    """The box row (of the stage's BK) whose source lane `lane` of producer warp `warp` looks up."""
+    j = lane % (BK // 4)
+    return warp * q + j % q + 4 * q * (j // q)
+
+
+def source_lane(i: int, lane: Any, per_row: int, q: int) -> Any:
+    """The lane holding the source of chunk i's row for `lane`: row ptid // per_row + 4 q i."""
+    return i * q + lane // per_row
