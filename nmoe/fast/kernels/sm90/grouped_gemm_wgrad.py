@@ -25,7 +25,7 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     CONSUMER_REGS,
     CONSUMER_THREADS,
     CONSUMER_WGS,
-    EPI_BARRIER_ID,
+    EPI_SMEM_BYTES,
     PRODUCER_REGS,
     THREADS,
     VEC,
@@ -33,8 +33,13 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     _issue_mmas,
     cta_setup,
     cta_start,
+    drain_stores,
+    epi_smem_layout,
+    epi_tma,
+    epilogue_copies,
     mma_fragments,
     pipeline_stages,
+    store_tile,
 )
 from nmoe.fast.kernels.sm90.grouped_gemm_gather import (
     arm_stage,
@@ -55,8 +60,8 @@ assert 1 << LOG_GROUPS == MAX_GROUPS, "the unit search halves a power-of-two tab
 
 
 def stages_for(bn: int) -> int:
-    """wgrad still stages its whole BM x bn output tile in shared memory, beside its two unit tables."""
-    return pipeline_stages((BM + bn) * BK * 2, BM * bn * 2 + (2 * MAX_GROUPS + 8) * 4)
+    """Operand stages beside the fwd's output subtiles and the wgrad's two unit tables."""
+    return pipeline_stages((BM + bn) * BK * 2, EPI_SMEM_BYTES + (2 * MAX_GROUPS + 8) * 4)
 
 
 @cute.jit
@@ -218,35 +223,17 @@ def _mask_tail(s_a: cute.Tensor, s_b: cute.Tensor, stage: Int32, valid: Int32, b
 @cute.jit
 def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma, s_a: cute.Tensor,
                   s_b: cute.Tensor, s_d: cute.Tensor, u: Units, m_ws: cute.Tensor, m_count: cute.Tensor,
-                  m_d: cute.Tensor, tidx: Int32, warp_idx: Int32, bidx: Int32, n_ctas: Int32,
-                  n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], stages: Constexpr[int]) -> None:
-    """The two consumer warpgroups of the wgrad: masked K boxes into wgmma, then the output tile through
-    shared memory (a split group's chunk first through its workspace slice and counter)."""
+                  tma_atom_d: cute.CopyAtom, tma_d: cute.Tensor, m_d: cute.Tensor, tidx: Int32,
+                  warp_idx: Int32, bidx: Int32, n_ctas: Int32, n: Constexpr[int], k: Constexpr[int],
+                  bn: Constexpr[int], stages: Constexpr[int]) -> None:
+    """The two consumer warpgroups of the wgrad: masked K boxes into wgmma, then the fwd's epilogue into
+    dw viewed as [E * n, k] (a split group's chunk first through its workspace slice and counter)."""
     cute.arch.setmaxregister_increase(CONSUMER_REGS)
     ctid = tidx - WG_THREADS
     t_ra, t_rb, acc_shape = mma_fragments(tiled_mma, s_a, s_b, warp_idx, bn)
     acc = cute.make_rmem_tensor(acc_shape, Float32)
 
-    stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16)
-    r2s = cute.make_tiled_copy_S(stmatrix, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
-    thr_r2s = r2s.get_slice(ctid)
-    t_rs_d = thr_r2s.partition_D(s_d)
-    t_rs_acc = r2s.retile(acc)
-    d_shape = thr_r2s.partition_S(s_d).shape
-    r_f = cute.make_rmem_tensor(d_shape, Float32)
-    r_d = cute.make_rmem_tensor(d_shape, BFloat16)
-
-    chunks_n = bn // VEC
-    s2g_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
-    s2g = cute.make_tiled_copy_tv(
-        s2g_atom,
-        cute.make_layout((CONSUMER_THREADS // chunks_n, chunks_n), stride=(chunks_n, 1)),
-        cute.make_layout((1, VEC)),
-    )
-    thr_s2g = s2g.get_slice(ctid)
-    t_s_sd = thr_s2g.partition_S(s_d)
-    t_s_cd = thr_s2g.partition_D(cute.make_identity_tensor((BM, bn)))
-    epi_bar = pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID, num_threads=CONSUMER_THREADS)
+    epi = epilogue_copies(tiled_mma, acc, s_d, ctid, tma_atom_d)
     mask_bar = pipeline.NamedBarrier(barrier_id=MASK_BARRIER_ID, num_threads=CONSUMER_THREADS)
 
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -279,35 +266,23 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
             write = Int32(1)
             if splits > 1:
                 write = _split_partial(acc, m_ws, m_count, u.flag, e * u.tiles_per_group + local, first_slice,
-                                       part, splits, u.tiles_per_group, local, ctid, epi_bar)
+                                       part, splits, u.tiles_per_group, local, ctid, epi.bar)
             if write == 1:
-                epi_bar.arrive_and_wait()
-                for v in range_constexpr(cute.size(r_f)):
-                    r_f[v] = t_rs_acc[v]
-                r_d.store(r_f.load().to(BFloat16))
-                cute.copy(r2s, r_d, t_rs_d)
-                epi_bar.arrive_and_wait()
-                rows_valid = n - m_tile * BM
-                cols_valid = k - n_tile * bn
-                g_d = cute.local_tile(m_d[(None, None, e)], (BM, bn), (m_tile, n_tile))
-                t_s_gd = thr_s2g.partition_D(g_d)
-                for i in range_constexpr(cute.size(t_s_sd, mode=[1])):
-                    for j in range_constexpr(cute.size(t_s_sd, mode=[2])):
-                        coord = t_s_cd[(0, i, j)]
-                        if coord[0] < rows_valid and coord[1] < cols_valid:
-                            cute.copy(s2g_atom, t_s_sd[(None, i, j)], t_s_gd[(None, i, j)])
+                store_tile(epi, tma_d, m_d, m_d, e * n + m_tile * BM, n_tile, e * n + n, k, bn, "none")
+    drain_stores()
 
 
 @cute.kernel
 def grouped_wgrad_kernel(
     tma_atom_a: cute.CopyAtom, m_a: cute.Tensor, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
-    m_d: cute.Tensor, m_offs: cute.Tensor, m_ws: cute.Tensor, m_count: cute.Tensor, m_rows: Int32,
+    tma_atom_d: cute.CopyAtom, tma_d: cute.Tensor, m_d: cute.Tensor, m_offs: cute.Tensor, m_ws: cute.Tensor,
+    m_count: cute.Tensor, m_rows: Int32,
     n_groups: Int32, thresh: Int32, split_rows: Int32,
     tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
     d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
     stages: Constexpr[int],
 ) -> None:
-    tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b))
+    tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b, tma_atom_d))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
                                                 stages, tables=3)
     u = plan_units(s_offs, n_groups, m_rows, thresh, split_rows, tidx, n, k, bn)
@@ -337,14 +312,14 @@ def grouped_wgrad_kernel(
                         state.advance()
             mainloop.producer_tail(state)
     else:
-        consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, u, m_ws, m_count, m_d, tidx, warp_idx, bidx, n_ctas,
-                      n, k, bn, stages)
+        consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, u, m_ws, m_count, tma_atom_d, tma_d, m_d, tidx,
+                      warp_idx, bidx, n_ctas, n, k, bn, stages)
 
 
 def _mn_major_setup(bn: int, stages: int) -> tuple[cute.TiledMma, cute.ComposedLayout, cute.ComposedLayout,
                                                     cute.ComposedLayout]:
-    """The wgrad's MMA and shared layouts: both operands MN-major (rows are the reduction), output staged
-    whole."""
+    """The wgrad's MMA and shared layouts: both operands MN-major (rows are the reduction), the output
+    through the fwd's subtiles."""
     mn_major = LayoutEnum.COL_MAJOR
     tile = (BM, bn, BK)
     tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -353,9 +328,15 @@ def _mn_major_setup(bn: int, stages: int) -> tuple[cute.TiledMma, cute.ComposedL
     )
     a_layout = sm90_utils.make_smem_layout_a(mn_major, tile, BFloat16, stages)
     b_layout = sm90_utils.make_smem_layout_b(mn_major, tile, BFloat16, stages)
-    d_layout = cute.slice_(sm90_utils.make_smem_layout_epi(BFloat16, LayoutEnum.ROW_MAJOR, (BM, bn), 1),
-                           (None, None, 0))
-    return tiled_mma, a_layout, b_layout, d_layout
+    return tiled_mma, a_layout, b_layout, epi_smem_layout()
+
+
+def _dw_out(pdw: Pointer, n_groups: Int32, n: int, k: int) -> tuple[cute.Tensor, cute.CopyAtom, cute.Tensor]:
+    """dw [E, n, k] as the [E * n, k] rows the fwd's epilogue stores: a group's tiles never cross into the
+    next group's rows, since its row_end is e * n + n."""
+    m_d = cute.make_tensor(pdw, cute.make_layout((n_groups * n, k), stride=(k, 1)))
+    atom, tma_d = epi_tma(m_d)
+    return m_d, atom, tma_d
 
 
 def _split_tensors(pws: Pointer, pcount: Pointer, ws_tiles: Int32, n_groups: Int32, n: int, k: int,
@@ -381,7 +362,7 @@ def grouped_wgrad_host(
     m_ws, m_count = _split_tensors(pws, pcount, ws_tiles, n_groups, n, k, bn)
     m_dyt = cute.make_tensor(pdy, cute.make_layout((n, m_rows), stride=(1, n)))
     m_xt = cute.make_tensor(px, cute.make_layout((k, m_rows), stride=(1, k)))
-    m_dw = cute.make_tensor(pdw, cute.make_layout((n, k, n_groups), stride=(k, 1, n * k)))
+    m_dw, tma_atom_d, tma_d = _dw_out(pdw, n_groups, n, k)
     m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
 
     tiled_mma, a_layout, b_layout, d_layout = _mn_major_setup(bn, stages)
@@ -390,8 +371,8 @@ def grouped_wgrad_host(
     tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
         cpasync.CopyBulkTensorTileG2SOp(), m_xt, cute.slice_(b_layout, (None, None, 0)), (bn, BK))
     grouped_wgrad_kernel(
-        tma_atom_a, tma_a, tma_atom_b, tma_b, m_dw, m_offs, m_ws, m_count, m_rows, n_groups, thresh,
-        split_rows, tiled_mma, a_layout, b_layout, d_layout, n, k, bn, stages,
+        tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, m_dw, m_offs, m_ws, m_count, m_rows,
+        n_groups, thresh, split_rows, tiled_mma, a_layout, b_layout, d_layout, n, k, bn, stages,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
 
 
@@ -462,13 +443,14 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.C
 @cute.kernel
 def grouped_wgrad_gather_kernel(
     tma_atom: cute.CopyAtom, m_t: cute.Tensor, m_slot: cute.Tensor, src_addr: Int64, zero_addr: Int64,
-    top_k: Int32, m_d: cute.Tensor, m_offs: cute.Tensor, m_ws: cute.Tensor, m_count: cute.Tensor,
+    top_k: Int32, tma_atom_d: cute.CopyAtom, tma_d: cute.Tensor, m_d: cute.Tensor, m_offs: cute.Tensor,
+    m_ws: cute.Tensor, m_count: cute.Tensor,
     m_rows: Int32, n_groups: Int32, thresh: Int32, split_rows: Int32, tiled_mma: cute.TiledMma,
     a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout,
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
     side: Constexpr[str], stages: Constexpr[int],
 ) -> None:
-    tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom,))
+    tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom, tma_atom_d))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
                                                 stages, "a" if const_expr(side == "b") else "b", 3)
     u = plan_units(s_offs, n_groups, m_rows, thresh, split_rows, tidx, n, k, bn)
@@ -481,8 +463,8 @@ def grouped_wgrad_gather_kernel(
             produce_wgrad_gathered(mainloop, tma_atom, m_t, m_slot, src_addr, zero_addr, top_k, s_b, s_a,
                                    a_layout.outer, u, bidx, n_ctas, warp_idx, tidx, n, bn, side, stages)
     else:
-        consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, u, m_ws, m_count, m_d, tidx, warp_idx, bidx, n_ctas,
-                      n, k, bn, stages)
+        consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, u, m_ws, m_count, tma_atom_d, tma_d, m_d, tidx,
+                      warp_idx, bidx, n_ctas, n, k, bn, stages)
 
 
 @cute.jit
@@ -496,7 +478,7 @@ def grouped_wgrad_gather_host(
     slot (zero rows where slot = -1): side "b", x[slot // top_k] (pt = dy [R, n]); side "a",
     dy[slot // top_k] (pt = x [R, k]). Neither side is permuted into a copy."""
     stages = stages_for(bn)
-    m_dw = cute.make_tensor(pdw, cute.make_layout((n, k, n_groups), stride=(k, 1, n * k)))
+    m_dw, tma_atom_d, tma_d = _dw_out(pdw, n_groups, n, k)
     m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
     m_slot = cute.make_tensor(pslot, cute.make_layout(m_rows))
     m_ws, m_count = _split_tensors(pws, pcount, ws_tiles, n_groups, n, k, bn)
@@ -510,7 +492,8 @@ def grouped_wgrad_gather_host(
         tma_atom, tma_t = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), m_t, cute.slice_(b_layout, (None, None, 0)), (bn, BK))
     grouped_wgrad_gather_kernel(
-        tma_atom, tma_t, m_slot, Int64(psrc.toint()), Int64(pzero.toint()), top_k, m_dw, m_offs, m_ws,
+        tma_atom, tma_t, m_slot, Int64(psrc.toint()), Int64(pzero.toint()), top_k, tma_atom_d, tma_d, m_dw,
+        m_offs, m_ws,
         m_count, m_rows, n_groups, thresh, split_rows, tiled_mma, a_layout, b_layout, d_layout, n, k, bn,
         side, stages,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
