@@ -47,7 +47,7 @@ def ep_model_job(group: Any, cfg: ModelConfig, tokens: Tensor) -> dict[str, Any]
     from nmoe.fast.rdep.group import RdepGroup
     from nmoe.fast.rdep.spmd import all_gather_bytes
     from nmoe.sharding import ExpertShard, reduce_grads, shard_of
-    from nmoe.train.optim import clip_grad_norm
+    from nmoe.train.optim import clip_scale
 
     rank, world, dev = group.rank, group.shape.world, group.device
     slots = RdepGroup(slot_shape(group.shape), rank, dev, all_gather_bytes)
@@ -65,7 +65,7 @@ def ep_model_job(group: Any, cfg: ModelConfig, tokens: Tensor) -> dict[str, Any]
         model.check_exchange()
         params = list(model.parameters())
         reduce_grads(params, world, all_reduce_sum)
-        norm = clip_grad_norm(params, 0.0, all_reduce_sum)
+        norm = clip_scale(params, 0.0, all_reduce_sum)[0]
         mean = loss.detach().float().clone()
         all_reduce_sum(mean)
         group.sync_check()
@@ -75,7 +75,7 @@ def ep_model_job(group: Any, cfg: ModelConfig, tokens: Tensor) -> dict[str, Any]
         whole = tokens.to(dev)
         ref = one(whole[:, :-1], whole[:, 1:])
         ref.backward()
-        ref_norm = clip_grad_norm(list(one.parameters()), 0.0)
+        ref_norm = clip_scale(list(one.parameters()), 0.0)[0]
         ref_grads = {n: p.grad for n, p in one.named_parameters()}
         errs = {}
         for name, p in model.named_parameters():

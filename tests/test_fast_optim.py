@@ -35,16 +35,17 @@ def adamw_case(shape: tuple[int, ...], seed: int, step: int, lr: float = 1e-3, w
     return p, grad, m, v, torch.tensor([step, lr, wd], dtype=torch.float64)
 
 
-def run_adamw(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, step: int, lr: float, wd: float
-              ) -> tuple[Tensor, Tensor, Tensor]:
+def run_adamw(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, step: int, lr: float, wd: float,
+              scale: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     pc, mc, vc = p.cuda(), m.cuda(), v.cuda()
-    fast.adamw_step(pc, grad.cuda(), mc, vc, step, lr, 0.9, 0.95, 1e-8, wd)
+    fast.adamw_step(pc, grad.cuda(), mc, vc, step, lr, 0.9, 0.95, 1e-8, wd,
+                    None if scale is None else scale.cuda())
     return pc.cpu(), mc.cpu(), vc.cpu()
 
 
 def check_adamw(out: tuple[Tensor, Tensor, Tensor], p: Tensor, grad: Tensor, m: Tensor, v: Tensor, step: int,
-                lr: float, wd: float) -> None:
-    exp = po.adamw(Inputs((p, grad, m, v, step, lr, 0.9, 0.95, 1e-8, wd)), ADAMW.contract)
+                lr: float, wd: float, scale: Tensor | None = None) -> None:
+    exp = po.adamw(Inputs((p, grad, m, v, step, lr, 0.9, 0.95, 1e-8, wd, scale)), ADAMW.contract)
     for got, e, name in zip(out, exp, ("p", "m", "v"), strict=True):
         assert e is not None
         verdict = compare_output(got, e, ADAMW.contract, name)
@@ -193,11 +194,25 @@ def adamw64(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: int, lr: float, wd
 
 def sep_adamw(step: int, wd: float, **mutant: bool) -> None:
     p, grad, m, v, _ = adamw_case((256,), 10 + step, step)
-    exp = po.adamw(Inputs((p, grad, m, v, step, 1e-3, 0.9, 0.95, 1e-8, wd)), ADAMW.contract)
+    exp = po.adamw(Inputs((p, grad, m, v, step, 1e-3, 0.9, 0.95, 1e-8, wd, None)), ADAMW.contract)
     assert exp[0] is not None
     bad = adamw64(p, grad, m, v, step, 1e-3, wd, **mutant).float()
     assert not compare_output(bad, exp[0], ADAMW.contract, "p").passed
     check_adamw(run_adamw(p, grad, m, v, step, 1e-3, wd), p, grad, m, v, step, 1e-3, wd)
+
+
+@gpu
+def test_sep_adamw_fast_grad_scale_ignored() -> None:
+    """The clip factor read on the device multiplies g (fp32 and bf16 grads): with m and v already nonzero, a
+    step on 0.3 g lands outside the contract of a step on g."""
+    s = torch.tensor(0.3)
+    for grad_dtype in (torch.float32, torch.bfloat16):
+        p, grad, m, v, _ = adamw_case((1000,), 21, 4, grad_dtype=grad_dtype)
+        unscaled = po.adamw(Inputs((p, grad, m, v, 4, 1e-3, 0.9, 0.95, 1e-8, 0.1, None)), ADAMW.contract)
+        scaled = po.adamw(Inputs((p, grad, m, v, 4, 1e-3, 0.9, 0.95, 1e-8, 0.1, s)), ADAMW.contract)
+        assert unscaled[1] is not None and scaled[1] is not None
+        assert not compare_output(unscaled[1].value.float(), scaled[1], ADAMW.contract, "m").passed
+        check_adamw(run_adamw(p, grad, m, v, 4, 1e-3, 0.1, s), p, grad, m, v, 4, 1e-3, 0.1, s)
 
 
 @gpu

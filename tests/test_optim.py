@@ -116,6 +116,25 @@ def test_sep_adamw_no_bias_correction() -> None:
     assert torch.allclose(run_adamw(p0, grads), correct, rtol=1e-13, atol=1e-15)
 
 
+def test_sep_adamw_grad_scale_ignored() -> None:
+    """The clip factor folded into the step: fp64 and fp32 steps with grad_scale = s_t follow the fp64 hand
+    loop on s_t * g_t. Adam is blind to one factor over all steps, so it changes per step here (as a clip
+    factor does), which moves the result away from the unscaled loop; a bad factor is refused."""
+    p0 = gen((9,), 7)
+    grads = [gen((9,), 8 + k) for k in range(3)]
+    scales = [0.125, 1.0, 0.5]
+    want = adamw_hand(p0, [s * g for s, g in zip(scales, grads, strict=True)], 1e-2, 0.9, 0.95, 1e-8, 0.1)
+    assert not torch.allclose(want, adamw_hand(p0, grads, 1e-2, 0.9, 0.95, 1e-8, 0.1), rtol=1e-4)
+    for dtype in (torch.float64, torch.float32):
+        p, m, v = p0.clone().to(dtype), torch.zeros(9, dtype=dtype), torch.zeros(9, dtype=dtype)
+        for t, (s, g) in enumerate(zip(scales, grads, strict=True), start=1):
+            adamw_step(p, g.to(dtype), m, v, t, **HP, grad_scale=torch.tensor(s))
+        assert torch.allclose(p.double(), want, rtol=1e-6 if dtype == torch.float32 else 1e-13, atol=1e-15)
+    with pytest.raises(ValueError, match="0-dim fp32"):
+        adamw_step(p0.clone(), grads[0], torch.zeros_like(p0), torch.zeros_like(p0), 1, **HP,
+                   grad_scale=torch.ones(1))
+
+
 # ---------------------------------------------------------------- Newton-Schulz / Muon
 
 

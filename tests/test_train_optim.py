@@ -15,7 +15,7 @@ from nmoe.train.optim import (
     OptimSteps,
     build_optimizer,
     build_param_groups,
-    clip_grad_norm,
+    clip_scale,
     is_muon_param,
     param_kind,
     wsd_factor,
@@ -156,20 +156,40 @@ def test_wsd_hand_values() -> None:
     assert wsd_factor(0, flat) == wsd_factor(10, flat) == wsd_factor(99, flat) == 1.0
 
 
-def test_clip_grad_norm() -> None:
+def test_clip_scale_leaves_grads_and_names_the_factor() -> None:
     a, b = torch.zeros(1, requires_grad=True), torch.zeros(1, requires_grad=True)
     a.grad, b.grad = torch.tensor([3.0]), torch.tensor([4.0])
-    norm = clip_grad_norm([a, b], 1.0)
+    norm, scale = clip_scale([a, b], 1.0)
     assert norm.dim() == 0 and float(norm) == pytest.approx(5.0)
-    assert float(a.grad) == pytest.approx(0.6, rel=1e-5) and float(b.grad) == pytest.approx(0.8, rel=1e-5)
-    a.grad, b.grad = torch.tensor([3.0]), torch.tensor([4.0])
-    assert float(clip_grad_norm([a, b], 0.0)) == pytest.approx(5.0) and float(a.grad) == 3.0
-    a.grad, b.grad = torch.tensor([3.0]), torch.tensor([4.0])
-    assert float(clip_grad_norm([a, b], 5.0)) == 5.0 and (float(a.grad), float(b.grad)) == (3.0, 4.0)
-    a.grad, b.grad = torch.tensor([3.0]), torch.tensor([4.0])
-    clip_grad_norm([a, b], 4.5)
-    scale = np.float32(4.5 / (5.0 + 1e-6))
-    assert (float(a.grad), float(b.grad)) == (float(np.float32(3.0) * scale), float(np.float32(4.0) * scale))
+    assert (float(a.grad), float(b.grad)) == (3.0, 4.0), "the gradients are left as they are"
+    assert scale is not None and scale.dim() == 0 and scale.dtype == torch.float32
+    assert float(scale) == float(np.float32(1.0 / (5.0 + 1e-6)))
+    assert clip_scale([a, b], 0.0)[1] is None and float(clip_scale([a, b], 0.0)[0]) == pytest.approx(5.0)
+    norm, scale = clip_scale([a, b], 5.0)
+    assert float(norm) == 5.0 and scale is not None and float(scale) == 1.0
+    assert float(clip_scale([a, b], 4.5)[1]) == float(np.float32(4.5 / (5.0 + 1e-6)))  # type: ignore[arg-type]
+
+
+def test_optimizer_step_folds_the_clip_factor() -> None:
+    """Stepping with the factor equals stepping on gradients multiplied by it in fp32 (the old in-place clip),
+    bit for bit; the factor is not 1 here, so dropping it changes the params."""
+    cfg = OptimConfig()
+    made = []
+    for fold in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        model(torch.randn(16, 8)).square().sum().backward()
+        params = list(model.parameters())
+        scale = clip_scale(params, 0.5)[1]
+        assert scale is not None and float(scale) < 1.0, "the norm exceeds max_norm"
+        opt = build_optimizer(model, cfg, SPEC)
+        if fold:
+            opt.set_grad_scale(scale)
+        else:
+            torch._foreach_mul_([p.grad for p in params if p.grad is not None], scale)
+        opt.step()
+        made.append([p.detach().clone() for p in params])
+    assert all(torch.equal(x, y) for x, y in zip(*made, strict=True))
 
 
 def test_optimizer_refuses_low_precision_masters() -> None:

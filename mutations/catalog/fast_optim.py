@@ -22,6 +22,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "weight decay shrinks the first moment instead of the parameter", TESTS, ("adamw",), device="gpu",
     ),
     sep_mutation(
+        "adamw.fast_grad_scale_ignored", KERNEL,
+        "            g = mul_rn(g, scale)\n", "            g = g\n",
+        "the AdamW kernel never multiplies g by the clip factor it is handed", TESTS, ("adamw",),
+        device="gpu",
+    ),
+    sep_mutation(
         "muon.fast_ns_coeffs_swapped", GLUE,
         "NS5_COEFFS: Final[tuple[float, float, float]] = (3.4445, -4.7750, 2.0315)",
         "NS5_COEFFS: Final[tuple[float, float, float]] = (2.0315, -4.7750, 3.4445)",

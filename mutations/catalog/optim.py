@@ -22,6 +22,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         "AdamW moments used without the 1 - beta^t bias correction", TESTS, ("adamw",),
     ),
     sep_mutation(
+        "adamw.grad_scale_ignored", FILE,
+        "    return gf * grad_scale.to(p.dtype)\n", "    return gf\n",
+        "the clip factor handed to the step is dropped, so clipping never takes effect", TESTS, ("adamw",),
+    ),
+    sep_mutation(
         "muon.ns_coeffs_swapped", FILE,
         "NS5_COEFFS = (3.4445, -4.7750, 2.0315)",
         "NS5_COEFFS = (2.0315, -4.7750, 3.4445)",

@@ -32,11 +32,19 @@ def _check_master(name: str, p: Tensor, *state: Tensor) -> None:
                              f"the param {p.dtype} {tuple(p.shape)}")
 
 
+def _check_scale(name: str, p: Tensor, grad_scale: Tensor | None) -> None:
+    if grad_scale is not None and (grad_scale.dim() != 0 or grad_scale.dtype != torch.float32
+                                   or grad_scale.device != p.device):
+        raise ValueError(f"{name}: grad_scale must be a 0-dim fp32 tensor on {p.device}, got "
+                         f"{grad_scale.dtype} {tuple(grad_scale.shape)} on {grad_scale.device}")
+
+
 def adamw_step(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: int, lr: float, beta1: float, beta2: float,
-               eps: float, weight_decay: float) -> None:
+               eps: float, weight_decay: float, grad_scale: Tensor | None = None) -> None:
     """One AdamW step in place on fp32 p, m, v (grad fp32 or bf16); step counts from 1.
 
-    p *= 1-lr*wd; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g; p -= lr*(m/(1-b1^t)) / (sqrt(v/(1-b2^t))+eps)
+    g = g * grad_scale (when given, read on the device); p *= 1-lr*wd; m = b1*m + (1-b1)*g;
+    v = b2*v + (1-b2)*g*g; p -= lr*(m/(1-b1^t)) / (sqrt(v/(1-b2^t))+eps)
     """
     _check_master("adamw_step", p, m, v)
     if g.shape != p.shape or g.dtype not in _GRAD_DTYPES:
@@ -44,6 +52,7 @@ def adamw_step(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: int, lr: float,
                          f"{tuple(p.shape)}")
     if step < 1:
         raise ValueError(f"adamw_step: step={step} must be >= 1 (increment the step count before stepping)")
+    _check_scale("adamw_step", p, grad_scale)
     device, arch = runtime.device_arch(p, g, m, v)
     n = p.numel()
     if n == 0:
@@ -53,7 +62,9 @@ def adamw_step(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: int, lr: float,
     vec = 4 if all(a % VEC_BYTES == 0 for a in ptrs) else 1
     coeffs = (1.0 - lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, 1.0 - beta1**step,
               1.0 - beta2**step, lr, eps)
-    ADAMW.launcher(arch, vec=vec, grad_dtype=_GRAD_DTYPES[g.dtype])(device, *ptrs, n, *coeffs)
+    scale = p if grad_scale is None else grad_scale
+    ADAMW.launcher(arch, vec=vec, grad_dtype=_GRAD_DTYPES[g.dtype], scaled=grad_scale is not None)(
+        device, *ptrs, scale.data_ptr(), n, *coeffs)
 
 
 def newton_schulz5(g: Tensor, steps: int = 5) -> Tensor:
@@ -88,18 +99,20 @@ def muon_scale(shape: torch.Size | tuple[int, ...]) -> float:
 
 
 def muon_step(p: Tensor, g: Tensor, buf: Tensor, lr: float, momentum: float, weight_decay: float,
-              nesterov: bool = True, ns_steps: int = 5) -> None:
+              nesterov: bool = True, ns_steps: int = 5, grad_scale: Tensor | None = None) -> None:
     """One Muon step in place on fp32 p and buf (Moonlight form); matrices over the last two dims.
 
-    buf = mu*buf + g; u = g + mu*buf (nesterov) or buf; p *= 1 - lr*wd; p -= lr*muon_scale*NS5(u).
+    g = g * grad_scale (when given); buf = mu*buf + g; u = g + mu*buf (nesterov) or buf; p *= 1 - lr*wd;
+    p -= lr*muon_scale*NS5(u).
     """
     _check_master("muon_step", p, buf)
     if p.dim() < 2:
         raise ValueError(f"muon_step: param shape {tuple(p.shape)} is not a matrix; step it with adamw_step")
     if g.shape != p.shape:
         raise ValueError(f"muon_step: grad shape {tuple(g.shape)} must equal param shape {tuple(p.shape)}")
+    _check_scale("muon_step", p, grad_scale)
     runtime.device_arch(p, g, buf)
-    gf = g.to(torch.float32)
+    gf = g.to(torch.float32) if grad_scale is None else g.to(torch.float32) * grad_scale
     buf.mul_(momentum).add_(gf)
     update = gf + momentum * buf if nesterov else buf
     ortho = newton_schulz5(update, ns_steps)
@@ -115,18 +128,15 @@ _ROUNDED = (r"\bsqrt\.rn\.f32\b", r"\bdiv\.rn\.f32\b", r"\bmul\.rn\.f32\b", r"\b
 
 
 def _kernel_specs() -> tuple[KernelSpec, ...]:
-    """The 128-bit kernels, and the scalar ones adamw_step compiles for tensors off 16-byte alignment."""
-    wide = tuple(
-        runtime.portable_spec("adamw", f"adamw_{tag}", ADAMW.compiler(vec=4, grad_dtype=gd),
-                              (*_ROUNDED, runtime.LD128, runtime.ST128), _FORBID)
-        for gd, tag in (("float32", "g32"), ("bfloat16", "gbf16"))
+    """The 128-bit kernels, and the scalar ones adamw_step compiles for tensors off 16-byte alignment; each
+    with and without the folded grad scale."""
+    return tuple(
+        runtime.portable_spec("adamw", f"adamw_{tag}{'' if vec == 4 else '_v1'}{'_scaled' if scaled else ''}",
+                              ADAMW.compiler(vec=vec, grad_dtype=gd, scaled=scaled),
+                              (*_ROUNDED, runtime.LD128, runtime.ST128) if vec == 4 else _ROUNDED, _FORBID)
+        for vec in (4, 1) for gd, tag in (("float32", "g32"), ("bfloat16", "gbf16"))
+        for scaled in (False, True)
     )
-    scalar = tuple(
-        runtime.portable_spec("adamw", f"adamw_{tag}_v1", ADAMW.compiler(vec=1, grad_dtype=gd),
-                              _ROUNDED, _FORBID)
-        for gd, tag in (("float32", "g32"), ("bfloat16", "gbf16"))
-    )
-    return wide + scalar
 
 
 KERNELS: tuple[KernelSpec, ...] = _kernel_specs()

@@ -14,6 +14,18 @@ NS5_EPS = 1e-7
 MUON_RMS_MATCH = 0.2
 
 
+def scaled_grad(name: str, p: Tensor, g: Tensor, grad_scale: Tensor | None) -> Tensor:
+    """g in the param dtype, times grad_scale (a 0-dim tensor: the clip factor) rounded once: clipping folded
+    into the step, so it never rewrites the gradients."""
+    gf = g.to(p.dtype)
+    if grad_scale is None:
+        return gf
+    if grad_scale.dim() != 0 or grad_scale.dtype != torch.float32 or grad_scale.device != p.device:
+        raise ValueError(f"{name}: grad_scale must be a 0-dim fp32 tensor on {p.device}, got "
+                         f"{grad_scale.dtype} {tuple(grad_scale.shape)} on {grad_scale.device}")
+    return gf * grad_scale.to(p.dtype)
+
+
 def _check_master(name: str, p: Tensor, *state: Tensor) -> None:
     if p.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"{name}: param dtype {p.dtype} must be fp32 (or fp64); step the fp32 master copy")
@@ -35,17 +47,19 @@ def adamw_step(
     beta2: float,
     eps: float,
     weight_decay: float,
+    grad_scale: Tensor | None = None,
 ) -> None:
     """One AdamW step (Loshchilov & Hutter), in place on p, m, v; step counts from 1 (bias correction).
 
-    p *= 1-lr*wd; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g; p -= lr*(m/(1-b1^t)) / (sqrt(v/(1-b2^t))+eps)
+    g = g * grad_scale (when given); p *= 1-lr*wd; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g;
+    p -= lr*(m/(1-b1^t)) / (sqrt(v/(1-b2^t))+eps)
     """
     _check_master("adamw_step", p, m, v)
     if g.shape != p.shape:
         raise ValueError(f"adamw_step: grad shape {tuple(g.shape)} must equal param shape {tuple(p.shape)}")
     if step < 1:
         raise ValueError(f"adamw_step: step={step} must be >= 1 (increment the step count before stepping)")
-    gf = g.to(p.dtype)
+    gf = scaled_grad("adamw_step", p, g, grad_scale)
     p.mul_(1.0 - lr * weight_decay)
     m.mul_(beta1).add_(gf, alpha=1.0 - beta1)
     v.mul_(beta2).addcmul_(gf, gf, value=1.0 - beta2)
@@ -90,17 +104,19 @@ def muon_step(
     weight_decay: float,
     nesterov: bool = True,
     ns_steps: int = 5,
+    grad_scale: Tensor | None = None,
 ) -> None:
     """One Muon step in place on p and buf (Moonlight form); matrices over the last two dims, e.g. [E, N, K].
 
-    buf = mu*buf + g; u = g + mu*buf (nesterov) or buf; p *= 1 - lr*wd; p -= lr*muon_scale*NS5(u).
+    g = g * grad_scale (when given); buf = mu*buf + g; u = g + mu*buf (nesterov) or buf; p *= 1 - lr*wd;
+    p -= lr*muon_scale*NS5(u).
     """
     _check_master("muon_step", p, buf)
     if p.dim() < 2:
         raise ValueError(f"muon_step: param shape {tuple(p.shape)} is not a matrix; step it with adamw_step")
     if g.shape != p.shape:
         raise ValueError(f"muon_step: grad shape {tuple(g.shape)} must equal param shape {tuple(p.shape)}")
-    gf = g.to(p.dtype)
+    gf = scaled_grad("muon_step", p, g, grad_scale)
     buf.mul_(momentum).add_(gf)
     update = gf + momentum * buf if nesterov else buf
     ortho = newton_schulz5(update, ns_steps).to(p.dtype)

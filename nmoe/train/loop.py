@@ -34,7 +34,7 @@ from nmoe.train.optim import (
     OptimSteps,
     TrainOptimizer,
     build_optimizer,
-    clip_grad_norm,
+    clip_scale,
     param_kind,
     wsd_factor,
 )
@@ -256,7 +256,8 @@ def _run(
                     loss = loss.detach()
                 if world > 1:
                     reduce_grads(params, world, _all_reduce_sum)
-                norm = clip_grad_norm(params, cfg.optim.grad_clip, _all_reduce_sum if world > 1 else None)
+                norm, scale = clip_scale(params, cfg.optim.grad_clip, _all_reduce_sum if world > 1 else None)
+                optimizer.set_grad_scale(scale)
                 mean_loss = loss.detach().float()
                 if world > 1:
                     mean_loss = mean_loss.clone()

@@ -61,12 +61,12 @@ def build_param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict[str, Any
 
 class AdamWStep(Protocol):
     def __call__(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: int, lr: float, beta1: float,
-                 beta2: float, eps: float, weight_decay: float) -> None: ...
+                 beta2: float, eps: float, weight_decay: float, grad_scale: Tensor | None = None) -> None: ...
 
 
 class MuonStep(Protocol):
     def __call__(self, p: Tensor, g: Tensor, buf: Tensor, lr: float, momentum: float, weight_decay: float,
-                 nesterov: bool = True, ns_steps: int = 5) -> None: ...
+                 nesterov: bool = True, ns_steps: int = 5, grad_scale: Tensor | None = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,7 @@ class TrainOptimizer(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         self.cfg = cfg
         self.steps = steps
+        self.grad_scale: Tensor | None = None
         for group in self.param_groups:
             if group["algo"] not in ("adamw", "muon"):
                 raise ValueError(f"param group algo {group['algo']!r}; use adamw or muon")
@@ -102,6 +103,10 @@ class TrainOptimizer(torch.optim.Optimizer):
     def set_lr_factor(self, factor: float) -> None:
         for group in self.param_groups:
             group["lr"] = group["base_lr"] * factor
+
+    def set_grad_scale(self, scale: Tensor | None) -> None:
+        """The clip factor (clip_scale's) the next step folds into every gradient it reads."""
+        self.grad_scale = scale
 
     def named_state(self) -> dict[str, dict[str, Tensor]]:
         """{param name: {state key: tensor}}: the optimizer part of a checkpoint, keyed by FQN."""
@@ -123,11 +128,11 @@ class TrainOptimizer(torch.optim.Optimizer):
                 st = self.state[p]
                 if group["algo"] == "muon":
                     self.steps.muon(p, p.grad, st["momentum_buffer"], lr, c.muon_momentum, wd, True,
-                                    c.muon_ns_steps)
+                                    c.muon_ns_steps, self.grad_scale)
                     continue
                 st["step"] += 1
                 self.steps.adamw(p, p.grad, st["exp_avg"], st["exp_avg_sq"], int(st["step"]), lr, c.beta1,
-                                 c.beta2, c.eps, wd)
+                                 c.beta2, c.eps, wd, self.grad_scale)
         return loss
 
 
@@ -135,22 +140,22 @@ def grads(params: Iterable[Tensor]) -> Iterator[Tensor]:
     return (p.grad for p in params if p.grad is not None)
 
 
-def clip_grad_norm(params: list[Tensor], max_norm: float,
-                   all_reduce_sum: AllReduceSum | None = None) -> Tensor:
-    """Global L2 norm in fp32 as a 0-dim tensor (no host sync); grads are scaled by max_norm / (norm + 1e-6),
-    rounded to fp32, only when max_norm > 0 and the norm exceeds it (else by exactly 1). Expert-sharded
-    gradients count over every rank through `all_reduce_sum`."""
+def clip_scale(params: list[Tensor], max_norm: float,
+               all_reduce_sum: AllReduceSum | None = None) -> tuple[Tensor, Tensor | None]:
+    """(global L2 norm in fp32, clip factor), 0-dim tensors, no host sync, gradients untouched: the factor is
+    max_norm / (norm + 1e-6) rounded to fp32 where the norm exceeds max_norm, else exactly 1, and None when
+    max_norm <= 0. The optimizer step folds it in (set_grad_scale). Expert-sharded gradients count over
+    every rank through `all_reduce_sum`."""
     held = [p for p in params if p.grad is not None]
     gs = list(grads(held))
     if not gs:
-        return torch.zeros((), dtype=torch.float32)
+        return torch.zeros((), dtype=torch.float32), None
     norms = list(torch._foreach_norm(gs, 2, dtype=torch.float32))
     total = grad_norm(norms, [shard_of(p) is not None for p in held], all_reduce_sum)
-    if max_norm > 0:
-        t64 = total.double()
-        scale = torch.where(t64 > max_norm, max_norm / (t64 + 1e-6), torch.ones_like(t64)).float()
-        torch._foreach_mul_(gs, scale)
-    return total
+    if max_norm <= 0:
+        return total, None
+    t64 = total.double()
+    return total, torch.where(t64 > max_norm, max_norm / (t64 + 1e-6), torch.ones_like(t64)).float()
 
 
 def wsd_factor(tokens: int, s: ScheduleConfig) -> float:

@@ -56,7 +56,9 @@ def make_adamw(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
         grad, m, v = torch.zeros_like(grad), torch.zeros_like(m), torch.zeros_like(v)
     elif adv == "denormal":
         grad = randn(shape, torch.float32, g, 1e-20)
-    args = (par, grad, m, v, int(q["step"]), float(q["lr"]), 0.9, float(q["beta2"]), 1e-8, float(q["wd"]))
+    scale = torch.tensor(0.3) if adv == "clipped" else None
+    args = (par, grad, m, v, int(q["step"]), float(q["lr"]), 0.9, float(q["beta2"]), 1e-8, float(q["wd"]),
+            scale)
     return Inputs(args, shape={"R": q["R"], "C": q["C"], "step": int(q["step"])}, dtype="fp32")
 
 
@@ -84,9 +86,13 @@ def make_muon(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
 
 def adamw(inp: Inputs, c: Contract) -> list[Expect | None]:
     """Per output a forward-error budget in units of u (coefficient roundings included): m, v are
-    length-2 sums; p adds the decay rounding, the update's error (driven by m's) and the subtraction."""
-    p, g, m, v, step, lr, b1, b2, eps, wd = inp.args
+    length-2 sums; p adds the decay rounding, the update's error (driven by m's) and the subtraction. A clip
+    factor s multiplies g exactly here; its one fp32 rounding adds a unit to g's terms (two to g*g's)."""
+    p, g, m, v, step, lr, b1, b2, eps, wd, scale = inp.args
     p, g, m, v = d(p), d(g), d(m), d(v)
+    extra = 0.0
+    if scale is not None:
+        g, extra = g * float(scale), 1.0
     p1 = p * (1 - lr * wd)
     m1 = b1 * m + (1 - b1) * g
     v1 = b2 * v + (1 - b2) * g * g
@@ -96,8 +102,9 @@ def adamw(inp: Inputs, c: Contract) -> list[Expect | None]:
     pn = p1 - upd
     mag_m = (b1 * m).abs() + ((1 - b1) * g).abs()
     mag_v = (b2 * v).abs() + ((1 - b2) * g * g).abs()
-    mag_p = 2 * p1.abs() + pn.abs() + lr / bc1 * 3 * mag_m / denom + 12 * upd.abs()
-    return [Expect(pn, mag=mag_p, k=1.0), Expect(m1, mag=mag_m, k=3.0), Expect(v1, mag=mag_v, k=4.0)]
+    mag_p = 2 * p1.abs() + pn.abs() + lr / bc1 * (3 + extra) * mag_m / denom + (12 + 2 * extra) * upd.abs()
+    return [Expect(pn, mag=mag_p, k=1.0), Expect(m1, mag=mag_m, k=3.0 + extra),
+            Expect(v1, mag=mag_v, k=4.0 + 2 * extra)]
 
 
 NS5 = (3.4445, -4.7750, 2.0315)
@@ -147,7 +154,7 @@ ENTRIES: list[OpEntry] = [
         ),
         oracle=adamw,
         output_names=("p", "m", "v"),
-        adversarial=("zero", "denormal", "single_token"),
+        adversarial=("zero", "denormal", "single_token", "clipped"),
         dtypes=("fp32",),
         ref64=True,
         inplace=(0, 2, 3),

@@ -21,13 +21,16 @@ DTYPES: dict[str, Any] = {"bfloat16": BFloat16, "float32": Float32}
 
 
 @cute.jit
-def _update(fp: cute.Tensor, fg: cute.Tensor, fm: cute.Tensor, fv: cute.Tensor, decay: Float32, b1: Float32,
-            omb1: Float32, b2: Float32, omb2: Float32, bc1: Float32, bc2: Float32, lr: Float32, eps: Float32,
-            vec: Constexpr[int]) -> None:
-    """p = p*decay; m = m*b1 + g*(1-b1); v = v*b2 + (g*g)*(1-b2); p -= (lr*(m/bc1)) / (sqrt(v/bc2) + eps)."""
+def _update(fp: cute.Tensor, fg: cute.Tensor, fm: cute.Tensor, fv: cute.Tensor, scale: Float32,
+            decay: Float32, b1: Float32, omb1: Float32, b2: Float32, omb2: Float32, bc1: Float32,
+            bc2: Float32, lr: Float32, eps: Float32, vec: Constexpr[int], scaled: Constexpr[bool]) -> None:
+    """g = g*scale (scaled); p = p*decay; m = m*b1 + g*(1-b1); v = v*b2 + (g*g)*(1-b2);
+    p -= (lr*(m/bc1)) / (sqrt(v/bc2) + eps)."""
     for j in range_constexpr(vec):
         gj: Any = fg[j]
         g = gj.to(Float32) if const_expr(fg.element_type != Float32) else gj
+        if const_expr(scaled):
+            g = mul_rn(g, scale)
         p1 = mul_rn(fp[j], decay)
         m1 = add_rn(mul_rn(fm[j], b1), mul_rn(g, omb1))
         v1 = add_rn(mul_rn(fv[j], b2), mul_rn(mul_rn(g, g), omb2))
@@ -53,9 +56,9 @@ def _store_tail(m: cute.Tensor, f: cute.Tensor, base: Int64, n: Int64, vec: Cons
 
 
 @cute.kernel
-def adamw_kernel(pp: Pointer, pg: Pointer, pm: Pointer, pv: Pointer, n: Int64, decay: Float32, b1: Float32,
-                 omb1: Float32, b2: Float32, omb2: Float32, bc1: Float32, bc2: Float32, lr: Float32,
-                 eps: Float32, vec: Constexpr[int]) -> None:
+def adamw_kernel(pp: Pointer, pg: Pointer, pm: Pointer, pv: Pointer, ps: Pointer, n: Int64, decay: Float32,
+                 b1: Float32, omb1: Float32, b2: Float32, omb2: Float32, bc1: Float32, bc2: Float32,
+                 lr: Float32, eps: Float32, vec: Constexpr[int], scaled: Constexpr[bool]) -> None:
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     i = Int64(bidx) * THREADS + Int64(tidx)
@@ -68,6 +71,9 @@ def adamw_kernel(pp: Pointer, pg: Pointer, pm: Pointer, pv: Pointer, n: Int64, d
     fg = cute.make_rmem_tensor((vec,), mg.element_type)
     fm = cute.make_rmem_tensor((vec,), Float32)
     fv = cute.make_rmem_tensor((vec,), Float32)
+    scale = Float32(1.0)
+    if const_expr(scaled):
+        scale = cute.make_tensor(ps, cute.make_layout(1))[0]
     if i < nfull:
         gp = cute.zipped_divide(mp, (vec,))
         gm = cute.zipped_divide(mm, (vec,))
@@ -76,7 +82,7 @@ def adamw_kernel(pp: Pointer, pg: Pointer, pm: Pointer, pv: Pointer, n: Int64, d
         fg.store(cute.zipped_divide(mg, (vec,))[(None, i)].load().reshape((vec,)))
         fm.store(gm[(None, i)].load().reshape((vec,)))
         fv.store(gv[(None, i)].load().reshape((vec,)))
-        _update(fp, fg, fm, fv, decay, b1, omb1, b2, omb2, bc1, bc2, lr, eps, vec)
+        _update(fp, fg, fm, fv, scale, decay, b1, omb1, b2, omb2, bc1, bc2, lr, eps, vec, scaled)
         gp[(None, i)].store(fp.load())
         gm[(None, i)].store(fm.load())
         gv[(None, i)].store(fv.load())
@@ -86,17 +92,18 @@ def adamw_kernel(pp: Pointer, pg: Pointer, pm: Pointer, pv: Pointer, n: Int64, d
         _load_tail(mg, fg, base, n, vec)
         _load_tail(mm, fm, base, n, vec)
         _load_tail(mv, fv, base, n, vec)
-        _update(fp, fg, fm, fv, decay, b1, omb1, b2, omb2, bc1, bc2, lr, eps, vec)
+        _update(fp, fg, fm, fv, scale, decay, b1, omb1, b2, omb2, bc1, bc2, lr, eps, vec, scaled)
         _store_tail(mp, fp, base, n, vec)
         _store_tail(mm, fm, base, n, vec)
         _store_tail(mv, fv, base, n, vec)
 
 
 @cute.jit
-def adamw_host(pp: Pointer, pg: Pointer, pm: Pointer, pv: Pointer, n: Int64, decay: Float32, b1: Float32,
-               omb1: Float32, b2: Float32, omb2: Float32, bc1: Float32, bc2: Float32, lr: Float32,
-               eps: Float32, stream: cuda.CUstream, vec: Constexpr[int], grad_dtype: Constexpr[str]) -> None:
-    adamw_kernel(pp, pg, pm, pv, n, decay, b1, omb1, b2, omb2, bc1, bc2, lr, eps, vec).launch(
+def adamw_host(pp: Pointer, pg: Pointer, pm: Pointer, pv: Pointer, ps: Pointer, n: Int64,
+               decay: Float32, b1: Float32, omb1: Float32, b2: Float32, omb2: Float32, bc1: Float32,
+               bc2: Float32, lr: Float32, eps: Float32, stream: cuda.CUstream, vec: Constexpr[int],
+               grad_dtype: Constexpr[str], scaled: Constexpr[bool]) -> None:
+    adamw_kernel(pp, pg, pm, pv, ps, n, decay, b1, omb1, b2, omb2, bc1, bc2, lr, eps, vec, scaled).launch(
         grid=[(n // vec + THREADS) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream
     )
 
@@ -108,5 +115,7 @@ def compile_args(kernel: str, spec: dict[str, Any]) -> tuple[Any, tuple[Any, ...
     vec, gd = spec["vec"], DTYPES[spec["grad_dtype"]]
     gmem = cute.AddressSpace.gmem
     ptrs = [make_ptr(t, 0, gmem, assumed_align=vec * t.width // 8) for t in (Float32, gd, Float32, Float32)]
+    scale = make_ptr(Float32, 0, gmem, assumed_align=4)
     scalars = [Float32(0.0)] * 9
-    return adamw_host, (*ptrs, Int64(0), *scalars, cuda.CUstream(0), vec, spec["grad_dtype"])
+    return adamw_host, (*ptrs, scale, Int64(0), *scalars, cuda.CUstream(0), vec, spec["grad_dtype"],
+                        spec["scaled"])
