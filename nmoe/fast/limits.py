@@ -26,8 +26,8 @@ GEMM_CLUSTER_M: Final[int] = 2
 """CTAs of an sm_90a TMA-fed fwd/dgrad cluster: they take M tiles side by side and share each B box by TMA
 multicast, so B's L2 reads are cut by this factor."""
 GEMM_GATHER_CLUSTER_M: Final[int] = 1
-"""The same for the fwd/dgrad that gather A by cp.async: alone, since clustered (2) they ran 1.1-1.5x slower
-on the H200."""
+"""The same for the fwd/dgrad that gather A row by row: alone, since clustered (2) they gain nothing on the
+H200 (row TMA: 0.96-1.00x; with cp.async rows they ran 1.1-1.5x slower)."""
 GEMM_MAX_GROUPS: Final[int] = 1024
 """Groups the grouped GEMM's shared-memory offs table holds."""
 GEMM_ALIGN: Final[int] = 8
