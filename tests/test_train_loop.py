@@ -275,10 +275,14 @@ def test_two_gloo_ranks_train_like_one_rank_on_the_same_global_batch(tmp_path: P
     assert [p.exitcode for p in procs] == [0, 0]
     assert abs(got[0][1] - got[1][1]) > 1e-3, "the two ranks' own first losses differ"
     assert (got[0][1] + got[1][1]) / 2 == pytest.approx(one.losses[0], rel=1e-5)
+    # Summed halves round differently from the whole batch; where a gradient is near zero, Adam turns that
+    # noise into a visible fraction of a step (one head entry moved 6e-6 on one CPU). Unsynchronized ranks
+    # move entries by a good part of lr, so a thousandth of one step still tells them apart.
+    atol = 1e-3 * one_cfg.optim.lr_dense
     for _, _, losses, params in got:
         assert losses == pytest.approx(one.losses, rel=1e-5), (losses, one.losses)
         for name, p in model.named_parameters():
-            assert torch.allclose(torch.from_numpy(params[name]), p.detach(), rtol=1e-4, atol=1e-6), name
+            assert torch.allclose(torch.from_numpy(params[name]), p.detach(), rtol=1e-4, atol=atol), name
 
 
 def test_sep_loop_previous_graph_kept(tmp_path: Path, dataset: Path) -> None:
