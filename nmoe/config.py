@@ -253,7 +253,7 @@ class TrainConfig(_Section):
     device: str = _spec("cuda", choices=("cuda", "cpu"))
     model: str = _spec("fast", choices=("fast", "reference"))
     dtype: str = _spec("bf16", choices=("bf16",))
-    param_dtype: str = _spec("fp32", choices=("fp32",))
+    param_dtype: str = _spec("fp32", choices=("fp32", "bf16"))
     optim_state_dtype: str = _spec("fp32", choices=("fp32",))
     log_every: int = _spec(10, lo=1)
     cuda_graph: bool = _spec(False)

@@ -30,10 +30,11 @@ class _Init:
         self.gen = None if device.type == "meta" else torch.Generator(device).manual_seed(seed)
 
     def normal(self, *shape: int) -> nn.Parameter:
-        t = torch.empty(*shape, device=self.device, dtype=self.dtype)
+        """Drawn in fp32 whatever the param dtype, so a bf16 model holds the rounded fp32 model's draws."""
+        t = torch.empty(*shape, device=self.device, dtype=torch.float32)
         if self.gen is not None:
             t.normal_(0.0, self.std, generator=self.gen)
-        return nn.Parameter(t)
+        return nn.Parameter(t.to(self.dtype))
 
     def ones(self, n: int) -> nn.Parameter:
         return nn.Parameter(torch.ones(n, device=self.device, dtype=self.dtype))

@@ -45,6 +45,9 @@ def build_model(cfg: Config, rank: int = 0, world: int = 1) -> nn.Module:
     if cfg.train.model == "reference":
         from nmoe.reference.model import Model as SpecModel
 
+        if cfg.train.param_dtype != "fp32":
+            raise ValueError(f"train.param_dtype = {cfg.train.param_dtype!r}: the spec model keeps fp32 "
+                             "params; set it to \"fp32\" or train the fast model (train.model = \"fast\")")
         model = SpecModel(cfg.model, seed=cfg.train.seed)
         return model
     from nmoe.fast.model import Model, ep_shape

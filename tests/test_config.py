@@ -123,7 +123,8 @@ def test_wrong_type(raw: dict[str, dict[str, object]], needle: str) -> None:
         ),
         ({"model": {"score_func": "relu"}}, "use one of sigmoid, softmax"),
         ({"train": {"run_name": ""}}, "train.run_name: empty"),
-        ({"train": {"param_dtype": "bf16"}}, "train.param_dtype: 'bf16' is not accepted; use one of fp32"),
+        ({"train": {"param_dtype": "fp16"}},
+         "train.param_dtype: 'fp16' is not accepted; use one of fp32, bf16"),
         ({"train": {"optim_state_dtype": "bf16"}}, "train.optim_state_dtype: 'bf16' is not accepted"),
     ],
 )

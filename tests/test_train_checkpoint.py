@@ -82,6 +82,31 @@ def test_round_trip_without_process_group(tmp_path: Path) -> None:
             assert torch.equal(want[name][key], got[name][key]), (name, key)
 
 
+def test_bf16_params_round_trip_with_their_fp32_masters(tmp_path: Path) -> None:
+    """train.param_dtype = "bf16": the checkpoint holds the bf16 params and, in the optimizer state, the fp32
+    masters that carry the bits the params dropped; both load back exactly."""
+    cfg = make_cfg(tmp_path)
+    net = Net(0).to(torch.bfloat16)
+    opt = build_optimizer(net, cfg.optim, SPEC)
+    for i in range(3):
+        ((net.lin.sum(0) * net.norm).float().pow(2).sum() * (i + 1)).backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        opt.zero_grad()
+    path = save(cfg, net, opt, 3)
+    other = Net(9).to(torch.bfloat16)
+    other_opt = build_optimizer(other, cfg.optim, SPEC)
+    ckpt.load(path, model=other, optimizer=other_opt, cfg=cfg)
+    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), other.state_dict().values(),
+                                                  strict=True))
+    want, got = opt.named_state(), other_opt.named_state()
+    assert want["lin"]["master"].dtype == torch.float32
+    assert not torch.equal(want["lin"]["master"], net.lin.float()), "the master holds bits the param drops"
+    for name in want:
+        assert want[name].keys() == got[name].keys()
+        for key in want[name]:
+            assert torch.equal(want[name][key], got[name][key]), (name, key)
+
+
 def test_rng_states_are_restored(tmp_path: Path) -> None:
     cfg = make_cfg(tmp_path)
     net, opt = trained(0, cfg)

@@ -192,6 +192,31 @@ def test_optimizer_step_folds_the_clip_factor() -> None:
     assert all(torch.equal(x, y) for x, y in zip(*made, strict=True))
 
 
-def test_optimizer_refuses_low_precision_masters() -> None:
-    with pytest.raises(ValueError, match="fp32 master"):
-        build_optimizer(nn.Linear(2, 2).to(torch.bfloat16), OptimConfig(), SPEC)
+def test_optimizer_refuses_params_it_has_no_master_for() -> None:
+    with pytest.raises(ValueError, match="fp32 masters"):
+        build_optimizer(nn.Linear(2, 2).to(torch.float16), OptimConfig(), SPEC)
+
+
+@pytest.mark.parametrize("algo", ["adamw", "muon"])
+def test_bf16_params_step_their_fp32_masters(algo: str) -> None:
+    """A bf16 param's fp32 master steps exactly as an fp32 param fed the same (bf16) gradients, and the param
+    is the master rounded once to bf16 after every step; the master, not the param, is what steps next."""
+    cfg = OptimConfig(name=algo)
+    torch.manual_seed(1)
+    ref = nn.Module()
+    ref.attn = nn.Linear(8, 6, bias=False)
+    low = nn.Module()
+    low.attn = nn.Linear(8, 6, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        ref.attn.weight.copy_(low.attn.weight.float())
+    opt_ref, opt_low = build_optimizer(ref, cfg, SPEC), build_optimizer(low, cfg, SPEC)
+    master = opt_low.state[low.attn.weight]["master"]
+    assert master.dtype == torch.float32 and torch.equal(master, ref.attn.weight)
+    for k in range(3):
+        g = torch.randn(6, 8, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+        low.attn.weight.grad, ref.attn.weight.grad = g, g.float()
+        opt_ref.step()
+        opt_low.step()
+        assert torch.equal(master, ref.attn.weight), k
+        assert torch.equal(low.attn.weight, master.to(torch.bfloat16)), k
+    assert not torch.equal(master, low.attn.weight.float()), "the master keeps bits the bf16 param drops"

@@ -1,6 +1,6 @@
-"""The fast model: nmoe.modeldef's model (the spec model's constructor, names, shapes and init draws) with the
-fast ops, dense projections on cuBLAS. Masters in `param_dtype`, cast to bf16 once per forward; built on an
-sm_90a/sm_100a GPU, or on meta for shapes; any other device raises."""
+"""The fast model: nmoe.modeldef's model with the fast ops, dense projections on cuBLAS. Params in
+`param_dtype`: fp32 masters cast to bf16 once per forward, or bf16 read as they are (the optimizer holds fp32
+masters); built on an sm_90a/sm_100a GPU, or on meta for shapes; any other device raises."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from nmoe.config import OptimConfig, ScheduleConfig
 from nmoe.sharding import AllReduceSum, grad_norm, shard_of
 
 Kind = Literal["dense", "router", "expert"]
+PARAM_DTYPES: Final[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16)
 KINDS: Final[tuple[Kind, ...]] = ("dense", "router", "expert")
 
 _ROUTER = re.compile(r"(^|\.)router[^.]*$|(^|\.)(router|gate)\.")
@@ -79,7 +80,9 @@ class OptimSteps:
 
 
 class TrainOptimizer(torch.optim.Optimizer):
-    """AdamW / Muon per group ("algo"); state is created eagerly so checkpoints load into it in place."""
+    """AdamW / Muon per group ("algo"); state is created eagerly so checkpoints load into it in place. An fp32
+    param is its own master; a bf16 param (train.param_dtype = "bf16": no cast in the forward, bf16 grads)
+    gets an fp32 master in its state, which the step updates and then rounds into the param."""
 
     def __init__(self, groups: list[dict[str, Any]], cfg: OptimConfig, steps: OptimSteps) -> None:
         defaults = {"lr": 0.0, "base_lr": 0.0, "weight_decay": 0.0, "algo": "adamw", "kind": "dense",
@@ -92,13 +95,17 @@ class TrainOptimizer(torch.optim.Optimizer):
             if group["algo"] not in ("adamw", "muon"):
                 raise ValueError(f"param group algo {group['algo']!r}; use adamw or muon")
             for p in group["params"]:
-                if p.dtype != torch.float32:
-                    raise ValueError(f"optimizer: param dtype {p.dtype}; keep fp32 master weights")
+                if p.dtype not in PARAM_DTYPES:
+                    raise ValueError(f"optimizer: param dtype {p.dtype}; params are fp32 masters, or bf16 "
+                                     "with fp32 masters held here (train.param_dtype)")
+                master = {} if p.dtype == torch.float32 else {"master": p.detach().float()}
+                like = master.get("master", p)
                 if group["algo"] == "muon":
-                    self.state[p] = {"momentum_buffer": torch.zeros_like(p)}
+                    self.state[p] = {"momentum_buffer": torch.zeros_like(like), **master}
                 else:
                     self.state[p] = {"step": torch.zeros((), dtype=torch.int64),
-                                     "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+                                     "exp_avg": torch.zeros_like(like), "exp_avg_sq": torch.zeros_like(like),
+                                     **master}
 
     def set_lr_factor(self, factor: float) -> None:
         for group in self.param_groups:
@@ -126,13 +133,16 @@ class TrainOptimizer(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 st = self.state[p]
+                w = st.get("master", p)
                 if group["algo"] == "muon":
-                    self.steps.muon(p, p.grad, st["momentum_buffer"], lr, c.muon_momentum, wd, True,
+                    self.steps.muon(w, p.grad, st["momentum_buffer"], lr, c.muon_momentum, wd, True,
                                     c.muon_ns_steps, self.grad_scale)
-                    continue
-                st["step"] += 1
-                self.steps.adamw(p, p.grad, st["exp_avg"], st["exp_avg_sq"], int(st["step"]), lr, c.beta1,
-                                 c.beta2, c.eps, wd, self.grad_scale)
+                else:
+                    st["step"] += 1
+                    self.steps.adamw(w, p.grad, st["exp_avg"], st["exp_avg_sq"], int(st["step"]), lr, c.beta1,
+                                     c.beta2, c.eps, wd, self.grad_scale)
+                if w is not p:
+                    p.copy_(w)
         return loss
 
 
