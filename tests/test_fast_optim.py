@@ -216,6 +216,19 @@ def test_sep_adamw_fast_grad_scale_ignored() -> None:
 
 
 @gpu
+def test_sep_adamw_fast_low_copy_from_moment() -> None:
+    """With p_low the kernel also writes the new master rounded to bf16 (equal to torch's rounding of the fast
+    p, whole vectors and the tail), not another register's bits: here m rounds elsewhere than p."""
+    p, grad, m, v, _ = adamw_case((1003,), 31, 2, grad_dtype=torch.bfloat16)
+    pc, mc, vc = p.cuda(), m.cuda(), v.cuda()
+    low = torch.empty(1003, dtype=torch.bfloat16, device="cuda")
+    fast.adamw_step(pc, grad.cuda(), mc, vc, 2, 1e-3, 0.9, 0.95, 1e-8, 0.1, torch.tensor(0.5).cuda(), low)
+    assert not torch.equal(mc.bfloat16(), pc.bfloat16()), "m and p round to different bf16 values"
+    assert torch.equal(low.view(torch.int16), pc.bfloat16().view(torch.int16))
+    check_adamw((pc.cpu(), mc.cpu(), vc.cpu()), p, grad, m, v, 2, 1e-3, 0.1, torch.tensor(0.5))
+
+
+@gpu
 def test_sep_adamw_fast_no_bias_correction() -> None:
     sep_adamw(1, 0.1, bias=False)
 

@@ -3,6 +3,8 @@
 import itertools
 import math
 
+import ml_dtypes
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -133,6 +135,22 @@ def test_sep_adamw_grad_scale_ignored() -> None:
     with pytest.raises(ValueError, match="0-dim fp32"):
         adamw_step(p0.clone(), grads[0], torch.zeros_like(p0), torch.zeros_like(p0), 1, **HP,
                    grad_scale=torch.ones(1))
+
+
+def test_adamw_and_muon_round_the_new_master_into_p_low() -> None:
+    """p_low (a bf16 param over an fp32 master) holds the stepped master rounded to nearest even, checked
+    against ml_dtypes' rounding; the step moves the master far enough that the old one rounds elsewhere."""
+    p = gen((4, 6), 11).float()
+    g = gen((4, 6), 12).bfloat16()
+    for step in (adamw_step, muon_step):
+        w, low = p.clone(), torch.zeros(4, 6, dtype=torch.bfloat16)
+        if step is adamw_step:
+            step(w, g, torch.zeros(4, 6), torch.zeros(4, 6), 1, **HP, p_low=low)
+        else:
+            step(w, g, torch.zeros(4, 6), 0.02, 0.95, 0.0, p_low=low)
+        want = torch.from_numpy(w.numpy().astype(ml_dtypes.bfloat16).view(np.int16))
+        assert not torch.equal(want, p.bfloat16().view(torch.int16)), "the step changes the rounded param"
+        assert torch.equal(low.view(torch.int16), want), step.__name__
 
 
 # ---------------------------------------------------------------- Newton-Schulz / Muon

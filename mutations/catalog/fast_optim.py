@@ -28,6 +28,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         device="gpu",
     ),
     sep_mutation(
+        "adamw.fast_low_copy_from_moment", KERNEL,
+        "            fl.store(out_bits(fp.load(), \"bfloat16\"))\n            cute.zipped_divide",
+        "            fl.store(out_bits(fm.load(), \"bfloat16\"))\n            cute.zipped_divide",
+        "the bf16 param a master step writes takes the first moment's bits instead of the new master's",
+        TESTS, ("adamw",), device="gpu",
+    ),
+    sep_mutation(
         "muon.fast_ns_coeffs_swapped", GLUE,
         "NS5_COEFFS: Final[tuple[float, float, float]] = (3.4445, -4.7750, 2.0315)",
         "NS5_COEFFS: Final[tuple[float, float, float]] = (2.0315, -4.7750, 3.4445)",

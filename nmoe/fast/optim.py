@@ -40,8 +40,10 @@ def _check_scale(name: str, p: Tensor, grad_scale: Tensor | None) -> None:
 
 
 def adamw_step(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: int, lr: float, beta1: float, beta2: float,
-               eps: float, weight_decay: float, grad_scale: Tensor | None = None) -> None:
-    """One AdamW step in place on fp32 p, m, v (grad fp32 or bf16); step counts from 1.
+               eps: float, weight_decay: float, grad_scale: Tensor | None = None,
+               p_low: Tensor | None = None) -> None:
+    """One AdamW step in place on fp32 p, m, v (grad fp32 or bf16); step counts from 1; p_low (bf16, with a
+    bf16 grad) also gets the new p rounded once, in the same pass.
 
     g = g * grad_scale (when given, read on the device); p *= 1-lr*wd; m = b1*m + (1-b1)*g;
     v = b2*v + (1-b2)*g*g; p -= lr*(m/(1-b1^t)) / (sqrt(v/(1-b2^t))+eps)
@@ -53,18 +55,23 @@ def adamw_step(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: int, lr: float,
     if step < 1:
         raise ValueError(f"adamw_step: step={step} must be >= 1 (increment the step count before stepping)")
     _check_scale("adamw_step", p, grad_scale)
+    if p_low is not None and (p_low.shape != p.shape or p_low.dtype != torch.bfloat16
+                              or g.dtype != torch.bfloat16 or not p_low.is_contiguous()):
+        raise ValueError(f"adamw_step: p_low {p_low.dtype} {tuple(p_low.shape)} must be a contiguous bf16 "
+                         f"tensor of the param shape {tuple(p.shape)}, with a bf16 grad (got {g.dtype})")
     device, arch = runtime.device_arch(p, g, m, v)
     n = p.numel()
     if n == 0:
         return
     g = g.contiguous()
     ptrs = [t.data_ptr() for t in (p, g, m, v)]
-    vec = 4 if all(a % VEC_BYTES == 0 for a in ptrs) else 1
+    low = p if p_low is None else p_low
+    vec = 4 if all(a % VEC_BYTES == 0 for a in ptrs) and low.data_ptr() % 8 == 0 else 1
     coeffs = (1.0 - lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, 1.0 - beta1**step,
               1.0 - beta2**step, lr, eps)
     scale = p if grad_scale is None else grad_scale
-    ADAMW.launcher(arch, vec=vec, grad_dtype=_GRAD_DTYPES[g.dtype], scaled=grad_scale is not None)(
-        device, *ptrs, scale.data_ptr(), n, *coeffs)
+    ADAMW.launcher(arch, vec=vec, grad_dtype=_GRAD_DTYPES[g.dtype], scaled=grad_scale is not None,
+                   low=p_low is not None)(device, *ptrs, scale.data_ptr(), low.data_ptr(), n, *coeffs)
 
 
 def newton_schulz5(g: Tensor, steps: int = 5) -> Tensor:
@@ -99,7 +106,8 @@ def muon_scale(shape: torch.Size | tuple[int, ...]) -> float:
 
 
 def muon_step(p: Tensor, g: Tensor, buf: Tensor, lr: float, momentum: float, weight_decay: float,
-              nesterov: bool = True, ns_steps: int = 5, grad_scale: Tensor | None = None) -> None:
+              nesterov: bool = True, ns_steps: int = 5, grad_scale: Tensor | None = None,
+              p_low: Tensor | None = None) -> None:
     """One Muon step in place on fp32 p and buf (Moonlight form); matrices over the last two dims.
 
     g = g * grad_scale (when given); buf = mu*buf + g; u = g + mu*buf (nesterov) or buf; p *= 1 - lr*wd;
@@ -118,6 +126,8 @@ def muon_step(p: Tensor, g: Tensor, buf: Tensor, lr: float, momentum: float, wei
     ortho = newton_schulz5(update, ns_steps)
     p.mul_(1.0 - lr * weight_decay)
     p.sub_((lr * muon_scale(p.shape)) * ortho)
+    if p_low is not None:
+        p_low.copy_(p)
 
 
 # Every AdamW step must round once (no FMA contraction, no approximate sqrt/div, no flush to zero).
@@ -129,13 +139,14 @@ _ROUNDED = (r"\bsqrt\.rn\.f32\b", r"\bdiv\.rn\.f32\b", r"\bmul\.rn\.f32\b", r"\b
 
 def _kernel_specs() -> tuple[KernelSpec, ...]:
     """The 128-bit kernels, and the scalar ones adamw_step compiles for tensors off 16-byte alignment; each
-    with and without the folded grad scale."""
+    with and without the folded grad scale, and with bf16 grads also writing the bf16 param (low)."""
     return tuple(
-        runtime.portable_spec("adamw", f"adamw_{tag}{'' if vec == 4 else '_v1'}{'_scaled' if scaled else ''}",
-                              ADAMW.compiler(vec=vec, grad_dtype=gd, scaled=scaled),
-                              (*_ROUNDED, runtime.LD128, runtime.ST128) if vec == 4 else _ROUNDED, _FORBID)
+        runtime.portable_spec(
+            "adamw", f"adamw_{tag}{'_v1' * (vec == 1)}{'_scaled' * scaled}{'_low' * low}",
+            ADAMW.compiler(vec=vec, grad_dtype=gd, scaled=scaled, low=low),
+            (*_ROUNDED, runtime.LD128, runtime.ST128) if vec == 4 else _ROUNDED, _FORBID)
         for vec in (4, 1) for gd, tag in (("float32", "g32"), ("bfloat16", "gbf16"))
-        for scaled in (False, True)
+        for scaled in (False, True) for low in ((False, True) if gd == "bfloat16" else (False,))
     )
 
 

@@ -48,8 +48,10 @@ def adamw_step(
     eps: float,
     weight_decay: float,
     grad_scale: Tensor | None = None,
+    p_low: Tensor | None = None,
 ) -> None:
-    """One AdamW step (Loshchilov & Hutter), in place on p, m, v; step counts from 1 (bias correction).
+    """One AdamW step (Loshchilov & Hutter), in place on p, m, v; step counts from 1 (bias correction); p_low
+    (a lower-precision copy of p, e.g. a bf16 model param) gets the new p rounded once.
 
     g = g * grad_scale (when given); p *= 1-lr*wd; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g;
     p -= lr*(m/(1-b1^t)) / (sqrt(v/(1-b2^t))+eps)
@@ -66,6 +68,8 @@ def adamw_step(
     bias1 = 1.0 - beta1**step
     bias2 = 1.0 - beta2**step
     p.sub_(lr * (m / bias1) / ((v / bias2).sqrt() + eps))
+    if p_low is not None:
+        p_low.copy_(p)
 
 
 def newton_schulz5(g: Tensor, steps: int = 5) -> Tensor:
@@ -105,6 +109,7 @@ def muon_step(
     nesterov: bool = True,
     ns_steps: int = 5,
     grad_scale: Tensor | None = None,
+    p_low: Tensor | None = None,
 ) -> None:
     """One Muon step in place on p and buf (Moonlight form); matrices over the last two dims, e.g. [E, N, K].
 
@@ -122,6 +127,8 @@ def muon_step(
     ortho = newton_schulz5(update, ns_steps).to(p.dtype)
     p.mul_(1.0 - lr * weight_decay)
     p.sub_((lr * muon_scale(p.shape)) * ortho)
+    if p_low is not None:
+        p_low.copy_(p)
 
 
 @dataclass(frozen=True)

@@ -62,12 +62,14 @@ def build_param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict[str, Any
 
 class AdamWStep(Protocol):
     def __call__(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: int, lr: float, beta1: float,
-                 beta2: float, eps: float, weight_decay: float, grad_scale: Tensor | None = None) -> None: ...
+                 beta2: float, eps: float, weight_decay: float, grad_scale: Tensor | None = None,
+                 p_low: Tensor | None = None) -> None: ...
 
 
 class MuonStep(Protocol):
     def __call__(self, p: Tensor, g: Tensor, buf: Tensor, lr: float, momentum: float, weight_decay: float,
-                 nesterov: bool = True, ns_steps: int = 5, grad_scale: Tensor | None = None) -> None: ...
+                 nesterov: bool = True, ns_steps: int = 5, grad_scale: Tensor | None = None,
+                 p_low: Tensor | None = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -133,16 +135,14 @@ class TrainOptimizer(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 st = self.state[p]
-                w = st.get("master", p)
+                w, low = (st["master"], p) if "master" in st else (p, None)
                 if group["algo"] == "muon":
                     self.steps.muon(w, p.grad, st["momentum_buffer"], lr, c.muon_momentum, wd, True,
-                                    c.muon_ns_steps, self.grad_scale)
+                                    c.muon_ns_steps, self.grad_scale, low)
                 else:
                     st["step"] += 1
                     self.steps.adamw(w, p.grad, st["exp_avg"], st["exp_avg_sq"], int(st["step"]), lr, c.beta1,
-                                     c.beta2, c.eps, wd, self.grad_scale)
-                if w is not p:
-                    p.copy_(w)
+                                     c.beta2, c.eps, wd, self.grad_scale, low)
         return loss
 
 

@@ -8,13 +8,13 @@ from typing import Any
 
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int64
+from cutlass import BFloat16, Float32, Int16, Int64
 from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 
-from nmoe.fast.kernels.prims import add_rn, div_rn, mul_rn, sqrt_rn, sub_rn
+from nmoe.fast.kernels.prims import add_rn, div_rn, mul_rn, out_bits, sqrt_rn, sub_rn
 
 THREADS = 256
 DTYPES: dict[str, Any] = {"bfloat16": BFloat16, "float32": Float32}
@@ -56,9 +56,10 @@ def _store_tail(m: cute.Tensor, f: cute.Tensor, base: Int64, n: Int64, vec: Cons
 
 
 @cute.kernel
-def adamw_kernel(pp: Pointer, pg: Pointer, pm: Pointer, pv: Pointer, ps: Pointer, n: Int64, decay: Float32,
-                 b1: Float32, omb1: Float32, b2: Float32, omb2: Float32, bc1: Float32, bc2: Float32,
-                 lr: Float32, eps: Float32, vec: Constexpr[int], scaled: Constexpr[bool]) -> None:
+def adamw_kernel(pp: Pointer, pg: Pointer, pm: Pointer, pv: Pointer, ps: Pointer, pl: Pointer, n: Int64,
+                 decay: Float32, b1: Float32, omb1: Float32, b2: Float32, omb2: Float32, bc1: Float32,
+                 bc2: Float32, lr: Float32, eps: Float32, vec: Constexpr[int], scaled: Constexpr[bool],
+                 low: Constexpr[bool]) -> None:
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     i = Int64(bidx) * THREADS + Int64(tidx)
@@ -71,6 +72,8 @@ def adamw_kernel(pp: Pointer, pg: Pointer, pm: Pointer, pv: Pointer, ps: Pointer
     fg = cute.make_rmem_tensor((vec,), mg.element_type)
     fm = cute.make_rmem_tensor((vec,), Float32)
     fv = cute.make_rmem_tensor((vec,), Float32)
+    ml = cute.recast_tensor(cute.make_tensor(pl, cute.make_layout(n)), Int16)
+    fl = cute.make_rmem_tensor((vec,), Int16)
     scale = Float32(1.0)
     if const_expr(scaled):
         scale = cute.make_tensor(ps, cute.make_layout(1))[0]
@@ -86,6 +89,9 @@ def adamw_kernel(pp: Pointer, pg: Pointer, pm: Pointer, pv: Pointer, ps: Pointer
         gp[(None, i)].store(fp.load())
         gm[(None, i)].store(fm.load())
         gv[(None, i)].store(fv.load())
+        if const_expr(low):
+            fl.store(out_bits(fp.load(), "bfloat16"))
+            cute.zipped_divide(ml, (vec,))[(None, i)].store(fl.load())
     elif i == nfull:
         base = nfull * vec
         _load_tail(mp, fp, base, n, vec)
@@ -96,14 +102,20 @@ def adamw_kernel(pp: Pointer, pg: Pointer, pm: Pointer, pv: Pointer, ps: Pointer
         _store_tail(mp, fp, base, n, vec)
         _store_tail(mm, fm, base, n, vec)
         _store_tail(mv, fv, base, n, vec)
+        if const_expr(low):
+            fl.store(out_bits(fp.load(), "bfloat16"))
+            _store_tail(ml, fl, base, n, vec)
 
 
 @cute.jit
-def adamw_host(pp: Pointer, pg: Pointer, pm: Pointer, pv: Pointer, ps: Pointer, n: Int64,
+def adamw_host(pp: Pointer, pg: Pointer, pm: Pointer, pv: Pointer, ps: Pointer, pl: Pointer, n: Int64,
                decay: Float32, b1: Float32, omb1: Float32, b2: Float32, omb2: Float32, bc1: Float32,
                bc2: Float32, lr: Float32, eps: Float32, stream: cuda.CUstream, vec: Constexpr[int],
-               grad_dtype: Constexpr[str], scaled: Constexpr[bool]) -> None:
-    adamw_kernel(pp, pg, pm, pv, ps, n, decay, b1, omb1, b2, omb2, bc1, bc2, lr, eps, vec, scaled).launch(
+               grad_dtype: Constexpr[str], scaled: Constexpr[bool], low: Constexpr[bool]) -> None:
+    """The step over n masters; scaled: g times the fp32 factor at ps; low: the new p also rounded once into
+    the bf16 param at pl (the model's copy of a bf16-param master)."""
+    adamw_kernel(pp, pg, pm, pv, ps, pl, n, decay, b1, omb1, b2, omb2, bc1, bc2, lr, eps, vec, scaled,
+                 low).launch(
         grid=[(n // vec + THREADS) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream
     )
 
@@ -116,6 +128,7 @@ def compile_args(kernel: str, spec: dict[str, Any]) -> tuple[Any, tuple[Any, ...
     gmem = cute.AddressSpace.gmem
     ptrs = [make_ptr(t, 0, gmem, assumed_align=vec * t.width // 8) for t in (Float32, gd, Float32, Float32)]
     scale = make_ptr(Float32, 0, gmem, assumed_align=4)
+    low = make_ptr(BFloat16, 0, gmem, assumed_align=vec * 2)
     scalars = [Float32(0.0)] * 9
-    return adamw_host, (*ptrs, scale, Int64(0), *scalars, cuda.CUstream(0), vec, spec["grad_dtype"],
-                        spec["scaled"])
+    return adamw_host, (*ptrs, scale, low, Int64(0), *scalars, cuda.CUstream(0), vec, spec["grad_dtype"],
+                        spec["scaled"], spec["low"])
