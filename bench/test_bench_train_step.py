@@ -10,6 +10,7 @@ FLOP floor: nmoe.train.loop.flops_per_token (6 x active matmul parameters, exper
 lookup excluded, plus causal attention) x tokens, against the bf16 dense ceiling measured in the same run;
 MFU is against stepstats.peak_flops (989 TFLOP/s dense bf16 on H100/H200), as the trainer's MFU column.
 The two models run one after the other (each holds ~70 GB of parameters, grads and AdamW state).
+NMOE_BENCH_TRAIN_BATCH sets the batch, NMOE_BENCH_TRAIN_PARAM_DTYPE the fast model's train.param_dtype.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from nmoe.config import Config, load_config
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "moonlet.toml"
 BATCH = int(os.environ.get("NMOE_BENCH_TRAIN_BATCH", "2"))
+# train.param_dtype of the fast model: "bf16" holds bf16 params over fp32 masters in the optimizer.
+PARAM_DTYPE = os.environ.get("NMOE_BENCH_TRAIN_PARAM_DTYPE", "fp32")
 STEP_WARMUP, STEP_REPS = 3, 10
 
 
@@ -99,7 +102,8 @@ def test_bench_train_step_moonlet(benchmark: Any) -> None:
     from nmoe.train.stepstats import peak_flops
     from nmoe.traincli import optim_steps
 
-    cfg = load_config(CONFIG, env={}, overrides=[f"--data.batch_size={BATCH}"])
+    cfg = load_config(CONFIG, env={}, overrides=[f"--data.batch_size={BATCH}",
+                                                  f"--train.param_dtype={PARAM_DTYPE}"])
     base_ms, base_peak = _torch_step_ms(cfg)
     gc.collect()
     torch.cuda.empty_cache()
@@ -138,8 +142,8 @@ def test_bench_train_step_moonlet(benchmark: Any) -> None:
     graph_ms, graph_peak_gb = _timed(graph_step)
     fpt, peak = flops_per_token(model, cfg), peak_flops(torch.device("cuda", torch.cuda.current_device()))
     n = b * s
-    row = record("train_step_moonlet", {"B": b, "S": s}, ms, flops=fpt * n,
-                 baseline=("torch_moonlet", base_ms))
+    row = record("train_step_moonlet", {"B": b, "S": s, "param_dtype": cfg.train.param_dtype}, ms,
+                 flops=fpt * n, baseline=("torch_moonlet", base_ms))
     for key, step_ms, gb in (("", ms, peak_gb), ("torch_", base_ms, base_peak), ("graph_", graph_ms,
                                                                                   graph_peak_gb)):
         row[f"{key}tokens_per_s"] = n / (step_ms * 1e-3)
