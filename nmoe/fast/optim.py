@@ -42,12 +42,9 @@ def _check_scale(name: str, p: Tensor, grad_scale: Tensor | None) -> None:
 def adamw_step(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: int, lr: float, beta1: float, beta2: float,
                eps: float, weight_decay: float, grad_scale: Tensor | None = None,
                p_low: Tensor | None = None) -> None:
-    """One AdamW step in place on fp32 p, m, v (grad fp32 or bf16); step counts from 1; p_low (bf16, with a
-    bf16 grad) also gets the new p rounded once, in the same pass.
-
-    g = g * grad_scale (when given, read on the device); p *= 1-lr*wd; m = b1*m + (1-b1)*g;
-    v = b2*v + (1-b2)*g*g; p -= lr*(m/(1-b1^t)) / (sqrt(v/(1-b2^t))+eps)
-    """
+    """The spec's AdamW step in place on fp32 p, m, v in one kernel pass (grad fp32 or bf16, times the device
+    scalar grad_scale when given; step counts from 1); p_low, the bf16 param over this master (bf16 grad),
+    gets the new p rounded once in the same pass, so no separate cast runs."""
     _check_master("adamw_step", p, m, v)
     if g.shape != p.shape or g.dtype not in _GRAD_DTYPES:
         raise ValueError(f"adamw_step: grad {g.dtype} {tuple(g.shape)} must be fp32/bf16 of the param shape "
@@ -108,11 +105,10 @@ def muon_scale(shape: torch.Size | tuple[int, ...]) -> float:
 def muon_step(p: Tensor, g: Tensor, buf: Tensor, lr: float, momentum: float, weight_decay: float,
               nesterov: bool = True, ns_steps: int = 5, grad_scale: Tensor | None = None,
               p_low: Tensor | None = None) -> None:
-    """One Muon step in place on fp32 p and buf (Moonlight form); matrices over the last two dims.
+    """The spec's Muon step in place on fp32 p and buf, matrices over the last two dims (g times grad_scale
+    when given); p_low, a bf16 param over this master, gets the new p rounded once.
 
-    g = g * grad_scale (when given); buf = mu*buf + g; u = g + mu*buf (nesterov) or buf; p *= 1 - lr*wd;
-    p -= lr*muon_scale*NS5(u).
-    """
+    buf = mu*buf + g; u = g + mu*buf (nesterov) or buf; p *= 1 - lr*wd; p -= lr*muon_scale*NS5(u)."""
     _check_master("muon_step", p, buf)
     if p.dim() < 2:
         raise ValueError(f"muon_step: param shape {tuple(p.shape)} is not a matrix; step it with adamw_step")

@@ -50,11 +50,8 @@ def adamw_step(
     grad_scale: Tensor | None = None,
     p_low: Tensor | None = None,
 ) -> None:
-    """One AdamW step (Loshchilov & Hutter), in place on p, m, v; step counts from 1 (bias correction); p_low
-    (a lower-precision copy of p, e.g. a bf16 model param) gets the new p rounded once.
-
-    g = g * grad_scale (when given); p *= 1-lr*wd; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g;
-    p -= lr*(m/(1-b1^t)) / (sqrt(v/(1-b2^t))+eps)
+    """AdamW (Loshchilov & Hutter) in place, step from 1; g *= grad_scale first, p_low (bf16) gets p after:
+    p *= 1-lr*wd; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g; p -= lr*(m/(1-b1^t)) / (sqrt(v/(1-b2^t))+eps)
     """
     _check_master("adamw_step", p, m, v)
     if g.shape != p.shape:
@@ -111,10 +108,8 @@ def muon_step(
     grad_scale: Tensor | None = None,
     p_low: Tensor | None = None,
 ) -> None:
-    """One Muon step in place on p and buf (Moonlight form); matrices over the last two dims, e.g. [E, N, K].
-
-    g = g * grad_scale (when given); buf = mu*buf + g; u = g + mu*buf (nesterov) or buf; p *= 1 - lr*wd;
-    p -= lr*muon_scale*NS5(u).
+    """Muon (Moonlight form) in place over the last two dims; g *= grad_scale first, p_low gets p after:
+    buf = mu*buf + g; u = g + mu*buf (nesterov) or buf; p *= 1 - lr*wd; p -= lr*muon_scale*NS5(u).
     """
     _check_master("muon_step", p, buf)
     if p.dim() < 2:

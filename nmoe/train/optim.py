@@ -152,10 +152,9 @@ def grads(params: Iterable[Tensor]) -> Iterator[Tensor]:
 
 def clip_scale(params: list[Tensor], max_norm: float,
                all_reduce_sum: AllReduceSum | None = None) -> tuple[Tensor, Tensor | None]:
-    """(global L2 norm in fp32, clip factor), 0-dim tensors, no host sync, gradients untouched: the factor is
-    max_norm / (norm + 1e-6) rounded to fp32 where the norm exceeds max_norm, else exactly 1, and None when
-    max_norm <= 0. The optimizer step folds it in (set_grad_scale). Expert-sharded gradients count over
-    every rank through `all_reduce_sum`."""
+    """(fp32 global L2 norm over every rank's shards, clip factor), no host sync, grads untouched: the factor
+    max_norm / (norm + 1e-6) in fp32 where the norm exceeds max_norm, else exactly 1, None for max_norm <= 0;
+    the optimizer step multiplies it into each gradient it reads (set_grad_scale)."""
     held = [p for p in params if p.grad is not None]
     gs = list(grads(held))
     if not gs:
