@@ -317,3 +317,30 @@ def test_fast_checkpoint_restores_the_state_and_resume_is_bitwise(tmp_path: Path
     second = train(cfg, fast_model.Model(cfg.model, seed=7), steps=steps, max_steps=20, progress=False)
     assert first.losses == full.losses[:10], "two fresh runs differ: a fwd/bwd kernel is not deterministic"
     assert second.losses == full.losses[10:], "resumed run differs from the unbroken one"
+
+
+@gpu
+def test_bf16_params_train_like_fp32_masters_and_resume_bitwise(tmp_path: Path, dataset: Path) -> None:
+    """train.param_dtype = "bf16": the params stay bf16, the loss falls like the fp32-master run's (the two
+    differ by bf16 weight rounding only), and a resume through the checkpointed fp32 masters reproduces the
+    unbroken run bit for bit."""
+    from nmoe.train.loop import train
+    from nmoe.traincli import optim_steps
+
+    bf16 = ("--train.param_dtype=bf16",)
+    runs = {}
+    for name, extra in (("fp32", ()), ("bf16", bf16)):
+        cfg = _train_cfg(tmp_path, dataset, name, 20, *extra)
+        model = fast_model.Model(cfg.model, seed=cfg.train.seed, param_dtype=cfg.train.param_dtype)
+        runs[name] = train(cfg, model, steps=optim_steps(cfg), max_steps=20, progress=False), model
+    (ref, _), (low, model) = runs["fp32"], runs["bf16"]
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert sum(low.losses[-3:]) / 3 < sum(low.losses[:3]) / 3 - 0.5, low.losses
+    assert abs(sum(low.losses[-3:]) - sum(ref.losses[-3:])) / 3 < 0.1, (low.losses, ref.losses)
+    cfg = _train_cfg(tmp_path, dataset, "split", 20, *bf16)
+    first = train(cfg, fast_model.Model(cfg.model, param_dtype="bf16"), steps=optim_steps(cfg), max_steps=10,
+                  progress=False)
+    assert first.checkpoint is not None and first.losses == low.losses[:10]
+    second = train(cfg, fast_model.Model(cfg.model, seed=7, param_dtype="bf16"), steps=optim_steps(cfg),
+                   max_steps=20, progress=False)
+    assert second.losses == low.losses[10:], "a bf16-param resume differs from the unbroken run"
