@@ -275,17 +275,15 @@ def test_two_gloo_ranks_train_like_one_rank_on_the_same_global_batch(tmp_path: P
     assert [p.exitcode for p in procs] == [0, 0]
     assert abs(got[0][1] - got[1][1]) > 1e-3, "the two ranks' own first losses differ"
     assert (got[0][1] + got[1][1]) / 2 == pytest.approx(one.losses[0], rel=1e-5)
-    # Summed halves round differently from the whole batch. Where a gradient sits at that noise, Adam turns
-    # it into up to a step's worth (a sign flip moves an entry by 2 lr): one head entry of 65536 moved 6e-6 on
-    # one CPU. So at most 1 entry in 1000 (and at least one) may leave the tight tolerance, by at most 2 lr a
-    # step; unsynchronized ranks move most entries.
+    # Summed halves round differently from the whole batch, and Adam turns that noise on near-zero gradients
+    # into visible entry-wise moves (1 to 101 entries of 65536 beyond rtol 1e-4 / atol 1e-6, depending on the
+    # CPU and its load), so each weight is held in relative L2: noise measured 6e-7, unsynchronized ranks 0.03+.
     lr, steps = one_cfg.optim.lr_dense, len(one.losses)
     for _, _, losses, params in got:
         assert losses == pytest.approx(one.losses, rel=1e-5), (losses, one.losses)
         for name, p in model.named_parameters():
             a, b = torch.from_numpy(params[name]), p.detach()
-            off = int((~torch.isclose(a, b, rtol=1e-4, atol=1e-6)).sum())
-            assert off <= max(1, b.numel() // 1000), (name, off)
+            assert float((a - b).norm() / b.norm()) <= 1e-4, name
             assert float((a - b).abs().max()) <= 2 * lr * steps, name
 
 
