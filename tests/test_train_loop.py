@@ -275,9 +275,9 @@ def test_two_gloo_ranks_train_like_one_rank_on_the_same_global_batch(tmp_path: P
     assert [p.exitcode for p in procs] == [0, 0]
     assert abs(got[0][1] - got[1][1]) > 1e-3, "the two ranks' own first losses differ"
     assert (got[0][1] + got[1][1]) / 2 == pytest.approx(one.losses[0], rel=1e-5)
-    # Summed halves round differently from the whole batch, and Adam turns that noise on near-zero gradients
-    # into visible entry-wise moves (1 to 101 entries of 65536 beyond rtol 1e-4 / atol 1e-6, depending on the
-    # CPU and its load), so each weight is held in relative L2: noise measured 6e-7, unsynchronized ranks 0.03+.
+    # Summed halves round differently from the whole batch, and Adam turns that noise on near-zero
+    # gradients into visible entry-wise moves (1 to 101 entries of 65536 beyond rtol 1e-4 / atol 1e-6, by
+    # CPU and load), so each weight is held in relative L2: noise measured 6e-7, unsynchronized ranks 0.03+.
     lr, steps = one_cfg.optim.lr_dense, len(one.losses)
     for _, _, losses, params in got:
         assert losses == pytest.approx(one.losses, rel=1e-5), (losses, one.losses)
