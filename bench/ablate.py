@@ -69,7 +69,7 @@ ABLATIONS: tuple[Mutation, ...] = (
         "B across a 2-CTA cluster buys",
     ),
 )
-GATHER_KERNEL = "nmoe/fast/kernels/sm90/grouped_gemm_gather.py"
+WGRAD_GATHER = "nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py"
 # The gathering producers' landing (commit_stage and land_all), and the same two with each thread's copies
 # arriving on their stage's barrier by themselves.
 _LANDING = (
@@ -97,7 +97,7 @@ _LANDING += _LAND_ALL + (
 )
 _NOINC += _LAND_ALL + "    cute.arch.cp_async_commit_group()\n    cute.arch.cp_async_wait_group(0)\n"
 _GATHER_NOINC = Mutation(
-    "ablate.gather_noinc", GATHER_KERNEL, _LANDING, _NOINC,
+    "ablate.gather_noinc", WGRAD_GATHER, _LANDING, _NOINC,
     "timing only (no proxy fence): each gathering thread's copies arrive on the stage's barrier when they "
     "land (cp.async.mbarrier.arrive.noinc), so no producer thread ever waits on its own copies",
 )
@@ -108,7 +108,7 @@ _GATHER_CLUSTER_TWO = Mutation(
 )
 GATHER_ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
-        "ablate.gather_no_fence", GATHER_KERNEL,
+        "ablate.gather_no_fence", WGRAD_GATHER,
         "        cute.arch.cp_async_wait_group(lag)\n"
         "        cute.arch.fence_proxy(\"async.shared\", space=\"cta\")\n",
         "        cute.arch.cp_async_wait_group(lag)\n",
@@ -136,14 +136,14 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "its producer's pace: whether loading A, not the MMAs, sets the gathered kernels' time",
     ),
     Mutation(
-        "ablate.gather_wgrad_no_copies", "nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py",
+        "ablate.gather_wgrad_no_copies", WGRAD_GATHER,
         "                    copy_chunk(atom, g, g_base",
         "                    if col < 0:\n                        copy_chunk(atom, g, g_base",
         "timing only: the gathered wgrad producer issues no cp.async (lookups, shuffles and the landing "
         "protocol stay)",
     ),
     Mutation(
-        "ablate.gather_cache_all", GATHER_KERNEL,
+        "ablate.gather_cache_all", WGRAD_GATHER,
         "cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL)", "cpasync.CopyG2SOp(cpasync.LoadCacheMode.ALWAYS)",
         "every gathering producer's cp.async allocates in L1 (.ca) instead of bypassing it (.cg): whether "
         "the bypass path limits the copies",
@@ -170,9 +170,8 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     ),
     _GATHER_CLUSTER_TWO,
     replace(_BN128, id="ablate.gather_bn128",
-            description="every grouped GEMM in 128-wide N tiles: six operand stages (gathering lag 4) "
-            "instead of four (lag 2), at twice the re-reads of A: whether more stages in flight pace the "
-            "gathering producer"),
+            description="every grouped GEMM in 128-wide N tiles: six operand stages instead of four, at "
+            "twice the re-reads of A: whether more stages in flight pace the gathering producer"),
     Mutation(
         "ablate.gather_act_no_compute", KERNEL,
         "    r_bits.store(bits)\n", "    r_bits.fill(0)\n",

@@ -5,6 +5,7 @@ copy: every output bit equal (same MMA order per row), pad and tail rows zero. A
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -122,10 +123,8 @@ def test_sep_gemm_fast_gather_unswizzled() -> None:
     x = torch.randn(t, 256).to(torch.bfloat16).cuda()
     chunks = x.view(t, -1, 8)
     assert not torch.equal(chunks[:, 0], chunks[:, 1]), (
-        "16-byte chunks of a row differ, so chunk c placed at c instead of c ^ (row % 8) changes what the "
-        "tensor cores read for 7 rows of every 8 (the up projection and the wgrad share the swizzle)")
-    _, got, want = _pair(t, k, 256, 256, 4, x)
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        "16-byte chunks of a row differ, so the gathered wgrad's chunk c placed at c instead of "
+        "c ^ (row % 8) changes what the tensor cores read for 7 rows of every 8")
     _, got, want = _wgrad_pair(t, k, 256, 256, 4, x)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
@@ -146,14 +145,20 @@ def test_sep_gemm_fast_gather_k_tail_unmasked() -> None:
     assert torch.equal(got[even].view(torch.int16), want[even].view(torch.int16))
 
 
-@gpu
-def test_sep_gemm_fast_gather_pad_rows_read() -> None:
-    """Read as token 0's row, a pad row (slot -1) of the gathered h holds x_0 @ w_e^T instead of zeros."""
+def _assert_pad_rows_zero(pair: Callable[..., tuple[Tensor, Tensor, Tensor]]) -> None:
+    """Pad rows (slot -1) exist and token 0 is nonzero, so a pad row read as token 0's row changes the
+    gathered result against the kernel on permute's copy."""
     t, k = 40, 3
     x = torch.randn(t, 256).to(torch.bfloat16).cuda()
-    slot, got, want = _pair(t, k, 256, 256, 4, x)
+    slot, got, want = pair(t, k, 256, 256, 4, x)
     assert int((slot < 0).sum()) > 0 and bool(x[0].abs().sum() > 0), "pad rows exist and token 0 is nonzero"
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@gpu
+def test_sep_gemm_fast_gather_pad_rows_read() -> None:
+    """Read as token 0's row, a pad row of the gathered h holds x_0 @ w_e^T instead of zeros."""
+    _assert_pad_rows_zero(_pair)
 
 
 @gpu
@@ -203,11 +208,7 @@ def test_sep_gemm_fast_wgrad_gather_row_off_by_one() -> None:
 @gpu
 def test_sep_gemm_fast_wgrad_gather_pad_rows_read() -> None:
     """Pad rows carry dy values here: read as token 0's row instead of zeros they add dy_pad^T x_0."""
-    t, k = 40, 3
-    x = torch.randn(t, 256).to(torch.bfloat16).cuda()
-    slot, got, want = _wgrad_pair(t, k, 256, 256, 4, x)
-    assert int((slot < 0).sum()) > 0 and bool(x[0].abs().sum() > 0), "pad rows exist and token 0 is nonzero"
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    _assert_pad_rows_zero(_wgrad_pair)
 
 
 @gpu

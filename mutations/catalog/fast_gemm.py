@@ -123,7 +123,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
-        "gemm.fast_gather_unswizzled", GATHER,
+        "gemm.fast_gather_unswizzled", WGRAD,
         "    out: Int32 = byte ^ (((byte >> 7) & 7) << 4)\n", "    out: Int32 = byte\n",
         "the gathered wgrad's chunks written without the 128-byte swizzle the tensor cores read",
         GATHER_TESTS, ("moe_layer",), device="gpu",

@@ -1,6 +1,6 @@
 """sm_90a grouped GEMM whose A rows are gathered by index as they load (the up projection from token rows,
 the dgrad from dy rows) by one TMA box per row beside the B TMA, with the consumers and epilogue of
-grouped_gemm; also the cp.async chunk copies the gathered wgrad lands. Import after
+grouped_gemm (arm_stage serves the gathered wgrad's producer too). Import after
 nmoe.fast.runtime.import_cutlass("sm_90a")."""
 
 from __future__ import annotations
@@ -15,13 +15,11 @@ from cutlass.base_dsl.ast_helpers import range_constexpr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.typing import Pointer
-from cutlass.cutlass_dsl.cutlass import min as dsl_min
 
 from nmoe.fast.kernels.sm90.grouped_gemm import (
     EPILOGUES,
     PRODUCER_REGS,
     THREADS,
-    VEC,
     _gemm_setup,
     _seek,
     _tile_at,
@@ -41,14 +39,6 @@ from nmoe.fast.limits import GEMM_GATHER_CLUSTER_M as GATHER_CLUSTER_M
 
 
 @cute.jit
-def swizzled(byte: Int32) -> Int32:
-    """128-byte swizzle of a byte offset from a 1024-byte aligned base: 16-byte chunk ^= 128-byte row % 8
-    (what TMA writes and wgmma reads for these layouts)."""
-    out: Int32 = byte ^ (((byte >> 7) & 7) << 4)
-    return out
-
-
-@cute.jit
 def arm_stage(mainloop: pipeline.PipelineTmaAsync, state: Any, warp_idx: Int32, tma_atom: cute.CopyAtom,
               src: cute.Tensor, dst: cute.Tensor, cm: Constexpr[int] = 1) -> None:
     """A gathering producer's stage: every thread waits for it to be free; warp 0 arms its barrier and
@@ -58,48 +48,6 @@ def arm_stage(mainloop: pipeline.PipelineTmaAsync, state: Any, warp_idx: Int32, 
         copy_b(tma_atom, src, dst, mainloop.producer_get_barrier(state), cm)
     else:
         mainloop.sync_object_empty.wait(state.index, state.phase)
-
-
-@cute.jit
-def copy_chunk(atom: cute.CopyAtom, g: Int64, s_addr: Int32) -> None:
-    """One 16-byte cp.async from global byte address g to shared byte address s_addr."""
-    cute.copy(atom, cute.make_tensor(cute.make_ptr(BFloat16, g, cute.AddressSpace.gmem, assumed_align=16),
-                                     cute.make_layout(VEC)),
-              cute.make_tensor(cute.make_ptr(BFloat16, s_addr, cute.AddressSpace.smem, assumed_align=16),
-                               cute.make_layout(VEC)))
-
-
-def chunk_atom() -> cute.CopyAtom:
-    atom: cute.CopyAtom = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), BFloat16,
-                                              num_bits_per_copy=128)
-    return atom
-
-
-@cute.jit
-def _land(mainloop: pipeline.PipelineTmaAsync, index: Int32) -> None:
-    cute.arch.mbarrier_arrive(cast(pipeline.MbarrierArray, mainloop.sync_object_full).get_barrier(index))
-
-
-@cute.jit
-def commit_stage(mainloop: pipeline.PipelineTmaAsync, state: Any, lag: Constexpr[int],
-                 stages: Constexpr[int]) -> None:
-    """Commit this thread's copies of the stage `state` names; from stage `lag` on, land the stage issued
-    `lag` before it: wait for its copies, fence them into the async proxy wgmma reads through, arrive."""
-    cute.arch.cp_async_commit_group()
-    if state.count >= lag:
-        cute.arch.cp_async_wait_group(lag)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        _land(mainloop, (state.index + (stages - lag)) % stages)
-
-
-@cute.jit
-def land_all(mainloop: pipeline.PipelineTmaAsync, state: Any, lag: Constexpr[int],
-             stages: Constexpr[int]) -> None:
-    """After the producer's last stage (`state` past it): land the up to `lag` stages still in flight."""
-    cute.arch.cp_async_wait_group(0)
-    cute.arch.fence_proxy("async.shared", space="cta")
-    for i in range(dsl_min(state.count, lag)):
-        _land(mainloop, (state.index + (stages - 1) - i) % stages)
 
 
 def row_layout(a_layout: cute.ComposedLayout) -> cute.ComposedLayout:
@@ -154,13 +102,12 @@ def produce_rows(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom,
     s_b_flat = cute.group_modes(s_b, 0, 2)
     a_base = cast(Pointer, s_a.iterator).toint()
     lane = ptid % 32
-    mine = (ptid // 32) * 32 + lane
     e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, n_tiles_n, cm)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     while e <= n_groups:
         if e < n_groups:
             n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n, cm, rank)
-            src = _source_row(m_slot, row0 + mine, g_end, top_k, src_rows)
+            src = _source_row(m_slot, row0 + ptid, g_end, top_k, src_rows)
             g_b = cute.local_tile(m_b[(None, None, e)], (bn, BK), (n_tile, None))
             t_sb, t_gb = cpasync.tma_partition(tma_atom_b, rank, cute.make_layout(cm), s_b_flat,
                                                cute.group_modes(g_b, 0, 2))
@@ -169,7 +116,7 @@ def produce_rows(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom,
                           t_sb[(None, state.index)], cm)
                 bar = mainloop.producer_get_barrier(state)
                 for i in range_constexpr(32):
-                    r = mine - lane + i
+                    r = ptid - lane + i
                     _copy_row(row_atom, tma_x, cute.arch.shuffle_sync(src, i), kt,
                               a_base + a_outer((r, 0, state.index)) * 2, a_row, bar)
                 state.advance()

@@ -41,14 +41,7 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     pipeline_stages,
     store_tile,
 )
-from nmoe.fast.kernels.sm90.grouped_gemm_gather import (
-    arm_stage,
-    chunk_atom,
-    commit_stage,
-    copy_chunk,
-    land_all,
-    swizzled,
-)
+from nmoe.fast.kernels.sm90.grouped_gemm_gather import arm_stage
 from nmoe.fast.limits import GEMM_BK as BK
 from nmoe.fast.limits import GEMM_BM as BM
 from nmoe.fast.limits import GEMM_MAX_GROUPS as MAX_GROUPS
@@ -374,6 +367,57 @@ def grouped_wgrad_host(
         tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, m_dw, m_offs, m_ws, m_count, m_rows,
         n_groups, thresh, split_rows, tiled_mma, a_layout, b_layout, d_layout, n, k, bn, stages,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
+
+
+@cute.jit
+def swizzled(byte: Int32) -> Int32:
+    """128-byte swizzle of a byte offset from a 1024-byte aligned base: 16-byte chunk ^= 128-byte row % 8
+    (what TMA writes and wgmma reads for these layouts)."""
+    out: Int32 = byte ^ (((byte >> 7) & 7) << 4)
+    return out
+
+
+@cute.jit
+def copy_chunk(atom: cute.CopyAtom, g: Int64, s_addr: Int32) -> None:
+    """One 16-byte cp.async from global byte address g to shared byte address s_addr."""
+    cute.copy(atom, cute.make_tensor(cute.make_ptr(BFloat16, g, cute.AddressSpace.gmem, assumed_align=16),
+                                     cute.make_layout(VEC)),
+              cute.make_tensor(cute.make_ptr(BFloat16, s_addr, cute.AddressSpace.smem, assumed_align=16),
+                               cute.make_layout(VEC)))
+
+
+def chunk_atom() -> cute.CopyAtom:
+    """16-byte cp.async that bypasses L1 (.cg): each gathered chunk is read once per stage."""
+    atom: cute.CopyAtom = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), BFloat16,
+                                              num_bits_per_copy=128)
+    return atom
+
+
+@cute.jit
+def _land(mainloop: pipeline.PipelineTmaAsync, index: Int32) -> None:
+    cute.arch.mbarrier_arrive(cast(pipeline.MbarrierArray, mainloop.sync_object_full).get_barrier(index))
+
+
+@cute.jit
+def commit_stage(mainloop: pipeline.PipelineTmaAsync, state: Any, lag: Constexpr[int],
+                 stages: Constexpr[int]) -> None:
+    """Commit this thread's copies of the stage `state` names; from stage `lag` on, land the stage issued
+    `lag` before it: wait for its copies, fence them into the async proxy wgmma reads through, arrive."""
+    cute.arch.cp_async_commit_group()
+    if state.count >= lag:
+        cute.arch.cp_async_wait_group(lag)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        _land(mainloop, (state.index + (stages - lag)) % stages)
+
+
+@cute.jit
+def land_all(mainloop: pipeline.PipelineTmaAsync, state: Any, lag: Constexpr[int],
+             stages: Constexpr[int]) -> None:
+    """After the producer's last stage (`state` past it): land the up to `lag` stages still in flight."""
+    cute.arch.cp_async_wait_group(0)
+    cute.arch.fence_proxy("async.shared", space="cta")
+    for i in range(dsl_min(state.count, lag)):
+        _land(mainloop, (state.index + (stages - 1) - i) % stages)
 
 
 @cute.jit
