@@ -229,6 +229,23 @@ def test_sep_adamw_fast_low_copy_from_moment() -> None:
 
 
 @gpu
+def test_sep_muon_fast_grad_scale_ignored() -> None:
+    """The fast Muon step multiplies g by the clip factor (the same fp32 product as stepping on g * s, bit for
+    bit; with buf nonzero the two differ from the unscaled step) and rounds the new p into p_low."""
+    inp = muon_inputs((64, 96), 13, wd=0.0)
+    p, grad, buf = (t.cuda() for t in inp.args[:3])
+    s = torch.tensor(0.3, device="cuda")
+    runs = []
+    for g, scale in ((grad, s), (grad * s, None), (grad, None)):
+        pc, bc, low = p.clone(), buf.clone(), torch.empty_like(p, dtype=torch.bfloat16)
+        fast.muon_step(pc, g, bc, *inp.args[3:], grad_scale=scale, p_low=low)
+        assert torch.equal(low.view(torch.int16), pc.bfloat16().view(torch.int16))
+        runs.append(pc)
+    assert not torch.equal(runs[1], runs[2]), "the factor changes the step"
+    assert torch.equal(runs[0], runs[1])
+
+
+@gpu
 def test_sep_adamw_fast_no_bias_correction() -> None:
     sep_adamw(1, 0.1, bias=False)
 

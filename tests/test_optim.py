@@ -223,6 +223,20 @@ def test_muon_matches_float64_hand_loop(shape: tuple[int, ...], nesterov: bool) 
     assert torch.allclose(p, muon_hand(p0, grads, 0.02, 0.95, 0.1, nesterov), atol=1e-10)
 
 
+def test_muon_folds_a_per_step_clip_factor() -> None:
+    """Muon with grad_scale = s_t follows the fp64 hand loop on s_t * g_t; the factors change per step, which
+    moves the result away from the unscaled loop (Newton-Schulz normalises one factor away)."""
+    p0 = gen((8, 20), 21)
+    grads = [gen((8, 20), 22 + k) for k in range(3)]
+    scales = [0.125, 1.0, 0.5]
+    want = muon_hand(p0, [s * g for s, g in zip(scales, grads, strict=True)], 0.02, 0.95, 0.1, True)
+    assert not torch.allclose(want, muon_hand(p0, grads, 0.02, 0.95, 0.1, True), atol=1e-6)
+    p, buf = p0.clone(), torch.zeros_like(p0)
+    for s, g in zip(scales, grads, strict=True):
+        muon_step(p, g, buf, lr=0.02, momentum=0.95, weight_decay=0.1, grad_scale=torch.tensor(s))
+    assert torch.allclose(p, want, atol=1e-10)
+
+
 def test_muon_scale_hand_values() -> None:
     assert muon_scale((16, 64)) == pytest.approx(1.6, rel=1e-15)
     assert muon_scale((8, 100, 25)) == pytest.approx(2.0, rel=1e-15)

@@ -35,6 +35,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         TESTS, ("adamw",), device="gpu",
     ),
     sep_mutation(
+        "muon.fast_grad_scale_ignored", GLUE,
+        "    gf = g.to(torch.float32) if grad_scale is None else g.to(torch.float32) * grad_scale\n",
+        "    gf = g.to(torch.float32)\n",
+        "the fast Muon step drops the clip factor it is handed", TESTS, ("muon",), device="gpu",
+    ),
+    sep_mutation(
         "muon.fast_ns_coeffs_swapped", GLUE,
         "NS5_COEFFS: Final[tuple[float, float, float]] = (3.4445, -4.7750, 2.0315)",
         "NS5_COEFFS: Final[tuple[float, float, float]] = (2.0315, -4.7750, 3.4445)",
