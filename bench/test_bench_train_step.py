@@ -32,8 +32,8 @@ from nmoe.config import Config, load_config
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "moonlet.toml"
 BATCH = int(os.environ.get("NMOE_BENCH_TRAIN_BATCH", "2"))
-# train.param_dtype of the fast model: "bf16" holds bf16 params over fp32 masters in the optimizer.
-PARAM_DTYPE = os.environ.get("NMOE_BENCH_TRAIN_PARAM_DTYPE", "fp32")
+# train.param_dtype of the fast model when set ("fp32" or "bf16"); unset, the config's (moonlet: bf16).
+PARAM_DTYPE = os.environ.get("NMOE_BENCH_TRAIN_PARAM_DTYPE", "")
 STEP_WARMUP, STEP_REPS = 3, 10
 
 
@@ -102,8 +102,8 @@ def test_bench_train_step_moonlet(benchmark: Any) -> None:
     from nmoe.train.stepstats import peak_flops
     from nmoe.traincli import optim_steps
 
-    cfg = load_config(CONFIG, env={}, overrides=[f"--data.batch_size={BATCH}",
-                                                  f"--train.param_dtype={PARAM_DTYPE}"])
+    dtype = [f"--train.param_dtype={PARAM_DTYPE}"] if PARAM_DTYPE else []
+    cfg = load_config(CONFIG, env={}, overrides=[f"--data.batch_size={BATCH}", *dtype])
     base_ms, base_peak = _torch_step_ms(cfg)
     gc.collect()
     torch.cuda.empty_cache()
