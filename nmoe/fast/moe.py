@@ -9,11 +9,11 @@ dweights' row dot (one pass each over [rows, I]). With an RDEP Exchange the expe
 ranks and the routed half is nmoe.fast.rdep.ep.ep_routed (rows travel to their expert's rank and back).
 
 Saved for the backward, per token (K slots, up width N = 2I swiglu or I relu2, E experts):
-  x (the layer input, already alive)      0 extra: the up projection reads x's rows by index (no permuted
-                                            copy of x, 2KH bytes per token, kept); the backward copies dout's
-                                            rows, then x's, into permuted order for the TMA-fed dgrad/wgrad,
-                                            each copy freed before the next [rows, H] tensor is allocated
-                                            (dx is reduced before x's copy and dw_up exist)
+  x (the layer input, already alive)      0 extra: the up projection reads x's rows by index, the down
+                                            projection's dgrad and wgrad read dout's rows by index (no
+                                            permuted copy of x or dout kept, 2KH bytes per token each); the
+                                            up wgrad reads a transient permuted copy of x, made once dx is
+                                            reduced
   h [slots, N] bf16                        2KN bytes: the up-projection output; a = act(h) is recomputed
                                             (elementwise), redoing the up GEMM would cost a third of the fwd;
                                             the backward drops h once dh exists, before the up wgrad/dgrad
@@ -186,15 +186,10 @@ class _Routed(torch.autograd.Function):
         # Per permuted row r with wr = w[slot r] * scale: bf16(dz_r * wr), bf16(a_r * wr) and the fp32
         # <a_r, dz_r> come from the combine kernels with K = 1 and routed_scale 1 (exact), one pass each.
         wrow = (_slot_weights(weights, slot) * scale)[:, None]
-        # dout's and x's rows are copied into permuted order for the TMA-fed GEMMs, one operand at a time,
-        # each freed before the next [rows, H] tensor: the kernels gathering rows by index measured 1.4-3.5x
-        # slower than the copy and the TMA kernels together.
-        e, align = w_up.shape[0], cfg.permute_align
-        doutp = permute(dout, ids, e, align).xp if need_h or dot_w or need_w2 else None
         dz_w = dot = None
         if need_h or dot_w:
-            assert a is not None and doutp is not None
-            dz = grouped_gemm_dgrad(doutp, w2, offs)
+            assert a is not None
+            dz = sm90.grouped_gemm_dgrad_gathered(dout, slot, k, w2, offs)
             dz_w, dot = combine_bwd(dz, a[:, None], wrow, 1.0)[:2]
             del dz
         dweights = dw2 = dw_up = dx = None
@@ -204,9 +199,10 @@ class _Routed(torch.autograd.Function):
             assert dot is not None
             dweights = _to_slots(dot.view(-1) * scale, slot, t, k)
         if need_w2:
-            assert a is not None and doutp is not None
-            dw2 = grouped_gemm_wgrad(doutp, combine(a[:, None], wrow, 1.0), offs)
-        del a, doutp
+            assert a is not None
+            dw2 = sm90.grouped_gemm_wgrad_gathered(dout, combine(a[:, None], wrow, 1.0), slot, k, offs,
+                                                   side="dy")
+        del a
         if need_h:
             assert dz_w is not None
             dh = act_bwd(dz_w.view(h.shape[0], -1), h)
@@ -217,7 +213,11 @@ class _Routed(torch.autograd.Function):
                 dx = combine_gather(dxp, row_of, ones, 1.0, None)
                 del dxp
             if need_up:
-                dw_up = grouped_gemm_wgrad(dh, permute(x, ids, e, align).xp, offs)
+                # x's rows copied into permuted order (from the saved ids) for the TMA-fed wgrad, after dx's
+                # [rows, H] partials are freed: gathering them by index as the wgrad loads measured 2.0-3.5x
+                # slower than the copy and the TMA wgrad together.
+                xp = permute(x, ids, w_up.shape[0], cfg.permute_align).xp
+                dw_up = grouped_gemm_wgrad(dh, xp, offs)
         return dx, dw_up, dw2, dweights, dout if ctx.has_shared else None, None, None
 
 
