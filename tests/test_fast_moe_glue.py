@@ -166,7 +166,7 @@ def test_sep_moe_fast_weight_wrong_slot(spec_kernels: None) -> None:
 
 
 def test_sep_moe_fast_gather_off_by_one(spec_kernels: None) -> None:
-    """The up wgrad gathers x's rows by slot; a neighbouring token's row differs everywhere."""
+    """The up wgrad copies x's rows in permuted order; a neighbouring token's row differs everywhere."""
     x, _, _ = _case(*SWIGLU_SHARED, 3)
     assert bool((x.detach() != x.detach().roll(1, 0)).any(-1).all())
     got, _, _ = _run(fm.moe_layer, SWIGLU_SHARED)

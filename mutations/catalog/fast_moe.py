@@ -30,9 +30,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "moe.fast_gather_off_by_one", FILE,
-        "dw_up = sm90.grouped_gemm_wgrad_gathered(dh, x, slot, k, offs)",
-        "dw_up = sm90.grouped_gemm_wgrad_gathered(dh, x.roll(1, 0), slot, k, offs)",
-        "the up wgrad's gather of x reads the previous token's row", TESTS, ("moe_layer",),
+        "xp = permute(x, ids, w_up.shape[0], cfg.permute_align).xp",
+        "xp = permute(x.roll(1, 0), ids, w_up.shape[0], cfg.permute_align).xp",
+        "the up wgrad's permuted copy of x holds the previous token's rows", TESTS, ("moe_layer",),
     ),
     sep_mutation(
         "moe.fast_topk_grad_unnormalised", FILE,
