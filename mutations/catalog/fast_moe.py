@@ -30,8 +30,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "moe.fast_gather_off_by_one", FILE,
-        "xp = permute(x, ids, w_up.shape[0], cfg.permute_align).xp",
-        "xp = permute(x.roll(1, 0), ids, w_up.shape[0], cfg.permute_align).xp",
+        "xp = permute(x, ids, cfg.n_routed_experts, cfg.permute_align).xp",
+        "xp = permute(x.roll(1, 0), ids, cfg.n_routed_experts, cfg.permute_align).xp",
         "the up wgrad's permuted copy of x holds the previous token's rows", TESTS, ("moe_layer",),
     ),
     sep_mutation(

@@ -216,7 +216,7 @@ class _Routed(torch.autograd.Function):
                 # x's rows copied into permuted order (from the saved ids) for the TMA-fed wgrad, after dx's
                 # [rows, H] partials are freed: gathering them by index as the wgrad loads measured 2.0-3.5x
                 # slower than the copy and the TMA wgrad together.
-                xp = permute(x, ids, w_up.shape[0], cfg.permute_align).xp
+                xp = permute(x, ids, cfg.n_routed_experts, cfg.permute_align).xp
                 dw_up = grouped_gemm_wgrad(dh, xp, offs)
         return dx, dw_up, dw2, dweights, dout if ctx.has_shared else None, None, None
 
