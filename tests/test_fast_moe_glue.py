@@ -39,6 +39,10 @@ def _wgrad_gathered(dy: Tensor, x: Tensor, slot: Tensor, top_k: int, offs: Tenso
     return rg.grouped_gemm_wgrad(dy, _gathered_rows(x, slot, top_k), offs)
 
 
+def _wgrad_cols(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int) -> None:
+    dw[:, :, col0:col0 + x.shape[1]] = rg.grouped_gemm_wgrad(dy, x, offs)
+
+
 def _dgrad_gathered(dy: Tensor, slot: Tensor, top_k: int, w: Tensor, offs: Tensor) -> Tensor:
     return rg.grouped_gemm_dgrad(_gathered_rows(dy, slot, top_k), w, offs)
 
@@ -67,6 +71,8 @@ def spec_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sm90, "grouped_gemm_act_gathered", _act_gathered)
     monkeypatch.setattr(sm90, "grouped_gemm_wgrad_gathered", _wgrad_gathered)
     monkeypatch.setattr(sm90, "grouped_gemm_dgrad_gathered", _dgrad_gathered)
+    monkeypatch.setattr(sm90, "grouped_gemm_wgrad_cols", _wgrad_cols)
+    monkeypatch.setattr(sm90, "wgrad_cols", lambda k, n: 8)  # x's copy in several column chunks
 
 
 def _case(activation: str, shared: int, dtype: str, score: str, seed: int,
@@ -174,6 +180,17 @@ def test_sep_moe_fast_gather_off_by_one(spec_kernels: None) -> None:
     _close(got["w13"], want["w13"])
 
 
+def test_sep_moe_fast_up_wgrad_chunk_at_col0(spec_kernels: None) -> None:
+    """The up wgrad runs in column chunks of x (8 wide here): each chunk lands on its own columns of dw13,
+    whose columns differ from chunk to chunk."""
+    assert fm.sm90.wgrad_cols(DIMS["bf16"][0], 0) < DIMS["bf16"][0], "more than one chunk"
+    got, _, _ = _run(fm.moe_layer, SWIGLU_SHARED)
+    want, _, _ = _run(moe_layer, SWIGLU_SHARED)
+    w13 = want["w13"]
+    assert bool((w13[:, :, :8] != w13[:, :, 8:16]).any())
+    _close(got["w13"], want["w13"])
+
+
 def test_sep_moe_fast_topk_grad_unnormalised(spec_kernels: None) -> None:
     """Sigmoid scores of K=3 picks sum far from 1, so the renormalisation's derivative matters."""
     got, _, w = _run(fm.moe_layer, SWIGLU_SHARED)
@@ -221,6 +238,12 @@ def test_frozen_inputs_get_no_grad_and_skip_their_gemms(spec_kernels: None, monk
     monkeypatch.setattr(sm90, "grouped_gemm_wgrad_gathered", counted("wgrad", _wgrad_gathered))
     monkeypatch.setattr(sm90, "grouped_gemm_dgrad_gathered", counted("dgrad", _dgrad_gathered))
     monkeypatch.setattr(fm, "grouped_gemm_dgrad", counted("dgrad", rg.grouped_gemm_dgrad))
+
+    def cols(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int) -> None:
+        calls.extend(["wgrad"] if col0 == 0 else [])  # one weight's wgrad, in column chunks
+        _wgrad_cols(dy, x, offs, dw, col0)
+
+    monkeypatch.setattr(sm90, "grouped_gemm_wgrad_cols", cols)
     dout = torch.randn(T, DIMS["bf16"][0], generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     runs = []
     for fn in (fm.moe_layer, moe_layer):

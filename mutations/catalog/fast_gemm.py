@@ -96,6 +96,20 @@ MUTATIONS: tuple[Mutation, ...] = (
         SCHEDULE_TESTS, ("grouped_gemm_wgrad",), device="gpu",
     ),
     sep_mutation(
+        "gemm.fast_wgrad_cols_ld_ignored", WGRAD,
+        "    m_d = cute.make_tensor(pdw, cute.make_layout((n_groups * n, k), stride=(ld, 1)))",
+        "    m_d = cute.make_tensor(pdw, cute.make_layout((n_groups * n, k), stride=(k, 1)))",
+        "a column chunk of a wide dw is stored with its own width as the row pitch", SCHEDULE_TESTS,
+        ("grouped_gemm_wgrad",), device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_wgrad_cols_own_split", "nmoe/fast/gemm/sm90.py",
+        "    full = wgrad_split(m, n, width, pick_bn(width), n_groups, sms)",
+        "    full = wgrad_split(m, n, k, bn, n_groups, sms)",
+        "a column chunk splits its groups' rows by its own tile count, not the full width's: other chunk "
+        "sums, other bits", SCHEDULE_TESTS, ("grouped_gemm_wgrad",), device="gpu",
+    ),
+    sep_mutation(
         "gemm.fast_cluster_rank_dropped", FILE,
         "    return local - m_unit * n_tiles_n, g_start + (m_unit * cm + rank) * BM\n",
         "    return local - m_unit * n_tiles_n, g_start + m_unit * cm * BM\n",

@@ -30,9 +30,15 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "moe.fast_gather_off_by_one", FILE,
-        "xp = permute(x, ids, cfg.n_routed_experts, cfg.permute_align).xp",
-        "xp = permute(x.roll(1, 0), ids, cfg.n_routed_experts, cfg.permute_align).xp",
+        "xp = permute(x[:, c0:c0 + cols], ids, cfg.n_routed_experts, cfg.permute_align).xp",
+        "xp = permute(x.roll(1, 0)[:, c0:c0 + cols], ids, cfg.n_routed_experts, cfg.permute_align).xp",
         "the up wgrad's permuted copy of x holds the previous token's rows", TESTS, ("moe_layer",),
+    ),
+    sep_mutation(
+        "moe.fast_up_wgrad_chunk_at_col0", FILE,
+        "sm90.grouped_gemm_wgrad_cols(dh, xp, offs, dw, c0)",
+        "sm90.grouped_gemm_wgrad_cols(dh, xp, offs, dw, 0)",
+        "every column chunk of the up wgrad lands on dw's first columns", TESTS, ("moe_layer",),
     ),
     sep_mutation(
         "moe.fast_topk_grad_unnormalised", FILE,

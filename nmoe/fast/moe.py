@@ -12,8 +12,8 @@ Saved for the backward, per token (K slots, up width N = 2I swiglu or I relu2, E
   x (the layer input, already alive)      0 extra: the up projection reads x's rows by index, the down
                                             projection's dgrad and wgrad read dout's rows by index (no
                                             permuted copy of x or dout kept, 2KH bytes per token each); the
-                                            up wgrad reads a transient permuted copy of x, made once dx is
-                                            reduced
+                                            up wgrad reads transient permuted copies of x's column chunks
+                                            (half of dh's bytes at most), made once dx is reduced
   h [slots, N] bf16                        2KN bytes: the up-projection output; a = act(h) is recomputed
                                             (elementwise), redoing the up GEMM would cost a third of the fwd;
                                             the backward drops h once dh exists, before the up wgrad/dgrad
@@ -105,6 +105,20 @@ def _to_slots(v: Tensor, slot: Tensor, t: int, k: int) -> Tensor:
     """fp32 [T,K] from per-row values: slot order back, pad rows dropped."""
     sink = torch.where(slot >= 0, slot, t * k)
     return v.new_zeros(t * k + 1).index_copy_(0, sink, v)[: t * k].view(t, k)
+
+
+def _up_wgrad(dh: Tensor, x: Tensor, ids: Tensor, offs: Tensor, cfg: ModelConfig) -> Tensor:
+    """dh^T @ permute(x) per expert, a few of x's columns at a time: each chunk of x's rows is copied into
+    permuted order for the TMA-fed wgrad (gathering rows by index as the wgrad loads measured 2.0-3.5x slower
+    than the copy and the TMA wgrad together) and the copy never outgrows half of dh."""
+    h = x.shape[1]
+    dw = dh.new_empty(offs.shape[0], dh.shape[1], h)
+    cols = sm90.wgrad_cols(h, dh.shape[1])
+    for c0 in range(0, h, cols):
+        xp = permute(x[:, c0:c0 + cols], ids, cfg.n_routed_experts, cfg.permute_align).xp
+        sm90.grouped_gemm_wgrad_cols(dh, xp, offs, dw, c0)
+        del xp
+    return dw
 
 
 class _RouterTopk(torch.autograd.Function):
@@ -213,11 +227,7 @@ class _Routed(torch.autograd.Function):
                 dx = combine_gather(dxp, row_of, ones, 1.0, None)
                 del dxp
             if need_up:
-                # x's rows copied into permuted order (from the saved ids) for the TMA-fed wgrad, after dx's
-                # [rows, H] partials are freed: gathering them by index as the wgrad loads measured 2.0-3.5x
-                # slower than the copy and the TMA wgrad together.
-                xp = permute(x, ids, cfg.n_routed_experts, cfg.permute_align).xp
-                dw_up = grouped_gemm_wgrad(dh, xp, offs)
+                dw_up = _up_wgrad(dh, x, ids, offs, cfg)
         return dx, dw_up, dw2, dweights, dout if ctx.has_shared else None, None, None
 
 

@@ -319,10 +319,11 @@ class FastOp(Generic[P, R]):
     Plain eager CUDA calls skip the dispatcher (it adds host time only): the impl runs directly, or under the
     pair's autograd.Function when an input records grad."""
 
-    def __init__(self, name: str, impl: Callable[P, R], fake: Callable[P, R]) -> None:
+    def __init__(self, name: str, impl: Callable[P, R], fake: Callable[P, R],
+                 mutates: tuple[str, ...] = ()) -> None:
         self.name = name
         self.impl = impl
-        self.op = torch.library.custom_op(f"nmoe::{name}", mutates_args=())(impl)
+        self.op = torch.library.custom_op(f"nmoe::{name}", mutates_args=mutates)(impl)
         self.op.register_fake(fake)
         self.function: type[torch.autograd.Function] | None = None
         self._record: Callable[..., Any] | None = None
@@ -342,9 +343,11 @@ class FastOp(Generic[P, R]):
         return cast(R, self.op(*args, **kwargs))
 
 
-def fast_op(name: str, impl: Callable[P, R], fake: Callable[P, R]) -> FastOp[P, R]:
-    """nmoe::<name> with `impl` on CUDA and `fake` for torch.compile / CUDA-graph shape propagation."""
-    return FastOp(name, impl, fake)
+def fast_op(name: str, impl: Callable[P, R], fake: Callable[P, R],
+            mutates: tuple[str, ...] = ()) -> FastOp[P, R]:
+    """nmoe::<name> with `impl` on CUDA and `fake` for torch.compile / CUDA-graph shape propagation; `mutates`
+    names the arguments it writes in place."""
+    return FastOp(name, impl, fake, mutates)
 
 
 def save_inputs(*indices: int) -> SetupContext:

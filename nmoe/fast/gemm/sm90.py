@@ -42,7 +42,8 @@ GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_gather", "grouped_gemm_gath
                 lambda km, n, k, bn, act, w_k_major: km.compile_args_gather(n, k, bn, act, w_k_major),
                 (ARCH,), "nmoe.fast.gemm.grouped_gemm_act_gathered")
 WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad",
-               lambda km, n, k, bn: km.compile_args(n, k, bn), (ARCH,), "nmoe.fast.gemm.grouped_gemm_wgrad")
+               lambda km, n, k, bn, ld: km.compile_args(n, k, bn, ld), (ARCH,),
+               "nmoe.fast.gemm.grouped_gemm_wgrad")
 WGRAD_GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad_gather",
                       lambda km, n, k, bn, side: km.compile_args_gather(n, k, bn, side), (ARCH,),
                       "nmoe.fast.gemm.grouped_gemm_wgrad_gathered")
@@ -107,6 +108,22 @@ def wgrad_split(m: int, n: int, k: int, bn: int, n_groups: int, sms: int) -> Wgr
         return WgradSplit(m, m, 0, 0, GEMM_BM * bn)
     rows = -(-max(4 * GEMM_BK, -(-share // 2)) // GEMM_BK) * GEMM_BK
     return WgradSplit(share, rows, (2 * m // rows) * tpg, n_groups * tpg, GEMM_BM * bn)
+
+
+def wgrad_split_cols(m: int, n: int, k: int, width: int, bn: int, n_groups: int, sms: int) -> WgradSplit:
+    """The split of k of a dw's `width` columns: the full width's row chunks (so every column sums its rows
+    in the same order, whichever columns a launch takes), workspace and counters for this launch's tiles."""
+    full = wgrad_split(m, n, width, pick_bn(width), n_groups, sms)
+    if full.counters == 0:
+        return WgradSplit(m, m, 0, 0, GEMM_BM * bn)
+    tpg = -(-n // GEMM_BM) * -(-k // bn)
+    return WgradSplit(full.thresh, full.rows, (2 * m // full.rows) * tpg, n_groups * tpg, GEMM_BM * bn)
+
+
+def wgrad_cols(k: int, n: int) -> int:
+    """Columns of a wgrad's x taken per launch where x is a transient copy: n / 2 (the copy at most half of
+    dy's bytes), in whole 128-wide tiles, at least one."""
+    return min(k, max(128, n // 2 // 128 * 128))
 
 
 @dataclass(frozen=True)
@@ -193,13 +210,16 @@ def _prepare_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw_shape: tuple[int, ...
         return device, None, True, (m, 0, 0), None
     bn = _pick_bn("grouped_gemm_wgrad", k, bn)
     n_ctas, split = _wgrad_grid(device, m, n, k, bn, n_groups)
-    return device, WGRAD.launcher(arch, n=n, k=k, bn=bn), False, (m, n_groups, n_ctas), split
+    return device, WGRAD.launcher(arch, n=n, k=k, bn=bn, ld=k), False, (m, n_groups, n_ctas), split
 
 
-def _wgrad_grid(device: int, m: int, n: int, k: int, bn: int, n_groups: int) -> tuple[int, WgradSplit]:
-    """(CTAs, row split) of a wgrad over m rows: a CTA per SM, fewer only when there are fewer tiles."""
+def _wgrad_grid(device: int, m: int, n: int, k: int, bn: int, n_groups: int,
+                width: int = 0) -> tuple[int, WgradSplit]:
+    """(CTAs, row split) of a wgrad over m rows (of k of a dw's `width` columns, if given): a CTA per SM,
+    fewer only when there are fewer tiles."""
     sms = runtime.sm_count(device)
-    split = wgrad_split(m, n, k, bn, n_groups, sms)
+    split = wgrad_split_cols(m, n, k, width, bn, n_groups, sms) if width else wgrad_split(m, n, k, bn,
+                                                                                         n_groups, sms)
     return min(sms, n_groups * -(-n // GEMM_BM) * -(-k // bn) + split.ws_tiles), split
 
 
@@ -505,6 +525,46 @@ def grouped_gemm_wgrad_gathered(dy: Tensor, x: Tensor, slot: Tensor, top_k: int,
     return _wgrad_gathered_op(dy, x, slot, offs, top_k, side)
 
 
+def _wgrad_cols_impl(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int) -> None:
+    op = "grouped_gemm_wgrad_cols"
+    _check_wgrad(dy, x, offs)
+    m, n, k = dy.shape[0], dy.shape[1], x.shape[1]
+    e, width = offs.shape[0], dw.shape[-1]
+    if (dw.dtype != torch.bfloat16 or dw.shape != (e, n, width) or not dw.is_contiguous()
+            or not 0 <= col0 <= width - k or (col0 | width) % GEMM_ALIGN or dw.data_ptr() % 16):
+        raise ValueError(f"{op}: need a contiguous 16-byte aligned bf16 dw [E, N, W] = [{e}, {n}, W] with W "
+                         f"and col0 multiples of {GEMM_ALIGN} and col0 + {k} <= W; got {dw.dtype} "
+                         f"{tuple(dw.shape)}, col0={col0}")
+    device, arch = runtime.device_arch(dy, x, offs, dw)
+    require(op, arch, ARCH)
+    dy, x = tma_aligned(op, "dy", dy), tma_aligned(op, "x", x)
+    if e * n * k == 0:
+        return
+    if m == 0:
+        dw[:, :, col0:col0 + k].zero_()
+        return
+    check_offs_on_host(op, offs, m)
+    bn = pick_bn(k)
+    n_ctas, split = _wgrad_grid(device, m, n, k, bn, e, width)
+    launch = WGRAD.launcher(arch, n=n, k=k, bn=bn, ld=width)
+    _keep, (ws, counters, *split_args) = split.args(dy.device)
+    launch(device, dy.data_ptr(), x.data_ptr(), dw.data_ptr() + col0 * dw.element_size(),
+           offs.contiguous().data_ptr(), ws, counters, m, e, n_ctas, *split_args)
+
+
+def _wgrad_cols_fake(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int) -> None:
+    return None
+
+
+_wgrad_cols_op = fast_op("grouped_gemm_wgrad_cols", _wgrad_cols_impl, _wgrad_cols_fake, mutates=("dw",))
+
+
+def grouped_gemm_wgrad_cols(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int) -> None:
+    """dw[e, :, col0 : col0 + K] = dy[rows of e]^T @ x[rows of e], bit for bit those columns of
+    grouped_gemm_wgrad(dy, x_full, offs): a wide wgrad taken a few x columns at a time, into place."""
+    _wgrad_cols_op(dy, x, offs, dw, col0)
+
+
 def grouped_gemm_dgrad(dy: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     """dx[rows of e] = dy[rows of e] @ w[e] in fp32, rounded once to bf16; rows past offs[-1] are zero."""
     return _dgrad_op(dy, w, offs)
@@ -579,7 +639,7 @@ def _spec(name: str, n: int, k: int, bn: int, w_k_major: bool | None, activation
     expect = _EXPECT_WGRAD if w_k_major is None else (*_EXPECT_SM90, *_CLUSTER)
     fused = activation != "none"
     if w_k_major is None:
-        op, compile = "grouped_gemm_wgrad", WGRAD.compiler(n=n, k=k, bn=bn)
+        op, compile = "grouped_gemm_wgrad", WGRAD.compiler(n=n, k=k, bn=bn, ld=k)
     elif not w_k_major:
         op, compile = "grouped_gemm_dgrad", DGRAD.compiler(n=n, k=k, bn=bn)
     else:
@@ -601,6 +661,9 @@ KERNELS: tuple[KernelSpec, ...] = (
     _spec("grouped_gemm_fwd_n256", 4096, 1024, 256, True),
     _spec("grouped_gemm_dgrad_n128", 1024, 4096, 128, False),
     _spec("grouped_gemm_wgrad_n256", 2048, 4096, 256, None),
+    KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_cols_n256",
+               compile=WGRAD.compiler(n=2048, k=1024, bn=256, ld=4096), expect={"sm_90a": _EXPECT_WGRAD},
+               forbid={"sm_90a": _FORBID_SM90}),
     _spec("grouped_gemm_act_swiglu_n128", 2048, 4096, 128, True, "swiglu"),
     _spec("grouped_gemm_act_swiglu_n256", 4096, 1024, 256, True, "swiglu"),
     _spec("grouped_gemm_act_relu2_n128", 1024, 4096, 128, True, "relu2"),

@@ -324,10 +324,11 @@ def _mn_major_setup(bn: int, stages: int) -> tuple[cute.TiledMma, cute.ComposedL
     return tiled_mma, a_layout, b_layout, epi_smem_layout()
 
 
-def _dw_out(pdw: Pointer, n_groups: Int32, n: int, k: int) -> tuple[cute.Tensor, cute.CopyAtom, cute.Tensor]:
-    """dw [E, n, k] as the [E * n, k] rows the fwd's epilogue stores: a group's tiles never cross into the
-    next group's rows, since its row_end is e * n + n."""
-    m_d = cute.make_tensor(pdw, cute.make_layout((n_groups * n, k), stride=(k, 1)))
+def _dw_out(pdw: Pointer, n_groups: Int32, n: int, k: int,
+            ld: int) -> tuple[cute.Tensor, cute.CopyAtom, cute.Tensor]:
+    """dw [E, n, k] as the [E * n, k] rows (ld apart: k columns of a wider dw) the fwd's epilogue stores: a
+    group's tiles never cross into the next group's rows, since its row_end is e * n + n."""
+    m_d = cute.make_tensor(pdw, cute.make_layout((n_groups * n, k), stride=(ld, 1)))
     atom, tma_d = epi_tma(m_d)
     return m_d, atom, tma_d
 
@@ -347,15 +348,16 @@ def _split_tensors(pws: Pointer, pcount: Pointer, ws_tiles: Int32, n_groups: Int
 def grouped_wgrad_host(
     pdy: Pointer, px: Pointer, pdw: Pointer, poffs: Pointer, pws: Pointer, pcount: Pointer, m_rows: Int32,
     n_groups: Int32, n_ctas: Int32, thresh: Int32, split_rows: Int32, ws_tiles: Int32, stream: cuda.CUstream,
-    n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
+    n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], ld: Constexpr[int],
 ) -> None:
-    """dw[E, n, k]: per group dy[rows, n]^T @ x[rows, k]; both operands enter as MN-major views. A group of
-    more than thresh rows splits into split_rows chunks (fp32 partials in pws, counters pcount, zeroed)."""
+    """dw[E, n, k] (rows ld apart): per group dy[rows, n]^T @ x[rows, k]; both operands enter as MN-major
+    views. A group of more than thresh rows splits into split_rows chunks (fp32 partials in pws, counters
+    pcount, zeroed)."""
     stages = stages_for(bn)
     m_ws, m_count = _split_tensors(pws, pcount, ws_tiles, n_groups, n, k, bn)
     m_dyt = cute.make_tensor(pdy, cute.make_layout((n, m_rows), stride=(1, n)))
     m_xt = cute.make_tensor(px, cute.make_layout((k, m_rows), stride=(1, k)))
-    m_dw, tma_atom_d, tma_d = _dw_out(pdw, n_groups, n, k)
+    m_dw, tma_atom_d, tma_d = _dw_out(pdw, n_groups, n, k, ld)
     m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
 
     tiled_mma, a_layout, b_layout, d_layout = _mn_major_setup(bn, stages)
@@ -522,7 +524,7 @@ def grouped_wgrad_gather_host(
     slot (zero rows where slot = -1): side "b", x[slot // top_k] (pt = dy [R, n]); side "a",
     dy[slot // top_k] (pt = x [R, k]). Neither side is permuted into a copy."""
     stages = stages_for(bn)
-    m_dw, tma_atom_d, tma_d = _dw_out(pdw, n_groups, n, k)
+    m_dw, tma_atom_d, tma_d = _dw_out(pdw, n_groups, n, k, k)
     m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
     m_slot = cute.make_tensor(pslot, cute.make_layout(m_rows))
     m_ws, m_count = _split_tensors(pws, pcount, ws_tiles, n_groups, n, k, bn)
@@ -547,10 +549,10 @@ def pointer(dtype: Any, address: int, align: int = 16) -> Any:
     return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
 
 
-def compile_args(n: int, k: int, bn: int) -> tuple[Any, tuple[Any, ...]]:
+def compile_args(n: int, k: int, bn: int, ld: int) -> tuple[Any, tuple[Any, ...]]:
     ptrs = (pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(Int32, 0, 4),
             pointer(Float32, 0), pointer(Int32, 0, 4))
-    return grouped_wgrad_host, (*ptrs, *(Int32(0) for _ in range(6)), cuda.CUstream(0), n, k, bn)
+    return grouped_wgrad_host, (*ptrs, *(Int32(0) for _ in range(6)), cuda.CUstream(0), n, k, bn, ld)
 
 
 def compile_args_gather(n: int, k: int, bn: int, side: str) -> tuple[Any, tuple[Any, ...]]:
