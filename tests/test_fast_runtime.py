@@ -307,7 +307,8 @@ _ABI_PROBE = """
     from nmoe.fast import activation
     from nmoe.fast.gemm import sm90
     specs = {sm90.FWD: dict(n=256, k=128, bn=128, act="none"), sm90.DGRAD: dict(n=256, k=128, bn=128),
-             sm90.WGRAD: dict(n=256, k=128, bn=128), activation.RELU2_FWD: dict(dtype="bfloat16", vec=8),
+             sm90.WGRAD: dict(n=256, k=128, bn=128, ld=384),
+             activation.RELU2_FWD: dict(dtype="bfloat16", vec=8),
              activation.RELU2_BWD: dict(dtype="bfloat16", vec=8)}
     values = {kern.name: len(op.runtime_slots(kern.host_args("sm_90a", **spec)[0])) - 1
               for kern, spec in specs.items()}

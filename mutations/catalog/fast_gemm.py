@@ -103,11 +103,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("grouped_gemm_wgrad",), device="gpu",
     ),
     sep_mutation(
-        "gemm.fast_wgrad_cols_own_split", "nmoe/fast/gemm/sm90.py",
-        "    full = wgrad_split(m, n, width, pick_bn(width), n_groups, sms)",
-        "    full = wgrad_split(m, n, k, bn, n_groups, sms)",
-        "a column chunk splits its groups' rows by its own tile count, not the full width's: other chunk "
-        "sums, other bits", SCHEDULE_TESTS, ("grouped_gemm_wgrad",), device="gpu",
+        "gemm.fast_wgrad_cols_offset_dropped", "nmoe/fast/gemm/sm90.py",
+        "dw.data_ptr() + col0 * dw.element_size()", "dw.data_ptr()",
+        "every column chunk is stored from dw's first column", SCHEDULE_TESTS, ("grouped_gemm_wgrad",),
+        device="gpu",
     ),
     sep_mutation(
         "gemm.fast_cluster_rank_dropped", FILE,

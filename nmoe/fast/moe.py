@@ -13,7 +13,7 @@ Saved for the backward, per token (K slots, up width N = 2I swiglu or I relu2, E
                                             projection's dgrad and wgrad read dout's rows by index (no
                                             permuted copy of x or dout kept, 2KH bytes per token each); the
                                             up wgrad reads transient permuted copies of x's column chunks
-                                            (half of dh's bytes at most), made once dx is reduced
+                                            (no larger than dh), made once dx is reduced
   h [slots, N] bf16                        2KN bytes: the up-projection output; a = act(h) is recomputed
                                             (elementwise), redoing the up GEMM would cost a third of the fwd;
                                             the backward drops h once dh exists, before the up wgrad/dgrad
@@ -110,7 +110,7 @@ def _to_slots(v: Tensor, slot: Tensor, t: int, k: int) -> Tensor:
 def _up_wgrad(dh: Tensor, x: Tensor, ids: Tensor, offs: Tensor, cfg: ModelConfig) -> Tensor:
     """dh^T @ permute(x) per expert, a few of x's columns at a time: each chunk of x's rows is copied into
     permuted order for the TMA-fed wgrad (gathering rows by index as the wgrad loads measured 2.0-3.5x slower
-    than the copy and the TMA wgrad together) and the copy never outgrows half of dh."""
+    than the copy and the TMA wgrad together) and the copy never outgrows dh."""
     h = x.shape[1]
     dw = dh.new_empty(offs.shape[0], dh.shape[1], h)
     cols = sm90.wgrad_cols(h, dh.shape[1])

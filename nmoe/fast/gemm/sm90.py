@@ -110,20 +110,10 @@ def wgrad_split(m: int, n: int, k: int, bn: int, n_groups: int, sms: int) -> Wgr
     return WgradSplit(share, rows, (2 * m // rows) * tpg, n_groups * tpg, GEMM_BM * bn)
 
 
-def wgrad_split_cols(m: int, n: int, k: int, width: int, bn: int, n_groups: int, sms: int) -> WgradSplit:
-    """The split of k of a dw's `width` columns: the full width's row chunks (so every column sums its rows
-    in the same order, whichever columns a launch takes), workspace and counters for this launch's tiles."""
-    full = wgrad_split(m, n, width, pick_bn(width), n_groups, sms)
-    if full.counters == 0:
-        return WgradSplit(m, m, 0, 0, GEMM_BM * bn)
-    tpg = -(-n // GEMM_BM) * -(-k // bn)
-    return WgradSplit(full.thresh, full.rows, (2 * m // full.rows) * tpg, n_groups * tpg, GEMM_BM * bn)
-
-
 def wgrad_cols(k: int, n: int) -> int:
-    """Columns of a wgrad's x taken per launch where x is a transient copy: n / 2 (the copy at most half of
-    dy's bytes), in whole 128-wide tiles, at least one."""
-    return min(k, max(128, n // 2 // 128 * 128))
+    """Columns of a wgrad's x taken per launch where x is a transient copy: n (the copy no larger than dy),
+    in whole 128-wide tiles, at least one."""
+    return min(k, max(128, n // 128 * 128))
 
 
 @dataclass(frozen=True)
@@ -213,13 +203,10 @@ def _prepare_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw_shape: tuple[int, ...
     return device, WGRAD.launcher(arch, n=n, k=k, bn=bn, ld=k), False, (m, n_groups, n_ctas), split
 
 
-def _wgrad_grid(device: int, m: int, n: int, k: int, bn: int, n_groups: int,
-                width: int = 0) -> tuple[int, WgradSplit]:
-    """(CTAs, row split) of a wgrad over m rows (of k of a dw's `width` columns, if given): a CTA per SM,
-    fewer only when there are fewer tiles."""
+def _wgrad_grid(device: int, m: int, n: int, k: int, bn: int, n_groups: int) -> tuple[int, WgradSplit]:
+    """(CTAs, row split) of a wgrad over m rows: a CTA per SM, fewer only when there are fewer tiles."""
     sms = runtime.sm_count(device)
-    split = wgrad_split_cols(m, n, k, width, bn, n_groups, sms) if width else wgrad_split(m, n, k, bn,
-                                                                                         n_groups, sms)
+    split = wgrad_split(m, n, k, bn, n_groups, sms)
     return min(sms, n_groups * -(-n // GEMM_BM) * -(-k // bn) + split.ws_tiles), split
 
 
@@ -545,7 +532,7 @@ def _wgrad_cols_impl(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int)
         return
     check_offs_on_host(op, offs, m)
     bn = pick_bn(k)
-    n_ctas, split = _wgrad_grid(device, m, n, k, bn, e, width)
+    n_ctas, split = _wgrad_grid(device, m, n, k, bn, e)
     launch = WGRAD.launcher(arch, n=n, k=k, bn=bn, ld=width)
     _keep, (ws, counters, *split_args) = split.args(dy.device)
     launch(device, dy.data_ptr(), x.data_ptr(), dw.data_ptr() + col0 * dw.element_size(),
@@ -560,8 +547,8 @@ _wgrad_cols_op = fast_op("grouped_gemm_wgrad_cols", _wgrad_cols_impl, _wgrad_col
 
 
 def grouped_gemm_wgrad_cols(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int) -> None:
-    """dw[e, :, col0 : col0 + K] = dy[rows of e]^T @ x[rows of e], bit for bit those columns of
-    grouped_gemm_wgrad(dy, x_full, offs): a wide wgrad taken a few x columns at a time, into place."""
+    """dw[e, :, col0 : col0 + K] = dy[rows of e]^T @ x[rows of e], bit for bit grouped_gemm_wgrad(dy, x, offs)
+    stored into those columns of a wider dw: a wide wgrad taken a few x columns at a time, in place."""
     _wgrad_cols_op(dy, x, offs, dw, col0)
 
 
