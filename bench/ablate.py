@@ -117,8 +117,8 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ablate.gather_wgrad_bn128", GLUE,
-        "    bn = pick_bn(k)\n    n_ctas, split = _wgrad_grid(device, m, n, k, bn, e)\n",
-        "    bn = 128\n    n_ctas, split = _wgrad_grid(device, m, n, k, bn, e)\n",
+        "    bn = pick_bn(k)\n    n_ctas, split = _wgrad_grid(device, m, n, k, bn, e)\n    kernel_side",
+        "    bn = 128\n    n_ctas, split = _wgrad_grid(device, m, n, k, bn, e)\n    kernel_side",
         "the gathered wgrad in 128-wide tiles: five operand stages (landing lag 3) instead of three (lag 1), "
         "at twice the re-reads of the TMA operand",
     ),
