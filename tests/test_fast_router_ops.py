@@ -159,7 +159,7 @@ def test_router_logits_backward_runs_full_fp32_under_a_tf32_setting(monkeypatch:
         seen.append(torch.get_float32_matmul_precision())
         return mm(a, b)
 
-    x, w = _xw(8, 16, 4, torch.bfloat16, 12)
+    x, w = _xw(8, 16, 4, torch.float32, 12)
     ctx = SimpleNamespace(saved_tensors=(x, w), needs_input_grad=(True, True))
     prev = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")
@@ -169,3 +169,28 @@ def test_router_logits_backward_runs_full_fp32_under_a_tf32_setting(monkeypatch:
         assert seen == ["highest", "highest"] and torch.get_float32_matmul_precision() == "high"
     finally:
         torch.set_float32_matmul_precision(prev)
+
+
+def test_sep_router_fast_logits_grad_lo_dropped() -> None:
+    """bf16 operands: the fp32 gradient enters the GEMMs as two bf16 halves. Every g here is 1 + 2^-8 + 2^-10
+    (times a power of two), which bf16 rounds up by 3 * 2^-10 relative: on positive x and w, g's high half
+    alone shifts every sum by that much, most of a bf16 step, so most results round elsewhere."""
+    from types import SimpleNamespace
+
+    from nmoe.fast.router import _router_logits_backward
+    gen = torch.Generator().manual_seed(13)
+    t, h, e = 256, 128, 32
+    x = (1 + torch.rand(t, h, generator=gen)).to(torch.bfloat16)
+    w = (1 + torch.rand(e, h, generator=gen)).to(torch.bfloat16)
+    g = (1 + 2.0**-8 + 2.0**-10) * 2.0 ** torch.randint(-2, 3, (t, e), generator=gen).float()
+    hi = g.to(torch.bfloat16).double()
+    for name, want, mutant in (("dx", g.double() @ w.double(), hi @ w.double()),
+                               ("dw", g.double().T @ x.double(), hi.T @ x.double())):
+        agree = float((mutant.to(torch.bfloat16) == want.to(torch.bfloat16)).double().mean())
+        assert agree < 0.8, f"{name}: the high half alone rounds like the exact sum ({agree:.2f})"
+    ctx = SimpleNamespace(saved_tensors=(x, w), needs_input_grad=(True, True))
+    dx, dw = _router_logits_backward(ctx, g)
+    assert dx is not None and dw is not None
+    for name, got, want in (("dx", dx, g.double() @ w.double()), ("dw", dw, g.double().T @ x.double())):
+        agree = float((got == want.to(torch.bfloat16)).double().mean())
+        assert agree >= 0.99, f"{name}: {agree:.3f} of the results round like the exact sum"

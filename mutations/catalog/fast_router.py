@@ -1,5 +1,6 @@
 """router.fast_*: defects in the CuTeDSL router top-k kernel (nmoe/fast/kernels/router.py) and the fast
-router_logits / bias_update glue (nmoe/fast/router.py); GPU host only."""
+router_logits / bias_update glue (nmoe/fast/router.py); GPU host only, but for the router gradient's bf16
+split, which its CPU test runs."""
 
 from __future__ import annotations
 
@@ -45,5 +46,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "torch.sign(c.sum() - bias.numel() * c)", "torch.sign(bias.numel() * c - c.sum())",
         "aux-loss-free bias update raises the bias of overloaded experts", OPS_TESTS, ("bias_update",),
         device="gpu",
+    ),
+    sep_mutation(
+        "router.fast_logits_grad_lo_dropped", GLUE,
+        "    return torch.cat([hi, (g - hi.float()).to(torch.bfloat16)], dim=1)",
+        "    return torch.cat([hi, torch.zeros_like(hi)], dim=1)",
+        "the router gradient enters its bf16 GEMMs as its bf16 rounding alone (8 of 24 bits)", OPS_TESTS,
+        ("router_logits",),
     ),
 )

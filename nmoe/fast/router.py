@@ -132,10 +132,29 @@ def _router_logits_fake(x: Tensor, wr: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], wr.shape[0], dtype=_logits_dtype(x, wr))
 
 
+def _mm_f32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b of bf16 operands: exact products, fp32 accumulate, fp32 out (tensor cores on the GPU)."""
+    return torch.mm(a, b, out_dtype=torch.float32) if a.is_cuda else torch.mm(a.float(), b.float())
+
+
+def _split_bf16(g: Tensor) -> Tensor:
+    """fp32 [T,E] as bf16 [T,2E] = [hi | lo], hi + lo = g to 16 of its 24 significand bits: one bf16 GEMM
+    over the pair sums both terms in its fp32 accumulator, where an fp32 GEMM would run on CUDA cores."""
+    hi = g.to(torch.bfloat16)
+    return torch.cat([hi, (g - hi.float()).to(torch.bfloat16)], dim=1)
+
+
 def _router_logits_backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, Tensor | None]:
-    """fp32 GEMMs at full fp32 precision whatever the process's matmul precision (TF32 would round the
-    logits' gradient to 10 mantissa bits); the setting is restored on return."""
+    """bf16 operands: the fp32 gradient split into two bf16 halves (error 2^-16 relative, far under the bf16
+    results' rounding). Otherwise fp32 GEMMs at full fp32 precision whatever the process's matmul precision
+    (TF32 would round the gradient to 10 mantissa bits); the setting is restored on return."""
     x, wr = ctx.saved_tensors
+    if x.dtype == wr.dtype == torch.bfloat16:
+        gp = _split_bf16(g.float())
+        e, h = wr.shape
+        dx = _mm_f32(gp, torch.cat([wr, wr])).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dwr = _mm_f32(gp.t(), x).view(2, e, h).sum(0).to(wr.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dwr
     prev = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
