@@ -104,7 +104,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "gemm.fast_wgrad_cols_offset_dropped", "nmoe/fast/gemm/sm90.py",
-        "dw.data_ptr() + col0 * dw.element_size()", "dw.data_ptr()",
+        "(dw[:, :, col0:col0 + k],)", "(dw[:, :, :k],)",
         "every column chunk is stored from dw's first column", SCHEDULE_TESTS, ("grouped_gemm_wgrad",),
         device="gpu",
     ),

@@ -188,7 +188,7 @@ def _launch_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, bn: int | Non
 
 
 def _prepare_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw_shape: tuple[int, ...], bn: int | None,
-                   *outs: Tensor) -> tuple[int, Launcher | None, bool, tuple[int, int, int],
+                   *outs: Tensor, ld: int = 0) -> tuple[int, Launcher | None, bool, tuple[int, int, int],
                                            WgradSplit | None]:
     device, arch = runtime.device_arch(dy, x, offs, *outs)
     require("grouped_gemm_wgrad", arch, ARCH)
@@ -200,7 +200,7 @@ def _prepare_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw_shape: tuple[int, ...
         return device, None, True, (m, 0, 0), None
     bn = _pick_bn("grouped_gemm_wgrad", k, bn)
     n_ctas, split = _wgrad_grid(device, m, n, k, bn, n_groups)
-    return device, WGRAD.launcher(arch, n=n, k=k, bn=bn, ld=k), False, (m, n_groups, n_ctas), split
+    return device, WGRAD.launcher(arch, n=n, k=k, bn=bn, ld=ld or k), False, (m, n_groups, n_ctas), split
 
 
 def _wgrad_grid(device: int, m: int, n: int, k: int, bn: int, n_groups: int) -> tuple[int, WgradSplit]:
@@ -515,28 +515,17 @@ def grouped_gemm_wgrad_gathered(dy: Tensor, x: Tensor, slot: Tensor, top_k: int,
 def _wgrad_cols_impl(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int) -> None:
     op = "grouped_gemm_wgrad_cols"
     _check_wgrad(dy, x, offs)
-    m, n, k = dy.shape[0], dy.shape[1], x.shape[1]
+    n, k = dy.shape[1], x.shape[1]
     e, width = offs.shape[0], dw.shape[-1]
     if (dw.dtype != torch.bfloat16 or dw.shape != (e, n, width) or not dw.is_contiguous()
             or not 0 <= col0 <= width - k or (col0 | width) % GEMM_ALIGN or dw.data_ptr() % 16):
         raise ValueError(f"{op}: need a contiguous 16-byte aligned bf16 dw [E, N, W] = [{e}, {n}, W] with W "
                          f"and col0 multiples of {GEMM_ALIGN} and col0 + {k} <= W; got {dw.dtype} "
                          f"{tuple(dw.shape)}, col0={col0}")
-    device, arch = runtime.device_arch(dy, x, offs, dw)
-    require(op, arch, ARCH)
     dy, x = tma_aligned(op, "dy", dy), tma_aligned(op, "x", x)
-    if e * n * k == 0:
-        return
-    if m == 0:
-        dw[:, :, col0:col0 + k].zero_()
-        return
-    check_offs_on_host(op, offs, m)
-    bn = pick_bn(k)
-    n_ctas, split = _wgrad_grid(device, m, n, k, bn, e)
-    launch = WGRAD.launcher(arch, n=n, k=k, bn=bn, ld=width)
-    _keep, (ws, counters, *split_args) = split.args(dy.device)
-    launch(device, dy.data_ptr(), x.data_ptr(), dw.data_ptr() + col0 * dw.element_size(),
-           offs.contiguous().data_ptr(), ws, counters, m, e, n_ctas, *split_args)
+    device, launch, zero, scalars, split = _prepare_wgrad(dy, x, offs, (e, n, k), None, dw, ld=width)
+    _Plan(op, device, dy.device, (), 0, True, True, launch, zero, scalars, False, split).run(
+        dy, x, offs.contiguous(), (dw[:, :, col0:col0 + k],))
 
 
 def _wgrad_cols_fake(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int) -> None:
