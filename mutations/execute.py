@@ -151,7 +151,7 @@ SANITY_ID = "sanity.forced_fail"
 _SANITY_TAIL = '''
 
 def _nmoe_mutate_sanity() -> None:
-    """Forced-fail mutant: every function and method defined in this module raises AssertionError."""
+    """Forced-fail mutant: every function, method and static method defined in this module raises."""
     import functools
     import inspect
 
@@ -171,6 +171,8 @@ def _nmoe_mutate_sanity() -> None:
             for attr, val in list(vars(obj).items()):
                 if inspect.isfunction(val):
                     setattr(obj, attr, _wrap(val))
+                elif isinstance(val, staticmethod):
+                    setattr(obj, attr, staticmethod(_wrap(val.__func__)))
 
 
 _nmoe_mutate_sanity()

@@ -197,6 +197,13 @@ def _stand_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return _rot(x.to(F64), cos.to(F64), sin.to(F64)).to(x.dtype)
 
 
+def _stand_rope_inplace(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> None:
+    from nmoe.fast.rope import row_pitch
+
+    row_pitch(x)
+    x.copy_(_stand_rope(x, cos, -sin if inverse else sin))
+
+
 def _stand_rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
     xf = x.to(F64)
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.to(F64)).to(x.dtype)
@@ -210,6 +217,7 @@ def test_glue_wires_rope_shared_key_fa4_call_and_every_gradient_on_cpu(monkeypat
     float64 stand-ins, in value and in the gradient of x and every weight; each mutant is told apart."""
     fa = _FA4Stand()
     monkeypatch.setattr(fast_attn, "apply_rope", _stand_rope)
+    monkeypatch.setattr(fast_attn, "rope_inplace", _stand_rope_inplace)
     monkeypatch.setattr(fast_attn, "rmsnorm", _stand_rms)
     monkeypatch.setattr(fast_attn, "flash_interface", lambda arch: fa)
     monkeypatch.setattr(fast_attn.runtime, "device_arch", lambda *ts: (0, "sm_90a"))
@@ -249,6 +257,62 @@ def test_glue_wires_rope_shared_key_fa4_call_and_every_gradient_on_cpu(monkeypat
     for knobs in ({"future": 1}, {"rope_on": "nope"}, {"k_rope": False}):
         wrong = mla64(x, p, cos, sin, h, dn, dr, dv, scale, 1e-6, **knobs)
         assert err(wrong.to(F64), want) > 4 * tol, knobs
+
+
+def _heads_grads(monkeypatch: pytest.MonkeyPatch, b: int = 2, s: int = 5, h: int = 3, dn: int = 4,
+                 dr: int = 6, dv: int = 8) -> dict[str, Any]:
+    """_Heads' outputs and input gradients in float64 (rope stand-in), beside autograd through an
+    independent composition: slices, the rotation, concatenation and a broadcast shared key."""
+    monkeypatch.setattr(fast_attn, "rope_inplace", _stand_rope_inplace)
+    g = torch.Generator().manual_seed(4)
+    q0 = torch.randn(b, s, h * (dn + dr), generator=g, dtype=F64)
+    kv0 = torch.randn(b, s, h, dn + dv, generator=g, dtype=F64)
+    kpe0 = torch.randn(b, s, dr, generator=g, dtype=F64)
+    cos, sin = yarn_cos_sin(8, dr, 1e4, 4.0, 8, 32.0, 1.0)
+    c, sn = cos[:s].unsqueeze(1), sin[:s].unsqueeze(1)
+    dq, dk, dv_ = (torch.randn(shape, generator=g, dtype=F64) for shape in
+                   ((b, s, h * (dn + dr)), (b, s, h, dn + dr), (b, s, h, dv)))
+
+    def grads(fn: Any) -> tuple[list[Tensor], list[Tensor]]:
+        leaves = [t.clone().requires_grad_(True) for t in (q0, kv0, kpe0)]
+        outs = fn(*(t.clone() for t in leaves))
+        torch.autograd.backward(outs, (dq, dk, dv_))
+        return [o.detach() for o in outs], [t.grad for t in leaves]
+
+    def composed(q: Tensor, kv: Tensor, kpe: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q4 = q.view(b, s, h, dn + dr)
+        qr = torch.cat((q4[..., :dn], _rot(q4[..., dn:], c, sn)), -1).reshape(b, s, -1)
+        k = torch.cat((kv[..., :dn], kpe.unsqueeze(2).expand(b, s, h, dr)), -1)
+        return qr, k, kv[..., dn:]
+
+    got = grads(lambda q, kv, kpe: fast_attn._Heads.apply(q, kv, kpe, c, sn, dn))
+    want = grads(composed)
+    return {"got": got, "want": want, "dq": dq, "dk": dk, "c": c, "sn": sn, "dims": (b, s, h, dn, dr)}
+
+
+def test_heads_assembly_values_and_gradients_equal_autograd_of_the_composition(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    r = _heads_grads(monkeypatch)
+    for a, w in zip(r["got"][0] + r["got"][1], r["want"][0] + r["want"][1], strict=True):
+        torch.testing.assert_close(a, w, rtol=1e-12, atol=1e-12)
+
+
+def test_sep_mla_fast_k_pe_grad_one_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    r = _heads_grads(monkeypatch)
+    dn = r["dims"][3]
+    one_head = r["dk"][:, :, 0, dn:]
+    assert (one_head - r["want"][1][2]).abs().max() > 0.5
+    torch.testing.assert_close(r["got"][1][2], r["want"][1][2], rtol=1e-12, atol=1e-12)
+
+
+def test_sep_mla_fast_dq_rope_not_inverse(monkeypatch: pytest.MonkeyPatch) -> None:
+    r = _heads_grads(monkeypatch)
+    b, s, h, dn, dr = r["dims"]
+    tail = r["dq"].view(b, s, h, dn + dr)[..., dn:]
+    forward_turn = _rot(tail, r["c"], r["sn"])
+    want_tail = r["want"][1][0].view(b, s, h, dn + dr)[..., dn:]
+    assert (forward_turn - want_tail).abs().max() > 0.5
+    torch.testing.assert_close(r["got"][1][0], r["want"][1][0], rtol=1e-12, atol=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from torch import Tensor
 from nmoe.fast import FAST_MODULES
 from nmoe.fast import rope as fast_rope
 from nmoe.fast.arch import SUPPORTED_ARCHS, ArchError
-from nmoe.fast.rope import KERNELS, apply_rope, apply_rope_bwd, table_plan
+from nmoe.fast.rope import KERNELS, apply_rope, apply_rope_bwd, rope_inplace, row_pitch, table_plan
 from nmoe.reference import rope as spec_rope
 
 F64 = torch.float64
@@ -102,6 +102,20 @@ def test_table_plan_refuses_what_the_kernel_cannot_index(x: Tensor, cos: Tensor,
         table_plan(x, cos, cos.clone())
 
 
+def test_row_pitch_of_contiguous_tensors_and_last_dim_slices() -> None:
+    q = torch.empty(2, 5, 3, 192)
+    assert row_pitch(q) == 192 and row_pitch(q[..., 128:]) == 192 and row_pitch(q[..., :64]) == 192
+    assert row_pitch(q[:, :, 1:2, 128:]) == 3 * 192 and row_pitch(torch.empty(4, 6, 8)[:, ::2]) == 16
+    assert row_pitch(torch.empty(1, 1, 8)) == 8
+
+
+@pytest.mark.parametrize("x", [torch.empty(4, 6, 8).transpose(0, 1), torch.empty(4, 6, 8)[:, :3],
+                               torch.empty(4, 8, 2).transpose(1, 2), torch.empty(3, 8)[:, ::2]])
+def test_row_pitch_refuses_rows_at_uneven_pitch(x: Tensor) -> None:
+    with pytest.raises(ValueError, match="one pitch"):
+        row_pitch(x)
+
+
 @pytest.mark.parametrize("call", [apply_rope, apply_rope_bwd])
 def test_cpu_tensors_are_refused_naming_reference(call: Any) -> None:
     cos, sin = tables(4, 8, 0)
@@ -179,6 +193,29 @@ def test_rope_unaligned_and_strided_inputs() -> None:
 
 
 @gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_inplace_rotates_a_column_slice_where_it_lies(dtype: torch.dtype, inverse: bool) -> None:
+    """MLA's q heads [B, S, H, 128 + 64]: the rope part rotated in place, bitwise apply_rope(_bwd) of its
+    copy; the nope part untouched."""
+    q = randx((2, 32, 3, 192), dtype, 21)
+    cos, sin = tables(32, 64, 22)
+    c3, s3 = cos.view(32, 1, 32), sin.view(32, 1, 32)
+    qg = q.cuda()
+    rope_inplace(qg[..., 128:], c3.cuda(), s3.cuda(), inverse=inverse)
+    assert torch.equal(bits(qg[..., 128:]), oracle(q[..., 128:], c3, s3, -1.0 if inverse else 1.0))
+    assert torch.equal(bits(qg[..., :128]), bits(q[..., :128]))
+
+
+@gpu
+def test_rope_inplace_refuses_misaligned_rows() -> None:
+    q = torch.zeros(4, 3, 100, device="cuda", dtype=torch.bfloat16)
+    cos, sin = tables(3, 64, 0)
+    with pytest.raises(ValueError, match="vectors"):
+        rope_inplace(q[..., 36:], cos.cuda(), sin.cuda())
+
+
+@gpu
 def test_rope_autograd_and_torch_compile() -> None:
     x = randx((2, 4, 64, 64), torch.bfloat16, 7).cuda().requires_grad_(True)
     g = randx((2, 4, 64, 64), torch.bfloat16, 8)
@@ -251,3 +288,19 @@ def test_sep_rope_fast_bwd_not_inverse() -> None:
     correct = oracle(x, cos, sin, -1.0)
     assert not torch.equal(oracle(x, cos, sin), correct)
     assert torch.equal(bits(apply_rope_bwd(x.cuda(), cos.cuda(), sin.cuda())), correct)
+
+
+@gpu
+def test_sep_rope_fast_pitch_ignored() -> None:
+    q = randx((2, 16, 2, 192), torch.float32, 23)
+    cos, sin = tables(16, 64, 24)
+    c3, s3 = cos.view(16, 1, 32), sin.view(16, 1, 32)
+    correct = oracle(q[..., 128:], c3, s3)
+    wrong = q.clone().view(-1)
+    n = q[..., 128:].numel()
+    rows_at_d = oracle(wrong[128:128 + n].view(q[..., 128:].shape), c3, s3)
+    wrong[128:128 + n] = rows_at_d.to(torch.int32).view(torch.float32).view(-1)
+    assert not torch.equal(bits(wrong.view(q.shape)[..., 128:]), correct)
+    qg = q.cuda()
+    rope_inplace(qg[..., 128:], c3.cuda(), s3.cuda())
+    assert torch.equal(bits(qg[..., 128:]), correct)

@@ -334,7 +334,8 @@ def test_collection_error_is_recorded(tmp_path: Path) -> None:
 
 def test_sanity_source_makes_every_function_raise(tmp_path: Path) -> None:
     ns: dict[str, Any] = {"__name__": "toy_sanity"}
-    src = TOY + "\n\nclass C:\n    def m(self) -> int:\n        return 1\n"
+    src = TOY + ("\n\nclass C:\n    def m(self) -> int:\n        return 1\n\n    @staticmethod\n"
+                 "    def st() -> int:\n        return 2\n")
     exec(compile(sanity_source(src), "toy_sanity.py", "exec"), ns)
     with pytest.raises(AssertionError, match="sanity mutant"):
         ns["square"](2.0)
@@ -342,6 +343,8 @@ def test_sanity_source_makes_every_function_raise(tmp_path: Path) -> None:
         ns["relu"](1.0)
     with pytest.raises(AssertionError, match="sanity mutant"):
         ns["C"]().m()
+    with pytest.raises(AssertionError, match="sanity mutant"):
+        ns["C"].st()
 
 
 def test_summary_of_nothing() -> None:

@@ -1,5 +1,5 @@
 """mla.fast_*: defects in the fast MLA glue (nmoe/fast/attention.py): what it passes to flash-attn-4 and
-what it rotates; GPU host only."""
+what it rotates, and the q/k/v assembly's backward (those on the CPU, through the glue's stand-ins)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "mla.fast_rope_on_nope_part", FILE,
-        "    q_pe = apply_rope(q[..., dn:], cos_s.unsqueeze(1), sin_s.unsqueeze(1))\n",
-        "    q_pe = apply_rope(q[..., :dr], cos_s.unsqueeze(1), sin_s.unsqueeze(1))\n",
+        "        rope_inplace(q.view(b, s, h, -1)[..., dn:], cos, sin)\n",
+        "        rope_inplace(q.view(b, s, h, -1)[..., :2 * cos.shape[-1]], cos, sin)\n",
         "rope rotates the first qk_rope_head_dim dims of q's nope part instead of its rope part", TESTS,
         ("mla_attention",), device="gpu",
     ),
@@ -36,5 +36,19 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    k_pe = k_pe\n",
         "the shared rope key is never rotated (only q carries positions)", TESTS, ("mla_attention",),
         device="gpu",
+    ),
+    sep_mutation(
+        "mla.fast_k_pe_grad_one_head", FILE,
+        "        return dq, dkv, dk[..., dn:].sum(2), None, None, None\n",
+        "        return dq, dkv, dk[:, :, 0, dn:], None, None, None\n",
+        "the shared rope key's gradient comes from head 0 only instead of the sum over the heads it feeds",
+        TESTS, ("mla_attention",),
+    ),
+    sep_mutation(
+        "mla.fast_dq_rope_not_inverse", FILE,
+        "        rope_inplace(dq.view(b, s, h, -1)[..., dn:], cos, sin, inverse=True)\n",
+        "        rope_inplace(dq.view(b, s, h, -1)[..., dn:], cos, sin, inverse=False)\n",
+        "q's rope-part gradient is rotated by +angle (the forward) instead of the inverse rotation", TESTS,
+        ("mla_attention",),
     ),
 )

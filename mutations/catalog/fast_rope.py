@@ -36,4 +36,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         "fast rope backward rotates by +angle (the forward) instead of the inverse rotation", TESTS,
         ("rope_bwd",), device="gpu",
     ),
+    sep_mutation(
+        "rope.fast_pitch_ignored", FILE,
+        "        at = (row * ld + col) // vec\n",
+        "        at = (row * d + col) // vec\n",
+        "fast rope walks x's rows d apart, ignoring the row pitch of a column slice (MLA's rope part)", TESTS,
+        ("rope",), device="gpu",
+    ),
 )

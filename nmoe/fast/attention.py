@@ -24,7 +24,7 @@ from nmoe.fast import runtime
 from nmoe.fast.arch import SUPPORTED_ARCHS, ArchError, ArchNotImplemented
 from nmoe.fast.norm import rmsnorm
 from nmoe.fast.op import Kernel
-from nmoe.fast.rope import apply_rope
+from nmoe.fast.rope import apply_rope, rope_inplace
 from nmoe.fast.runtime import KernelSpec
 from nmoe.layout import MLAParams, check_mla_params
 
@@ -126,16 +126,39 @@ def mla_attention(
     else:
         assert p.wq_a is not None and p.q_norm is not None and p.wq_b is not None
         q = lin(rmsnorm(lin(x, p.wq_a), p.q_norm, norm_eps), p.wq_b)
-    q = q.view(b, s, h, dn + dr)
-    q_pe = apply_rope(q[..., dn:], cos_s.unsqueeze(1), sin_s.unsqueeze(1))
-    q = torch.cat((q[..., :dn], q_pe), dim=-1)
-
     c_kv, k_pe = torch.split(lin(x, p.wkv_a), [int(p.kv_norm.shape[0]), dr], dim=-1)
     k_pe = apply_rope(k_pe, cos_s, sin_s)
     kv = lin(rmsnorm(c_kv, p.kv_norm, norm_eps), p.wkv_b).view(b, s, h, dn + dv)
-    k = torch.cat((kv[..., :dn], k_pe.unsqueeze(2).expand(b, s, h, dr)), dim=-1)
-    o = causal_attention(q, k, kv[..., dn:], softmax_scale)
+    q, k, v = _Heads.apply(q, kv, k_pe, cos_s.unsqueeze(1), sin_s.unsqueeze(1), dn)  # type: ignore[no-untyped-call]
+    o = causal_attention(q.view(b, s, h, dn + dr), k, v, softmax_scale)
     return lin(o.reshape(b, s, h * dv), p.wo)
+
+
+class _Heads(torch.autograd.Function):
+    """q (the [B, S, H * (dn + dr)] projection, its rope parts rotated where they lie), k = [k_nope | shared
+    k_pe] and v (a view of kv) with no copy of q; the backward rotates one copy of dq in place and builds
+    dkv in one concatenation, where slicing autograd zero-fills, copies and adds per slice."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, kv: Tensor, k_pe: Tensor, cos: Tensor, sin: Tensor,
+                dn: int) -> tuple[Tensor, Tensor, Tensor]:
+        b, s, h, _ = kv.shape
+        rope_inplace(q.view(b, s, h, -1)[..., dn:], cos, sin)
+        ctx.mark_dirty(q)
+        ctx.save_for_backward(cos, sin)
+        ctx.dn = dn
+        k = torch.cat((kv[..., :dn], k_pe.unsqueeze(2).expand(b, s, h, k_pe.shape[-1])), dim=-1)
+        return q, k, kv[..., dn:]
+
+    @staticmethod
+    def backward(ctx: Any, dq: Tensor, dk: Tensor, dv: Tensor) -> tuple[Tensor | None, ...]:
+        cos, sin = ctx.saved_tensors
+        dn = ctx.dn
+        b, s, h, _ = dk.shape
+        dq = dq.clone(memory_format=torch.contiguous_format)
+        rope_inplace(dq.view(b, s, h, -1)[..., dn:], cos, sin, inverse=True)
+        dkv = torch.cat((dk[..., :dn], dv), dim=-1)
+        return dq, dkv, dk[..., dn:].sum(2), None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------

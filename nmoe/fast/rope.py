@@ -2,6 +2,8 @@
 the YaRN cos/sin tables the fast model builds once.
 
 nmoe::apply_rope carries autograd (bwd = nmoe::apply_rope_bwd); cos/sin are constant tables (no gradient).
+nmoe::rope_inplace rotates a column slice where it lies (MLA's rope part of each head), for glue that owns
+the autograd around it.
 """
 
 from __future__ import annotations
@@ -73,20 +75,45 @@ def _vec(d: int, dtype: torch.dtype) -> int:
     return wide if d % wide == 0 else 2
 
 
-def _launch(kernel: Kernel, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def row_pitch(x: Tensor) -> int:
+    """Elements between consecutive rows of x's last dim, when every row sits at one pitch (a contiguous
+    tensor, or a column slice of one); anything else is refused, since the kernel walks rows at one pitch."""
+    d = x.shape[-1]
+    dims = [(n, st) for n, st in zip(x.shape[:-1], x.stride()[:-1], strict=True) if n != 1]
+    pitch = dims[-1][1] if dims else d
+    expect = pitch
+    for n, st in reversed(dims):
+        if st != expect:
+            break
+        expect = st * n
+    else:
+        if (x.stride(-1) == 1 or d == 1) and pitch >= d:
+            return pitch
+    raise ValueError(f"rope_inplace: x {tuple(x.shape)} with strides {x.stride()} is not rows of {d} at one "
+                     "pitch; pass a contiguous tensor or a last-dim slice of one, or use apply_rope")
+
+
+def _launch(kernel: Kernel, x: Tensor, cos: Tensor, sin: Tensor, inplace: bool = False) -> Tensor:
     plan = table_plan(x, cos, sin)
     if x.dtype not in _DTYPE_NAMES:
         raise ValueError(f"{kernel.name}: fast rope takes bf16 or fp32 x, got {x.dtype}; cast it, or use "
                          "nmoe.reference.rope for other dtypes")
     device, arch = runtime.device_arch(x, cos, sin)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if x.numel() == 0:
-        return y
     d = x.shape[-1]
     vec = _vec(d, x.dtype)
-    xc = _aligned(x, vec * x.element_size())
+    if x.numel() == 0:
+        return x if inplace else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if inplace:
+        ld, xc = row_pitch(x), x
+        if x.data_ptr() % (vec * x.element_size()) or ld % vec:
+            raise ValueError(f"rope_inplace: x's rows must start on {vec * x.element_size()}-byte vectors "
+                             f"(pitch {ld}, offset {x.data_ptr() % 16} B); use apply_rope")
+        y = x
+    else:
+        ld, xc = d, _aligned(x, vec * x.element_size())
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     cc, sc = _aligned(cos, vec * 2), _aligned(sin, vec * 2)
-    launcher = kernel.launcher(arch, dtype=_DTYPE_NAMES[x.dtype], vec=vec, d=d)
+    launcher = kernel.launcher(arch, dtype=_DTYPE_NAMES[x.dtype], vec=vec, d=d, ld=ld)
     launcher(device, xc.data_ptr(), cc.data_ptr(), sc.data_ptr(), y.data_ptr(), x.numel(), plan.inner,
              plan.s_len)
     return y
@@ -104,8 +131,17 @@ def _rope_fake(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
+def _inplace_impl(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> None:
+    _launch(ROPE_BWD if inverse else ROPE_FWD, x, cos, sin, inplace=True)
+
+
+def _inplace_fake(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> None:
+    return None
+
+
 _rope_op = fast_op("apply_rope", _rope_impl, _rope_fake)
 _rope_bwd_op = fast_op("apply_rope_bwd", _rope_bwd_impl, _rope_fake)
+_inplace_op = fast_op("rope_inplace", _inplace_impl, _inplace_fake, mutates=("x",))
 
 
 def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
@@ -127,25 +163,33 @@ def apply_rope_bwd(dy: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return _rope_bwd_op(dy, cos, sin)
 
 
+def rope_inplace(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> None:
+    """apply_rope(x) (inverse: apply_rope_bwd) written over x, bitwise the same values; x may be a last-dim
+    slice of a wider tensor (rows at one pitch), rotated where it lies. Not differentiable: glue owns that."""
+    _inplace_op(x, cos, sin, inverse)
+
+
 # ftz would flush subnormal products the spec keeps; fma (or mul/add without .rn, which ptxas may contract)
 # would skip the spec's rounding of each product; local memory means spills.
 _FORBID = (r"\.ftz\b", r"\bfma(\.rn)?\.f32", r"\b(ld|st)\.local\b", r"\bmul\.f32\b", r"\badd\.f32\b",
            r"\bsub\.f32\b")
 _ROUNDED = (r"\bmul\.rn\.f32\b", r"\bsub\.rn\.f32\b", r"\badd\.rn\.f32\b", r"\bsetp\.nan\.f32\b")
-_CHECKED = ((64, "bfloat16"), (64, "float32"), (6, "bfloat16"), (6, "float32"))
+# (d, dtype, row pitch): MLA's rope part of a 192-wide head (128 nope + 64 rope) is the strided case.
+_CHECKED = ((64, "bfloat16", 64), (64, "float32", 64), (6, "bfloat16", 6), (6, "float32", 6),
+            (64, "bfloat16", 192))
 
 
-def _spec(kernel: Kernel, d: int, dtype_name: str) -> KernelSpec:
+def _spec(kernel: Kernel, d: int, dtype_name: str, ld: int) -> KernelSpec:
     vec = _vec(d, torch.bfloat16 if dtype_name == "bfloat16" else torch.float32)
     wide = vec * (2 if dtype_name == "bfloat16" else 4) == VEC_BYTES
     loads = (runtime.LD128, runtime.ST128) if wide else ()
     cvt = (r"\bcvt\.rn\.bf16(x2)?\.f32\b",) if dtype_name == "bfloat16" else ()
-    name = f"{kernel.name}_d{d}_{dtype_name}"
+    name = f"{kernel.name}_d{d}_{dtype_name}" + (f"_ld{ld}" if ld != d else "")
     return runtime.portable_spec(kernel.name.removesuffix("_fwd"), name,
-                                 kernel.compiler(dtype=dtype_name, vec=vec, d=d),
+                                 kernel.compiler(dtype=dtype_name, vec=vec, d=d, ld=ld),
                                  (*loads, *_ROUNDED, *cvt), _FORBID)
 
 
 KERNELS: tuple[KernelSpec, ...] = tuple(
-    _spec(kernel, d, dtype_name) for d, dtype_name in _CHECKED for kernel in (ROPE_FWD, ROPE_BWD)
+    _spec(kernel, d, dtype_name, ld) for d, dtype_name, ld in _CHECKED for kernel in (ROPE_FWD, ROPE_BWD)
 )
