@@ -336,6 +336,20 @@ def test_sep_cross_entropy_bwd_fast_onehot_dropped() -> None:
 
 
 @gpu
+def test_sep_cross_entropy_bwd_fast_dw_chunk_overwritten() -> None:
+    h, w, tg = make(16, 32, 100, 14, ignored=0.0)
+    exp = pl.cross_entropy_bwd(Inputs((1.0, h, w, tg, IGN, 4)), pl.CE_BWD)
+    assert exp[1] is not None and exp[1].mag is not None
+    rad = gemm_radius(pl.CE_BWD, exp[1].mag, exp[1].k)
+    dlogits = torch.softmax(h.double() @ w.double().T, dim=-1)
+    dlogits[torch.arange(16), tg] -= 1.0
+    last_chunk_only = (dlogits[12:] / 16).T @ h[12:].double()
+    assert not bound(last_chunk_only.bfloat16(), exp[1].value, rad, pl.CE_BWD.n).passed
+    dh, dw = fast.cross_entropy_bwd(1.0, h.cuda(), w.cuda(), tg.cuda(), IGN, 4)
+    check_grads(dh, dw, 1.0, h, w, tg, 4)
+
+
+@gpu
 def test_a_target_outside_the_vocab_aborts_where_the_spec_raises() -> None:
     """The spec raises naming the target; the kernel cannot raise, so it traps, and a CUDA error surfaces at
     the next sync (run in a child: a trapped context is unusable)."""

@@ -46,4 +46,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         "dlogits tiles are stored with no barrier after the tile's loads: a thread overwrites logits another "
         "has not read", TESTS, ("cross_entropy_bwd",),
     ),
+    sep_mutation(
+        "cross_entropy_bwd.fast_dw_chunk_overwritten", GLUE,
+        "                    torch.addmm(dw32, dlogits.T, hc, out_dtype=torch.float32, out=dw32)\n",
+        "                    torch.mm(dlogits.T, hc, out_dtype=torch.float32, out=dw32)\n",
+        "each chunk's dw_out overwrites the last instead of adding to it: only the last chunk's tokens count",
+        TESTS, ("cross_entropy_bwd",), device="gpu",
+    ),
 )

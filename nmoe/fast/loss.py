@@ -62,7 +62,9 @@ def _fused_impl(h: Tensor, w_out: Tensor, targets: Tensor, ignore_index: int, ch
     tgt = torch.where(kept, torch.where((targets < 0) | (targets >= v), v, targets), -1).to(torch.int32)
     per_row = torch.zeros(t, dtype=torch.float32, device=h.device)
     dh = torch.empty((t, hd) if grad else (0, hd), dtype=torch.float32, device=h.device)
-    dw32 = torch.zeros((v, hd) if grad else (0, hd), dtype=torch.float32, device=h.device)
+    first_chunk_writes = t > 0 and v > 0
+    dw32 = (torch.empty if first_chunk_writes else torch.zeros)((v, hd) if grad else (0, hd),
+                                                                dtype=torch.float32, device=h.device)
     if t > 0 and v > 0:
         buf = torch.empty((min(chunk, t), v), dtype=torch.float32, device=h.device)
         launch = CE_FWD.launcher(arch, grad=grad, threads=THREADS, unroll=UNROLL)
@@ -75,7 +77,10 @@ def _fused_impl(h: Tensor, w_out: Tensor, targets: Tensor, ignore_index: int, ch
             if grad:
                 dlogits = logits.view(torch.bfloat16)[:, :v]
                 torch.mm(dlogits, w_out, out_dtype=torch.float32, out=dh[start:start + n])
-                torch.addmm(dw32, dlogits.T, hc, out_dtype=torch.float32, out=dw32)
+                if start == 0:
+                    torch.mm(dlogits.T, hc, out_dtype=torch.float32, out=dw32)
+                else:
+                    torch.addmm(dw32, dlogits.T, hc, out_dtype=torch.float32, out=dw32)
     loss = per_row.sum() / denom
     return loss, dh, dw32
 
