@@ -93,7 +93,8 @@ def make(b: int, s: int, dim: int, h: int, dn: int, dr: int, dv: int, q_lora: in
 
 def test_attention_is_a_fast_module_with_fa4_kernels_for_both_archs() -> None:
     assert "nmoe.fast.attention" in FAST_MODULES
-    assert sorted(k.name for k in KERNELS) == ["fa4_bwd_d192_128", "fa4_fwd_d192_128"]
+    assert sorted(k.name for k in KERNELS) == ["fa4_bwd_d192_128", "fa4_fwd_d192_128", "mla_k_h16_128_64_128",
+                                                "mla_kv_grad_h16_128_64_128"]
     for spec in KERNELS:
         assert spec.op == "mla_attention"
         assert set(spec.expect) == set(spec.forbid) == set(SUPPORTED_ARCHS)
@@ -204,6 +205,21 @@ def _stand_rope_inplace(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = Fal
     x.copy_(_stand_rope(x, cos, -sin if inverse else sin))
 
 
+def _stand_mla_k(kv: Tensor, k_pe: Tensor, dn: int) -> Tensor:
+    b, s, h, _ = kv.shape
+    return torch.cat((kv[..., :dn], k_pe.unsqueeze(2).expand(b, s, h, k_pe.shape[-1])), dim=-1)
+
+
+def _stand_mla_kv_grad(dk: Tensor, dv: Tensor, dn: int) -> tuple[Tensor, Tensor]:
+    return torch.cat((dk[..., :dn], dv), dim=-1), dk[..., dn:].to(F64).sum(2).to(dk.dtype)
+
+
+def _stand_heads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fast_attn, "rope_inplace", _stand_rope_inplace)
+    monkeypatch.setattr(fast_attn, "mla_k", _stand_mla_k)
+    monkeypatch.setattr(fast_attn, "mla_kv_grad", _stand_mla_kv_grad)
+
+
 def _stand_rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
     xf = x.to(F64)
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.to(F64)).to(x.dtype)
@@ -217,7 +233,7 @@ def test_glue_wires_rope_shared_key_fa4_call_and_every_gradient_on_cpu(monkeypat
     float64 stand-ins, in value and in the gradient of x and every weight; each mutant is told apart."""
     fa = _FA4Stand()
     monkeypatch.setattr(fast_attn, "apply_rope", _stand_rope)
-    monkeypatch.setattr(fast_attn, "rope_inplace", _stand_rope_inplace)
+    _stand_heads(monkeypatch)
     monkeypatch.setattr(fast_attn, "rmsnorm", _stand_rms)
     monkeypatch.setattr(fast_attn, "flash_interface", lambda arch: fa)
     monkeypatch.setattr(fast_attn.runtime, "device_arch", lambda *ts: (0, "sm_90a"))
@@ -261,9 +277,9 @@ def test_glue_wires_rope_shared_key_fa4_call_and_every_gradient_on_cpu(monkeypat
 
 def _heads_grads(monkeypatch: pytest.MonkeyPatch, b: int = 2, s: int = 5, h: int = 3, dn: int = 4,
                  dr: int = 6, dv: int = 8) -> dict[str, Any]:
-    """_Heads' outputs and input gradients in float64 (rope stand-in), beside autograd through an
+    """_Heads' outputs and input gradients in float64 (kernel stand-ins), beside autograd through an
     independent composition: slices, the rotation, concatenation and a broadcast shared key."""
-    monkeypatch.setattr(fast_attn, "rope_inplace", _stand_rope_inplace)
+    _stand_heads(monkeypatch)
     g = torch.Generator().manual_seed(4)
     q0 = torch.randn(b, s, h * (dn + dr), generator=g, dtype=F64)
     kv0 = torch.randn(b, s, h, dn + dv, generator=g, dtype=F64)
@@ -295,14 +311,6 @@ def test_heads_assembly_values_and_gradients_equal_autograd_of_the_composition(
     r = _heads_grads(monkeypatch)
     for a, w in zip(r["got"][0] + r["got"][1], r["want"][0] + r["want"][1], strict=True):
         torch.testing.assert_close(a, w, rtol=1e-12, atol=1e-12)
-
-
-def test_sep_mla_fast_k_pe_grad_one_head(monkeypatch: pytest.MonkeyPatch) -> None:
-    r = _heads_grads(monkeypatch)
-    dn = r["dims"][3]
-    one_head = r["dk"][:, :, 0, dn:]
-    assert (one_head - r["want"][1][2]).abs().max() > 0.5
-    torch.testing.assert_close(r["got"][1][2], r["want"][1][2], rtol=1e-12, atol=1e-12)
 
 
 def test_sep_mla_fast_dq_rope_not_inverse(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -469,3 +477,49 @@ def test_sep_mla_fast_rope_on_nope_part() -> None:
 @gpu
 def test_sep_mla_fast_k_rope_dropped() -> None:
     _separates(_case(SHAPES[0], 8), k_rope=False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU: the k / dkv assembly kernels, bitwise.
+# ---------------------------------------------------------------------------------------------------
+def _grid16(shape: tuple[int, ...], seed: int) -> Tensor:
+    """bf16 multiples of 1/16 below 16 in magnitude: 8 significant bits (bf16-exact), and a sum of 16 of them
+    is exact in fp32, so the float64 sum rounded once is what fp32 head-order addition rounds."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(-255, 256, shape, generator=g).to(F64) / 16).to(torch.bfloat16)
+
+
+def _assembly_case(seed: int) -> tuple[Tensor, ...]:
+    b, s, h, dn, dr, dv = 2, 33, 16, 128, 64, 128
+    kv, k_pe = _grid16((b, s, h, dn + dv), seed), _grid16((b, s, dr), seed + 1)
+    dk, dv_ = _grid16((b, s, h, dn + dr), seed + 2), _grid16((b, s, h, dv), seed + 3)
+    return kv, k_pe, dk, dv_
+
+
+@gpu
+def test_mla_k_and_kv_grad_bitwise() -> None:
+    kv, k_pe, dk, dv = _assembly_case(30)
+    dn = 128
+    k = fast_attn.mla_k(kv.cuda(), k_pe.cuda(), dn).cpu()
+    assert torch.equal(k[..., :dn], kv[..., :dn])
+    assert torch.equal(k[..., dn:], k_pe[:, :, None, :].expand_as(k[..., dn:]))
+    dkv, dk_pe = (t.cpu() for t in fast_attn.mla_kv_grad(dk.cuda(), dv.cuda(), dn))
+    assert torch.equal(dkv[..., :dn], dk[..., :dn]) and torch.equal(dkv[..., dn:], dv)
+    assert torch.equal(dk_pe, dk[..., dn:].to(F64).sum(2).to(torch.bfloat16))
+
+
+@gpu
+def test_sep_mla_fast_k_pe_grad_one_head() -> None:
+    _, _, dk, dv = _assembly_case(31)
+    want = dk[..., 128:].to(F64).sum(2).to(torch.bfloat16)
+    assert not torch.equal(dk[:, :, 0, 128:], want)
+    assert torch.equal(fast_attn.mla_kv_grad(dk.cuda(), dv.cuda(), 128)[1].cpu(), want)
+
+
+@gpu
+def test_sep_mla_fast_k_pe_from_wrong_column() -> None:
+    kv, k_pe, _, _ = _assembly_case(32)
+    shifted = torch.cat((k_pe[:, 1:], k_pe[:, :1]), dim=1)
+    assert not torch.equal(shifted, k_pe)
+    k = fast_attn.mla_k(kv.cuda(), k_pe.cuda(), 128).cpu()
+    assert torch.equal(k[..., 128:], k_pe[:, :, None, :].expand_as(k[..., 128:]))

@@ -1,5 +1,5 @@
-"""mla.fast_*: defects in the fast MLA glue (nmoe/fast/attention.py): what it passes to flash-attn-4 and
-what it rotates, and the q/k/v assembly's backward (those on the CPU, through the glue's stand-ins)."""
+"""mla.fast_*: defects in the fast MLA glue (nmoe/fast/attention.py): what it passes to flash-attn-4, what
+it rotates, and the k/dkv assembly kernels (nmoe/fast/kernels/mla.py); dq's rotation dies on the CPU."""
 
 from __future__ import annotations
 
@@ -38,11 +38,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         device="gpu",
     ),
     sep_mutation(
-        "mla.fast_k_pe_grad_one_head", FILE,
-        "        return dq, dkv, dk[..., dn:].sum(2), None, None, None\n",
-        "        return dq, dkv, dk[:, :, 0, dn:], None, None, None\n",
+        "mla.fast_k_pe_grad_one_head", "nmoe/fast/kernels/mla.py",
+        "        for head in range_constexpr(1, h):\n",
+        "        for head in range_constexpr(1, 1):\n",
         "the shared rope key's gradient comes from head 0 only instead of the sum over the heads it feeds",
-        TESTS, ("mla_attention",),
+        TESTS, ("mla_attention",), device="gpu",
+    ),
+    sep_mutation(
+        "mla.fast_k_pe_from_wrong_column", "nmoe/fast/kernels/mla.py",
+        "            dst.store(_vec_at(pkpe, rows // h * dr, ((r // h) * dr + c - dn) // VEC).load())\n",
+        "            dst.store(_vec_at(pkpe, rows // h * dr, ((r // h) * dr + c - dr) // VEC).load())\n",
+        "k's rope part is read dn - dr columns past its start in the shared key (the next token's, for MLA)",
+        TESTS, ("mla_attention",), device="gpu",
     ),
     sep_mutation(
         "mla.fast_dq_rope_not_inverse", FILE,

@@ -22,8 +22,9 @@ from torch import Tensor
 
 from nmoe.fast import runtime
 from nmoe.fast.arch import SUPPORTED_ARCHS, ArchError, ArchNotImplemented
+from nmoe.fast.limits import VEC_BYTES
 from nmoe.fast.norm import rmsnorm
-from nmoe.fast.op import Kernel
+from nmoe.fast.op import Kernel, fast_op
 from nmoe.fast.rope import apply_rope, rope_inplace
 from nmoe.fast.runtime import KernelSpec
 from nmoe.layout import MLAParams, check_mla_params
@@ -134,10 +135,80 @@ def mla_attention(
     return lin(o.reshape(b, s, h * dv), p.wo)
 
 
+MLA_K = Kernel.by_name("nmoe.fast.kernels.mla", "mla_k")
+MLA_KV_GRAD = Kernel.by_name("nmoe.fast.kernels.mla", "mla_kv_grad")
+
+
+def _mla_dims(kv: Tensor, k_pe: Tensor, dn: int) -> dict[str, int]:
+    """(h, dn, dr, dv) of kv [B, S, H, dn + dv] and k_pe [B, S, dr]; each width whole 16-byte vectors."""
+    b, s, h, width = kv.shape
+    dims = {"h": h, "dn": dn, "dr": k_pe.shape[-1], "dv": width - dn}
+    if k_pe.shape != (b, s, dims["dr"]) or min(dims.values()) < 1 or \
+            any(v % (VEC_BYTES // 2) for v in (dn, dims["dr"], dims["dv"])):
+        raise ValueError(f"mla k assembly: kv {tuple(kv.shape)}, k_pe {tuple(k_pe.shape)}, dn {dn}: head "
+                         f"dims must be positive multiples of {VEC_BYTES // 2} (whole 16-byte vectors)")
+    return dims
+
+
+def _vectors(t: Tensor) -> Tensor:
+    """t contiguous and starting on a 16-byte vector, as the assembly kernels read it."""
+    t = t.contiguous()
+    return t if t.data_ptr() % VEC_BYTES == 0 else t.clone()
+
+
+def _mla_k_impl(kv: Tensor, k_pe: Tensor, dn: int) -> Tensor:
+    dims = _mla_dims(kv, k_pe, dn)
+    device, arch = runtime.device_arch(kv, k_pe)
+    b, s, h, _ = kv.shape
+    k = torch.empty((b, s, h, dn + dims["dr"]), dtype=kv.dtype, device=kv.device)
+    if k.numel():
+        kvc, pec = _vectors(kv), _vectors(k_pe)
+        MLA_K.launcher(arch, **dims)(device, kvc.data_ptr(), pec.data_ptr(), k.data_ptr(), b * s * h)
+    return k
+
+
+def _mla_k_fake(kv: Tensor, k_pe: Tensor, dn: int) -> Tensor:
+    return kv.new_empty((*kv.shape[:3], dn + k_pe.shape[-1]))
+
+
+def _mla_kv_grad_impl(dk: Tensor, dv: Tensor, dn: int) -> tuple[Tensor, Tensor]:
+    b, s, h, width = dk.shape
+    if dv.shape[:3] != dk.shape[:3]:
+        raise ValueError(f"mla_kv_grad: dk {tuple(dk.shape)} and dv {tuple(dv.shape)} must share [B, S, H]")
+    dkv = torch.empty((b, s, h, dn + dv.shape[-1]), dtype=dk.dtype, device=dk.device)
+    dk_pe = torch.empty((b, s, width - dn), dtype=dk.dtype, device=dk.device)
+    dims = _mla_dims(dkv, dk_pe, dn)
+    device, arch = runtime.device_arch(dk, dv)
+    if dkv.numel():
+        dkc, dvc = _vectors(dk), _vectors(dv)
+        MLA_KV_GRAD.launcher(arch, **dims)(device, dkc.data_ptr(), dvc.data_ptr(), dkv.data_ptr(),
+                                           dk_pe.data_ptr(), b * s * h)
+    return dkv, dk_pe
+
+
+def _mla_kv_grad_fake(dk: Tensor, dv: Tensor, dn: int) -> tuple[Tensor, Tensor]:
+    return dk.new_empty((*dk.shape[:3], dn + dv.shape[-1])), dk.new_empty((*dk.shape[:2], dk.shape[-1] - dn))
+
+
+_mla_k_op = fast_op("mla_k", _mla_k_impl, _mla_k_fake)
+_mla_kv_grad_op = fast_op("mla_kv_grad", _mla_kv_grad_impl, _mla_kv_grad_fake)
+
+
+def mla_k(kv: Tensor, k_pe: Tensor, dn: int) -> Tensor:
+    """MLA's key [B, S, H, dn + dr]: each head's kv[..., :dn] beside the shared rope key k_pe [B, S, dr]."""
+    return _mla_k_op(kv, k_pe, dn)
+
+
+def mla_kv_grad(dk: Tensor, dv: Tensor, dn: int) -> tuple[Tensor, Tensor]:
+    """(dkv, dk_pe) of mla_k and v = kv[..., dn:]: dkv = [dk[..., :dn] | dv]; dk_pe = sum over heads of
+    dk[..., dn:], added in fp32 in head order and rounded once."""
+    return _mla_kv_grad_op(dk, dv, dn)
+
+
 class _Heads(torch.autograd.Function):
-    """q (the [B, S, H * (dn + dr)] projection, its rope parts rotated where they lie), k = [k_nope | shared
-    k_pe] and v (a view of kv) with no copy of q; the backward rotates one copy of dq in place and builds
-    dkv in one concatenation, where slicing autograd zero-fills, copies and adds per slice."""
+    """q (the [B, S, H * (dn + dr)] projection, its rope parts rotated where they lie), k (mla_k) and v (a
+    view of kv) with no copy of q; the backward rotates one copy of dq in place and builds dkv and dk_pe
+    in one pass (mla_kv_grad), where slicing autograd zero-fills, copies and adds per slice."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, kv: Tensor, k_pe: Tensor, cos: Tensor, sin: Tensor,
@@ -147,8 +218,7 @@ class _Heads(torch.autograd.Function):
         ctx.mark_dirty(q)
         ctx.save_for_backward(cos, sin)
         ctx.dn = dn
-        k = torch.cat((kv[..., :dn], k_pe.unsqueeze(2).expand(b, s, h, k_pe.shape[-1])), dim=-1)
-        return q, k, kv[..., dn:]
+        return q, mla_k(kv, k_pe, dn), kv[..., dn:]
 
     @staticmethod
     def backward(ctx: Any, dq: Tensor, dk: Tensor, dv: Tensor) -> tuple[Tensor | None, ...]:
@@ -157,8 +227,8 @@ class _Heads(torch.autograd.Function):
         b, s, h, _ = dk.shape
         dq = dq.clone(memory_format=torch.contiguous_format)
         rope_inplace(dq.view(b, s, h, -1)[..., dn:], cos, sin, inverse=True)
-        dkv = torch.cat((dk[..., :dn], dv), dim=-1)
-        return dq, dkv, dk[..., dn:].sum(2), None, None, None
+        dkv, dk_pe = mla_kv_grad(dk, dv, dn)
+        return dq, dkv, dk_pe, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -273,4 +343,12 @@ def _fa4_spec(stage: str, d_qk: int, d_v: int) -> KernelSpec:
     )
 
 
-KERNELS: tuple[KernelSpec, ...] = (_fa4_spec("fwd", 192, 128), _fa4_spec("bwd", 192, 128))
+# The assembly kernels move 16-byte vectors (and the head sum rounds fp32 to bf16 once); MLA's head dims.
+_MLA_DIMS = {"h": 16, "dn": 128, "dr": 64, "dv": 128}
+_MLA_SPECS = tuple(
+    runtime.portable_spec("mla_attention", f"{kernel.name}_h16_128_64_128", kernel.compiler(**_MLA_DIMS),
+                          (runtime.LD128, runtime.ST128, *extra), _FORBID)
+    for kernel, extra in ((MLA_K, ()),
+                          (MLA_KV_GRAD, (r"\badd\.(rn\.)?f32(x2)?\b", r"\bcvt\.rn\.bf16(x2)?\.f32\b")))
+)
+KERNELS: tuple[KernelSpec, ...] = (_fa4_spec("fwd", 192, 128), _fa4_spec("bwd", 192, 128), *_MLA_SPECS)

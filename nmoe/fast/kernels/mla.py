@@ -1,0 +1,111 @@
+"""CuTeDSL kernels that assemble MLA's attention key and the gradient of its kv projection, flat over 128-bit
+vectors (one per thread), so neither direction goes through concatenation copies:
+
+- mla_k:       k[r] = [kv[r, :dn] | k_pe[r // h]] for every head row r of [tokens * h];
+- mla_kv_grad: dkv[r] = [dk[r, :dn] | dv[r]], and dk_pe[t] = sum over the h heads of dk[t * h + j, dn:]
+               added in fp32 in head order, rounded once.
+Import only after nmoe.fast.runtime.import_cutlass(arch): the DSL fixes its target arch at first import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cuda.bindings.driver as cuda
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int64
+from cutlass.base_dsl.ast_helpers import range_constexpr
+from cutlass.base_dsl.typing import Constexpr
+from cutlass.cute.runtime import make_ptr
+from cutlass.cute.typing import Pointer
+
+from nmoe.fast.kernels.prims import out_bits
+from nmoe.fast.limits import VEC_BYTES
+
+THREADS = 256
+VEC = VEC_BYTES // 2
+
+
+@cute.jit
+def _vec_at(p: Pointer, n: Int64, at: Int64) -> cute.Tensor:
+    """The `at`-th VEC-element vector of the flat bf16 array p[0:n]."""
+    view: cute.Tensor = cute.zipped_divide(cute.make_tensor(p, cute.make_layout(n)), (VEC,))[(None, at)]
+    return view
+
+
+@cute.kernel
+def mla_k_kernel(pkv: Pointer, pkpe: Pointer, pk: Pointer, rows: Int64, h: Constexpr[int], dn: Constexpr[int],
+                 dr: Constexpr[int], dv: Constexpr[int]) -> None:
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    i = Int64(bidx) * THREADS + Int64(tidx)
+    per_row = (dn + dr) // VEC
+    if i < rows * per_row:
+        r = i // per_row
+        c = (i - r * per_row) * VEC
+        dst = _vec_at(pk, rows * (dn + dr), i)
+        if c < dn:
+            dst.store(_vec_at(pkv, rows * (dn + dv), (r * (dn + dv) + c) // VEC).load())
+        else:
+            dst.store(_vec_at(pkpe, rows // h * dr, ((r // h) * dr + c - dn) // VEC).load())
+
+
+@cute.kernel
+def mla_kv_grad_kernel(pdk: Pointer, pdv: Pointer, pdkv: Pointer, pdkpe: Pointer, rows: Int64,
+                       h: Constexpr[int], dn: Constexpr[int], dr: Constexpr[int], dv: Constexpr[int]) -> None:
+    """Threads [0, rows * (dn + dv) / VEC) build dkv; the next tokens * dr / VEC sum dk_pe's vectors."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    i = Int64(bidx) * THREADS + Int64(tidx)
+    per_row = (dn + dv) // VEC
+    n_kv = rows * per_row
+    per_tok = dr // VEC
+    if i < n_kv:
+        r = i // per_row
+        c = (i - r * per_row) * VEC
+        dst = _vec_at(pdkv, rows * (dn + dv), i)
+        if c < dn:
+            dst.store(_vec_at(pdk, rows * (dn + dr), (r * (dn + dr) + c) // VEC).load())
+        else:
+            dst.store(_vec_at(pdv, rows * dv, (r * dv + c - dn) // VEC).load())
+    elif i < n_kv + rows // h * per_tok:
+        j = i - n_kv
+        t = j // per_tok
+        c = (j - t * per_tok) * VEC
+        first = (t * h * (dn + dr) + dn + c) // VEC
+        acc = _vec_at(pdk, rows * (dn + dr), first).load().reshape((VEC,)).to(Float32)
+        for head in range_constexpr(1, h):
+            at = ((t * h + head) * (dn + dr) + dn + c) // VEC
+            acc = acc + _vec_at(pdk, rows * (dn + dr), at).load().reshape((VEC,)).to(Float32)
+        bits = out_bits(acc, "bfloat16")
+        cute.recast_tensor(_vec_at(pdkpe, rows // h * dr, j), bits.dtype).store(bits)
+
+
+@cute.jit
+def mla_k_host(pkv: Pointer, pkpe: Pointer, pk: Pointer, rows: Int64, stream: cuda.CUstream,
+               h: Constexpr[int], dn: Constexpr[int], dr: Constexpr[int], dv: Constexpr[int]) -> None:
+    n = rows * ((dn + dr) // VEC)
+    mla_k_kernel(pkv, pkpe, pk, rows, h, dn, dr, dv).launch(
+        grid=[(n + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream
+    )
+
+
+@cute.jit
+def mla_kv_grad_host(pdk: Pointer, pdv: Pointer, pdkv: Pointer, pdkpe: Pointer, rows: Int64,
+                     stream: cuda.CUstream, h: Constexpr[int], dn: Constexpr[int], dr: Constexpr[int],
+                     dv: Constexpr[int]) -> None:
+    n = rows * ((dn + dv) // VEC) + rows // h * (dr // VEC)
+    mla_kv_grad_kernel(pdk, pdv, pdkv, pdkpe, rows, h, dn, dr, dv).launch(
+        grid=[(n + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream
+    )
+
+
+def compile_args(kernel: str, spec: dict[str, Any]) -> tuple[Any, tuple[Any, ...]]:
+    """mla_k / mla_kv_grad: bf16 arrays on 16-byte boundaries; spec h, dn, dr, dv (multiples of VEC)."""
+    p = make_ptr(BFloat16, 0, cute.AddressSpace.gmem, assumed_align=VEC_BYTES)
+    dims = (spec["h"], spec["dn"], spec["dr"], spec["dv"])
+    if kernel == "mla_k":
+        return mla_k_host, (p, p, p, Int64(0), cuda.CUstream(0), *dims)
+    if kernel == "mla_kv_grad":
+        return mla_kv_grad_host, (p, p, p, p, Int64(0), cuda.CUstream(0), *dims)
+    raise ValueError(f"unknown mla kernel {kernel!r}; choose mla_k or mla_kv_grad")
