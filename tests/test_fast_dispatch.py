@@ -153,6 +153,40 @@ def test_round_trip_on_unaligned_views() -> None:
     assert torch.equal(y, x[:, None, :].expand(257, 4, 64))
 
 
+def _rows_of(slot: Tensor, t: int, k: int) -> Tensor:
+    """int32 [T,K]: the permuted row of each slot, slot's inverse built by scatter here."""
+    row_of = torch.full((t * k,), -1, dtype=torch.int32)
+    real = slot >= 0
+    row_of[slot[real]] = torch.arange(slot.numel(), dtype=torch.int32)[real]
+    return row_of.view(t, k)
+
+
+@gpu
+@pytest.mark.parametrize(("h", "c0", "cols"), [(256, 64, 128), (96, 0, 96), (40, 8, 24), (2048, 1024, 1024)])
+def test_spread_rows_of_a_column_slice_equals_permute(h: int, c0: int, cols: int) -> None:
+    """The row copy alone, on the routing permute built and on x's columns read in place (rows h apart),
+    is permute's xp of the same columns bit for bit."""
+    t, k, e, align = 1000, 6, 64, 128
+    ids = _routing(t, k, e, "zipf", seed=5)
+    x = _x(t, h, torch.bfloat16, seed=6)
+    want = ref.permute(x[:, c0:c0 + cols].contiguous(), ids, e, align)
+    xg = x.cuda()
+    got = fast.spread_rows(xg[:, c0:c0 + cols], want.slot.cuda(), _rows_of(want.slot, t, k).cuda())
+    assert torch.equal(_bytes(got.cpu()), _bytes(want.xp))
+
+
+@gpu
+def test_sep_dispatch_fast_spread_pitch_ignored() -> None:
+    t, k, e, align, h = 300, 4, 16, 16, 256
+    ids = _routing(t, k, e, "uniform", seed=7)
+    x = _x(t, h, torch.bfloat16, seed=8)
+    want = ref.permute(x[:, 128:].contiguous(), ids, e, align)
+    packed = x.reshape(-1)[128:128 + t * 128].view(t, 128)  # rows read 128 apart from the slice's start
+    assert not torch.equal(ref.permute(packed, ids, e, align).xp, want.xp)
+    got = fast.spread_rows(x.cuda()[:, 128:], want.slot.cuda(), _rows_of(want.slot, t, k).cuda())
+    assert torch.equal(_bytes(got.cpu()), _bytes(want.xp))
+
+
 @gpu
 def test_sep_dispatch_fast_unstable_order() -> None:
     """All slots of one expert: any order but (t, k) differs from the stable one."""

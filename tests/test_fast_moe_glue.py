@@ -57,6 +57,7 @@ def _act_gathered(x: Tensor, slot: Tensor, top_k: int, w: Tensor, offs: Tensor,
 def spec_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     subs: dict[str, Any] = {
         "permute": rd.permute, "unpermute": rd.unpermute,
+        "spread_rows": lambda x, slot, row_of: _gathered_rows(x, slot, row_of.shape[1]),
         "combine": rc.combine, "combine_bwd": rc.combine_bwd, "combine_gather": rc.combine_gather,
         "grouped_gemm": rg.grouped_gemm, "grouped_gemm_dgrad": rg.grouped_gemm_dgrad,
         "grouped_gemm_wgrad": rg.grouped_gemm_wgrad, "grouped_gemm_fp8": rg.grouped_gemm_fp8,

@@ -29,4 +29,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        if n != 1:", "        if n > 1:",
         "unpermute accepts a slot map in which a slot is missing", TESTS, ("unpermute",), device="gpu",
     ),
+    sep_mutation(
+        "dispatch.fast_spread_pitch_ignored", FILE,
+        "            vals = _load_vecs(src, Int64(w), v0, row_vecs, src_vecs)\n",
+        "            vals = _load_vecs(src, Int64(w), v0, row_vecs, row_vecs)\n",
+        "the row copy reads x's rows back to back, ignoring the pitch of a column slice", TESTS, ("permute",),
+        device="gpu",
+    ),
 )

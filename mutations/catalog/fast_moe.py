@@ -30,8 +30,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "moe.fast_gather_off_by_one", FILE,
-        "xp = permute(x[:, c0:c0 + cols], ids, cfg.n_routed_experts, cfg.permute_align).xp",
-        "xp = permute(x.roll(1, 0)[:, c0:c0 + cols], ids, cfg.n_routed_experts, cfg.permute_align).xp",
+        "xp = spread_rows(x[:, c0:c0 + cols], slot, row_of)",
+        "xp = spread_rows(x.roll(1, 0)[:, c0:c0 + cols], slot, row_of)",
         "the up wgrad's permuted copy of x holds the previous token's rows", TESTS, ("moe_layer",),
     ),
     sep_mutation(

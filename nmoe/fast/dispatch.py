@@ -21,6 +21,7 @@ _INT32_LIMIT = 2**31
 PERMUTE = Kernel("nmoe.fast.kernels.dispatch", "permute",
                  lambda km, E, ids_bits, unit, vec, has_slots, has_rows: km.permute_args(
                      E, ids_bits, unit, vec, has_slots, has_rows))
+SPREAD = Kernel("nmoe.fast.kernels.dispatch", "spread", lambda km, unit, vec: km.spread_args(unit, vec))
 UNPERMUTE = Kernel("nmoe.fast.kernels.dispatch", "unpermute",
                    lambda km, unit, vec, has_rows, has_slots: km.unpermute_args(
                        unit, vec, has_rows, has_slots))
@@ -90,6 +91,35 @@ def _permute_fake(x: Tensor, ids: Tensor, n_experts: int, align: int) -> _Four:
             torch.empty(n_rows, dtype=torch.int64, device=dev))
 
 
+def _spread_impl(x: Tensor, slot: Tensor, row_of: Tensor) -> Tensor:
+    device, arch = runtime.device_arch(x, slot, row_of)
+    if x.dim() != 2 or row_of.dim() != 2 or row_of.shape[0] != x.shape[0] or row_of.dtype != torch.int32 or \
+            slot.dim() != 1 or slot.dtype != torch.int64:
+        raise ValueError(f"spread_rows: need x [T,H], int64 slot [R] and int32 row_of [T,K] (permute's "
+                         f"routing), got x {tuple(x.shape)}, slot {slot.dtype} {tuple(slot.shape)}, row_of "
+                         f"{row_of.dtype} {tuple(row_of.shape)}")
+    t, h = x.shape
+    n_rows = slot.shape[0]
+    if max(n_rows, row_of.numel()) >= _INT32_LIMIT:
+        raise ValueError(f"spread_rows: {n_rows} rows exceed the kernels' int32 row index; split the batch")
+    xc = x if x.stride(1) == 1 and (t <= 1 or x.stride(0) >= h) else x.contiguous()
+    pitch = xc.stride(0) if t > 1 else h
+    xp = torch.empty(n_rows, h, dtype=x.dtype, device=x.device)
+    if n_rows == 0 or h == 0:
+        return xp
+    es = x.element_size()
+    unit, vec, width = _copy_shape(h * es, xc.data_ptr(), xp.data_ptr(), pitch * es)
+    rows, slots = row_of.contiguous(), slot.contiguous()
+    SPREAD.launcher(arch, unit=unit, vec=vec)(
+        device, xc.data_ptr(), slots.data_ptr(), rows.data_ptr(), xp.data_ptr(), t, n_rows, row_of.shape[1],
+        h * es // width, pitch * es // width)
+    return xp
+
+
+def _spread_fake(x: Tensor, slot: Tensor, row_of: Tensor) -> Tensor:
+    return torch.empty(slot.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+
+
 def _unpermute_impl(yp: Tensor, slot: Tensor, t: int, k: int) -> Tensor:
     device, arch = runtime.device_arch(yp, slot)
     if yp.dim() != 2 or slot.shape != (yp.shape[0],) or slot.dtype != torch.int64:
@@ -122,12 +152,19 @@ def _unpermute_fake(yp: Tensor, slot: Tensor, t: int, k: int) -> Tensor:
 
 _permute_op = fast_op("permute", _permute_impl, _permute_fake)
 _unpermute_op = fast_op("unpermute", _unpermute_impl, _unpermute_fake)
+_spread_op = fast_op("spread_rows", _spread_impl, _spread_fake)
 
 
 def permute(x: Tensor, ids: Tensor, n_experts: int, align: int) -> Permuted:
     """Rows sorted by (expert, t, k); each expert segment padded to `align`; pad and tail rows are zero."""
     xp, counts, offs, slot = _permute_op(x, ids, n_experts, align)
     return Permuted(xp=xp, counts=counts, offs=offs, slot=slot)
+
+
+def spread_rows(x: Tensor, slot: Tensor, row_of: Tensor) -> Tensor:
+    """permute(x, ids).xp for rows permute already routed (its slot and row_of = slot's inverse, [T,K]): only
+    the row copy runs; x may be a column slice of a wider tensor (rows at one pitch), read in place."""
+    return _spread_op(x, slot, row_of)
 
 
 def unpermute(yp: Tensor, slot: Tensor, t: int, k: int) -> Tensor:
@@ -158,4 +195,6 @@ KERNELS: tuple[KernelSpec, ...] = (
           (r"\bmatch\.any\.sync\.b32\b", r"\bld\.global(\.nc)?\.(b|u|s)16\b", r"\bst\.global\.(b|u|s)16\b")),
     _spec("unpermute", "unpermute_v128", UNPERMUTE.compiler(unit="i32", vec=4, has_rows=True, has_slots=True),
           (r"\batom\.global\.add\.u32\b", _LD128, _ST128)),
+    runtime.portable_spec("permute", "spread_rows_v128", SPREAD.compiler(unit="i32", vec=4), (_LD128, _ST128),
+                          (r"\bld\.local\b",)),
 )

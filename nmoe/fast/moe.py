@@ -44,7 +44,7 @@ from nmoe.fast import runtime
 from nmoe.fast.activation import relu2, relu2_bwd, swiglu, swiglu_bwd
 from nmoe.fast.arch import ArchNotImplemented
 from nmoe.fast.combine import combine, combine_bwd, combine_gather
-from nmoe.fast.dispatch import permute, unpermute
+from nmoe.fast.dispatch import permute, spread_rows, unpermute
 from nmoe.fast.formats import quantize_mxfp8, quantize_mxfp8_weight
 from nmoe.fast.gemm import grouped_gemm, grouped_gemm_dgrad, grouped_gemm_fp8, grouped_gemm_wgrad, sm90
 from nmoe.fast.gemm.routing import offs_built_on_device
@@ -107,15 +107,15 @@ def _to_slots(v: Tensor, slot: Tensor, t: int, k: int) -> Tensor:
     return v.new_zeros(t * k + 1).index_copy_(0, sink, v)[: t * k].view(t, k)
 
 
-def _up_wgrad(dh: Tensor, x: Tensor, ids: Tensor, offs: Tensor, cfg: ModelConfig) -> Tensor:
+def _up_wgrad(dh: Tensor, x: Tensor, slot: Tensor, row_of: Tensor, offs: Tensor) -> Tensor:
     """dh^T @ permute(x) per expert, a few of x's columns at a time: each chunk of x's rows is copied into
-    permuted order for the TMA-fed wgrad (gathering rows by index as the wgrad loads measured 2.0-3.5x slower
-    than the copy and the TMA wgrad together) and the copy never outgrows dh."""
+    permuted order (the forward's routing, x's columns read in place) for the TMA-fed wgrad (gathering rows by
+    index as the wgrad loads measured 2.0-3.5x slower than copy + TMA wgrad); the copy never outgrows dh."""
     h = x.shape[1]
     dw = dh.new_empty(offs.shape[0], dh.shape[1], h)
     cols = sm90.wgrad_cols(h, dh.shape[1])
     for c0 in range(0, h, cols):
-        xp = permute(x[:, c0:c0 + cols], ids, cfg.n_routed_experts, cfg.permute_align).xp
+        xp = spread_rows(x[:, c0:c0 + cols], slot, row_of)
         sm90.grouped_gemm_wgrad_cols(dh, xp, offs, dw, c0)
         del xp
     return dw
@@ -227,7 +227,7 @@ class _Routed(torch.autograd.Function):
                 dx = combine_gather(dxp, row_of, ones, 1.0, None)
                 del dxp
             if need_up:
-                dw_up = _up_wgrad(dh, x, ids, offs, cfg)
+                dw_up = _up_wgrad(dh, x, slot, row_of, offs)
         return dx, dw_up, dw2, dweights, dout if ctx.has_shared else None, None, None
 
 

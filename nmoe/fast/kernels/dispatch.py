@@ -226,13 +226,13 @@ def _row_views(p: Pointer, n_rows: Int64, row_units: Int32, vec: int) -> cute.Te
 
 
 @cute.jit
-def _load_vecs(src: cute.Tensor, row: Int64, v0: Int32, row_vecs: Int32) -> list[Any]:
-    """Vectors v0 + c*LANES of one row, all loaded before any store (index clamped to the row): a load
-    cannot pass a store that may alias it, so interleaving them would serialise the loads."""
+def _load_vecs(src: cute.Tensor, row: Int64, v0: Int32, row_vecs: Int32, pitch: Int32) -> list[Any]:
+    """Vectors v0 + c*LANES of one row (rows `pitch` vectors apart), all loaded before any store (index
+    clamped to the row): a load cannot pass a store that may alias it; interleaving would serialise them."""
     vals = []
     for c in range_constexpr(COPY_VECS):
         v = dmin(v0 + c * LANES, row_vecs - 1)
-        vals.append(cast(cute.Tensor, src[(None, row * Int64(row_vecs) + Int64(v))]).load())
+        vals.append(cast(cute.Tensor, src[(None, row * Int64(pitch) + Int64(v))]).load())
     return vals
 
 
@@ -247,7 +247,7 @@ def _store_vecs(dst: cute.Tensor, row: Int64, v0: Int32, row_vecs: Int32, vals: 
 def _copy_row(src: cute.Tensor, dst: cute.Tensor, src_row: Int64, dst_row: Int64, row_vecs: Int32,
               lane: Int32) -> None:
     for v0 in dsl.range(lane, row_vecs, LANES * COPY_VECS):
-        _store_vecs(dst, dst_row, v0, row_vecs, _load_vecs(src, src_row, v0, row_vecs))
+        _store_vecs(dst, dst_row, v0, row_vecs, _load_vecs(src, src_row, v0, row_vecs, row_vecs))
 
 
 @cute.jit
@@ -259,19 +259,21 @@ def _zero_row(dst: cute.Tensor, row: Int64, row_vecs: Int32, lane: Int32) -> Non
 
 @cute.kernel
 def spread_rows_kernel(px: Pointer, pslot: Pointer, prow: Pointer, pxp: Pointer, n_src: Int32,
-                       n_rows: Int32, top_k: Int32, row_vecs: Int32, vec: Constexpr[int]) -> None:
-    """Warp w stores x[w] to its K rows row_of[w*K + k], each vector loaded once: x is read in one pass,
-    where a gather in row order reads each token K times, far apart. Pad rows (slot -1) get zeros."""
+                       n_rows: Int32, top_k: Int32, row_vecs: Int32, src_vecs: Int32, vec: Constexpr[int]
+                       ) -> None:
+    """Warp w stores x[w] (x's rows src_vecs vectors apart) to its K rows row_of[w*K + k], each vector loaded
+    once: x is read in one pass, where a gather in row order reads each token K times, far apart. Pad rows
+    (slot -1) get zeros."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     lane = Int32(tidx) % LANES
     w = Int32(bidx) * ROW_WARPS + Int32(tidx) // LANES
-    src = _row_views(px, Int64(n_src), row_vecs * vec, vec)
+    src = _row_views(px, Int64(n_src), src_vecs * vec, vec)
     dst = _row_views(pxp, Int64(n_rows), row_vecs * vec, vec)
     if w < n_src:
         mrow = cute.make_tensor(prow, cute.make_layout(n_src * top_k))
         for v0 in dsl.range(lane, row_vecs, LANES * COPY_VECS):
-            vals = _load_vecs(src, Int64(w), v0, row_vecs)
+            vals = _load_vecs(src, Int64(w), v0, row_vecs, src_vecs)
             for kk in dsl.range(top_k):
                 _store_vecs(dst, Int64(mrow[w * top_k + kk]), v0, row_vecs, vals)
     if w < n_rows:
@@ -347,8 +349,16 @@ def permute_host(pids: Pointer, px: Pointer, ptile: Pointer, pcounts: Pointer, p
         rank_kernel(pids, ptile, pstart, pslot, prow, n_slots, n_tiles, n_rows, n_experts).launch(
             grid=[n_tiles, 1, 1], block=[THREADS, 1, 1], stream=stream)
     if const_expr(has_rows):
-        spread_rows_kernel(px, pslot, prow, pxp, n_tokens, n_rows, top_k, row_vecs, vec).launch(
+        spread_rows_kernel(px, pslot, prow, pxp, n_tokens, n_rows, top_k, row_vecs, row_vecs, vec).launch(
             grid=[_blocks(n_rows, ROW_WARPS), 1, 1], block=[ROW_WARPS * LANES, 1, 1], stream=stream)
+
+
+@cute.jit
+def spread_host(px: Pointer, pslot: Pointer, prow: Pointer, pxp: Pointer, n_tokens: Int32, n_rows: Int32,
+                top_k: Int32, row_vecs: Int32, src_vecs: Int32, stream: cuda.CUstream,
+                vec: Constexpr[int]) -> None:
+    spread_rows_kernel(px, pslot, prow, pxp, n_tokens, n_rows, top_k, row_vecs, src_vecs, vec).launch(
+        grid=[_blocks(n_rows, ROW_WARPS), 1, 1], block=[ROW_WARPS * LANES, 1, 1], stream=stream)
 
 
 @cute.jit
@@ -380,6 +390,13 @@ def permute_args(n_experts: int, ids_bits: int, unit: str, vec: int, has_slots: 
             pointer(Int32, 0, 4), pointer(ut, 0, align))
     ints = tuple(Int32(0) for _ in range(7))
     return permute_host, (*ptrs, *ints, cuda.CUstream(0), n_experts, vec, has_slots, has_rows)
+
+
+def spread_args(unit: str, vec: int) -> tuple[Any, tuple[Any, ...]]:
+    ut = UNIT_TYPES[unit]
+    align = vec * ut.width // 8
+    ptrs = (pointer(ut, 0, align), pointer(Int64, 0, 8), pointer(Int32, 0, 4), pointer(ut, 0, align))
+    return spread_host, (*ptrs, *(Int32(0) for _ in range(5)), cuda.CUstream(0), vec)
 
 
 def unpermute_args(unit: str, vec: int, has_rows: bool, has_slots: bool) -> tuple[Any, tuple[Any, ...]]:
