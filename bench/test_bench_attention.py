@@ -56,7 +56,7 @@ def _fa4_nondeterministic(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 # FA4's sm_90a backward tile for head dims (192, 128) is FA3's H100 choice (64 x 96, dK/dV swapped, one P/dS
 # stage). These edits of it run deterministic, as nmoe calls FA4: one faster and in agreement is the measured
 # reason to pin it in nmoe.fast.attention.
-# Each builds for sm_90a without spills (checked on a CPU host; dQ, S/dP swapped or one dK/dV atom do not build).
+# Each builds for sm_90a without spills (checked on a CPU host; dQ or S/dP swapped, one dK/dV atom: no build).
 BWD_TILES: dict[str, dict[str, Any]] = {
     "n128": {"n_block_size": 128},
     "pds2": {"num_stages_PdS": 2},
