@@ -3,7 +3,7 @@
 Autograd pieces: router_logits (its own op), _RouterTopk, _Shared (the shared MLP as one-group GEMMs) and
 _Routed, which runs permute's routing (slot, offs; bf16 experts copy no rows: the up projection gathers x's
 rows as it loads) -> up (+act) -> down -> combine_gather (each slot's row read in place from the permuted
-output: no [T,K,H] copy) and whose backward calls the fast permute, dgrad/wgrad, activation-bwd and
+output: no [T,K,H] copy) and whose backward calls the fast spread_rows, dgrad/wgrad, activation-bwd and
 combine_gather kernels, and combine/combine_bwd with K = 1 for the router-weight scaling of a and dz and
 dweights' row dot (one pass each over [rows, I]). With an RDEP Exchange the experts are sharded over
 ranks and the routed half is nmoe.fast.rdep.ep.ep_routed (rows travel to their expert's rank and back).
@@ -13,7 +13,8 @@ Saved for the backward, per token (K slots, up width N = 2I swiglu or I relu2, E
                                             projection's dgrad and wgrad read dout's rows by index (no
                                             permuted copy of x or dout kept, 2KH bytes per token each); the
                                             up wgrad reads transient permuted copies of x's column chunks
-                                            (no larger than dh), made once dx is reduced
+                                            (no larger than dh, spread on the forward's routing), made once
+                                            dx is reduced
   h [slots, N] bf16                        2KN bytes: the up-projection output; a = act(h) is recomputed
                                             (elementwise), redoing the up GEMM would cost a third of the fwd;
                                             the backward drops h once dh exists, before the up wgrad/dgrad
