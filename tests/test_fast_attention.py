@@ -509,6 +509,14 @@ def test_mla_k_and_kv_grad_bitwise() -> None:
 
 
 @gpu
+def test_mla_assembly_ops_pass_opcheck() -> None:
+    kv, k_pe, dk, dv = (t.cuda() for t in _assembly_case(33))
+    tests = ("test_schema", "test_faketensor")
+    torch.library.opcheck(torch.ops.nmoe.mla_k.default, (kv, k_pe, 128), test_utils=tests)
+    torch.library.opcheck(torch.ops.nmoe.mla_kv_grad.default, (dk, dv, 128), test_utils=tests)
+
+
+@gpu
 def test_sep_mla_fast_k_pe_grad_one_head() -> None:
     _, _, dk, dv = _assembly_case(31)
     want = dk[..., 128:].to(F64).sum(2).to(torch.bfloat16)

@@ -245,6 +245,8 @@ def test_custom_ops_pass_opcheck() -> None:
     torch.library.opcheck(torch.ops.nmoe.permute.default, (x, ids, 8, 4), test_utils=tests)
     p = fast.permute(x, ids, 8, 4)
     torch.library.opcheck(torch.ops.nmoe.unpermute.default, (p.xp, p.slot, 40, 2), test_utils=tests)
+    row_of = _rows_of(p.slot.cpu(), 40, 2).cuda()
+    torch.library.opcheck(torch.ops.nmoe.spread_rows.default, (x[:, 4:12], p.slot, row_of), test_utils=tests)
 
 
 def _run_expecting_abort(code: str, message: str) -> None:

@@ -208,6 +208,16 @@ def test_rope_inplace_rotates_a_column_slice_where_it_lies(dtype: torch.dtype, i
 
 
 @gpu
+def test_rope_inplace_passes_opcheck() -> None:
+    """The schema declares the in-place write (mutates x), and the fake agrees with the kernel."""
+    q = torch.randn(2, 8, 3, 192, device="cuda").to(torch.bfloat16)
+    cos, sin = tables(8, 64, 25)
+    args = (q[..., 128:], cos.view(8, 1, 32).cuda(), sin.view(8, 1, 32).cuda(), False)
+    tests = ("test_schema", "test_faketensor")
+    torch.library.opcheck(torch.ops.nmoe.rope_inplace.default, args, test_utils=tests)
+
+
+@gpu
 def test_rope_inplace_refuses_misaligned_rows() -> None:
     q = torch.zeros(4, 3, 100, device="cuda", dtype=torch.bfloat16)
     cos, sin = tables(3, 64, 0)
