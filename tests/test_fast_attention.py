@@ -306,6 +306,18 @@ def _heads_grads(monkeypatch: pytest.MonkeyPatch, b: int = 2, s: int = 5, h: int
     return {"got": got, "want": want, "dq": dq, "dk": dk, "c": c, "sn": sn, "dims": (b, s, h, dn, dr)}
 
 
+@pytest.mark.parametrize(("kv_shape", "pe_shape", "dn"), [
+    ((2, 3, 4, 256), (2, 3, 60), 128),   # rope dim not whole 16-byte vectors
+    ((2, 3, 4, 256), (2, 5, 64), 128),   # k_pe of other tokens than kv
+    ((2, 3, 4, 128), (2, 3, 64), 128),   # no v part left in kv
+])
+def test_mla_assembly_refuses_shapes_before_any_gpu_work(kv_shape: tuple[int, ...], pe_shape: tuple[int, ...],
+                                                         dn: int) -> None:
+    kv, k_pe = torch.zeros(kv_shape, dtype=torch.bfloat16), torch.zeros(pe_shape, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head dims must be positive multiples of 8"):
+        fast_attn.mla_k(kv, k_pe, dn)
+
+
 def test_heads_assembly_values_and_gradients_equal_autograd_of_the_composition(
         monkeypatch: pytest.MonkeyPatch) -> None:
     r = _heads_grads(monkeypatch)

@@ -80,6 +80,9 @@ def test_cpu_tensors_are_rejected_naming_the_reference() -> None:
         fast.permute(torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.int64), 4, 1)
     with pytest.raises(ArchError, match=r"nmoe\.reference"):
         fast.unpermute(torch.zeros(2, 4), torch.zeros(2, dtype=torch.int64), 1, 2)
+    with pytest.raises(ArchError, match=r"nmoe\.reference"):
+        fast.spread_rows(torch.zeros(2, 4), torch.zeros(2, dtype=torch.int64), torch.zeros(2, 1,
+                                                                                           dtype=torch.int32))
 
 
 def test_kernel_specs_cover_both_archs() -> None:
