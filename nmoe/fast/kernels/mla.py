@@ -1,11 +1,6 @@
-"""CuTeDSL kernels that assemble MLA's attention key and the gradient of its kv projection, flat over 128-bit
-vectors (one per thread), so neither direction goes through concatenation copies:
-
-- mla_k:       k[r] = [kv[r, :dn] | k_pe[r // h]] for every head row r of [tokens * h];
-- mla_kv_grad: dkv[r] = [dk[r, :dn] | dv[r]], and dk_pe[t] = sum over the h heads of dk[t * h + j, dn:]
-               added in fp32 in head order, rounded once.
-Import only after nmoe.fast.runtime.import_cutlass(arch): the DSL fixes its target arch at first import.
-"""
+"""CuTeDSL kernels for MLA's key (mla_k: k[r] = [kv[r, :dn] | k_pe[r // h]]) and kv gradient (mla_kv_grad:
+[dk_nope | dv]; dk_pe the heads' dk rope parts added in fp32 in head order, rounded once), a 128-bit vector
+per thread: no concatenation copies either way. Import after nmoe.fast.runtime.import_cutlass(arch)."""
 
 from __future__ import annotations
 
