@@ -26,7 +26,7 @@ from nmoe.fast.limits import VEC_BYTES
 from nmoe.fast.norm import rmsnorm
 from nmoe.fast.op import Kernel, fast_op
 from nmoe.fast.rope import apply_rope, rope_inplace
-from nmoe.fast.runtime import KernelSpec
+from nmoe.fast.runtime import KernelSpec, vector_aligned
 from nmoe.layout import MLAParams, check_mla_params
 
 # The backward accumulates dq in a fixed order (FA4's semaphore path): training resumes bitwise.
@@ -150,19 +150,13 @@ def _mla_dims(kv: Tensor, k_pe: Tensor, dn: int) -> dict[str, int]:
     return dims
 
 
-def _vectors(t: Tensor) -> Tensor:
-    """t contiguous and starting on a 16-byte vector, as the assembly kernels read it."""
-    t = t.contiguous()
-    return t if t.data_ptr() % VEC_BYTES == 0 else t.clone()
-
-
 def _mla_k_impl(kv: Tensor, k_pe: Tensor, dn: int) -> Tensor:
     dims = _mla_dims(kv, k_pe, dn)
     device, arch = runtime.device_arch(kv, k_pe)
     b, s, h, _ = kv.shape
     k = torch.empty((b, s, h, dn + dims["dr"]), dtype=kv.dtype, device=kv.device)
     if k.numel():
-        kvc, pec = _vectors(kv), _vectors(k_pe)
+        kvc, pec = vector_aligned(kv, VEC_BYTES), vector_aligned(k_pe, VEC_BYTES)
         MLA_K.launcher(arch, **dims)(device, kvc.data_ptr(), pec.data_ptr(), k.data_ptr(), b * s * h)
     return k
 
@@ -180,7 +174,7 @@ def _mla_kv_grad_impl(dk: Tensor, dv: Tensor, dn: int) -> tuple[Tensor, Tensor]:
     dims = _mla_dims(dkv, dk_pe, dn)
     device, arch = runtime.device_arch(dk, dv)
     if dkv.numel():
-        dkc, dvc = _vectors(dk), _vectors(dv)
+        dkc, dvc = vector_aligned(dk, VEC_BYTES), vector_aligned(dv, VEC_BYTES)
         MLA_KV_GRAD.launcher(arch, **dims)(device, dkc.data_ptr(), dvc.data_ptr(), dkv.data_ptr(),
                                            dk_pe.data_ptr(), b * s * h)
     return dkv, dk_pe

@@ -16,7 +16,7 @@ from nmoe.constants import MX_BLOCKS, NVFP4_BLOCK
 from nmoe.fast import runtime
 from nmoe.fast.limits import VEC_BYTES
 from nmoe.fast.op import Kernel, fast_op
-from nmoe.fast.runtime import KernelSpec
+from nmoe.fast.runtime import KernelSpec, vector_aligned
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "bfloat16", torch.float16: "float16",
                                         torch.float32: "float32"}
@@ -34,12 +34,6 @@ KERNELS_BY_NAME: dict[str, Kernel] = {
 def _launch(kernel: str, spec: dict[str, Any], tensors: tuple[Tensor, ...], scalars: tuple[Any, ...]) -> None:
     device, arch = runtime.device_arch(*tensors)
     KERNELS_BY_NAME[kernel].launcher(arch, **spec)(device, *(t.data_ptr() for t in tensors), *scalars)
-
-
-def _aligned(t: Tensor, nbytes: int) -> Tensor:
-    """Contiguous, and starting on an `nbytes` boundary (a fresh copy if a view starts mid-vector)."""
-    t = t.contiguous()
-    return t if t.data_ptr() % nbytes == 0 else t.clone()
 
 
 def _float_input(x: Tensor, who: str) -> str:
@@ -93,7 +87,7 @@ def _quantize_mxfp8_impl(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
     if x.numel():
         vec = _VEC[dtype_name]
         spec = {"vec": vec, "group": block // vec, "dtype_name": dtype_name}
-        _launch("mx_quant", spec, (_aligned(x, VEC_BYTES), codes, scales), (x.numel() // vec,))
+        _launch("mx_quant", spec, (vector_aligned(x, VEC_BYTES), codes, scales), (x.numel() // vec,))
     return codes, scales
 
 
@@ -115,7 +109,7 @@ def _dequantize_mxfp8_impl(codes: Tensor, scales: Tensor, block: int) -> Tensor:
     out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
     if codes.numel():
         _launch("mx_dequant", {"vec": _CODE_VEC, "block": block},
-                (_aligned(codes, _CODE_VEC), scales.contiguous(), out), (codes.numel() // _CODE_VEC,))
+                (vector_aligned(codes, _CODE_VEC), scales.contiguous(), out), (codes.numel() // _CODE_VEC,))
     return out
 
 
@@ -134,7 +128,7 @@ def _quantize_mxfp8_weight_impl(w: Tensor) -> tuple[Tensor, Tensor]:
                          device=w.device)
     if w.numel():
         spec = {"vec": _VEC[dtype_name], "dtype_name": dtype_name}
-        _launch("mxw_quant", spec, (_aligned(w, VEC_BYTES), codes, scales), (w.numel() // k, k))
+        _launch("mxw_quant", spec, (vector_aligned(w, VEC_BYTES), codes, scales), (w.numel() // k, k))
     return codes, scales
 
 
@@ -154,8 +148,8 @@ def _dequantize_mxfp8_weight_impl(codes: Tensor, scales: Tensor) -> Tensor:
                          f"{tuple(codes.shape)}; pass quantize_mxfp8_weight's pair")
     out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
     if codes.numel():
-        _launch("mxw_dequant", {"vec": _CODE_VEC}, (_aligned(codes, _CODE_VEC), scales.contiguous(), out),
-                (codes.numel() // k, k))
+        _launch("mxw_dequant", {"vec": _CODE_VEC},
+                (vector_aligned(codes, _CODE_VEC), scales.contiguous(), out), (codes.numel() // k, k))
     return out
 
 
@@ -176,7 +170,7 @@ def _quantize_nvfp4_impl(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     if x.numel():
         vec = _VEC[dtype_name]
         nvec = x.numel() // vec
-        xa = _aligned(x, VEC_BYTES)
+        xa = vector_aligned(x, VEC_BYTES)
         device, _ = runtime.device_arch(x)
         amax = torch.zeros(1, dtype=torch.int32, device=x.device)
         ctas = max(1, min(-(-nvec // _THREADS), _AMAX_CTAS_PER_SM * runtime.sm_count(device)))
@@ -205,7 +199,7 @@ def _dequantize_nvfp4_impl(packed: Tensor, block_scales: Tensor, tensor_scale: T
         raise ValueError("dequantize_nvfp4: tensor_scale must be 0-dim fp32 (quantize_nvfp4's 3rd output)")
     out = torch.empty((*packed.shape[:-1], k), dtype=torch.float32, device=packed.device)
     if packed.numel():
-        _launch("nvfp4_dequant", {}, (_aligned(packed, NVFP4_BLOCK // 2), block_scales.contiguous(),
+        _launch("nvfp4_dequant", {}, (vector_aligned(packed, NVFP4_BLOCK // 2), block_scales.contiguous(),
                                       tensor_scale.contiguous(), out), (out.numel() // NVFP4_BLOCK,))
     return out
 

@@ -15,7 +15,7 @@ from torch import Tensor
 from nmoe.fast import runtime
 from nmoe.fast.limits import VEC_BYTES
 from nmoe.fast.op import Kernel, fast_op, save_inputs
-from nmoe.fast.runtime import KernelSpec
+from nmoe.fast.runtime import KernelSpec, vector_aligned
 
 RMSNORM_FWD = Kernel.by_name("nmoe.fast.kernels.norm", "rmsnorm_fwd")
 RMSNORM_BWD = Kernel.by_name("nmoe.fast.kernels.norm", "rmsnorm_bwd")
@@ -74,11 +74,6 @@ def _check(x: Tensor, w: Tensor, eps: float) -> None:
                              "or use nmoe.reference.norm")
 
 
-def _contig(t: Tensor, nbytes: int) -> Tensor:
-    t = t.contiguous()
-    return t if t.data_ptr() % nbytes == 0 else t.clone()
-
-
 def _spec(x: Tensor, w: Tensor, target_threads: int = _TARGET_THREADS) -> tuple[dict[str, Any], RowPlan]:
     d = x.shape[-1]
     vec = VEC_BYTES // x.element_size()
@@ -99,7 +94,7 @@ def _rmsnorm_impl(x: Tensor, w: Tensor, eps: float) -> Tensor:
         return y
     spec, plan = _spec(x, w)
     align = plan.vec * x.element_size()
-    xc, wc = _contig(x, align), _contig(w, min(VEC_BYTES, plan.vec * w.element_size()))
+    xc, wc = vector_aligned(x, align), vector_aligned(w, min(VEC_BYTES, plan.vec * w.element_size()))
     RMSNORM_FWD.launcher(arch, **spec)(device, *_ptrs(xc, wc, y), x.numel() // plan.d, eps)
     return y
 
@@ -124,8 +119,8 @@ def _rmsnorm_bwd_impl(dy: Tensor, x: Tensor, w: Tensor, eps: float) -> tuple[Ten
     spec, plan = _spec(x, w, BWD_TARGET_THREADS)
     spec["ctas_per_sm"] = bwd_ctas_per_sm(plan.threads)
     align = plan.vec * x.element_size()
-    xc, dyc = _contig(x, align), _contig(dy, align)
-    wc = _contig(w, min(VEC_BYTES, plan.vec * w.element_size()))
+    xc, dyc = vector_aligned(x, align), vector_aligned(dy, align)
+    wc = vector_aligned(w, min(VEC_BYTES, plan.vec * w.element_size()))
     ctas = min(rows, runtime.sm_count(device) * spec["ctas_per_sm"])
     parts = torch.empty((ctas, d), dtype=torch.float32, device=x.device)
     RMSNORM_BWD.launcher(arch, **spec)(device, *_ptrs(dyc, xc, wc, dx, parts), rows, eps, ctas)

@@ -18,7 +18,7 @@ from torch import Tensor
 from nmoe.fast import runtime
 from nmoe.fast.limits import VEC_BYTES
 from nmoe.fast.op import Kernel, fast_op, save_inputs
-from nmoe.fast.runtime import KernelSpec
+from nmoe.fast.runtime import KernelSpec, vector_aligned
 
 ROPE_FWD = Kernel.by_name("nmoe.fast.kernels.rope", "rope_fwd")
 ROPE_BWD = Kernel.by_name("nmoe.fast.kernels.rope", "rope_bwd")
@@ -64,11 +64,6 @@ def table_plan(x: Tensor, cos: Tensor, sin: Tensor) -> TablePlan:
     return TablePlan(dims[0], math.prod(x.shape[axis + 1:-1]))
 
 
-def _aligned(t: Tensor, nbytes: int) -> Tensor:
-    t = t.contiguous()
-    return t if t.data_ptr() % nbytes == 0 else t.clone()
-
-
 def _vec(d: int, dtype: torch.dtype) -> int:
     """128-bit vectors of x when D allows them; else one pair per thread."""
     wide = VEC_BYTES // (2 if dtype == torch.bfloat16 else 4)
@@ -110,9 +105,9 @@ def _launch(kernel: Kernel, x: Tensor, cos: Tensor, sin: Tensor, inplace: bool =
                              f"(pitch {ld}, offset {x.data_ptr() % 16} B); use apply_rope")
         y = x
     else:
-        ld, xc = d, _aligned(x, vec * x.element_size())
+        ld, xc = d, vector_aligned(x, vec * x.element_size())
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    cc, sc = _aligned(cos, vec * 2), _aligned(sin, vec * 2)
+    cc, sc = vector_aligned(cos, vec * 2), vector_aligned(sin, vec * 2)
     launcher = kernel.launcher(arch, dtype=_DTYPE_NAMES[x.dtype], vec=vec, d=d, ld=ld)
     launcher(device, xc.data_ptr(), cc.data_ptr(), sc.data_ptr(), y.data_ptr(), x.numel(), plan.inner,
              plan.s_len)

@@ -311,6 +311,13 @@ def sm_count(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
+def vector_aligned(t: Tensor, nbytes: int) -> Tensor:
+    """Contiguous `t` starting on an `nbytes` boundary, as vector loads read it (a copy if a view starts
+    mid-vector); unlike TMA, vector kernels take any such copy, so none is refused."""
+    t = t.contiguous()
+    return t if t.data_ptr() % nbytes == 0 else t.clone()
+
+
 def tma_aligned(op: str, name: str, t: Tensor) -> Tensor:
     """Contiguous `t` whose base is 16-byte aligned, as TMA needs; a sliced view is refused with the fix."""
     t = t.contiguous()
