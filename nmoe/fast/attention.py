@@ -139,19 +139,19 @@ MLA_K = Kernel.by_name("nmoe.fast.kernels.mla", "mla_k")
 MLA_KV_GRAD = Kernel.by_name("nmoe.fast.kernels.mla", "mla_kv_grad")
 
 
-def _mla_dims(kv: Tensor, k_pe: Tensor, dn: int) -> dict[str, int]:
-    """(h, dn, dr, dv) of kv [B, S, H, dn + dv] and k_pe [B, S, dr]; each width whole 16-byte vectors."""
-    b, s, h, width = kv.shape
-    dims = {"h": h, "dn": dn, "dr": k_pe.shape[-1], "dv": width - dn}
-    if k_pe.shape != (b, s, dims["dr"]) or min(dims.values()) < 1 or \
+def _mla_dims(kv: tuple[int, ...], k_pe: tuple[int, ...], dn: int) -> dict[str, int]:
+    """(h, dn, dr, dv) of shapes kv [B, S, H, dn + dv] and k_pe [B, S, dr], each width whole 16-byte
+    vectors; checked before anything is allocated or launched."""
+    dims = {"h": kv[2], "dn": dn, "dr": k_pe[-1], "dv": kv[-1] - dn} if len(kv) == 4 and k_pe else {}
+    if not dims or k_pe != (*kv[:2], dims["dr"]) or min(dims.values()) < 1 or \
             any(v % (VEC_BYTES // 2) for v in (dn, dims["dr"], dims["dv"])):
-        raise ValueError(f"mla k assembly: kv {tuple(kv.shape)}, k_pe {tuple(k_pe.shape)}, dn {dn}: head "
+        raise ValueError(f"mla k assembly: kv {kv} [B, S, H, dn + dv], k_pe {k_pe} [B, S, dr], dn {dn}: head "
                          f"dims must be positive multiples of {VEC_BYTES // 2} (whole 16-byte vectors)")
     return dims
 
 
 def _mla_k_impl(kv: Tensor, k_pe: Tensor, dn: int) -> Tensor:
-    dims = _mla_dims(kv, k_pe, dn)
+    dims = _mla_dims(tuple(kv.shape), tuple(k_pe.shape), dn)
     device, arch = runtime.device_arch(kv, k_pe)
     b, s, h, _ = kv.shape
     k = torch.empty((b, s, h, dn + dims["dr"]), dtype=kv.dtype, device=kv.device)
@@ -166,13 +166,14 @@ def _mla_k_fake(kv: Tensor, k_pe: Tensor, dn: int) -> Tensor:
 
 
 def _mla_kv_grad_impl(dk: Tensor, dv: Tensor, dn: int) -> tuple[Tensor, Tensor]:
+    if dk.dim() != 4 or dv.dim() != 4 or dv.shape[:3] != dk.shape[:3]:
+        raise ValueError(f"mla_kv_grad: dk {tuple(dk.shape)} and dv {tuple(dv.shape)} must be [B, S, H, D] "
+                         "sharing [B, S, H]")
     b, s, h, width = dk.shape
-    if dv.shape[:3] != dk.shape[:3]:
-        raise ValueError(f"mla_kv_grad: dk {tuple(dk.shape)} and dv {tuple(dv.shape)} must share [B, S, H]")
-    dkv = torch.empty((b, s, h, dn + dv.shape[-1]), dtype=dk.dtype, device=dk.device)
-    dk_pe = torch.empty((b, s, width - dn), dtype=dk.dtype, device=dk.device)
-    dims = _mla_dims(dkv, dk_pe, dn)
+    dims = _mla_dims((b, s, h, dn + dv.shape[-1]), (b, s, width - dn), dn)
     device, arch = runtime.device_arch(dk, dv)
+    dkv = torch.empty((b, s, h, dn + dims["dv"]), dtype=dk.dtype, device=dk.device)
+    dk_pe = torch.empty((b, s, dims["dr"]), dtype=dk.dtype, device=dk.device)
     if dkv.numel():
         dkc, dvc = vector_aligned(dk, VEC_BYTES), vector_aligned(dv, VEC_BYTES)
         MLA_KV_GRAD.launcher(arch, **dims)(device, dkc.data_ptr(), dvc.data_ptr(), dkv.data_ptr(),

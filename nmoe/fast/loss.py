@@ -62,10 +62,11 @@ def _fused_impl(h: Tensor, w_out: Tensor, targets: Tensor, ignore_index: int, ch
     tgt = torch.where(kept, torch.where((targets < 0) | (targets >= v), v, targets), -1).to(torch.int32)
     per_row = torch.zeros(t, dtype=torch.float32, device=h.device)
     dh = torch.empty((t, hd) if grad else (0, hd), dtype=torch.float32, device=h.device)
-    first_chunk_writes = t > 0 and v > 0
-    dw32 = (torch.empty if first_chunk_writes else torch.zeros)((v, hd) if grad else (0, hd),
-                                                                dtype=torch.float32, device=h.device)
-    if t > 0 and v > 0:
+    chunks = t > 0 and v > 0
+    # With chunks, the first one's dw GEMM writes dw32 (no zero fill); without, the gradient is zero.
+    dw32 = (torch.empty if chunks else torch.zeros)((v, hd) if grad else (0, hd), dtype=torch.float32,
+                                                    device=h.device)
+    if chunks:
         buf = torch.empty((min(chunk, t), v), dtype=torch.float32, device=h.device)
         launch = CE_FWD.launcher(arch, grad=grad, threads=THREADS, unroll=UNROLL)
         for start in range(0, t, chunk):
