@@ -46,9 +46,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "mla.fast_k_pe_from_wrong_column", "nmoe/fast/kernels/mla.py",
-        "            dst.store(_vec_at(pkpe, rows // h * dr, ((r // h) * dr + c - dn) // VEC).load())\n",
-        "            dst.store(_vec_at(pkpe, rows // h * dr, ((r // h) * dr + c - dr) // VEC).load())\n",
-        "k's rope part is read dn - dr columns past its start in the shared key (the next token's, for MLA)",
+        "        dst.store(_vec_at(pb, rows // share * wb, ((r // share) * wb + c - dn) // VEC).load())\n",
+        "        dst.store(_vec_at(pb, rows // share * wb, ((r // share) * wb + c - wb) // VEC).load())\n",
+        "the joined rows' second part is read dn - wb columns past its start: k's rope part from the next "
+        "token's shared key (MLA's dn 128, dr 64)",
         TESTS, ("mla_attention",), device="gpu",
     ),
     sep_mutation(

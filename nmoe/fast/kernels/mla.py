@@ -28,21 +28,29 @@ def _vec_at(p: Pointer, n: Int64, at: Int64) -> cute.Tensor:
     return view
 
 
+@cute.jit
+def _join(pa: Pointer, pb: Pointer, pd: Pointer, rows: Int64, i: Int64, dn: Constexpr[int],
+          wa: Constexpr[int], wb: Constexpr[int], share: Constexpr[int]) -> None:
+    """Vector i of d[r] = [a[r, :dn] | b[r // share]] over `rows` rows: a's rows wa wide, b's wb wide, one b
+    row per `share` rows of d (the shared rope key: one per token's h heads)."""
+    per_row = (dn + wb) // VEC
+    r = i // per_row
+    c = (i - r * per_row) * VEC
+    dst = _vec_at(pd, rows * (dn + wb), i)
+    if c < dn:
+        dst.store(_vec_at(pa, rows * wa, (r * wa + c) // VEC).load())
+    else:
+        dst.store(_vec_at(pb, rows // share * wb, ((r // share) * wb + c - dn) // VEC).load())
+
+
 @cute.kernel
 def mla_k_kernel(pkv: Pointer, pkpe: Pointer, pk: Pointer, rows: Int64, h: Constexpr[int], dn: Constexpr[int],
                  dr: Constexpr[int], dv: Constexpr[int]) -> None:
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     i = Int64(bidx) * THREADS + Int64(tidx)
-    per_row = (dn + dr) // VEC
-    if i < rows * per_row:
-        r = i // per_row
-        c = (i - r * per_row) * VEC
-        dst = _vec_at(pk, rows * (dn + dr), i)
-        if c < dn:
-            dst.store(_vec_at(pkv, rows * (dn + dv), (r * (dn + dv) + c) // VEC).load())
-        else:
-            dst.store(_vec_at(pkpe, rows // h * dr, ((r // h) * dr + c - dn) // VEC).load())
+    if i < rows * ((dn + dr) // VEC):
+        _join(pkv, pkpe, pk, rows, i, dn, dn + dv, dr, h)
 
 
 @cute.kernel
@@ -52,17 +60,10 @@ def mla_kv_grad_kernel(pdk: Pointer, pdv: Pointer, pdkv: Pointer, pdkpe: Pointer
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     i = Int64(bidx) * THREADS + Int64(tidx)
-    per_row = (dn + dv) // VEC
-    n_kv = rows * per_row
+    n_kv = rows * ((dn + dv) // VEC)
     per_tok = dr // VEC
     if i < n_kv:
-        r = i // per_row
-        c = (i - r * per_row) * VEC
-        dst = _vec_at(pdkv, rows * (dn + dv), i)
-        if c < dn:
-            dst.store(_vec_at(pdk, rows * (dn + dr), (r * (dn + dr) + c) // VEC).load())
-        else:
-            dst.store(_vec_at(pdv, rows * dv, (r * dv + c - dn) // VEC).load())
+        _join(pdk, pdv, pdkv, rows, i, dn, dn + dr, dv, 1)
     elif i < n_kv + rows // h * per_tok:
         j = i - n_kv
         t = j // per_tok
