@@ -29,11 +29,17 @@ _BN128 = Mutation(
     "    return 128",
     "N tile 128 everywhere (deeper pipeline, more A re-reads)",
 )
+_PINGPONG = Mutation(
+    "ablate.pingpong", LIMITS,
+    "GEMM_PINGPONG: Final[bool] = False\n", "GEMM_PINGPONG: Final[bool] = True\n",
+    "fwd and dgrad ping-pong: each consumer warpgroup its own 128 x 128 tile, one's epilogue under the "
+    "other's MMAs, against the cooperative 128 x bn tile whose epilogue stalls both",
+)
 ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
         "ablate.no_tma_stores", KERNEL,
-        "            if warp_idx == STORE_WARP:\n                cute.copy(epi.tma_atom",
-        "            if warp_idx == STORE_WARP and rows_valid < 0:\n"
+        "            if store_warp:\n                cute.copy(epi.tma_atom",
+        "            if store_warp and rows_valid < 0:\n"
         "                cute.copy(epi.tma_atom",
         "full tiles skip their TMA stores: the output's share of the time under uniform routing",
     ),
@@ -62,6 +68,7 @@ ABLATIONS: tuple[Mutation, ...] = (
         "operand stage less at bn=256",
     ),
     _BN128,
+    _PINGPONG,
     Mutation(
         "ablate.cluster_one", LIMITS,
         "GEMM_CLUSTER_M: Final[int] = 2\n", "GEMM_CLUSTER_M: Final[int] = 1\n",
@@ -169,6 +176,7 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "IEEE division costs",
     ),
     _GATHER_CLUSTER_TWO,
+    replace(_PINGPONG, id="ablate.gather_pingpong"),
     replace(_BN128, id="ablate.gather_bn128",
             description="every grouped GEMM in 128-wide N tiles: six operand stages instead of four, at "
             "twice the re-reads of A: whether more stages in flight pace the gathering producer"),
@@ -272,12 +280,12 @@ def _gather_rows(t: int, h: int, i: int, e: int, k: int, compile_only: bool) -> 
         if not compile_only:
             ms = replay_median_ms(capture(fn))
             out.append({"shape": f"{name} T={t} H={h} I={i} E={e}", "ms": ms,
-                        "tflops": 2.0 * rows * 2 * i * h / ms / 1e9, "bn": sm90.pick_bn(2 * i)})
+                        "tflops": 2.0 * rows * 2 * i * h / ms / 1e9, "bn": sm90.schedule("up", 2 * i)[0]})
     return out
 
 
 def child(compile_only: bool, which: str) -> None:
-    from nmoe.fast.gemm.sm90 import pick_bn
+    from nmoe.fast.gemm.sm90 import pick_bn, schedule
 
     if which == "gather":
         for shape in SHAPES:
@@ -288,8 +296,9 @@ def child(compile_only: bool, which: str) -> None:
         for pass_ in PASSES:
             ms = _time(pass_, m, n, k, e, compile_only)
             if not compile_only:
+                width = n if pass_ == "fwd" else k
                 row = {"shape": f"{pass_} {label}", "ms": ms, "tflops": 2.0 * m * n * k / ms / 1e9,
-                       "bn": pick_bn(n if pass_ == "fwd" else k)}
+                       "bn": pick_bn(k) if pass_ == "wgrad" else schedule(pass_, width)[0]}
                 print(json.dumps(row), flush=True)
 
 

@@ -182,9 +182,11 @@ def test_kernels_declare_sm90_only() -> None:
                                        "grouped_gemm_act"}
     assert len({s.name for s in KERNELS}) == len(KERNELS) >= 3
     fused = {s.name for s in KERNELS if s.op == "grouped_gemm_act" and "gathered" not in s.name}
-    assert fused == {f"grouped_gemm_act_{a}_n{bn}" for a in gemm.ACTIVATIONS for bn in GEMM_BN_CHOICES}
+    assert fused == {f"grouped_gemm_act_{a}_n{bn}" for a in gemm.ACTIVATIONS for bn in GEMM_BN_CHOICES} | {
+        "grouped_gemm_act_swiglu_pingpong"}
     gathered = {s.name for s in KERNELS if "gathered" in s.name}
     assert gathered == {"grouped_gemm_act_gathered_swiglu_n256", "grouped_gemm_act_gathered_relu2_n128",
+                        "grouped_gemm_act_gathered_swiglu_pingpong",
                         "grouped_gemm_wgrad_gathered_x_n256", "grouped_gemm_wgrad_gathered_x_n128",
                         "grouped_gemm_wgrad_gathered_dy_n128", "grouped_gemm_dgrad_gathered_n128"}
     for spec in KERNELS:
@@ -310,9 +312,9 @@ import cutlass.cute as cute
 from nmoe.fast.kernels.sm90 import grouped_gemm as g
 right = g.store_copy
 
-def column_major_threads(bn, width):
-    atom, tiled = right(bn, width)
-    rows = g.CONSUMER_THREADS // (bn // g.VEC)
+def column_major_threads(bn, width, n_threads=g.CONSUMER_THREADS):
+    atom, tiled = right(bn, width, n_threads)
+    rows = n_threads // (bn // g.VEC)
     threads = cute.make_layout((rows, bn // g.VEC), stride=(1, rows))
     wrong = cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, width)))
     return (atom, tiled) if width == g.VEC else (atom, wrong)

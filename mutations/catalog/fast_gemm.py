@@ -23,10 +23,18 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "gemm.fast_accumulate_bf16", FILE,
-        "                warpgroup.wait_group(1)\n",
-        "                warpgroup.wait_group(0)\n"
-        "                acc.store(acc.load().to(BFloat16).to(Float32))\n",
+        "                    warpgroup.wait_group(1)\n",
+        "                    warpgroup.wait_group(0)\n"
+        "                    acc.store(acc.load().to(BFloat16).to(Float32))\n",
         "accumulator rounded to bf16 after every K tile", TESTS, ("grouped_gemm",), device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_pingpong_acc_order_flat", FILE,
+        "                epi.r_f[v] = epi.t_rs_acc[epi.order[sub * size_sub + v]]",
+        "                epi.r_f[v] = epi.t_rs_acc[sub * size_sub + v]",
+        "the epilogue stages the retiled accumulator in its flat order, as if it listed the subtiles one "
+        "after another (true of the cooperative tile, not of a ping-pong warpgroup's two 64-row halves)",
+        "tests/test_fast_gemm_pingpong.py", ("grouped_gemm",), device="gpu",
     ),
     sep_mutation(
         "gemm.fast_skip_last_k_tile", FILE,

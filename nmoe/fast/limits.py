@@ -22,6 +22,11 @@ GEMM_BM: Final[int] = 128
 GEMM_BK: Final[int] = 64
 """K box of the sm_90a grouped GEMMs (rows of the wgrad's reduction): its row splits are multiples of it."""
 GEMM_BN_CHOICES: Final[tuple[int, ...]] = (128, 256)
+GEMM_PINGPONG: Final[bool] = False
+"""sm_90a fwd/dgrad schedule: ping-pong (each consumer warpgroup its own BM x GEMM_PINGPONG_BN tile, one's
+epilogue under the other's MMAs) when True, else cooperative (both warpgroups on one BM x bn tile)."""
+GEMM_PINGPONG_BN: Final[int] = 128
+"""N tile of a ping-pong warpgroup: the widest whose fp32 accumulator fits one warpgroup's registers."""
 GEMM_CLUSTER_M: Final[int] = 2
 """CTAs of an sm_90a TMA-fed fwd/dgrad cluster: they take M tiles side by side and share each B box by TMA
 multicast, so B's L2 reads are cut by this factor."""

@@ -27,6 +27,8 @@ from nmoe.fast.limits import (
     GEMM_BN_CHOICES,
     GEMM_CLUSTER_M,
     GEMM_GATHER_CLUSTER_M,
+    GEMM_PINGPONG,
+    GEMM_PINGPONG_BN,
 )
 from nmoe.fast.op import Kernel, Launcher, fast_op, remember, save_inputs
 from nmoe.fast.runtime import KernelSpec, tma_aligned
@@ -34,12 +36,15 @@ from nmoe.fast.runtime import KernelSpec, tma_aligned
 ARCH = "sm_90a"
 ACTIVATIONS = ("swiglu", "relu2")
 _FWD_MODULE = "nmoe.fast.kernels.sm90.grouped_gemm"
-FWD = Kernel(_FWD_MODULE, "grouped_gemm_fwd", lambda km, n, k, bn, act: km.compile_args(n, k, bn, True, act),
+FWD = Kernel(_FWD_MODULE, "grouped_gemm_fwd",
+             lambda km, n, k, bn, act, pingpong=False: km.compile_args(n, k, bn, True, act, pingpong),
              (ARCH,), "nmoe.fast.gemm.grouped_gemm")
-DGRAD = Kernel(_FWD_MODULE, "grouped_gemm_dgrad", lambda km, n, k, bn: km.compile_args(n, k, bn, False),
+DGRAD = Kernel(_FWD_MODULE, "grouped_gemm_dgrad",
+               lambda km, n, k, bn, pingpong=False: km.compile_args(n, k, bn, False, "none", pingpong),
                (ARCH,), "nmoe.fast.gemm.grouped_gemm_dgrad")
 GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_gather", "grouped_gemm_gather",
-                lambda km, n, k, bn, act, w_k_major: km.compile_args_gather(n, k, bn, act, w_k_major),
+                lambda km, n, k, bn, act, w_k_major, pingpong=False: km.compile_args_gather(
+                    n, k, bn, act, w_k_major, pingpong),
                 (ARCH,), "nmoe.fast.gemm.grouped_gemm_act_gathered")
 WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad",
                lambda km, n, k, bn, ld: km.compile_args(n, k, bn, ld), (ARCH,),
@@ -74,6 +79,18 @@ def _pick_bn(op: str, width: int, bn: int | None) -> int:
     if bn not in GEMM_BN_CHOICES:
         raise ValueError(f"{op}: tile width {bn} unsupported; choose one of {GEMM_BN_CHOICES}")
     return bn
+
+
+def schedule(op: str, n: int, bn: int | None = None, pingpong: bool | None = None) -> tuple[int, bool]:
+    """(N tile, ping-pong) of a fwd/dgrad launch, GEMM_PINGPONG unless asked: a ping-pong warpgroup's tile
+    is GEMM_PINGPONG_BN wide, the widest accumulator its registers hold."""
+    pingpong = GEMM_PINGPONG if pingpong is None else pingpong
+    if not pingpong:
+        return _pick_bn(op, n, bn), False
+    if bn not in (None, GEMM_PINGPONG_BN):
+        raise ValueError(f"{op}: ping-pong tiles are {GEMM_PINGPONG_BN} wide, not {bn}; pass bn=None or "
+                         f"{GEMM_PINGPONG_BN}, or the cooperative schedule for {bn}")
+    return GEMM_PINGPONG_BN, True
 
 
 @dataclass(frozen=True)
@@ -154,7 +171,8 @@ class _Plan:
 
 
 def _prepare(op: str, a: Tensor, w: Tensor, offs: Tensor, n: int, w_k_major: bool, bn: int | None,
-             activation: str, *outs: Tensor) -> tuple[int, Launcher | None, bool, tuple[int, int, int]]:
+             activation: str, *outs: Tensor, pingpong: bool | None = None
+             ) -> tuple[int, Launcher | None, bool, tuple[int, int, int]]:
     """(device, launcher or None, zero the outputs, (m, groups, CTAs)): every check a launch makes that reads
     no tensor values, in the order it always made them."""
     device, arch = runtime.device_arch(a, w, offs, *outs)
@@ -164,19 +182,22 @@ def _prepare(op: str, a: Tensor, w: Tensor, offs: Tensor, n: int, w_k_major: boo
         return device, None, False, (m, 0, 0)
     if k == 0 or w.shape[0] == 0:
         return device, None, True, (m, 0, 0)
-    bn = _pick_bn(op, n, bn)
+    bn, pp = schedule(op, n, bn, pingpong)
     n_ctas = fwd_ctas(device, m, n, w.shape[0], bn, GEMM_CLUSTER_M)
-    launch = FWD.launcher(arch, n=n, k=k, bn=bn, act=activation) if w_k_major else DGRAD.launcher(
-        arch, n=n, k=k, bn=bn)
+    if w_k_major:
+        launch = FWD.launcher(arch, n=n, k=k, bn=bn, act=activation, pingpong=pp)
+    else:
+        launch = DGRAD.launcher(arch, n=n, k=k, bn=bn, pingpong=pp)
     return device, launch, False, (m, w.shape[0], n_ctas)
 
 
 def _launch(op: str, a: Tensor, w: Tensor, offs: Tensor, out: Tensor, w_k_major: bool, bn: int | None = None,
-            act_out: Tensor | None = None, activation: str = "none") -> None:
+            act_out: Tensor | None = None, activation: str = "none", pingpong: bool | None = None) -> None:
     """out[M, n] = per-group a[M, k] @ B_e^T with B_e = w[e] (K-major) or w[e]^T (dgrad); with an
     activation the same kernel also writes act_out = act(out) (both zero where out is)."""
     outs = (out,) if act_out is None else (out, act_out)
-    device, launch, zero, scalars = _prepare(op, a, w, offs, out.shape[1], w_k_major, bn, activation, *outs)
+    device, launch, zero, scalars = _prepare(op, a, w, offs, out.shape[1], w_k_major, bn, activation, *outs,
+                                             pingpong=pingpong)
     _Plan(op, device, a.device, (), 0, True, True, launch, zero, scalars, True).run(a, w, offs, outs)
 
 
@@ -231,7 +252,7 @@ _PLANS: dict[tuple[Any, ...], _Plan] = {}
 def _plan(op: str, a: Tensor, w: Tensor, offs: Tensor, a_name: str, w_name: str,
           activation: str = "") -> _Plan:
     """The memoised plan of this layout, or the full checks (raising as they always did) and a new plan."""
-    key = (op, activation, *_layout(a, w, offs))
+    key = (op, activation, GEMM_PINGPONG, *_layout(a, w, offs))
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
@@ -413,9 +434,9 @@ def _gathered_gemm(op: str, src: Tensor, src_name: str, slot: Tensor, w: Tensor,
     if k == 0 or w.shape[0] == 0:
         return h.zero_(), a.zero_()
     check_offs_on_host(op, offs, m)
-    bn = pick_bn(n)
+    bn, pp = schedule(op, n)
     n_ctas = fwd_ctas(device, m, n, w.shape[0], bn, GEMM_GATHER_CLUSTER_M)
-    launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act=activation, w_k_major=w_k_major)
+    launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act=activation, w_k_major=w_k_major, pingpong=pp)
     launch(device, src.data_ptr(), slot.contiguous().data_ptr(), w.data_ptr(), h.data_ptr(), a.data_ptr(),
            offs.contiguous().data_ptr(), top_k, src.shape[0], m, w.shape[0], n_ctas)
     return h, a
@@ -584,9 +605,11 @@ _EXPECT_GATHER = (*_EXPECT_EPILOGUE, *_ROW_TMA)
 _NO_CP_ASYNC = (r"\bcp\.async\.(cg|ca)\.shared\.global\b",)
 
 
-def _gather_spec(name: str, n: int, k: int, activation: str) -> KernelSpec:
+def _gather_spec(name: str, n: int, k: int, activation: str, pingpong: bool = False) -> KernelSpec:
+    bn = GEMM_PINGPONG_BN if pingpong else pick_bn(n)
     return KernelSpec(op="grouped_gemm_act", name=name,
-                      compile=GATHER.compiler(n=n, k=k, bn=pick_bn(n), act=activation, w_k_major=True),
+                      compile=GATHER.compiler(n=n, k=k, bn=bn, act=activation, w_k_major=True,
+                                              pingpong=pingpong),
                       expect={"sm_90a": _EXPECT_GATHER},
                       forbid={"sm_90a": (*_FORBID_EPILOGUE, *_NO_CP_ASYNC)})
 
@@ -611,16 +634,17 @@ def _wgrad_gather_spec(name: str, n: int, k: int, side: str) -> KernelSpec:
                       expect={"sm_90a": _EXPECT_WGRAD_GATHER}, forbid={"sm_90a": _FORBID_SM90})
 
 
-def _spec(name: str, n: int, k: int, bn: int, w_k_major: bool | None, activation: str = "none") -> KernelSpec:
+def _spec(name: str, n: int, k: int, bn: int, w_k_major: bool | None, activation: str = "none",
+          pingpong: bool = False) -> KernelSpec:
     expect = _EXPECT_WGRAD if w_k_major is None else (*_EXPECT_SM90, *_CLUSTER)
     fused = activation != "none"
     if w_k_major is None:
         op, compile = "grouped_gemm_wgrad", WGRAD.compiler(n=n, k=k, bn=bn, ld=k)
     elif not w_k_major:
-        op, compile = "grouped_gemm_dgrad", DGRAD.compiler(n=n, k=k, bn=bn)
+        op, compile = "grouped_gemm_dgrad", DGRAD.compiler(n=n, k=k, bn=bn, pingpong=pingpong)
     else:
         op = "grouped_gemm_act" if fused else "grouped_gemm"
-        compile = FWD.compiler(n=n, k=k, bn=bn, act=activation)
+        compile = FWD.compiler(n=n, k=k, bn=bn, act=activation, pingpong=pingpong)
     return KernelSpec(
         op=op,
         name=name,
@@ -631,7 +655,7 @@ def _spec(name: str, n: int, k: int, bn: int, w_k_major: bool | None, activation
 
 
 # Representative classes: the up projection (N = 2I, K = H), the down projection, their dgrad and wgrad, and
-# the up projection with each fused activation at both tile widths.
+# the up projection with each fused activation at both tile widths; the ping-pong fwd, dgrad and fused forms.
 KERNELS: tuple[KernelSpec, ...] = (
     _spec("grouped_gemm_fwd_n128", 2048, 4096, 128, True),
     _spec("grouped_gemm_fwd_n256", 4096, 1024, 256, True),
@@ -644,7 +668,11 @@ KERNELS: tuple[KernelSpec, ...] = (
     _spec("grouped_gemm_act_swiglu_n256", 4096, 1024, 256, True, "swiglu"),
     _spec("grouped_gemm_act_relu2_n128", 1024, 4096, 128, True, "relu2"),
     _spec("grouped_gemm_act_relu2_n256", 4096, 1024, 256, True, "relu2"),
+    _spec("grouped_gemm_fwd_pingpong", 4096, 1024, 128, True, pingpong=True),
+    _spec("grouped_gemm_dgrad_pingpong", 1024, 4096, 128, False, pingpong=True),
+    _spec("grouped_gemm_act_swiglu_pingpong", 2048, 4096, 128, True, "swiglu", pingpong=True),
     _gather_spec("grouped_gemm_act_gathered_swiglu_n256", 2048, 4096, "swiglu"),
+    _gather_spec("grouped_gemm_act_gathered_swiglu_pingpong", 2048, 4096, "swiglu", pingpong=True),
     _gather_spec("grouped_gemm_act_gathered_relu2_n128", 1152, 2048, "relu2"),
     _wgrad_gather_spec("grouped_gemm_wgrad_gathered_x_n256", 2048, 4096, "b"),
     _wgrad_gather_spec("grouped_gemm_wgrad_gathered_x_n128", 1024, 1152, "b"),

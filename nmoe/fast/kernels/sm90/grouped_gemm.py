@@ -4,7 +4,7 @@ syncs the host. Import only after nmoe.fast.runtime.import_cutlass("sm_90a")."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn, cast
 
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
@@ -29,6 +29,7 @@ from nmoe.fast.limits import GEMM_BK as BK
 from nmoe.fast.limits import GEMM_BM as BM
 from nmoe.fast.limits import GEMM_CLUSTER_M as CLUSTER_M
 from nmoe.fast.limits import GEMM_MAX_GROUPS as MAX_GROUPS
+from nmoe.fast.limits import GEMM_PINGPONG_BN as PINGPONG_BN
 
 K_BLOCKS = BK // 16
 WG_THREADS = PRODUCER_THREADS
@@ -46,10 +47,24 @@ EPI_N = 32
 EPI_BUFS = 2
 EPI_SMEM_BYTES = BM * EPI_N * 2 * EPI_BUFS
 STORE_WARP = 4
-# Subtiles whose activation is computed in one batch: as much overlap as fits in registers without spilling.
-ACT_SUBTILES = 2
+# Accumulator values per thread whose activation is computed in one batch (two cooperative subtiles, one
+# ping-pong subtile): as much overlap as fits in registers without spilling.
+ACT_VALUES = 32
 # h columns per output column of each fused epilogue ("none": the plain GEMM).
 EPILOGUES: dict[str, int] = {"none": 1, "swiglu": 2, "relu2": 1}
+
+
+# Ping-pong: each consumer warpgroup takes every other work unit, a whole BM x PINGPONG_BN tile, so one's
+# epilogue runs under the other's mainloop (the shared stage ring already orders their mainloops); each keeps
+# its own output subtiles, barrier and storing warp. Cooperative: both split one BM x bn tile by rows.
+def tile_wgs(pingpong: bool) -> int:
+    """Consumer warpgroups that share one output tile."""
+    return 1 if pingpong else CONSUMER_WGS
+
+
+def epi_sets(pingpong: bool) -> int:
+    """Output staging sets: one per warpgroup running an epilogue of its own."""
+    return CONSUMER_WGS // tile_wgs(pingpong)
 
 
 def pipeline_stages(stage_bytes: int, epi_bytes: int = EPI_SMEM_BYTES) -> int:
@@ -57,8 +72,9 @@ def pipeline_stages(stage_bytes: int, epi_bytes: int = EPI_SMEM_BYTES) -> int:
     return min(8, (SMEM_BYTES - epi_bytes - MAX_GROUPS * 4 - 2048) // stage_bytes)
 
 
-def stages_for(bn: int, act: str = "none") -> int:
-    return pipeline_stages((BM + bn) * BK * 2, EPI_SMEM_BYTES + act_smem_bytes(act))
+def stages_for(bn: int, act: str = "none", pingpong: bool = False) -> int:
+    sets = epi_sets(pingpong)
+    return pipeline_stages((BM + bn) * BK * 2, sets * (EPI_SMEM_BYTES + act_smem_bytes(act)))
 
 
 def act_cols(act: str) -> int:
@@ -71,16 +87,16 @@ def act_smem_bytes(act: str) -> int:
     return 0 if act == "none" else BM * act_cols(act) * 2 * EPI_BUFS
 
 
-def act_smem_layout(act: str) -> cute.Layout:
+def act_smem_layout(act: str, sets: int = 1) -> cute.Layout:
     """Row-major act(h) subtiles (32- or 64-byte rows, unswizzled): written by scalar stores, read by TMA."""
     cols = act_cols(act)
-    layout: cute.Layout = cute.make_layout((BM, cols, EPI_BUFS), stride=(cols, 1, BM * cols))
+    layout: cute.Layout = cute.make_layout((BM, cols, EPI_BUFS * sets), stride=(cols, 1, BM * cols))
     return layout
 
 
-def epi_smem_layout() -> cute.ComposedLayout:
+def epi_smem_layout(sets: int = 1) -> cute.ComposedLayout:
     layout: cute.ComposedLayout = sm90_utils.make_smem_layout_epi(BFloat16, LayoutEnum.ROW_MAJOR, (BM, EPI_N),
-                                                                  EPI_BUFS)
+                                                                  EPI_BUFS * sets)
     return layout
 
 
@@ -96,25 +112,25 @@ def epi_tma(m_y: cute.Tensor, act: str = "none") -> tuple[cute.CopyAtom, cute.Te
     return atom, tensor
 
 
-def store_copy(bn: int, width: int) -> tuple[cute.CopyAtom, cute.TiledCopy]:
-    """Epilogue stores: consumer threads tile the BM x bn h tile in 8-column chunks, each thread writing
-    `width` contiguous bf16 of its chunk's output (8 for h and relu2, 4 for swiglu)."""
+def store_copy(bn: int, width: int, threads: int = CONSUMER_THREADS) -> tuple[cute.CopyAtom, cute.TiledCopy]:
+    """Epilogue stores: a tile's epilogue threads tile the BM x bn h tile in 8-column chunks, each thread
+    writing `width` contiguous bf16 of its chunk's output (8 for h and relu2, 4 for swiglu)."""
     chunks_n = bn // VEC
     atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=16 * width)
     tiled = cute.make_tiled_copy_tv(
         atom,
-        cute.make_layout((CONSUMER_THREADS // chunks_n, chunks_n), stride=(chunks_n, 1)),
+        cute.make_layout((threads // chunks_n, chunks_n), stride=(chunks_n, 1)),
         cute.make_layout((1, width)),
     )
     return atom, tiled
 
 
-def check_pairing(bn: int, act: str) -> None:
-    """Trace-time proof over every consumer thread and chunk that output element (r, c) is computed from h
+def check_pairing(bn: int, act: str, threads: int = CONSUMER_THREADS) -> None:
+    """Trace-time proof over every epilogue thread and chunk that output element (r, c) is computed from h
     columns ratio*c .. ratio*c + ratio - 1 of row r (swiglu: the (gate, up) pair) through identity tensors."""
     ratio = EPILOGUES[act]
-    _, h_copy = store_copy(bn, VEC)
-    _, a_copy = store_copy(bn, VEC // ratio)
+    _, h_copy = store_copy(bn, VEC, threads)
+    _, a_copy = store_copy(bn, VEC // ratio, threads)
     h_id = cute.make_identity_tensor((BM, bn))
     a_id = cute.make_identity_tensor((BM, bn // ratio))
 
@@ -126,7 +142,7 @@ def check_pairing(bn: int, act: str) -> None:
     a0 = a_copy.get_slice(0).partition_D(a_id)
     if h0.shape[1:] != a0.shape[1:]:
         fail(f"h chunks {h0.shape} and output chunks {a0.shape} iterate differently")
-    for t in range(CONSUMER_THREADS):
+    for t in range(threads):
         h = h_copy.get_slice(t).partition_D(h_id)
         a = a_copy.get_slice(t).partition_D(a_id)
         (hr, hc), (ar, ac) = h.iterator, a.iterator
@@ -199,41 +215,73 @@ class Epilogue(NamedTuple):
     t_s_sa: Any
     thr_act: Any
     act_tma_atom: Any
+    buf0: Int32
+    store_warp: Int32
+    order: tuple[int, ...]
 
 
 def epilogue_copies(tiled_mma: cute.TiledMma, acc: cute.Tensor, s_d: cute.Tensor, ctid: Int32,
                     tma_atom: cute.CopyAtom, act: str = "none", s_act: Any = None,
-                    act_tma_atom: Any = None) -> Epilogue:
-    """stmatrix from the fp32 accumulator into a bf16 smem subtile (s_d: BM x EPI_N x EPI_BUFS), act(h) by
-    scalar stores into s_act (BM x EPI_N / ratio x EPI_BUFS), then TMA stores or masked smem -> global
-    chunks."""
+                    act_tma_atom: Any = None, pingpong: bool = False) -> Epilogue:
+    """stmatrix from the fp32 accumulator into a bf16 smem subtile (s_d: BM x EPI_N x EPI_BUFS per
+    epilogue set), act(h) by scalar stores into s_act (BM x EPI_N / ratio x EPI_BUFS per set), then TMA
+    stores or masked smem -> global chunks; ping-pong: warpgroup wg's own set, barrier and storing warp."""
+    threads = tile_wgs(pingpong) * WG_THREADS
+    wg = ctid // WG_THREADS if pingpong else Int32(0)
+    tid = ctid - wg * WG_THREADS
     stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16)
     r2s = cute.make_tiled_copy_S(stmatrix, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
     if act == "swiglu":
-        check_fragment_pairs(r2s)
-    thr_r2s = r2s.get_slice(ctid)
-    # The retiled accumulator enumerates the subtiles one after another, each in the smem partition's order.
+        check_fragment_pairs(r2s, threads)
+    thr_r2s = r2s.get_slice(tid)
     d_shape = thr_r2s.partition_S(s_d).shape[:3]
-    s2g_atom, s2g = store_copy(EPI_N, VEC)
-    thr_s2g = s2g.get_slice(ctid)
-    act_atom, act_copy = store_copy(EPI_N, VEC // EPILOGUES[act])
-    thr_act = act_copy.get_slice(ctid)
+    s2g_atom, s2g = store_copy(EPI_N, VEC, threads)
+    thr_s2g = s2g.get_slice(tid)
+    act_atom, act_copy = store_copy(EPI_N, VEC // EPILOGUES[act], threads)
+    thr_act = act_copy.get_slice(tid)
     t_s_sd = thr_s2g.partition_S(s_d)
     return Epilogue(
         r2s, thr_r2s.partition_D(s_d), r2s.retile(acc), cute.make_rmem_tensor(d_shape, Float32),
         cute.make_rmem_tensor(d_shape, BFloat16), s2g_atom, thr_s2g, t_s_sd,
         thr_s2g.partition_D(cute.make_identity_tensor((BM, EPI_N))),
-        pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID, num_threads=CONSUMER_THREADS), s_d, tma_atom,
+        pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID + wg, num_threads=threads), s_d, tma_atom,
         thr_r2s.partition_S(cute.make_identity_tensor((BM, EPI_N))), s_act, act_atom,
         None if act == "none" else thr_act.partition_S(s_act), thr_act, act_tma_atom,
+        wg * EPI_BUFS, STORE_WARP + wg * (WG_THREADS // 32), acc_order(tiled_mma, r2s, acc.shape, threads),
     )
 
 
-def check_fragment_pairs(r2s: cute.TiledCopy) -> None:
-    """Trace-time proof over every consumer thread that its subtile values 2p and 2p + 1 hold h columns
+def acc_order(tiled_mma: cute.TiledMma, r2s: cute.TiledCopy, acc_shape: Any, threads: int) -> tuple[int, ...]:
+    """Staged value i of an epilogue thread (subtile i // per, value i % per of its smem partition) is its
+    retiled accumulator value order[i]: found from thread 0's coordinates; every thread's partitions are
+    thread 0's layouts at one shared base coordinate, so the order holds for all."""
+    tile = cute.make_identity_tensor((BM, cute.size(acc_shape) * threads // BM))
+    sub_id = cute.make_identity_tensor((BM, EPI_N))
+
+    def parts(t: int) -> tuple[cute.Tensor, cute.Tensor]:
+        return r2s.retile(tiled_mma.get_slice(t).partition_C(tile)), r2s.get_slice(t).partition_S(sub_id)
+
+    acc0, part0 = parts(0)
+    per = cute.size(part0)
+    held = {tuple(cast(Any, acc0[j])): j for j in range(cute.size(acc0))}
+    at: list[Any] = [part0[v] for v in range(per)]
+    staged = [(at[i % per][0], i // per * EPI_N + at[i % per][1]) for i in range(cute.size(acc0))]
+    if sorted(held) != sorted(staged):
+        raise RuntimeError("epilogue subtiles do not cover the accumulator; rebuild r2s from tiled_mma")
+    for t in range(1, threads):
+        acc, part = parts(t)
+        if (str(acc.layout), str(part.layout)) != (str(acc0.layout), str(part0.layout)) or (
+                acc.iterator != part.iterator):
+            raise RuntimeError(f"epilogue thread {t}'s accumulator and staging partitions are not thread 0's "
+                               "at one base coordinate; the staging order would not hold for it")
+    return tuple(held[c] for c in staged)
+
+
+def check_fragment_pairs(r2s: cute.TiledCopy, threads: int = CONSUMER_THREADS) -> None:
+    """Trace-time proof over every epilogue thread that its subtile values 2p and 2p + 1 hold h columns
     c and c + 1 of one row, c even: the (gate, up) pair swiglu takes from registers."""
     ident = cute.make_identity_tensor((BM, EPI_N))
-    for t in range(CONSUMER_THREADS):
+    for t in range(threads):
         part = r2s.get_slice(t).partition_S(ident)
         base_r, base_c = part.iterator
         for v in range(0, cute.size(part), 2):
@@ -247,12 +295,12 @@ def check_fragment_pairs(r2s: cute.TiledCopy) -> None:
 @cute.jit
 def _act_tile(epi: Epilogue, first: Constexpr[int], total: Constexpr[int], act: Constexpr[str]
               ) -> tuple[cute.Tensor, cute.Tensor]:
-    """bf16 h and act(h) bits (the standalone activation kernels' own math) of ACT_SUBTILES subtiles from
+    """bf16 h and act(h) bits (the standalone activation kernels' own math) of ACT_VALUES staged values from
     value `first`, computed before they are staged so the activation's chains overlap instead of queuing."""
     ratio = EPILOGUES[act]
     r_fa = cute.make_rmem_tensor((total,), Float32)
     for v in range_constexpr(total):
-        r_fa[v] = epi.t_rs_acc[first + v]
+        r_fa[v] = epi.t_rs_acc[epi.order[first + v]]
     r_ha = cute.make_rmem_tensor((total,), BFloat16)
     r_ha.store(r_fa.load().to(BFloat16))
     h = r_ha.load()
@@ -268,15 +316,21 @@ def _act_tile(epi: Epilogue, first: Constexpr[int], total: Constexpr[int], act: 
 
 
 @cute.jit
-def _stage_act(epi: Epilogue, r_bits: cute.Tensor, sub: Constexpr[int], buf: Constexpr[int],
+def _stage_act(epi: Epilogue, r_bits: cute.Tensor, sub: Constexpr[int], buf: Int32,
                act: Constexpr[str]) -> None:
     """Subtile sub's act(h) bits to the act staging buffer at (row, col // ratio)."""
     ratio = EPILOGUES[act]
     per = cute.size(epi.r_d) // ratio
+    batch = act_batch(cute.size(epi.r_d))
     s_bits = cute.recast_tensor(epi.s_act, Int16)
     for p in range_constexpr(per):
         coord: Any = epi.t_rs_c[ratio * p]
-        s_bits[(coord[0], coord[1] // ratio, buf)] = r_bits[sub % ACT_SUBTILES * per + p]
+        s_bits[(coord[0], coord[1] // ratio, buf)] = r_bits[sub % batch * per + p]
+
+
+def act_batch(size_sub: int) -> int:
+    """Subtiles whose activation is computed together: ACT_VALUES of a thread's staged values."""
+    return max(1, ACT_VALUES // size_sub)
 
 
 def act_by_tma(n: int, act: str) -> bool:
@@ -292,6 +346,7 @@ def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.
     smem subtile (and act(h) computed from the same bf16 registers -> its own subtile) -> TMA stores (full
     tiles) or masked 16-byte stores."""
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    store_warp = warp_idx == epi.store_warp
     rows_valid = row_end - row0
     cols_valid = n - n_tile * bn
     tma_ok = rows_valid >= BM and cols_valid >= bn
@@ -305,17 +360,18 @@ def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.
                                            cute.group_modes(epi.s_act, 0, 2),
                                            cute.zipped_divide(g_act, (BM, act_cols(act))))
     size_sub = cute.size(epi.r_f)
+    batch = act_batch(size_sub)
     for sub in range_constexpr(bn // EPI_N):
-        buf = sub % EPI_BUFS
-        if const_expr(act != "none" and sub % ACT_SUBTILES == 0):
-            r_ha, r_bits = _act_tile(epi, sub * size_sub, ACT_SUBTILES * size_sub, act)
+        buf = epi.buf0 + sub % EPI_BUFS
+        if const_expr(act != "none" and sub % batch == 0):
+            r_ha, r_bits = _act_tile(epi, sub * size_sub, batch * size_sub, act)
         if const_expr(act == "none"):
             for v in range_constexpr(size_sub):
-                epi.r_f[v] = epi.t_rs_acc[sub * size_sub + v]
+                epi.r_f[v] = epi.t_rs_acc[epi.order[sub * size_sub + v]]
             epi.r_d.store(epi.r_f.load().to(BFloat16))
         else:
             for v in range_constexpr(size_sub):
-                epi.r_d[v] = r_ha[sub % ACT_SUBTILES * size_sub + v]
+                epi.r_d[v] = r_ha[sub % batch * size_sub + v]
             _stage_act(epi, r_bits, sub, buf, act)
         cute.copy(epi.r2s, epi.r_d, epi.t_rs_d[(None, None, None, buf)])
         cute.arch.fence_proxy("async.shared", space="cta")
@@ -325,7 +381,7 @@ def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.
             t_s_ga = epi.thr_act.partition_D(
                 cute.local_tile(cute.domain_offset((row0, 0), m_act), (BM, act_cols(act)), (0, sub_n)))
         if tma_ok:
-            if warp_idx == STORE_WARP:
+            if store_warp:
                 cute.copy(epi.tma_atom, b_sd[(None, buf)], b_gd[(None, (0, sub))])
                 if const_expr(act_by_tma(n, act)):
                     cute.copy(epi.act_tma_atom, b_sa[(None, buf)], b_ga[(None, (0, sub))])
@@ -343,16 +399,16 @@ def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.
                         cute.copy(epi.s2g_atom, epi.t_s_sd[(None, i, j, buf)], t_s_gd[(None, i, j)])
                         if const_expr(act != "none"):
                             cute.copy(epi.act_atom, epi.t_s_sa[(None, i, j, buf)], t_s_ga[(None, i, j)])
-            if warp_idx == STORE_WARP:
+            if store_warp:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         epi.bar.arrive_and_wait()
 
 
 @cute.jit
-def drain_stores() -> None:
+def drain_stores(store_warp: Int32 | int = STORE_WARP) -> None:
     """Outstanding TMA stores complete before the CTA exits."""
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    if warp_idx == STORE_WARP:
+    if warp_idx == store_warp:
         cute.arch.cp_async_bulk_wait_group(0)
 
 
@@ -389,22 +445,23 @@ def cluster_units(bidx: Int32, n_ctas: Int32, cm: Constexpr[int]) -> tuple[Int32
 
 @cute.jit
 def mma_fragments(tiled_mma: cute.TiledMma, s_a: cute.Tensor, s_b: cute.Tensor, warp_idx: Int32,
-                  bn: Constexpr[int]) -> tuple[cute.Tensor, cute.Tensor, Any]:
+                  bn: Constexpr[int], pingpong: Constexpr[bool] = False
+                  ) -> tuple[cute.Tensor, cute.Tensor, Any]:
     """A consumer warpgroup's slice of the MMA: its operand fragments over the smem ring and the shape of its
-    BM x bn accumulator."""
+    accumulator (its rows of the BM x bn tile; ping-pong: all of them)."""
     wg = warp_idx // 4 - 1
-    thr_mma = tiled_mma.get_slice(wg * WG_THREADS)
+    thr_mma = tiled_mma.get_slice(wg % tile_wgs(pingpong) * WG_THREADS)
     t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
     t_rb = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
     return t_ra, t_rb, thr_mma.partition_shape_C((BM, bn))
 
 
 @cute.jit
-def act_staging(s_d: cute.Tensor, act: Constexpr[str]) -> cute.Tensor:
+def act_staging(s_d: cute.Tensor, act: Constexpr[str], sets: Constexpr[int] = 1) -> cute.Tensor:
     """Shared staging for act(h)'s subtiles (with no fused activation: s_d, never written through it)."""
     if const_expr(act == "none"):
         return s_d
-    s_act: cute.Tensor = SmemAllocator().allocate_tensor(BFloat16, act_smem_layout(act), 1024)
+    s_act: cute.Tensor = SmemAllocator().allocate_tensor(BFloat16, act_smem_layout(act, sets), 1024)
     return s_act
 
 
@@ -412,10 +469,12 @@ def act_staging(s_d: cute.Tensor, act: Constexpr[str]) -> cute.Tensor:
 def cta_setup(m_offs: cute.Tensor, n_groups: Int32, ab_dtype: Constexpr[Any], a_layout: cute.ComposedLayout,
               b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout, stages: Constexpr[int],
               by_tma: Constexpr[str] = "ab", tables: Constexpr[int] = 1, cm: Constexpr[int] = 1,
+              wgs: Constexpr[int] = CONSUMER_WGS,
               ) -> tuple[cute.Tensor, cute.Tensor, cute.Tensor, cute.Tensor, pipeline.PipelineTmaAsync]:
     """A CTA's shared memory (mbarriers, offs + tables - 1 tables, operand ring, output staging) and TMA
-    pipeline (cm > 1: B multicast over the cluster, a stage freed by all its consumers; init publishes offs).
-    by_tma: the TMA operands; with one gathered, a stage also waits for one arrival per gathering thread."""
+    pipeline (cm > 1: B multicast over the cluster, a stage freed by all its consumers, wgs warpgroups in
+    each CTA; init publishes offs). by_tma: the TMA operands; with one gathered, a stage also waits for one
+    arrival per gathering thread."""
     tidx, _, _ = cute.arch.thread_idx()
     smem = SmemAllocator()
     barriers = smem.allocate_array(Int64, stages * 2, byte_alignment=8)
@@ -433,7 +492,7 @@ def cta_setup(m_offs: cute.Tensor, n_groups: Int32, ab_dtype: Constexpr[Any], a_
         num_stages=stages,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 if const_expr(by_tma == "ab")
                                                  else 1 + WG_THREADS),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_WGS * 4 * cm),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, wgs * 4 * cm),
         tx_count=tx_bytes,
         cta_layout_vmnk=cute.make_layout((1, cm, 1, 1)),
         defer_sync=cm > 1,
@@ -505,44 +564,55 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                   tidx: Int32, warp_idx: Int32, n_ctas: Int32, t: Int32, n: Constexpr[int],
                   bn: Constexpr[int],
                   k_tiles: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
-                  cm: Constexpr[int] = 1, rank: Int32 | int = 0) -> None:
+                  cm: Constexpr[int] = 1, rank: Int32 | int = 0, pingpong: Constexpr[bool] = False) -> None:
     """The two consumer warpgroups: wgmma over each tile's K boxes, then the epilogue (none for a cluster's
-    tile past its group's end, which only keeps the shared B stages flowing)."""
+    tile past its group's end, which only keeps the shared B stages flowing). Ping-pong: warpgroup wg takes
+    the CTA's units wg, wg + 2, ... and steps its ring cursor over the other's stages."""
     cute.arch.setmaxregister_increase(CONSUMER_REGS)
     ctid = tidx - WG_THREADS
-    t_ra, t_rb, acc_shape = mma_fragments(tiled_mma, s_a, s_b, warp_idx, bn)
+    wg = warp_idx // 4 - 1
+    t_ra, t_rb, acc_shape = mma_fragments(tiled_mma, s_a, s_b, warp_idx, bn, pingpong)
     acc = cute.make_rmem_tensor(acc_shape, Float32)
 
-    epi = epilogue_copies(tiled_mma, acc, s_d, ctid, tma_atom_d, act, s_act, tma_atom_act)
+    epi = epilogue_copies(tiled_mma, acc, s_d, ctid, tma_atom_d, act, s_act, tma_atom_act, pingpong)
 
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
     read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, n_tiles_n_of(n, bn), cm)
+    turn = Int32(0)
     while e <= n_groups:
-        n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n_of(n, bn), cm, rank)
-        acc.fill(0.0)
-        if e < n_groups and const_expr(k_tiles > 0):
-            mainloop.consumer_wait(read)
-            _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
-            read.advance()
-            for _kt in range(1, k_tiles):
+        mine = True
+        if const_expr(pingpong):
+            mine = turn == wg
+        if mine:
+            n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n_of(n, bn), cm, rank)
+            acc.fill(0.0)
+            if e < n_groups and const_expr(k_tiles > 0):
                 mainloop.consumer_wait(read)
                 _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
-                warpgroup.wait_group(1)
+                read.advance()
+                for _kt in range(1, k_tiles):
+                    mainloop.consumer_wait(read)
+                    _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
+                    warpgroup.wait_group(1)
+                    mainloop.consumer_release(release)
+                    release.advance()
+                    read.advance()
+                warpgroup.wait_group(0)
                 mainloop.consumer_release(release)
                 release.advance()
-                read.advance()
-            warpgroup.wait_group(0)
-            mainloop.consumer_release(release)
-            release.advance()
 
-        store_tile(epi, tma_d, m_d, m_act, row0, n_tile, g_end, n, bn, act, tma_act)
+            store_tile(epi, tma_d, m_d, m_act, row0, n_tile, g_end, n, bn, act, tma_act)
+        elif e < n_groups and const_expr(k_tiles > 0):
+            read.advance(k_tiles)
+            release.advance(k_tiles)
 
+        turn = 1 - turn
         t = t + n_ctas
         e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,
                                                 before, here, n_tiles_n_of(n, bn), cm)
-    drain_stores()
+    drain_stores(epi.store_warp)
 
 
 def n_tiles_n_of(n: int, bn: int) -> int:
@@ -557,15 +627,16 @@ def n_k_tiles(k: int) -> int:
 @cute.jit
 def fwd_cta_begin(tma_atoms: tuple[cute.CopyAtom, ...], m_offs: cute.Tensor, n_groups: Int32,
                   a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout,
-                  stages: Constexpr[int], by_tma: Constexpr[str], cm: Constexpr[int], act: Constexpr[str]
-                  ) -> tuple[Any, ...]:
+                  stages: Constexpr[int], by_tma: Constexpr[str], cm: Constexpr[int], act: Constexpr[str],
+                  pingpong: Constexpr[bool] = False) -> tuple[Any, ...]:
     """What a fwd/dgrad CTA sets up before its warps split: (thread, warp, first unit, unit stride, cluster
     rank, offs table, A / B / output / act(h) shared tensors, operand pipeline)."""
     tidx, bidx, n_ctas, warp_idx = cta_start(tma_atoms)
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
-                                                stages, by_tma, cm=cm)
+                                                stages, by_tma, cm=cm, wgs=tile_wgs(pingpong))
     unit, n_units, rank = cluster_units(bidx, n_ctas, cm)
-    return tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, act_staging(s_d, act), mainloop
+    s_act = act_staging(s_d, act, epi_sets(pingpong))
+    return tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, s_act, mainloop
 
 
 @cute.kernel
@@ -575,11 +646,11 @@ def grouped_gemm_kernel(
     tma_atom_act: cute.CopyAtom, tma_act: cute.Tensor, m_offs: cute.Tensor,
     m_rows: Int32, n_groups: Int32, tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout,
     b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int],
-    bn: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
+    bn: Constexpr[int], stages: Constexpr[int], act: Constexpr[str], pingpong: Constexpr[bool],
 ) -> None:
     tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, s_act, mainloop = fwd_cta_begin(
         (tma_atom_a, tma_atom_b, tma_atom_d, tma_atom_act), m_offs, n_groups, a_layout, b_layout, d_layout,
-        stages, "ab", CLUSTER_M, act)
+        stages, "ab", CLUSTER_M, act, pingpong)
     n_tiles_n = n_tiles_n_of(n, bn)
     k_tiles = n_k_tiles(k)
     if warp_idx < 4:
@@ -591,15 +662,17 @@ def grouped_gemm_kernel(
         consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, s_act,
                       tma_atom_act, tma_act, n_groups,
                       m_rows, tidx, warp_idx, n_units, unit, n, bn, k_tiles,
-                      stages, act, CLUSTER_M, rank)
+                      stages, act, CLUSTER_M, rank, pingpong)
 
 
 def _gemm_setup(pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer, m_rows: Int32, n_groups: Int32, n: int,
-                k: int, bn: int, stages: int, w_k_major: bool, act: str, cm: int) -> tuple[Any, ...]:
+                k: int, bn: int, stages: int, w_k_major: bool, act: str, cm: int,
+                pingpong: bool) -> tuple[Any, ...]:
     """What the TMA and the gathering fwd/dgrad hosts share: B (w, K-major or not) by TMA, y by TMA, the
-    activation output, offs, the MMA and the K-major A / B shared layouts."""
+    activation output, offs, the MMA (one warpgroup per tile with ping-pong) and the A / B shared layouts."""
+    check_schedule(bn, pingpong)
     if const_expr(act != "none"):
-        check_pairing(EPI_N, act)
+        check_pairing(EPI_N, act, tile_wgs(pingpong) * WG_THREADS)
     if const_expr(w_k_major):
         m_w = cute.make_tensor(pw, cute.make_layout((n, k, n_groups), stride=(k, 1, n * k)))
     else:
@@ -613,7 +686,7 @@ def _gemm_setup(pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer, m_rows: I
     tile = (BM, bn, BK)
     tiled_mma = sm90_utils.make_trivial_tiled_mma(
         BFloat16, BFloat16, a_enum.sm90_mma_major_mode(), b_enum.sm90_mma_major_mode(), Float32,
-        (CONSUMER_WGS, 1, 1), tiler_mn=(64, bn),
+        (tile_wgs(pingpong), 1, 1), tiler_mn=(64, bn),
     )
     a_layout = sm90_utils.make_smem_layout_a(a_enum, tile, BFloat16, stages)
     b_layout = sm90_utils.make_smem_layout_b(b_enum, tile, BFloat16, stages)
@@ -622,6 +695,14 @@ def _gemm_setup(pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer, m_rows: I
     tma_atom_act, tma_act = epi_tma(m_a, act) if const_expr(act_by_tma(n, act)) else (tma_atom_d, tma_d)
     return (m_y, m_a, m_offs, tiled_mma, a_layout, b_layout, tma_atom_b, tma_b, tma_atom_d, tma_d,
             tma_atom_act, tma_act)
+
+
+def check_schedule(bn: int, pingpong: bool) -> None:
+    """A ping-pong warpgroup holds a whole BM x bn fp32 accumulator: only PINGPONG_BN fits its registers."""
+    if pingpong and bn != PINGPONG_BN:
+        raise ValueError(f"ping-pong grouped GEMM tiles are {BM} x {PINGPONG_BN}, not {BM} x {bn}: one "
+                         "warpgroup's registers hold no wider accumulator; use bn=128 or the cooperative "
+                         "schedule")
 
 
 def cluster_dims(cm: int) -> list[int] | None:
@@ -641,21 +722,21 @@ def b_tma(m_w: cute.Tensor, b_layout: cute.ComposedLayout, bn: int, cm: int) -> 
 def grouped_gemm_host(
     px: Pointer, pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer, m_rows: Int32, n_groups: Int32,
     n_ctas: Int32, stream: cuda.CUstream, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
-    w_k_major: Constexpr[bool], act: Constexpr[str],
+    w_k_major: Constexpr[bool], act: Constexpr[str], pingpong: Constexpr[bool],
 ) -> None:
     """y[M, n] = per-group x[M, k] @ B_e^T, B_e [n, k] read from w (K-major w [E, n, k], else w [E, k, n]);
     with act != "none" also a[M, n / ratio] = act(y) (pa is ignored for "none")."""
-    stages = stages_for(bn, act)
+    stages = stages_for(bn, act, pingpong)
     (m_y, m_a, m_offs, tiled_mma, a_layout, b_layout, tma_atom_b, tma_b, tma_atom_d, tma_d, tma_atom_act,
      tma_act) = _gemm_setup(
-        pw, py, pa, poffs, m_rows, n_groups, n, k, bn, stages, w_k_major, act, CLUSTER_M)
+        pw, py, pa, poffs, m_rows, n_groups, n, k, bn, stages, w_k_major, act, CLUSTER_M, pingpong)
     m_x = cute.make_tensor(px, cute.make_layout((m_rows, k), stride=(k, 1)))
     tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
         cpasync.CopyBulkTensorTileG2SOp(), m_x, cute.slice_(a_layout, (None, None, 0)), (BM, BK))
     grouped_gemm_kernel(
         tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, m_y, m_a, tma_atom_act, tma_act, m_offs,
         m_rows, n_groups,
-        tiled_mma, a_layout, b_layout, epi_smem_layout(), n, k, bn, stages, act,
+        tiled_mma, a_layout, b_layout, epi_smem_layout(epi_sets(pingpong)), n, k, bn, stages, act, pingpong,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(CLUSTER_M), min_blocks_per_mp=1,
              stream=stream)
 
@@ -665,10 +746,12 @@ def pointer(dtype: Any, address: int, align: int = 16) -> Any:
     return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
 
 
-def compile_args(n: int, k: int, bn: int, w_k_major: bool, act: str = "none") -> tuple[Any, tuple[Any, ...]]:
+def compile_args(n: int, k: int, bn: int, w_k_major: bool, act: str = "none",
+                 pingpong: bool = False) -> tuple[Any, tuple[Any, ...]]:
     if act not in EPILOGUES or (act != "none" and not w_k_major):
         raise ValueError(f"grouped GEMM epilogue {act!r} (w_k_major={w_k_major}) unsupported; the fwd takes "
                          f"one of {sorted(EPILOGUES)}, dgrad only 'none'")
     ptrs = (*(pointer(BFloat16, 0) for _ in range(4)), pointer(Int32, 0, 4))
+    check_schedule(bn, pingpong)
     return grouped_gemm_host, (*ptrs, Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k, bn, w_k_major,
-                               act)
+                               act, pingpong)
