@@ -39,6 +39,10 @@ THREADS = WG_THREADS + CONSUMER_THREADS
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 EPI_BARRIER_ID = 1
+# Ping-pong warpgroup wg arrives on ORDER_BARRIER_ID + wg when its unit's stages have all arrived, and the
+# other waits on it before its own: mbarrier waits match phases by parity only, so no warpgroup may wait on a
+# stage more than one fill ahead of the producer.
+ORDER_BARRIER_ID = EPI_BARRIER_ID + CONSUMER_WGS
 SMEM_BYTES = 232448
 VEC = 8
 # The output leaves through EPI_BUFS swizzled BM x EPI_N subtiles: small enough to leave room for a deeper
@@ -567,7 +571,8 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                   cm: Constexpr[int] = 1, rank: Int32 | int = 0, pingpong: Constexpr[bool] = False) -> None:
     """The two consumer warpgroups: wgmma over each tile's K boxes, then the epilogue (none for a cluster's
     tile past its group's end, which only keeps the shared B stages flowing). Ping-pong: warpgroup wg takes
-    the CTA's units wg, wg + 2, ... and steps its ring cursor over the other's stages."""
+    the CTA's units wg, wg + 2, ... and steps its ring cursor over the other's stages; the mainloops take
+    turns unit by unit (ORDER_BARRIER_ID)."""
     cute.arch.setmaxregister_increase(CONSUMER_REGS)
     ctid = tidx - WG_THREADS
     wg = warp_idx // 4 - 1
@@ -580,13 +585,18 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, n_tiles_n_of(n, bn), cm)
+    ordered = 2 * WG_THREADS
+    mine_done = pipeline.NamedBarrier(barrier_id=ORDER_BARRIER_ID + wg, num_threads=ordered)
+    other_done = pipeline.NamedBarrier(barrier_id=ORDER_BARRIER_ID + 1 - wg, num_threads=ordered)
     turn = Int32(0)
     while e <= n_groups:
         mine = True
         if const_expr(pingpong):
-            mine = turn == wg
+            mine = turn % 2 == wg
         if mine:
             n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n_of(n, bn), cm, rank)
+            if turn > 0 and const_expr(pingpong):
+                other_done.arrive_and_wait()
             acc.fill(0.0)
             if e < n_groups and const_expr(k_tiles > 0):
                 mainloop.consumer_wait(read)
@@ -602,13 +612,18 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                 warpgroup.wait_group(0)
                 mainloop.consumer_release(release)
                 release.advance()
+            if const_expr(pingpong):
+                nxt = _seek(s_offs, n_groups, m_rows, t + n_ctas, e, g_start, g_end, before, here,
+                            n_tiles_n_of(n, bn), cm)[0]
+                if nxt <= n_groups:
+                    mine_done.arrive()
 
             store_tile(epi, tma_d, m_d, m_act, row0, n_tile, g_end, n, bn, act, tma_act)
         elif e < n_groups and const_expr(k_tiles > 0):
             read.advance(k_tiles)
             release.advance(k_tiles)
 
-        turn = 1 - turn
+        turn = turn + 1
         t = t + n_ctas
         e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,
                                                 before, here, n_tiles_n_of(n, bn), cm)
