@@ -164,3 +164,40 @@ def test_sep_gemm_fast_pingpong_acc_order_flat() -> None:
     (co,), (pp,) = _both(x, w, _ends([tile]), tile, True)
     _same_bits((pp,), (co,))
     assert torch.equal(pp, w[0].t().contiguous()), "y = I @ w^T exactly"
+
+
+_TURNS_RUN = """
+import torch
+from nmoe.fast.gemm import sm90
+g = torch.Generator().manual_seed(11)
+x = torch.randn(4096, 1024, generator=g).to(torch.bfloat16).cuda()
+w = (torch.randn(8, 1024, 1024, generator=g) / 32).to(torch.bfloat16).cuda()
+offs = torch.arange(512, 4097, 512, dtype=torch.int32, device="cuda")
+ys = []
+for pingpong in (False, True):
+    ys.append(torch.full((4096, 1024), float("nan"), dtype=torch.bfloat16, device="cuda"))
+    sm90._launch("test", x, w, offs, ys[-1], True, 128, pingpong=pingpong)
+torch.cuda.synchronize()
+print("SAME" if torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16)) else "DIFFERENT")
+"""
+
+
+@gpu
+def test_sep_gemm_fast_pingpong_turns_dropped() -> None:
+    """Without turns, a warpgroup that stepped over the other's unit waits on a stage whose previous fill
+    has not arrived, and a parity wait takes it as full (wrong tiles, faults or a hang: run in a child with
+    a deadline). Separating: CTAs hold two units each, of more K boxes than the ring has stages."""
+    from nmoe.fast import runtime
+
+    kernels = runtime.kernel_module("nmoe.fast.kernels.sm90.grouped_gemm", "sm_90a")
+    clusters = sm90.fwd_ctas(0, 4096, 1024, 8, 128, 2) // 2
+    units = 8 * (512 // 256) * (1024 // 128)
+    assert units > clusters, "some CTA's second warpgroup has a unit of its own"
+    assert kernels.stages_for(128, "none", True) < 1024 // 64, "a unit's K boxes outnumber the stages"
+    try:
+        out = subprocess.run([sys.executable, "-c", _TURNS_RUN], capture_output=True, text=True, timeout=120,
+                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    except subprocess.TimeoutExpired:
+        pytest.fail("the ping-pong launch hung")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["SAME"], out.stdout

@@ -37,6 +37,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "tests/test_fast_gemm_pingpong.py", ("grouped_gemm",), device="gpu",
     ),
     sep_mutation(
+        "gemm.fast_pingpong_turns_dropped", FILE,
+        "            if turn > 0 and const_expr(pingpong):\n                other_done.arrive_and_wait()\n",
+        "",
+        "ping-pong warpgroups start their mainloops without waiting for the other's (its arrive stays): a "
+        "parity wait on a stage one fill ahead passes early",
+        "tests/test_fast_gemm_pingpong.py", ("grouped_gemm",), device="gpu",
+    ),
+    sep_mutation(
         "gemm.fast_skip_last_k_tile", FILE,
         "    return (k + BK - 1) // BK\n", "    return (k - 1) // BK\n",
         "the last (possibly partial) K tile is never multiplied", TESTS, ("grouped_gemm",), device="gpu",

@@ -605,12 +605,16 @@ _EXPECT_GATHER = (*_EXPECT_EPILOGUE, *_ROW_TMA)
 _NO_CP_ASYNC = (r"\bcp\.async\.(cg|ca)\.shared\.global\b",)
 
 
+# Ping-pong warpgroups hand the mainloop to each other by a named barrier's non-blocking arrive.
+_TURNS = (r"\bbar\.arrive\b",)
+
+
 def _gather_spec(name: str, n: int, k: int, activation: str, pingpong: bool = False) -> KernelSpec:
     bn = GEMM_PINGPONG_BN if pingpong else pick_bn(n)
     return KernelSpec(op="grouped_gemm_act", name=name,
                       compile=GATHER.compiler(n=n, k=k, bn=bn, act=activation, w_k_major=True,
                                               pingpong=pingpong),
-                      expect={"sm_90a": _EXPECT_GATHER},
+                      expect={"sm_90a": (*_EXPECT_GATHER, *(_TURNS if pingpong else ()))},
                       forbid={"sm_90a": (*_FORBID_EPILOGUE, *_NO_CP_ASYNC)})
 
 
@@ -636,7 +640,7 @@ def _wgrad_gather_spec(name: str, n: int, k: int, side: str) -> KernelSpec:
 
 def _spec(name: str, n: int, k: int, bn: int, w_k_major: bool | None, activation: str = "none",
           pingpong: bool = False) -> KernelSpec:
-    expect = _EXPECT_WGRAD if w_k_major is None else (*_EXPECT_SM90, *_CLUSTER)
+    expect = _EXPECT_WGRAD if w_k_major is None else (*_EXPECT_SM90, *_CLUSTER, *(_TURNS if pingpong else ()))
     fused = activation != "none"
     if w_k_major is None:
         op, compile = "grouped_gemm_wgrad", WGRAD.compiler(n=n, k=k, bn=bn, ld=k)
@@ -649,7 +653,7 @@ def _spec(name: str, n: int, k: int, bn: int, w_k_major: bool | None, activation
         op=op,
         name=name,
         compile=compile,
-        expect={"sm_90a": (*_EXPECT_EPILOGUE, *_CLUSTER) if fused else expect},
+        expect={"sm_90a": (*_EXPECT_EPILOGUE, *_CLUSTER, *(_TURNS if pingpong else ())) if fused else expect},
         forbid={"sm_90a": _FORBID_EPILOGUE if fused else _FORBID_SM90},
     )
 
