@@ -9,6 +9,7 @@ FLOP floor (causal, half the score matrix): fwd = 2 * B * H * S^2 * (192 + 128) 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -92,7 +93,8 @@ def _tile_variants(step: Callable[[], object], change_step: Callable[[dict[str, 
         try:
             got = run()
         except Exception as err:  # a tile FA4 cannot build or launch (shared memory, layout asserts)
-            notes[name] = f"not run: {type(err).__name__}: {str(err)[:200]}"
+            text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(err)).split())
+            notes[name] = f"not run: {type(err).__name__}: {text[:200]}"
             continue
         bad = [m for g, w in zip(got, want, strict=True)  # type: ignore[call-overload]
                if (m := mismatch(g, w, rtol=2**-6, atol=2**-6)) is not None]
