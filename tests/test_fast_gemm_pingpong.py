@@ -33,6 +33,11 @@ CASES = [
 IDS = [f"M{c[0]}N{c[1]}K{c[2]}G{len(c[3])}" for c in CASES]
 
 
+def _child_env() -> dict[str, str]:
+    """This process's environment with the repository first on PYTHONPATH (the DSL's path kept)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
 def _ends(counts: Sequence[int]) -> Tensor:
     return torch.tensor(torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
 
@@ -100,7 +105,7 @@ def test_pingpong_staging_order_is_not_the_flat_order(tmp_path: Path) -> None:
     """)
     (tmp_path / "order.py").write_text(script)
     out = subprocess.run([sys.executable, str(tmp_path / "order.py")], capture_output=True, text=True,
-                         timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         timeout=600, cwd=ROOT, env=_child_env())
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["FLAT", "128", "PERMUTED", "128"], out.stdout
 
@@ -196,7 +201,7 @@ def test_sep_gemm_fast_pingpong_turns_dropped() -> None:
     assert kernels.stages_for(128, "none", True) < 1024 // 64, "a unit's K boxes outnumber the stages"
     try:
         out = subprocess.run([sys.executable, "-c", _TURNS_RUN], capture_output=True, text=True, timeout=120,
-                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                             cwd=ROOT, env=_child_env())
     except subprocess.TimeoutExpired:
         pytest.fail("the ping-pong launch hung")
     assert out.returncode == 0, out.stderr[-2000:]
