@@ -32,8 +32,8 @@ _BN128 = Mutation(
 _PINGPONG = Mutation(
     "ablate.pingpong", LIMITS,
     "GEMM_PINGPONG: Final[bool] = False\n", "GEMM_PINGPONG: Final[bool] = True\n",
-    "fwd and dgrad ping-pong: each consumer warpgroup its own 128 x 128 tile, one's epilogue under the "
-    "other's MMAs, against the cooperative 128 x bn tile whose epilogue stalls both",
+    "the TMA-fed fwd and dgrad ping-pong: each consumer warpgroup its own 128 x 128 tile, one's epilogue "
+    "under the other's MMAs, against the cooperative 128 x bn tile whose epilogue stalls both",
 )
 ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
@@ -176,7 +176,12 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "IEEE division costs",
     ),
     _GATHER_CLUSTER_TWO,
-    replace(_PINGPONG, id="ablate.gather_pingpong"),
+    Mutation(
+        "ablate.gather_pingpong", LIMITS,
+        "GEMM_GATHER_PINGPONG: Final[bool] = False\n", "GEMM_GATHER_PINGPONG: Final[bool] = True\n",
+        "the gathering fwd and dgrad ping-pong (128 x 128 tiles per warpgroup, each A row gathered twice as "
+        "often) against the cooperative 128 x 256 tile",
+    ),
     replace(_BN128, id="ablate.gather_bn128",
             description="every grouped GEMM in 128-wide N tiles: six operand stages instead of four, at "
             "twice the re-reads of A: whether more stages in flight pace the gathering producer"),
@@ -279,8 +284,9 @@ def _gather_rows(t: int, h: int, i: int, e: int, k: int, compile_only: bool) -> 
         torch.cuda.synchronize()
         if not compile_only:
             ms = replay_median_ms(capture(fn))
+            bn = sm90.schedule("up", 2 * i, gathered=name != "up_copied")[0]
             out.append({"shape": f"{name} T={t} H={h} I={i} E={e}", "ms": ms,
-                        "tflops": 2.0 * rows * 2 * i * h / ms / 1e9, "bn": sm90.schedule("up", 2 * i)[0]})
+                        "tflops": 2.0 * rows * 2 * i * h / ms / 1e9, "bn": bn})
     return out
 
 

@@ -35,7 +35,8 @@ IDS = [f"M{c[0]}N{c[1]}K{c[2]}G{len(c[3])}" for c in CASES]
 
 def _child_env() -> dict[str, str]:
     """This process's environment with the repository first on PYTHONPATH (the DSL's path kept)."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
 
 
 def _ends(counts: Sequence[int]) -> Tensor:
@@ -75,6 +76,8 @@ def test_schedule_pingpong_tiles_are_128_wide() -> None:
     assert sm90.schedule("op", 4096, 128, False) == (128, False)
     with pytest.raises(ValueError, match="ping-pong tiles are 128 wide, not 256"):
         sm90.schedule("op", 4096, 256, True)
+    for gathered, default in ((True, sm90.GEMM_GATHER_PINGPONG), (False, sm90.GEMM_PINGPONG)):
+        assert sm90.schedule("op", 4096, gathered=gathered) == ((128, True) if default else (256, False))
 
 
 def test_pingpong_staging_order_is_not_the_flat_order(tmp_path: Path) -> None:
@@ -145,7 +148,7 @@ def test_gathered_pingpong_equals_the_cooperative_tile_on_permutes_copy(
     ids = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(t)]).cuda()
     p = permute(x, ids, e, 128)
     co = _both(p.xp, w, p.offs, n, True, act, n // 2 if act == "swiglu" else n)[0]
-    monkeypatch.setattr(sm90, "GEMM_PINGPONG", True)
+    monkeypatch.setattr(sm90, "GEMM_GATHER_PINGPONG", True)
     got_a, got_h = sm90.grouped_gemm_act_gathered(x, p.slot, top_k, w, p.offs, act)
     _same_bits((got_h, got_a), co)
     dy = torch.randn(t, n, generator=g).to(torch.bfloat16).cuda()

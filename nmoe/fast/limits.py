@@ -25,6 +25,9 @@ GEMM_BN_CHOICES: Final[tuple[int, ...]] = (128, 256)
 GEMM_PINGPONG: Final[bool] = False
 """sm_90a fwd/dgrad schedule: ping-pong (each consumer warpgroup its own BM x GEMM_PINGPONG_BN tile, one's
 epilogue under the other's MMAs) when True, else cooperative (both warpgroups on one BM x bn tile)."""
+GEMM_GATHER_PINGPONG: Final[bool] = False
+"""The same for the fwd/dgrad that gather A row by row, whose producer is their pace: a ping-pong tile is
+GEMM_PINGPONG_BN wide, so each A row is gathered twice as often as in a 256-wide cooperative tile."""
 GEMM_PINGPONG_BN: Final[int] = 128
 """N tile of a ping-pong warpgroup: the widest whose fp32 accumulator fits one warpgroup's registers."""
 GEMM_CLUSTER_M: Final[int] = 2

@@ -27,6 +27,7 @@ from nmoe.fast.limits import (
     GEMM_BN_CHOICES,
     GEMM_CLUSTER_M,
     GEMM_GATHER_CLUSTER_M,
+    GEMM_GATHER_PINGPONG,
     GEMM_PINGPONG,
     GEMM_PINGPONG_BN,
 )
@@ -81,10 +82,12 @@ def _pick_bn(op: str, width: int, bn: int | None) -> int:
     return bn
 
 
-def schedule(op: str, n: int, bn: int | None = None, pingpong: bool | None = None) -> tuple[int, bool]:
-    """(N tile, ping-pong) of a fwd/dgrad launch, GEMM_PINGPONG unless asked: a ping-pong warpgroup's tile
-    is GEMM_PINGPONG_BN wide, the widest accumulator its registers hold."""
-    pingpong = GEMM_PINGPONG if pingpong is None else pingpong
+def schedule(op: str, n: int, bn: int | None = None, pingpong: bool | None = None,
+             gathered: bool = False) -> tuple[int, bool]:
+    """(N tile, ping-pong) of a fwd/dgrad launch, GEMM_PINGPONG (GEMM_GATHER_PINGPONG) unless asked: a
+    ping-pong warpgroup's tile is GEMM_PINGPONG_BN wide, the widest accumulator its registers hold."""
+    if pingpong is None:
+        pingpong = GEMM_GATHER_PINGPONG if gathered else GEMM_PINGPONG
     if not pingpong:
         return _pick_bn(op, n, bn), False
     if bn not in (None, GEMM_PINGPONG_BN):
@@ -434,7 +437,7 @@ def _gathered_gemm(op: str, src: Tensor, src_name: str, slot: Tensor, w: Tensor,
     if k == 0 or w.shape[0] == 0:
         return h.zero_(), a.zero_()
     check_offs_on_host(op, offs, m)
-    bn, pp = schedule(op, n)
+    bn, pp = schedule(op, n, gathered=True)
     n_ctas = fwd_ctas(device, m, n, w.shape[0], bn, GEMM_GATHER_CLUSTER_M)
     launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act=activation, w_k_major=w_k_major, pingpong=pp)
     launch(device, src.data_ptr(), slot.contiguous().data_ptr(), w.data_ptr(), h.data_ptr(), a.data_ptr(),
