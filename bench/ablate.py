@@ -256,7 +256,8 @@ def _time(pass_: str, m: int, n: int, k: int, e: int, compile_only: bool) -> flo
 def _gather_rows(t: int, h: int, i: int, e: int, k: int, compile_only: bool) -> list[dict[str, Any]]:
     """The up projection (act, swiglu) and its x-side wgrad, uniform routing: A read through slot from x's
     token rows (gathered), through slot from permute's copy in row order (in_order: the same cp.async
-    path without the scattered rows), and by TMA from the copy (copied)."""
+    path without the scattered rows), and by TMA from the copy (copied); and the down projection's dgrad
+    gathered from the layer's token-major output gradient."""
     import torch
 
     from bench.conftest import capture, replay_median_ms
@@ -271,12 +272,15 @@ def _gather_rows(t: int, h: int, i: int, e: int, k: int, compile_only: bool) -> 
     rows = p.slot.shape[0]
     in_order = torch.where(p.slot >= 0, torch.arange(rows, device="cuda") * k, -1)
     dh = torch.randn(rows, 2 * i, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w_down = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16, generator=gen)
+    dy = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen)
     runs = {
         "up_gathered": lambda: sm90.grouped_gemm_act_gathered(x, p.slot, k, w, p.offs, "swiglu"),
         "up_in_order": lambda: sm90.grouped_gemm_act_gathered(p.xp, in_order, k, w, p.offs, "swiglu"),
         "up_copied": lambda: sm90.grouped_gemm_act_h(p.xp, w, p.offs, "swiglu"),
         "wgrad_gathered": lambda: sm90.grouped_gemm_wgrad_gathered(dh, x, p.slot, k, p.offs),
         "wgrad_copied": lambda: sm90.grouped_gemm_wgrad(dh, p.xp, p.offs),
+        "down_dgrad_gathered": lambda: sm90.grouped_gemm_dgrad_gathered(dy, p.slot, k, w_down, p.offs),
     }
     out = []
     for name, fn in runs.items():
@@ -284,9 +288,10 @@ def _gather_rows(t: int, h: int, i: int, e: int, k: int, compile_only: bool) -> 
         torch.cuda.synchronize()
         if not compile_only:
             ms = replay_median_ms(capture(fn))
-            bn = sm90.schedule("up", 2 * i, gathered=name != "up_copied")[0]
+            width = i if name.startswith("down") else 2 * i
+            bn = sm90.schedule("up", width, gathered=name != "up_copied")[0]
             out.append({"shape": f"{name} T={t} H={h} I={i} E={e}", "ms": ms,
-                        "tflops": 2.0 * rows * 2 * i * h / ms / 1e9, "bn": bn})
+                        "tflops": 2.0 * rows * width * h / ms / 1e9, "bn": bn})
     return out
 
 
