@@ -39,8 +39,8 @@ def _wgrad_gathered(dy: Tensor, x: Tensor, slot: Tensor, top_k: int, offs: Tenso
     return rg.grouped_gemm_wgrad(dy, _gathered_rows(x, slot, top_k), offs)
 
 
-def _wgrad_cols(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int) -> None:
-    dw[:, :, col0:col0 + x.shape[1]] = rg.grouped_gemm_wgrad(dy, x, offs)
+def _wgrad_cols(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int, row0: int = 0) -> None:
+    dw[:, row0:row0 + dy.shape[1], col0:col0 + x.shape[1]] = rg.grouped_gemm_wgrad(dy, x, offs)
 
 
 def _dgrad_gathered(dy: Tensor, slot: Tensor, top_k: int, w: Tensor, offs: Tensor) -> Tensor:
@@ -73,7 +73,7 @@ def spec_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sm90, "grouped_gemm_wgrad_gathered", _wgrad_gathered)
     monkeypatch.setattr(sm90, "grouped_gemm_dgrad_gathered", _dgrad_gathered)
     monkeypatch.setattr(sm90, "grouped_gemm_wgrad_cols", _wgrad_cols)
-    monkeypatch.setattr(sm90, "wgrad_cols", lambda k, n: 8)  # x's copy in several column chunks
+    monkeypatch.setattr(sm90, "wgrad_cols", lambda k, n: 8)  # x's and dout's copies in several chunks
 
 
 def _case(activation: str, shared: int, dtype: str, score: str, seed: int,
@@ -173,12 +173,14 @@ def test_sep_moe_fast_weight_wrong_slot(spec_kernels: None) -> None:
 
 
 def test_sep_moe_fast_gather_off_by_one(spec_kernels: None) -> None:
-    """The up wgrad copies x's rows in permuted order; a neighbouring token's row differs everywhere."""
+    """The wgrads copy x's (and dout's) rows in permuted order; a neighbouring token's row differs
+    everywhere."""
     x, _, _ = _case(*SWIGLU_SHARED, 3)
     assert bool((x.detach() != x.detach().roll(1, 0)).any(-1).all())
     got, _, _ = _run(fm.moe_layer, SWIGLU_SHARED)
     want, _, _ = _run(moe_layer, SWIGLU_SHARED)
     _close(got["w13"], want["w13"])
+    _close(got["w2"], want["w2"])
 
 
 def test_sep_moe_fast_up_wgrad_chunk_at_col0(spec_kernels: None) -> None:
@@ -190,6 +192,17 @@ def test_sep_moe_fast_up_wgrad_chunk_at_col0(spec_kernels: None) -> None:
     w13 = want["w13"]
     assert bool((w13[:, :, :8] != w13[:, :, 8:16]).any())
     _close(got["w13"], want["w13"])
+
+
+def test_sep_moe_fast_down_wgrad_chunk_at_row0(spec_kernels: None) -> None:
+    """The down wgrad runs in column chunks of dout (8 wide here): each chunk lands on its own rows of dw2,
+    whose rows differ from chunk to chunk."""
+    assert fm.sm90.wgrad_cols(DIMS["bf16"][0], 0) < DIMS["bf16"][0], "more than one chunk"
+    got, _, _ = _run(fm.moe_layer, SWIGLU_SHARED)
+    want, _, _ = _run(moe_layer, SWIGLU_SHARED)
+    w2 = want["w2"]
+    assert bool((w2[:, :8] != w2[:, 8:16]).any())
+    _close(got["w2"], want["w2"])
 
 
 def test_sep_moe_fast_topk_grad_unnormalised(spec_kernels: None) -> None:
@@ -240,9 +253,9 @@ def test_frozen_inputs_get_no_grad_and_skip_their_gemms(spec_kernels: None, monk
     monkeypatch.setattr(sm90, "grouped_gemm_dgrad_gathered", counted("dgrad", _dgrad_gathered))
     monkeypatch.setattr(fm, "grouped_gemm_dgrad", counted("dgrad", rg.grouped_gemm_dgrad))
 
-    def cols(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int) -> None:
-        calls.extend(["wgrad"] if col0 == 0 else [])  # one weight's wgrad, in column chunks
-        _wgrad_cols(dy, x, offs, dw, col0)
+    def cols(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int, row0: int = 0) -> None:
+        calls.extend(["wgrad"] if col0 == row0 == 0 else [])  # one weight's wgrad, in chunks
+        _wgrad_cols(dy, x, offs, dw, col0, row0)
 
     monkeypatch.setattr(sm90, "grouped_gemm_wgrad_cols", cols)
     dout = torch.randn(T, DIMS["bf16"][0], generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)

@@ -177,3 +177,22 @@ def test_sep_gemm_fast_wgrad_cols_offset_dropped() -> None:
     """Chunks at columns 0, 128 and 384: each launched at dw's first column, the later ones overwrite the
     first and leave their own columns NaN."""
     _check_cols(28, [0, 128, 384, 512])
+
+
+@gpu
+def test_sep_gemm_fast_wgrad_rows_group_stride_ignored() -> None:
+    """Chunks of dy's columns (dw's rows 0, 128 and 384 of 512) under skewed groups that split: group e's
+    block starts at row e * 512 + row0; stored e * (chunk rows) apart, groups past the first land inside
+    earlier groups' rows and leave their own NaN. Each block is bit for bit the narrow wgrad."""
+    m, bounds = sum(SKEWED) + 5, [0, 128, 384, 512]
+    g = torch.Generator().manual_seed(29)
+    dy = torch.randn(m, bounds[-1], generator=g).to(torch.bfloat16).cuda()
+    x = torch.randn(m, N, generator=g).to(torch.bfloat16).cuda()
+    offs = offs_of(cumsum(SKEWED))
+    assert len(SKEWED) > 1 and bounds[1] < bounds[-1], "several groups, chunks narrower than dw's rows"
+    want = torch.cat([grouped_gemm_wgrad(dy[:, r0:r1].contiguous(), x, offs)
+                      for r0, r1 in itertools.pairwise(bounds)], dim=1)
+    got = torch.full((offs.numel(), bounds[-1], N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    for r0, r1 in itertools.pairwise(bounds):
+        gemm.grouped_gemm_wgrad_cols(dy[:, r0:r1].contiguous(), x, offs, got, 0, r0)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))

@@ -113,16 +113,23 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "gemm.fast_wgrad_cols_ld_ignored", WGRAD,
-        "    m_d = cute.make_tensor(pdw, cute.make_layout((n_groups * n, k), stride=(ld, 1)))",
-        "    m_d = cute.make_tensor(pdw, cute.make_layout((n_groups * n, k), stride=(k, 1)))",
+        "    m_d = cute.make_tensor(pdw, cute.make_layout(((n_groups - 1) * gs + n, k), stride=(ld, 1)))",
+        "    m_d = cute.make_tensor(pdw, cute.make_layout(((n_groups - 1) * gs + n, k), stride=(k, 1)))",
         "a column chunk of a wide dw is stored with its own width as the row pitch", SCHEDULE_TESTS,
         ("grouped_gemm_wgrad",), device="gpu",
     ),
     sep_mutation(
         "gemm.fast_wgrad_cols_offset_dropped", "nmoe/fast/gemm/sm90.py",
-        "(dw[:, :, col0:col0 + k],)", "(dw[:, :, :k],)",
+        "(dw[:, row0:row0 + n, col0:col0 + k],)", "(dw[:, row0:row0 + n, :k],)",
         "every column chunk is stored from dw's first column", SCHEDULE_TESTS, ("grouped_gemm_wgrad",),
         device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_wgrad_rows_group_stride_ignored", WGRAD,
+        "store_tile(epi, tma_d, m_d, m_d, e * gs + m_tile * BM, n_tile, e * gs + n, k, bn,",
+        "store_tile(epi, tma_d, m_d, m_d, e * n + m_tile * BM, n_tile, e * n + n, k, bn,",
+        "a row chunk of a taller dw stores group e from row e * n, not e * (dw's rows)", SCHEDULE_TESTS,
+        ("grouped_gemm_wgrad",), device="gpu",
     ),
     sep_mutation(
         "gemm.fast_cluster_rank_dropped", FILE,

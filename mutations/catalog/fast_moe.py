@@ -30,15 +30,21 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "moe.fast_gather_off_by_one", FILE,
-        "xp = spread_rows(x[:, c0:c0 + cols], slot, row_of)",
-        "xp = spread_rows(x.roll(1, 0)[:, c0:c0 + cols], slot, row_of)",
-        "the up wgrad's permuted copy of x holds the previous token's rows", TESTS, ("moe_layer",),
+        "part = spread_rows(src[:, c0:c0 + cols], slot, row_of)",
+        "part = spread_rows(src.roll(1, 0)[:, c0:c0 + cols], slot, row_of)",
+        "the wgrads' permuted copies of x and dout hold the previous token's rows", TESTS, ("moe_layer",),
     ),
     sep_mutation(
         "moe.fast_up_wgrad_chunk_at_col0", FILE,
-        "sm90.grouped_gemm_wgrad_cols(dh, xp, offs, dw, c0)",
-        "sm90.grouped_gemm_wgrad_cols(dh, xp, offs, dw, 0)",
+        "sm90.grouped_gemm_wgrad_cols(dy, part, offs, dw, c0)",
+        "sm90.grouped_gemm_wgrad_cols(dy, part, offs, dw, 0)",
         "every column chunk of the up wgrad lands on dw's first columns", TESTS, ("moe_layer",),
+    ),
+    sep_mutation(
+        "moe.fast_down_wgrad_chunk_at_row0", FILE,
+        "sm90.grouped_gemm_wgrad_cols(part, x, offs, dw, 0, c0)",
+        "sm90.grouped_gemm_wgrad_cols(part, x, offs, dw, 0, 0)",
+        "every chunk of dout's columns lands on dw2's first rows", TESTS, ("moe_layer",),
     ),
     sep_mutation(
         "moe.fast_topk_grad_unnormalised", FILE,

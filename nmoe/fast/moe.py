@@ -10,11 +10,11 @@ ranks and the routed half is nmoe.fast.rdep.ep.ep_routed (rows travel to their e
 
 Saved for the backward, per token (K slots, up width N = 2I swiglu or I relu2, E experts):
   x (the layer input, already alive)      0 extra: the up projection reads x's rows by index, the down
-                                            projection's dgrad and wgrad read dout's rows by index (no
-                                            permuted copy of x or dout kept, 2KH bytes per token each); the
-                                            up wgrad reads transient permuted copies of x's column chunks
-                                            (no larger than dh, spread on the forward's routing), made once
-                                            dx is reduced
+                                            projection's dgrad reads dout's rows by index (no permuted copy
+                                            of x or dout kept, 2KH bytes per token each); the wgrads read
+                                            transient permuted copies of column chunks of dout (no larger
+                                            than a) and of x (no larger than dh, made once dx is reduced),
+                                            spread on the forward's routing
   h [slots, N] bf16                        2KN bytes: the up-projection output; a = act(h) is recomputed
                                             (elementwise), redoing the up GEMM would cost a third of the fwd;
                                             the backward drops h once dh exists, before the up wgrad/dgrad
@@ -108,17 +108,21 @@ def _to_slots(v: Tensor, slot: Tensor, t: int, k: int) -> Tensor:
     return v.new_zeros(t * k + 1).index_copy_(0, sink, v)[: t * k].view(t, k)
 
 
-def _up_wgrad(dh: Tensor, x: Tensor, slot: Tensor, row_of: Tensor, offs: Tensor) -> Tensor:
-    """dh^T @ permute(x) per expert, a few of x's columns at a time: each chunk of x's rows is copied into
-    permuted order (the forward's routing, x's columns read in place) for the TMA-fed wgrad (gathering rows by
-    index as the wgrad loads measured 2.0-3.5x slower than copy + TMA wgrad); the copy never outgrows dh."""
-    h = x.shape[1]
-    dw = dh.new_empty(offs.shape[0], dh.shape[1], h)
-    cols = sm90.wgrad_cols(h, dh.shape[1])
-    for c0 in range(0, h, cols):
-        xp = spread_rows(x[:, c0:c0 + cols], slot, row_of)
-        sm90.grouped_gemm_wgrad_cols(dh, xp, offs, dw, c0)
-        del xp
+def _chunked_wgrad(dy: Tensor, x: Tensor, slot: Tensor, row_of: Tensor, offs: Tensor, tokens: str) -> Tensor:
+    """dy^T @ x per expert where the `tokens` side ("x": the up projection's x, "dy": the down projection's
+    dout) is token-major: a few of its columns at a time are copied into permuted order (the forward's
+    routing, columns read in place) for the TMA-fed wgrad (gathering rows by index as the wgrad loads
+    measured 2.0-3.5x slower than copy + TMA wgrad on the up projection); a copy never outgrows the other."""
+    src, other = (x, dy) if tokens == "x" else (dy, x)
+    dw = other.new_empty(offs.shape[0], dy.shape[1], x.shape[1])
+    cols = sm90.wgrad_cols(src.shape[1], other.shape[1])
+    for c0 in range(0, src.shape[1], cols):
+        part = spread_rows(src[:, c0:c0 + cols], slot, row_of)
+        if tokens == "x":
+            sm90.grouped_gemm_wgrad_cols(dy, part, offs, dw, c0)
+        else:
+            sm90.grouped_gemm_wgrad_cols(part, x, offs, dw, 0, c0)
+        del part
     return dw
 
 
@@ -215,8 +219,7 @@ class _Routed(torch.autograd.Function):
             dweights = _to_slots(dot.view(-1) * scale, slot, t, k)
         if need_w2:
             assert a is not None
-            dw2 = sm90.grouped_gemm_wgrad_gathered(dout, combine(a[:, None], wrow, 1.0), slot, k, offs,
-                                                   side="dy")
+            dw2 = _chunked_wgrad(dout, combine(a[:, None], wrow, 1.0), slot, row_of, offs, "dy")
         del a
         if need_h:
             assert dz_w is not None
@@ -228,7 +231,7 @@ class _Routed(torch.autograd.Function):
                 dx = combine_gather(dxp, row_of, ones, 1.0, None)
                 del dxp
             if need_up:
-                dw_up = _up_wgrad(dh, x, slot, row_of, offs)
+                dw_up = _chunked_wgrad(dh, x, slot, row_of, offs, "x")
         return dx, dw_up, dw2, dweights, dout if ctx.has_shared else None, None, None
 
 

@@ -48,7 +48,7 @@ GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_gather", "grouped_gemm_gath
                     n, k, bn, act, w_k_major, pingpong),
                 (ARCH,), "nmoe.fast.gemm.grouped_gemm_act_gathered")
 WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad",
-               lambda km, n, k, bn, ld: km.compile_args(n, k, bn, ld), (ARCH,),
+               lambda km, n, k, bn, ld, gs=0: km.compile_args(n, k, bn, ld, gs), (ARCH,),
                "nmoe.fast.gemm.grouped_gemm_wgrad")
 WGRAD_GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad_gather",
                       lambda km, n, k, bn, side: km.compile_args_gather(n, k, bn, side), (ARCH,),
@@ -212,8 +212,8 @@ def _launch_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, bn: int | Non
 
 
 def _prepare_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw_shape: tuple[int, ...], bn: int | None,
-                   *outs: Tensor, ld: int = 0) -> tuple[int, Launcher | None, bool, tuple[int, int, int],
-                                           WgradSplit | None]:
+                   *outs: Tensor, ld: int = 0, gs: int = 0) -> tuple[int, Launcher | None, bool,
+                                                            tuple[int, int, int], WgradSplit | None]:
     device, arch = runtime.device_arch(dy, x, offs, *outs)
     require("grouped_gemm_wgrad", arch, ARCH)
     m = dy.shape[0]
@@ -224,7 +224,8 @@ def _prepare_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw_shape: tuple[int, ...
         return device, None, True, (m, 0, 0), None
     bn = _pick_bn("grouped_gemm_wgrad", k, bn)
     n_ctas, split = _wgrad_grid(device, m, n, k, bn, n_groups)
-    return device, WGRAD.launcher(arch, n=n, k=k, bn=bn, ld=ld or k), False, (m, n_groups, n_ctas), split
+    launch = WGRAD.launcher(arch, n=n, k=k, bn=bn, ld=ld or k, gs=gs or n)
+    return device, launch, False, (m, n_groups, n_ctas), split
 
 
 def _wgrad_grid(device: int, m: int, n: int, k: int, bn: int, n_groups: int) -> tuple[int, WgradSplit]:
@@ -536,33 +537,37 @@ def grouped_gemm_wgrad_gathered(dy: Tensor, x: Tensor, slot: Tensor, top_k: int,
     return _wgrad_gathered_op(dy, x, slot, offs, top_k, side)
 
 
-def _wgrad_cols_impl(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int) -> None:
+def _wgrad_cols_impl(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int, row0: int = 0) -> None:
     op = "grouped_gemm_wgrad_cols"
     _check_wgrad(dy, x, offs)
     n, k = dy.shape[1], x.shape[1]
-    e, width = offs.shape[0], dw.shape[-1]
-    if (dw.dtype != torch.bfloat16 or dw.shape != (e, n, width) or not dw.is_contiguous()
-            or not 0 <= col0 <= width - k or (col0 | width) % GEMM_ALIGN or dw.data_ptr() % 16):
-        raise ValueError(f"{op}: need a contiguous 16-byte aligned bf16 dw [E, N, W] = [{e}, {n}, W] with W "
-                         f"and col0 multiples of {GEMM_ALIGN} and col0 + {k} <= W; got {dw.dtype} "
-                         f"{tuple(dw.shape)}, col0={col0}")
+    e, height, width = offs.shape[0], dw.shape[-2] if dw.dim() == 3 else 0, dw.shape[-1]
+    if (dw.dtype != torch.bfloat16 or dw.shape != (e, height, width) or not dw.is_contiguous()
+            or not 0 <= col0 <= width - k or not 0 <= row0 <= height - n or (col0 | width) % GEMM_ALIGN
+            or dw.data_ptr() % 16):
+        raise ValueError(f"{op}: need a contiguous 16-byte aligned bf16 dw [E, R, W] = [{e}, R, W] with W "
+                         f"and col0 multiples of {GEMM_ALIGN}, col0 + {k} <= W and row0 + {n} <= R; got "
+                         f"{dw.dtype} {tuple(dw.shape)}, row0={row0}, col0={col0}")
     dy, x = tma_aligned(op, "dy", dy), tma_aligned(op, "x", x)
-    device, launch, zero, scalars, split = _prepare_wgrad(dy, x, offs, (e, n, k), None, dw, ld=width)
+    device, launch, zero, scalars, split = _prepare_wgrad(dy, x, offs, (e, n, k), None, dw, ld=width,
+                                                          gs=height)
     _Plan(op, device, dy.device, (), 0, True, True, launch, zero, scalars, False, split).run(
-        dy, x, offs.contiguous(), (dw[:, :, col0:col0 + k],))
+        dy, x, offs.contiguous(), (dw[:, row0:row0 + n, col0:col0 + k],))
 
 
-def _wgrad_cols_fake(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int) -> None:
+def _wgrad_cols_fake(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int, row0: int = 0) -> None:
     return None
 
 
 _wgrad_cols_op = fast_op("grouped_gemm_wgrad_cols", _wgrad_cols_impl, _wgrad_cols_fake, mutates=("dw",))
 
 
-def grouped_gemm_wgrad_cols(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int) -> None:
-    """dw[e, :, col0 : col0 + K] = dy[rows of e]^T @ x[rows of e], bit for bit grouped_gemm_wgrad(dy, x, offs)
-    stored into those columns of a wider dw: a wide wgrad taken a few x columns at a time, in place."""
-    _wgrad_cols_op(dy, x, offs, dw, col0)
+def grouped_gemm_wgrad_cols(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int,
+                            row0: int = 0) -> None:
+    """dw[e, row0 : row0 + N, col0 : col0 + K] = dy[rows of e]^T @ x[rows of e], bit for bit
+    grouped_gemm_wgrad(dy, x, offs) stored into that block of a larger dw: a wide wgrad taken a few x
+    columns (or dy columns) at a time, in place."""
+    _wgrad_cols_op(dy, x, offs, dw, col0, row0)
 
 
 def grouped_gemm_dgrad(dy: Tensor, w: Tensor, offs: Tensor) -> Tensor:
@@ -671,6 +676,9 @@ KERNELS: tuple[KernelSpec, ...] = (
     KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_cols_n256",
                compile=WGRAD.compiler(n=2048, k=1024, bn=256, ld=4096), expect={"sm_90a": _EXPECT_WGRAD},
                forbid={"sm_90a": _FORBID_SM90}),
+    KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_rows_n256",
+               compile=WGRAD.compiler(n=1024, k=1024, bn=256, ld=1024, gs=4096),
+               expect={"sm_90a": _EXPECT_WGRAD}, forbid={"sm_90a": _FORBID_SM90}),
     _spec("grouped_gemm_act_swiglu_n128", 2048, 4096, 128, True, "swiglu"),
     _spec("grouped_gemm_act_swiglu_n256", 4096, 1024, 256, True, "swiglu"),
     _spec("grouped_gemm_act_relu2_n128", 1024, 4096, 128, True, "relu2"),

@@ -218,9 +218,10 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                   s_b: cute.Tensor, s_d: cute.Tensor, u: Units, m_ws: cute.Tensor, m_count: cute.Tensor,
                   tma_atom_d: cute.CopyAtom, tma_d: cute.Tensor, m_d: cute.Tensor, tidx: Int32,
                   warp_idx: Int32, bidx: Int32, n_ctas: Int32, n: Constexpr[int], k: Constexpr[int],
-                  bn: Constexpr[int], stages: Constexpr[int]) -> None:
+                  bn: Constexpr[int], stages: Constexpr[int], gs: Constexpr[int]) -> None:
     """The two consumer warpgroups of the wgrad: masked K boxes into wgmma, then the fwd's epilogue into
-    dw viewed as [E * n, k] (a split group's chunk first through its workspace slice and counter)."""
+    dw's rows, group e's n from row e * gs (a split group's chunk first through its workspace slice and
+    counter)."""
     cute.arch.setmaxregister_increase(CONSUMER_REGS)
     ctid = tidx - WG_THREADS
     t_ra, t_rb, acc_shape = mma_fragments(tiled_mma, s_a, s_b, warp_idx, bn)
@@ -261,7 +262,7 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                 write = _split_partial(acc, m_ws, m_count, u.flag, e * u.tiles_per_group + local, first_slice,
                                        part, splits, u.tiles_per_group, local, ctid, epi.bar)
             if write == 1:
-                store_tile(epi, tma_d, m_d, m_d, e * n + m_tile * BM, n_tile, e * n + n, k, bn, "none")
+                store_tile(epi, tma_d, m_d, m_d, e * gs + m_tile * BM, n_tile, e * gs + n, k, bn, "none")
     drain_stores()
 
 
@@ -273,7 +274,7 @@ def grouped_wgrad_kernel(
     n_groups: Int32, thresh: Int32, split_rows: Int32,
     tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
     d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
-    stages: Constexpr[int],
+    stages: Constexpr[int], gs: Constexpr[int],
 ) -> None:
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b, tma_atom_d))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
@@ -306,7 +307,7 @@ def grouped_wgrad_kernel(
             mainloop.producer_tail(state)
     else:
         consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, u, m_ws, m_count, tma_atom_d, tma_d, m_d, tidx,
-                      warp_idx, bidx, n_ctas, n, k, bn, stages)
+                      warp_idx, bidx, n_ctas, n, k, bn, stages, gs)
 
 
 def _mn_major_setup(bn: int, stages: int) -> tuple[cute.TiledMma, cute.ComposedLayout, cute.ComposedLayout,
@@ -324,11 +325,13 @@ def _mn_major_setup(bn: int, stages: int) -> tuple[cute.TiledMma, cute.ComposedL
     return tiled_mma, a_layout, b_layout, epi_smem_layout()
 
 
-def _dw_out(pdw: Pointer, n_groups: Int32, n: int, k: int,
-            ld: int) -> tuple[cute.Tensor, cute.CopyAtom, cute.Tensor]:
-    """dw [E, n, k] as the [E * n, k] rows (ld apart: k columns of a wider dw) the fwd's epilogue stores: a
-    group's tiles never cross into the next group's rows, since its row_end is e * n + n."""
-    m_d = cute.make_tensor(pdw, cute.make_layout((n_groups * n, k), stride=(ld, 1)))
+def _dw_out(pdw: Pointer, n_groups: Int32, n: int, k: int, ld: int,
+            gs: int = 0) -> tuple[cute.Tensor, cute.CopyAtom, cute.Tensor]:
+    """dw as the rows (ld apart: k columns of a wider dw) the fwd's epilogue stores, group e's n rows from
+    row e * gs (gs > n: n rows of a taller dw): a group's tiles never cross into the next group's rows,
+    since its row_end is e * gs + n; the rows end at the last group's."""
+    gs = gs or n
+    m_d = cute.make_tensor(pdw, cute.make_layout(((n_groups - 1) * gs + n, k), stride=(ld, 1)))
     atom, tma_d = epi_tma(m_d)
     return m_d, atom, tma_d
 
@@ -348,16 +351,16 @@ def _split_tensors(pws: Pointer, pcount: Pointer, ws_tiles: Int32, n_groups: Int
 def grouped_wgrad_host(
     pdy: Pointer, px: Pointer, pdw: Pointer, poffs: Pointer, pws: Pointer, pcount: Pointer, m_rows: Int32,
     n_groups: Int32, n_ctas: Int32, thresh: Int32, split_rows: Int32, ws_tiles: Int32, stream: cuda.CUstream,
-    n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], ld: Constexpr[int],
+    n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], ld: Constexpr[int], gs: Constexpr[int],
 ) -> None:
-    """dw[E, n, k] (rows ld apart): per group dy[rows, n]^T @ x[rows, k]; both operands enter as MN-major
-    views. A group of more than thresh rows splits into split_rows chunks (fp32 partials in pws, counters
-    pcount, zeroed)."""
+    """dw[E, n, k] (rows ld apart, groups gs rows apart): per group dy[rows, n]^T @ x[rows, k]; MN-major
+    operand views. A group of more than thresh rows splits into split_rows chunks (fp32 partials in pws,
+    counters pcount, zeroed)."""
     stages = stages_for(bn)
     m_ws, m_count = _split_tensors(pws, pcount, ws_tiles, n_groups, n, k, bn)
     m_dyt = cute.make_tensor(pdy, cute.make_layout((n, m_rows), stride=(1, n)))
     m_xt = cute.make_tensor(px, cute.make_layout((k, m_rows), stride=(1, k)))
-    m_dw, tma_atom_d, tma_d = _dw_out(pdw, n_groups, n, k, ld)
+    m_dw, tma_atom_d, tma_d = _dw_out(pdw, n_groups, n, k, ld, gs)
     m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
 
     tiled_mma, a_layout, b_layout, d_layout = _mn_major_setup(bn, stages)
@@ -367,7 +370,7 @@ def grouped_wgrad_host(
         cpasync.CopyBulkTensorTileG2SOp(), m_xt, cute.slice_(b_layout, (None, None, 0)), (bn, BK))
     grouped_wgrad_kernel(
         tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, m_dw, m_offs, m_ws, m_count, m_rows,
-        n_groups, thresh, split_rows, tiled_mma, a_layout, b_layout, d_layout, n, k, bn, stages,
+        n_groups, thresh, split_rows, tiled_mma, a_layout, b_layout, d_layout, n, k, bn, stages, gs,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
 
 
@@ -510,7 +513,7 @@ def grouped_wgrad_gather_kernel(
                                    a_layout.outer, u, bidx, n_ctas, warp_idx, tidx, n, bn, side, stages)
     else:
         consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, u, m_ws, m_count, tma_atom_d, tma_d, m_d, tidx,
-                      warp_idx, bidx, n_ctas, n, k, bn, stages)
+                      warp_idx, bidx, n_ctas, n, k, bn, stages, n)
 
 
 @cute.jit
@@ -549,10 +552,13 @@ def pointer(dtype: Any, address: int, align: int = 16) -> Any:
     return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
 
 
-def compile_args(n: int, k: int, bn: int, ld: int) -> tuple[Any, tuple[Any, ...]]:
+def compile_args(n: int, k: int, bn: int, ld: int, gs: int = 0) -> tuple[Any, tuple[Any, ...]]:
+    if gs and gs < n:
+        raise ValueError(f"wgrad group row stride {gs} < its rows {n}: groups would overlap")
+    gs = gs or n
     ptrs = (pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(Int32, 0, 4),
             pointer(Float32, 0), pointer(Int32, 0, 4))
-    return grouped_wgrad_host, (*ptrs, *(Int32(0) for _ in range(6)), cuda.CUstream(0), n, k, bn, ld)
+    return grouped_wgrad_host, (*ptrs, *(Int32(0) for _ in range(6)), cuda.CUstream(0), n, k, bn, ld, gs)
 
 
 def compile_args_gather(n: int, k: int, bn: int, side: str) -> tuple[Any, tuple[Any, ...]]:
