@@ -217,10 +217,11 @@ class _Routed(torch.autograd.Function):
         elif need_w:
             assert dot is not None
             dweights = _to_slots(dot.view(-1) * scale, slot, t, k)
-        if need_w2:
-            assert a is not None
-            dw2 = _chunked_wgrad(dout, combine(a[:, None], wrow, 1.0), slot, row_of, offs, "dy")
+        aw = combine(a[:, None], wrow, 1.0) if need_w2 and a is not None else None
         del a
+        if aw is not None:
+            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, "dy")
+        del aw
         if need_h:
             assert dz_w is not None
             dh = act_bwd(dz_w.view(h.shape[0], -1), h)
