@@ -183,26 +183,24 @@ def test_sep_moe_fast_gather_off_by_one(spec_kernels: None) -> None:
     _close(got["w2"], want["w2"])
 
 
-def test_sep_moe_fast_up_wgrad_chunk_at_col0(spec_kernels: None) -> None:
-    """The up wgrad runs in column chunks of x (8 wide here): each chunk lands on its own columns of dw13,
-    whose columns differ from chunk to chunk."""
+def _check_chunks(weight: str, chunk: Any) -> None:
+    """The wgrad of `weight` runs in 8-wide chunks; chunk(dw, c0) is the block chunk c0 fills, and the first
+    two blocks of the spec's gradient differ, so a chunk stored at the wrong place shows."""
     assert fm.sm90.wgrad_cols(DIMS["bf16"][0], 0) < DIMS["bf16"][0], "more than one chunk"
     got, _, _ = _run(fm.moe_layer, SWIGLU_SHARED)
     want, _, _ = _run(moe_layer, SWIGLU_SHARED)
-    w13 = want["w13"]
-    assert bool((w13[:, :, :8] != w13[:, :, 8:16]).any())
-    _close(got["w13"], want["w13"])
+    assert bool((chunk(want[weight], 0) != chunk(want[weight], 8)).any())
+    _close(got[weight], want[weight])
+
+
+def test_sep_moe_fast_up_wgrad_chunk_at_col0(spec_kernels: None) -> None:
+    """The up wgrad runs in column chunks of x: each lands on its own columns of dw13."""
+    _check_chunks("w13", lambda dw, c0: dw[:, :, c0:c0 + 8])
 
 
 def test_sep_moe_fast_down_wgrad_chunk_at_row0(spec_kernels: None) -> None:
-    """The down wgrad runs in column chunks of dout (8 wide here): each chunk lands on its own rows of dw2,
-    whose rows differ from chunk to chunk."""
-    assert fm.sm90.wgrad_cols(DIMS["bf16"][0], 0) < DIMS["bf16"][0], "more than one chunk"
-    got, _, _ = _run(fm.moe_layer, SWIGLU_SHARED)
-    want, _, _ = _run(moe_layer, SWIGLU_SHARED)
-    w2 = want["w2"]
-    assert bool((w2[:, :8] != w2[:, 8:16]).any())
-    _close(got["w2"], want["w2"])
+    """The down wgrad runs in column chunks of dout: each lands on its own rows of dw2."""
+    _check_chunks("w2", lambda dw, c0: dw[:, c0:c0 + 8])
 
 
 def test_sep_moe_fast_topk_grad_unnormalised(spec_kernels: None) -> None:
