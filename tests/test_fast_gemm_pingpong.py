@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from nmoe.checkout import tree_pythonpath
 from nmoe.fast.dispatch import permute
 from nmoe.fast.gemm import sm90
 
@@ -35,8 +36,7 @@ IDS = [f"M{c[0]}N{c[1]}K{c[2]}G{len(c[3])}" for c in CASES]
 
 def _child_env() -> dict[str, str]:
     """This process's environment with the repository first on PYTHONPATH (the DSL's path kept)."""
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": path}
+    return {**os.environ, "PYTHONPATH": tree_pythonpath(ROOT, os.environ.get("PYTHONPATH"))}
 
 
 def _ends(counts: Sequence[int]) -> Tensor:

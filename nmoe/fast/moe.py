@@ -217,7 +217,10 @@ class _Routed(torch.autograd.Function):
         elif need_w:
             assert dot is not None
             dweights = _to_slots(dot.view(-1) * scale, slot, t, k)
-        aw = combine(a[:, None], wrow, 1.0) if need_w2 and a is not None else None
+        aw = None
+        if need_w2:
+            assert a is not None
+            aw = combine(a[:, None], wrow, 1.0)
         del a
         if aw is not None:
             dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, "dy")

@@ -326,11 +326,10 @@ def _mn_major_setup(bn: int, stages: int) -> tuple[cute.TiledMma, cute.ComposedL
 
 
 def _dw_out(pdw: Pointer, n_groups: Int32, n: int, k: int, ld: int,
-            gs: int = 0) -> tuple[cute.Tensor, cute.CopyAtom, cute.Tensor]:
+            gs: int) -> tuple[cute.Tensor, cute.CopyAtom, cute.Tensor]:
     """dw as the rows (ld apart: k columns of a wider dw) the fwd's epilogue stores, group e's n rows from
     row e * gs (gs > n: n rows of a taller dw): a group's tiles never cross into the next group's rows,
     since its row_end is e * gs + n; the rows end at the last group's."""
-    gs = gs or n
     m_d = cute.make_tensor(pdw, cute.make_layout(((n_groups - 1) * gs + n, k), stride=(ld, 1)))
     atom, tma_d = epi_tma(m_d)
     return m_d, atom, tma_d
@@ -527,7 +526,7 @@ def grouped_wgrad_gather_host(
     slot (zero rows where slot = -1): side "b", x[slot // top_k] (pt = dy [R, n]); side "a",
     dy[slot // top_k] (pt = x [R, k]). Neither side is permuted into a copy."""
     stages = stages_for(bn)
-    m_dw, tma_atom_d, tma_d = _dw_out(pdw, n_groups, n, k, k)
+    m_dw, tma_atom_d, tma_d = _dw_out(pdw, n_groups, n, k, k, n)
     m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
     m_slot = cute.make_tensor(pslot, cute.make_layout(m_rows))
     m_ws, m_count = _split_tensors(pws, pcount, ws_tiles, n_groups, n, k, bn)
