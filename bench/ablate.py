@@ -1,7 +1,7 @@
 """Where grouped-GEMM time goes, fwd, dgrad and wgrad: each ablation is one named source edit (a stage left
 out, a knob forced), timed in its own copy of the tree against the unedited baseline of the same run.
-Compiles run in parallel, timings one at a time. Usage (GPU): python -m bench.ablate [--set gemm|gather]
---out FILE.json"""
+Compiles run in parallel, timings one at a time. Usage (GPU): python -m bench.ablate [--set
+gemm|gather|layer] --out FILE.json"""
 
 from __future__ import annotations
 
@@ -31,9 +31,14 @@ _BN128 = Mutation(
 )
 _PINGPONG = Mutation(
     "ablate.pingpong", LIMITS,
-    "GEMM_PINGPONG: Final[bool] = False\n", "GEMM_PINGPONG: Final[bool] = True\n",
-    "the TMA-fed fwd and dgrad ping-pong: each consumer warpgroup its own 128 x 128 tile, one's epilogue "
-    "under the other's MMAs, against the cooperative 128 x bn tile whose epilogue stalls both",
+    "GEMM_PINGPONG_MAX_K: Final[int] = 1024\n", "GEMM_PINGPONG_MAX_K: Final[int] = 1 << 30\n",
+    "the TMA-fed fwd and dgrad ping-pong at every K (each consumer warpgroup its own 128 x 128 tile, one's "
+    "epilogue under the other's MMAs), against the default's cooperative 128 x bn tile above K = 1024",
+)
+_NO_PINGPONG = Mutation(
+    "ablate.no_pingpong", LIMITS,
+    "GEMM_PINGPONG_MAX_K: Final[int] = 1024\n", "GEMM_PINGPONG_MAX_K: Final[int] = 0\n",
+    "the TMA-fed fwd and dgrad cooperative at every K: what ping-pong buys where K <= 1024",
 )
 ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
@@ -69,6 +74,7 @@ ABLATIONS: tuple[Mutation, ...] = (
     ),
     _BN128,
     _PINGPONG,
+    _NO_PINGPONG,
     Mutation(
         "ablate.cluster_one", LIMITS,
         "GEMM_CLUSTER_M: Final[int] = 2\n", "GEMM_CLUSTER_M: Final[int] = 1\n",
@@ -199,6 +205,27 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "memory: what its TMA store costs",
     ),
 )
+MOE = "nmoe/fast/moe.py"
+LAYER_ABLATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "ablate.layer_down_wgrad_gathered", MOE,
+        "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\")\n",
+        "            dw2 = sm90.grouped_gemm_wgrad_gathered(dout, aw, slot, k, offs, side=\"dy\")\n",
+        "the down projection's wgrad reads dout's rows by index as it loads (cp.async) instead of the TMA "
+        "wgrad over permuted copies of dout's column chunks",
+    ),
+    Mutation(
+        "ablate.layer_up_copied", MOE,
+        "            p = permute(x.new_empty(t, 0), ids, e, align)\n"
+        "            a, h = sm90.grouped_gemm_act_gathered(x, p.slot, k, w_up, p.offs, cfg.activation)\n",
+        "            p = permute(x, ids, e, align)\n"
+        "            a, h = sm90.grouped_gemm_act_h(p.xp, w_up, p.offs, cfg.activation)\n",
+        "the up projection from permute's [R, H] copy of x by TMA instead of gathering x's rows as it loads: "
+        "what the fusion costs in time (its copy is transient, freed after the forward's up projection)",
+    ),
+    replace(_NO_PINGPONG, id="ablate.layer_no_pingpong"),
+    replace(_PINGPONG, id="ablate.layer_pingpong"),
+)
 # Ablations of more than one edit, applied in order; the first names the variant and says what it measures.
 GATHER_COMPOUNDS: tuple[tuple[Mutation, ...], ...] = (
     (
@@ -215,7 +242,7 @@ def variants_of(which: str) -> list[tuple[Mutation, ...]]:
     """The ablations of a set as edit sequences: a plain ablation is one edit."""
     if which == "gather":
         return [*((a,) for a in GATHER_ABLATIONS), *GATHER_COMPOUNDS]
-    return [(a,) for a in ABLATIONS]
+    return [(a,) for a in (LAYER_ABLATIONS if which == "layer" else ABLATIONS)]
 
 
 PASSES = ("fwd", "dgrad", "wgrad")
@@ -289,15 +316,65 @@ def _gather_rows(t: int, h: int, i: int, e: int, k: int, compile_only: bool) -> 
         if not compile_only:
             ms = replay_median_ms(capture(fn))
             width = i if name.startswith("down") else 2 * i
-            bn = sm90.schedule("up", width, gathered=name != "up_copied")[0]
+            bn = sm90.schedule("up", width, h, gathered=name != "up_copied")[0]
             out.append({"shape": f"{name} T={t} H={h} I={i} E={e}", "ms": ms,
                         "tflops": 2.0 * rows * width * h / ms / 1e9, "bn": bn})
+    return out
+
+
+def _layer_step(cfg: tuple[int, ...], routing: str, pass_: str) -> Any:
+    """One call of the fast MoE layer on the bench's seeded inputs (fwd under no_grad, or fwd+bwd)."""
+    import torch
+
+    from bench.torchbase import layer_inputs
+    from nmoe.fast.moe import moe_layer
+
+    mc, p, x, leaves = layer_inputs(cfg, routing, 128)
+    dout = torch.randn(cfg[0], cfg[1], device="cuda", dtype=torch.bfloat16)
+
+    def step() -> Any:
+        if pass_ == "fwd":
+            with torch.no_grad():
+                return moe_layer(x, p, mc)[0]
+        return torch.autograd.grad(moe_layer(x, p, mc)[0], leaves, dout)
+
+    return step
+
+
+def _layer_rows(compile_only: bool) -> list[dict[str, Any]]:
+    """The fast MoE layer's fwd and fwd+bwd per LAYER_CONFIGS row and routing, as nmoe bench times it (CUDA
+    graph replays of the bench's seeded inputs; FLOPs 6 T I H K and 18 T I H K)."""
+    import torch
+
+    from bench.conftest import capture, peak_extra_bytes, replay_median_ms
+    from bench.torchbase import LAYER_CONFIGS
+
+    out = []
+    for cfg in LAYER_CONFIGS:
+        t, h, i, _, k = cfg
+        for routing in ("uniform", "zipf"):
+            for pass_ in ("fwd", "fwd_bwd"):
+                step = _layer_step(cfg, routing, pass_)
+                step()
+                torch.cuda.synchronize()
+                if not compile_only:
+                    mem = peak_extra_bytes(step) / 2**30
+                    ms = replay_median_ms(capture(step))
+                    flops = (6.0 if pass_ == "fwd" else 18.0) * t * i * h * k
+                    out.append({"shape": f"{pass_} {routing} T={t} H={h} I={i} K={k}", "ms": ms,
+                                "tflops": flops / ms / 1e9, "bn": 0, "peak_extra_GiB": mem})
+                del step
+                torch.cuda.empty_cache()
     return out
 
 
 def child(compile_only: bool, which: str) -> None:
     from nmoe.fast.gemm.sm90 import pick_bn, schedule
 
+    if which == "layer":
+        for row in _layer_rows(compile_only):
+            print(json.dumps(row), flush=True)
+        return
     if which == "gather":
         for shape in SHAPES:
             for row in _gather_rows(*shape, compile_only):
@@ -309,7 +386,7 @@ def child(compile_only: bool, which: str) -> None:
             if not compile_only:
                 width = n if pass_ == "fwd" else k
                 row = {"shape": f"{pass_} {label}", "ms": ms, "tflops": 2.0 * m * n * k / ms / 1e9,
-                       "bn": pick_bn(k) if pass_ == "wgrad" else schedule(pass_, width)[0]}
+                       "bn": pick_bn(k) if pass_ == "wgrad" else schedule(pass_, width, n + k - width)[0]}
                 print(json.dumps(row), flush=True)
 
 
@@ -326,8 +403,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.ablate", description=__doc__)
     p.add_argument("--out", type=Path, help="JSON file for the timings")
     p.add_argument("--only", default="", help="comma-separated ablation ids (default: all)")
-    p.add_argument("--set", default="gemm", choices=("gemm", "gather"),
-                   help="gemm: the TMA kernels' ablations; gather: the gathering up projection and wgrad")
+    p.add_argument("--set", default="gemm", choices=("gemm", "gather", "layer"),
+                   help="gemm: the TMA kernels' ablations; gather: the gathering up projection and wgrad; "
+                   "layer: the fast MoE layer's choices, timed as the layer")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -1,4 +1,4 @@
-"""The GEMM performance ablations stay applicable: each anchor matches exactly once in the current source."""
+"""The GEMM and MoE layer performance ablations stay applicable: each anchor matches once in the source."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.ablate import ABLATIONS, GATHER_ABLATIONS, GATHER_COMPOUNDS, variants_of
+from bench.ablate import ABLATIONS, GATHER_ABLATIONS, GATHER_COMPOUNDS, LAYER_ABLATIONS, variants_of
 from mutations.model import apply, check_anchors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -14,10 +14,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_ablation_anchors_match_once() -> None:
     parts = tuple(m for v in GATHER_COMPOUNDS for m in v[:1])
-    assert ABLATIONS and GATHER_ABLATIONS and check_anchors(ROOT, ABLATIONS + GATHER_ABLATIONS + parts) == []
+    every = ABLATIONS + GATHER_ABLATIONS + LAYER_ABLATIONS + parts
+    assert ABLATIONS and GATHER_ABLATIONS and LAYER_ABLATIONS and check_anchors(ROOT, every) == []
 
 
-@pytest.mark.parametrize("which", ["gemm", "gather"])
+@pytest.mark.parametrize("which", ["gemm", "gather", "layer"])
 def test_each_ablation_changes_its_files_in_order(which: str) -> None:
     """Every edit of a variant matches exactly once in the source its earlier edits left, and changes it."""
     for variant in variants_of(which):
@@ -32,6 +33,6 @@ def test_each_ablation_changes_its_files_in_order(which: str) -> None:
 
 
 def test_variant_ids_are_unique_and_compounds_are_in_the_gather_set() -> None:
-    ids = [v[0].id for w in ("gemm", "gather") for v in variants_of(w)]
+    ids = [v[0].id for w in ("gemm", "gather", "layer") for v in variants_of(w)]
     assert len(ids) == len(set(ids))
     assert {v[0].id for v in GATHER_COMPOUNDS} <= {v[0].id for v in variants_of("gather")}

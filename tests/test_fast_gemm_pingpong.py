@@ -71,13 +71,23 @@ def _same_bits(got: Sequence[Tensor], want: Sequence[Tensor]) -> None:
 
 
 def test_schedule_pingpong_tiles_are_128_wide() -> None:
-    assert sm90.schedule("op", 4096, None, True) == (128, True)
-    assert sm90.schedule("op", 4096, None, False) == (256, False)
-    assert sm90.schedule("op", 4096, 128, False) == (128, False)
+    assert sm90.schedule("op", 4096, 4096, None, True) == (128, True)
+    assert sm90.schedule("op", 4096, 512, None, False) == (256, False)
+    assert sm90.schedule("op", 4096, 512, 128, False) == (128, False)
     with pytest.raises(ValueError, match="ping-pong tiles are 128 wide, not 256"):
-        sm90.schedule("op", 4096, 256, True)
-    for gathered, default in ((True, sm90.GEMM_GATHER_PINGPONG), (False, sm90.GEMM_PINGPONG)):
-        assert sm90.schedule("op", 4096, gathered=gathered) == ((128, True) if default else (256, False))
+        sm90.schedule("op", 4096, 512, 256, True)
+    default = (128, True) if sm90.GEMM_GATHER_PINGPONG else (256, False)
+    assert sm90.schedule("op", 4096, 512, gathered=True) == default
+
+
+def test_schedule_pingpong_by_reduction_length() -> None:
+    """TMA-fed fwd/dgrad: ping-pong up to GEMM_PINGPONG_MAX_K (the down projection's K = I, the up dgrad's
+    K = 2I), cooperative above it (K = H), unless a width other than the ping-pong tile's is asked for."""
+    cap = sm90.GEMM_PINGPONG_MAX_K
+    assert sm90.schedule("op", 4096, cap) == (128, True)
+    assert sm90.schedule("op", 4096, cap + 64) == (256, False)
+    assert sm90.schedule("op", 4096, cap, 128) == (128, True)
+    assert sm90.schedule("op", 4096, cap, 256) == (256, False)
 
 
 def test_pingpong_staging_order_is_not_the_flat_order(tmp_path: Path) -> None:

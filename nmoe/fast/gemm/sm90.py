@@ -28,8 +28,8 @@ from nmoe.fast.limits import (
     GEMM_CLUSTER_M,
     GEMM_GATHER_CLUSTER_M,
     GEMM_GATHER_PINGPONG,
-    GEMM_PINGPONG,
     GEMM_PINGPONG_BN,
+    GEMM_PINGPONG_MAX_K,
 )
 from nmoe.fast.op import Kernel, Launcher, fast_op, remember, save_inputs
 from nmoe.fast.runtime import KernelSpec, tma_aligned
@@ -82,12 +82,14 @@ def _pick_bn(op: str, width: int, bn: int | None) -> int:
     return bn
 
 
-def schedule(op: str, n: int, bn: int | None = None, pingpong: bool | None = None,
+def schedule(op: str, n: int, k: int, bn: int | None = None, pingpong: bool | None = None,
              gathered: bool = False) -> tuple[int, bool]:
-    """(N tile, ping-pong) of a fwd/dgrad launch, GEMM_PINGPONG (GEMM_GATHER_PINGPONG) unless asked: a
-    ping-pong warpgroup's tile is GEMM_PINGPONG_BN wide, the widest accumulator its registers hold."""
+    """(N tile, ping-pong) of a fwd/dgrad launch of reduction k, unless asked: ping-pong for K up to
+    GEMM_PINGPONG_MAX_K (GEMM_GATHER_PINGPONG when gathered) in GEMM_PINGPONG_BN-wide tiles, unless another
+    width is asked for."""
     if pingpong is None:
-        pingpong = GEMM_GATHER_PINGPONG if gathered else GEMM_PINGPONG
+        rule = GEMM_GATHER_PINGPONG if gathered else k <= GEMM_PINGPONG_MAX_K
+        pingpong = rule and bn in (None, GEMM_PINGPONG_BN)
     if not pingpong:
         return _pick_bn(op, n, bn), False
     if bn not in (None, GEMM_PINGPONG_BN):
@@ -185,7 +187,7 @@ def _prepare(op: str, a: Tensor, w: Tensor, offs: Tensor, n: int, w_k_major: boo
         return device, None, False, (m, 0, 0)
     if k == 0 or w.shape[0] == 0:
         return device, None, True, (m, 0, 0)
-    bn, pp = schedule(op, n, bn, pingpong)
+    bn, pp = schedule(op, n, k, bn, pingpong)
     n_ctas = fwd_ctas(device, m, n, w.shape[0], bn, GEMM_CLUSTER_M)
     if w_k_major:
         launch = FWD.launcher(arch, n=n, k=k, bn=bn, act=activation, pingpong=pp)
@@ -256,7 +258,7 @@ _PLANS: dict[tuple[Any, ...], _Plan] = {}
 def _plan(op: str, a: Tensor, w: Tensor, offs: Tensor, a_name: str, w_name: str,
           activation: str = "") -> _Plan:
     """The memoised plan of this layout, or the full checks (raising as they always did) and a new plan."""
-    key = (op, activation, GEMM_PINGPONG, *_layout(a, w, offs))
+    key = (op, activation, *_layout(a, w, offs))
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
@@ -438,7 +440,7 @@ def _gathered_gemm(op: str, src: Tensor, src_name: str, slot: Tensor, w: Tensor,
     if k == 0 or w.shape[0] == 0:
         return h.zero_(), a.zero_()
     check_offs_on_host(op, offs, m)
-    bn, pp = schedule(op, n, gathered=True)
+    bn, pp = schedule(op, n, k, gathered=True)
     n_ctas = fwd_ctas(device, m, n, w.shape[0], bn, GEMM_GATHER_CLUSTER_M)
     launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act=activation, w_k_major=w_k_major, pingpong=pp)
     launch(device, src.data_ptr(), slot.contiguous().data_ptr(), w.data_ptr(), h.data_ptr(), a.data_ptr(),
