@@ -53,12 +53,23 @@ def _act_gathered(x: Tensor, slot: Tensor, top_k: int, w: Tensor, offs: Tensor,
     return _act_h(_gathered_rows(x, slot, top_k), w, offs, activation)
 
 
+def _rows_bwd(dz: Tensor, h: Tensor, w: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+    """expert_rows_bwd's definition from the spec's ops: h becomes dh in place."""
+    act, act_bwd = {"swiglu": (ra.swiglu, ra.swiglu_bwd), "relu2": (ra.relu2, ra.relu2_bwd)}[activation]
+    a = act(h)
+    dzw, dot = rc.combine_bwd(dz, a[:, None], w[:, None], 1.0)[:2]
+    aw = rc.combine(a[:, None], w[:, None], 1.0)
+    h.copy_(act_bwd(dzw[:, 0], h))
+    return aw, dot.view(-1)
+
+
 @pytest.fixture
 def spec_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     subs: dict[str, Any] = {
         "permute": rd.permute, "unpermute": rd.unpermute,
         "spread_rows": lambda x, slot, row_of: _gathered_rows(x, slot, row_of.shape[1]),
         "combine": rc.combine, "combine_bwd": rc.combine_bwd, "combine_gather": rc.combine_gather,
+        "expert_rows_bwd": _rows_bwd,
         "grouped_gemm": rg.grouped_gemm, "grouped_gemm_dgrad": rg.grouped_gemm_dgrad,
         "grouped_gemm_wgrad": rg.grouped_gemm_wgrad, "grouped_gemm_fp8": rg.grouped_gemm_fp8,
         "quantize_mxfp8": rf.quantize_mxfp8, "quantize_mxfp8_weight": rf.quantize_mxfp8_weight,

@@ -11,8 +11,8 @@ TESTS = "tests/test_fast_activation.py"
 MUTATIONS: tuple[Mutation, ...] = (
     sep_mutation(
         "relu2.fast_square_dropped", FILE,
-        "    sq = r * r\n",
-        "    sq = r\n",
+        "    sq: cute.TensorSSA = r * r\n",
+        "    sq: cute.TensorSSA = r\n",
         "fast relu2 forward kernel stores relu(x) without squaring", TESTS, ("relu2",), device="gpu",
     ),
     sep_mutation(

@@ -6,6 +6,7 @@ from mutations.model import Mutation, sep_mutation
 
 FILE = "nmoe/fast/kernels/combine.py"
 TESTS = "tests/test_fast_combine.py"
+ROWS_TESTS = "tests/test_fast_expert_rows.py"
 FWD_SUM = (
     "        ws = mw[t * k + s]\n"
     "        for j in range_constexpr(vec):\n"
@@ -44,5 +45,19 @@ MUTATIONS: tuple[Mutation, ...] = (
         "row = Int64(mrow[t * k + s]) + 1 if const_expr(gather)",
         "combine_gather reads the permuted row after the slot's own", "tests/test_fast_combine_gather.py",
         ("combine_gather",), device="gpu",
+    ),
+    sep_mutation(
+        "combine.fast_rows_dot_of_scaled_dz", FILE,
+        "                part[0] = add_rn(part[0], mul_rn(g[j], a[j]))\n",
+        "                part[0] = add_rn(part[0], mul_rn(dzw[j], a[j]))\n",
+        "the expert rows' pass sums <a, dz * w> for the router weight's gradient instead of <a, dz>",
+        ROWS_TESTS, ("moe_layer",), device="gpu",
+    ),
+    sep_mutation(
+        "combine.fast_rows_dh_unscaled", FILE,
+        "_act_bwd(_rounded(dzw, vec), hf, vec, act)",
+        "_act_bwd(g, hf, vec, act)",
+        "the expert rows' pass feeds act_bwd the unscaled dz (router weight dropped from dh)",
+        ROWS_TESTS, ("moe_layer",), device="gpu",
     ),
 )

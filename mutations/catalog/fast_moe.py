@@ -11,8 +11,8 @@ TESTS = "tests/test_fast_moe_glue.py"
 MUTATIONS: tuple[Mutation, ...] = (
     sep_mutation(
         "moe.fast_dweights_scale_dropped", FILE,
-        "dweights = _to_slots(dot.view(-1) * scale, slot, t, k)",
-        "dweights = _to_slots(dot.view(-1), slot, t, k)",
+        "dweights = _to_slots(dot * scale, slot, t, k)",
+        "dweights = _to_slots(dot, slot, t, k)",
         "router-weight gradient <a, dout @ W2> without route_scale", TESTS, ("moe_layer",),
     ),
     sep_mutation(

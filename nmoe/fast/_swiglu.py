@@ -94,8 +94,8 @@ def swiglu_bwd(dy: Tensor, h: Tensor) -> Tensor:
 
 # ftz on an op of ours would flush subnormal products (libdevice expf's ex2.approx.ftz acts on a
 # range-reduced argument and is exempt); approximate division is not IEEE; local memory means spills.
-_FORBID = (r"\b(mul|add|sub|div|fma)(\.r[nzmp])?\.ftz\.f32\b", r"\bdiv\.(approx|full)(\.ftz)?\.f32\b",
-           r"\b(ld|st)\.local\b")
+ELEMENTWISE_FORBID = (r"\b(mul|add|sub|div|fma)(\.r[nzmp])?\.ftz\.f32\b",
+                      r"\bdiv\.(approx|full)(\.ftz)?\.f32\b", r"\b(ld|st)\.local\b")
 _LD128 = r"\bld\.global(\.nc)?\.(v4\.(b|f|u)32|v2\.(b|u)64|v8\.(b|f|u)32)\b"
 _ST128 = r"\bst\.global\.(v4\.(b|f|u)32|v2\.(b|u)64|v8\.(b|f|u)32)\b"
 
@@ -106,7 +106,8 @@ def _spec(kernel: Kernel, dtype_name: str) -> KernelSpec:
     return runtime.portable_spec(
         kernel.name.removesuffix("_fwd"), f"{kernel.name}{suffix}",
         kernel.compiler(dtype=dtype_name, vec=_VEC[dtype_name]),
-        (_LD128, _ST128, r"\bmul\.rn\.f32\b", r"\badd\.rn\.f32\b", r"\bdiv\.rn\.f32\b", *rounding), _FORBID)
+        (_LD128, _ST128, r"\bmul\.rn\.f32\b", r"\badd\.rn\.f32\b", r"\bdiv\.rn\.f32\b", *rounding),
+        ELEMENTWISE_FORBID)
 
 
 KERNELS: tuple[KernelSpec, ...] = tuple(

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from nmoe.fast import runtime
+from nmoe.fast._swiglu import ELEMENTWISE_FORBID
 from nmoe.fast.limits import VEC_BYTES
 from nmoe.fast.op import Kernel, fast_op, save_inputs
 from nmoe.fast.runtime import KernelSpec
@@ -27,6 +28,9 @@ def _kernel(name: str) -> Kernel:
 COMBINE_FWD = _kernel("combine_fwd")
 COMBINE_BWD = _kernel("combine_bwd")
 COMBINE_GATHER_FWD = _kernel("combine_gather_fwd")
+EXPERT_ROWS_BWD = Kernel("nmoe.fast.kernels.combine", "expert_rows_bwd",
+                         lambda km, vec, act: km.expert_rows_bwd_args(vec, act))
+ACTIVATIONS = ("swiglu", "relu2")
 
 
 def _check(op: str, y: Tensor, w: Tensor) -> None:
@@ -133,9 +137,46 @@ def _combine_bwd_fake(dout: Tensor, y: Tensor, w: Tensor, routed_scale: float) -
     return y.new_empty(y.shape), w.new_empty(w.shape)
 
 
+def _check_rows_bwd(dz: Tensor, h: Tensor, w: Tensor, activation: str) -> None:
+    op = "expert_rows_bwd"
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: activation {activation!r}; choose one of {ACTIVATIONS}")
+    width = 2 if activation == "swiglu" else 1
+    if dz.dim() != 2 or h.shape != (dz.shape[0], width * dz.shape[1]) or w.shape != dz.shape[:1]:
+        raise ValueError(f"{op}: need dz [R,I], h [R,{width}I] ({activation}) and w [R]; got "
+                         f"{tuple(dz.shape)}, {tuple(h.shape)}, {tuple(w.shape)}")
+    if dz.dtype != torch.bfloat16 or h.dtype != torch.bfloat16 or w.dtype != torch.float32:
+        raise ValueError(f"{op}: dz and h bf16, w fp32; got {dz.dtype}, {h.dtype}, {w.dtype}")
+    if not h.is_contiguous():
+        raise ValueError(f"{op}: h is overwritten with dh in place and must be contiguous")
+
+
+def _expert_rows_bwd_impl(dz: Tensor, h: Tensor, w: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+    _check_rows_bwd(dz, h, w, activation)
+    rows, n = dz.shape
+    dz, w = dz.contiguous(), w.contiguous()
+    aw = torch.empty_like(dz)
+    dot = torch.zeros(rows, dtype=torch.float32, device=dz.device)
+    tensors = (dz, h, w, aw, dot)
+    device, arch = runtime.device_arch(*tensors)
+    if rows == 0 or n == 0:
+        return aw, dot
+    ptrs = [x.data_ptr() for x in tensors]
+    aligned = all(p % VEC_BYTES == 0 for x, p in zip(tensors, ptrs, strict=True) if x.dtype == torch.bfloat16)
+    vec = _VEC if n % _VEC == 0 and aligned else 1
+    EXPERT_ROWS_BWD.launcher(arch, vec=vec, act=activation)(device, *ptrs, rows, n)
+    return aw, dot
+
+
+def _expert_rows_bwd_fake(dz: Tensor, h: Tensor, w: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+    _check_rows_bwd(dz, h, w, activation)
+    return dz.new_empty(dz.shape), w.new_empty(w.shape)
+
+
 _combine_op = fast_op("combine", _combine_impl, _combine_fake)
 _combine_bwd_op = fast_op("combine_bwd", _combine_bwd_impl, _combine_bwd_fake)
 _combine_gather_op = fast_op("combine_gather", _combine_gather_impl, _combine_gather_fake)
+_expert_rows_bwd_op = fast_op("expert_rows_bwd", _expert_rows_bwd_impl, _expert_rows_bwd_fake, mutates=("h",))
 
 
 def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, Tensor | None]:
@@ -170,6 +211,12 @@ def combine_bwd(dout: Tensor, y: Tensor, w: Tensor, routed_scale: float) -> tupl
     return dy, dw, dout
 
 
+def expert_rows_bwd(dz: Tensor, h: Tensor, w: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+    """(aw, dot) of the MoE layer's expert rows, h overwritten by dh: with a = act(h), exactly
+    combine(a, w), combine_bwd(dz, a, w)'s dw, then act_bwd(its dy, h); K = 1, scale 1, one pass."""
+    return _expert_rows_bwd_op(dz, h, w, activation)
+
+
 # The contract pins every product and sum as separately rounded: any fma (scalar or sm_100a's packed
 # f32x2), an unrounded mul/add that ptxas may fuse, ftz, or local memory (spills) is a defect.
 FORBID_FMA = r"\bfma\.rn\.f32\b|\bfma\.f32\b"
@@ -182,11 +229,18 @@ def _spec(name: str, kernel: Kernel, k: int, has_shared: bool, *extra: str) -> K
                                  kernel.compiler(k=k, vec=_VEC, shared=has_shared), expect, _FORBID)
 
 
+# The expert rows' pass reduces its row dot across the warp and rounds a and bf16(dz*w) to bf16 in registers;
+# its activations keep the standalone kernels' forbid list (libdevice expf holds fma and ex2.approx.ftz).
+_ROWS_EXPECT = (runtime.LD128, runtime.ST128, r"mul\.rn\.f32", r"\badd\.rn\.f32\b", r"\bcvt\.rn\.bf16\.f32\b",
+                r"\bshfl\.sync\.bfly\.b32\b")
 # combine_gather also loads each slot's int32 row index sign-extended into a 64-bit row offset.
 KERNELS: tuple[KernelSpec, ...] = (
     _spec("combine_fwd", COMBINE_FWD, 8, True, r"\badd\.rn\.f32\b"),
     _spec("combine_fwd_k1", COMBINE_FWD, 1, False),
     _spec("combine_bwd", COMBINE_BWD, 8, False, r"\badd\.rn\.f32\b", r"\bshfl\.sync\.bfly\.b32\b"),
+    *(runtime.portable_spec("moe_layer", f"expert_rows_bwd_{act}",
+                            EXPERT_ROWS_BWD.compiler(vec=_VEC, act=act), _ROWS_EXPECT, ELEMENTWISE_FORBID)
+      for act in ACTIVATIONS),
     runtime.portable_spec("combine_gather", "combine_gather_fwd",
                           COMBINE_GATHER_FWD.compiler(k=8, vec=_VEC, shared=True),
                           (runtime.LD128, runtime.ST128, r"mul\.rn\.f32", r"\badd\.rn\.f32\b",

@@ -3,10 +3,10 @@
 Autograd pieces: router_logits (its own op), _RouterTopk, _Shared (the shared MLP as one-group GEMMs) and
 _Routed, which runs permute's routing (slot, offs; bf16 experts copy no rows: the up projection gathers x's
 rows as it loads) -> up (+act) -> down -> combine_gather (each slot's row read in place from the permuted
-output: no [T,K,H] copy) and whose backward calls the fast spread_rows, dgrad/wgrad, activation-bwd and
-combine_gather kernels, and combine/combine_bwd with K = 1 for the router-weight scaling of a and dz and
-dweights' row dot (one pass each over [rows, I]). With an RDEP Exchange the experts are sharded over
-ranks and the routed half is nmoe.fast.rdep.ep.ep_routed (rows travel to their expert's rank and back).
+output: no [T,K,H] copy) and whose backward calls the fast spread_rows, dgrad/wgrad and combine_gather
+kernels, and expert_rows_bwd: one pass over [rows, I] for a = act(h), its router-weight scaling, dweights'
+row dot and dh, written over h (exactly the separate kernels). With an RDEP Exchange the experts are sharded
+over ranks and the routed half is nmoe.fast.rdep.ep.ep_routed (rows travel to their expert's rank and back).
 
 Saved for the backward, per token (K slots, up width N = 2I swiglu or I relu2, E experts):
   x (the layer input, already alive)      0 extra: the up projection reads x's rows by index, the down
@@ -17,7 +17,7 @@ Saved for the backward, per token (K slots, up width N = 2I swiglu or I relu2, E
                                             spread on the forward's routing
   h [slots, N] bf16                        2KN bytes: the up-projection output; a = act(h) is recomputed
                                             (elementwise), redoing the up GEMM would cost a third of the fwd;
-                                            the backward drops h once dh exists, before the up wgrad/dgrad
+                                            the backward writes dh over h (no second [slots, N] buffer)
   weights fp32 [T,K], ids int64 [T,K],      16K + 8*(rows/T) bytes: routing
   row_of int32 [T,K], slot int64 [rows]
   logits fp32 [T,E]                         4E bytes: router_topk's backward (softmax needs every score)
@@ -44,7 +44,7 @@ from nmoe.config import ModelConfig
 from nmoe.fast import runtime
 from nmoe.fast.activation import relu2, relu2_bwd, swiglu, swiglu_bwd
 from nmoe.fast.arch import ArchNotImplemented
-from nmoe.fast.combine import combine, combine_bwd, combine_gather
+from nmoe.fast.combine import combine, combine_bwd, combine_gather, expert_rows_bwd
 from nmoe.fast.dispatch import permute, spread_rows, unpermute
 from nmoe.fast.formats import quantize_mxfp8, quantize_mxfp8_weight
 from nmoe.fast.gemm import grouped_gemm, grouped_gemm_dgrad, grouped_gemm_fp8, grouped_gemm_wgrad, sm90
@@ -198,37 +198,30 @@ class _Routed(torch.autograd.Function):
         need_h = need_x or need_up
         dot_w = need_w and not fp8_y
         t, k = ids.shape
-        act, act_bwd = _ACT[cfg.activation]
         dout = dout.contiguous()
         scale = float(torch.tensor(cfg.route_scale, dtype=torch.float32))
-        a = act(h) if need_w2 or need_h or dot_w else None
-        # Per permuted row r with wr = w[slot r] * scale: bf16(dz_r * wr), bf16(a_r * wr) and the fp32
-        # <a_r, dz_r> come from the combine kernels with K = 1 and routed_scale 1 (exact), one pass each.
-        wrow = (_slot_weights(weights, slot) * scale)[:, None]
-        dz_w = dot = None
+        wrow = _slot_weights(weights, slot) * scale
+        aw = dot = None
         if need_h or dot_w:
-            assert a is not None
+            # Per permuted row r, one pass: a = act(h), aw_r = bf16(a_r * w_r), dot_r = <a_r, dz_r> and h
+            # overwritten by act_bwd(bf16(dz_r * w_r), h) = dh, with w_r = w[slot r] * scale.
             dz = sm90.grouped_gemm_dgrad_gathered(dout, slot, k, w2, offs)
-            dz_w, dot = combine_bwd(dz, a[:, None], wrow, 1.0)[:2]
+            aw, dot = expert_rows_bwd(dz, h, wrow, cfg.activation)
             del dz
+        elif need_w2:
+            aw = combine(_ACT[cfg.activation][0](h)[:, None], wrow[:, None], 1.0)
+        dh, h = h, None
         dweights = dw2 = dw_up = dx = None
         if need_w and fp8_y:
             dweights = combine_bwd(dout, fp8_y[0], weights, cfg.route_scale)[1]
         elif need_w:
             assert dot is not None
-            dweights = _to_slots(dot.view(-1) * scale, slot, t, k)
-        aw = None
+            dweights = _to_slots(dot * scale, slot, t, k)
         if need_w2:
-            assert a is not None
-            aw = combine(a[:, None], wrow, 1.0)
-        del a
-        if aw is not None:
+            assert aw is not None
             dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, "dy")
         del aw
         if need_h:
-            assert dz_w is not None
-            dh = act_bwd(dz_w.view(h.shape[0], -1), h)
-            del dz_w, h
             if need_x:
                 dxp = grouped_gemm_dgrad(dh, w_up, offs)
                 ones = torch.ones(t, k, dtype=torch.float32, device=dout.device)

@@ -29,17 +29,27 @@ def _relu(x: cute.TensorSSA) -> cute.TensorSSA:
     return r
 
 
+def relu2_f32(x: cute.TensorSSA) -> cute.TensorSSA:
+    """relu(x)^2 of one vector in fp32, unrounded."""
+    r = _relu(x.to(Float32))
+    sq: cute.TensorSSA = r * r
+    return sq
+
+
 def relu2_bits(x: cute.TensorSSA, dtype_name: str) -> cute.TensorSSA:
     """relu2 of one vector as output bits; the grouped GEMM's fused epilogue calls it too."""
-    r = _relu(x.to(Float32))
-    sq = r * r
-    return out_bits(sq, dtype_name)
+    return out_bits(relu2_f32(x), dtype_name)
+
+
+def relu2_bwd_f32(dy: cute.TensorSSA, x: cute.TensorSSA) -> cute.TensorSSA:
+    """dy * (2 relu(x)) of one vector in fp32, unrounded."""
+    two_r = 2.0 * _relu(x.to(Float32))
+    p: cute.TensorSSA = dy.to(Float32) * two_r
+    return p
 
 
 def _bwd_bits(dy: cute.TensorSSA, x: cute.TensorSSA, dtype_name: str) -> cute.TensorSSA:
-    two_r = 2.0 * _relu(x.to(Float32))
-    p = dy.to(Float32) * two_r
-    return out_bits(p, dtype_name)
+    return out_bits(relu2_bwd_f32(dy, x), dtype_name)
 
 
 @cute.jit

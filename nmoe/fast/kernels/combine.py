@@ -15,7 +15,9 @@ from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 
+from nmoe.fast.kernels.activation import relu2_bwd_f32, relu2_f32
 from nmoe.fast.kernels.prims import add_rn, mul_rn, out_bits
+from nmoe.fast.kernels.swiglu import swiglu_bwd_pairs, swiglu_pairs
 
 THREADS = 128
 WARP = 32
@@ -131,6 +133,67 @@ def combine_bwd_kernel(pdout: Pointer, py: Pointer, pw: Pointer, pdy: Pointer, p
 
 
 @cute.jit
+def _rounded(v: cute.Tensor, vec: Constexpr[int]) -> cute.Tensor:
+    """v rounded to bf16 and widened back: the value a bf16 store then an fp32 load would give."""
+    frag: cute.Tensor = cute.make_rmem_tensor((vec,), Float32)
+    frag.store(v.load().to(BFloat16).to(Float32))
+    return frag
+
+
+def _act(hf: cute.Tensor, vec: int, act: str) -> cute.Tensor:
+    if act == "swiglu":
+        pairs: cute.Tensor = swiglu_pairs(hf, vec)
+        return pairs
+    frag: cute.Tensor = cute.make_rmem_tensor((vec,), Float32)
+    frag.store(relu2_f32(hf.load()))
+    return frag
+
+
+def _act_bwd(df: cute.Tensor, hf: cute.Tensor, vec: int, act: str) -> cute.Tensor:
+    if act == "swiglu":
+        dh: cute.Tensor = swiglu_bwd_pairs(df, hf, vec)
+        return dh
+    frag: cute.Tensor = cute.make_rmem_tensor((vec,), Float32)
+    frag.store(relu2_bwd_f32(df.load(), hf.load()))
+    return frag
+
+
+@cute.kernel
+def expert_rows_bwd_kernel(pdz: Pointer, ph: Pointer, pw: Pointer, paw: Pointer, pdot: Pointer, rows: Int64,
+                           n: Int64, vec: Constexpr[int], act: Constexpr[str], width: Constexpr[int]) -> None:
+    """One warp per row r (w = w[r]): a = bf16(act(h)); aw = bf16(w*a); dot = warp-reduced sum dz*a;
+    h <- bf16(act_bwd(bf16(dz*w), h)). As combine_bwd and combine with K = 1 between act and act_bwd."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    lane = Int64(tidx % WARP)
+    r = Int64(bidx) * (THREADS // WARP) + Int64(tidx // WARP)
+    if r < rows:
+        nvec = n // vec
+        gdz = cute.zipped_divide(cute.make_tensor(pdz, cute.make_layout(rows * n)), (vec,))
+        gh = cute.zipped_divide(cute.make_tensor(ph, cute.make_layout(rows * n * width)), (width * vec,))
+        gaw = cute.zipped_divide(cute.make_tensor(paw, cute.make_layout(rows * n)), (vec,))
+        wr = cute.make_tensor(pw, cute.make_layout(rows))[r]
+        part = cute.make_rmem_tensor((1,), Float32)
+        part.fill(0.0)
+        for hv in range(lane, nvec, WARP):
+            g = _load_f32(gdz, r * nvec + hv, vec)
+            hf = _load_f32(gh, r * nvec + hv, width * vec)
+            a = _rounded(_act(hf, vec, act), vec)
+            dzw = cute.make_rmem_tensor((vec,), Float32)
+            aw = cute.make_rmem_tensor((vec,), Float32)
+            for j in range_constexpr(vec):
+                dzw[j] = mul_rn(g[j], wr)
+                part[0] = add_rn(part[0], mul_rn(g[j], a[j]))
+                aw[j] = mul_rn(wr, a[j])
+            _store_bits(gaw, r * nvec + hv, aw.load())
+            _store_bits(gh, r * nvec + hv, _act_bwd(_rounded(dzw, vec), hf, vec, act).load())
+        total = cute.arch.warp_reduction(part[0], add_rn)
+        mdot = cute.make_tensor(pdot, cute.make_layout(rows))
+        if lane == 0:
+            mdot[r] = total
+
+
+@cute.jit
 def combine_fwd_host(py: Pointer, pw: Pointer, pshared: Pointer, pout: Pointer, t_rows: Int64, h: Int64,
                      scale: Float32, stream: cuda.CUstream, k: Constexpr[int], vec: Constexpr[int],
                      has_shared: Constexpr[bool]) -> None:
@@ -160,6 +223,16 @@ def combine_bwd_host(pdout: Pointer, py: Pointer, pw: Pointer, pdy: Pointer, pdw
     )
 
 
+@cute.jit
+def expert_rows_bwd_host(pdz: Pointer, ph: Pointer, pw: Pointer, paw: Pointer, pdot: Pointer, rows: Int64,
+                         n: Int64, stream: cuda.CUstream, vec: Constexpr[int], act: Constexpr[str]) -> None:
+    warps = THREADS // WARP
+    width = 2 if act == "swiglu" else 1
+    expert_rows_bwd_kernel(pdz, ph, pw, paw, pdot, rows, n, vec, act, width).launch(
+        grid=[(rows + warps - 1) // warps, 1, 1], block=[THREADS, 1, 1], stream=stream
+    )
+
+
 def bf16_pointer(address: int, vec: int) -> Any:
     return make_ptr(BFloat16, address, cute.AddressSpace.gmem, assumed_align=2 * vec)
 
@@ -170,6 +243,11 @@ def f32_pointer(address: int) -> Any:
 
 def i32_pointer(address: int) -> Any:
     return make_ptr(Int32, address, cute.AddressSpace.gmem, assumed_align=4)
+
+
+def expert_rows_bwd_args(vec: int, act: str) -> tuple[Any, tuple[Any, ...]]:
+    b, f = bf16_pointer(0, vec), f32_pointer(0)
+    return expert_rows_bwd_host, (b, b, f, b, f, Int64(0), Int64(0), cuda.CUstream(0), vec, act)
 
 
 def compile_args(kernel: str, k: int, vec: int, has_shared: bool) -> tuple[Any, tuple[Any, ...]]:

@@ -63,7 +63,7 @@ def swiglu_pairs(hf: cute.Tensor, vec: Constexpr[int]) -> cute.Tensor:
 
 
 @cute.jit
-def _bwd(df: cute.Tensor, hf: cute.Tensor, vec: Constexpr[int]) -> cute.Tensor:
+def swiglu_bwd_pairs(df: cute.Tensor, hf: cute.Tensor, vec: Constexpr[int]) -> cute.Tensor:
     """dg = (d*u) * (s*(1 + g*(1-s))), du = d*(g*s), interleaved like h, each product and sum rounded."""
     g, u = _split(hf, vec)
     s = _sigmoid(g, vec)
@@ -141,12 +141,12 @@ def swiglu_bwd_kernel(pdy: Pointer, ph: Pointer, pdh: Pointer, n: Int64, vec: Co
     mh = cute.make_tensor(ph, cute.make_layout(2 * n))
     mdh = cute.make_tensor(pdh, cute.make_layout(2 * n))
     if i < nfull:
-        dh = _bwd(_load_full(mdy, i, vec), _load_full(mh, i, 2 * vec), vec)
+        dh = swiglu_bwd_pairs(_load_full(mdy, i, vec), _load_full(mh, i, 2 * vec), vec)
         _store_full(mdh, i, dh, 2 * vec, dtype_name)
     elif i == nfull:
         df = _load_tail(mdy, nfull * vec, n, vec)
         hf = _load_tail(mh, 2 * nfull * vec, 2 * n, 2 * vec)
-        _store_tail(mdh, 2 * nfull * vec, 2 * n, _bwd(df, hf, vec), 2 * vec, dtype_name)
+        _store_tail(mdh, 2 * nfull * vec, 2 * n, swiglu_bwd_pairs(df, hf, vec), 2 * vec, dtype_name)
 
 
 def _grid(n: Int64, vec: int) -> list[Any]:
