@@ -35,6 +35,12 @@ _PINGPONG = Mutation(
     "the TMA-fed fwd and dgrad ping-pong at every K (each consumer warpgroup its own 128 x 128 tile, one's "
     "epilogue under the other's MMAs), against the default's cooperative 128 x bn tile above K = 1024",
 )
+_GATHER_CLUSTER_N2 = Mutation(
+    "ablate.gather_cluster_n2", LIMITS,
+    "GEMM_GATHER_CLUSTER_N: Final[int] = 1\n", "GEMM_GATHER_CLUSTER_N: Final[int] = 2\n",
+    "the gathering fwd and dgrad in N clusters of two CTAs (one M tile, adjacent N tiles), each gathering "
+    "half of A's rows for both by multicast row TMA: half the row TMAs per CTA",
+)
 _NO_PINGPONG = Mutation(
     "ablate.no_pingpong", LIMITS,
     "GEMM_PINGPONG_MAX_K: Final[int] = 1024\n", "GEMM_PINGPONG_MAX_K: Final[int] = 0\n",
@@ -182,6 +188,7 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "IEEE division costs",
     ),
     _GATHER_CLUSTER_TWO,
+    _GATHER_CLUSTER_N2,
     Mutation(
         "ablate.gather_pingpong", LIMITS,
         "GEMM_GATHER_PINGPONG: Final[bool] = False\n", "GEMM_GATHER_PINGPONG: Final[bool] = True\n",
@@ -224,6 +231,7 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
         "what the fusion costs in time (its copy is transient, freed after the forward's up projection)",
     ),
     replace(_NO_PINGPONG, id="ablate.layer_no_pingpong"),
+    replace(_GATHER_CLUSTER_N2, id="ablate.layer_gather_cluster_n2"),
     replace(_PINGPONG, id="ablate.layer_pingpong"),
 )
 # Ablations of more than one edit, applied in order; the first names the variant and says what it measures.

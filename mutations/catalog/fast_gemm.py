@@ -10,6 +10,7 @@ PLAN = "nmoe/fast/kernels/sm90/gatherplan.py"
 GATHER = "nmoe/fast/kernels/sm90/grouped_gemm_gather.py"
 TESTS = "tests/test_fast_gemm.py"
 GATHER_TESTS = "tests/test_fast_gemm_gather.py"
+CLUSTER_TESTS = "tests/test_fast_gemm_gather_cluster.py"
 SCHEDULE_TESTS = "tests/test_fast_wgrad_schedule.py"
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -197,5 +198,19 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    return stages - 2\n", "    return stages - 1\n",
         "the gathering producers land a stage one stage later, so the slot they wait for is freed only after "
         "a stage they have not landed: the pipeline stands still", GATHER_TESTS, ("grouped_gemm_act",),
+    ),
+    sep_mutation(
+        "gemm.fast_gather_cluster_rows_same_half", GATHER,
+        "        first = first + rank * (BM // cn)\n",
+        "        first = first + 0 * rank * (BM // cn)\n",
+        "both CTAs of a gathering N cluster multicast the first half of A's rows: the byte count completes, "
+        "the second half of every tile is never loaded", CLUSTER_TESTS, ("moe_layer",), device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_gather_cluster_same_n_tile", FILE,
+        "        n_tile = n_unit * cn + rank\n",
+        "        n_tile = n_unit * cn\n",
+        "both CTAs of a gathering N cluster compute and store the unit's first N tile", CLUSTER_TESTS,
+        ("moe_layer",), device="gpu",
     ),
 )

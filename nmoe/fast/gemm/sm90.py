@@ -27,6 +27,7 @@ from nmoe.fast.limits import (
     GEMM_BN_CHOICES,
     GEMM_CLUSTER_M,
     GEMM_GATHER_CLUSTER_M,
+    GEMM_GATHER_CLUSTER_N,
     GEMM_GATHER_PINGPONG,
     GEMM_PINGPONG_BN,
     GEMM_PINGPONG_MAX_K,
@@ -44,8 +45,8 @@ DGRAD = Kernel(_FWD_MODULE, "grouped_gemm_dgrad",
                lambda km, n, k, bn, pingpong=False: km.compile_args(n, k, bn, False, "none", pingpong),
                (ARCH,), "nmoe.fast.gemm.grouped_gemm_dgrad")
 GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_gather", "grouped_gemm_gather",
-                lambda km, n, k, bn, act, w_k_major, pingpong=False: km.compile_args_gather(
-                    n, k, bn, act, w_k_major, pingpong),
+                lambda km, n, k, bn, act, w_k_major, pingpong=False, cn=1: km.compile_args_gather(
+                    n, k, bn, act, w_k_major, pingpong, cn),
                 (ARCH,), "nmoe.fast.gemm.grouped_gemm_act_gathered")
 WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad",
                lambda km, n, k, bn, ld, gs=0: km.compile_args(n, k, bn, ld, gs), (ARCH,),
@@ -60,10 +61,18 @@ def pick_bn(n: int) -> int:
     return 256 if n % 256 == 0 else 128
 
 
-def fwd_ctas(device: int, m: int, n: int, n_groups: int, bn: int, cm: int) -> int:
-    """Persistent CTAs of a fwd/dgrad launch in clusters of cm: whole clusters, one CTA per SM at most, no
-    more clusters than work units."""
-    return cm * min(runtime.sm_count(device) // cm, tile_upper_bound(m, n, n_groups, bn, cm))
+def fwd_ctas(device: int, m: int, n: int, n_groups: int, bn: int, cm: int, cn: int = 1) -> int:
+    """Persistent CTAs of a fwd/dgrad launch in clusters of cm (M) or cn (N) CTAs: whole clusters, one CTA per
+    SM at most, no more clusters than work units."""
+    size = cm * cn
+    return size * min(runtime.sm_count(device) // size, tile_upper_bound(m, n, n_groups, bn * cn, cm))
+
+
+def gather_cluster_n(n: int, bn: int, pingpong: bool) -> int:
+    """The gathering kernel's N cluster: GEMM_GATHER_CLUSTER_N where its cooperative N tiles fill whole
+    clusters, else none (the schedule's choice, like its tile width; results are the same bits)."""
+    cn = GEMM_GATHER_CLUSTER_N
+    return cn if cn > 1 and not pingpong and -(-n // bn) % cn == 0 else 1
 
 
 def _check(op: str, a: Tensor, w: Tensor, offs: Tensor, a_name: str, red_dim: int) -> None:
@@ -441,8 +450,9 @@ def _gathered_gemm(op: str, src: Tensor, src_name: str, slot: Tensor, w: Tensor,
         return h.zero_(), a.zero_()
     check_offs_on_host(op, offs, m)
     bn, pp = schedule(op, n, k, gathered=True)
-    n_ctas = fwd_ctas(device, m, n, w.shape[0], bn, GEMM_GATHER_CLUSTER_M)
-    launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act=activation, w_k_major=w_k_major, pingpong=pp)
+    cn = gather_cluster_n(n, bn, pp)
+    n_ctas = fwd_ctas(device, m, n, w.shape[0], bn, GEMM_GATHER_CLUSTER_M, cn)
+    launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act=activation, w_k_major=w_k_major, pingpong=pp, cn=cn)
     launch(device, src.data_ptr(), slot.contiguous().data_ptr(), w.data_ptr(), h.data_ptr(), a.data_ptr(),
            offs.contiguous().data_ptr(), top_k, src.shape[0], m, w.shape[0], n_ctas)
     return h, a
@@ -619,12 +629,21 @@ _NO_CP_ASYNC = (r"\bcp\.async\.(cg|ca)\.shared\.global\b",)
 _TURNS = (r"\bbar\.arrive\b",)
 
 
-def _gather_spec(name: str, n: int, k: int, activation: str, pingpong: bool = False) -> KernelSpec:
+# An N cluster's CTAs each multicast their share of A's rows to the cluster and release a stage to all of it.
+_ROW_MULTICAST = (r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.tile\.mbarrier::complete_tx::"
+                  r"bytes\.multicast::cluster", r"\bshfl\.sync\.idx\.b32\b", r"\bbarrier\.cluster\.wait\b",
+                  r"\bmbarrier\.arrive\.shared::cluster\.b64\b")
+_EXPECT_GATHER_CN = (*_EXPECT_EPILOGUE, *_ROW_MULTICAST)
+
+
+def _gather_spec(name: str, n: int, k: int, activation: str, pingpong: bool = False,
+                 cn: int = 1) -> KernelSpec:
     bn = GEMM_PINGPONG_BN if pingpong else pick_bn(n)
     return KernelSpec(op="grouped_gemm_act", name=name,
                       compile=GATHER.compiler(n=n, k=k, bn=bn, act=activation, w_k_major=True,
-                                              pingpong=pingpong),
-                      expect={"sm_90a": (*_EXPECT_GATHER, *(_TURNS if pingpong else ()))},
+                                              pingpong=pingpong, cn=cn),
+                      expect={"sm_90a": (*(_EXPECT_GATHER if cn == 1 else _EXPECT_GATHER_CN),
+                                         *(_TURNS if pingpong else ()))},
                       forbid={"sm_90a": (*_FORBID_EPILOGUE, *_NO_CP_ASYNC)})
 
 
@@ -632,13 +651,12 @@ def _gather_spec(name: str, n: int, k: int, activation: str, pingpong: bool = Fa
 # group, fences it from the generic into the async proxy the tensor cores read, then arrives.
 _EXPECT_WGRAD_GATHER = (*_EXPECT_WGRAD, r"\bcp\.async\.cg\.shared\.global\b", r"\bcp\.async\.commit_group\b",
                         r"\bcp\.async\.wait_group\b", r"\bfence\.proxy\.async\.shared::cta\b")
-_EXPECT_DGRAD_GATHER = (*_EXPECT_SM90, *_ROW_TMA)
 
 
-def _dgrad_gather_spec(name: str, n: int, k: int) -> KernelSpec:
+def _dgrad_gather_spec(name: str, n: int, k: int, cn: int = 1) -> KernelSpec:
     return KernelSpec(op="grouped_gemm_dgrad", name=name,
-                      compile=GATHER.compiler(n=n, k=k, bn=pick_bn(n), act="none", w_k_major=False),
-                      expect={"sm_90a": _EXPECT_DGRAD_GATHER},
+                      compile=GATHER.compiler(n=n, k=k, bn=pick_bn(n), act="none", w_k_major=False, cn=cn),
+                      expect={"sm_90a": (*_EXPECT_SM90, *(_ROW_TMA if cn == 1 else _ROW_MULTICAST))},
                       forbid={"sm_90a": (*_FORBID_SM90, *_NO_CP_ASYNC)})
 
 
@@ -695,4 +713,6 @@ KERNELS: tuple[KernelSpec, ...] = (
     _wgrad_gather_spec("grouped_gemm_wgrad_gathered_x_n128", 1024, 1152, "b"),
     _wgrad_gather_spec("grouped_gemm_wgrad_gathered_dy_n128", 4096, 1152, "a"),
     _dgrad_gather_spec("grouped_gemm_dgrad_gathered_n128", 1024, 4096),
+    _gather_spec("grouped_gemm_act_gathered_swiglu_cn2", 2048, 4096, "swiglu", cn=2),
+    _dgrad_gather_spec("grouped_gemm_dgrad_gathered_cn2", 1024, 4096, cn=2),
 )

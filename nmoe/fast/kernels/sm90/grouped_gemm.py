@@ -181,6 +181,21 @@ def _tile_at(t: Int32, before: Int32, g_start: Int32, n_tiles_n: Constexpr[int],
 
 
 @cute.jit
+def unit_tile(t: Int32, before: Int32, g_start: Int32, units_n: Constexpr[int], cm: Constexpr[int],
+              cn: Constexpr[int], rank: Int32 | int) -> tuple[Int32, Int32]:
+    """(n tile, first row) of CTA `rank`'s tile in unit t, a unit being cm M tiles by cn N tiles (units_n per
+    M unit): a cluster's CTAs side by side along M (cm > 1, sharing B) or along N (cn > 1, sharing A)."""
+    rank_m = rank
+    if const_expr(cn > 1):
+        rank_m = 0
+    n_unit, row0 = _tile_at(t, before, g_start, units_n, cm, rank_m)
+    n_tile = n_unit
+    if const_expr(cn > 1):
+        n_tile = n_unit * cn + rank
+    return n_tile, row0
+
+
+@cute.jit
 def _seek(s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, t: Int32, e: Int32, g_start: Int32,
           g_end: Int32, before: Int32, here: Int32, n_tiles_n: Constexpr[int], cm: Constexpr[int] = 1
           ) -> tuple[Int32, Int32, Int32, Int32, Int32]:
@@ -568,11 +583,12 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                   tidx: Int32, warp_idx: Int32, n_ctas: Int32, t: Int32, n: Constexpr[int],
                   bn: Constexpr[int],
                   k_tiles: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
-                  cm: Constexpr[int] = 1, rank: Int32 | int = 0, pingpong: Constexpr[bool] = False) -> None:
+                  cm: Constexpr[int] = 1, rank: Int32 | int = 0, pingpong: Constexpr[bool] = False,
+                  cn: Constexpr[int] = 1) -> None:
     """The two consumer warpgroups: wgmma over each tile's K boxes, then the epilogue (none for a cluster's
     tile past its group's end, which only keeps the shared B stages flowing). Ping-pong: warpgroup wg takes
     the CTA's units wg, wg + 2, ... and steps its ring cursor over the other's stages; the mainloops take
-    turns unit by unit (ORDER_BARRIER_ID)."""
+    turns unit by unit (ORDER_BARRIER_ID). cn > 1: units of cn N tiles (unit_tile)."""
     cute.arch.setmaxregister_increase(CONSUMER_REGS)
     ctid = tidx - WG_THREADS
     wg = warp_idx // 4 - 1
@@ -584,7 +600,8 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
     read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-    e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, n_tiles_n_of(n, bn), cm)
+    units_n = n_tiles_n_of(n, bn) // cn
+    e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, units_n, cm)
     ordered = 2 * WG_THREADS
     mine_done = pipeline.NamedBarrier(barrier_id=ORDER_BARRIER_ID + wg, num_threads=ordered)
     other_done = pipeline.NamedBarrier(barrier_id=ORDER_BARRIER_ID + 1 - wg, num_threads=ordered)
@@ -594,7 +611,7 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
         if const_expr(pingpong):
             mine = turn % 2 == wg
         if mine:
-            n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n_of(n, bn), cm, rank)
+            n_tile, row0 = unit_tile(t, before, g_start, units_n, cm, cn, rank)
             if turn > 0 and const_expr(pingpong):
                 other_done.arrive_and_wait()
             acc.fill(0.0)
@@ -614,7 +631,7 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                 release.advance()
             if const_expr(pingpong):
                 nxt = _seek(s_offs, n_groups, m_rows, t + n_ctas, e, g_start, g_end, before, here,
-                            n_tiles_n_of(n, bn), cm)[0]
+                            units_n, cm)[0]
                 if nxt <= n_groups:
                     mine_done.arrive()
 
@@ -626,7 +643,7 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
         turn = turn + 1
         t = t + n_ctas
         e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,
-                                                before, here, n_tiles_n_of(n, bn), cm)
+                                                before, here, units_n, cm)
     drain_stores(epi.store_warp)
 
 

@@ -10,8 +10,8 @@ from typing import Any, cast
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import BFloat16, Int32, Int64
-from cutlass.base_dsl.ast_helpers import range_constexpr
+from cutlass import BFloat16, Int16, Int32, Int64
+from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.typing import Pointer
@@ -22,7 +22,6 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     THREADS,
     _gemm_setup,
     _seek,
-    _tile_at,
     check_schedule,
     cluster_dims,
     consume_tiles,
@@ -35,8 +34,10 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     n_tiles_n_of,
     pointer,
     stages_for,
+    unit_tile,
 )
 from nmoe.fast.limits import GEMM_BK as BK
+from nmoe.fast.limits import GEMM_BM as BM
 from nmoe.fast.limits import GEMM_GATHER_CLUSTER_M as GATHER_CLUSTER_M
 
 
@@ -60,10 +61,12 @@ def row_layout(a_layout: cute.ComposedLayout) -> cute.ComposedLayout:
     return layout
 
 
-def row_tma(m_x: cute.Tensor, a_layout: cute.ComposedLayout) -> tuple[cute.CopyAtom, cute.Tensor]:
-    """TMA of one source row's BK box: rows past the source and columns past K arrive as zeros."""
-    atom, tensor = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_x, row_layout(a_layout),
-                                               (1, BK))
+def row_tma(m_x: cute.Tensor, a_layout: cute.ComposedLayout,
+            cn: int = 1) -> tuple[cute.CopyAtom, cute.Tensor]:
+    """TMA of one source row's BK box: rows past the source and columns past K arrive as zeros; cn > 1: the
+    whole box multicast to the cn CTAs of an N cluster."""
+    op = cpasync.CopyBulkTensorTileG2SMulticastOp() if cn > 1 else cpasync.CopyBulkTensorTileG2SOp()
+    atom, tensor = cpasync.make_tiled_tma_atom(op, m_x, row_layout(a_layout), (1, BK))
     return atom, tensor
 
 
@@ -81,13 +84,17 @@ def _source_row(m_slot: cute.Tensor, row: Int32, g_end: Int32, top_k: Int32, src
 
 @cute.jit
 def _copy_row(atom: cute.CopyAtom, tma_x: cute.Tensor, src: Int32, kt: Int32, dst: Int32,
-              a_row: cute.ComposedLayout, bar: Any) -> None:
-    """TMA of source row src's K box kt into the A row whose 128-byte line starts at shared byte dst."""
+              a_row: cute.ComposedLayout, bar: Any, cn: Constexpr[int] = 1) -> None:
+    """TMA of source row src's K box kt into the A row whose 128-byte line starts at shared byte dst (cn > 1:
+    at the same line of every CTA of the N cluster, onto each one's barrier at bar's offset)."""
     s_row = cute.make_tensor(cute.make_ptr(BFloat16, dst, cute.AddressSpace.smem, assumed_align=128), a_row)
     g_row = cute.local_tile(tma_x, (1, BK), (src, kt))
     t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_row, 0, 2),
                                      cute.group_modes(g_row, 0, 2))
-    cute.copy(atom, t_g, t_s, tma_bar_ptr=bar)
+    if const_expr(cn > 1):
+        cute.copy(atom, t_g, t_s, tma_bar_ptr=bar, mcast_mask=Int16((1 << cn) - 1))
+    else:
+        cute.copy(atom, t_g, t_s, tma_bar_ptr=bar)
 
 
 @cute.jit
@@ -97,34 +104,42 @@ def produce_rows(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom,
                  s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, t: Int32, n_ctas: Int32,
                  warp_idx: Int32, ptid: Int32, n_tiles_n: Constexpr[int], k_tiles: Constexpr[int],
                  bn: Constexpr[int], stages: Constexpr[int], cm: Constexpr[int] = 1,
-                 rank: Int32 | int = 0) -> None:
+                 rank: Int32 | int = 0, cn: Constexpr[int] = 1) -> None:
     """The producer warpgroup with A gathered: warp 0 arms each stage for A and B and TMA-loads B; warp w
-    loads tile rows 32w..32w+31 by one row TMA each onto the same barrier, each source row looked up once
-    per tile by its row's lane and shuffled to the issuing lane."""
+    loads its BM / (4 cn) tile rows by one row TMA each onto the same barrier, each source row looked up
+    once per tile by its row's lane and shuffled to the issuing lane. cn > 1: CTA `rank` of an N cluster
+    loads rows [rank, rank + 1) * BM / cn for every CTA of the cluster (multicast); each loads its own B."""
+    per_warp = BM // 4 // cn
     s_b_flat = cute.group_modes(s_b, 0, 2)
     a_base = cast(Pointer, s_a.iterator).toint()
     lane = ptid % 32
-    e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, n_tiles_n, cm)
+    first = (ptid // 32) * per_warp
+    if const_expr(cn > 1):
+        first = first + rank * (BM // cn)
+    units_n = n_tiles_n // cn
+    b_rank = rank
+    if const_expr(cn > 1):
+        b_rank = 0
+    e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, units_n, cm)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     while e <= n_groups:
         if e < n_groups:
-            n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n, cm, rank)
-            src = _source_row(m_slot, row0 + ptid, g_end, top_k, src_rows)
+            n_tile, row0 = unit_tile(t, before, g_start, units_n, cm, cn, rank)
+            src = _source_row(m_slot, row0 + first + lane, g_end, top_k, src_rows)
             g_b = cute.local_tile(m_b[(None, None, e)], (bn, BK), (n_tile, None))
-            t_sb, t_gb = cpasync.tma_partition(tma_atom_b, rank, cute.make_layout(cm), s_b_flat,
+            t_sb, t_gb = cpasync.tma_partition(tma_atom_b, b_rank, cute.make_layout(cm), s_b_flat,
                                                cute.group_modes(g_b, 0, 2))
             for kt in range(k_tiles):
                 arm_stage(mainloop, state, warp_idx, tma_atom_b, t_gb[(None, kt)],
                           t_sb[(None, state.index)], cm)
                 bar = mainloop.producer_get_barrier(state)
-                for i in range_constexpr(32):
-                    r = ptid - lane + i
+                for i in range_constexpr(per_warp):
                     _copy_row(row_atom, tma_x, cute.arch.shuffle_sync(src, i), kt,
-                              a_base + a_outer((r, 0, state.index)) * 2, a_row, bar)
+                              a_base + a_outer((first + i, 0, state.index)) * 2, a_row, bar, cn)
                 state.advance()
         t = t + n_ctas
         e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
-                                                n_tiles_n, cm)
+                                                units_n, cm)
     if warp_idx == 0:
         mainloop.producer_tail(state)
 
@@ -137,23 +152,23 @@ def grouped_gemm_gather_kernel(
     top_k: Int32, src_rows: Int32, m_rows: Int32, n_groups: Int32, tiled_mma: cute.TiledMma,
     a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout,
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
-    pingpong: Constexpr[bool],
+    pingpong: Constexpr[bool], cn: Constexpr[int],
 ) -> None:
     tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, s_act, mainloop = fwd_cta_begin(
         (tma_atom_b, row_atom, tma_atom_d, tma_atom_act), m_offs, n_groups, a_layout, b_layout, d_layout,
-        stages, "ab", GATHER_CLUSTER_M, act, pingpong)
+        stages, "ab", GATHER_CLUSTER_M * cn, act, pingpong)
     n_tiles_n = n_tiles_n_of(n, bn)
     k_tiles = n_k_tiles(k)
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         produce_rows(mainloop, tma_atom_b, m_b, row_atom, tma_x, row_layout(a_layout), m_slot, top_k,
                      src_rows, s_a, a_layout.outer, s_b, s_offs, n_groups, m_rows, unit, n_units, warp_idx,
-                     tidx, n_tiles_n, k_tiles, bn, stages, GATHER_CLUSTER_M, rank)
+                     tidx, n_tiles_n, k_tiles, bn, stages, GATHER_CLUSTER_M, rank, cn)
     else:
         consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, s_act,
                       tma_atom_act, tma_act, n_groups,
                       m_rows, tidx, warp_idx, n_units, unit, n, bn, k_tiles,
-                      stages, act, GATHER_CLUSTER_M, rank, pingpong)
+                      stages, act, GATHER_CLUSTER_M, rank, pingpong, cn)
 
 
 @cute.jit
@@ -161,28 +176,33 @@ def grouped_gemm_gather_host(
     px: Pointer, pslot: Pointer, pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer,
     top_k: Int32, src_rows: Int32, m_rows: Int32, n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream,
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], w_k_major: Constexpr[bool], act: Constexpr[str],
-    pingpong: Constexpr[bool],
+    pingpong: Constexpr[bool], cn: Constexpr[int],
 ) -> None:
     """y[p, n] = x[slot[p] // top_k] @ B_e^T for permuted row p of group e (x [src_rows, k]; B_e = w[e]
     K-major [E, n, k], else w[e]^T of w [E, k, n]: the dgrad), zero rows where slot[p] = -1; with act !=
-    "none" also a = act(y). The permuted copy of x is never written."""
+    "none" also a = act(y). The permuted copy of x is never written. cn > 1: clusters of cn CTAs on one M
+    tile's cn N tiles, each gathering 1/cn of A's rows for all of them."""
     stages = stages_for(bn, act, pingpong)
     (m_y, m_a, m_offs, tiled_mma, a_layout, b_layout, tma_atom_b, tma_b, tma_atom_d, tma_d, tma_atom_act,
      tma_act) = _gemm_setup(
         pw, py, pa, poffs, m_rows, n_groups, n, k, bn, stages, w_k_major, act, GATHER_CLUSTER_M, pingpong)
     m_slot = cute.make_tensor(pslot, cute.make_layout(m_rows))
     m_x = cute.make_tensor(px, cute.make_layout((src_rows, k), stride=(k, 1)))
-    row_atom, tma_x = row_tma(m_x, a_layout)
+    row_atom, tma_x = row_tma(m_x, a_layout, cn)
     grouped_gemm_gather_kernel(
         tma_atom_b, tma_b, row_atom, tma_x, tma_atom_d, tma_d, m_y, m_a, tma_atom_act, tma_act, m_offs,
         m_slot, top_k, src_rows, m_rows, n_groups, tiled_mma, a_layout, b_layout,
-        epi_smem_layout(epi_sets(pingpong)), n, k, bn, stages, act, pingpong,
-    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(GATHER_CLUSTER_M),
+        epi_smem_layout(epi_sets(pingpong)), n, k, bn, stages, act, pingpong, cn,
+    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(GATHER_CLUSTER_M * cn),
              min_blocks_per_mp=1, stream=stream)
 
 
 def compile_args_gather(n: int, k: int, bn: int, act: str = "none", w_k_major: bool = True,
-                        pingpong: bool = False) -> tuple[Any, tuple[Any, ...]]:
+                        pingpong: bool = False, cn: int = 1) -> tuple[Any, tuple[Any, ...]]:
+    if cn > 1 and (n_tiles_n_of(n, bn) % cn or GATHER_CLUSTER_M > 1 or BM // 4 % cn):
+        raise ValueError(f"gathered grouped GEMM N cluster of {cn}: needs N tiles ({n_tiles_n_of(n, bn)} "
+                         f"of {bn}) in whole clusters, no M cluster (GEMM_GATHER_CLUSTER_M = "
+                         f"{GATHER_CLUSTER_M}) and {BM // 4} rows per producer warp divisible by it")
     if act not in EPILOGUES or (act != "none" and not w_k_major):
         raise ValueError(f"gathered grouped GEMM epilogue {act!r} (w_k_major={w_k_major}) unsupported; the "
                          f"fwd takes one of {sorted(EPILOGUES)}, the dgrad only 'none'")
@@ -190,4 +210,4 @@ def compile_args_gather(n: int, k: int, bn: int, act: str = "none", w_k_major: b
             pointer(Int32, 0, 4))
     check_schedule(bn, pingpong)
     return grouped_gemm_gather_host, (*ptrs, *(Int32(0) for _ in range(5)), cuda.CUstream(0), n, k, bn,
-                                      w_k_major, act, pingpong)
+                                      w_k_major, act, pingpong, cn)

@@ -1,0 +1,108 @@
+"""The gathering fwd/dgrad in N clusters (GEMM_GATHER_CLUSTER_N): the CTAs of a cluster take one M tile's
+adjacent N tiles and each gathers its share of A's rows for all of them by multicast row TMA. Its contract is
+the unclustered gathering kernel's: every output bit equal. The schedule's choice needs no GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from nmoe.fast.dispatch import permute
+from nmoe.fast.gemm import sm90
+
+gpu = pytest.mark.gpu
+
+# (tokens, top_k, K, N, experts, align, activation, routing): N / 256 even so the clusters fill; "skew"
+# empties experts; T = 5 leaves most of the row capacity as the zero-filled tail.
+CASES = [
+    (300, 4, 288, 512, 8, 128, "swiglu", "uniform"),
+    (1000, 2, 512, 1024, 16, 16, "relu2", "skew"),
+    (64, 6, 2048, 2048, 64, 128, "swiglu", "skew"),
+    (5, 1, 64, 512, 4, 128, "relu2", "uniform"),
+]
+
+
+def _ids(t: int, k: int, e: int, routing: str, g: torch.Generator) -> Tensor:
+    if routing == "uniform":
+        return torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    weights = torch.tensor([2.0 ** -(i // 2) if i % 3 else 0.0 for i in range(e)])
+    weights[0] = 1.0
+    return torch.stack([torch.multinomial(weights, k, replacement=False, generator=g) for _ in range(t)])
+
+
+Case = tuple[int, int, int, int, int, int, str, str]
+
+
+def _case(case: Case) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    t, k, hid, n, e, align, _, routing = case
+    g = torch.Generator().manual_seed(t * 11 + e)
+    x = torch.randn(t, hid, generator=g).to(torch.bfloat16).cuda()
+    w = (torch.randn(e, n, hid, generator=g) / hid**0.5).to(torch.bfloat16).cuda()
+    dy = torch.randn(t, n, generator=g).to(torch.bfloat16).cuda()
+    p = permute(x.new_empty(t, 0), _ids(t, k, e, routing, g).cuda(), e, align)
+    return x, w, dy, p.slot, p.offs
+
+
+def _runs(case: tuple[int, int, int, int, int, int, str, str]) -> list[Tensor]:
+    """h, act(h) and the gathered dgrad dy[slot // K] @ w (N = hid: whole clusters only where hid allows)."""
+    x, w, dy, slot, offs = _case(case)
+    k, act = case[1], case[6]
+    a, h = sm90.grouped_gemm_act_gathered(x, slot, k, w, offs, act)
+    dx = sm90.grouped_gemm_dgrad_gathered(dy, slot, k, w, offs)
+    torch.cuda.synchronize()
+    return [h, a, dx]
+
+
+def test_schedule_clusters_only_whole_cooperative_n_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sm90, "GEMM_GATHER_CLUSTER_N", 2)
+    assert sm90.gather_cluster_n(2048, 256, False) == 2
+    assert sm90.gather_cluster_n(256, 256, False) == 1, "one N tile: no pair to share A with"
+    assert sm90.gather_cluster_n(1152, 128, False) == 1, "nine N tiles do not pair up"
+    assert sm90.gather_cluster_n(2048, 128, True) == 1, "ping-pong tiles stay alone"
+    monkeypatch.setattr(sm90, "GEMM_GATHER_CLUSTER_N", 1)
+    assert sm90.gather_cluster_n(2048, 256, False) == 1
+
+
+def test_n_cluster_launches_whole_clusters_of_ctas(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sm90.runtime, "sm_count", lambda device: 132)
+    assert sm90.fwd_ctas(0, 1 << 18, 2048, 128, 256, 1, 2) == 132
+    assert sm90.fwd_ctas(0, 128, 512, 1, 256, 1, 2) == 6, "at most 3 units (M tiles + partial ones) of 2 CTAs"
+
+
+@gpu
+@pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}K{c[1]}H{c[2]}N{c[3]}E{c[4]}-{c[6]}" for c in CASES])
+def test_n_cluster_equals_the_unclustered_kernel(case: tuple[int, int, int, int, int, int, str, str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    want = _runs(case)
+    monkeypatch.setattr(sm90, "GEMM_GATHER_CLUSTER_N", 2)
+    assert sm90.gather_cluster_n(case[3], sm90.pick_bn(case[3]), False) == 2, "the case runs clustered"
+    got = _runs(case)
+    for name, g, w in zip(("h", "act(h)", "dgrad"), got, want, strict=True):
+        assert torch.equal(g.view(torch.int16), w.view(torch.int16)), f"{name} differs in N clusters"
+
+
+@gpu
+def test_sep_gemm_fast_gather_cluster_rows_same_half(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both CTAs gathering the first half of A's rows delivers the same bytes (no hang) but never the second
+    half: rows 64-127 of every tile then hold another stage's rows, so h differs from the unclustered run."""
+    case = (300, 4, 288, 512, 8, 128, "swiglu", "uniform")
+    want = _runs(case)[0]
+    monkeypatch.setattr(sm90, "GEMM_GATHER_CLUSTER_N", 2)
+    got = _runs(case)[0]
+    rows = want[64:128].float()
+    assert bool(rows.abs().sum() > 0), "the second half of the first tile is not all zero: a lost half shows"
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@gpu
+def test_sep_gemm_fast_gather_cluster_same_n_tile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster whose CTAs both took the unit's first N tile would leave every other tile unwritten (torch's
+    empty output): the clustered h matches the unclustered one on every tile, the odd ones included."""
+    case = (64, 6, 2048, 2048, 64, 128, "swiglu", "skew")
+    want = _runs(case)[0]
+    monkeypatch.setattr(sm90, "GEMM_GATHER_CLUSTER_N", 2)
+    got = _runs(case)[0]
+    odd = want.view(want.shape[0], -1, 256)[:, 1::2]
+    assert bool(odd.abs().sum() > 0), "the odd N tiles hold nonzero values"
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
