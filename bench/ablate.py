@@ -216,7 +216,7 @@ MOE = "nmoe/fast/moe.py"
 LAYER_ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
         "ablate.layer_down_wgrad_gathered", MOE,
-        "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\")\n",
+        "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", aw.shape[1])\n",
         "            dw2 = sm90.grouped_gemm_wgrad_gathered(dout, aw, slot, k, offs, side=\"dy\")\n",
         "the down projection's wgrad reads dout's rows by index as it loads (cp.async) instead of the TMA "
         "wgrad over permuted copies of dout's column chunks",
@@ -229,6 +229,13 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
         "            a, h = sm90.grouped_gemm_act_h(p.xp, w_up, p.offs, cfg.activation)\n",
         "the up projection from permute's [R, H] copy of x by TMA instead of gathering x's rows as it loads: "
         "what the fusion costs in time (its copy is transient, freed after the forward's up projection)",
+    ),
+    Mutation(
+        "ablate.layer_down_chunks_dh_wide", MOE,
+        "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", aw.shape[1])\n",
+        "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", dh.shape[1])\n",
+        "the down wgrad copies dout's columns in chunks as wide as dh (2I for swiglu) instead of a's width: "
+        "half the launches (each a skewed routing's tail), one chunk's I more bytes per row at its peak",
     ),
     replace(_NO_PINGPONG, id="ablate.layer_no_pingpong"),
     replace(_GATHER_CLUSTER_N2, id="ablate.layer_gather_cluster_n2"),

@@ -108,14 +108,15 @@ def _to_slots(v: Tensor, slot: Tensor, t: int, k: int) -> Tensor:
     return v.new_zeros(t * k + 1).index_copy_(0, sink, v)[: t * k].view(t, k)
 
 
-def _chunked_wgrad(dy: Tensor, x: Tensor, slot: Tensor, row_of: Tensor, offs: Tensor, tokens: str) -> Tensor:
+def _chunked_wgrad(dy: Tensor, x: Tensor, slot: Tensor, row_of: Tensor, offs: Tensor, tokens: str,
+                   width: int) -> Tensor:
     """dy^T @ x per expert where the `tokens` side ("x": the up projection's x, "dy": the down projection's
-    dout) is token-major: a few of its columns at a time are copied into permuted order (the forward's
-    routing, columns read in place) for the TMA-fed wgrad (gathering rows by index as the wgrad loads
-    measured 2.0-3.5x slower than copy + TMA wgrad on the up projection); a copy never outgrows the other."""
+    dout) is token-major: `width` of its columns at a time (whole 128-wide tiles) are copied into permuted
+    order (the forward's routing, columns read in place) for the TMA-fed wgrad (gathering rows by index as
+    the wgrad loads measured 2.0-3.5x slower than copy + TMA wgrad on the up projection)."""
     src, other = (x, dy) if tokens == "x" else (dy, x)
     dw = other.new_empty(offs.shape[0], dy.shape[1], x.shape[1])
-    cols = sm90.wgrad_cols(src.shape[1], other.shape[1])
+    cols = sm90.wgrad_cols(src.shape[1], width)
     for c0 in range(0, src.shape[1], cols):
         part = spread_rows(src[:, c0:c0 + cols], slot, row_of)
         if tokens == "x":
@@ -219,7 +220,7 @@ class _Routed(torch.autograd.Function):
             dweights = _to_slots(dot * scale, slot, t, k)
         if need_w2:
             assert aw is not None
-            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, "dy")
+            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, "dy", aw.shape[1])
         del aw
         if need_h:
             if need_x:
@@ -228,7 +229,7 @@ class _Routed(torch.autograd.Function):
                 dx = combine_gather(dxp, row_of, ones, 1.0, None)
                 del dxp
             if need_up:
-                dw_up = _chunked_wgrad(dh, x, slot, row_of, offs, "x")
+                dw_up = _chunked_wgrad(dh, x, slot, row_of, offs, "x", dh.shape[1])
         return dx, dw_up, dw2, dweights, dout if ctx.has_shared else None, None, None
 
 

@@ -142,8 +142,8 @@ def wgrad_split(m: int, n: int, k: int, bn: int, n_groups: int, sms: int) -> Wgr
 
 
 def wgrad_cols(k: int, n: int) -> int:
-    """Columns of a wgrad's x taken per launch where x is a transient copy: n (the copy no larger than dy),
-    in whole 128-wide tiles, at least one."""
+    """Columns of a wgrad's token-major side taken per launch where it is a transient copy: at most n, in
+    whole 128-wide tiles, at least one."""
     return min(k, max(128, n // 128 * 128))
 
 
