@@ -35,11 +35,12 @@ _PINGPONG = Mutation(
     "the TMA-fed fwd and dgrad ping-pong at every K (each consumer warpgroup its own 128 x 128 tile, one's "
     "epilogue under the other's MMAs), against the default's cooperative 128 x bn tile above K = 1024",
 )
-_GATHER_CLUSTER_N2 = Mutation(
-    "ablate.gather_cluster_n2", LIMITS,
-    "GEMM_GATHER_CLUSTER_N: Final[int] = 1\n", "GEMM_GATHER_CLUSTER_N: Final[int] = 2\n",
-    "the gathering fwd and dgrad in N clusters of two CTAs (one M tile, adjacent N tiles), each gathering "
-    "half of A's rows for both by multicast row TMA: half the row TMAs per CTA",
+_GATHER_CLUSTER_N1 = Mutation(
+    "ablate.gather_cluster_n1", LIMITS,
+    "GEMM_GATHER_CLUSTER_N: Final[int] = 2\n", "GEMM_GATHER_CLUSTER_N: Final[int] = 1\n",
+    "the gathering fwd and dgrad unclustered, each CTA gathering all of its tile's A rows, against N "
+    "clusters of two CTAs (one M tile, adjacent N tiles) that each gather half of them for both by multicast "
+    "row TMA",
 )
 _NO_PINGPONG = Mutation(
     "ablate.no_pingpong", LIMITS,
@@ -188,7 +189,7 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "IEEE division costs",
     ),
     _GATHER_CLUSTER_TWO,
-    _GATHER_CLUSTER_N2,
+    _GATHER_CLUSTER_N1,
     Mutation(
         "ablate.gather_pingpong", LIMITS,
         "GEMM_GATHER_PINGPONG: Final[bool] = False\n", "GEMM_GATHER_PINGPONG: Final[bool] = True\n",
@@ -216,7 +217,7 @@ MOE = "nmoe/fast/moe.py"
 LAYER_ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
         "ablate.layer_down_wgrad_gathered", MOE,
-        "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", aw.shape[1])\n",
+        "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", dh.shape[1])\n",
         "            dw2 = sm90.grouped_gemm_wgrad_gathered(dout, aw, slot, k, offs, side=\"dy\")\n",
         "the down projection's wgrad reads dout's rows by index as it loads (cp.async) instead of the TMA "
         "wgrad over permuted copies of dout's column chunks",
@@ -231,14 +232,14 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
         "what the fusion costs in time (its copy is transient, freed after the forward's up projection)",
     ),
     Mutation(
-        "ablate.layer_down_chunks_dh_wide", MOE,
-        "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", aw.shape[1])\n",
+        "ablate.layer_down_chunks_a_wide", MOE,
         "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", dh.shape[1])\n",
-        "the down wgrad copies dout's columns in chunks as wide as dh (2I for swiglu) instead of a's width: "
-        "half the launches (each a skewed routing's tail), one chunk's I more bytes per row at its peak",
+        "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", aw.shape[1])\n",
+        "the down wgrad copies dout's columns in chunks as wide as a (I) instead of dh (2I for swiglu): "
+        "twice the launches, each with a skewed routing's tail",
     ),
     replace(_NO_PINGPONG, id="ablate.layer_no_pingpong"),
-    replace(_GATHER_CLUSTER_N2, id="ablate.layer_gather_cluster_n2"),
+    replace(_GATHER_CLUSTER_N1, id="ablate.layer_gather_cluster_n1"),
     replace(_PINGPONG, id="ablate.layer_pingpong"),
 )
 # Ablations of more than one edit, applied in order; the first names the variant and says what it measures.

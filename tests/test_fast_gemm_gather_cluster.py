@@ -44,8 +44,10 @@ def _case(case: Case) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return x, w, dy, p.slot, p.offs
 
 
-def _runs(case: tuple[int, int, int, int, int, int, str, str]) -> list[Tensor]:
-    """h, act(h) and the gathered dgrad dy[slot // K] @ w (N = hid: whole clusters only where hid allows)."""
+def _runs(case: Case, monkeypatch: pytest.MonkeyPatch, cn: int) -> list[Tensor]:
+    """h, act(h) and the gathered dgrad dy[slot // K] @ w (N = hid: whole clusters only where hid allows),
+    with GEMM_GATHER_CLUSTER_N = cn."""
+    monkeypatch.setattr(sm90, "GEMM_GATHER_CLUSTER_N", cn)
     x, w, dy, slot, offs = _case(case)
     k, act = case[1], case[6]
     a, h = sm90.grouped_gemm_act_gathered(x, slot, k, w, offs, act)
@@ -74,10 +76,9 @@ def test_n_cluster_launches_whole_clusters_of_ctas(monkeypatch: pytest.MonkeyPat
 @pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}K{c[1]}H{c[2]}N{c[3]}E{c[4]}-{c[6]}" for c in CASES])
 def test_n_cluster_equals_the_unclustered_kernel(case: tuple[int, int, int, int, int, int, str, str],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    want = _runs(case)
-    monkeypatch.setattr(sm90, "GEMM_GATHER_CLUSTER_N", 2)
-    assert sm90.gather_cluster_n(case[3], sm90.pick_bn(case[3]), False) == 2, "the case runs clustered"
-    got = _runs(case)
+    want = _runs(case, monkeypatch, 1)
+    got = _runs(case, monkeypatch, 2)
+    assert sm90.gather_cluster_n(case[3], sm90.pick_bn(case[3]), False) == 2, "the case ran clustered"
     for name, g, w in zip(("h", "act(h)", "dgrad"), got, want, strict=True):
         assert torch.equal(g.view(torch.int16), w.view(torch.int16)), f"{name} differs in N clusters"
 
@@ -87,9 +88,8 @@ def test_sep_gemm_fast_gather_cluster_rows_same_half(monkeypatch: pytest.MonkeyP
     """Both CTAs gathering the first half of A's rows delivers the same bytes (no hang) but never the second
     half: rows 64-127 of every tile then hold another stage's rows, so h differs from the unclustered run."""
     case = (300, 4, 288, 512, 8, 128, "swiglu", "uniform")
-    want = _runs(case)[0]
-    monkeypatch.setattr(sm90, "GEMM_GATHER_CLUSTER_N", 2)
-    got = _runs(case)[0]
+    want = _runs(case, monkeypatch, 1)[0]
+    got = _runs(case, monkeypatch, 2)[0]
     rows = want[64:128].float()
     assert bool(rows.abs().sum() > 0), "the second half of the first tile is not all zero: a lost half shows"
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
@@ -100,9 +100,8 @@ def test_sep_gemm_fast_gather_cluster_same_n_tile(monkeypatch: pytest.MonkeyPatc
     """A cluster whose CTAs both took the unit's first N tile would leave every other tile unwritten (torch's
     empty output): the clustered h matches the unclustered one on every tile, the odd ones included."""
     case = (64, 6, 2048, 2048, 64, 128, "swiglu", "skew")
-    want = _runs(case)[0]
-    monkeypatch.setattr(sm90, "GEMM_GATHER_CLUSTER_N", 2)
-    got = _runs(case)[0]
+    want = _runs(case, monkeypatch, 1)[0]
+    got = _runs(case, monkeypatch, 2)[0]
     odd = want.view(want.shape[0], -1, 256)[:, 1::2]
     assert bool(odd.abs().sum() > 0), "the odd N tiles hold nonzero values"
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))

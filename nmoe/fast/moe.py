@@ -12,9 +12,9 @@ Saved for the backward, per token (K slots, up width N = 2I swiglu or I relu2, E
   x (the layer input, already alive)      0 extra: the up projection reads x's rows by index, the down
                                             projection's dgrad reads dout's rows by index (no permuted copy
                                             of x or dout kept, 2KH bytes per token each); the wgrads read
-                                            transient permuted copies of column chunks of dout (no larger
-                                            than a) and of x (no larger than dh, made once dx is reduced),
-                                            spread on the forward's routing
+                                            transient permuted copies of column chunks of dout and of x
+                                            (made once dx is reduced), each no larger than dh, spread on the
+                                            forward's routing
   h [slots, N] bf16                        2KN bytes: the up-projection output; a = act(h) is recomputed
                                             (elementwise), redoing the up GEMM would cost a third of the fwd;
                                             the backward writes dh over h (no second [slots, N] buffer)
@@ -220,7 +220,7 @@ class _Routed(torch.autograd.Function):
             dweights = _to_slots(dot * scale, slot, t, k)
         if need_w2:
             assert aw is not None
-            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, "dy", aw.shape[1])
+            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, "dy", dh.shape[1])
         del aw
         if need_h:
             if need_x:
