@@ -42,6 +42,12 @@ _GATHER_CLUSTER_N1 = Mutation(
     "clusters of two CTAs (one M tile, adjacent N tiles) that each gather half of them for both by multicast "
     "row TMA",
 )
+_GATHER_CLUSTER_N4 = Mutation(
+    "ablate.gather_cluster_n4", LIMITS,
+    "GEMM_GATHER_CLUSTER_N: Final[int] = 2\n", "GEMM_GATHER_CLUSTER_N: Final[int] = 4\n",
+    "N clusters of up to four CTAs where the N tiles fill them (two, else none): a quarter of a tile's A "
+    "rows gathered per CTA",
+)
 _NO_PINGPONG = Mutation(
     "ablate.no_pingpong", LIMITS,
     "GEMM_PINGPONG_MAX_K: Final[int] = 1024\n", "GEMM_PINGPONG_MAX_K: Final[int] = 0\n",
@@ -190,6 +196,7 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     ),
     _GATHER_CLUSTER_TWO,
     _GATHER_CLUSTER_N1,
+    _GATHER_CLUSTER_N4,
     Mutation(
         "ablate.gather_pingpong", LIMITS,
         "GEMM_GATHER_PINGPONG: Final[bool] = False\n", "GEMM_GATHER_PINGPONG: Final[bool] = True\n",
@@ -240,6 +247,7 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     ),
     replace(_NO_PINGPONG, id="ablate.layer_no_pingpong"),
     replace(_GATHER_CLUSTER_N1, id="ablate.layer_gather_cluster_n1"),
+    replace(_GATHER_CLUSTER_N4, id="ablate.layer_gather_cluster_n4"),
     replace(_PINGPONG, id="ablate.layer_pingpong"),
 )
 # Ablations of more than one edit, applied in order; the first names the variant and says what it measures.

@@ -62,8 +62,20 @@ def test_schedule_clusters_only_whole_cooperative_n_tiles(monkeypatch: pytest.Mo
     assert sm90.gather_cluster_n(256, 256, False) == 1, "one N tile: no pair to share A with"
     assert sm90.gather_cluster_n(1152, 128, False) == 1, "nine N tiles do not pair up"
     assert sm90.gather_cluster_n(2048, 128, True) == 1, "ping-pong tiles stay alone"
+    monkeypatch.setattr(sm90, "GEMM_GATHER_CLUSTER_N", 4)
+    assert sm90.gather_cluster_n(2048, 256, False) == 4
+    assert sm90.gather_cluster_n(512, 256, False) == 2, "two N tiles: the widest cluster they fill"
     monkeypatch.setattr(sm90, "GEMM_GATHER_CLUSTER_N", 1)
     assert sm90.gather_cluster_n(2048, 256, False) == 1
+
+
+def test_n_cluster_kernels_are_compile_checked() -> None:
+    names = {s.name for s in sm90.KERNELS if "_cn" in s.name}
+    assert names == {"grouped_gemm_act_gathered_swiglu_cn2", "grouped_gemm_dgrad_gathered_cn2",
+                     "grouped_gemm_act_gathered_swiglu_cn4"}
+    for s in sm90.KERNELS:
+        if "_cn" in s.name:
+            assert any("multicast::cluster" in rx for rx in s.expect["sm_90a"])
 
 
 def test_n_cluster_launches_whole_clusters_of_ctas(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -69,10 +69,12 @@ def fwd_ctas(device: int, m: int, n: int, n_groups: int, bn: int, cm: int, cn: i
 
 
 def gather_cluster_n(n: int, bn: int, pingpong: bool) -> int:
-    """The gathering kernel's N cluster: GEMM_GATHER_CLUSTER_N where its cooperative N tiles fill whole
-    clusters, else none (the schedule's choice, like its tile width; results are the same bits)."""
-    cn = GEMM_GATHER_CLUSTER_N
-    return cn if cn > 1 and not pingpong and -(-n // bn) % cn == 0 else 1
+    """The gathering kernel's N cluster: the widest power of two up to GEMM_GATHER_CLUSTER_N whose clusters
+    its cooperative N tiles fill (1: none); the schedule's choice, like its tile width, with the same bits."""
+    cn = 1 if pingpong else GEMM_GATHER_CLUSTER_N
+    while cn > 1 and -(-n // bn) % cn:
+        cn //= 2
+    return cn
 
 
 def _check(op: str, a: Tensor, w: Tensor, offs: Tensor, a_name: str, red_dim: int) -> None:
@@ -715,4 +717,5 @@ KERNELS: tuple[KernelSpec, ...] = (
     _dgrad_gather_spec("grouped_gemm_dgrad_gathered_n128", 1024, 4096),
     _gather_spec("grouped_gemm_act_gathered_swiglu_cn2", 2048, 4096, "swiglu", cn=2),
     _dgrad_gather_spec("grouped_gemm_dgrad_gathered_cn2", 1024, 4096, cn=2),
+    _gather_spec("grouped_gemm_act_gathered_swiglu_cn4", 2048, 4096, "swiglu", cn=4),
 )
