@@ -87,7 +87,8 @@ def test_n_cluster_launches_whole_clusters_of_ctas(monkeypatch: pytest.MonkeyPat
 @gpu
 @pytest.mark.parametrize("cn", [2, 4])
 @pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}K{c[1]}H{c[2]}N{c[3]}E{c[4]}-{c[6]}" for c in CASES])
-def test_n_cluster_equals_the_unclustered_kernel(case: Case, cn: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_n_cluster_equals_the_unclustered_kernel(case: Case, cn: int,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     want = _runs(case, monkeypatch, 1)
     got = _runs(case, monkeypatch, cn)
     assert sm90.gather_cluster_n(case[3], sm90.pick_bn(case[3]), False) > 1, "the case ran clustered"
