@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_fast_gemm_gather import _ids
 from torch import Tensor
 
 from nmoe.fast.dispatch import permute
@@ -21,14 +22,6 @@ CASES = [
     (64, 6, 2048, 2048, 64, 128, "swiglu", "skew"),
     (5, 1, 64, 512, 4, 128, "relu2", "uniform"),
 ]
-
-
-def _ids(t: int, k: int, e: int, routing: str, g: torch.Generator) -> Tensor:
-    if routing == "uniform":
-        return torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-    weights = torch.tensor([2.0 ** -(i // 2) if i % 3 else 0.0 for i in range(e)])
-    weights[0] = 1.0
-    return torch.stack([torch.multinomial(weights, k, replacement=False, generator=g) for _ in range(t)])
 
 
 Case = tuple[int, int, int, int, int, int, str, str]
