@@ -48,6 +48,12 @@ _GATHER_CLUSTER_N4 = Mutation(
     "N clusters of up to four CTAs where the N tiles fill them (two, else none): a quarter of a tile's A "
     "rows gathered per CTA",
 )
+_WGRAD_DYNAMIC = Mutation(
+    "ablate.wgrad_dynamic", LIMITS,
+    "GEMM_WGRAD_DYNAMIC: Final[bool] = False\n", "GEMM_WGRAD_DYNAMIC: Final[bool] = True\n",
+    "the TMA wgrad takes tiles of its heaviest-first list from a device counter instead of static snake "
+    "rounds",
+)
 _NO_PINGPONG = Mutation(
     "ablate.no_pingpong", LIMITS,
     "GEMM_PINGPONG_MAX_K: Final[int] = 1024\n", "GEMM_PINGPONG_MAX_K: Final[int] = 0\n",
@@ -88,6 +94,7 @@ ABLATIONS: tuple[Mutation, ...] = (
     _BN128,
     _PINGPONG,
     _NO_PINGPONG,
+    _WGRAD_DYNAMIC,
     Mutation(
         "ablate.cluster_one", LIMITS,
         "GEMM_CLUSTER_M: Final[int] = 2\n", "GEMM_CLUSTER_M: Final[int] = 1\n",
@@ -248,6 +255,7 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     replace(_NO_PINGPONG, id="ablate.layer_no_pingpong"),
     replace(_GATHER_CLUSTER_N1, id="ablate.layer_gather_cluster_n1"),
     replace(_GATHER_CLUSTER_N4, id="ablate.layer_gather_cluster_n4"),
+    replace(_WGRAD_DYNAMIC, id="ablate.layer_wgrad_dynamic"),
     replace(_PINGPONG, id="ablate.layer_pingpong"),
 )
 # Ablations of more than one edit, applied in order; the first names the variant and says what it measures.

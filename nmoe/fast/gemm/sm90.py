@@ -31,6 +31,7 @@ from nmoe.fast.limits import (
     GEMM_GATHER_PINGPONG,
     GEMM_PINGPONG_BN,
     GEMM_PINGPONG_MAX_K,
+    GEMM_WGRAD_DYNAMIC,
 )
 from nmoe.fast.op import Kernel, Launcher, fast_op, remember, save_inputs
 from nmoe.fast.runtime import KernelSpec, tma_aligned
@@ -49,7 +50,8 @@ GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_gather", "grouped_gemm_gath
                     n, k, bn, act, w_k_major, pingpong, cn),
                 (ARCH,), "nmoe.fast.gemm.grouped_gemm_act_gathered")
 WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad",
-               lambda km, n, k, bn, ld, gs=0: km.compile_args(n, k, bn, ld, gs), (ARCH,),
+               lambda km, n, k, bn, ld, gs=0, dynamic=False: km.compile_args(n, k, bn, ld, gs, dynamic),
+               (ARCH,),
                "nmoe.fast.gemm.grouped_gemm_wgrad")
 WGRAD_GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad_gather",
                       lambda km, n, k, bn, side: km.compile_args_gather(n, k, bn, side), (ARCH,),
@@ -114,33 +116,39 @@ class WgradSplit:
     """The wgrad's row split, from shapes alone (no routing value reaches the host): a group of more than
     `thresh` rows (a CTA's average share of the work) is cut into `rows`-row chunks whose fp32 partials fill
     at most `ws_tiles` workspace tiles of `tile_floats` and are summed in chunk order; `counters` count
-    finished chunks."""
+    finished chunks. `dynamic`: CTAs take tiles from a device counter at index `grab_at`, else in rounds."""
 
     thresh: int
     rows: int
     ws_tiles: int
     counters: int
     tile_floats: int
+    grab_at: int = 0
+    dynamic: bool = False
 
     def args(self, device: torch.device) -> tuple[tuple[Tensor, ...], tuple[int, ...]]:
         """(buffers to keep alive over the launch, the kernel's split arguments): a fresh workspace and zeroed
-        counters per launch, so a replayed graph starts clean; none (null pointers) where nothing splits."""
-        if self.counters == 0:
+        counters per launch, so a replayed graph starts clean; null pointers where nothing needs them."""
+        if self.counters == 0 and not self.dynamic:
             return (), (0, 0, self.thresh, self.rows, self.ws_tiles)
+        counters = torch.zeros(self.grab_at + 1, dtype=torch.int32, device=device)
+        if self.counters == 0:
+            return (counters,), (0, counters.data_ptr(), self.thresh, self.rows, self.ws_tiles)
         ws = torch.empty(self.ws_tiles * self.tile_floats, dtype=torch.float32, device=device)
-        counters = torch.zeros(self.counters, dtype=torch.int32, device=device)
         return (ws, counters), (ws.data_ptr(), counters.data_ptr(), self.thresh, self.rows, self.ws_tiles)
 
 
-def wgrad_split(m: int, n: int, k: int, bn: int, n_groups: int, sms: int) -> WgradSplit:
+def wgrad_split(m: int, n: int, k: int, bn: int, n_groups: int, sms: int,
+                dynamic: bool = False) -> WgradSplit:
     """Chunks of half a CTA's share, in K boxes. A split group has S = ceil(R / rows) < 2R / rows chunks
     (R > rows), so together they take fewer than 2m / rows workspace slices of tiles_per_group tiles."""
     tpg = -(-n // GEMM_BM) * -(-k // bn)
     share = -(-m * tpg // sms)
     if share >= m:
-        return WgradSplit(m, m, 0, 0, GEMM_BM * bn)
+        return WgradSplit(m, m, 0, 0, GEMM_BM * bn, n_groups * tpg, dynamic)
     rows = -(-max(4 * GEMM_BK, -(-share // 2)) // GEMM_BK) * GEMM_BK
-    return WgradSplit(share, rows, (2 * m // rows) * tpg, n_groups * tpg, GEMM_BM * bn)
+    slots = n_groups * tpg
+    return WgradSplit(share, rows, (2 * m // rows) * tpg, slots, GEMM_BM * bn, slots, dynamic)
 
 
 def wgrad_cols(k: int, n: int) -> int:
@@ -236,15 +244,16 @@ def _prepare_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw_shape: tuple[int, ...
     if m == 0:
         return device, None, True, (m, 0, 0), None
     bn = _pick_bn("grouped_gemm_wgrad", k, bn)
-    n_ctas, split = _wgrad_grid(device, m, n, k, bn, n_groups)
-    launch = WGRAD.launcher(arch, n=n, k=k, bn=bn, ld=ld or k, gs=gs or n)
+    n_ctas, split = _wgrad_grid(device, m, n, k, bn, n_groups, GEMM_WGRAD_DYNAMIC)
+    launch = WGRAD.launcher(arch, n=n, k=k, bn=bn, ld=ld or k, gs=gs or n, dynamic=split.dynamic)
     return device, launch, False, (m, n_groups, n_ctas), split
 
 
-def _wgrad_grid(device: int, m: int, n: int, k: int, bn: int, n_groups: int) -> tuple[int, WgradSplit]:
+def _wgrad_grid(device: int, m: int, n: int, k: int, bn: int, n_groups: int,
+                dynamic: bool = False) -> tuple[int, WgradSplit]:
     """(CTAs, row split) of a wgrad over m rows: a CTA per SM, fewer only when there are fewer tiles."""
     sms = runtime.sm_count(device)
-    split = wgrad_split(m, n, k, bn, n_groups, sms)
+    split = wgrad_split(m, n, k, bn, n_groups, sms, dynamic)
     return min(sms, n_groups * -(-n // GEMM_BM) * -(-k // bn) + split.ws_tiles), split
 
 
@@ -269,7 +278,7 @@ _PLANS: dict[tuple[Any, ...], _Plan] = {}
 def _plan(op: str, a: Tensor, w: Tensor, offs: Tensor, a_name: str, w_name: str,
           activation: str = "") -> _Plan:
     """The memoised plan of this layout, or the full checks (raising as they always did) and a new plan."""
-    key = (op, activation, *_layout(a, w, offs))
+    key = (op, activation, GEMM_WGRAD_DYNAMIC, *_layout(a, w, offs))
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
@@ -695,6 +704,11 @@ KERNELS: tuple[KernelSpec, ...] = (
     _spec("grouped_gemm_fwd_n256", 4096, 1024, 256, True),
     _spec("grouped_gemm_dgrad_n128", 1024, 4096, 128, False),
     _spec("grouped_gemm_wgrad_n256", 2048, 4096, 256, None),
+    KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_dynamic_n256",
+               compile=WGRAD.compiler(n=2048, k=4096, bn=256, ld=4096, dynamic=True),
+               expect={"sm_90a": (*_EXPECT_WGRAD, r"\batom\.global\.acq_rel(\.gpu)?\.add\.u32\b",
+                                  r"\bshfl\.sync\.idx\.b32\b")},
+               forbid={"sm_90a": _FORBID_SM90}),
     KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_cols_n256",
                compile=WGRAD.compiler(n=2048, k=1024, bn=256, ld=4096), expect={"sm_90a": _EXPECT_WGRAD},
                forbid={"sm_90a": _FORBID_SM90}),

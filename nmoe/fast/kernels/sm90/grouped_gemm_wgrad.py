@@ -18,6 +18,7 @@ from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 from cutlass.cutlass_dsl.cutlass import max as dsl_max
 from cutlass.cutlass_dsl.cutlass import min as dsl_min
+from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from nmoe.fast.kernels.sm90.gatherplan import gather_lag, gather_lanes, own_row, source_lane
@@ -47,6 +48,7 @@ from nmoe.fast.limits import GEMM_BM as BM
 from nmoe.fast.limits import GEMM_MAX_GROUPS as MAX_GROUPS
 
 MASK_BARRIER_ID = 2
+QUEUE_DEPTH = 4
 PACK = 1 << 16
 LOG_GROUPS = MAX_GROUPS.bit_length() - 1
 assert 1 << LOG_GROUPS == MAX_GROUPS, "the unit search halves a power-of-two table"
@@ -145,6 +147,57 @@ def snake_tile(i: Int32, bidx: Int32, n_ctas: Int32) -> Int32:
     return cast(Int32, t)
 
 
+class TileQueue(NamedTuple):
+    """A dynamic wgrad's tile hand-off: the producer warp takes the next tile index from a device counter
+    and passes it through `slots` (a QUEUE_DEPTH ring under `pipe`) to the consumers; None when static."""
+
+    pipe: pipeline.PipelineAsync
+    slots: cute.Tensor
+
+
+def tile_queue() -> TileQueue:
+    """The ring of tile indices in shared memory: warp 0 of the producers fills it, both consumer
+    warpgroups drain it (every thread arrives)."""
+    smem = SmemAllocator()
+    barriers = smem.allocate_array(Int64, QUEUE_DEPTH * 2, byte_alignment=8)
+    slots = smem.allocate_tensor(Int32, cute.make_layout(QUEUE_DEPTH), 16)
+    pipe = pipeline.PipelineAsync.create(
+        barrier_storage=barriers, num_stages=QUEUE_DEPTH,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS))
+    return TileQueue(pipe, slots)
+
+
+@cute.jit
+def grab_tile(m_count: cute.Tensor, at: Int32, lane: Int32) -> Int32:
+    """The next tile of the heaviest-first list for this CTA: one device-scope fetch-and-add by lane 0 of the
+    calling warp, shuffled to the others. Which CTA takes a tile never changes its bits."""
+    t = Int32(0)
+    if lane == 0:
+        ptr = (m_count.iterator + at).llvm_ptr
+        t = Int32(cute.arch.atomic_add(ptr, Int32(1), sem="acq_rel", scope="gpu"))
+    out: Int32 = cute.arch.shuffle_sync(t, 0)
+    return out
+
+
+@cute.jit
+def pass_tile(q: TileQueue, state: Any, t: Int32, lane: Int32) -> None:
+    q.pipe.producer_acquire(state)
+    if lane == 0:
+        q.slots[state.index] = t
+    q.pipe.producer_commit(state)
+    state.advance()
+
+
+@cute.jit
+def take_tile(q: TileQueue, state: Any) -> Int32:
+    q.pipe.consumer_wait(state)
+    t = cast(Int32, q.slots[state.index])
+    q.pipe.consumer_release(state)
+    state.advance()
+    return t
+
+
 @cute.jit
 def _wgrad_tile(u: Units, t: Int32) -> tuple[Int32, Int32, Int32, Int32, Int32, Int32, Int32, Int32]:
     """Tile t: (group, m tile, n tile, first row, end row, the group's chunk count S, this chunk's index,
@@ -218,10 +271,10 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                   s_b: cute.Tensor, s_d: cute.Tensor, u: Units, m_ws: cute.Tensor, m_count: cute.Tensor,
                   tma_atom_d: cute.CopyAtom, tma_d: cute.Tensor, m_d: cute.Tensor, tidx: Int32,
                   warp_idx: Int32, bidx: Int32, n_ctas: Int32, n: Constexpr[int], k: Constexpr[int],
-                  bn: Constexpr[int], stages: Constexpr[int], gs: Constexpr[int]) -> None:
+                  bn: Constexpr[int], stages: Constexpr[int], gs: Constexpr[int], q: Any = None) -> None:
     """The two consumer warpgroups of the wgrad: masked K boxes into wgmma, then the fwd's epilogue into
     dw's rows, group e's n from row e * gs (a split group's chunk first through its workspace slice and
-    counter)."""
+    counter). Tiles in snake rounds, or, with a TileQueue q, as the producer hands them over."""
     cute.arch.setmaxregister_increase(CONSUMER_REGS)
     ctid = tidx - WG_THREADS
     t_ra, t_rb, acc_shape = mma_fragments(tiled_mma, s_a, s_b, warp_idx, bn)
@@ -233,8 +286,12 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
     read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-    for rnd in range(n_rounds(u.total, n_ctas)):
-        t = snake_tile(rnd, bidx, n_ctas)
+    qstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QUEUE_DEPTH)
+    rnd = Int32(0)
+    t = snake_tile(rnd, bidx, n_ctas)
+    if const_expr(q is not None):
+        t = take_tile(q, qstate)
+    while t < u.total:
         if t < u.total:
             e, m_tile, n_tile, start, end, splits, part, first_slice = _wgrad_tile(u, t)
             k_tiles = (end - start + BK - 1) // BK
@@ -263,7 +320,32 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                                        part, splits, u.tiles_per_group, local, ctid, epi.bar)
             if write == 1:
                 store_tile(epi, tma_d, m_d, m_d, e * gs + m_tile * BM, n_tile, e * gs + n, k, bn, "none")
+        rnd = rnd + 1
+        t = snake_tile(rnd, bidx, n_ctas)
+        if const_expr(q is not None):
+            t = take_tile(q, qstate)
     drain_stores()
+
+
+@cute.jit
+def _load_tile(mainloop: pipeline.PipelineTmaAsync, state: Any, u: Units, t: Int32,
+               tma_atom_a: cute.CopyAtom, m_a: cute.Tensor, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
+               s_a_flat: cute.Tensor, s_b_flat: cute.Tensor, bn: Constexpr[int]) -> None:
+    """The producer warp's TMA loads of every K box of tile t, both operands onto each stage's barrier."""
+    _, m_tile, n_tile, start, end, _, _, _ = _wgrad_tile(u, t)
+    g_a = cute.local_tile(cute.domain_offset((0, start), m_a), (BM, BK), (m_tile, None))
+    g_b = cute.local_tile(cute.domain_offset((0, start), m_b), (bn, BK), (n_tile, None))
+    t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1), s_a_flat,
+                                       cute.group_modes(g_a, 0, 2))
+    t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1), s_b_flat,
+                                       cute.group_modes(g_b, 0, 2))
+    for kt in range((end - start + BK - 1) // BK):
+        mainloop.producer_acquire(state)
+        bar = mainloop.producer_get_barrier(state)
+        cute.copy(tma_atom_a, t_ga[(None, kt)], t_sa[(None, state.index)], tma_bar_ptr=bar)
+        cute.copy(tma_atom_b, t_gb[(None, kt)], t_sb[(None, state.index)], tma_bar_ptr=bar)
+        mainloop.producer_commit(state)
+        state.advance()
 
 
 @cute.kernel
@@ -274,11 +356,14 @@ def grouped_wgrad_kernel(
     n_groups: Int32, thresh: Int32, split_rows: Int32,
     tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
     d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
-    stages: Constexpr[int], gs: Constexpr[int],
+    stages: Constexpr[int], gs: Constexpr[int], dynamic: Constexpr[bool],
 ) -> None:
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b, tma_atom_d))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
                                                 stages, tables=3)
+    q = None
+    if const_expr(dynamic):
+        q = tile_queue()
     u = plan_units(s_offs, n_groups, m_rows, thresh, split_rows, tidx, n, k, bn)
     s_a_flat = cute.group_modes(s_a, 0, 2)
     s_b_flat = cute.group_modes(s_b, 0, 2)
@@ -287,27 +372,27 @@ def grouped_wgrad_kernel(
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         if warp_idx == 0:
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-            for rnd in range(n_rounds(u.total, n_ctas)):
-                t = snake_tile(rnd, bidx, n_ctas)
-                if t < u.total:
-                    _, m_tile, n_tile, start, end, _, _, _ = _wgrad_tile(u, t)
-                    g_a = cute.local_tile(cute.domain_offset((0, start), m_a), (BM, BK), (m_tile, None))
-                    g_b = cute.local_tile(cute.domain_offset((0, start), m_b), (bn, BK), (n_tile, None))
-                    t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1), s_a_flat,
-                                                       cute.group_modes(g_a, 0, 2))
-                    t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1), s_b_flat,
-                                                       cute.group_modes(g_b, 0, 2))
-                    for kt in range((end - start + BK - 1) // BK):
-                        mainloop.producer_acquire(state)
-                        bar = mainloop.producer_get_barrier(state)
-                        cute.copy(tma_atom_a, t_ga[(None, kt)], t_sa[(None, state.index)], tma_bar_ptr=bar)
-                        cute.copy(tma_atom_b, t_gb[(None, kt)], t_sb[(None, state.index)], tma_bar_ptr=bar)
-                        mainloop.producer_commit(state)
-                        state.advance()
+            if const_expr(dynamic):
+                lane = tidx % 32
+                qstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, QUEUE_DEPTH)
+                at = n_groups * u.tiles_per_group
+                t = grab_tile(m_count, at, lane)
+                pass_tile(q, qstate, t, lane)
+                while t < u.total:
+                    _load_tile(mainloop, state, u, t, tma_atom_a, m_a, tma_atom_b, m_b, s_a_flat, s_b_flat,
+                               bn)
+                    t = grab_tile(m_count, at, lane)
+                    pass_tile(q, qstate, t, lane)
+            else:
+                for rnd in range(n_rounds(u.total, n_ctas)):
+                    t = snake_tile(rnd, bidx, n_ctas)
+                    if t < u.total:
+                        _load_tile(mainloop, state, u, t, tma_atom_a, m_a, tma_atom_b, m_b, s_a_flat,
+                                   s_b_flat, bn)
             mainloop.producer_tail(state)
     else:
         consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, u, m_ws, m_count, tma_atom_d, tma_d, m_d, tidx,
-                      warp_idx, bidx, n_ctas, n, k, bn, stages, gs)
+                      warp_idx, bidx, n_ctas, n, k, bn, stages, gs, q)
 
 
 def _mn_major_setup(bn: int, stages: int) -> tuple[cute.TiledMma, cute.ComposedLayout, cute.ComposedLayout,
@@ -343,7 +428,7 @@ def _split_tensors(pws: Pointer, pcount: Pointer, ws_tiles: Int32, n_groups: Int
     m_ws = cute.make_tensor(pws, cute.make_layout((per, CONSUMER_THREADS, ws_tiles),
                                                   stride=(CONSUMER_THREADS, 1, per * CONSUMER_THREADS)))
     tiles = ((n + BM - 1) // BM) * ((k + bn - 1) // bn)
-    return m_ws, cute.make_tensor(pcount, cute.make_layout(n_groups * tiles))
+    return m_ws, cute.make_tensor(pcount, cute.make_layout(n_groups * tiles + 1))
 
 
 @cute.jit
@@ -351,6 +436,7 @@ def grouped_wgrad_host(
     pdy: Pointer, px: Pointer, pdw: Pointer, poffs: Pointer, pws: Pointer, pcount: Pointer, m_rows: Int32,
     n_groups: Int32, n_ctas: Int32, thresh: Int32, split_rows: Int32, ws_tiles: Int32, stream: cuda.CUstream,
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], ld: Constexpr[int], gs: Constexpr[int],
+    dynamic: Constexpr[bool],
 ) -> None:
     """dw[E, n, k] (rows ld apart, groups gs rows apart): per group dy[rows, n]^T @ x[rows, k]; MN-major
     operand views. A group of more than thresh rows splits into split_rows chunks (fp32 partials in pws,
@@ -369,7 +455,7 @@ def grouped_wgrad_host(
         cpasync.CopyBulkTensorTileG2SOp(), m_xt, cute.slice_(b_layout, (None, None, 0)), (bn, BK))
     grouped_wgrad_kernel(
         tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, m_dw, m_offs, m_ws, m_count, m_rows,
-        n_groups, thresh, split_rows, tiled_mma, a_layout, b_layout, d_layout, n, k, bn, stages, gs,
+        n_groups, thresh, split_rows, tiled_mma, a_layout, b_layout, d_layout, n, k, bn, stages, gs, dynamic,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
 
 
@@ -551,13 +637,15 @@ def pointer(dtype: Any, address: int, align: int = 16) -> Any:
     return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
 
 
-def compile_args(n: int, k: int, bn: int, ld: int, gs: int = 0) -> tuple[Any, tuple[Any, ...]]:
+def compile_args(n: int, k: int, bn: int, ld: int, gs: int = 0,
+                 dynamic: bool = False) -> tuple[Any, tuple[Any, ...]]:
     if gs and gs < n:
         raise ValueError(f"wgrad group row stride {gs} < its rows {n}: groups would overlap")
     gs = gs or n
     ptrs = (pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(Int32, 0, 4),
             pointer(Float32, 0), pointer(Int32, 0, 4))
-    return grouped_wgrad_host, (*ptrs, *(Int32(0) for _ in range(6)), cuda.CUstream(0), n, k, bn, ld, gs)
+    return grouped_wgrad_host, (*ptrs, *(Int32(0) for _ in range(6)), cuda.CUstream(0), n, k, bn, ld, gs,
+                                dynamic)
 
 
 def compile_args_gather(n: int, k: int, bn: int, side: str) -> tuple[Any, tuple[Any, ...]]:

@@ -1,0 +1,80 @@
+"""The wgrad's dynamic schedule (GEMM_WGRAD_DYNAMIC): each CTA's producer warp takes the next tile of the
+heaviest-first list from a device counter and hands it to its consumers through a shared ring. Which CTA
+computes a tile never changes its bits, so the contract is the static snake schedule's, bit for bit, every
+tile written (NaN-filled outputs, float64 bound). The counter's buffer needs no GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_fast_gemm import check_wgrad, cumsum, offs_of, zipf_counts
+
+from nmoe.fast.gemm import sm90 as gemm
+from nmoe.fast.gemm.sm90 import wgrad_split
+from nmoe.fast.limits import GEMM_BM
+
+gpu = pytest.mark.gpu
+
+SKEWED = [*zipf_counts(9000, 30), 0, 0, 64, 64, 64, 1, 1, 300, 300, 0]
+N, K, BN = 256, 512, 128
+
+
+def test_dynamic_plan_allocates_its_counter_even_without_a_split() -> None:
+    """The tile counter sits after the split's per-tile counters (index groups x tiles per group) and is
+    zeroed per launch; a plan that splits nothing still gets it, a static one without a split gets none."""
+    tpg = -(-N // GEMM_BM) * -(-K // BN)
+    static = wgrad_split(32768 * 8, 2048, 4096, 256, 128, 132)
+    dynamic = wgrad_split(32768 * 8, 2048, 4096, 256, 128, 132, dynamic=True)
+    keep, (ws, counters, *_) = static.args(torch.device("cpu"))
+    assert static.ws_tiles == 0 and keep == () and ws == counters == 0
+    keep, (ws, counters, *_) = dynamic.args(torch.device("cpu"))
+    assert ws == 0 and counters != 0 and keep[0].numel() == dynamic.grab_at + 1 and not bool(keep[0].any())
+    split = wgrad_split(sum(SKEWED) + 5, N, K, BN, len(SKEWED), 132, dynamic=True)
+    assert split.grab_at == len(SKEWED) * tpg == split.counters
+
+
+def _wgrad(counts: list[int], seed: int, monkeypatch: pytest.MonkeyPatch, dynamic: bool) -> torch.Tensor:
+    monkeypatch.setattr(gemm, "GEMM_WGRAD_DYNAMIC", dynamic)
+    m = sum(counts) + 5
+    g = torch.Generator().manual_seed(seed)
+    dy = torch.randn(m, N, generator=g).to(torch.bfloat16).cuda()
+    x = torch.randn(m, K, generator=g).to(torch.bfloat16).cuda()
+    dw = torch.full((len(counts), N, K), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gemm._launch_wgrad(dy, x, offs_of(cumsum(counts)), dw, BN)
+    torch.cuda.synchronize()
+    return dw
+
+
+@gpu
+@pytest.mark.parametrize("counts", [SKEWED, [1024] * 16, [0, 0, 7000, 3]], ids=["zipf", "uniform", "one"])
+def test_dynamic_schedule_equals_the_static_one(counts: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    static = _wgrad(counts, 31, monkeypatch, False)
+    dynamic = _wgrad(counts, 31, monkeypatch, True)
+    assert not bool(dynamic.isnan().any()), "a tile no CTA took stays NaN"
+    assert torch.equal(dynamic.view(torch.int16), static.view(torch.int16))
+
+
+@gpu
+def test_dynamic_schedule_column_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layer's column-chunk wgrad (rows ld apart, groups gs apart) under the dynamic schedule."""
+    m = sum(SKEWED) + 5
+    g = torch.Generator().manual_seed(32)
+    dy = torch.randn(m, N, generator=g).to(torch.bfloat16).cuda()
+    x = torch.randn(m, 2 * K, generator=g).to(torch.bfloat16).cuda()
+    offs = offs_of(cumsum(SKEWED))
+    runs = []
+    for dynamic in (False, True):
+        monkeypatch.setattr(gemm, "GEMM_WGRAD_DYNAMIC", dynamic)
+        dw = torch.full((len(SKEWED), N, 2 * K), float("nan"), dtype=torch.bfloat16, device="cuda")
+        gemm.grouped_gemm_wgrad_cols(dy, x[:, K:].contiguous(), offs, dw, K)
+        gemm.grouped_gemm_wgrad_cols(dy, x[:, :K].contiguous(), offs, dw, 0)
+        runs.append(dw)
+    assert torch.equal(runs[1].view(torch.int16), runs[0].view(torch.int16))
+
+
+@gpu
+def test_sep_gemm_fast_wgrad_grab_skips(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each take advances the counter by one tile: a step of two leaves every other tile of the list unwritten
+    (NaN), which the float64 bound refuses."""
+    monkeypatch.setattr(gemm, "GEMM_WGRAD_DYNAMIC", True)
+    check_wgrad(sum(SKEWED) + 5, N, K, SKEWED, seed=33, bn=BN)
