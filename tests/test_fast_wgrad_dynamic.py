@@ -28,9 +28,9 @@ def test_dynamic_plan_allocates_its_counter_even_without_a_split() -> None:
     keep, (ws, counters, *_) = static.args(torch.device("cpu"))
     assert static.ws_tiles == 0 and keep == () and ws == counters == 0
     keep, (ws, counters, *_) = dynamic.args(torch.device("cpu"))
-    assert ws == 0 and counters != 0 and keep[0].numel() == dynamic.grab_at + 1 and not bool(keep[0].any())
+    assert ws == 0 and counters != 0 and keep[0].numel() == dynamic.counters + 1 and not bool(keep[0].any())
     split = wgrad_split(sum(SKEWED) + 5, N, K, BN, len(SKEWED), 132, dynamic=True)
-    assert split.grab_at == len(SKEWED) * tpg == split.counters
+    assert split.counters == len(SKEWED) * tpg and split.ws_tiles > 0
 
 
 def _wgrad(counts: list[int], seed: int, monkeypatch: pytest.MonkeyPatch, dynamic: bool) -> torch.Tensor:

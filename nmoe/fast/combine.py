@@ -13,6 +13,7 @@ from torch import Tensor
 
 from nmoe.fast import runtime
 from nmoe.fast._swiglu import ELEMENTWISE_FORBID
+from nmoe.fast.activation import ACTIVATIONS
 from nmoe.fast.limits import VEC_BYTES
 from nmoe.fast.op import Kernel, fast_op, save_inputs
 from nmoe.fast.runtime import KernelSpec
@@ -30,7 +31,6 @@ COMBINE_BWD = _kernel("combine_bwd")
 COMBINE_GATHER_FWD = _kernel("combine_gather_fwd")
 EXPERT_ROWS_BWD = Kernel("nmoe.fast.kernels.combine", "expert_rows_bwd",
                          lambda km, vec, act: km.expert_rows_bwd_args(vec, act))
-ACTIVATIONS = ("swiglu", "relu2")
 
 
 def _check(op: str, y: Tensor, w: Tensor) -> None:
@@ -156,11 +156,11 @@ def _expert_rows_bwd_impl(dz: Tensor, h: Tensor, w: Tensor, activation: str) -> 
     rows, n = dz.shape
     dz, w = dz.contiguous(), w.contiguous()
     aw = torch.empty_like(dz)
-    dot = torch.zeros(rows, dtype=torch.float32, device=dz.device)
+    dot = torch.empty(rows, dtype=torch.float32, device=dz.device)
     tensors = (dz, h, w, aw, dot)
     device, arch = runtime.device_arch(*tensors)
     if rows == 0 or n == 0:
-        return aw, dot
+        return aw, dot.zero_()
     ptrs = [x.data_ptr() for x in tensors]
     aligned = all(p % VEC_BYTES == 0 for x, p in zip(tensors, ptrs, strict=True) if x.dtype == torch.bfloat16)
     vec = _VEC if n % _VEC == 0 and aligned else 1

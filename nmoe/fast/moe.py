@@ -211,7 +211,7 @@ class _Routed(torch.autograd.Function):
             del dz
         elif need_w2:
             aw = combine(_ACT[cfg.activation][0](h)[:, None], wrow[:, None], 1.0)
-        dh, h = h, None
+        dh = h
         dweights = dw2 = dw_up = dx = None
         if need_w and fp8_y:
             dweights = combine_bwd(dout, fp8_y[0], weights, cfg.route_scale)[1]

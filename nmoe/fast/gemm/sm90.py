@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from nmoe.fast import runtime
-from nmoe.fast.activation import relu2_bwd, swiglu_bwd
+from nmoe.fast.activation import ACTIVATIONS, relu2_bwd, swiglu_bwd
 from nmoe.fast.gemm.routing import (
     check_aligned,
     check_bf16,
@@ -37,7 +37,6 @@ from nmoe.fast.op import Kernel, Launcher, fast_op, remember, save_inputs
 from nmoe.fast.runtime import KernelSpec, tma_aligned
 
 ARCH = "sm_90a"
-ACTIVATIONS = ("swiglu", "relu2")
 _FWD_MODULE = "nmoe.fast.kernels.sm90.grouped_gemm"
 FWD = Kernel(_FWD_MODULE, "grouped_gemm_fwd",
              lambda km, n, k, bn, act, pingpong=False: km.compile_args(n, k, bn, True, act, pingpong),
@@ -115,24 +114,23 @@ def schedule(op: str, n: int, k: int, bn: int | None = None, pingpong: bool | No
 class WgradSplit:
     """The wgrad's row split, from shapes alone (no routing value reaches the host): a group of more than
     `thresh` rows (a CTA's average share of the work) is cut into `rows`-row chunks whose fp32 partials fill
-    at most `ws_tiles` workspace tiles of `tile_floats` and are summed in chunk order; `counters` count
-    finished chunks. `dynamic`: CTAs take tiles from a device counter at index `grab_at`, else in rounds."""
+    at most `ws_tiles` workspace tiles of `tile_floats` (none: nothing splits) and are summed in chunk order;
+    one counter per group tile counts its finished chunks, then (`dynamic`) one counts the tiles taken."""
 
     thresh: int
     rows: int
     ws_tiles: int
     counters: int
     tile_floats: int
-    grab_at: int = 0
     dynamic: bool = False
 
     def args(self, device: torch.device) -> tuple[tuple[Tensor, ...], tuple[int, ...]]:
         """(buffers to keep alive over the launch, the kernel's split arguments): a fresh workspace and zeroed
         counters per launch, so a replayed graph starts clean; null pointers where nothing needs them."""
-        if self.counters == 0 and not self.dynamic:
+        if self.ws_tiles == 0 and not self.dynamic:
             return (), (0, 0, self.thresh, self.rows, self.ws_tiles)
-        counters = torch.zeros(self.grab_at + 1, dtype=torch.int32, device=device)
-        if self.counters == 0:
+        counters = torch.zeros(self.counters + 1, dtype=torch.int32, device=device)
+        if self.ws_tiles == 0:
             return (counters,), (0, counters.data_ptr(), self.thresh, self.rows, self.ws_tiles)
         ws = torch.empty(self.ws_tiles * self.tile_floats, dtype=torch.float32, device=device)
         return (ws, counters), (ws.data_ptr(), counters.data_ptr(), self.thresh, self.rows, self.ws_tiles)
@@ -145,10 +143,9 @@ def wgrad_split(m: int, n: int, k: int, bn: int, n_groups: int, sms: int,
     tpg = -(-n // GEMM_BM) * -(-k // bn)
     share = -(-m * tpg // sms)
     if share >= m:
-        return WgradSplit(m, m, 0, 0, GEMM_BM * bn, n_groups * tpg, dynamic)
+        return WgradSplit(m, m, 0, n_groups * tpg, GEMM_BM * bn, dynamic)
     rows = -(-max(4 * GEMM_BK, -(-share // 2)) // GEMM_BK) * GEMM_BK
-    slots = n_groups * tpg
-    return WgradSplit(share, rows, (2 * m // rows) * tpg, slots, GEMM_BM * bn, slots, dynamic)
+    return WgradSplit(share, rows, (2 * m // rows) * tpg, n_groups * tpg, GEMM_BM * bn, dynamic)
 
 
 def wgrad_cols(k: int, n: int) -> int:

@@ -97,14 +97,19 @@ def combine_gather_fwd_kernel(pyp: Pointer, prow: Pointer, pw: Pointer, pshared:
         _combine_token(gyp, mrow, mw, pshared, pout, t, t_rows, h, hv, scale, k, vec, has_shared, True)
 
 
+@cute.jit
+def _warp_row() -> tuple[Int64, Int64]:
+    """(lane, row) of a kernel that gives each row one warp, THREADS // WARP rows per CTA."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    return Int64(tidx % WARP), Int64(bidx) * (THREADS // WARP) + Int64(tidx // WARP)
+
+
 @cute.kernel
 def combine_bwd_kernel(pdout: Pointer, py: Pointer, pw: Pointer, pdy: Pointer, pdw: Pointer, t_rows: Int64,
                        h: Int64, scale: Float32, k: Constexpr[int], vec: Constexpr[int]) -> None:
     """One warp per token: dy_k = bf16(g*w_k) with g = dout*scale, dw_k = warp-reduced sum_h g*y_k."""
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    lane = Int64(tidx % WARP)
-    t = Int64(bidx) * (THREADS // WARP) + Int64(tidx // WARP)
+    lane, t = _warp_row()
     if t < t_rows:
         nvec = h // vec
         gdout = cute.zipped_divide(cute.make_tensor(pdout, cute.make_layout(t_rows * h)), (vec,))
@@ -163,10 +168,7 @@ def expert_rows_bwd_kernel(pdz: Pointer, ph: Pointer, pw: Pointer, paw: Pointer,
                            n: Int64, vec: Constexpr[int], act: Constexpr[str], width: Constexpr[int]) -> None:
     """One warp per row r (w = w[r]): a = bf16(act(h)); aw = bf16(w*a); dot = warp-reduced sum dz*a;
     h <- bf16(act_bwd(bf16(dz*w), h)). As combine_bwd and combine with K = 1 between act and act_bwd."""
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    lane = Int64(tidx % WARP)
-    r = Int64(bidx) * (THREADS // WARP) + Int64(tidx // WARP)
+    lane, r = _warp_row()
     if r < rows:
         nvec = n // vec
         gdz = cute.zipped_divide(cute.make_tensor(pdz, cute.make_layout(rows * n)), (vec,))

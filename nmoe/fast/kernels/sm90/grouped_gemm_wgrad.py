@@ -198,6 +198,12 @@ def take_tile(q: TileQueue, state: Any) -> Int32:
     return t
 
 
+def next_tile(q: TileQueue | None, state: Any, rnd: Int32, bidx: Int32, n_ctas: Int32) -> Int32:
+    """The consumers' tile of round rnd: dealt in snake order, or the one the producer hands over."""
+    t: Int32 = snake_tile(rnd, bidx, n_ctas) if q is None else take_tile(q, state)
+    return t
+
+
 @cute.jit
 def _wgrad_tile(u: Units, t: Int32) -> tuple[Int32, Int32, Int32, Int32, Int32, Int32, Int32, Int32]:
     """Tile t: (group, m tile, n tile, first row, end row, the group's chunk count S, this chunk's index,
@@ -288,42 +294,37 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     qstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QUEUE_DEPTH)
     rnd = Int32(0)
-    t = snake_tile(rnd, bidx, n_ctas)
-    if const_expr(q is not None):
-        t = take_tile(q, qstate)
+    t = next_tile(q, qstate, rnd, bidx, n_ctas)
     while t < u.total:
-        if t < u.total:
-            e, m_tile, n_tile, start, end, splits, part, first_slice = _wgrad_tile(u, t)
-            k_tiles = (end - start + BK - 1) // BK
-            acc.fill(0.0)
-            if k_tiles > 0:
+        e, m_tile, n_tile, start, end, splits, part, first_slice = _wgrad_tile(u, t)
+        k_tiles = (end - start + BK - 1) // BK
+        acc.fill(0.0)
+        if k_tiles > 0:
+            mainloop.consumer_wait(read)
+            _mask_tail(s_a, s_b, read.index, end - start, bn, ctid, mask_bar)
+            _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
+            read.advance()
+            for kt in range(1, k_tiles):
                 mainloop.consumer_wait(read)
-                _mask_tail(s_a, s_b, read.index, end - start, bn, ctid, mask_bar)
+                _mask_tail(s_a, s_b, read.index, end - start - kt * BK, bn, ctid, mask_bar)
                 _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
-                read.advance()
-                for kt in range(1, k_tiles):
-                    mainloop.consumer_wait(read)
-                    _mask_tail(s_a, s_b, read.index, end - start - kt * BK, bn, ctid, mask_bar)
-                    _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
-                    warpgroup.wait_group(1)
-                    mainloop.consumer_release(release)
-                    release.advance()
-                    read.advance()
-                warpgroup.wait_group(0)
+                warpgroup.wait_group(1)
                 mainloop.consumer_release(release)
                 release.advance()
+                read.advance()
+            warpgroup.wait_group(0)
+            mainloop.consumer_release(release)
+            release.advance()
 
-            local = m_tile * u.tiles_n + n_tile
-            write = Int32(1)
-            if splits > 1:
-                write = _split_partial(acc, m_ws, m_count, u.flag, e * u.tiles_per_group + local, first_slice,
-                                       part, splits, u.tiles_per_group, local, ctid, epi.bar)
-            if write == 1:
-                store_tile(epi, tma_d, m_d, m_d, e * gs + m_tile * BM, n_tile, e * gs + n, k, bn, "none")
+        local = m_tile * u.tiles_n + n_tile
+        write = Int32(1)
+        if splits > 1:
+            write = _split_partial(acc, m_ws, m_count, u.flag, e * u.tiles_per_group + local, first_slice,
+                                   part, splits, u.tiles_per_group, local, ctid, epi.bar)
+        if write == 1:
+            store_tile(epi, tma_d, m_d, m_d, e * gs + m_tile * BM, n_tile, e * gs + n, k, bn, "none")
         rnd = rnd + 1
-        t = snake_tile(rnd, bidx, n_ctas)
-        if const_expr(q is not None):
-            t = take_tile(q, qstate)
+        t = next_tile(q, qstate, rnd, bidx, n_ctas)
     drain_stores()
 
 
