@@ -181,27 +181,30 @@ def grab_tile(m_count: cute.Tensor, at: Int32, lane: Int32) -> Int32:
 
 
 @cute.jit
-def pass_tile(q: TileQueue, state: Any, t: Int32, lane: Int32) -> None:
+def pass_tile(q: TileQueue, state: Any, t: Int32, lane: Int32) -> Any:
     q.pipe.producer_acquire(state)
     if lane == 0:
         q.slots[state.index] = t
     q.pipe.producer_commit(state)
     state.advance()
+    return state
 
 
 @cute.jit
-def take_tile(q: TileQueue, state: Any) -> Int32:
+def take_tile(q: TileQueue, state: Any) -> tuple[Int32, Any]:
     q.pipe.consumer_wait(state)
     t = cast(Int32, q.slots[state.index])
     q.pipe.consumer_release(state)
     state.advance()
-    return t
+    return t, state
 
 
-def next_tile(q: TileQueue | None, state: Any, rnd: Int32, bidx: Int32, n_ctas: Int32) -> Int32:
+def next_tile(q: TileQueue | None, state: Any, rnd: Int32, bidx: Int32, n_ctas: Int32) -> tuple[Int32, Any]:
     """The consumers' tile of round rnd: dealt in snake order, or the one the producer hands over."""
-    t: Int32 = snake_tile(rnd, bidx, n_ctas) if q is None else take_tile(q, state)
-    return t
+    if q is None:
+        return snake_tile(rnd, bidx, n_ctas), state
+    t, state = take_tile(q, state)
+    return cast(Int32, t), state
 
 
 @cute.jit
@@ -294,7 +297,7 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     qstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QUEUE_DEPTH)
     rnd = Int32(0)
-    t = next_tile(q, qstate, rnd, bidx, n_ctas)
+    t, qstate = next_tile(q, qstate, rnd, bidx, n_ctas)
     while t < u.total:
         e, m_tile, n_tile, start, end, splits, part, first_slice = _wgrad_tile(u, t)
         k_tiles = (end - start + BK - 1) // BK
@@ -324,15 +327,16 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
         if write == 1:
             store_tile(epi, tma_d, m_d, m_d, e * gs + m_tile * BM, n_tile, e * gs + n, k, bn, "none")
         rnd = rnd + 1
-        t = next_tile(q, qstate, rnd, bidx, n_ctas)
+        t, qstate = next_tile(q, qstate, rnd, bidx, n_ctas)
     drain_stores()
 
 
 @cute.jit
 def _load_tile(mainloop: pipeline.PipelineTmaAsync, state: Any, u: Units, t: Int32,
                tma_atom_a: cute.CopyAtom, m_a: cute.Tensor, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
-               s_a_flat: cute.Tensor, s_b_flat: cute.Tensor, bn: Constexpr[int]) -> None:
-    """The producer warp's TMA loads of every K box of tile t, both operands onto each stage's barrier."""
+               s_a_flat: cute.Tensor, s_b_flat: cute.Tensor, bn: Constexpr[int]) -> Any:
+    """The producer warp's TMA loads of every K box of tile t, both operands onto each stage's barrier; the
+    advanced state is returned, as a loop carries only names it assigns or calls methods on."""
     _, m_tile, n_tile, start, end, _, _, _ = _wgrad_tile(u, t)
     g_a = cute.local_tile(cute.domain_offset((0, start), m_a), (BM, BK), (m_tile, None))
     g_b = cute.local_tile(cute.domain_offset((0, start), m_b), (bn, BK), (n_tile, None))
@@ -347,6 +351,7 @@ def _load_tile(mainloop: pipeline.PipelineTmaAsync, state: Any, u: Units, t: Int
         cute.copy(tma_atom_b, t_gb[(None, kt)], t_sb[(None, state.index)], tma_bar_ptr=bar)
         mainloop.producer_commit(state)
         state.advance()
+    return state
 
 
 @cute.kernel
@@ -378,18 +383,18 @@ def grouped_wgrad_kernel(
                 qstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, QUEUE_DEPTH)
                 at = n_groups * u.tiles_per_group
                 t = grab_tile(m_count, at, lane)
-                pass_tile(q, qstate, t, lane)
+                qstate = pass_tile(q, qstate, t, lane)
                 while t < u.total:
-                    _load_tile(mainloop, state, u, t, tma_atom_a, m_a, tma_atom_b, m_b, s_a_flat, s_b_flat,
-                               bn)
+                    state = _load_tile(mainloop, state, u, t, tma_atom_a, m_a, tma_atom_b, m_b, s_a_flat,
+                                       s_b_flat, bn)
                     t = grab_tile(m_count, at, lane)
-                    pass_tile(q, qstate, t, lane)
+                    qstate = pass_tile(q, qstate, t, lane)
             else:
                 for rnd in range(n_rounds(u.total, n_ctas)):
                     t = snake_tile(rnd, bidx, n_ctas)
                     if t < u.total:
-                        _load_tile(mainloop, state, u, t, tma_atom_a, m_a, tma_atom_b, m_b, s_a_flat,
-                                   s_b_flat, bn)
+                        state = _load_tile(mainloop, state, u, t, tma_atom_a, m_a, tma_atom_b, m_b,
+                                           s_a_flat, s_b_flat, bn)
             mainloop.producer_tail(state)
     else:
         consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, u, m_ws, m_count, tma_atom_d, tma_d, m_d, tidx,
