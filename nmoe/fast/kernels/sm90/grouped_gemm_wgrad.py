@@ -147,6 +147,16 @@ def snake_tile(i: Int32, bidx: Int32, n_ctas: Int32) -> Int32:
     return cast(Int32, t)
 
 
+@cute.jit
+def dealt_tile(i: Int32, bidx: Int32, n_ctas: Int32, total: Int32) -> Int32:
+    """The static deal's tile for round i, or total (none) past the producer's last round, so consumers stop
+    where their producer does."""
+    t = snake_tile(i, bidx, n_ctas)
+    if i >= n_rounds(total, n_ctas):
+        t = total
+    return cast(Int32, t)
+
+
 class TileQueue(NamedTuple):
     """A dynamic wgrad's tile hand-off: the producer warp takes the next tile index from a device counter
     and passes it through `slots` (a QUEUE_DEPTH ring under `pipe`) to the consumers; None when static."""
@@ -199,10 +209,11 @@ def take_tile(q: TileQueue, state: Any) -> tuple[Int32, Any]:
     return t, state
 
 
-def next_tile(q: TileQueue | None, state: Any, rnd: Int32, bidx: Int32, n_ctas: Int32) -> tuple[Int32, Any]:
+def next_tile(q: TileQueue | None, state: Any, rnd: Int32, bidx: Int32, n_ctas: Int32,
+              total: Int32) -> tuple[Int32, Any]:
     """The consumers' tile of round rnd: dealt in snake order, or the one the producer hands over."""
     if q is None:
-        return snake_tile(rnd, bidx, n_ctas), state
+        return dealt_tile(rnd, bidx, n_ctas, total), state
     t, state = take_tile(q, state)
     return cast(Int32, t), state
 
@@ -297,7 +308,7 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     qstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QUEUE_DEPTH)
     rnd = Int32(0)
-    t, qstate = next_tile(q, qstate, rnd, bidx, n_ctas)
+    t, qstate = next_tile(q, qstate, rnd, bidx, n_ctas, u.total)
     while t < u.total:
         e, m_tile, n_tile, start, end, splits, part, first_slice = _wgrad_tile(u, t)
         k_tiles = (end - start + BK - 1) // BK
@@ -327,7 +338,7 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
         if write == 1:
             store_tile(epi, tma_d, m_d, m_d, e * gs + m_tile * BM, n_tile, e * gs + n, k, bn, "none")
         rnd = rnd + 1
-        t, qstate = next_tile(q, qstate, rnd, bidx, n_ctas)
+        t, qstate = next_tile(q, qstate, rnd, bidx, n_ctas, u.total)
     drain_stores()
 
 
