@@ -13,6 +13,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,12 @@ _WGRAD_DYNAMIC = Mutation(
     "GEMM_WGRAD_DYNAMIC: Final[bool] = False\n", "GEMM_WGRAD_DYNAMIC: Final[bool] = True\n",
     "the TMA wgrad takes tiles of its heaviest-first list from a device counter instead of static snake "
     "rounds",
+)
+_FP8_OVERLAP = Mutation(
+    "ablate.fp8_overlap", LIMITS,
+    "GEMM_FP8_OVERLAP: Final[bool] = False\n", "GEMM_FP8_OVERLAP: Final[bool] = True\n",
+    "the fp8 fwd promotes each K block while the next block's wgmmas run (two block accumulators) instead "
+    "of waiting for each block's MMAs before its promotion",
 )
 _NO_PINGPONG = Mutation(
     "ablate.no_pingpong", LIMITS,
@@ -270,11 +277,14 @@ GATHER_COMPOUNDS: tuple[tuple[Mutation, ...], ...] = (
 )
 
 
+FP8_ABLATIONS: tuple[Mutation, ...] = (_FP8_OVERLAP,)
+
+
 def variants_of(which: str) -> list[tuple[Mutation, ...]]:
     """The ablations of a set as edit sequences: a plain ablation is one edit."""
     if which == "gather":
         return [*((a,) for a in GATHER_ABLATIONS), *GATHER_COMPOUNDS]
-    return [(a,) for a in (LAYER_ABLATIONS if which == "layer" else ABLATIONS)]
+    return [(a,) for a in {"layer": LAYER_ABLATIONS, "fp8": FP8_ABLATIONS}.get(which, ABLATIONS)]
 
 
 PASSES = ("fwd", "dgrad", "wgrad")
@@ -310,6 +320,32 @@ def _time(pass_: str, m: int, n: int, k: int, e: int, compile_only: bool) -> flo
         torch.cuda.synchronize()
         return 0.0
     return replay_median_ms(capture(lambda: fn(a, b, offs)))
+
+
+def _fp8_rows(compile_only: bool) -> list[dict[str, Any]]:
+    """The fp8 fwd (x 1x128, w 128x128 blocks, quantized before timing) of each problem, uniform routing."""
+    import torch
+
+    from bench.conftest import capture, replay_median_ms
+    from nmoe.constants import MXFP8_BLOCK_SM90
+    from nmoe.fast import formats, gemm
+
+    out = []
+    for label, m, n, k, e in _problems():
+        offs = torch.full((e,), m // e, dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16)
+        xq, xs = formats.quantize_mxfp8(x, MXFP8_BLOCK_SM90)
+        wq, ws = formats.quantize_mxfp8_weight(w)
+        del x, w
+        args = (xq, xs, wq, ws, offs)
+        gemm.grouped_gemm_fp8(*args)
+        torch.cuda.synchronize()
+        if not compile_only:
+            ms = replay_median_ms(capture(partial(gemm.grouped_gemm_fp8, *args)))
+            out.append({"shape": f"fp8 fwd {label}", "ms": ms, "tflops": 2.0 * m * n * k / ms / 1e9,
+                        "bn": 128})
+    return out
 
 
 def _gather_rows(t: int, h: int, i: int, e: int, k: int, compile_only: bool) -> list[dict[str, Any]]:
@@ -407,6 +443,10 @@ def child(compile_only: bool, which: str) -> None:
         for row in _layer_rows(compile_only):
             print(json.dumps(row), flush=True)
         return
+    if which == "fp8":
+        for row in _fp8_rows(compile_only):
+            print(json.dumps(row), flush=True)
+        return
     if which == "gather":
         for shape in SHAPES:
             for row in _gather_rows(*shape, compile_only):
@@ -435,9 +475,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.ablate", description=__doc__)
     p.add_argument("--out", type=Path, help="JSON file for the timings")
     p.add_argument("--only", default="", help="comma-separated ablation ids (default: all)")
-    p.add_argument("--set", default="gemm", choices=("gemm", "gather", "layer"),
+    p.add_argument("--set", default="gemm", choices=("gemm", "gather", "layer", "fp8"),
                    help="gemm: the TMA kernels' ablations; gather: the gathering up projection and wgrad; "
-                   "layer: the fast MoE layer's choices, timed as the layer")
+                   "layer: the fast MoE layer's choices, timed as the layer; fp8: the fp8 fwd's schedule")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

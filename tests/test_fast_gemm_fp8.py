@@ -238,7 +238,7 @@ print(json.dumps(out))
 '''
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def probe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """ptxas on the sm_90a PTX (where installed) and the accumulator fragment's (row, col) per thread."""
     script = tmp_path_factory.mktemp("fp8") / "probe.py"
@@ -261,6 +261,7 @@ def test_sm90a_ptx_assembles_without_spills(probe: dict[str, Any]) -> None:
     for name, res in probe["ptxas"].items():
         assert res["rc"] == 0, (name, res["log"])
         assert "0 bytes spill stores, 0 bytes spill loads" in res["log"], (name, res["log"])
+        assert "serialized" not in res["log"], (name, res["log"])
         regs = int(re.findall(r"Used (\d+) registers", res["log"])[-1])
         assert regs <= 232, (name, regs)
 
@@ -270,7 +271,9 @@ def test_consumer_loop_waits_before_promoting(probe: dict[str, Any]) -> None:
     k32 wgmmas, wait_group 0, then one FMA per accumulator value (64), then the next block or the epilogue."""
     body = [["ld.global.b8", 3], ["mbarrier.try_wait", 1], ["wgmma.fence", 1], ["wgmma.mma_async", 4],
             ["wgmma.wait_group.sync.aligned 0", 1], ["fma.rn.f32", 64], ["stmatrix", 8]]
-    for name, ops in probe["ops"].items():
+    serial = {name: ops for name, ops in probe["ops"].items() if "overlap" not in name}
+    assert serial
+    for name, ops in serial.items():
         consumer = ops[[op for op, _ in ops].index("setmaxnreg.inc") + 1:]
         assert consumer[: len(body)] == body, (name, consumer)
 

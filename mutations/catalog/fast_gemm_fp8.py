@@ -6,6 +6,7 @@ from mutations.model import Mutation, sep_mutation
 
 FILE = "nmoe/fast/kernels/sm90/grouped_gemm_fp8.py"
 TESTS = "tests/test_fast_gemm_fp8.py"
+OVERLAP_TESTS = "tests/test_fast_gemm_fp8_overlap.py"
 CONTRACTS = ("grouped_gemm_fp8",)
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -32,7 +33,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "gemm.fast_fp8_weight_scale_first_n_block", FILE,
-        "b_w = _byte(m_ws, (n_tile, kt, e))", "b_w = _byte(m_ws, (0, kt, e))",
+        "_byte(m_ws, (n_tile, kt, e))", "_byte(m_ws, (0, kt, e))",
         "every N tile uses the weight scale of the expert's first 128 output columns", TESTS, CONTRACTS,
         device="gpu",
     ),
@@ -41,5 +42,19 @@ MUTATIONS: tuple[Mutation, ...] = (
         "return Float32(i2f(sel(b == E8M0_NAN, F32_CANONICAL_NAN, e8m0_value_bits(b))))",
         "return Float32(i2f(e8m0_value_bits(b)))",
         "e8m0 byte 255 decodes as +Inf (b << 23) instead of NaN", TESTS, CONTRACTS, device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_fp8_overlap_stale_scales", FILE,
+        "        _promote(acc, blk2, s2_lo, s2_hi)\n        mainloop.consumer_release(release)\n",
+        "        _promote(acc, blk2, s_lo, s_hi)\n        mainloop.consumer_release(release)\n",
+        "the overlapped schedule promotes each pair's first block with the scales of the block before it",
+        OVERLAP_TESTS, CONTRACTS, device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_fp8_overlap_tail_dropped", FILE,
+        "        warpgroup.wait_group(0)\n        _promote(acc, blk2, s2_lo, s2_hi)\n",
+        "        warpgroup.wait_group(0)\n",
+        "the overlapped schedule waits for an even K's last block but never promotes it", OVERLAP_TESTS,
+        CONTRACTS, device="gpu",
     ),
 )

@@ -45,6 +45,9 @@ gathers 1/this of A's rows for one M tile's adjacent N tiles by multicast row TM
 GEMM_WGRAD_DYNAMIC: Final[bool] = False
 """sm_90a TMA-fed wgrad: each CTA takes its next tile of the heaviest-first list from a device counter (a
 skewed routing's heavy tiles then spread like a greedy schedule) when True, else in static snake rounds."""
+GEMM_FP8_OVERLAP: Final[bool] = False
+"""sm_90a fp8 fwd: each K block's wgmmas stay in flight while the block before is promoted (two block
+accumulators, K loop unrolled) when True, else each block's MMAs are waited before its promotion."""
 GEMM_MAX_GROUPS: Final[int] = 1024
 """Groups the grouped GEMM's shared-memory offs table holds."""
 GEMM_ALIGN: Final[int] = 8

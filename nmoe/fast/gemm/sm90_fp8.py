@@ -9,6 +9,7 @@ from torch import Tensor
 from nmoe.constants import FP8_WEIGHT_BLOCK, MXFP8_BLOCK_SM90
 from nmoe.fast import runtime
 from nmoe.fast.gemm.routing import as_bytes, check_offs_on_host, check_routing, require, tile_upper_bound
+from nmoe.fast.limits import GEMM_FP8_OVERLAP
 from nmoe.fast.op import Kernel, fast_op
 from nmoe.fast.runtime import KernelSpec, tma_aligned
 
@@ -18,7 +19,8 @@ K_BLOCK = MXFP8_BLOCK_SM90
 _CODES = (torch.uint8, torch.float8_e4m3fn)
 _SCALES = (torch.uint8, torch.float8_e8m0fnu)
 FP8 = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_fp8", "grouped_gemm_fp8_sm90",
-             lambda km, n, k: km.compile_args(n, k), (ARCH,), "nmoe.fast.gemm.grouped_gemm_fp8")
+             lambda km, n, k, overlap=False: km.compile_args(n, k, overlap), (ARCH,),
+             "nmoe.fast.gemm.grouped_gemm_fp8")
 
 
 def _check(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor,
@@ -54,8 +56,9 @@ def _launch(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, offs: Tensor, y: Ten
         return
     check_offs_on_host("grouped_gemm_fp8", offs, m)
     n_ctas = min(runtime.sm_count(device), tile_upper_bound(m, n, n_groups, BN))
-    FP8.launcher(arch, n=n, k=k)(device, xq.data_ptr(), wq.data_ptr(), xs.data_ptr(), ws.data_ptr(),
-                                  y.data_ptr(), offs.data_ptr(), m, n_groups, n_ctas)
+    launch = FP8.launcher(arch, n=n, k=k, overlap=GEMM_FP8_OVERLAP)
+    launch(device, xq.data_ptr(), wq.data_ptr(), xs.data_ptr(), ws.data_ptr(), y.data_ptr(), offs.data_ptr(),
+           m, n_groups, n_ctas)
 
 
 def _impl(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, offs: Tensor) -> Tensor:
@@ -94,13 +97,21 @@ _EXPECT = (r"\.target sm_90a\b", r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.
 _FORBID = (r"\b(ld|st)\.local\b", r"\bmma\.sync\b", r"wgmma\.mma_async\S*\.bf16")
 
 
-def _spec(name: str, n: int, k: int) -> KernelSpec:
-    return KernelSpec(op="grouped_gemm_fp8", name=name, compile=FP8.compiler(n=n, k=k),
-                      expect={ARCH: _EXPECT}, forbid={ARCH: _FORBID})
+# Overlapped promotion: a block's wgmmas stay in flight (wait_group 1) while the block before is promoted.
+_EXPECT_OVERLAP = (*_EXPECT, r"wgmma\.wait_group\.sync\.aligned\s+1;")
 
 
-# Representative classes: the up projection (N = 2I, K = H) and the down projection (N = H, K = I).
+def _spec(name: str, n: int, k: int, overlap: bool = False) -> KernelSpec:
+    return KernelSpec(op="grouped_gemm_fp8", name=name, compile=FP8.compiler(n=n, k=k, overlap=overlap),
+                      expect={ARCH: _EXPECT_OVERLAP if overlap else _EXPECT}, forbid={ARCH: _FORBID})
+
+
+# Representative classes: the up projection (N = 2I, K = H) and the down projection (N = H, K = I); the
+# overlapped schedule with an even and an odd count of K blocks.
 KERNELS: tuple[KernelSpec, ...] = (
     _spec("grouped_gemm_fp8_sm90_up", 2048, 4096),
     _spec("grouped_gemm_fp8_sm90_down", 4096, 1024),
+    _spec("grouped_gemm_fp8_sm90_up_overlap", 2048, 4096, True),
+    _spec("grouped_gemm_fp8_sm90_down_overlap", 4096, 1024, True),
+    _spec("grouped_gemm_fp8_sm90_odd_overlap", 2048, 384, True),
 )

@@ -11,7 +11,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint8
-from cutlass.base_dsl.ast_helpers import range_constexpr
+from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.typing import Pointer
@@ -74,16 +74,24 @@ def _scale(b: Int32) -> Float32:
 
 
 @cute.jit
-def _block_mma(tiled_mma: cute.TiledMma, blk: cute.Tensor, t_ra: cute.Tensor, t_rb: cute.Tensor,
-               stage: Int32) -> cute.TiledMma:
-    """One scale block's k32 wgmmas into `blk`, the first overwriting it, and wait for them. Returns the MMA
-    so the caller rebinds it: its ACCUMULATE field is staged state the loop must carry."""
+def _issue_block(tiled_mma: cute.TiledMma, blk: cute.Tensor, t_ra: cute.Tensor, t_rb: cute.Tensor,
+                 stage: Int32) -> cute.TiledMma:
+    """One scale block's k32 wgmmas into `blk`, the first overwriting it, committed as one group. Returns the
+    MMA so the caller rebinds it: its ACCUMULATE field is staged state the loop must carry."""
     warpgroup.fence()
     tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
     for kb in range_constexpr(K_BLOCKS):
         cute.gemm(tiled_mma, blk, t_ra[(None, None, kb, stage)], t_rb[(None, None, kb, stage)], blk)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
+    return tiled_mma
+
+
+@cute.jit
+def _block_mma(tiled_mma: cute.TiledMma, blk: cute.Tensor, t_ra: cute.Tensor, t_rb: cute.Tensor,
+               stage: Int32) -> cute.TiledMma:
+    """_issue_block, then wait for it (the serial schedule: promotion follows its block's MMAs)."""
+    tiled_mma = _issue_block(tiled_mma, blk, t_ra, t_rb, stage)
     warpgroup.wait_group(0)
     return tiled_mma
 
@@ -101,6 +109,74 @@ def _promote(acc: cute.Tensor, blk: cute.Tensor, s_lo: Float32, s_hi: Float32) -
             a[hi] = p[hi] * s_hi + a[hi]
 
 
+@cute.jit
+def _block_bytes(m_xs: cute.Tensor, m_ws: cute.Tensor, row_lo: Int32, row_hi: Int32, n_tile: Int32, kt: Int32,
+                 e: Int32) -> tuple[Int32, Int32, Int32]:
+    """K block kt's 3 scale bytes for this thread (its two rows', the weight block's), read straight from
+    global (L1 after first touch): xs's 1-byte columns are too narrow for a TMA box without a transposed
+    copy. Loaded before the stage wait, so the latency hides under the TMA and the wgmmas."""
+    return _byte(m_xs, (row_lo, kt)), _byte(m_xs, (row_hi, kt)), _byte(m_ws, (n_tile, kt, e))
+
+
+@cute.jit
+def _block_scales(b_lo: Int32, b_hi: Int32, b_w: Int32) -> tuple[Float32, Float32]:
+    s_w = _scale(b_w)
+    return _scale(b_lo) * s_w, _scale(b_hi) * s_w
+
+
+@cute.jit
+def _k_overlapped(mainloop: pipeline.PipelineTmaAsync, read: Any, release: Any, tiled_mma: cute.TiledMma,
+                  acc: cute.Tensor, blk: cute.Tensor, blk2: cute.Tensor, t_ra: cute.Tensor, t_rb: cute.Tensor,
+                  m_xs: cute.Tensor, m_ws: cute.Tensor, row_lo: Int32, row_hi: Int32, n_tile: Int32, e: Int32,
+                  k_tiles: Constexpr[int]) -> tuple[Any, Any, cute.TiledMma]:
+    """A tile's K blocks with promotion under the next block's MMAs: block kt's wgmmas go to blk or blk2 by
+    parity, wait_group(1) leaves them in flight while the block before is promoted and its stage freed.
+    Promotions keep K order, so every bit equals the serial schedule's. Returns the states it advanced."""
+    b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo, row_hi, n_tile, Int32(0), e)
+    mainloop.consumer_wait(read)
+    tiled_mma = _issue_block(tiled_mma, blk, t_ra, t_rb, read.index)
+    read.advance()
+    s_lo, s_hi = _block_scales(b_lo, b_hi, b_w)
+    for kp in range_constexpr((k_tiles - 1) // 2):
+        kt = 1 + 2 * kp
+        b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo, row_hi, n_tile, Int32(kt), e)
+        mainloop.consumer_wait(read)
+        tiled_mma = _issue_block(tiled_mma, blk2, t_ra, t_rb, read.index)
+        read.advance()
+        warpgroup.wait_group(1)
+        _promote(acc, blk, s_lo, s_hi)
+        mainloop.consumer_release(release)
+        release.advance()
+        s2_lo, s2_hi = _block_scales(b_lo, b_hi, b_w)
+        b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo, row_hi, n_tile, Int32(kt + 1), e)
+        mainloop.consumer_wait(read)
+        tiled_mma = _issue_block(tiled_mma, blk, t_ra, t_rb, read.index)
+        read.advance()
+        warpgroup.wait_group(1)
+        _promote(acc, blk2, s2_lo, s2_hi)
+        mainloop.consumer_release(release)
+        release.advance()
+        s_lo, s_hi = _block_scales(b_lo, b_hi, b_w)
+    if const_expr(k_tiles % 2 == 0):
+        b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo, row_hi, n_tile, Int32(k_tiles - 1), e)
+        mainloop.consumer_wait(read)
+        tiled_mma = _issue_block(tiled_mma, blk2, t_ra, t_rb, read.index)
+        read.advance()
+        warpgroup.wait_group(1)
+        _promote(acc, blk, s_lo, s_hi)
+        mainloop.consumer_release(release)
+        release.advance()
+        s2_lo, s2_hi = _block_scales(b_lo, b_hi, b_w)
+        warpgroup.wait_group(0)
+        _promote(acc, blk2, s2_lo, s2_hi)
+    else:
+        warpgroup.wait_group(0)
+        _promote(acc, blk, s_lo, s_hi)
+    mainloop.consumer_release(release)
+    release.advance()
+    return read, release, tiled_mma
+
+
 @cute.kernel
 def grouped_gemm_fp8_kernel(
     tma_atom_a: cute.CopyAtom, m_a: cute.Tensor, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
@@ -108,6 +184,7 @@ def grouped_gemm_fp8_kernel(
     m_offs: cute.Tensor, m_rows: Int32,
     n_groups: Int32, tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
     d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], stages: Constexpr[int],
+    overlap: Constexpr[bool],
 ) -> None:
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b, tma_atom_d))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, Float8E4M3FN, a_layout, b_layout, d_layout,
@@ -128,11 +205,15 @@ def grouped_gemm_fp8_kernel(
         assert acc_shape == ((2, 2, BN // 8), 1, 1), f"_promote assumes wgmma's m64 fragment, got {acc_shape}"
         acc = cute.make_rmem_tensor(acc_shape, Float32)
         blk = cute.make_rmem_tensor(acc_shape, Float32)
+        blk2 = blk
+        if const_expr(overlap):
+            blk2 = cute.make_rmem_tensor(acc_shape, Float32)
         # Tile coordinates (row, col) of this thread's accumulator values; its rows are those of (j, 0|1, c).
         t_c = tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor((BM, BN)))
         epi = epilogue_copies(tiled_mma, acc, s_d, ctid, tma_atom_d)
 
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
         t = Int32(bidx)
         e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, n_tiles_n)
         while e <= n_groups:
@@ -142,19 +223,19 @@ def grouped_gemm_fp8_kernel(
                 # Rows past the group are computed, then masked at the store; past M they read row M - 1.
                 row_lo = dsl_min(row0 + t_c[((0, 0, 0), 0, 0)][0], m_rows - 1)
                 row_hi = dsl_min(row0 + t_c[((0, 1, 0), 0, 0)][0], m_rows - 1)
-                for kt in range(k_tiles):
-                    # 3 scale bytes per thread and block, read straight from global (L1 after first touch):
-                    # xs's 1-byte columns are too narrow for a TMA box without a transposed copy. Loaded
-                    # before the stage wait, so the latency hides under the TMA and the wgmmas.
-                    b_lo = _byte(m_xs, (row_lo, kt))
-                    b_hi = _byte(m_xs, (row_hi, kt))
-                    b_w = _byte(m_ws, (n_tile, kt, e))
-                    mainloop.consumer_wait(read)
-                    tiled_mma = _block_mma(tiled_mma, blk, t_ra, t_rb, read.index)
-                    mainloop.consumer_release(read)
-                    read.advance()
-                    s_w = _scale(b_w)
-                    _promote(acc, blk, _scale(b_lo) * s_w, _scale(b_hi) * s_w)
+                if const_expr(overlap):
+                    read, release, tiled_mma = _k_overlapped(
+                        mainloop, read, release, tiled_mma, acc, blk, blk2, t_ra, t_rb, m_xs, m_ws, row_lo,
+                        row_hi, n_tile, e, k_tiles)
+                else:
+                    for kt in range(k_tiles):
+                        b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo, row_hi, n_tile, kt, e)
+                        mainloop.consumer_wait(read)
+                        tiled_mma = _block_mma(tiled_mma, blk, t_ra, t_rb, read.index)
+                        mainloop.consumer_release(read)
+                        read.advance()
+                        s_lo, s_hi = _block_scales(b_lo, b_hi, b_w)
+                        _promote(acc, blk, s_lo, s_hi)
             store_tile(epi, tma_d, m_d, m_d, row0, n_tile, g_end, n, BN, "none")
             t = t + n_ctas
             e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,
@@ -166,6 +247,7 @@ def grouped_gemm_fp8_kernel(
 def grouped_gemm_fp8_host(
     px: Pointer, pw: Pointer, pxs: Pointer, pws: Pointer, py: Pointer, poffs: Pointer, m_rows: Int32,
     n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream, n: Constexpr[int], k: Constexpr[int],
+    overlap: Constexpr[bool],
 ) -> None:
     """y[M, n] = per-group dequant(xq)[M, k] @ dequant(wq[e])^T; codes K-major, scales row-major bytes."""
     stages = stages_for()
@@ -189,11 +271,11 @@ def grouped_gemm_fp8_host(
         cpasync.CopyBulkTensorTileG2SOp(), m_w, cute.slice_(b_layout, (None, None, 0)), (BN, BK))
     grouped_gemm_fp8_kernel(
         tma_atom_a, tma_a, tma_atom_b, tma_b, m_xs, m_ws, *epi_tma(m_y), m_y, m_offs, m_rows, n_groups,
-        tiled_mma, a_layout, b_layout, epi_smem_layout(), n, k, stages,
+        tiled_mma, a_layout, b_layout, epi_smem_layout(), n, k, stages, overlap,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
 
 
-def compile_args(n: int, k: int) -> tuple[Any, tuple[Any, ...]]:
+def compile_args(n: int, k: int, overlap: bool = False) -> tuple[Any, tuple[Any, ...]]:
     ptrs = (pointer(Float8E4M3FN, 0), pointer(Float8E4M3FN, 0), pointer(Uint8, 0, 1), pointer(Uint8, 0, 1),
             pointer(BFloat16, 0), pointer(Int32, 0, 4))
-    return grouped_gemm_fp8_host, (*ptrs, Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k)
+    return grouped_gemm_fp8_host, (*ptrs, Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k, overlap)

@@ -1,0 +1,104 @@
+"""The fp8 fwd's overlapped schedule (GEMM_FP8_OVERLAP): block kt's wgmmas stay in flight while block kt - 1
+is promoted from the other block accumulator. Promotions keep K order, so its contract is the serial
+schedule's, bit for bit; its PTX shape is read without a GPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from test_fast_gemm import cumsum, zipf_counts
+from test_fast_gemm_fp8 import BLK, Case, _separates, assert_contract, make, probe, sm90
+from torch import Tensor
+
+from nmoe.fast.gemm import sm90_fp8 as gemm_fp8
+from nmoe.fast.gemm.sm90_fp8 import KERNELS
+
+gpu = pytest.mark.gpu
+__all__ = ["probe"]
+
+
+def _k_blocks(name: str) -> int:
+    spec = {s.name: s for s in KERNELS}[name]
+    return int(dict(spec.compile.spec)["k"]) // BLK
+
+
+def test_overlapped_kernels_are_compile_checked_for_even_and_odd_k_blocks() -> None:
+    blocks = {_k_blocks(s.name) for s in KERNELS if "overlap" in s.name}
+    assert any(b % 2 == 0 for b in blocks) and any(b % 2 == 1 for b in blocks), blocks
+    for s in KERNELS:
+        if "overlap" in s.name:
+            assert any("aligned\\s+1" in rx for rx in s.expect["sm_90a"]), s.name
+
+
+def test_consumer_promotes_each_block_under_the_next_blocks_mmas(probe: dict[str, Any]) -> None:
+    """Block 0 is issued alone; every later block is issued, then wait_group 1 leaves it in flight while the
+    block before is promoted (64 FMAs); the last is waited with wait_group 0 and promoted before the
+    epilogue. The K loop is unrolled: ptxas serializes wgmma when a rolled loop reads the other buffer."""
+    issue = [["ld.global.b8", 3], ["mbarrier.try_wait", 1], ["wgmma.fence", 1], ["wgmma.mma_async", 4]]
+    step = [*issue, ["wgmma.wait_group.sync.aligned 1", 1], ["fma.rn.f32", 64]]
+    tail = [["wgmma.wait_group.sync.aligned 0", 1], ["fma.rn.f32", 64], ["stmatrix", 8]]
+    names = [n for n in probe["ops"] if "overlap" in n]
+    assert len(names) == 3
+    for name in names:
+        ops = probe["ops"][name]
+        consumer = ops[[op for op, _ in ops].index("setmaxnreg.inc") + 1:]
+        body = issue + step * (_k_blocks(name) - 1) + tail
+        assert consumer[: len(body)] == body, (name, consumer[: len(body) + 2])
+
+
+def _both(case: Case, monkeypatch: pytest.MonkeyPatch) -> tuple[Tensor, Tensor]:
+    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_OVERLAP", False)
+    serial = case.run()
+    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_OVERLAP", True)
+    overlapped = case.run()
+    torch.cuda.synchronize()
+    return serial, overlapped
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("k", [128, 256, 384, 512, 1024, 4096])
+def test_overlapped_schedule_equals_the_serial_one(k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    counts = [0, 1, 300, 0, 129, 2, 700, 0, 64]
+    case = make(sum(counts) + 5, 384, k, cumsum(counts), seed=k)
+    serial, overlapped = _both(case, monkeypatch)
+    assert torch.equal(overlapped.view(torch.int16), serial.view(torch.int16))
+    ref, mag = case.ref()
+    assert_contract(overlapped, ref, mag, k)
+
+
+@gpu
+@sm90
+def test_overlapped_schedule_equals_the_serial_one_under_skew(monkeypatch: pytest.MonkeyPatch) -> None:
+    counts = zipf_counts(6000, 64)
+    case = make(6000, 512, 2048, cumsum(counts), seed=21)
+    serial, overlapped = _both(case, monkeypatch)
+    assert torch.equal(overlapped.view(torch.int16), serial.view(torch.int16))
+
+
+@gpu
+@sm90
+def test_sep_gemm_fast_fp8_overlap_stale_scales(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the odd block promoted inside the unrolled pairs takes the scales of the block before it
+    (still in s_lo / s_hi). With 4 K blocks that is block 1 scaled as block 0."""
+    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_OVERLAP", True)
+    case = make(260, 256, 512, cumsum([130, 130]), seed=22)
+    sx, sw = case.x_scale().clone(), case.w_scale().clone()
+    sx[1], sw[1] = sx[0], sw[0]
+    ref, mag = _separates(case, case.formula(sx=sx, sw=sw))
+    assert_contract(case.run(), ref, mag, case.k)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("k", [256, 1024])
+def test_sep_gemm_fast_fp8_overlap_tail_dropped(k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: with an even count of K blocks, the last block's wgmmas are waited but never promoted."""
+    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_OVERLAP", True)
+    case = make(200, 256, k, cumsum([130, 70]), seed=23)
+    kept = slice(0, k // BLK - 1)
+    mutated = case.formula(sx=case.x_scale()[kept], sw=case.w_scale()[kept], p=case.blocks()[kept])
+    ref, mag = _separates(case, mutated)
+    assert_contract(case.run(), ref, mag, case.k)
