@@ -125,53 +125,44 @@ def _block_scales(b_lo: Int32, b_hi: Int32, b_w: Int32) -> tuple[Float32, Float3
 
 
 @cute.jit
+def _overlap_step(mainloop: pipeline.PipelineTmaAsync, read: Any, release: Any, tiled_mma: cute.TiledMma,
+                  acc: cute.Tensor, into: cute.Tensor, prev: cute.Tensor, s_lo: Float32, s_hi: Float32,
+                  t_ra: cute.Tensor, t_rb: cute.Tensor, m_xs: cute.Tensor, m_ws: cute.Tensor, row_lo: Int32,
+                  row_hi: Int32, n_tile: Int32, kt: Int32,
+                  e: Int32) -> tuple[Any, Any, cute.TiledMma, Any, Any]:
+    """Issue block kt into `into`, then promote `prev` (block kt - 1, scales s) while those wgmmas run and
+    free its stage. Returns the states it advanced and block kt's scales."""
+    b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo, row_hi, n_tile, kt, e)
+    mainloop.consumer_wait(read)
+    tiled_mma = _issue_block(tiled_mma, into, t_ra, t_rb, read.index)
+    read.advance()
+    warpgroup.wait_group(1)
+    _promote(acc, prev, s_lo, s_hi)
+    mainloop.consumer_release(release)
+    release.advance()
+    n_lo, n_hi = _block_scales(b_lo, b_hi, b_w)
+    return read, release, tiled_mma, n_lo, n_hi
+
+
+@cute.jit
 def _k_overlapped(mainloop: pipeline.PipelineTmaAsync, read: Any, release: Any, tiled_mma: cute.TiledMma,
-                  acc: cute.Tensor, blk: cute.Tensor, blk2: cute.Tensor, t_ra: cute.Tensor, t_rb: cute.Tensor,
-                  m_xs: cute.Tensor, m_ws: cute.Tensor, row_lo: Int32, row_hi: Int32, n_tile: Int32, e: Int32,
-                  k_tiles: Constexpr[int]) -> tuple[Any, Any, cute.TiledMma]:
-    """A tile's K blocks with promotion under the next block's MMAs: block kt's wgmmas go to blk or blk2 by
-    parity, wait_group(1) leaves them in flight while the block before is promoted and its stage freed.
-    Promotions keep K order, so every bit equals the serial schedule's. Returns the states it advanced."""
+                  acc: cute.Tensor, bufs: tuple[cute.Tensor, cute.Tensor], t_ra: cute.Tensor,
+                  t_rb: cute.Tensor, m_xs: cute.Tensor, m_ws: cute.Tensor, row_lo: Int32, row_hi: Int32,
+                  n_tile: Int32, e: Int32, k_tiles: Constexpr[int]) -> tuple[Any, Any, cute.TiledMma]:
+    """A tile's K blocks with each promotion under the next block's MMAs, block kt in bufs[kt % 2]; the loop
+    is unrolled (rolled, ptxas serializes the wgmmas). Promotions keep K order, so every bit equals the
+    serial schedule's. Returns the states it advanced."""
     b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo, row_hi, n_tile, Int32(0), e)
     mainloop.consumer_wait(read)
-    tiled_mma = _issue_block(tiled_mma, blk, t_ra, t_rb, read.index)
+    tiled_mma = _issue_block(tiled_mma, bufs[0], t_ra, t_rb, read.index)
     read.advance()
     s_lo, s_hi = _block_scales(b_lo, b_hi, b_w)
-    for kp in range_constexpr((k_tiles - 1) // 2):
-        kt = 1 + 2 * kp
-        b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo, row_hi, n_tile, Int32(kt), e)
-        mainloop.consumer_wait(read)
-        tiled_mma = _issue_block(tiled_mma, blk2, t_ra, t_rb, read.index)
-        read.advance()
-        warpgroup.wait_group(1)
-        _promote(acc, blk, s_lo, s_hi)
-        mainloop.consumer_release(release)
-        release.advance()
-        s2_lo, s2_hi = _block_scales(b_lo, b_hi, b_w)
-        b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo, row_hi, n_tile, Int32(kt + 1), e)
-        mainloop.consumer_wait(read)
-        tiled_mma = _issue_block(tiled_mma, blk, t_ra, t_rb, read.index)
-        read.advance()
-        warpgroup.wait_group(1)
-        _promote(acc, blk2, s2_lo, s2_hi)
-        mainloop.consumer_release(release)
-        release.advance()
-        s_lo, s_hi = _block_scales(b_lo, b_hi, b_w)
-    if const_expr(k_tiles % 2 == 0):
-        b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo, row_hi, n_tile, Int32(k_tiles - 1), e)
-        mainloop.consumer_wait(read)
-        tiled_mma = _issue_block(tiled_mma, blk2, t_ra, t_rb, read.index)
-        read.advance()
-        warpgroup.wait_group(1)
-        _promote(acc, blk, s_lo, s_hi)
-        mainloop.consumer_release(release)
-        release.advance()
-        s2_lo, s2_hi = _block_scales(b_lo, b_hi, b_w)
-        warpgroup.wait_group(0)
-        _promote(acc, blk2, s2_lo, s2_hi)
-    else:
-        warpgroup.wait_group(0)
-        _promote(acc, blk, s_lo, s_hi)
+    for kt in range_constexpr(1, k_tiles):
+        read, release, tiled_mma, s_lo, s_hi = _overlap_step(
+            mainloop, read, release, tiled_mma, acc, bufs[kt % 2], bufs[(kt - 1) % 2], s_lo, s_hi, t_ra, t_rb,
+            m_xs, m_ws, row_lo, row_hi, n_tile, Int32(kt), e)
+    warpgroup.wait_group(0)
+    _promote(acc, bufs[(k_tiles - 1) % 2], s_lo, s_hi)
     mainloop.consumer_release(release)
     release.advance()
     return read, release, tiled_mma
@@ -225,7 +216,7 @@ def grouped_gemm_fp8_kernel(
                 row_hi = dsl_min(row0 + t_c[((0, 1, 0), 0, 0)][0], m_rows - 1)
                 if const_expr(overlap):
                     read, release, tiled_mma = _k_overlapped(
-                        mainloop, read, release, tiled_mma, acc, blk, blk2, t_ra, t_rb, m_xs, m_ws, row_lo,
+                        mainloop, read, release, tiled_mma, acc, (blk, blk2), t_ra, t_rb, m_xs, m_ws, row_lo,
                         row_hi, n_tile, e, k_tiles)
                 else:
                     for kt in range(k_tiles):
