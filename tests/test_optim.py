@@ -153,6 +153,69 @@ def test_adamw_and_muon_round_the_new_master_into_p_low() -> None:
         assert torch.equal(low.view(torch.int16), want), step.__name__
 
 
+def _bf16(x: np.ndarray) -> np.ndarray:
+    return x.astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def adamw_bf16_moments_oracle(p0: Tensor, grads: list[Tensor], rounded_update: bool = False) -> tuple[
+        np.ndarray, np.ndarray, np.ndarray]:
+    """float64 AdamW whose m, v live in bf16 (ml_dtypes rounding, to nearest even) between steps; p moves by
+    the float64 moments of the step (or, the defect, by their bf16 roundings)."""
+    hp = HP
+    p, m, v = p0.numpy().copy(), np.zeros(p0.shape), np.zeros(p0.shape)
+    for t, g in enumerate(grads, start=1):
+        gn = g.numpy()
+        p = p * (1 - hp["lr"] * hp["weight_decay"])
+        m1 = hp["beta1"] * m + (1 - hp["beta1"]) * gn
+        v1 = hp["beta2"] * v + (1 - hp["beta2"]) * gn * gn
+        m, v = _bf16(m1), _bf16(v1)
+        mu, vu = (m, v) if rounded_update else (m1, v1)
+        p = p - hp["lr"] * (mu / (1 - hp["beta1"] ** t)) / (np.sqrt(vu / (1 - hp["beta2"] ** t)) + hp["eps"])
+    return p, m, v
+
+
+def _run_bf16_moments(p0: Tensor, grads: list[Tensor], dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    p = p0.to(dtype).clone()
+    m, v = torch.zeros_like(p, dtype=torch.bfloat16), torch.zeros_like(p, dtype=torch.bfloat16)
+    for t, g in enumerate(grads, start=1):
+        adamw_step(p, g.to(dtype), m, v, t, **HP)
+    return p, m, v
+
+
+def test_adamw_bf16_moments_match_the_float64_oracle() -> None:
+    """fp64 master: p to 1e-13, the stored moments bit for bit; fp32 master: p to fp32 rounding, the
+    moments within one bf16 ulp (their fp32 sums may round across a bf16 tie)."""
+    p0 = gen((64,), 31)
+    grads = [gen((64,), 32 + k, 0.1) for k in range(5)]
+    want_p, want_m, want_v = adamw_bf16_moments_oracle(p0, grads)
+    p, m, v = _run_bf16_moments(p0, grads, torch.float64)
+    assert m.dtype == v.dtype == torch.bfloat16
+    assert np.allclose(p.numpy(), want_p, rtol=1e-13, atol=1e-15)
+    assert np.array_equal(m.double().numpy(), want_m) and np.array_equal(v.double().numpy(), want_v)
+    p, m, v = _run_bf16_moments(p0, grads, torch.float32)
+    assert np.allclose(p.double().numpy(), want_p, rtol=1e-5, atol=1e-8)
+    for got, want in ((m, want_m), (v, want_v)):
+        assert np.allclose(got.double().numpy(), want, rtol=2.0**-8, atol=0.0)
+
+
+def test_adamw_moments_refuse_a_third_dtype_and_mixed_pairs() -> None:
+    p = gen((4,), 1)
+    with pytest.raises(ValueError, match="or be bf16"):
+        adamw_step(p, p.clone(), p.half(), p.half(), 1, **HP)
+    with pytest.raises(ValueError, match="share one dtype"):
+        adamw_step(p, p.clone(), p.bfloat16(), p.clone(), 1, **HP)
+
+
+def test_sep_adamw_bf16_moments_rounded_update() -> None:
+    p0 = gen((64,), 33)
+    grads = [gen((64,), 34 + k, 0.1) for k in range(4)]
+    correct = adamw_bf16_moments_oracle(p0, grads)[0]
+    mutated = adamw_bf16_moments_oracle(p0, grads, rounded_update=True)[0]
+    assert not np.allclose(correct, mutated, rtol=1e-9, atol=0.0)
+    got = _run_bf16_moments(p0, grads, torch.float64)[0].numpy()
+    assert np.allclose(got, correct, rtol=1e-13, atol=1e-15)
+
+
 # ---------------------------------------------------------------- Newton-Schulz / Muon
 
 

@@ -10,8 +10,8 @@ TESTS = "tests/test_optim.py"
 MUTATIONS: tuple[Mutation, ...] = (
     sep_mutation(
         "adamw.coupled_weight_decay", FILE,
-        "    p.mul_(1.0 - lr * weight_decay)\n    m.mul_(beta1)",
-        "    gf = gf + weight_decay * p\n    m.mul_(beta1)",
+        "    p.mul_(1.0 - lr * weight_decay)\n    mw, vw = ",
+        "    gf = gf + weight_decay * p\n    mw, vw = ",
         "weight decay added to the gradient (Adam + L2) instead of decoupled from the adaptive step", TESTS,
         ("adamw",),
     ),
@@ -25,6 +25,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "adamw.grad_scale_ignored", FILE,
         "    return gf * grad_scale.to(p.dtype)\n", "    return gf\n",
         "the clip factor handed to the step is dropped, so clipping never takes effect", TESTS, ("adamw",),
+    ),
+    sep_mutation(
+        "adamw.bf16_moments_rounded_update", FILE,
+        "    p.sub_(lr * (mw / bias1)",
+        "    mw, vw = mw.to(m.dtype).to(p.dtype), vw.to(v.dtype).to(p.dtype)\n    p.sub_(lr * (mw / bias1)",
+        "with bf16 moments, p moves by the stored (rounded) moments instead of the values just computed",
+        TESTS, ("adamw",),
     ),
     sep_mutation(
         "muon.ns_coeffs_swapped", FILE,

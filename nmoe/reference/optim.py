@@ -26,13 +26,16 @@ def scaled_grad(name: str, p: Tensor, g: Tensor, grad_scale: Tensor | None) -> T
     return gf * grad_scale.to(p.dtype)
 
 
-def _check_master(name: str, p: Tensor, *state: Tensor) -> None:
+def _check_master(name: str, p: Tensor, *state: Tensor, low_ok: bool = False) -> None:
+    """State matches the master; with low_ok (AdamW's moments) it may also be bf16, stored rounded."""
     if p.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"{name}: param dtype {p.dtype} must be fp32 (or fp64); step the fp32 master copy")
+    dtypes = (p.dtype, torch.bfloat16) if low_ok else (p.dtype,)
     for t in state:
-        if t.shape != p.shape or t.dtype != p.dtype:
+        if t.shape != p.shape or t.dtype not in dtypes:
             raise ValueError(
                 f"{name}: state {t.dtype} {tuple(t.shape)} must match the param {p.dtype} {tuple(p.shape)}"
+                + (" (or be bf16)" if low_ok else "")
             )
 
 
@@ -52,19 +55,25 @@ def adamw_step(
 ) -> None:
     """AdamW (Loshchilov & Hutter) in place, step from 1; g *= grad_scale first, p_low (bf16) gets p after:
     p *= 1-lr*wd; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g; p -= lr*(m/(1-b1^t)) / (sqrt(v/(1-b2^t))+eps)
-    """
-    _check_master("adamw_step", p, m, v)
+    bf16 m, v (DeepSeek-V3's moments) update in p's dtype and are stored rounded; p moves by the unrounded."""
+    _check_master("adamw_step", p, m, v, low_ok=True)
+    if m.dtype != v.dtype:
+        raise ValueError(f"adamw_step: moments {m.dtype} / {v.dtype} must share one dtype")
     if g.shape != p.shape:
         raise ValueError(f"adamw_step: grad shape {tuple(g.shape)} must equal param shape {tuple(p.shape)}")
     if step < 1:
         raise ValueError(f"adamw_step: step={step} must be >= 1 (increment the step count before stepping)")
     gf = scaled_grad("adamw_step", p, g, grad_scale)
     p.mul_(1.0 - lr * weight_decay)
-    m.mul_(beta1).add_(gf, alpha=1.0 - beta1)
-    v.mul_(beta2).addcmul_(gf, gf, value=1.0 - beta2)
+    mw, vw = m.to(p.dtype), v.to(p.dtype)
+    mw.mul_(beta1).add_(gf, alpha=1.0 - beta1)
+    vw.mul_(beta2).addcmul_(gf, gf, value=1.0 - beta2)
     bias1 = 1.0 - beta1**step
     bias2 = 1.0 - beta2**step
-    p.sub_(lr * (m / bias1) / ((v / bias2).sqrt() + eps))
+    p.sub_(lr * (mw / bias1) / ((vw / bias2).sqrt() + eps))
+    if mw is not m:
+        m.copy_(mw)
+        v.copy_(vw)
     if p_low is not None:
         p_low.copy_(p)
 
