@@ -112,6 +112,8 @@ def test_cpu_tensors_are_refused_naming_reference(call: Callable[[], object]) ->
     (lambda: fast.adamw_step(*(torch.zeros(4) for _ in range(4)), 0, 1e-3, 0.9, 0.95, 1e-8, 0.0), "step=0"),
     (lambda: fast.adamw_step(torch.zeros(4), torch.zeros(4), torch.zeros(4, 2).mT[0], torch.zeros(4), 1, 1e-3,
                              0.9, 0.95, 1e-8, 0.0), "contiguous"),
+    (lambda: fast.adamw_step(torch.zeros(4), torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16),
+                             torch.zeros(4), 1, 1e-3, 0.9, 0.95, 1e-8, 0.0), "both fp32 or both bf16"),
     (lambda: fast.muon_step(*(torch.zeros(4) for _ in range(3)), 0.02, 0.95, 0.0), "adamw_step"),
     (lambda: fast.newton_schulz5(torch.zeros(4)), "matrix"),
 ])
@@ -226,6 +228,45 @@ def test_sep_adamw_fast_low_copy_from_moment() -> None:
     assert not torch.equal(mc.bfloat16(), pc.bfloat16()), "m and p round to different bf16 values"
     assert torch.equal(low.view(torch.int16), pc.bfloat16().view(torch.int16))
     check_adamw((pc.cpu(), mc.cpu(), vc.cpu()), p, grad, m, v, 2, 1e-3, 0.1, torch.tensor(0.5))
+
+
+def test_bf16_moment_kernels_round_their_stores_and_compile() -> None:
+    names = {k.name for k in fast.KERNELS if k.name.endswith("_mbf16")}
+    assert names == {"adamw_gbf16_scaled_low_mbf16", "adamw_gbf16_v1_scaled_low_mbf16"}
+
+
+def _bf16_moments_step(shape: tuple[int, ...], seed: int, moments: torch.dtype) -> tuple[Tensor, ...]:
+    """One trainer-shaped step (bf16 grad, clip factor, bf16 param) from moments that are bf16 values."""
+    p, grad, m, v, _ = adamw_case(shape, seed, 3, grad_dtype=torch.bfloat16)
+    pc, mc, vc = p.cuda(), m.bfloat16().to(moments).cuda(), v.bfloat16().to(moments).cuda()
+    low = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+    fast.adamw_step(pc, grad.cuda(), mc, vc, 3, 1e-3, 0.9, 0.95, 1e-8, 0.1, torch.tensor(0.7).cuda(), low)
+    return pc, mc, vc, low
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(1,), (7,), (1003,), (1024, 1030)])
+def test_bf16_moments_are_the_fp32_moment_step_rounded_once(shape: tuple[int, ...]) -> None:
+    """bf16 moments read exactly into fp32, so the step is the fp32-moment kernel's: p and the bf16 param
+    bit for bit, the stored m and v its fp32 moments rounded to nearest even (whole vectors and the tail)."""
+    want = _bf16_moments_step(shape, 41, torch.float32)
+    got = _bf16_moments_step(shape, 41, torch.bfloat16)
+    assert got[1].dtype == got[2].dtype == torch.bfloat16
+    assert torch.equal(got[0].view(torch.int32), want[0].view(torch.int32))
+    assert torch.equal(got[3].view(torch.int16), want[3].view(torch.int16))
+    for g, w in zip(got[1:3], want[1:3], strict=True):
+        assert torch.equal(g.view(torch.int16), w.bfloat16().view(torch.int16))
+
+
+@gpu
+def test_sep_adamw_fast_bf16_moments_swapped() -> None:
+    """m and v written into each other's bf16 store: they differ on this data, so the rounded-once check
+    refuses the swap."""
+    want = _bf16_moments_step((1003,), 42, torch.float32)
+    assert not torch.equal(want[1].bfloat16(), want[2].bfloat16())
+    got = _bf16_moments_step((1003,), 42, torch.bfloat16)
+    assert torch.equal(got[1].view(torch.int16), want[1].bfloat16().view(torch.int16))
+    assert torch.equal(got[2].view(torch.int16), want[2].bfloat16().view(torch.int16))
 
 
 @gpu

@@ -28,6 +28,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         device="gpu",
     ),
     sep_mutation(
+        "adamw.fast_bf16_moments_swapped", KERNEL,
+        "        _store_rounded(mm, fm, i, base, n, vec, full)\n"
+        "        _store_rounded(mv, fv, i, base, n, vec, full)\n",
+        "        _store_rounded(mm, fv, i, base, n, vec, full)\n"
+        "        _store_rounded(mv, fm, i, base, n, vec, full)\n",
+        "bf16 moments stored into each other's tensors (m gets v's rounding, v gets m's)", TESTS, ("adamw",),
+        device="gpu",
+    ),
+    sep_mutation(
         "adamw.fast_low_copy_from_moment", KERNEL,
         "            fl.store(out_bits(fp.load(), \"bfloat16\"))\n            cute.zipped_divide",
         "            fl.store(out_bits(fm.load(), \"bfloat16\"))\n            cute.zipped_divide",

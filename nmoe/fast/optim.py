@@ -22,14 +22,20 @@ MUON_RMS_MATCH: Final[float] = 0.2
 _GRAD_DTYPES: dict[torch.dtype, str] = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
-def _check_master(name: str, p: Tensor, *state: Tensor) -> None:
+_STATE_DTYPES: dict[torch.dtype, str] = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def _check_master(name: str, p: Tensor, *state: Tensor, low_ok: bool = False) -> None:
+    """Contiguous state matching the fp32 master; with low_ok (AdamW's moments) all of it may be bf16."""
     if p.dtype != torch.float32:
         raise ValueError(f"{name}: param dtype {p.dtype} must be fp32; step the fp32 master copy (fp64 "
                          "runs on nmoe.reference.optim)")
+    want = torch.bfloat16 if low_ok and state and state[0].dtype == torch.bfloat16 else p.dtype
     for t in (p, *state):
-        if t.shape != p.shape or t.dtype != p.dtype or not t.is_contiguous():
+        if t.shape != p.shape or t.dtype != (p.dtype if t is p else want) or not t.is_contiguous():
             raise ValueError(f"{name}: state {t.dtype} {tuple(t.shape)} must be a contiguous tensor matching "
-                             f"the param {p.dtype} {tuple(p.shape)}")
+                             f"the param {p.dtype} {tuple(p.shape)}"
+                             + (" (the moments: both fp32 or both bf16)" if low_ok else ""))
 
 
 def _check_scale(name: str, p: Tensor, grad_scale: Tensor | None) -> None:
@@ -45,7 +51,7 @@ def adamw_step(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: int, lr: float,
     """The spec's AdamW step in place on fp32 p, m, v in one kernel pass (grad fp32 or bf16, times the device
     scalar grad_scale when given; step counts from 1); p_low, the bf16 param over this master (bf16 grad),
     gets the new p rounded once in the same pass, so no separate cast runs."""
-    _check_master("adamw_step", p, m, v)
+    _check_master("adamw_step", p, m, v, low_ok=True)
     if g.shape != p.shape or g.dtype not in _GRAD_DTYPES:
         raise ValueError(f"adamw_step: grad {g.dtype} {tuple(g.shape)} must be fp32/bf16 of the param shape "
                          f"{tuple(p.shape)}")
@@ -67,8 +73,9 @@ def adamw_step(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: int, lr: float,
     coeffs = (1.0 - lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, 1.0 - beta1**step,
               1.0 - beta2**step, lr, eps)
     scale = p if grad_scale is None else grad_scale
-    ADAMW.launcher(arch, vec=vec, grad_dtype=_GRAD_DTYPES[g.dtype], scaled=grad_scale is not None,
-                   low=p_low is not None)(device, *ptrs, scale.data_ptr(), low.data_ptr(), n, *coeffs)
+    launch = ADAMW.launcher(arch, vec=vec, grad_dtype=_GRAD_DTYPES[g.dtype], scaled=grad_scale is not None,
+                            low=p_low is not None, state_dtype=_STATE_DTYPES[m.dtype])
+    launch(device, *ptrs, scale.data_ptr(), low.data_ptr(), n, *coeffs)
 
 
 def newton_schulz5(g: Tensor, steps: int = 5) -> Tensor:
@@ -129,21 +136,32 @@ def muon_step(p: Tensor, g: Tensor, buf: Tensor, lr: float, momentum: float, wei
 # Every AdamW step must round once (no FMA contraction, no approximate sqrt/div, no flush to zero).
 _FORBID = (r"\b(rsqrt|sqrt|rcp|div)\.approx\b", r"\bdiv\.full\b", r"\.ftz\b", r"\bfma\.",
            r"\b(ld|st)\.local\b")
+_CVT_BF16 = r"\bcvt\.rn\.bf16(x2)?\.f32\b"
 _ROUNDED = (r"\bsqrt\.rn\.f32\b", r"\bdiv\.rn\.f32\b", r"\bmul\.rn\.f32\b", r"\badd\.rn\.f32\b",
             r"\bsub\.rn\.f32\b")
 
 
 def _kernel_specs() -> tuple[KernelSpec, ...]:
     """The 128-bit kernels, and the scalar ones adamw_step compiles for tensors off 16-byte alignment; each
-    with and without the folded grad scale, and with bf16 grads also writing the bf16 param (low)."""
-    return tuple(
+    with and without the folded grad scale, and with bf16 grads also writing the bf16 param (low); bf16
+    moments where a trainer uses them (bf16 grads and param, clip factor)."""
+    fp32 = tuple(
         runtime.portable_spec(
             "adamw", f"adamw_{tag}{'_v1' * (vec == 1)}{'_scaled' * scaled}{'_low' * low}",
-            ADAMW.compiler(vec=vec, grad_dtype=gd, scaled=scaled, low=low),
+            ADAMW.compiler(vec=vec, grad_dtype=gd, scaled=scaled, low=low, state_dtype="float32"),
             (*_ROUNDED, runtime.LD128, runtime.ST128) if vec == 4 else _ROUNDED, _FORBID)
         for vec in (4, 1) for gd, tag in (("float32", "g32"), ("bfloat16", "gbf16"))
         for scaled in (False, True) for low in ((False, True) if gd == "bfloat16" else (False,))
     )
+    bf16 = tuple(
+        runtime.portable_spec(
+            "adamw", f"adamw_gbf16{'_v1' * (vec == 1)}_scaled_low_mbf16",
+            ADAMW.compiler(vec=vec, grad_dtype="bfloat16", scaled=True, low=True, state_dtype="bfloat16"),
+            (*_ROUNDED, runtime.LD128, runtime.ST128, _CVT_BF16) if vec == 4 else (*_ROUNDED, _CVT_BF16),
+            _FORBID)
+        for vec in (4, 1)
+    )
+    return fp32 + bf16
 
 
 KERNELS: tuple[KernelSpec, ...] = _kernel_specs()

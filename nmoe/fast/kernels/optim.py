@@ -42,10 +42,12 @@ def _update(fp: cute.Tensor, fg: cute.Tensor, fm: cute.Tensor, fv: cute.Tensor, 
 
 @cute.jit
 def _load_tail(m: cute.Tensor, f: Any, base: Int64, n: Int64, vec: Constexpr[int]) -> None:
+    """f[j] = m[base + j] in f's type (a bf16 moment widens exactly) where inside n, else 0."""
     f.fill(0.0)
     for j in range_constexpr(vec):
         if base + j < n:
-            f[j] = m[base + j]
+            x: Any = m[base + j]
+            f[j] = x.to(Float32) if const_expr(m.element_type != f.element_type) else x
 
 
 @cute.jit
@@ -53,6 +55,36 @@ def _store_tail(m: cute.Tensor, f: cute.Tensor, base: Int64, n: Int64, vec: Cons
     for j in range_constexpr(vec):
         if base + j < n:
             m[base + j] = f[j]
+
+
+@cute.jit
+def _store_rounded(m: cute.Tensor, f: cute.Tensor, i: Int64, base: Int64, n: Int64, vec: Constexpr[int],
+                   full: Constexpr[bool]) -> None:
+    bits = cute.make_rmem_tensor((vec,), Int16)
+    bits.store(out_bits(f.load(), "bfloat16"))
+    words = cute.recast_tensor(m, Int16)
+    if const_expr(full):
+        cute.zipped_divide(words, (vec,))[(None, i)].store(bits.load())
+    else:
+        _store_tail(words, bits, base, n, vec)
+
+
+@cute.jit
+def _store_moments(mm: cute.Tensor, mv: cute.Tensor, fm: cute.Tensor, fv: cute.Tensor, i: Int64, base: Int64,
+                   n: Int64, vec: Constexpr[int], full: Constexpr[bool]) -> None:
+    """fm, fv into the moments: as they are (fp32), or rounded once to nearest even (bf16 moments)."""
+    if const_expr(mm.element_type == Float32):
+        if const_expr(full):
+            gm: Any = cute.zipped_divide(mm, (vec,))
+            gv: Any = cute.zipped_divide(mv, (vec,))
+            gm[(None, i)].store(fm.load())
+            gv[(None, i)].store(fv.load())
+        else:
+            _store_tail(mm, fm, base, n, vec)
+            _store_tail(mv, fv, base, n, vec)
+    else:
+        _store_rounded(mm, fm, i, base, n, vec, full)
+        _store_rounded(mv, fv, i, base, n, vec, full)
 
 
 @cute.kernel
@@ -83,12 +115,11 @@ def adamw_kernel(pp: Pointer, pg: Pointer, pm: Pointer, pv: Pointer, ps: Pointer
         gv = cute.zipped_divide(mv, (vec,))
         fp.store(gp[(None, i)].load().reshape((vec,)))
         fg.store(cute.zipped_divide(mg, (vec,))[(None, i)].load().reshape((vec,)))
-        fm.store(gm[(None, i)].load().reshape((vec,)))
-        fv.store(gv[(None, i)].load().reshape((vec,)))
+        fm.store(gm[(None, i)].load().reshape((vec,)).to(Float32))
+        fv.store(gv[(None, i)].load().reshape((vec,)).to(Float32))
         _update(fp, fg, fm, fv, scale, decay, b1, omb1, b2, omb2, bc1, bc2, lr, eps, vec, scaled)
         gp[(None, i)].store(fp.load())
-        gm[(None, i)].store(fm.load())
-        gv[(None, i)].store(fv.load())
+        _store_moments(mm, mv, fm, fv, i, Int64(0), n, vec, True)
         if const_expr(low):
             fl.store(out_bits(fp.load(), "bfloat16"))
             cute.zipped_divide(ml, (vec,))[(None, i)].store(fl.load())
@@ -100,8 +131,7 @@ def adamw_kernel(pp: Pointer, pg: Pointer, pm: Pointer, pv: Pointer, ps: Pointer
         _load_tail(mv, fv, base, n, vec)
         _update(fp, fg, fm, fv, scale, decay, b1, omb1, b2, omb2, bc1, bc2, lr, eps, vec, scaled)
         _store_tail(mp, fp, base, n, vec)
-        _store_tail(mm, fm, base, n, vec)
-        _store_tail(mv, fv, base, n, vec)
+        _store_moments(mm, mv, fm, fv, i, base, n, vec, False)
         if const_expr(low):
             fl.store(out_bits(fp.load(), "bfloat16"))
             _store_tail(ml, fl, base, n, vec)
@@ -113,7 +143,8 @@ def adamw_host(pp: Pointer, pg: Pointer, pm: Pointer, pv: Pointer, ps: Pointer, 
                bc2: Float32, lr: Float32, eps: Float32, stream: cuda.CUstream, vec: Constexpr[int],
                grad_dtype: Constexpr[str], scaled: Constexpr[bool], low: Constexpr[bool]) -> None:
     """The step over n masters; scaled: g times the fp32 factor at ps; low: the new p also rounded once into
-    the bf16 param at pl (the model's copy of a bf16-param master)."""
+    the bf16 param at pl (the model's copy of a bf16-param master). The moments' pointer type (fp32 or
+    bf16) picks how they are read and stored."""
     adamw_kernel(pp, pg, pm, pv, ps, pl, n, decay, b1, omb1, b2, omb2, bc1, bc2, lr, eps, vec, scaled,
                  low).launch(
         grid=[(n // vec + THREADS) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream
@@ -124,9 +155,9 @@ def compile_args(kernel: str, spec: dict[str, Any]) -> tuple[Any, tuple[Any, ...
     """Host function and fake arguments (null pointers, n = 0) that compile `kernel` without a GPU."""
     if kernel != "adamw":
         raise KeyError(f"nmoe.fast.kernels.optim has no kernel {kernel!r}; it holds adamw")
-    vec, gd = spec["vec"], DTYPES[spec["grad_dtype"]]
+    vec, gd, sd = spec["vec"], DTYPES[spec["grad_dtype"]], DTYPES[spec["state_dtype"]]
     gmem = cute.AddressSpace.gmem
-    ptrs = [make_ptr(t, 0, gmem, assumed_align=vec * t.width // 8) for t in (Float32, gd, Float32, Float32)]
+    ptrs = [make_ptr(t, 0, gmem, assumed_align=vec * t.width // 8) for t in (Float32, gd, sd, sd)]
     scale = make_ptr(Float32, 0, gmem, assumed_align=4)
     low = make_ptr(BFloat16, 0, gmem, assumed_align=vec * 2)
     scalars = [Float32(0.0)] * 9
