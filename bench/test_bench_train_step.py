@@ -98,7 +98,7 @@ def test_bench_train_step_moonlet(benchmark: Any) -> None:
     from nmoe.fast.model import Model
     from nmoe.train.graphstep import GraphedStep
     from nmoe.train.loop import flops_per_token
-    from nmoe.train.optim import build_optimizer, clip_scale
+    from nmoe.train.optim import STATE_DTYPES, build_optimizer, clip_scale
     from nmoe.train.stepstats import peak_flops
     from nmoe.traincli import optim_steps
 
@@ -110,7 +110,7 @@ def test_bench_train_step_moonlet(benchmark: Any) -> None:
     b, s = cfg.data.batch_size, cfg.data.seq_len
     model = Model(cfg.model, seed=cfg.train.seed, param_dtype=cfg.train.param_dtype)
     model.train()
-    opt = build_optimizer(model, cfg.optim, optim_steps(cfg))
+    opt = build_optimizer(model, cfg.optim, optim_steps(cfg), STATE_DTYPES[cfg.train.optim_state_dtype])
     params = [p for g in opt.param_groups for p in g["params"]]
     inputs, targets = _batch(cfg)
 

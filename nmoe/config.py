@@ -242,7 +242,8 @@ class DataConfig(_Section):
 
 @dataclass(frozen=True)
 class TrainConfig(_Section):
-    """dtype bf16 only (fp8/nvfp4 come from expert_dtype); fp32 masters and moments; model = "reference" (the
+    """dtype bf16 only (fp8/nvfp4 come from expert_dtype); fp32 masters; AdamW moments fp32 or bf16 (stored
+    rounded, half the bytes per step); model = "reference" (the
     CPU spec) only by name, the fast path never falls back; cuda_graph: forward and backward replay as one
     CUDA graph after the first, eager step. expert_parallel: routed experts sharded over all ranks, rows moved
     by RDEP; a rank receives at most ep_capacity x its own tokens x top-k rows, more raises."""
@@ -254,7 +255,7 @@ class TrainConfig(_Section):
     model: str = _spec("fast", choices=("fast", "reference"))
     dtype: str = _spec("bf16", choices=("bf16",))
     param_dtype: str = _spec("fp32", choices=("fp32", "bf16"))
-    optim_state_dtype: str = _spec("fp32", choices=("fp32",))
+    optim_state_dtype: str = _spec("fp32", choices=("fp32", "bf16"))
     log_every: int = _spec(10, lo=1)
     cuda_graph: bool = _spec(False)
     expert_parallel: bool = _spec(False)
@@ -337,6 +338,10 @@ class Config:
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError("data.seq_len", f"{self.data.seq_len} > model.max_seq_len="
                               f"{self.model.max_seq_len}", "shorten seq_len or raise model.max_seq_len")
+        if self.train.optim_state_dtype == "bf16" and self.optim.name == "muon":
+            raise ConfigError("train.optim_state_dtype", '"bf16" with optim.name = "muon"',
+                              "bf16 state is AdamW's moments only (Muon's momentum buffer has no bf16 form); "
+                              'set optim_state_dtype = "fp32" or optim.name = "adamw"')
         if self.train.expert_parallel and self.model.expert_dtype != "bf16":
             raise ConfigError("train.expert_parallel", f'true with expert_dtype "{self.model.expert_dtype}"',
                               'expert parallelism moves bf16 rows only (an fp8 dispatch is not built); set '

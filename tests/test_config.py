@@ -125,7 +125,7 @@ def test_wrong_type(raw: dict[str, dict[str, object]], needle: str) -> None:
         ({"train": {"run_name": ""}}, "train.run_name: empty"),
         ({"train": {"param_dtype": "fp16"}},
          "train.param_dtype: 'fp16' is not accepted; use one of fp32, bf16"),
-        ({"train": {"optim_state_dtype": "bf16"}}, "train.optim_state_dtype: 'bf16' is not accepted"),
+        ({"train": {"optim_state_dtype": "fp16"}}, "train.optim_state_dtype: 'fp16' is not accepted"),
     ],
 )
 def test_out_of_range(raw: dict[str, dict[str, object]], needle: str) -> None:
@@ -302,3 +302,12 @@ def test_cuda_graph_needs_the_gpu() -> None:
     assert _err(ei).startswith('config error: train.cuda_graph: true on device "cpu"')
     gpu = load_config(CONFIGS / "tiny-gpu.toml", env={}, overrides=["--train.cuda_graph=true"])
     assert gpu.train.cuda_graph
+
+
+def test_bf16_optimizer_state_is_adamw_only(tmp_path: Path) -> None:
+    cfg = load_config(_write(tmp_path, '[train]\noptim_state_dtype = "bf16"\n'), env={})
+    assert cfg.train.optim_state_dtype == "bf16"
+    with pytest.raises(ConfigError) as ei:
+        load_config(_write(tmp_path, '[train]\noptim_state_dtype = "bf16"\n[optim]\nname = "muon"\n'), env={})
+    msg = _err(ei)
+    assert "train.optim_state_dtype" in msg and 'optim.name = "adamw"' in msg

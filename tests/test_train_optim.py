@@ -220,3 +220,26 @@ def test_bf16_params_step_their_fp32_masters(algo: str) -> None:
         assert torch.equal(master, ref.attn.weight), k
         assert torch.equal(low.attn.weight, master.to(torch.bfloat16)), k
     assert not torch.equal(master, low.attn.weight.float()), "the master keeps bits the bf16 param drops"
+
+
+def test_bf16_moments_are_the_adamw_state_and_step_as_the_spec_rounds_them() -> None:
+    """optim_state_dtype = "bf16": AdamW's exp_avg / exp_avg_sq are bf16 (Muon's buffer is refused by the
+    config); each step equals the spec's step on the same bf16 moments, which it stores rounded."""
+    torch.manual_seed(2)
+    model = nn.Linear(8, 6)
+    opt = build_optimizer(model, OptimConfig(), SPEC, torch.bfloat16)
+    w = model.weight
+    st = opt.state[w]
+    assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.bfloat16
+    p, m, v = w.detach().clone(), st["exp_avg"].clone(), st["exp_avg_sq"].clone()
+    for k in range(3):
+        g = torch.randn(6, 8, generator=torch.Generator().manual_seed(k))
+        w.grad, model.bias.grad = g, torch.zeros(6)
+        opt.step()
+        c = opt.cfg
+        adamw_step(p, g, m, v, k + 1, opt.param_groups[0]["lr"], c.beta1, c.beta2, c.eps,
+                   opt.param_groups[0]["weight_decay"])
+        assert torch.equal(w, p) and torch.equal(st["exp_avg"], m) and torch.equal(st["exp_avg_sq"], v)
+    assert bool(st["exp_avg"].ne(0).any())
+    with pytest.raises(ValueError, match=r"torch\.float32 or torch\.bfloat16"):
+        build_optimizer(model, OptimConfig(), SPEC, torch.float16)

@@ -31,6 +31,7 @@ from nmoe.train.graphstep import GraphedStep
 from nmoe.train.metrics import ExperimentsDB, new_run_id
 from nmoe.train.metricstore import MetricsWriter
 from nmoe.train.optim import (
+    STATE_DTYPES,
     OptimSteps,
     TrainOptimizer,
     build_optimizer,
@@ -163,7 +164,7 @@ def train(
     _seed_all(cfg.train.seed + rank)
     model.to(dev)
     model.train()
-    optimizer = build_optimizer(model, cfg.optim, steps)
+    optimizer = build_optimizer(model, cfg.optim, steps, STATE_DTYPES[cfg.train.optim_state_dtype])
     loader = build_loader(cfg.data.dataset_dir, cfg.data.mixture, seq_len=cfg.data.seq_len,
                           batch_size=cfg.data.batch_size, seed=cfg.data.seed, prefetch=cfg.data.prefetch,
                           rank=rank, world=world,

@@ -17,6 +17,7 @@ from nmoe.sharding import AllReduceSum, grad_norm, shard_of
 
 Kind = Literal["dense", "router", "expert"]
 PARAM_DTYPES: Final[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16)
+STATE_DTYPES: Final[dict[str, torch.dtype]] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 KINDS: Final[tuple[Kind, ...]] = ("dense", "router", "expert")
 
 _ROUTER = re.compile(r"(^|\.)router[^.]*$|(^|\.)(router|gate)\.")
@@ -84,15 +85,19 @@ class OptimSteps:
 class TrainOptimizer(torch.optim.Optimizer):
     """AdamW / Muon per group ("algo"); state is created eagerly so checkpoints load into it in place. An fp32
     param is its own master; a bf16 param (train.param_dtype = "bf16": no cast in the forward, bf16 grads)
-    gets an fp32 master in its state, which the step updates and then rounds into the param."""
+    gets an fp32 master in its state, which the step updates and then rounds into the param. AdamW's moments
+    are `moments` (train.optim_state_dtype)."""
 
-    def __init__(self, groups: list[dict[str, Any]], cfg: OptimConfig, steps: OptimSteps) -> None:
+    def __init__(self, groups: list[dict[str, Any]], cfg: OptimConfig, steps: OptimSteps,
+                 moments: torch.dtype = torch.float32) -> None:
         defaults = {"lr": 0.0, "base_lr": 0.0, "weight_decay": 0.0, "algo": "adamw", "kind": "dense",
                     "names": []}
         super().__init__(groups, defaults)
         self.cfg = cfg
         self.steps = steps
         self.grad_scale: Tensor | None = None
+        if moments not in STATE_DTYPES.values():
+            raise ValueError(f"optimizer: AdamW moments {moments}; use torch.float32 or torch.bfloat16")
         for group in self.param_groups:
             if group["algo"] not in ("adamw", "muon"):
                 raise ValueError(f"param group algo {group['algo']!r}; use adamw or muon")
@@ -106,7 +111,8 @@ class TrainOptimizer(torch.optim.Optimizer):
                     self.state[p] = {"momentum_buffer": torch.zeros_like(like), **master}
                 else:
                     self.state[p] = {"step": torch.zeros((), dtype=torch.int64),
-                                     "exp_avg": torch.zeros_like(like), "exp_avg_sq": torch.zeros_like(like),
+                                     "exp_avg": torch.zeros_like(like, dtype=moments),
+                                     "exp_avg_sq": torch.zeros_like(like, dtype=moments),
                                      **master}
 
     def set_lr_factor(self, factor: float) -> None:
@@ -180,5 +186,6 @@ def wsd_factor(tokens: int, s: ScheduleConfig) -> float:
     return 1.0 - (1.0 - s.min_lr_ratio) * frac
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, steps: OptimSteps) -> TrainOptimizer:
-    return TrainOptimizer(build_param_groups(model, cfg), cfg, steps)
+def build_optimizer(model: nn.Module, cfg: OptimConfig, steps: OptimSteps,
+                    moments: torch.dtype = torch.float32) -> TrainOptimizer:
+    return TrainOptimizer(build_param_groups(model, cfg), cfg, steps, moments)
