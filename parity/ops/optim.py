@@ -57,9 +57,12 @@ def make_adamw(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
     elif adv == "denormal":
         grad = randn(shape, torch.float32, g, 1e-20)
     scale = torch.tensor(0.3) if adv == "clipped" else None
+    if p.get("dtype") == "bf16m":
+        m, v = m.bfloat16(), v.bfloat16()
     args = (par, grad, m, v, int(q["step"]), float(q["lr"]), 0.9, float(q["beta2"]), 1e-8, float(q["wd"]),
             scale)
-    return Inputs(args, shape={"R": q["R"], "C": q["C"], "step": int(q["step"])}, dtype="fp32")
+    shape = {"R": q["R"], "C": q["C"], "step": int(q["step"])}
+    return Inputs(args, shape=shape, dtype=p.get("dtype", "fp32"))
 
 
 def space_muon(big: bool) -> st.SearchStrategy[dict[str, Any]]:
@@ -87,7 +90,8 @@ def make_muon(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
 def adamw(inp: Inputs, c: Contract) -> list[Expect | None]:
     """Per output a forward-error budget in units of u (coefficient roundings included): m, v are
     length-2 sums; p adds the decay rounding, the update's error (driven by m's) and the subtraction. A clip
-    factor s multiplies g exactly here; its one fp32 rounding adds a unit to g's terms (two to g*g's)."""
+    factor s multiplies g exactly here; its one fp32 rounding adds a unit to g's terms (two to g*g's).
+    bf16 moments (dtype "bf16m") read exactly; their stores get the contract's one ulp in bf16."""
     p, g, m, v, step, lr, b1, b2, eps, wd, scale = inp.args
     p, g, m, v = d(p), d(g), d(m), d(v)
     extra = 0.0
@@ -155,7 +159,7 @@ ENTRIES: list[OpEntry] = [
         oracle=adamw,
         output_names=("p", "m", "v"),
         adversarial=("zero", "denormal", "single_token", "clipped"),
-        dtypes=("fp32",),
+        dtypes=("fp32", "bf16m"),
         ref64=True,
         inplace=(0, 2, 3),
     ),
