@@ -10,7 +10,8 @@ FLOP floor: nmoe.train.loop.flops_per_token (6 x active matmul parameters, exper
 lookup excluded, plus causal attention) x tokens, against the bf16 dense ceiling measured in the same run;
 MFU is against stepstats.peak_flops (989 TFLOP/s dense bf16 on H100/H200), as the trainer's MFU column.
 The two models run one after the other (each holds ~70 GB of parameters, grads and AdamW state).
-NMOE_BENCH_TRAIN_BATCH sets the batch, NMOE_BENCH_TRAIN_PARAM_DTYPE the fast model's train.param_dtype.
+NMOE_BENCH_TRAIN_BATCH sets the batch, NMOE_BENCH_TRAIN_PARAM_DTYPE the fast model's train.param_dtype,
+NMOE_BENCH_TRAIN_STATE_DTYPE its train.optim_state_dtype.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "moonlet.toml"
 BATCH = int(os.environ.get("NMOE_BENCH_TRAIN_BATCH", "2"))
 # train.param_dtype of the fast model when set ("fp32" or "bf16"); unset, the config's (moonlet: bf16).
 PARAM_DTYPE = os.environ.get("NMOE_BENCH_TRAIN_PARAM_DTYPE", "")
+# train.optim_state_dtype when set ("fp32" or "bf16": AdamW's moments); unset, the config's.
+STATE_DTYPE = os.environ.get("NMOE_BENCH_TRAIN_STATE_DTYPE", "")
 STEP_WARMUP, STEP_REPS = 3, 10
 
 
@@ -103,6 +106,7 @@ def test_bench_train_step_moonlet(benchmark: Any) -> None:
     from nmoe.traincli import optim_steps
 
     dtype = [f"--train.param_dtype={PARAM_DTYPE}"] if PARAM_DTYPE else []
+    dtype += [f"--train.optim_state_dtype={STATE_DTYPE}"] if STATE_DTYPE else []
     cfg = load_config(CONFIG, env={}, overrides=[f"--data.batch_size={BATCH}", *dtype])
     base_ms, base_peak = _torch_step_ms(cfg)
     gc.collect()
