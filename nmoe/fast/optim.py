@@ -19,10 +19,7 @@ ADAMW = Kernel.by_name("nmoe.fast.kernels.optim", "adamw")
 NS5_COEFFS: Final[tuple[float, float, float]] = (3.4445, -4.7750, 2.0315)
 NS5_EPS: Final[float] = 1e-7
 MUON_RMS_MATCH: Final[float] = 0.2
-_GRAD_DTYPES: dict[torch.dtype, str] = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
-
-
-_STATE_DTYPES: dict[torch.dtype, str] = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+_DTYPES: dict[torch.dtype, str] = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def _check_master(name: str, p: Tensor, *state: Tensor, low_ok: bool = False) -> None:
@@ -48,11 +45,11 @@ def _check_scale(name: str, p: Tensor, grad_scale: Tensor | None) -> None:
 def adamw_step(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: int, lr: float, beta1: float, beta2: float,
                eps: float, weight_decay: float, grad_scale: Tensor | None = None,
                p_low: Tensor | None = None) -> None:
-    """The spec's AdamW step in place on fp32 p, m, v in one kernel pass (grad fp32 or bf16, times the device
-    scalar grad_scale when given; step counts from 1); p_low, the bf16 param over this master (bf16 grad),
-    gets the new p rounded once in the same pass, so no separate cast runs."""
+    """The spec's AdamW step in place on fp32 p and fp32 or bf16 m, v in one kernel pass (grad fp32 or bf16,
+    times the device scalar grad_scale when given; step from 1); p_low, the bf16 param over this master (bf16
+    grad), gets the new p rounded once in the same pass, so no separate cast runs."""
     _check_master("adamw_step", p, m, v, low_ok=True)
-    if g.shape != p.shape or g.dtype not in _GRAD_DTYPES:
+    if g.shape != p.shape or g.dtype not in _DTYPES:
         raise ValueError(f"adamw_step: grad {g.dtype} {tuple(g.shape)} must be fp32/bf16 of the param shape "
                          f"{tuple(p.shape)}")
     if step < 1:
@@ -73,8 +70,8 @@ def adamw_step(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: int, lr: float,
     coeffs = (1.0 - lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, 1.0 - beta1**step,
               1.0 - beta2**step, lr, eps)
     scale = p if grad_scale is None else grad_scale
-    launch = ADAMW.launcher(arch, vec=vec, grad_dtype=_GRAD_DTYPES[g.dtype], scaled=grad_scale is not None,
-                            low=p_low is not None, state_dtype=_STATE_DTYPES[m.dtype])
+    launch = ADAMW.launcher(arch, vec=vec, grad_dtype=_DTYPES[g.dtype], scaled=grad_scale is not None,
+                            low=p_low is not None, state_dtype=_DTYPES[m.dtype])
     launch(device, *ptrs, scale.data_ptr(), low.data_ptr(), n, *coeffs)
 
 

@@ -1,6 +1,6 @@
 """CuTeDSL AdamW step: flat elementwise over fp32 masters, one 128-bit vector per thread, guarded tail; every
 step of the spec's formula is one correctly rounded fp32 op (.rn), in its order, so the per-step error budget
-holds. Import only after nmoe.fast.runtime.import_cutlass(arch)."""
+holds; bf16 moments widen exactly and are stored rounded once. Import after runtime.import_cutlass(arch)."""
 
 from __future__ import annotations
 
