@@ -61,8 +61,8 @@ def make_adamw(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
         m, v = m.bfloat16(), v.bfloat16()
     args = (par, grad, m, v, int(q["step"]), float(q["lr"]), 0.9, float(q["beta2"]), 1e-8, float(q["wd"]),
             scale)
-    shape = {"R": q["R"], "C": q["C"], "step": int(q["step"])}
-    return Inputs(args, shape=shape, dtype=p.get("dtype", "fp32"))
+    dims = {"R": q["R"], "C": q["C"], "step": int(q["step"])}
+    return Inputs(args, shape=dims, dtype=p.get("dtype", "fp32"))
 
 
 def space_muon(big: bool) -> st.SearchStrategy[dict[str, Any]]:
