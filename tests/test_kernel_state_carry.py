@@ -9,6 +9,9 @@ from pathlib import Path
 
 KERNELS = Path(__file__).resolve().parent.parent / "nmoe" / "fast" / "kernels"
 Region = ast.For | ast.While | ast.If
+Loop = ast.For | ast.While
+MUTATORS = ("advance", "set")
+"""Methods that change staged state in place: a pipeline state's position, a TiledMma's fields."""
 
 
 def _params(fn: ast.FunctionDef) -> list[str]:
@@ -43,8 +46,8 @@ def _functions(trees: list[ast.Module]) -> dict[str, ast.FunctionDef]:
 
 
 def advancers_of(trees: list[ast.Module]) -> dict[str, set[str]]:
-    """Function -> the parameters it advances (`p.advance()`, or p handed on to a slot that does), to a
-    fixpoint."""
+    """Function -> the parameters it advances (`p.advance()`, `p.set(...)`, or p handed on to a slot that
+    does), to a fixpoint."""
     fns = _functions(trees)
     params = {name: _params(fn) for name, fn in fns.items()}
     adv: dict[str, set[str]] = {}
@@ -56,7 +59,7 @@ def advancers_of(trees: list[ast.Module]) -> dict[str, set[str]]:
             for node in ast.walk(fn):
                 if not isinstance(node, ast.Call):
                     continue
-                if isinstance(node.func, ast.Attribute) and node.func.attr == "advance":
+                if isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
                     found.add(_base(node.func.value) or "")
                 found.update(_advanced_args(node, adv, params))
             found &= set(params[name])
@@ -88,28 +91,37 @@ def _carried(region: Region) -> set[str]:
     return names
 
 
+def _read_after(fn: ast.FunctionDef, region: Region, name: str) -> bool:
+    end = region.end_lineno or region.lineno
+    return any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) and n.lineno > end
+               for n in ast.walk(fn))
+
+
 def uncarried(trees: list[ast.Module]) -> list[str]:
-    """Every call inside a staged region that advances a name the region does not carry out."""
+    """Every call inside a staged region that advances a name the region does not carry out, where the
+    name is live past it: the region is a loop or sits in one, or the function reads the name after it."""
     adv = advancers_of(trees)
     params = {name: _params(fn) for name, fn in _functions(trees).items()}
     found: list[str] = []
 
-    def visit(node: ast.AST, regions: list[Region]) -> None:
+    def visit(node: ast.AST, regions: list[Region], fn: ast.FunctionDef | None) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.FunctionDef):
-                visit(child, [])
+                visit(child, [], child)
                 continue
-            if isinstance(child, ast.Call):
+            if isinstance(child, ast.Call) and fn is not None:
                 for name in _advanced_args(child, adv, params):
-                    for region in regions:
-                        if name not in _carried(region):
+                    for i, region in enumerate(regions):
+                        looped = any(isinstance(r, Loop) for r in regions[: i + 1])
+                        live = looped or _read_after(fn, region, name)
+                        if live and name not in _carried(region):
                             found.append(f"line {child.lineno}: {_callee(child)}() advances {name!r}, which "
                                          f"the region at line {region.lineno} does not carry")
             inner = [*regions, child] if isinstance(child, Region) and _is_dynamic(child) else regions
-            visit(child, inner)
+            visit(child, inner, fn)
 
     for tree in trees:
-        visit(tree, [])
+        visit(tree, [], None)
     return found
 
 
@@ -127,6 +139,30 @@ def produce(mainloop, total):
 '''
 FIXED = BROKEN.replace("        state.advance()\n", "        state.advance()\n    return state\n").replace(
     "            load(mainloop, state, rnd)", "            state = load(mainloop, state, rnd)")
+
+
+MMA = '''
+def block(mma, acc):
+    mma.set(ACCUMULATE, False)
+    gemm(mma, acc)
+
+def tiles(mma, acc, n):
+    for t in range(n):
+        block(mma, acc)
+    if n > 0:
+        block(mma, acc)
+    return 0
+'''
+
+
+def test_separating_sources_an_mma_field_set_in_a_helper_and_dropped_by_the_loop() -> None:
+    """The loop drops the rebinding (flagged); the trailing `if` does too, but nothing reads mma after it."""
+    assert advancers_of([ast.parse(MMA)]) == {"block": {"mma"}, "tiles": {"mma"}}
+    found = uncarried([ast.parse(MMA)])
+    assert len(found) == 1 and "line 8" in found[0], found
+    fixed = MMA.replace("    gemm(mma, acc)\n", "    gemm(mma, acc)\n    return mma\n").replace(
+        "        block(mma, acc)\n    if", "        mma = block(mma, acc)\n    if")
+    assert uncarried([ast.parse(fixed)]) == []
 
 
 def test_separating_sources_the_helper_that_restarts_its_state_and_the_one_that_returns_it() -> None:
