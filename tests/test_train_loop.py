@@ -122,10 +122,13 @@ def test_twenty_steps_lower_the_loss_and_log(tmp_path: Path, dataset: Path,
     assert res.run_id in capsys.readouterr().out
 
 
-def test_resume_at_10_is_bitwise_identical(tmp_path: Path, dataset: Path) -> None:
+@pytest.mark.parametrize("moments", ["fp32", "bf16"])
+def test_resume_at_10_is_bitwise_identical(tmp_path: Path, dataset: Path, moments: str) -> None:
+    """Also with bf16 AdamW moments: the checkpoint holds them as the step stored them."""
+    state = f"--train.optim_state_dtype={moments}"
     full_model = ToyMoE()
-    full = run(make_cfg(tmp_path, dataset, name="full"), 20, full_model)
-    cfg = make_cfg(tmp_path, dataset, name="split")
+    full = run(make_cfg(tmp_path, dataset, state, name="full"), 20, full_model)
+    cfg = make_cfg(tmp_path, dataset, state, name="split")
     first = run(cfg, 10)
     assert first.step == 10 and first.checkpoint is not None
     resumed_model = ToyMoE(seed=123)  # different init: everything must come from the checkpoint
