@@ -25,6 +25,7 @@ from nmoe.train.data import build_loader
 from nmoe.train.loop import TrainResult, train
 from nmoe.train.metrics import ExperimentsDB, runs_main
 from nmoe.train.metricstore import rank_dir, visible_parts
+from nmoe.train.optim import OptimSteps
 from nmoe.traincli import optim_steps
 
 REPO = Path(__file__).resolve().parent.parent
@@ -139,6 +140,21 @@ def test_resume_at_10_is_bitwise_identical(tmp_path: Path, dataset: Path, moment
     resumed_state = resumed_model.state_dict()
     for n, a in full_model.state_dict().items():
         assert torch.equal(a, resumed_state[n]), n
+
+
+@pytest.mark.parametrize(("moments", "dtype"), [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_the_loop_steps_adamw_moments_of_the_configured_dtype(tmp_path: Path, dataset: Path, moments: str,
+                                                               dtype: torch.dtype) -> None:
+    cfg = make_cfg(tmp_path, dataset, f"--train.optim_state_dtype={moments}")
+    base = optim_steps(cfg)
+    seen: set[tuple[torch.dtype, torch.dtype]] = set()
+
+    def adamw(p: Tensor, g: Tensor, m: Tensor, v: Tensor, *args: Any, **kw: Any) -> None:
+        seen.add((m.dtype, v.dtype))
+        base.adamw(p, g, m, v, *args, **kw)
+
+    train(cfg, ToyMoE(), steps=OptimSteps(adamw=adamw, muon=base.muon), max_steps=2, progress=False)
+    assert seen == {(dtype, dtype)}
 
 
 def test_sigterm_leaves_resumable_checkpoint(tmp_path: Path, dataset: Path) -> None:
