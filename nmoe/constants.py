@@ -26,5 +26,8 @@ FP8_WEIGHT_BLOCK: Final[int] = 128
 NVFP4_BLOCK: Final[int] = 16
 MX_BLOCKS: Final[tuple[int, ...]] = (MXFP8_BLOCK_SM100, MXFP8_BLOCK_SM90)
 
+ACT_H_COLUMNS: Final[dict[str, int]] = {"swiglu": 2, "relu2": 1}
+"""h columns per act(h) column of each expert activation: swiglu's interleaved (gate, up) pairs, relu2 one."""
+
 O200K_HARMONY: Final[str] = "o200k_harmony"
 O200K_HARMONY_VOCAB: Final[int] = 201088

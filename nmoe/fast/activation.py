@@ -11,12 +11,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from nmoe.constants import ACT_H_COLUMNS
 from nmoe.fast import _swiglu, runtime
 from nmoe.fast.limits import VEC_BYTES
 from nmoe.fast.op import Kernel, Launcher, elementwise_pair, fast_op, remember
 from nmoe.fast.runtime import KernelSpec
 
-ACTIVATIONS = ("swiglu", "relu2")
+ACTIVATIONS = tuple(ACT_H_COLUMNS)
 """The expert activations with fast kernels, standalone and fused (grouped GEMM epilogue, expert rows)."""
 _DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _VEC: dict[str, int] = {"bfloat16": 8, "float32": 4}

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from nmoe.constants import ACT_H_COLUMNS
 from nmoe.fast import runtime
 from nmoe.fast._swiglu import ELEMENTWISE_FORBID
 from nmoe.fast.activation import ACTIVATIONS
@@ -141,7 +142,7 @@ def _check_rows_bwd(dz: Tensor, h: Tensor, w: Tensor, activation: str) -> None:
     op = "expert_rows_bwd"
     if activation not in ACTIVATIONS:
         raise ValueError(f"{op}: activation {activation!r}; choose one of {ACTIVATIONS}")
-    width = 2 if activation == "swiglu" else 1
+    width = ACT_H_COLUMNS[activation]
     if dz.dim() != 2 or h.shape != (dz.shape[0], width * dz.shape[1]) or w.shape != dz.shape[:1]:
         raise ValueError(f"{op}: need dz [R,I], h [R,{width}I] ({activation}) and w [R]; got "
                          f"{tuple(dz.shape)}, {tuple(h.shape)}, {tuple(w.shape)}")

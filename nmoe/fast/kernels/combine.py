@@ -15,6 +15,7 @@ from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 
+from nmoe.constants import ACT_H_COLUMNS
 from nmoe.fast.kernels.activation import relu2_bwd_f32, relu2_f32
 from nmoe.fast.kernels.prims import add_rn, mul_rn, out_bits
 from nmoe.fast.kernels.swiglu import swiglu_bwd_pairs, swiglu_pairs
@@ -229,7 +230,7 @@ def combine_bwd_host(pdout: Pointer, py: Pointer, pw: Pointer, pdy: Pointer, pdw
 def expert_rows_bwd_host(pdz: Pointer, ph: Pointer, pw: Pointer, paw: Pointer, pdot: Pointer, rows: Int64,
                          n: Int64, stream: cuda.CUstream, vec: Constexpr[int], act: Constexpr[str]) -> None:
     warps = THREADS // WARP
-    width = 2 if act == "swiglu" else 1
+    width = ACT_H_COLUMNS[act]
     expert_rows_bwd_kernel(pdz, ph, pw, paw, pdot, rows, n, vec, act, width).launch(
         grid=[(rows + warps - 1) // warps, 1, 1], block=[THREADS, 1, 1], stream=stream
     )

@@ -21,6 +21,7 @@ from cutlass.cutlass_dsl.cutlass import min as dsl_min
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
+from nmoe.constants import ACT_H_COLUMNS
 from nmoe.fast.kernels.activation import relu2_bits
 from nmoe.fast.kernels.prims import out_bits
 from nmoe.fast.kernels.sm90.gatherplan import PRODUCER_THREADS
@@ -55,7 +56,7 @@ STORE_WARP = 4
 # ping-pong subtile): as much overlap as fits in registers without spilling.
 ACT_VALUES = 32
 # h columns per output column of each fused epilogue ("none": the plain GEMM).
-EPILOGUES: dict[str, int] = {"none": 1, "swiglu": 2, "relu2": 1}
+EPILOGUES: dict[str, int] = {"none": 1, **ACT_H_COLUMNS}
 
 
 # Ping-pong: each consumer warpgroup takes every other work unit, a whole BM x PINGPONG_BN tile, so one's
