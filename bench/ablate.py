@@ -1,7 +1,7 @@
 """Where grouped-GEMM time goes, fwd, dgrad and wgrad: each ablation is one named source edit (a stage left
 out, a knob forced), timed in its own copy of the tree against the unedited baseline of the same run.
-Compiles run in parallel, timings one at a time. Usage (GPU): python -m bench.ablate [--set
-gemm|gather|layer] --out FILE.json"""
+Compiles run in parallel, timings one at a time. Usage (GPU): python -m bench.ablate [--set SET] --out
+FILE.json."""
 
 from __future__ import annotations
 
@@ -238,7 +238,7 @@ MOE = "nmoe/fast/moe.py"
 LAYER_ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
         "ablate.layer_down_wgrad_gathered", MOE,
-        "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", dh.shape[1])\n",
+        "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", h.shape[1])\n",
         "            dw2 = sm90.grouped_gemm_wgrad_gathered(dout, aw, slot, k, offs, side=\"dy\")\n",
         "the down projection's wgrad reads dout's rows by index as it loads (cp.async) instead of the TMA "
         "wgrad over permuted copies of dout's column chunks",
@@ -254,7 +254,7 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ablate.layer_down_chunks_a_wide", MOE,
-        "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", dh.shape[1])\n",
+        "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", h.shape[1])\n",
         "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", aw.shape[1])\n",
         "the down wgrad copies dout's columns in chunks as wide as a (I) instead of dh (2I for swiglu): "
         "twice the launches, each with a skewed routing's tail",
@@ -278,13 +278,13 @@ GATHER_COMPOUNDS: tuple[tuple[Mutation, ...], ...] = (
 
 
 FP8_ABLATIONS: tuple[Mutation, ...] = (_FP8_OVERLAP,)
+SETS: dict[str, tuple[Mutation, ...]] = {"gemm": ABLATIONS, "gather": GATHER_ABLATIONS,
+                                         "layer": LAYER_ABLATIONS, "fp8": FP8_ABLATIONS}
 
 
 def variants_of(which: str) -> list[tuple[Mutation, ...]]:
     """The ablations of a set as edit sequences: a plain ablation is one edit."""
-    if which == "gather":
-        return [*((a,) for a in GATHER_ABLATIONS), *GATHER_COMPOUNDS]
-    return [(a,) for a in {"layer": LAYER_ABLATIONS, "fp8": FP8_ABLATIONS}.get(which, ABLATIONS)]
+    return [*((a,) for a in SETS[which]), *(GATHER_COMPOUNDS if which == "gather" else ())]
 
 
 PASSES = ("fwd", "dgrad", "wgrad")
@@ -302,6 +302,13 @@ def _problems() -> list[tuple[str, int, int, int, int]]:
     return out
 
 
+def _uniform_offs(m: int, e: int) -> Any:
+    """Group ends of m rows over e experts, m // e each (uniform routing)."""
+    import torch
+
+    return torch.full((e,), m // e, dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
+
+
 def _time(pass_: str, m: int, n: int, k: int, e: int, compile_only: bool) -> float:
     """One pass of the problem, uniform routing: fwd x[m,k] w[e,n,k]; dgrad dy[m,n] w; wgrad dy x."""
     import torch
@@ -309,7 +316,7 @@ def _time(pass_: str, m: int, n: int, k: int, e: int, compile_only: bool) -> flo
     from bench.conftest import capture, replay_median_ms
     from nmoe.fast import gemm
 
-    offs = torch.full((e,), m // e, dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
+    offs = _uniform_offs(m, e)
 
     fn, (shape_a, shape_b) = {"fwd": (gemm.grouped_gemm, ((m, k), (e, n, k))),
                               "dgrad": (gemm.grouped_gemm_dgrad, ((m, n), (e, n, k))),
@@ -332,7 +339,7 @@ def _fp8_rows(compile_only: bool) -> list[dict[str, Any]]:
 
     out = []
     for label, m, n, k, e in _problems():
-        offs = torch.full((e,), m // e, dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
+        offs = _uniform_offs(m, e)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16)
         xq, xs = formats.quantize_mxfp8(x, MXFP8_BLOCK_SM90)
@@ -439,18 +446,11 @@ def _layer_rows(compile_only: bool) -> list[dict[str, Any]]:
 def child(compile_only: bool, which: str) -> None:
     from nmoe.fast.gemm.sm90 import pick_bn, schedule
 
-    if which == "layer":
-        for row in _layer_rows(compile_only):
+    timed = {"layer": lambda: _layer_rows(compile_only), "fp8": lambda: _fp8_rows(compile_only),
+             "gather": lambda: [r for shape in SHAPES for r in _gather_rows(*shape, compile_only)]}
+    if which in timed:
+        for row in timed[which]():
             print(json.dumps(row), flush=True)
-        return
-    if which == "fp8":
-        for row in _fp8_rows(compile_only):
-            print(json.dumps(row), flush=True)
-        return
-    if which == "gather":
-        for shape in SHAPES:
-            for row in _gather_rows(*shape, compile_only):
-                print(json.dumps(row), flush=True)
         return
     for label, m, n, k, e in _problems():
         for pass_ in PASSES:
@@ -475,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.ablate", description=__doc__)
     p.add_argument("--out", type=Path, help="JSON file for the timings")
     p.add_argument("--only", default="", help="comma-separated ablation ids (default: all)")
-    p.add_argument("--set", default="gemm", choices=("gemm", "gather", "layer", "fp8"),
+    p.add_argument("--set", default="gemm", choices=tuple(SETS),
                    help="gemm: the TMA kernels' ablations; gather: the gathering up projection and wgrad; "
                    "layer: the fast MoE layer's choices, timed as the layer; fp8: the fp8 fwd's schedule")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

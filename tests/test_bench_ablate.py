@@ -6,14 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.ablate import (
-    ABLATIONS,
-    FP8_ABLATIONS,
-    GATHER_ABLATIONS,
-    GATHER_COMPOUNDS,
-    LAYER_ABLATIONS,
-    variants_of,
-)
+from bench.ablate import GATHER_COMPOUNDS, SETS, variants_of
 from mutations.model import apply, check_anchors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,12 +14,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_ablation_anchors_match_once() -> None:
     parts = tuple(m for v in GATHER_COMPOUNDS for m in v[:1])
-    every = ABLATIONS + GATHER_ABLATIONS + LAYER_ABLATIONS + FP8_ABLATIONS + parts
-    assert ABLATIONS and GATHER_ABLATIONS and LAYER_ABLATIONS and FP8_ABLATIONS
-    assert check_anchors(ROOT, every) == []
+    assert set(SETS) == {"gemm", "gather", "layer", "fp8"} and all(SETS.values())
+    assert check_anchors(ROOT, tuple(a for s in SETS.values() for a in s) + parts) == []
 
 
-@pytest.mark.parametrize("which", ["gemm", "gather", "layer", "fp8"])
+@pytest.mark.parametrize("which", list(SETS))
 def test_each_ablation_changes_its_files_in_order(which: str) -> None:
     """Every edit of a variant matches exactly once in the source its earlier edits left, and changes it."""
     for variant in variants_of(which):
@@ -41,6 +33,6 @@ def test_each_ablation_changes_its_files_in_order(which: str) -> None:
 
 
 def test_variant_ids_are_unique_and_compounds_are_in_the_gather_set() -> None:
-    ids = [v[0].id for w in ("gemm", "gather", "layer", "fp8") for v in variants_of(w)]
+    ids = [v[0].id for w in SETS for v in variants_of(w)]
     assert len(ids) == len(set(ids))
     assert {v[0].id for v in GATHER_COMPOUNDS} <= {v[0].id for v in variants_of("gather")}

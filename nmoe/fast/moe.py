@@ -211,7 +211,6 @@ class _Routed(torch.autograd.Function):
             del dz
         elif need_w2:
             aw = combine(_ACT[cfg.activation][0](h)[:, None], wrow[:, None], 1.0)
-        dh = h
         dweights = dw2 = dw_up = dx = None
         if need_w and fp8_y:
             dweights = combine_bwd(dout, fp8_y[0], weights, cfg.route_scale)[1]
@@ -220,9 +219,10 @@ class _Routed(torch.autograd.Function):
             dweights = _to_slots(dot * scale, slot, t, k)
         if need_w2:
             assert aw is not None
-            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, "dy", dh.shape[1])
+            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, "dy", h.shape[1])
         del aw
         if need_h:
+            dh = h  # expert_rows_bwd wrote it over h
             if need_x:
                 dxp = grouped_gemm_dgrad(dh, w_up, offs)
                 ones = torch.ones(t, k, dtype=torch.float32, device=dout.device)
