@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_fast_gemm_gather import CASES as GATHER_CASES
 from test_fast_gemm_gather import _ids
 from torch import Tensor
 
@@ -14,14 +15,9 @@ from nmoe.fast.gemm import sm90
 
 gpu = pytest.mark.gpu
 
-# (tokens, top_k, K, N, experts, align, activation, routing): N / 256 even so the clusters fill; "skew"
-# empties experts; T = 5 leaves most of the row capacity as the zero-filled tail.
-CASES = [
-    (300, 4, 288, 512, 8, 128, "swiglu", "uniform"),
-    (1000, 2, 512, 1024, 16, 16, "relu2", "skew"),
-    (64, 6, 2048, 2048, 64, 128, "swiglu", "skew"),
-    (5, 1, 64, 512, 4, 128, "relu2", "uniform"),
-]
+# The gathering test's cases (K tails, skew, a mostly zero-filled tail at T = 5) with N widened so the
+# 256-wide N tiles fill clusters of two, and of four where N allows.
+CASES = [(*c[:3], n, *c[4:]) for c, n in zip(GATHER_CASES, (512, 1024, 2048, 512), strict=True)]
 
 
 Case = tuple[int, int, int, int, int, int, str, str]
@@ -93,7 +89,7 @@ def test_n_cluster_equals_the_unclustered_kernel(case: Case, cn: int,
 def test_sep_gemm_fast_gather_cluster_rows_same_half(monkeypatch: pytest.MonkeyPatch) -> None:
     """Both CTAs gathering the first half of A's rows delivers the same bytes (no hang) but never the second
     half: rows 64-127 of every tile then hold another stage's rows, so h differs from the unclustered run."""
-    case = (300, 4, 288, 512, 8, 128, "swiglu", "uniform")
+    case = CASES[0]
     want = _runs(case, monkeypatch, 1)[0]
     got = _runs(case, monkeypatch, 2)[0]
     rows = want[64:128].float()
@@ -105,7 +101,7 @@ def test_sep_gemm_fast_gather_cluster_rows_same_half(monkeypatch: pytest.MonkeyP
 def test_sep_gemm_fast_gather_cluster_same_n_tile(monkeypatch: pytest.MonkeyPatch) -> None:
     """A cluster whose CTAs both took the unit's first N tile would leave every other tile unwritten (torch's
     empty output): the clustered h matches the unclustered one on every tile, the odd ones included."""
-    case = (64, 6, 2048, 2048, 64, 128, "swiglu", "skew")
+    case = CASES[2]
     want = _runs(case, monkeypatch, 1)[0]
     got = _runs(case, monkeypatch, 2)[0]
     odd = want.view(want.shape[0], -1, 256)[:, 1::2]
