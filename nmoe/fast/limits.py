@@ -42,12 +42,14 @@ GEMM_GATHER_CLUSTER_N: Final[int] = 2
 """CTAs of an N cluster of the gathering fwd/dgrad (cooperative, where the N tiles fill whole clusters): each
 gathers 1/this of A's rows for one M tile's adjacent N tiles by multicast row TMA, half the row TMAs per CTA
 (H200, MoE layer: fwd 1.01-1.045x, fwd+bwd 1.00-1.043x over unclustered)."""
-GEMM_WGRAD_DYNAMIC: Final[bool] = False
+GEMM_WGRAD_DYNAMIC: Final[bool] = True
 """sm_90a TMA-fed wgrad: each CTA takes its next tile of the heaviest-first list from a device counter (a
-skewed routing's heavy tiles then spread like a greedy schedule) when True, else in static snake rounds."""
-GEMM_FP8_OVERLAP: Final[bool] = False
+skewed routing's heavy tiles then spread like a greedy schedule) when True, else in static snake rounds
+(H200, MoE layer fwd+bwd: Zipf 1.01-1.03x, uniform 0.99-1.00x over static)."""
+GEMM_FP8_OVERLAP: Final[bool] = True
 """sm_90a fp8 fwd: each K block's wgmmas stay in flight while the block before is promoted (two block
-accumulators, K loop unrolled) when True, else each block's MMAs are waited before its promotion."""
+accumulators, K loop unrolled) when True, else each block's MMAs are waited before its promotion
+(H200: 1.05-1.27x over the serial schedule)."""
 GEMM_MAX_GROUPS: Final[int] = 1024
 """Groups the grouped GEMM's shared-memory offs table holds."""
 GEMM_ALIGN: Final[int] = 8
