@@ -44,6 +44,7 @@ def test_bench_adamw_1b(benchmark: Any) -> None:
 def test_bench_adamw_bf16_moments(benchmark: Any) -> None:
     """The trainer's step with bf16 moments against the same step with fp32 moments, in the same run."""
     from nmoe.fast import optim as fo
+    from nmoe.train.optim import STEP_BYTES
     g = torch.Generator(device="cuda").manual_seed(0)
     p = torch.randn(N_PARAMS, device="cuda", generator=g) * 0.02
     grad = (torch.randn(N_PARAMS, device="cuda", generator=g) * 1e-2).bfloat16()
@@ -56,9 +57,10 @@ def test_bench_adamw_bf16_moments(benchmark: Any) -> None:
         fo.adamw_step(p, grad, *states[dt], 10, 1e-3, 0.9, 0.95, 1e-8, 0.1, scale, low)
 
     ms, base_ms = cuda_median_ms(lambda: step(torch.bfloat16)), cuda_median_ms(lambda: step(torch.float32))
-    row = record("adamw_step_bf16_moments", {"params": N_PARAMS}, ms, nbytes=20.0 * N_PARAMS,
-                 baseline=("adamw_step, fp32 moments (28 B/param)", base_ms))
-    row.update(timing="eager", gbps=20.0 * N_PARAMS / (ms * 1e-3) / 1e9)
+    nbytes = float(STEP_BYTES["bf16"] * N_PARAMS)
+    row = record("adamw_step_bf16_moments", {"params": N_PARAMS}, ms, nbytes=nbytes,
+                 baseline=(f"adamw_step, fp32 moments ({STEP_BYTES['fp32']} B/param)", base_ms))
+    row.update(timing="eager", gbps=nbytes / (ms * 1e-3) / 1e9)
     benchmark.extra_info.update(row)
     benchmark.pedantic(lambda: (step(torch.bfloat16), torch.cuda.synchronize()), rounds=3, iterations=1,
                        warmup_rounds=1)

@@ -63,8 +63,9 @@ def _no_phase(name: str) -> AbstractContextManager[Any]:
 
 def _with_floors(parts: dict[str, Any], model: torch.nn.Module, cfg: Config, tokens: int) -> dict[str, Any]:
     """Each GEMM family's FLOP floor (flops_parts, the MFU accounting; shared experts run in the grouped
-    kernels, so their FLOPs move from dense to expert) and AdamW's fp32 byte floor (p,g,m,v in, p,m,v out)."""
+    kernels, so their FLOPs move from dense to expert) and AdamW's byte floor in the moments' dtype."""
     from nmoe.train.loop import flops_parts
+    from nmoe.train.optim import STEP_BYTES
 
     ceil = ceilings()
     kinds = flops_parts(model, cfg)
@@ -76,7 +77,8 @@ def _with_floors(parts: dict[str, Any], model: torch.nn.Module, cfg: Config, tok
         parts["categories"][cat]["floor_ms"] = f * tokens / (ceil["bf16_dense_TFLOPs"] * 1e12) * 1e3
     every = sum(p.numel() for p in model.parameters())
     parts["categories"].setdefault("adamw", {"ms": 0.0, "launches": 0, "share": 0.0})
-    parts["categories"]["adamw"]["floor_ms"] = 28 * every / (ceil["hbm_copy_TBps"] * 1e12) * 1e3
+    nbytes = STEP_BYTES[cfg.train.optim_state_dtype] * every
+    parts["categories"]["adamw"]["floor_ms"] = nbytes / (ceil["hbm_copy_TBps"] * 1e12) * 1e3
     return parts
 
 
@@ -146,7 +148,9 @@ def test_bench_train_step_moonlet(benchmark: Any) -> None:
     graph_ms, graph_peak_gb = _timed(graph_step)
     fpt, peak = flops_per_token(model, cfg), peak_flops(torch.device("cuda", torch.cuda.current_device()))
     n = b * s
-    row = record("train_step_moonlet", {"B": b, "S": s, "param_dtype": cfg.train.param_dtype}, ms,
+    shape = {"B": b, "S": s, "param_dtype": cfg.train.param_dtype,
+             "optim_state_dtype": cfg.train.optim_state_dtype}
+    row = record("train_step_moonlet", shape, ms,
                  flops=fpt * n, baseline=("torch_moonlet", base_ms))
     for key, step_ms, gb in (("", ms, peak_gb), ("torch_", base_ms, base_peak), ("graph_", graph_ms,
                                                                                   graph_peak_gb)):

@@ -18,6 +18,9 @@ from nmoe.sharding import AllReduceSum, grad_norm, shard_of
 Kind = Literal["dense", "router", "expert"]
 PARAM_DTYPES: Final[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16)
 STATE_DTYPES: Final[dict[str, torch.dtype]] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+STEP_BYTES: Final[dict[str, int]] = {"fp32": 28, "bf16": 20}
+"""HBM bytes per parameter of the trainer's AdamW step by moment dtype: fp32 master read and written (8), bf16
+grad read and bf16 copy written (4; fp32 params: their own master, fp32 grad read), both moments (16 or 8)."""
 KINDS: Final[tuple[Kind, ...]] = ("dense", "router", "expert")
 
 _ROUTER = re.compile(r"(^|\.)router[^.]*$|(^|\.)(router|gate)\.")
