@@ -6,7 +6,7 @@
 # run it first on a new launch path. sonic times SonicMoE on the MoE layer rows in its own process
 # (SONIC_PYTHONPATH from the peer install); bench then puts those rows beside ours. moonlet trains
 # configs/moonlet.toml for NMOE_MOONLET_STEPS (default 200) steps and writes its metrics table, PNG and
-# report JSON (its checkpoint of ~50 GB goes to NMOE_MOONLET_CKPT; NMOE_MOONLET_ARGS adds overrides).
+# report JSON (its checkpoint of ~40 GB goes to NMOE_MOONLET_CKPT; NMOE_MOONLET_ARGS adds overrides).
 # NMOE_GPU_JOBS (default 12) sets the pytest and mutation workers; NMOE_BENCH_K selects bench rows (-k).
 set -uo pipefail
 out=$(mkdir -p "${1:?usage: gpu_check.sh OUTDIR [STAGES]}" && cd "$1" && pwd)
@@ -29,7 +29,9 @@ run() { local name=$1; shift; echo "== $name: $*"; "$@" > "$out/$name.log" 2>&1 
   --out "$out/bench.json"
 [[ $stages == *,train,* ]] && run train bash -c "python3 -m nmoe.cli prep && python3 -m nmoe.cli train configs/tiny-gpu.toml"
 if [[ $stages == *,moonlet,* ]]; then
-  tokens=$(( ${NMOE_MOONLET_STEPS:-200} * 8 * 4096 ))
+  per_step=$(python3 -c "from nmoe.config import load_config as l; d = l('configs/moonlet.toml', env={}).data; \
+print(d.batch_size * d.seq_len)")
+  tokens=$(( ${NMOE_MOONLET_STEPS:-200} * per_step ))
   run moonlet bash -c "python3 -m nmoe.cli prep && python3 -m nmoe.cli train configs/moonlet.toml \
     --schedule.total_tokens=$tokens --schedule.warmup_tokens=$(( tokens / 10 )) \
     --checkpoint.dir=${NMOE_MOONLET_CKPT:-checkpoints/moonlet-check} ${NMOE_MOONLET_ARGS:-}"
