@@ -278,8 +278,15 @@ GATHER_COMPOUNDS: tuple[tuple[Mutation, ...], ...] = (
 
 
 FP8_ABLATIONS: tuple[Mutation, ...] = (_FP8_SERIAL,)
+CE_ABLATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "ablate.ce_cluster8", LIMITS, "CE_CLUSTER: Final[int] = 0\n", "CE_CLUSTER: Final[int] = 8\n",
+        "the cross-entropy row kernel in one pass, each row held in the registers of a cluster of 8 CTAs, "
+        "against two passes of one CTA per row (10TV bytes of row traffic against 6TV)",
+    ),
+)
 SETS: dict[str, tuple[Mutation, ...]] = {"gemm": ABLATIONS, "gather": GATHER_ABLATIONS,
-                                         "layer": LAYER_ABLATIONS, "fp8": FP8_ABLATIONS}
+                                         "layer": LAYER_ABLATIONS, "fp8": FP8_ABLATIONS, "ce": CE_ABLATIONS}
 
 
 def variants_of(which: str) -> list[tuple[Mutation, ...]]:
@@ -443,10 +450,37 @@ def _layer_rows(compile_only: bool) -> list[dict[str, Any]]:
     return out
 
 
+def _ce_rows(compile_only: bool) -> list[dict[str, Any]]:
+    """The fused-linear cross-entropy's fwd+bwd at the production head (T 8192, H 2048, V 201088, chunk
+    4096), CUDA graph replays; FLOPs 6TVH (logits, dh, dw)."""
+    import torch
+
+    from bench.conftest import capture, replay_median_ms
+    from nmoe.fast.loss import cross_entropy
+
+    t, hd, v = 8192, 2048, 201088
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(t, hd, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    w = (torch.randn(v, hd, device="cuda", generator=g) / hd**0.5).bfloat16().requires_grad_()
+    tg = torch.randint(0, v, (t,), device="cuda", generator=g)
+
+    def step() -> Any:
+        return torch.autograd.grad(cross_entropy(h, w, tg, -100, 4096), (h, w))
+
+    step()
+    torch.cuda.synchronize()
+    if compile_only:
+        return []
+    ms = replay_median_ms(capture(step))
+    return [{"shape": f"ce fwd_bwd T={t} H={hd} V={v}", "ms": ms, "tflops": 6.0 * t * v * hd / ms / 1e9,
+             "bn": 0}]
+
+
 def child(compile_only: bool, which: str) -> None:
     from nmoe.fast.gemm.sm90 import pick_bn, schedule
 
     timed = {"layer": lambda: _layer_rows(compile_only), "fp8": lambda: _fp8_rows(compile_only),
+             "ce": lambda: _ce_rows(compile_only),
              "gather": lambda: [r for shape in SHAPES for r in _gather_rows(*shape, compile_only)]}
     if which in timed:
         for row in timed[which]():
@@ -477,7 +511,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--only", default="", help="comma-separated ablation ids (default: all)")
     p.add_argument("--set", default="gemm", choices=tuple(SETS),
                    help="gemm: the TMA kernels' ablations; gather: the gathering up projection and wgrad; "
-                   "layer: the fast MoE layer's choices, timed as the layer; fp8: the fp8 fwd's schedule")
+                   "layer: the fast MoE layer's choices, timed as the layer; fp8: the fp8 fwd's schedule; "
+                   "ce: the cross-entropy row kernel, timed as the op")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -39,7 +39,7 @@ def categorize(kernel: str) -> str:
 
 
 def breakdown(kernels: Iterable[tuple[str, float]], phases: Mapping[str, float], step_ms: float,
-              top: int = 25) -> dict[str, Any]:
+              top: int = 60) -> dict[str, Any]:
     """kernels: (name, device ms) per launch; phases: device ms per phase. Shares are of the summed kernel
     time; `busy` is that sum over the step's wall time (below 1: the GPU waited on the host)."""
     per_name: dict[str, list[float]] = {}

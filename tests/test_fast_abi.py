@@ -100,9 +100,14 @@ def _portable_calls() -> None:
     combine.combine_gather(yp, perm.slot.view(t, k).to(torch.int32), weights, 1.5)
     head = torch.randn(256, h, dtype=BF)
     targets = torch.randint(0, 256, (t,))
-    with torch.no_grad():
-        loss.cross_entropy(x, head, targets)
-    loss.cross_entropy_bwd(1.0, x, head, targets)
+    for cluster in (0, loss.CHECKED_CLUSTER):
+        loss.CE_CLUSTER = cluster  # type: ignore[misc]
+        try:
+            with torch.no_grad():
+                loss.cross_entropy(x, head, targets)
+            loss.cross_entropy_bwd(1.0, x, head, targets)
+        finally:
+            loss.CE_CLUSTER = 0  # type: ignore[misc]
     for g_dtype in (torch.float32, BF):
         p = torch.randn(h, dtype=torch.float32)
         optim.adamw_step(p, torch.randn(h, dtype=g_dtype), torch.zeros(h), torch.zeros(h), 1, 1e-3, 0.9, 0.95,

@@ -50,6 +50,9 @@ GEMM_FP8_OVERLAP: Final[bool] = True
 """sm_90a fp8 fwd: each K block's wgmmas stay in flight while the block before is promoted (two block
 accumulators, K loop unrolled) when True, else each block's MMAs are waited before its promotion
 (H200: 1.05-1.27x over the serial schedule)."""
+CE_CLUSTER: Final[int] = 0
+"""CTAs per logits row of the cross-entropy row kernel: 0, one CTA reading its row twice (max/sum, then
+dlogits); N, a cluster of N CTAs holding the row in registers for one pass (they swap partial lse)."""
 GEMM_MAX_GROUPS: Final[int] = 1024
 """Groups the grouped GEMM's shared-memory offs table holds."""
 GEMM_ALIGN: Final[int] = 8

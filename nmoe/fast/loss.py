@@ -10,12 +10,27 @@ import torch
 from torch import Tensor
 
 from nmoe.fast import runtime
+from nmoe.fast.limits import CE_CLUSTER
 from nmoe.fast.op import Kernel, fast_op
 from nmoe.fast.runtime import KernelSpec
 
 CE_FWD = Kernel.by_name("nmoe.fast.kernels.loss", "ce_fwd")
+CE_CLUSTER_ROW = Kernel.by_name("nmoe.fast.kernels.loss", "ce_cluster")
 THREADS = 512
 UNROLL = 8
+VEC = 4  # fp32 logits per vector of the cluster kernel
+MAX_NPER = 16  # vectors per thread the cluster kernel holds: 64 fp32 registers of the row
+
+
+def cluster_nper(v: int, cluster: int) -> int:
+    """Vectors per thread that hold a V-wide row over `cluster` CTAs; raises where the row cannot fit."""
+    nvec = -(-v // VEC)
+    nper = -(-nvec // (cluster * THREADS))
+    if v % VEC or nper > MAX_NPER:
+        raise ValueError(f"cross_entropy: CE_CLUSTER = {cluster} holds rows of V % {VEC} == 0 and V <= "
+                         f"{cluster * THREADS * VEC * MAX_NPER} in registers; V = {v}: set "
+                         "nmoe.fast.limits.CE_CLUSTER to 0 (the two-pass kernel) or a larger cluster")
+    return nper
 
 
 def peak_bytes(t: int, v: int, h: int, chunk: int, grad: bool) -> int:
@@ -68,12 +83,12 @@ def _fused_impl(h: Tensor, w_out: Tensor, targets: Tensor, ignore_index: int, ch
                                                     device=h.device)
     if chunks:
         buf = torch.empty((min(chunk, t), v), dtype=torch.float32, device=h.device)
-        launch = CE_FWD.launcher(arch, grad=grad, threads=THREADS, unroll=UNROLL)
+        launch = _row_kernel(arch, grad, v, min(chunk, t), h.device)
         for start in range(0, t, chunk):
             n = min(chunk, t - start)
             hc, logits = h[start:start + n], buf[:n]
             torch.mm(hc, w_out.T, out_dtype=torch.float32, out=logits)
-            launch(device, logits.data_ptr(), logits.data_ptr(), tgt[start:].data_ptr(), coef.data_ptr(),
+            launch(device, logits.data_ptr(), tgt[start:].data_ptr(), coef.data_ptr(),
                    per_row[start:].data_ptr(), n, v)
             if grad:
                 dlogits = logits.view(torch.bfloat16)[:, :v]
@@ -84,6 +99,18 @@ def _fused_impl(h: Tensor, w_out: Tensor, targets: Tensor, ignore_index: int, ch
                     torch.addmm(dw32, dlogits.T, hc, out_dtype=torch.float32, out=dw32)
     loss = per_row.sum() / denom
     return loss, dh, dw32
+
+
+def _row_kernel(arch: str, grad: bool, v: int, rows: int, device: torch.device) -> Any:
+    """launch(device, logits, tgt, coef, loss, n, v) of the row kernel CE_CLUSTER names; dlogits are
+    written over the logits."""
+    if CE_CLUSTER == 0:
+        two_pass = CE_FWD.launcher(arch, grad=grad, threads=THREADS, unroll=UNROLL)
+        return lambda dev, lg, *rest: two_pass(dev, lg, lg, *rest)
+    one_pass = CE_CLUSTER_ROW.launcher(arch, grad=grad, threads=THREADS, nper=cluster_nper(v, CE_CLUSTER),
+                                       cluster=CE_CLUSTER)
+    part = torch.empty(rows * CE_CLUSTER, dtype=torch.float32, device=device)
+    return lambda dev, lg, tg, cf, ls, n, vv: one_pass(dev, lg, lg, tg, cf, ls, part.data_ptr(), n, vv)
 
 
 def _fused_fake(h: Tensor, w_out: Tensor, targets: Tensor, ignore_index: int, chunk: int,
@@ -150,13 +177,35 @@ _EXPECT = (r"\bex2\.approx\.f32\b", r"\bshfl\.sync\.bfly\.b32\b", r"\bbar\.sync\
 _GRAD = (r"\bcvt\.rn\.bf16\.f32\b", r"\bst\.global\.b16\b", r"\btrap;")
 
 
+# The cluster kernel reads its row into registers before the cluster barrier and writes dlogits after it: a
+# row load after the wait, or a dlogits store before it, is the race between ranks.
+_CLUSTER_EXPECT = (r"\bbarrier\.cluster\.arrive\b", r"\bbarrier\.cluster\.wait\b", r"\bld\.global\.v4\.b32\b",
+                   r"\bex2\.approx\.f32\b", r"\bshfl\.sync\.bfly\.b32\b")
+_CLUSTER_FORBID = (r"(?s)\bbarrier\.cluster\.wait\b.*\bld\.global\.v4\b",)
+_CLUSTER_GRAD = (r"\bcvt\.rn\.bf16x2\.f32\b", r"\bst\.global\.v2\.b32\b", r"\btrap;")
+_CLUSTER_GRAD_FORBID = (r"(?s)\bst\.global\.v2\.b32\b.*\bbarrier\.cluster\.wait\b", r"\bld\.global\.nc\b")
+CHECKED_V = 201088  # the o200k vocabulary the compile checks size the cluster kernel for
+CHECKED_CLUSTER = 8
+
+
 def _kernel_specs() -> tuple[KernelSpec, ...]:
-    return tuple(
+    two_pass = tuple(
         runtime.portable_spec("cross_entropy" if not grad else "cross_entropy_bwd", f"ce_fwd_{tag}",
                               CE_FWD.compiler(grad=grad, threads=THREADS, unroll=UNROLL),
                               _EXPECT + (_GRAD if grad else ()), _FORBID + (_GRAD_FORBID if grad else ()))
         for grad, tag in ((False, "nograd"), (True, "grad"))
     )
+    nper = cluster_nper(CHECKED_V, CHECKED_CLUSTER)
+    one_pass = tuple(
+        runtime.portable_spec("cross_entropy" if not grad else "cross_entropy_bwd",
+                              f"ce_cluster{CHECKED_CLUSTER}_{tag}",
+                              CE_CLUSTER_ROW.compiler(grad=grad, threads=THREADS, nper=nper,
+                                                      cluster=CHECKED_CLUSTER),
+                              _CLUSTER_EXPECT + (_CLUSTER_GRAD if grad else ()),
+                              _FORBID + _CLUSTER_FORBID + (_CLUSTER_GRAD_FORBID if grad else ()))
+        for grad, tag in ((False, "nograd"), (True, "grad"))
+    )
+    return two_pass + one_pass
 
 
 KERNELS: tuple[KernelSpec, ...] = _kernel_specs()

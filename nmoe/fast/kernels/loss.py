@@ -25,6 +25,7 @@ WARP = 32
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 NEG_BIG = -3.4028234663852886e38  # -FLT_MAX: (it - it) is 0, never the NaN that -inf - -inf gives
+VEC = 4  # fp32 logits per 16-byte load of the cluster kernel (bf16 dlogits per 8-byte store)
 
 
 @cute.jit
@@ -126,14 +127,100 @@ def ce_fwd_host(plog: Pointer, pgrad: Pointer, ptgt: Pointer, pcoef: Pointer, pl
     )
 
 
+@cute.kernel
+def ce_cluster_kernel(plog: Pointer, pgrad: Pointer, ptgt: Pointer, pcoef: Pointer, ploss: Pointer,
+                      ppart: Pointer, rows: Int32, v: Int32, grad: Constexpr[bool], threads: Constexpr[int],
+                      nper: Constexpr[int], cluster: Constexpr[int]) -> None:
+    """One row per cluster, one pass: CTA rank r holds its slice (nper 4-wide vectors per thread) in
+    registers, posts its (max, sum) to ppart, and after the cluster barrier every CTA merges the partials in
+    rank order into the same lse (each partial lse_r as the pair (lse_r, 1)); dlogits are written only then,
+    so no rank's slice is overwritten unread."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    rank = cute.arch.block_idx_in_cluster()
+    row = Int32(bidx) // cluster
+    vv = Int64(v)
+    nvec = v // VEC
+    mlog = cute.make_tensor(plog, cute.make_layout(Int64(rows) * vv))
+    glog = cute.zipped_divide(mlog, (VEC,))
+    ggrad = cute.zipped_divide(cute.make_tensor(pgrad, cute.make_layout(Int64(rows) * vv * 2)), (VEC,))
+    mtgt = cute.make_tensor(ptgt, cute.make_layout(rows))
+    mloss = cute.make_tensor(ploss, cute.make_layout(rows))
+    mcoef = cute.make_tensor(pcoef, cute.make_layout(1))
+    mpart = cute.make_tensor(ppart, cute.make_layout(Int64(rows) * cluster))
+    red = cute.make_tensor(cute.arch.alloc_smem(Float32, 2 * (threads // WARP)),
+                           cute.make_layout(2 * (threads // WARP)))
+    tgt = mtgt[row]
+    if tgt >= v:
+        trap()
+    kept = tgt >= 0
+    picked = Float32(0.0)
+    if rank == 0:
+        picked = mlog[Int64(row) * vv + Int64(select_(kept, tgt, Int32(0)))]
+    base = Int64(row) * Int64(nvec)
+    first = rank * (threads * nper) + tidx
+    frag = cute.make_rmem_tensor((nper * VEC,), Float32)
+    for u in range_constexpr(nper):
+        for j in range_constexpr(VEC):
+            frag[u * VEC + j] = Float32(NEG_BIG)
+        if first + u * threads < nvec:
+            xv = glog[(None, base + Int64(first + u * threads))].load().reshape((VEC,))
+            for j in range_constexpr(VEC):
+                frag[u * VEC + j] = xv[j]
+    m = frag[0]
+    for u in range_constexpr(1, nper * VEC):
+        m = cute.arch.fmax(m, frag[u])
+    s = Float32(0.0)
+    for u in range_constexpr(nper):
+        inside = first + u * threads < nvec
+        for j in range_constexpr(VEC):
+            s = s + select_(inside, FMATH.exp2((frag[u * VEC + j] - m) * LOG2E), Float32(0.0))
+    lse_part = _block_lse(m, s, red, tidx, threads)
+    if tidx == 0:
+        mpart[Int64(row) * cluster + rank] = lse_part
+    cute.arch.cluster_arrive()
+    cute.arch.cluster_wait()
+    lm = mpart[Int64(row) * cluster]
+    ls = Float32(1.0)
+    for r in range_constexpr(1, cluster):
+        lm, ls = _merge(lm, ls, mpart[Int64(row) * cluster + r], Float32(1.0))
+    lse = Float32(lm + FMATH.log2(ls) * LN2)
+    if rank == 0 and tidx == 0:
+        mloss[row] = select_(kept, lse - picked, Float32(0.0))
+    if const_expr(grad):
+        coef = mcoef[0]
+        out = cute.make_rmem_tensor((VEC,), Float32)
+        for u in range_constexpr(nper):
+            vi = first + u * threads
+            if vi < nvec:
+                for j in range_constexpr(VEC):
+                    p = FMATH.exp2((frag[u * VEC + j] - lse) * LOG2E)
+                    p = select_(vi * VEC + j == tgt, p - Float32(1.0), p)
+                    out[j] = select_(kept, p * coef, Float32(0.0))
+                ggrad[(None, 2 * base + Int64(vi))].store(out.load().to(BFloat16))
+
+
+@cute.jit
+def ce_cluster_host(plog: Pointer, pgrad: Pointer, ptgt: Pointer, pcoef: Pointer, ploss: Pointer,
+                    ppart: Pointer, rows: Int32, v: Int32, stream: cuda.CUstream, grad: Constexpr[bool],
+                    threads: Constexpr[int], nper: Constexpr[int], cluster: Constexpr[int]) -> None:
+    ce_cluster_kernel(plog, pgrad, ptgt, pcoef, ploss, ppart, rows, v, grad, threads, nper, cluster).launch(
+        grid=[rows * cluster, 1, 1], block=[threads, 1, 1], cluster=[cluster, 1, 1], stream=stream
+    )
+
+
 def compile_args(kernel: str, spec: dict[str, Any]) -> tuple[Any, tuple[Any, ...]]:
     """Host function and fake arguments (null pointers, zero sizes) that compile `kernel` without a GPU."""
-    if kernel != "ce_fwd":
-        raise KeyError(f"nmoe.fast.kernels.loss has no kernel {kernel!r}; it holds ce_fwd")
+    if kernel not in ("ce_fwd", "ce_cluster"):
+        raise KeyError(f"nmoe.fast.kernels.loss has no kernel {kernel!r}; it holds ce_fwd and ce_cluster")
     gmem = cute.AddressSpace.gmem
-    fake = (make_ptr(Float32, 0, gmem, assumed_align=4), make_ptr(BFloat16, 0, gmem, assumed_align=2),
-            make_ptr(Int32, 0, gmem, assumed_align=4), make_ptr(Float32, 0, gmem, assumed_align=4),
-            make_ptr(Float32, 0, gmem, assumed_align=4))
+    wide = 4 * VEC if kernel == "ce_cluster" else 4
+    fake = (make_ptr(Float32, 0, gmem, assumed_align=wide),
+            make_ptr(BFloat16, 0, gmem, assumed_align=wide // 2), make_ptr(Int32, 0, gmem, assumed_align=4),
+            make_ptr(Float32, 0, gmem, assumed_align=4), make_ptr(Float32, 0, gmem, assumed_align=4))
+    if kernel == "ce_cluster":
+        part = make_ptr(Float32, 0, gmem, assumed_align=4)
+        return ce_cluster_host, (*fake, part, Int32(0), Int32(0), cuda.CUstream(0), spec["grad"],
+                                 spec["threads"], spec["nper"], spec["cluster"])
     return ce_fwd_host, (*fake, Int32(0), Int32(0), cuda.CUstream(0), spec["grad"], spec["threads"],
                          spec["unroll"])
-

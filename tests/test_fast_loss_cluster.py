@@ -1,0 +1,99 @@
+"""The cross-entropy's one-pass row kernel (CE_CLUSTER = N): a cluster of N CTAs holds a logits row in
+registers, swaps partial lse through global memory across the cluster barrier and writes dlogits after it.
+CPU: its sizing, refusals and the PTX order its race rule reads; GPU: the two-pass kernel's contracts."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from fastcompile import assert_rows_ok, compile_rows
+from test_fast_loss import IGN, check_grads, check_loss, make, per_token, sep_loss
+
+from nmoe.fast import loss as fast
+from nmoe.fast.arch import SUPPORTED_ARCHS
+
+gpu = pytest.mark.gpu
+CLUSTER = fast.CHECKED_CLUSTER
+
+
+@pytest.fixture
+def one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fast, "CE_CLUSTER", CLUSTER)
+
+
+def test_cluster_sizing_and_refusals() -> None:
+    """V = 201088 over 8 CTAs of 512 threads: 50272 4-wide vectors, 13 per thread (53248 held)."""
+    assert fast.cluster_nper(201088, 8) == 13
+    assert fast.cluster_nper(4, 8) == 1
+    with pytest.raises(ValueError, match="V % 4 == 0"):
+        fast.cluster_nper(201090, 8)
+    too_wide = 8 * fast.THREADS * fast.VEC * fast.MAX_NPER + fast.VEC
+    with pytest.raises(ValueError, match="CE_CLUSTER to 0"):
+        fast.cluster_nper(too_wide, 8)
+
+
+def test_sep_cross_entropy_bwd_fast_cluster_wait_dropped() -> None:
+    """A rank's dlogits land on another rank's logits: the grad kernel's PTX must load its row, pass the
+    cluster wait, then store. Its lists tell that order from a missing or early wait."""
+    load, wait = "ld.global.v4.b32 {%r1, %r2, %r3, %r4}, [%rd1];\n", "barrier.cluster.wait;\n"
+    arrive, store = "barrier.cluster.arrive;\n", "st.global.v2.b32 [%rd2], {%r5, %r6};\n"
+    grad = next(k for k in fast.KERNELS if k.name == f"ce_cluster{CLUSTER}_grad")
+    for arch in SUPPORTED_ARCHS:
+        def clean(ptx: str, arch: str = arch) -> bool:
+            return (all(re.search(rx, ptx) for rx in grad.expect[arch] if "cluster" in rx)
+                    and not any(re.search(rx, ptx) for rx in grad.forbid[arch]))
+
+        assert clean(load + arrive + wait + store)
+        assert not clean(load + arrive + store)  # the mutant: no wait
+        assert not clean(arrive + wait + load + store)
+        assert not clean(load + store + arrive + wait)
+    rows = compile_rows("nmoe.fast.loss", [f"ce_cluster{CLUSTER}_grad"])
+    for arch in SUPPORTED_ARCHS:
+        assert_rows_ok(rows[arch], arch, 1)
+
+
+@gpu
+@pytest.mark.usefixtures("one_pass")
+@pytest.mark.parametrize(("t", "d", "v", "chunk"), [(1, 8, 4, 4096), (13, 32, 300, 3), (64, 64, 1000, 16),
+                                                    (257, 128, 8192, 100), (40, 64, 201088, 16)])
+def test_loss_and_grads_within_float64_budget(t: int, d: int, v: int, chunk: int) -> None:
+    """The two-pass kernel's contracts, at widths that leave ranks without a vector (V 4: seven of eight)."""
+    h, w, tg = make(t, d, v, t + v)
+    hc, wc = h.cuda().requires_grad_(), w.cuda().requires_grad_()
+    loss = fast.cross_entropy(hc, wc, tg.cuda(), IGN, chunk)
+    check_loss(loss, h, w, tg, chunk)
+    loss.backward()
+    assert hc.grad is not None and wc.grad is not None
+    check_grads(hc.grad, wc.grad, 1.0, h, w, tg, chunk)
+
+
+@gpu
+@pytest.mark.usefixtures("one_pass")
+def test_deterministic_and_no_host_sync() -> None:
+    h, w, tg = make(64, 64, 201088, 11)
+    hc, wc, tc = h.cuda(), w.cuda(), tg.cuda()
+    a = fast.cross_entropy_bwd(1.0, hc, wc, tc, IGN, 16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        b = fast.cross_entropy_bwd(1.0, hc, wc, tc, IGN, 16)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@gpu
+@pytest.mark.usefixtures("one_pass")
+def test_sep_cross_entropy_fast_cluster_last_rank_dropped() -> None:
+    """The last rank's columns (186368 on, of 201088) carry the largest logits: a merge that leaves its
+    partial out scores every token against the other ranks' columns only."""
+    h, w, tg = make(24, 64, 201088, 12, ignored=0.0)
+    first = (CLUSTER - 1) * fast.THREADS * fast.cluster_nper(201088, CLUSTER) * fast.VEC
+    w[first:] = (w[first:].float() * 4).bfloat16()
+    tg[:] = torch.randint(0, first, tg.shape)
+    logits = h.double() @ w.double().T
+    mutant = (torch.logsumexp(logits[:, :first], -1) - logits.gather(1, tg[:, None]).squeeze(1)).mean()
+    assert float(per_token(h, w, tg).mean()) > float(mutant) + 1.0
+    sep_loss(h, w, tg, 8, float(mutant))
