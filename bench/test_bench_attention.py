@@ -58,13 +58,11 @@ def _fa4_nondeterministic(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 # stage). These edits of it run deterministic, as nmoe calls FA4: one faster and in agreement is the measured
 # reason to pin it in nmoe.fast.attention. Built for sm_90a on a CPU host (ptxas 13.0): n64_pds2 without
 # spills, n80 without spills (368 B of stack), n128_q1_do1 spilling 200 B (a 128-wide KV tile makes a quarter
-# fewer dQ accumulations; one Q and one dO stage keep it in shared memory); n128 alone, and m128, were
-# refused at launch on the H200 (invalid configuration); dQ or S/dP swapped, or one dK/dV atom, do not build.
+# fewer dQ accumulations; one Q and one dO stage keep it in shared memory). Measured on the H200 (2a072f3):
+# pds2 1.02x slower than the default; n128 alone, n128 with two P/dS stages and m128 refused at launch
+# (invalid configuration), so no longer built; dQ or S/dP swapped, or one dK/dV atom, do not build.
 BWD_TILES: dict[str, dict[str, Any]] = {
-    "n128": {"n_block_size": 128},
     "pds2": {"num_stages_PdS": 2},
-    "n128_pds2": {"n_block_size": 128, "num_stages_PdS": 2},
-    "m128": {"m_block_size": 128},
     "n64_pds2": {"n_block_size": 64, "num_stages_PdS": 2},
     "n80": {"n_block_size": 80},
     "n128_q1_do1": {"n_block_size": 128, "num_stages_Q": 1, "num_stages_dO": 1},
