@@ -4,8 +4,10 @@
 # STAGES is a comma list of smoke,tests,parity,mutate,sonic,bench,train,moonlet (default: all but smoke,
 # sonic and moonlet); every stage runs even if one fails. smoke launches one elementwise op and one GEMM:
 # run it first on a new launch path. sonic times SonicMoE on the MoE layer rows in its own process
-# (SONIC_PYTHONPATH from the peer install); bench then puts those rows beside ours. moonlet trains
-# configs/moonlet.toml for NMOE_MOONLET_STEPS (default 200) steps and writes its metrics table, PNG and
+# (SONIC_PYTHONPATH from the peer install; its kernels compiled for ~16 minutes on the H200: NMOE_SONIC_CACHE
+# names a CuTeDSL file-cache folder for them, kept to seed a later run, reuse untried); bench then puts those
+# rows beside ours. moonlet trains configs/moonlet.toml for NMOE_MOONLET_STEPS (default 200) steps and
+# writes its metrics table, PNG and
 # report JSON (its checkpoint of ~40 GB goes to NMOE_MOONLET_CKPT; NMOE_MOONLET_ARGS adds overrides).
 # NMOE_GPU_JOBS (default 12) sets the pytest and mutation workers; NMOE_BENCH_K selects bench rows (-k).
 set -uo pipefail
@@ -23,7 +25,7 @@ run() { local name=$1; shift; echo "== $name: $*"; "$@" > "$out/$name.log" 2>&1 
 [[ $stages == *,mutate,* ]] && run mutate python3 -m nmoe.cli mutate --device gpu --only '*.fast_*' \
   --jobs "$jobs" --report "$out/mutations.json"
 [[ $stages == *,sonic,* ]] && run sonic env PYTHONPATH="${SONIC_PYTHONPATH:?install the peer first}:$PWD" \
-  python3 bench/sonicpeer.py --out "$out/sonic.json"
+  ${NMOE_SONIC_CACHE:+CUTE_DSL_CACHE_DIR="$NMOE_SONIC_CACHE"} python3 bench/sonicpeer.py --out "$out/sonic.json"
 [[ -f $out/sonic.json ]] && export NMOE_BENCH_PEER=$out/sonic.json
 [[ $stages == *,bench,* ]] && run bench python3 -m nmoe.cli bench ${NMOE_BENCH_K:+-k "$NMOE_BENCH_K"} \
   --out "$out/bench.json"
