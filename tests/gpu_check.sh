@@ -7,8 +7,8 @@
 # (SONIC_PYTHONPATH from the peer install; its kernels compiled for ~16 minutes on the H200: NMOE_SONIC_CACHE
 # names a CuTeDSL file-cache folder for them, kept to seed a later run, reuse untried); bench then puts those
 # rows beside ours. moonlet trains configs/moonlet.toml for NMOE_MOONLET_STEPS (default 200) steps and
-# writes its metrics table, PNG and
-# report JSON (its checkpoint of ~40 GB goes to NMOE_MOONLET_CKPT; NMOE_MOONLET_ARGS adds overrides).
+# writes its metrics table, PNG and report JSON (its checkpoint of ~40 GB goes to NMOE_MOONLET_CKPT;
+# NMOE_MOONLET_ARGS adds overrides).
 # NMOE_GPU_JOBS (default 12) sets the pytest and mutation workers; NMOE_BENCH_K selects bench rows (-k).
 set -uo pipefail
 out=$(mkdir -p "${1:?usage: gpu_check.sh OUTDIR [STAGES]}" && cd "$1" && pwd)
