@@ -176,6 +176,7 @@ class ModelOps:
 
     mla_attention: Callable[[Tensor, MLAParams, Tensor, Tensor, int, int, int, int, float, float], Tensor]
     rmsnorm: Callable[[Tensor, Tensor, float], Tensor]
+    add_rmsnorm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
     dense_ffn: Callable[[Tensor, Tensor, Tensor], Tensor]
     moe_layer: Callable[[Tensor, MoEParams, ModelConfig], tuple[Tensor, MoERouting]]
     cross_entropy: Callable[[Tensor, Tensor, Tensor, int, int], Tensor]

@@ -137,12 +137,22 @@ class Block(nn.Module):
         self.ffn: DenseFFN | MoE = (DenseFFN(cfg, init, ops) if layer_id < cfg.n_dense_layers
                                     else MoE(cfg, init, ops, shard))
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        a: Tensor = self.attn(self.ops.rmsnorm(h, self.attn_norm.to(COMPUTE), self.eps), cos, sin)
-        h = h + a
+    def forward(self, h: Tensor, f: Tensor | None, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """(stream, this block's ffn output): the previous block's ffn output f joins the stream in the op
+        that norms it, and this block's waits for the next, so each residual add shares a pass with a norm."""
+        h, x = add_norm(self.ops, h, f, self.attn_norm.to(COMPUTE), self.eps)
+        a: Tensor = self.attn(x, cos, sin)
+        h, x = self.ops.add_rmsnorm(h, a, self.ffn_norm.to(COMPUTE), self.eps)
         b, s, d = h.shape
-        f: Tensor = self.ffn(self.ops.rmsnorm(h, self.ffn_norm.to(COMPUTE), self.eps).reshape(b * s, d))
-        return h + f.reshape(b, s, d)
+        out: Tensor = self.ffn(x.reshape(b * s, d))
+        return h, out.reshape(b, s, d)
+
+
+def add_norm(ops: ModelOps, h: Tensor, f: Tensor | None, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(h + f, its rmsnorm) by the path's fused op; (h, rmsnorm(h)) before the first block's attention."""
+    if f is None:
+        return h, ops.rmsnorm(h, w, eps)
+    return ops.add_rmsnorm(h, f, w, eps)
 
 
 class Model(nn.Module):
@@ -189,9 +199,10 @@ class Model(nn.Module):
                              f"{self.cfg.max_seq_len}; shorten data.seq_len or raise max_seq_len")
         self.ops.check_tokens(tokens, self.embed, self.cfg.vocab_size)
         h = self.ops.embedding(tokens, self.embed).to(COMPUTE)
+        f: Tensor | None = None
         for blk in self.layers:
-            h = blk(h, self.cos, self.sin)
-        return self.ops.rmsnorm(h, self.norm.to(COMPUTE), self.cfg.norm_eps)
+            h, f = blk(h, f, self.cos, self.sin)
+        return add_norm(self.ops, h, f, self.norm.to(COMPUTE), self.cfg.norm_eps)[1]
 
     def forward(self, tokens: Tensor, targets: Tensor | None = None) -> Tensor:
         if targets is not None and targets.shape != tokens.shape:

@@ -84,6 +84,8 @@ def _portable_calls() -> None:
     swiglu(torch.randn(t, 2 * h, dtype=BF, requires_grad=True)).sum().backward()
     w = torch.ones(h, dtype=BF, requires_grad=True)
     norm.rmsnorm(x, w, 1e-6).sum().backward()
+    torch.autograd.backward(norm.add_rmsnorm(x, torch.randn(t, h, dtype=BF), w, 1e-6),
+                            [torch.ones(t, h, dtype=BF)] * 2)
     cos, sin = torch.ones(t, 1, 32, dtype=torch.float32), torch.zeros(t, 1, 32, dtype=torch.float32)
     q = torch.randn(1, t, 2, 64, dtype=BF, requires_grad=True)
     rope.apply_rope(q, cos, sin).sum().backward()

@@ -120,7 +120,7 @@ def test_fast_model_glue_is_the_spec_model_with_the_specs_ops(monkeypatch: pytes
         def backward(ctx: Any, dy: Tensor) -> Tensor:
             return ref_act.swiglu_bwd(dy, ctx.saved_tensors[0])
 
-    kernels = ("mla_attention", "moe_layer", "cross_entropy", "rmsnorm", "bias_update")
+    kernels = ("mla_attention", "moe_layer", "cross_entropy", "rmsnorm", "add_rmsnorm", "bias_update")
     glue = {"dense_ffn", "embedding", "check_tokens"}
     assert {f.name for f in dataclasses.fields(ModelOps)} == glue | set(kernels)
     spec_ops = dataclasses.replace(fast_model.OPS, **{n: getattr(ref_model.OPS, n) for n in kernels})

@@ -107,7 +107,7 @@ def ulp_dist(got: Tensor, want64: F64) -> int:
 # CPU: declarations, compile checks, plumbing.
 # ---------------------------------------------------------------------------------------------------------
 def test_kernels_declare_both_archs() -> None:
-    assert {k.op for k in fast.KERNELS} == {"rmsnorm", "rmsnorm_bwd"}
+    assert {k.op for k in fast.KERNELS} == {"rmsnorm", "rmsnorm_bwd", "add_rmsnorm", "add_rmsnorm_bwd"}
     assert len({k.name for k in fast.KERNELS}) == len(fast.KERNELS)
     for spec in fast.KERNELS:
         assert set(spec.expect) == set(spec.forbid) == set(SUPPORTED_ARCHS)

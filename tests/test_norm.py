@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from nmoe.reference.norm import rmsnorm, rmsnorm_bwd
+from nmoe.reference.norm import add_rmsnorm, add_rmsnorm_bwd, rmsnorm, rmsnorm_bwd
 
 
 def oracle64(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -126,3 +126,73 @@ def test_sep_rmsnorm_eps_outside_sqrt() -> None:
     y = rmsnorm(x.float(), w.float(), eps).double()
     assert torch.allclose(y, correct, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(y, mutated, rtol=1e-2)
+
+
+def bf16_nearest(t64: Tensor) -> Tensor:
+    """float64 -> the nearest bf16 (ties to even, by ml_dtypes), as float64."""
+    import ml_dtypes
+    import numpy as np
+
+    return torch.from_numpy(t64.numpy().astype(ml_dtypes.bfloat16).astype(np.float64))
+
+
+def test_add_rmsnorm_stream_rounded_once_then_normed() -> None:
+    """s is h + a in exact arithmetic rounded once to bf16; y is rmsnorm of that s (0.5 ULP + fp32 noise)."""
+    h = gen((5, 48), 21, torch.bfloat16)
+    a = (gen((5, 48), 22) / 3).to(torch.bfloat16)
+    w = gen((48,), 23, torch.bfloat16)
+    s, y = add_rmsnorm(h, a, w, 1e-6)
+    s64 = bf16_nearest(h.double() + a.double())
+    assert s.dtype == y.dtype == torch.bfloat16 and torch.equal(s.double(), s64)
+    assert float(ulp_dist(y, oracle64(s64, w, 1e-6), torch.bfloat16).max()) <= 0.5 + 1e-3
+
+
+def test_sep_rmsnorm_add_normed_before_add() -> None:
+    """The norm reads the summed stream: on data where a moves h's rms, rmsnorm(h) is another result."""
+    h = gen((3, 32), 24)
+    a = 2.0 * gen((3, 32), 25)
+    w = gen((32,), 26)
+    correct, mutated = oracle64(h + a, w, 1e-6), oracle64(h, w, 1e-6)
+    assert not torch.allclose(correct, mutated, rtol=1e-2)
+    s, y = add_rmsnorm(h, a, w, 1e-6)
+    assert torch.equal(s, h + a)
+    assert torch.allclose(y, correct, rtol=1e-12, atol=1e-12)
+
+
+class _AddFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, a: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+        s, y = add_rmsnorm(h, a, w, 1e-3)
+        ctx.save_for_backward(s, w)
+        return s, y
+
+    @staticmethod
+    def backward(ctx: Any, ds: Tensor, dy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        s, w = ctx.saved_tensors
+        dh, dw = add_rmsnorm_bwd(ds, dy, s, w, 1e-3)
+        return dh, dh, dw
+
+
+def test_add_rmsnorm_gradcheck_autograd_and_explicit_bwd() -> None:
+    h, a = gen((2, 3, 6), 27).requires_grad_(), gen((2, 3, 6), 28).requires_grad_()
+    w = gen((6,), 29).requires_grad_()
+    assert torch.autograd.gradcheck(lambda p, q, r: add_rmsnorm(p, q, r, 1e-3), (h, a, w))
+    assert torch.autograd.gradcheck(_AddFn.apply, (h, a, w))
+
+
+def test_add_rmsnorm_bwd_rounds_the_norms_dx_before_adding() -> None:
+    """bf16: dh = bf16(ds + bf16(dx)), the two roundings autograd's separate add makes."""
+    s = gen((4, 40), 30, torch.bfloat16)
+    w = gen((40,), 31, torch.bfloat16)
+    ds, dy = gen((4, 40), 32, torch.bfloat16), gen((4, 40), 33, torch.bfloat16)
+    dh, dw = add_rmsnorm_bwd(ds, dy, s, w, 1e-6)
+    dx, dw_norm = rmsnorm_bwd(dy, s, w, 1e-6)
+    assert torch.equal(dh.double(), bf16_nearest(ds.double() + dx.double())) and torch.equal(dw, dw_norm)
+
+
+def test_add_rmsnorm_errors_name_the_fix() -> None:
+    x = torch.ones(2, 4)
+    with pytest.raises(ValueError, match="residual branch"):
+        add_rmsnorm(x, torch.ones(2, 3), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="stream's gradient"):
+        add_rmsnorm_bwd(torch.ones(2, 4, dtype=torch.bfloat16), x, x, torch.ones(4), 1e-6)

@@ -1,4 +1,5 @@
-"""rmsnorm.fast_*: defects in the CuTeDSL rmsnorm kernels (nmoe/fast/kernels/norm.py); GPU host only."""
+"""rmsnorm.fast_*: defects in the CuTeDSL rmsnorm and add_rmsnorm kernels (nmoe/fast/kernels/norm.py); GPU
+host only."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from mutations.model import Mutation, sep_mutation
 
 FILE = "nmoe/fast/kernels/norm.py"
 TESTS = "tests/test_fast_norm.py"
+ADD_TESTS = "tests/test_fast_add_norm.py"
 
 MUTATIONS: tuple[Mutation, ...] = (
     sep_mutation(
@@ -20,5 +22,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         "rmsnorm_bwd.fast_dw_partial_dropped", FILE,
         "if base + u < nparts:", "if base + u < 1:",
         "dw keeps only the first row-block's partial sum", TESTS, ("rmsnorm_bwd",), device="gpu",
+    ),
+    sep_mutation(
+        "rmsnorm.fast_add_norm_of_unrounded_sum", FILE,
+        "        if const_expr(m.element_type != Float32):\n            back = low.to(Float32)",
+        "        if const_expr(False):\n            back = low.to(Float32)",
+        "add_rmsnorm stores the rounded stream but norms the fp32 sum before that rounding", ADD_TESTS,
+        ("add_rmsnorm",), device="gpu",
+    ),
+    sep_mutation(
+        "rmsnorm_bwd.fast_add_dx_unrounded", FILE,
+        "            low = frag.load().to(m.element_type).to(Float32)\n", "            low = frag.load()\n",
+        "add_rmsnorm's backward adds the stream's gradient to the norm's fp32 dx, one rounding instead of "
+        "the two a separate add makes", ADD_TESTS, ("add_rmsnorm_bwd",), device="gpu",
     ),
 )

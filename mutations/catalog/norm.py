@@ -23,4 +23,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "rmsnorm backward treats rsqrt(mean(x^2)+eps) as a constant (drops the projection term)",
         tests=(f"{TESTS}::test_gradcheck_explicit_bwd",), contracts=("rmsnorm",),
     ),
+    sep_mutation(
+        "rmsnorm.add_normed_before_add", FILE,
+        "    s = h + a\n    return s, rmsnorm(s, w, eps)", "    s = h + a\n    return s, rmsnorm(h, w, eps)",
+        "add_rmsnorm norms the stream before the residual branch joins it", TESTS, ("add_rmsnorm",),
+    ),
+    Mutation(
+        "rmsnorm.add_bwd_stream_grad_dropped", FILE,
+        "    return ds + dx, dw", "    return dx, dw",
+        "add_rmsnorm's backward leaves out the stream's own gradient: the residual path carries none",
+        tests=(f"{TESTS}::test_add_rmsnorm_gradcheck_autograd_and_explicit_bwd",), contracts=("add_rmsnorm",),
+    ),
 )

@@ -22,7 +22,7 @@ from nmoe.fast.arch import ArchError
 from nmoe.fast.attention import mla_attention
 from nmoe.fast.loss import cross_entropy
 from nmoe.fast.moe import moe_layer
-from nmoe.fast.norm import rmsnorm
+from nmoe.fast.norm import add_rmsnorm, rmsnorm
 from nmoe.fast.rdep.ep import Exchange
 from nmoe.fast.rdep.group import RdepShape
 from nmoe.fast.router import bias_update
@@ -68,7 +68,7 @@ def _check_tokens(tokens: Tensor, embed: Tensor, vocab_size: int) -> None:
 
 
 OPS: Final[ModelOps] = ModelOps(
-    mla_attention=mla_attention, rmsnorm=rmsnorm, dense_ffn=_dense_ffn,
+    mla_attention=mla_attention, rmsnorm=rmsnorm, add_rmsnorm=add_rmsnorm, dense_ffn=_dense_ffn,
     moe_layer=moe_layer, cross_entropy=cross_entropy, bias_update=bias_update,
     embedding=F.embedding, check_tokens=_check_tokens,
 )

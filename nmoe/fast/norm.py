@@ -20,6 +20,8 @@ from nmoe.fast.runtime import KernelSpec, vector_aligned
 RMSNORM_FWD = Kernel.by_name("nmoe.fast.kernels.norm", "rmsnorm_fwd")
 RMSNORM_BWD = Kernel.by_name("nmoe.fast.kernels.norm", "rmsnorm_bwd")
 RMSNORM_DW = Kernel.by_name("nmoe.fast.kernels.norm", "rmsnorm_dw")
+ADD_RMSNORM_FWD = Kernel.by_name("nmoe.fast.kernels.norm", "add_rmsnorm_fwd")
+ADD_RMSNORM_BWD = Kernel.by_name("nmoe.fast.kernels.norm", "add_rmsnorm_bwd")
 _DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "bfloat16", torch.float16: "float16",
                                         torch.float32: "float32"}
 _MAX_THREADS = 1024
@@ -87,16 +89,35 @@ def _ptrs(*tensors: Tensor) -> list[int]:
 
 
 def _rmsnorm_impl(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    return _fwd(x, None, w, eps)[1]
+
+
+def _check_branch(name: str, a: Tensor, x: Tensor) -> None:
+    if a.shape != x.shape or a.dtype != x.dtype:
+        raise ValueError(f"{name}: {a.dtype} {tuple(a.shape)} must match the stream's {x.dtype} "
+                         f"{tuple(x.shape)}; cast or reshape the residual branch")
+
+
+def _fwd(x: Tensor, a: Tensor | None, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(s, y): y = rmsnorm(s), s = x, or with a the stream x + a rounded once (written by the kernel)."""
     _check(x, w, eps)
-    device, arch = runtime.device_arch(x, w)
+    if a is not None:
+        _check_branch("add_rmsnorm: a", a, x)
+    device, arch = runtime.device_arch(x, w) if a is None else runtime.device_arch(x, a, w)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    s = x if a is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:
-        return y
+        return s, y
     spec, plan = _spec(x, w)
     align = plan.vec * x.element_size()
     xc, wc = vector_aligned(x, align), vector_aligned(w, min(VEC_BYTES, plan.vec * w.element_size()))
-    RMSNORM_FWD.launcher(arch, **spec)(device, *_ptrs(xc, wc, y), x.numel() // plan.d, eps)
-    return y
+    rows = x.numel() // plan.d
+    if a is None:
+        RMSNORM_FWD.launcher(arch, **spec)(device, *_ptrs(xc, wc, y), rows, eps)
+    else:
+        ac = vector_aligned(a, align)
+        ADD_RMSNORM_FWD.launcher(arch, **spec)(device, *_ptrs(xc, ac, wc, s, y), rows, eps)
+    return s, y
 
 
 def _rmsnorm_fake(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -104,11 +125,18 @@ def _rmsnorm_fake(x: Tensor, w: Tensor, eps: float) -> Tensor:
 
 
 def _rmsnorm_bwd_impl(dy: Tensor, x: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return _bwd(dy, None, x, w, eps)
+
+
+def _bwd(dy: Tensor, ds: Tensor | None, x: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(dx, dw) of rmsnorm at x; with ds (add_rmsnorm's stream gradient) dx = ds + dx, each rounded."""
     _check(x, w, eps)
     if dy.shape != x.shape:
         raise ValueError(f"rmsnorm_bwd: dy shape {tuple(dy.shape)} must equal x shape {tuple(x.shape)}")
     if dy.dtype != x.dtype:
         raise ValueError(f"rmsnorm_bwd: dy is {dy.dtype} but x is {x.dtype}; cast dy to x's dtype")
+    if ds is not None:
+        _check_branch("add_rmsnorm_bwd: ds", ds, x)
     device, arch = runtime.device_arch(dy, x, w)
     d = x.shape[-1]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -123,7 +151,11 @@ def _rmsnorm_bwd_impl(dy: Tensor, x: Tensor, w: Tensor, eps: float) -> tuple[Ten
     wc = vector_aligned(w, min(VEC_BYTES, plan.vec * w.element_size()))
     ctas = min(rows, runtime.sm_count(device) * spec["ctas_per_sm"])
     parts = torch.empty((ctas, d), dtype=torch.float32, device=x.device)
-    RMSNORM_BWD.launcher(arch, **spec)(device, *_ptrs(dyc, xc, wc, dx, parts), rows, eps, ctas)
+    if ds is None:
+        RMSNORM_BWD.launcher(arch, **spec)(device, *_ptrs(dyc, xc, wc, dx, parts), rows, eps, ctas)
+    else:
+        dsc = vector_aligned(ds, align)
+        ADD_RMSNORM_BWD.launcher(arch, **spec)(device, *_ptrs(dyc, dsc, xc, wc, dx, parts), rows, eps, ctas)
     dw_vec = _DW_VEC if d % _DW_VEC == 0 else 1
     RMSNORM_DW.launcher(arch, vec=dw_vec, w_dtype=spec["w_dtype"])(device, *_ptrs(parts, dw), ctas, d)
     return dx, dw
@@ -155,6 +187,54 @@ def rmsnorm(x: Tensor, w: Tensor, eps: float) -> Tensor:
 def rmsnorm_bwd(dy: Tensor, x: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """(dx, dw): dx = r*(g - x*r^2*mean(g*x)), g = dy*w, rounded to x.dtype; dw = sum_rows dy*x*r."""
     return _rmsnorm_bwd_op(dy, x, w, eps)
+
+
+def _add_impl(h: Tensor, a: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return _fwd(h, a, w, eps)
+
+
+def _add_fake(h: Tensor, a: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(h), torch.empty_like(h)
+
+
+def _add_bwd_impl(ds: Tensor, dy: Tensor, s: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return _bwd(dy, ds, s, w, eps)
+
+
+def _add_bwd_fake(ds: Tensor, dy: Tensor, s: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(s), torch.empty(w.shape, dtype=w.dtype, device=w.device)
+
+
+_add_op = fast_op("add_rmsnorm", _add_impl, _add_fake)
+_add_bwd_op = fast_op("add_rmsnorm_bwd", _add_bwd_impl, _add_bwd_fake)
+
+
+def _add_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    ctx.save_for_backward(output[0], inputs[2])
+    ctx.eps = inputs[3]
+
+
+def _add_backward(ctx: Any, ds: Tensor | None, dy: Tensor | None) -> tuple[Tensor, Tensor, Tensor, None]:
+    s, w = ctx.saved_tensors
+    ds = torch.zeros_like(s) if ds is None else ds.to(s.dtype)
+    dy = torch.zeros_like(s) if dy is None else dy.to(s.dtype)
+    dh, dw = _add_bwd_op(ds, dy, s, w, ctx.eps)
+    return dh, dh, dw, None
+
+
+_add_op.autograd(_add_backward, _add_setup)
+
+
+def add_rmsnorm(h: Tensor, a: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(s, y): the stream s = h + a rounded once, and y = rmsnorm(s), in one pass over the rows;
+    differentiable (dh = da = ds + the norm's dx, one kernel)."""
+    return _add_op(h, a, w, eps)
+
+
+def add_rmsnorm_bwd(ds: Tensor, dy: Tensor, s: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(dh, dw) of add_rmsnorm at its stream s: dh = ds + dx, dx rounded to s's dtype first; dw as
+    rmsnorm_bwd's."""
+    return _add_bwd_op(ds, dy, s, w, eps)
 
 
 # rsqrt.approx / sqrt.approx / div.approx / div.full are not correctly rounded (r must be 1/sqrt.rn);
@@ -190,6 +270,10 @@ def _kernel_specs() -> tuple[KernelSpec, ...]:
         bwd = _row_spec(d, xd, wd, BWD_TARGET_THREADS)
         bwd["ctas_per_sm"] = bwd_ctas_per_sm(bwd["threads"])
         out.append(_norm_spec("rmsnorm_bwd", f"rmsnorm_bwd_{tag}", RMSNORM_BWD, bwd,
+                              (*_ROW, r"\badd\.rn\.f32\b", *cvt)))
+        out.append(_norm_spec("add_rmsnorm", f"add_rmsnorm_fwd_{tag}", ADD_RMSNORM_FWD, _row_spec(d, xd, wd),
+                              (*_ROW, r"\badd\.rn\.f32\b", *cvt)))
+        out.append(_norm_spec("add_rmsnorm_bwd", f"add_rmsnorm_bwd_{tag}", ADD_RMSNORM_BWD, bwd,
                               (*_ROW, r"\badd\.rn\.f32\b", *cvt)))
     dw = {"vec": _DW_VEC, "w_dtype": "bfloat16"}
     out.append(_norm_spec("rmsnorm_bwd", "rmsnorm_dw_bf16", RMSNORM_DW, dw,

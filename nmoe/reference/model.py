@@ -16,7 +16,7 @@ from nmoe.modeldef import MLA, Block, DenseFFN, MoE
 from nmoe.reference.attention import mla_attention
 from nmoe.reference.loss import cross_entropy, cross_entropy_bwd
 from nmoe.reference.moe import ffn, moe_layer
-from nmoe.reference.norm import rmsnorm
+from nmoe.reference.norm import add_rmsnorm, rmsnorm
 from nmoe.reference.router import bias_update
 
 __all__ = ["MLA", "OPS", "Block", "DenseFFN", "MoE", "Model"]
@@ -58,7 +58,7 @@ def _check_tokens(tokens: Tensor, embed: Tensor, vocab_size: int) -> None:
 
 
 OPS = ModelOps(
-    mla_attention=mla_attention, rmsnorm=rmsnorm, dense_ffn=_dense_ffn,
+    mla_attention=mla_attention, rmsnorm=rmsnorm, add_rmsnorm=add_rmsnorm, dense_ffn=_dense_ffn,
     moe_layer=moe_layer, cross_entropy=_cross_entropy, bias_update=bias_update,
     embedding=_embedding, check_tokens=_check_tokens,
 )

@@ -46,3 +46,23 @@ def rmsnorm_bwd(dy: Tensor, x: Tensor, w: Tensor, eps: float) -> tuple[Tensor, T
     dx = r * (g - xf * (r * r) * (g * xf).mean(dim=-1, keepdim=True))
     dw = (dyf * (xf * r)).reshape(-1, x.shape[-1]).sum(dim=0)
     return dx.to(x.dtype), dw.to(w.dtype)
+
+
+def add_rmsnorm(h: Tensor, a: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(s, y): the residual stream s = h + a rounded once to h's dtype, and y = rmsnorm(s, w, eps); one op,
+    so a fast path reads the stream once for a block's residual add and the norm that follows it."""
+    if a.shape != h.shape or a.dtype != h.dtype:
+        raise ValueError(f"add_rmsnorm: a is {a.dtype} {tuple(a.shape)}, h is {h.dtype} {tuple(h.shape)}; "
+                         "the residual branch must match the stream's shape and dtype")
+    s = h + a
+    return s, rmsnorm(s, w, eps)
+
+
+def add_rmsnorm_bwd(ds: Tensor, dy: Tensor, s: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(dh, dw) of add_rmsnorm: dh (= da) = ds + rmsnorm_bwd's dx, that dx rounded to s's dtype first and
+    the sum rounded once more, as autograd adds the two; dw as rmsnorm_bwd's."""
+    if ds.shape != s.shape or ds.dtype != s.dtype:
+        raise ValueError(f"add_rmsnorm_bwd: ds is {ds.dtype} {tuple(ds.shape)}, s is {s.dtype} "
+                         f"{tuple(s.shape)}; the stream's gradient must match the stream")
+    dx, dw = rmsnorm_bwd(dy, s, w, eps)
+    return ds + dx, dw

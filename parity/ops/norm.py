@@ -1,4 +1,4 @@
-"""rmsnorm forward and backward."""
+"""rmsnorm forward and backward, and add_rmsnorm (a residual add and the norm after it) with its backward."""
 
 from __future__ import annotations
 
@@ -86,6 +86,42 @@ def rmsnorm_bwd(inp: Inputs, c: Contract) -> list[Expect | None]:
     return [Expect(dx, mag=mag_dx, k=1.0), Expect(dw, mag=mag_dw, k=1.0)]
 
 
+def make_add_rmsnorm(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
+    q = with_adv(p, adv, **({"T": 1} if adv == "single_token" else {}))
+    dtype, t, d = dt(q["dtype"]), q["T"], q["D"]
+    h = reduce_fill(randn([t, d], dtype, g, float(q["scale"])), adv, g)
+    a = randn([t, d], dtype, g, float(q["scale"]) / 3)
+    w = (1.0 + randn([d], torch.float64, g, 0.1)).to(dtype)
+    return Inputs((h, a, w, float(q["eps"])), shape={"T": t, "D": d}, dtype=q["dtype"])
+
+
+def make_add_rmsnorm_bwd(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
+    q = with_adv(p, adv, **({"T": 1} if adv == "single_token" else {}))
+    dtype, t, d = dt(q["dtype"]), q["T"], q["D"]
+    s = reduce_fill(randn([t, d], dtype, g, float(q["scale"])), adv, g)
+    w = (1.0 + randn([d], torch.float64, g, 0.1)).to(dtype)
+    ds, dy = randn([t, d], dtype, g), randn([t, d], dtype, g)
+    return Inputs((ds, dy, s, w, float(q["eps"])), shape={"T": t, "D": d}, dtype=q["dtype"])
+
+
+def add_rmsnorm(inp: Inputs, c: Contract) -> list[Expect | None]:
+    """s = h + a rounded once to the inputs' dtype (the pinned semantics: the norm reads that stream)."""
+    h, a = inp.args[0], inp.args[1]
+    s = (d(h) + d(a)).to(h.dtype)
+    return [Expect(d(h) + d(a)), *rmsnorm(Inputs((s, *inp.args[2:])), c)]
+
+
+def add_rmsnorm_bwd(inp: Inputs, c: Contract) -> list[Expect | None]:
+    """dh = ds + dx: rmsnorm_bwd's budget for dx, plus dx's own rounding to the stream's dtype (unit u_out,
+    in the contract's units of 2u) before the add."""
+    ds, dy, s, w, eps = inp.args
+    dx, dw = rmsnorm_bwd(Inputs((dy, s, w, eps)), c)
+    assert dx is not None and dx.mag is not None
+    u_out = 2.0**-8 if s.dtype == torch.bfloat16 else 2.0**-11 if s.dtype == torch.float16 else 2.0**-24
+    mag = dx.mag + dx.value.abs() * (u_out / (2 * 2.0**-24))
+    return [Expect(d(ds) + dx.value, mag=mag, k=1.0), dw]
+
+
 ENTRIES: list[OpEntry] = [
     OpEntry(
         name="rmsnorm",
@@ -107,6 +143,30 @@ ENTRIES: list[OpEntry] = [
         contract=CANCEL,
         oracle=rmsnorm_bwd,
         output_names=("dx", "dw"),
+        adversarial=("zero", "single_token", "denormal"),
+        ref64=True,
+    ),
+    OpEntry(
+        name="add_rmsnorm",
+        module="norm",
+        fn="add_rmsnorm",
+        space=space_norm,
+        make=make_add_rmsnorm,
+        contract=ULP1,
+        oracle=add_rmsnorm,
+        output_names=("s", "y"),
+        adversarial=("nan", "inf", "denormal", "zero", "single_token"),
+        ref64=True,
+    ),
+    OpEntry(
+        name="add_rmsnorm_bwd",
+        module="norm",
+        fn="add_rmsnorm_bwd",
+        space=space_norm,
+        make=make_add_rmsnorm_bwd,
+        contract=CANCEL,
+        oracle=add_rmsnorm_bwd,
+        output_names=("dh", "dw"),
         adversarial=("zero", "single_token", "denormal"),
         ref64=True,
     ),

@@ -112,20 +112,41 @@ def _block_sum(vals: tuple[Float32, ...], red: Any, tidx: Int32,
     return tuple(out)
 
 
-@cute.kernel
-def rmsnorm_fwd_kernel(px: Pointer, pw: Pointer, py: Pointer, rows: Int64, eps: Float32, d: Constexpr[int],
-                       vec: Constexpr[int], nper: Constexpr[int], threads: Constexpr[int]) -> None:
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    row = Int64(bidx)
-    mx = cute.make_tensor(px, cute.make_layout(rows * d))
-    mw = cute.make_tensor(pw, cute.make_layout(d))
-    my = cute.make_tensor(py, cute.make_layout(rows * d))
+@cute.jit
+def _round_row(m: Any, row: Int64, vals: cute.Tensor, tidx: Int32, d: Constexpr[int], vec: Constexpr[int],
+               nper: Constexpr[int], threads: Constexpr[int]) -> None:
+    """_store_row, then vals replaced by the values stored (each rounded once to m's dtype)."""
+    nv = d // vec
+    g = cute.zipped_divide(m, (vec,))
+    for p in range_constexpr(nper):
+        v = Int64(tidx) + p * threads
+        frag = cute.make_rmem_tensor((vec,), Float32)
+        for j in range_constexpr(vec):
+            frag[j] = vals[p * vec + j]
+        low = frag.load().to(m.element_type)
+        if const_expr(threads * nper == nv) or v < nv:
+            g[(None, row * nv + v)].store(low)
+        if const_expr(m.element_type != Float32):
+            back = low.to(Float32)
+            for j in range_constexpr(vec):
+                vals[p * vec + j] = back[j]
+
+
+@cute.jit
+def _fwd_row(mx: Any, ma: Any, ms: Any, mw: Any, my: Any, row: Int64, eps: Float32, tidx: Int32,
+             d: Constexpr[int], vec: Constexpr[int], nper: Constexpr[int], threads: Constexpr[int]) -> None:
+    """y = rmsnorm(x) of one row; with ma (not None), x = round(x + a) first, stored to ms."""
     red = cute.make_tensor(cute.arch.alloc_smem(Float32, (threads + WARP - 1) // WARP),
                            cute.make_layout((threads + WARP - 1) // WARP))
     xf = cute.make_rmem_tensor((nper * vec,), Float32)
     wf = cute.make_rmem_tensor((nper * vec,), Float32)
     _load_row(mx, row, xf, tidx, d, vec, nper, threads)
+    if const_expr(ma is not None):
+        af = cute.make_rmem_tensor((nper * vec,), Float32)
+        _load_row(ma, row, af, tidx, d, vec, nper, threads)
+        for j in range_constexpr(nper * vec):
+            xf[j] = add_rn(xf[j], af[j])
+        _round_row(ms, row, xf, tidx, d, vec, nper, threads)
     _load_row(mw, Int64(0), wf, tidx, d, vec, nper, threads)
     ss = Float32(0.0)
     for j in range_constexpr(nper * vec):
@@ -138,6 +159,31 @@ def rmsnorm_fwd_kernel(px: Pointer, pw: Pointer, py: Pointer, rows: Int64, eps: 
     _store_row(my, row, y, tidx, d, vec, nper, threads)
 
 
+@cute.kernel
+def rmsnorm_fwd_kernel(px: Pointer, pw: Pointer, py: Pointer, rows: Int64, eps: Float32, d: Constexpr[int],
+                       vec: Constexpr[int], nper: Constexpr[int], threads: Constexpr[int]) -> None:
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    mx = cute.make_tensor(px, cute.make_layout(rows * d))
+    mw = cute.make_tensor(pw, cute.make_layout(d))
+    my = cute.make_tensor(py, cute.make_layout(rows * d))
+    _fwd_row(mx, None, None, mw, my, Int64(bidx), eps, tidx, d, vec, nper, threads)
+
+
+@cute.kernel
+def add_rmsnorm_fwd_kernel(px: Pointer, pa: Pointer, pw: Pointer, ps: Pointer, py: Pointer, rows: Int64,
+                           eps: Float32, d: Constexpr[int], vec: Constexpr[int], nper: Constexpr[int],
+                           threads: Constexpr[int]) -> None:
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    mx = cute.make_tensor(px, cute.make_layout(rows * d))
+    ma = cute.make_tensor(pa, cute.make_layout(rows * d))
+    ms = cute.make_tensor(ps, cute.make_layout(rows * d))
+    mw = cute.make_tensor(pw, cute.make_layout(d))
+    my = cute.make_tensor(py, cute.make_layout(rows * d))
+    _fwd_row(mx, ma, ms, mw, my, Int64(bidx), eps, tidx, d, vec, nper, threads)
+
+
 @cute.jit
 def rmsnorm_fwd_host(px: Pointer, pw: Pointer, py: Pointer, rows: Int64, eps: Float32, stream: cuda.CUstream,
                      d: Constexpr[int], vec: Constexpr[int], nper: Constexpr[int], threads: Constexpr[int],
@@ -147,21 +193,42 @@ def rmsnorm_fwd_host(px: Pointer, pw: Pointer, py: Pointer, rows: Int64, eps: Fl
     )
 
 
-@cute.kernel
-def rmsnorm_bwd_kernel(pdy: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw: Pointer, rows: Int64,
-                       eps: Float32, d: Constexpr[int], vec: Constexpr[int], nper: Constexpr[int],
-                       threads: Constexpr[int]) -> None:
-    """Rows bidx, bidx + grid, ...: dx = r*(g - x*(r*r)*mean(g*x)), g = dy*w; dw partials of dy*(x*r) sit
-    in shared memory (freeing registers for the resident-CTA target), then go to row bidx of pdw. The next
-    row's x and dy load before this row's reductions, hiding their latency behind barriers and math."""
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    gdim, _, _ = cute.arch.grid_dim()
-    mdy = cute.make_tensor(pdy, cute.make_layout(rows * d))
-    mx = cute.make_tensor(px, cute.make_layout(rows * d))
-    mw = cute.make_tensor(pw, cute.make_layout(d))
-    mdx = cute.make_tensor(pdx, cute.make_layout(rows * d))
-    mdw = cute.make_tensor(pdw, cute.make_layout(Int64(gdim) * d))
+@cute.jit
+def add_rmsnorm_fwd_host(px: Pointer, pa: Pointer, pw: Pointer, ps: Pointer, py: Pointer, rows: Int64,
+                         eps: Float32, stream: cuda.CUstream, d: Constexpr[int], vec: Constexpr[int],
+                         nper: Constexpr[int], threads: Constexpr[int], x_dtype: Constexpr[str],
+                         w_dtype: Constexpr[str]) -> None:
+    add_rmsnorm_fwd_kernel(px, pa, pw, ps, py, rows, eps, d, vec, nper, threads).launch(
+        grid=[rows, 1, 1], block=[threads, 1, 1], stream=stream
+    )
+
+
+@cute.jit
+def _store_row_plus(m: Any, mplus: Any, row: Int64, vals: cute.Tensor, tidx: Int32, d: Constexpr[int],
+                    vec: Constexpr[int], nper: Constexpr[int], threads: Constexpr[int]) -> None:
+    """m = vals rounded to m's dtype, plus mplus, rounded again: what a separate add of the two stores."""
+    nv = d // vec
+    g = cute.zipped_divide(m, (vec,))
+    gp = cute.zipped_divide(mplus, (vec,))
+    for p in range_constexpr(nper):
+        v = Int64(tidx) + p * threads
+        if const_expr(threads * nper == nv) or v < nv:
+            frag = cute.make_rmem_tensor((vec,), Float32)
+            for j in range_constexpr(vec):
+                frag[j] = vals[p * vec + j]
+            low = frag.load().to(m.element_type).to(Float32)
+            plus = gp[(None, row * nv + v)].load().reshape((vec,)).to(Float32)
+            g[(None, row * nv + v)].store((low + plus).to(m.element_type))
+
+
+@cute.jit
+def _bwd_rows(mdy: Any, mx: Any, mw: Any, mdx: Any, mdw: Any, mds: Any, rows: Int64, eps: Float32,
+              tidx: Int32, bidx: Int32, gdim: Int32, d: Constexpr[int], vec: Constexpr[int],
+              nper: Constexpr[int], threads: Constexpr[int]) -> None:
+    """Rows bidx, bidx + grid, ...: dx = r*(g - x*(r*r)*mean(g*x)), g = dy*w, plus mds's row where given
+    (add_rmsnorm's stream gradient); dw partials of dy*(x*r) sit in shared memory (freeing registers for the
+    resident-CTA target), then go to row bidx of pdw. The next row's x and dy load before this row's
+    reductions, hiding their latency behind barriers and math."""
     red = cute.make_tensor(cute.arch.alloc_smem(Float32, 2 * ((threads + WARP - 1) // WARP)),
                            cute.make_layout(2 * ((threads + WARP - 1) // WARP)))
     wf = cute.make_rmem_tensor((nper * vec,), Float32)
@@ -205,12 +272,46 @@ def rmsnorm_bwd_kernel(pdy: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw
             acc.store(part.load())
         for j in range_constexpr(nk):
             gf[j] = mul_rn(r, add_rn(mul_rn(gf[j], wf[j]), -mul_rn(mul_rn(xf[j], rr), s)))
-        _store_row(mdx, row, gf, tidx, d, vec, nper, threads)
+        if const_expr(mds is not None):
+            _store_row_plus(mdx, mds, row, gf, tidx, d, vec, nper, threads)
+        else:
+            _store_row(mdx, row, gf, tidx, d, vec, nper, threads)
     for c in range_constexpr(nk // ck):
         part = dws[(None, c * threads + Int32(tidx))].load()
         for k in range_constexpr(ck):
             gf[c * ck + k] = part[k]
     _store_row(mdw, Int64(bidx), gf, tidx, d, vec, nper, threads)
+
+
+@cute.kernel
+def rmsnorm_bwd_kernel(pdy: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw: Pointer, rows: Int64,
+                       eps: Float32, d: Constexpr[int], vec: Constexpr[int], nper: Constexpr[int],
+                       threads: Constexpr[int]) -> None:
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    gdim, _, _ = cute.arch.grid_dim()
+    mdy = cute.make_tensor(pdy, cute.make_layout(rows * d))
+    mx = cute.make_tensor(px, cute.make_layout(rows * d))
+    mw = cute.make_tensor(pw, cute.make_layout(d))
+    mdx = cute.make_tensor(pdx, cute.make_layout(rows * d))
+    mdw = cute.make_tensor(pdw, cute.make_layout(Int64(gdim) * d))
+    _bwd_rows(mdy, mx, mw, mdx, mdw, None, rows, eps, tidx, bidx, gdim, d, vec, nper, threads)
+
+
+@cute.kernel
+def add_rmsnorm_bwd_kernel(pdy: Pointer, pds: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw: Pointer,
+                           rows: Int64, eps: Float32, d: Constexpr[int], vec: Constexpr[int],
+                           nper: Constexpr[int], threads: Constexpr[int]) -> None:
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    gdim, _, _ = cute.arch.grid_dim()
+    mdy = cute.make_tensor(pdy, cute.make_layout(rows * d))
+    mds = cute.make_tensor(pds, cute.make_layout(rows * d))
+    mx = cute.make_tensor(px, cute.make_layout(rows * d))
+    mw = cute.make_tensor(pw, cute.make_layout(d))
+    mdx = cute.make_tensor(pdx, cute.make_layout(rows * d))
+    mdw = cute.make_tensor(pdw, cute.make_layout(Int64(gdim) * d))
+    _bwd_rows(mdy, mx, mw, mdx, mdw, mds, rows, eps, tidx, bidx, gdim, d, vec, nper, threads)
 
 
 @cute.jit
@@ -221,6 +322,19 @@ def rmsnorm_bwd_host(pdy: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw: 
     """The grid is sized for ctas_per_sm resident CTAs: .minnctapersm makes ptxas fit the registers to it
     (a CTA that does not fit would run in a second wave). The carveout stays the driver's default."""
     rmsnorm_bwd_kernel(pdy, px, pw, pdx, pdw, rows, eps, d, vec, nper, threads).launch(
+        grid=[ctas, 1, 1], block=[threads, 1, 1], stream=stream, min_blocks_per_mp=ctas_per_sm,
+        preferred_smem_carveout=-1
+    )
+
+
+@cute.jit
+def add_rmsnorm_bwd_host(pdy: Pointer, pds: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw: Pointer,
+                         rows: Int64, eps: Float32, ctas: Int32, stream: cuda.CUstream, d: Constexpr[int],
+                         vec: Constexpr[int], nper: Constexpr[int], threads: Constexpr[int],
+                         x_dtype: Constexpr[str], w_dtype: Constexpr[str],
+                         ctas_per_sm: Constexpr[int]) -> None:
+    """rmsnorm_bwd_host's grid for add_rmsnorm's backward: dx written as ds + dx."""
+    add_rmsnorm_bwd_kernel(pdy, pds, px, pw, pdx, pdw, rows, eps, d, vec, nper, threads).launch(
         grid=[ctas, 1, 1], block=[threads, 1, 1], stream=stream, min_blocks_per_mp=ctas_per_sm,
         preferred_smem_carveout=-1
     )
@@ -272,18 +386,21 @@ def _align(dtype_name: str, vec: int) -> int:
 def pointers(kernel: str, addresses: tuple[int, ...], spec: dict[str, Any]) -> list[Any]:
     """Typed pointers of `kernel`'s tensors in argument order; alignment = one vector (<= 16 bytes)."""
     x, w, vec = spec.get("x_dtype", ""), spec["w_dtype"], spec["vec"]
-    names = {"rmsnorm_fwd": (x, w, x), "rmsnorm_bwd": (x, x, w, x, "float32"),
-             "rmsnorm_dw": ("float32", w)}[kernel]
+    names = {"rmsnorm_fwd": (x, w, x), "rmsnorm_bwd": (x, x, w, x, "float32"), "rmsnorm_dw": ("float32", w),
+             "add_rmsnorm_fwd": (x, x, w, x, x), "add_rmsnorm_bwd": (x, x, x, w, x, "float32")}[kernel]
     return [pointer(n, a, _align(n, vec)) for n, a in zip(names, addresses, strict=True)]
 
 
 def compile_args(kernel: str, spec: dict[str, Any]) -> tuple[Any, tuple[Any, ...]]:
     """Host function and fake arguments (null pointers, zero sizes) that compile `kernel` without a GPU."""
-    fake = pointers(kernel, (0,) * {"rmsnorm_fwd": 3, "rmsnorm_bwd": 5, "rmsnorm_dw": 2}[kernel], spec)
+    counts = {"rmsnorm_fwd": 3, "rmsnorm_bwd": 5, "rmsnorm_dw": 2, "add_rmsnorm_fwd": 5, "add_rmsnorm_bwd": 6}
+    fake = pointers(kernel, (0,) * counts[kernel], spec)
     s = cuda.CUstream(0)
     if kernel == "rmsnorm_dw":
         return rmsnorm_dw_host, (*fake, Int32(1), Int64(0), s, spec["vec"], spec["w_dtype"])
     row = (spec["d"], spec["vec"], spec["nper"], spec["threads"], spec["x_dtype"], spec["w_dtype"])
-    if kernel == "rmsnorm_fwd":
-        return rmsnorm_fwd_host, (*fake, Int64(0), Float32(0.0), s, *row)
-    return rmsnorm_bwd_host, (*fake, Int64(0), Float32(0.0), Int32(1), s, *row, spec["ctas_per_sm"])
+    if kernel in ("rmsnorm_fwd", "add_rmsnorm_fwd"):
+        fwd = rmsnorm_fwd_host if kernel == "rmsnorm_fwd" else add_rmsnorm_fwd_host
+        return fwd, (*fake, Int64(0), Float32(0.0), s, *row)
+    bwd = rmsnorm_bwd_host if kernel == "rmsnorm_bwd" else add_rmsnorm_bwd_host
+    return bwd, (*fake, Int64(0), Float32(0.0), Int32(1), s, *row, spec["ctas_per_sm"])
