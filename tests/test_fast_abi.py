@@ -1,6 +1,7 @@
 """Every fast op's glue on CPU (bench.hostcpu.real_hosts): each launch site is called once and its values
 checked against the real @cute.jit host (count; pointer, Int32, Int64, Float32 kinds), nothing compiled or
-launched. The fast-model step (tests/test_fast_plans.py) covers the training path; this covers the rest."""
+launched. The fast-model step (tests/test_fast_plans.py) also runs the training path's glue; the calls here
+reach every Kernel of each arch on their own (the heavy test holds them to that)."""
 
 from __future__ import annotations
 
@@ -75,8 +76,9 @@ def _rdep_calls(group: Any) -> None:
 
 def _portable_calls() -> None:
     """Each op front built for every arch, once per kernel variant its glue can pick."""
-    from nmoe.fast import combine, dispatch, formats, loss, norm, optim, rope, router
+    from nmoe.fast import attention, combine, dispatch, formats, loss, norm, optim, rope, router
     from nmoe.fast.activation import relu2, swiglu
+    from nmoe.fast.moe import _rows_of_slots
 
     t, h, k, e = 16, 128, 2, 4
     x = torch.randn(t, h, dtype=BF, requires_grad=True)
@@ -100,6 +102,13 @@ def _portable_calls() -> None:
     combine.combine(y, weights, 1.5, torch.randn(t, h, dtype=BF))
     combine.combine_bwd(torch.randn(t, h, dtype=BF), y, weights, 1.5)
     combine.combine_gather(yp, perm.slot.view(t, k).to(torch.int32), weights, 1.5)
+    dispatch.spread_rows(x.detach(), perm.slot, _rows_of_slots(perm.slot, t, k))
+    rows = perm.xp.shape[0]
+    combine.expert_rows_bwd(torch.randn(rows, h, dtype=BF), torch.randn(rows, 2 * h, dtype=BF),
+                            torch.ones(rows, dtype=torch.float32), "swiglu")
+    kv, k_pe = torch.randn(1, t, 2, 64 + 64, dtype=BF), torch.randn(1, t, 32, dtype=BF)
+    attention.mla_k(kv, k_pe, 64)
+    attention.mla_kv_grad(torch.randn(1, t, 2, 64 + 32, dtype=BF), torch.randn(1, t, 2, 64, dtype=BF), 64)
     head = torch.randn(256, h, dtype=BF)
     targets = torch.randint(0, 256, (t,))
     for cluster in (0, loss.CHECKED_CLUSTER):
