@@ -1,6 +1,7 @@
 """Causal attention at MLA head dims (q/k 192, v 128): flash-attn-4 as nmoe.fast.attention calls it vs cuDNN
 SDPA in the same run, forward and forward+backward; the backward also with other FA4 sm_90a tiles
-(BWD_TILES), each checked against FA4's default to bf16 noise before it is timed.
+(BWD_TILES), each checked against FA4's default to bf16 noise before it is timed, and whether each backward
+repeats its gradients bit for bit (what bitwise resume needs of it).
 
 FLOP floor (causal, half the score matrix): fwd = 2 * B * H * S^2 * (192 + 128) / 2; fwd+bwd = 3.5 x fwd
 (the backward's five matmuls against the forward's two). Timing: CUDA events around eager calls, L2 flushed.
@@ -159,6 +160,16 @@ def test_bench_causal_attention_fwd_bwd(benchmark: Any) -> None:
         return run
 
     tiles, notes = _tile_variants(step, with_tile)
-    _rows(benchmark, "causal_attention_fwd_bwd", 3.5 * FWD_FLOPS, step,
-          {"cudnn_sdpa": _fwd_bwd(_cudnn, q, k, v, do),
-           "fa4_nondeterministic": _fwd_bwd(_fa4_nondeterministic, q, k, v, do), **tiles}, notes)
+    others = {"cudnn_sdpa": _fwd_bwd(_cudnn, q, k, v, do),
+              "fa4_nondeterministic": _fwd_bwd(_fa4_nondeterministic, q, k, v, do)}
+    _rows(benchmark, "causal_attention_fwd_bwd", 3.5 * FWD_FLOPS, step, {**others, **tiles}, notes)
+    benchmark.extra_info["bitwise_repeatable"] = {name: _repeatable(fn)
+                                                  for name, fn in {"nmoe": step, **others}.items()}
+
+
+def _repeatable(step: Callable[[], object], runs: int = 4) -> bool:
+    """Whether `runs` calls give the same gradients bit for bit: a backward that sums dQ in arrival order
+    may not (a trainer resuming bitwise needs one that does)."""
+    first = step()
+    return all(all(torch.equal(a, b) for a, b in zip(first, step(), strict=True))  # type: ignore[call-overload]
+               for _ in range(runs - 1))
