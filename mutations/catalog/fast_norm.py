@@ -25,8 +25,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "rmsnorm.fast_add_norm_of_unrounded_sum", FILE,
-        "        if const_expr(m.element_type != Float32):\n            back = low.to(Float32)",
-        "        if const_expr(False):\n            back = low.to(Float32)",
+        "            back = low.to(Float32)\n", "            back = frag.load()\n",
         "add_rmsnorm stores the rounded stream but norms the fp32 sum before that rounding", ADD_TESTS,
         ("add_rmsnorm",), device="gpu",
     ),

@@ -5,7 +5,7 @@ read by all threads before the tile's barrier). Import after nmoe.fast.runtime.i
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -56,6 +56,21 @@ def _block_lse(m: Float32, s: Float32, red: Any, tidx: Int32, threads: Constexpr
     return Float32(mt + FMATH.log2(st) * LN2)
 
 
+@cute.jit
+def _row_target(ptgt: Pointer, n: Any, row: Any, v: Int32) -> Int32:
+    """The row's target id (negative: ignored); an id >= V traps: the loader's range check was skipped."""
+    tgt = cute.make_tensor(ptgt, cute.make_layout(n))[row]
+    if tgt >= v:
+        trap()
+    return cast(Int32, tgt)
+
+
+@cute.jit
+def _lse_scratch(threads: Constexpr[int]) -> cute.Tensor:
+    return cast(cute.Tensor, cute.make_tensor(cute.arch.alloc_smem(Float32, 2 * (threads // WARP)),
+                                              cute.make_layout(2 * (threads // WARP))))
+
+
 @cute.kernel
 def ce_fwd_kernel(plog: Pointer, pgrad: Pointer, ptgt: Pointer, pcoef: Pointer, ploss: Pointer, v: Int32,
                   grad: Constexpr[bool], threads: Constexpr[int], unroll: Constexpr[int]) -> None:
@@ -65,14 +80,10 @@ def ce_fwd_kernel(plog: Pointer, pgrad: Pointer, ptgt: Pointer, pcoef: Pointer, 
     vv = Int64(v)
     mlog = cute.make_tensor(plog, cute.make_layout((row + 1) * vv))
     mgrad = cute.make_tensor(pgrad, cute.make_layout((row + 1) * vv * 2))
-    mtgt = cute.make_tensor(ptgt, cute.make_layout(row + 1))
     mloss = cute.make_tensor(ploss, cute.make_layout(row + 1))
     mcoef = cute.make_tensor(pcoef, cute.make_layout(1))
-    red = cute.make_tensor(cute.arch.alloc_smem(Float32, 2 * (threads // WARP)),
-                           cute.make_layout(2 * (threads // WARP)))
-    tgt = mtgt[row]
-    if tgt >= v:
-        trap()
+    red = _lse_scratch(threads)
+    tgt = _row_target(ptgt, row + 1, row, v)
     kept = tgt >= 0
     base_row = row * vv
     tile = threads * unroll
@@ -144,15 +155,11 @@ def ce_cluster_kernel(plog: Pointer, pgrad: Pointer, ptgt: Pointer, pcoef: Point
     mlog = cute.make_tensor(plog, cute.make_layout(Int64(rows) * vv))
     glog = cute.zipped_divide(mlog, (VEC,))
     ggrad = cute.zipped_divide(cute.make_tensor(pgrad, cute.make_layout(Int64(rows) * vv * 2)), (VEC,))
-    mtgt = cute.make_tensor(ptgt, cute.make_layout(rows))
     mloss = cute.make_tensor(ploss, cute.make_layout(rows))
     mcoef = cute.make_tensor(pcoef, cute.make_layout(1))
     mpart = cute.make_tensor(ppart, cute.make_layout(Int64(rows) * cluster))
-    red = cute.make_tensor(cute.arch.alloc_smem(Float32, 2 * (threads // WARP)),
-                           cute.make_layout(2 * (threads // WARP)))
-    tgt = mtgt[row]
-    if tgt >= v:
-        trap()
+    red = _lse_scratch(threads)
+    tgt = _row_target(ptgt, rows, row, v)
     kept = tgt >= 0
     picked = Float32(0.0)
     if rank == 0:

@@ -74,8 +74,10 @@ def _load_raw(m: Any, row: Int64, out: cute.Tensor, tidx: Int32, d: Constexpr[in
 
 @cute.jit
 def _store_row(m: Any, row: Int64, vals: cute.Tensor, tidx: Int32, d: Constexpr[int],
-               vec: Constexpr[int], nper: Constexpr[int], threads: Constexpr[int]) -> None:
-    """One rounding of each fp32 value to m's dtype (RNE), vector stores."""
+               vec: Constexpr[int], nper: Constexpr[int], threads: Constexpr[int],
+               write_back: Constexpr[bool] = False) -> None:
+    """One rounding of each fp32 value to m's dtype (RNE), vector stores; write_back: vals then hold the
+    values stored (add_rmsnorm norms the stream as stored)."""
     nv = d // vec
     g = cute.zipped_divide(m, (vec,))
     for p in range_constexpr(nper):
@@ -83,7 +85,14 @@ def _store_row(m: Any, row: Int64, vals: cute.Tensor, tidx: Int32, d: Constexpr[
         frag = cute.make_rmem_tensor((vec,), Float32)
         for j in range_constexpr(vec):
             frag[j] = vals[p * vec + j]
-        if const_expr(threads * nper == nv) or v < nv:
+        if const_expr(write_back and m.element_type != Float32):
+            low = frag.load().to(m.element_type)
+            if const_expr(threads * nper == nv) or v < nv:
+                g[(None, row * nv + v)].store(low)
+            back = low.to(Float32)
+            for j in range_constexpr(vec):
+                vals[p * vec + j] = back[j]
+        elif const_expr(threads * nper == nv) or v < nv:
             g[(None, row * nv + v)].store(frag.load().to(m.element_type))
 
 
@@ -113,26 +122,6 @@ def _block_sum(vals: tuple[Float32, ...], red: Any, tidx: Int32,
 
 
 @cute.jit
-def _round_row(m: Any, row: Int64, vals: cute.Tensor, tidx: Int32, d: Constexpr[int], vec: Constexpr[int],
-               nper: Constexpr[int], threads: Constexpr[int]) -> None:
-    """_store_row, then vals replaced by the values stored (each rounded once to m's dtype)."""
-    nv = d // vec
-    g = cute.zipped_divide(m, (vec,))
-    for p in range_constexpr(nper):
-        v = Int64(tidx) + p * threads
-        frag = cute.make_rmem_tensor((vec,), Float32)
-        for j in range_constexpr(vec):
-            frag[j] = vals[p * vec + j]
-        low = frag.load().to(m.element_type)
-        if const_expr(threads * nper == nv) or v < nv:
-            g[(None, row * nv + v)].store(low)
-        if const_expr(m.element_type != Float32):
-            back = low.to(Float32)
-            for j in range_constexpr(vec):
-                vals[p * vec + j] = back[j]
-
-
-@cute.jit
 def _fwd_row(mx: Any, ma: Any, ms: Any, mw: Any, my: Any, row: Int64, eps: Float32, tidx: Int32,
              d: Constexpr[int], vec: Constexpr[int], nper: Constexpr[int], threads: Constexpr[int]) -> None:
     """y = rmsnorm(x) of one row; with ma (not None), x = round(x + a) first, stored to ms."""
@@ -146,7 +135,7 @@ def _fwd_row(mx: Any, ma: Any, ms: Any, mw: Any, my: Any, row: Int64, eps: Float
         _load_row(ma, row, af, tidx, d, vec, nper, threads)
         for j in range_constexpr(nper * vec):
             xf[j] = add_rn(xf[j], af[j])
-        _round_row(ms, row, xf, tidx, d, vec, nper, threads)
+        _store_row(ms, row, xf, tidx, d, vec, nper, threads, True)
     _load_row(mw, Int64(0), wf, tidx, d, vec, nper, threads)
     ss = Float32(0.0)
     for j in range_constexpr(nper * vec):
@@ -222,13 +211,22 @@ def _store_row_plus(m: Any, mplus: Any, row: Int64, vals: cute.Tensor, tidx: Int
 
 
 @cute.jit
-def _bwd_rows(mdy: Any, mx: Any, mw: Any, mdx: Any, mdw: Any, mds: Any, rows: Int64, eps: Float32,
-              tidx: Int32, bidx: Int32, gdim: Int32, d: Constexpr[int], vec: Constexpr[int],
-              nper: Constexpr[int], threads: Constexpr[int]) -> None:
+def _bwd_rows(pdy: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw: Pointer, pds: Pointer | None,
+              rows: Int64, eps: Float32, d: Constexpr[int], vec: Constexpr[int], nper: Constexpr[int],
+              threads: Constexpr[int]) -> None:
     """Rows bidx, bidx + grid, ...: dx = r*(g - x*(r*r)*mean(g*x)), g = dy*w, plus mds's row where given
     (add_rmsnorm's stream gradient); dw partials of dy*(x*r) sit in shared memory (freeing registers for the
     resident-CTA target), then go to row bidx of pdw. The next row's x and dy load before this row's
     reductions, hiding their latency behind barriers and math."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    gdim, _, _ = cute.arch.grid_dim()
+    mdy = cute.make_tensor(pdy, cute.make_layout(rows * d))
+    mx = cute.make_tensor(px, cute.make_layout(rows * d))
+    mw = cute.make_tensor(pw, cute.make_layout(d))
+    mdx = cute.make_tensor(pdx, cute.make_layout(rows * d))
+    mdw = cute.make_tensor(pdw, cute.make_layout(Int64(gdim) * d))
+    mds = None if const_expr(pds is None) else cute.make_tensor(pds, cute.make_layout(rows * d))
     red = cute.make_tensor(cute.arch.alloc_smem(Float32, 2 * ((threads + WARP - 1) // WARP)),
                            cute.make_layout(2 * ((threads + WARP - 1) // WARP)))
     wf = cute.make_rmem_tensor((nper * vec,), Float32)
@@ -287,31 +285,14 @@ def _bwd_rows(mdy: Any, mx: Any, mw: Any, mdx: Any, mdw: Any, mds: Any, rows: In
 def rmsnorm_bwd_kernel(pdy: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw: Pointer, rows: Int64,
                        eps: Float32, d: Constexpr[int], vec: Constexpr[int], nper: Constexpr[int],
                        threads: Constexpr[int]) -> None:
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    gdim, _, _ = cute.arch.grid_dim()
-    mdy = cute.make_tensor(pdy, cute.make_layout(rows * d))
-    mx = cute.make_tensor(px, cute.make_layout(rows * d))
-    mw = cute.make_tensor(pw, cute.make_layout(d))
-    mdx = cute.make_tensor(pdx, cute.make_layout(rows * d))
-    mdw = cute.make_tensor(pdw, cute.make_layout(Int64(gdim) * d))
-    _bwd_rows(mdy, mx, mw, mdx, mdw, None, rows, eps, tidx, bidx, gdim, d, vec, nper, threads)
+    _bwd_rows(pdy, px, pw, pdx, pdw, None, rows, eps, d, vec, nper, threads)
 
 
 @cute.kernel
 def add_rmsnorm_bwd_kernel(pdy: Pointer, pds: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw: Pointer,
                            rows: Int64, eps: Float32, d: Constexpr[int], vec: Constexpr[int],
                            nper: Constexpr[int], threads: Constexpr[int]) -> None:
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    gdim, _, _ = cute.arch.grid_dim()
-    mdy = cute.make_tensor(pdy, cute.make_layout(rows * d))
-    mds = cute.make_tensor(pds, cute.make_layout(rows * d))
-    mx = cute.make_tensor(px, cute.make_layout(rows * d))
-    mw = cute.make_tensor(pw, cute.make_layout(d))
-    mdx = cute.make_tensor(pdx, cute.make_layout(rows * d))
-    mdw = cute.make_tensor(pdw, cute.make_layout(Int64(gdim) * d))
-    _bwd_rows(mdy, mx, mw, mdx, mdw, mds, rows, eps, tidx, bidx, gdim, d, vec, nper, threads)
+    _bwd_rows(pdy, px, pw, pdx, pdw, pds, rows, eps, d, vec, nper, threads)
 
 
 @cute.jit
