@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from fastcompile import assert_rows_ok, compile_rows
 from torch import Tensor
 
@@ -304,6 +305,33 @@ def _heads_grads(monkeypatch: pytest.MonkeyPatch, b: int = 2, s: int = 5, h: int
     got = grads(lambda q, kv, kpe: fast_attn._Heads.apply(q, kv, kpe, c, sn, dn))
     want = grads(composed)
     return {"got": got, "want": want, "dq": dq, "dk": dk, "c": c, "sn": sn, "dims": (b, s, h, dn, dr)}
+
+
+def _shared_input_case() -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    g = torch.Generator().manual_seed(9)
+    x, w1, w2 = (torch.randn(shape, generator=g, dtype=F64) for shape in ((2, 3, 8), (5, 8), (4, 8)))
+    d1, d2 = torch.randn(2, 3, 5, generator=g, dtype=F64), torch.randn(2, 3, 4, generator=g, dtype=F64)
+    return x, w1, w2, d1, d2
+
+
+def test_shared_input_projections_gradcheck() -> None:
+    """MLA's two projections of x as one Function: F.linear's values, every gradient checked in float64."""
+    x, w1, w2, _, _ = _shared_input_case()
+    leaves = (x.requires_grad_(), w1.requires_grad_(), w2.requires_grad_())
+    got = fast_attn._SharedInput.apply(*leaves)
+    assert all(torch.equal(a, b) for a, b in zip(got, (F.linear(x, w1), F.linear(x, w2)), strict=True))
+    assert torch.autograd.gradcheck(fast_attn._SharedInput.apply, leaves)
+
+
+def test_sep_mla_fast_second_dx_dropped() -> None:
+    """dx = d1 @ w1 + d2 @ w2: without the second GEMM's addend, the kv projection's gradient is lost."""
+    x, w1, w2, d1, d2 = _shared_input_case()
+    correct, mutated = d1 @ w1 + d2 @ w2, d1 @ w1
+    assert not torch.allclose(correct, mutated, rtol=1e-3)
+    xx = x.clone().requires_grad_()
+    torch.autograd.backward(fast_attn._SharedInput.apply(xx, w1, w2), (d1, d2))
+    assert xx.grad is not None
+    torch.testing.assert_close(xx.grad, correct, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize(("kv_shape", "pe_shape", "dn"), [

@@ -59,4 +59,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         "q's rope-part gradient is rotated by +angle (the forward) instead of the inverse rotation", TESTS,
         ("mla_attention",),
     ),
+    sep_mutation(
+        "mla.fast_second_dx_dropped", FILE,
+        "            dx = torch.mm(g1, w1).addmm_(g2, w2).view(x.shape)\n",
+        "            dx = torch.mm(g1, w1).view(x.shape)\n",
+        "x's gradient takes the q projection's share only: the kv projection's addend is dropped", TESTS,
+        ("mla_attention",),
+    ),
 )

@@ -122,17 +122,42 @@ def mla_attention(
         return F.linear(t, w.to(x.dtype))
 
     cos_s, sin_s = cos[:s], sin[:s]
-    if p.wq is not None:
-        q = lin(x, p.wq)
-    else:
-        assert p.wq_a is not None and p.q_norm is not None and p.wq_b is not None
-        q = lin(rmsnorm(lin(x, p.wq_a), p.q_norm, norm_eps), p.wq_b)
-    c_kv, k_pe = torch.split(lin(x, p.wkv_a), [int(p.kv_norm.shape[0]), dr], dim=-1)
+    wq = p.wq if p.wq is not None else p.wq_a
+    assert wq is not None
+    q, kv_a = _SharedInput.apply(x, wq.to(x.dtype), p.wkv_a.to(x.dtype))  # type: ignore[no-untyped-call]
+    if p.wq is None:
+        assert p.q_norm is not None and p.wq_b is not None
+        q = lin(rmsnorm(q, p.q_norm, norm_eps), p.wq_b)
+    c_kv, k_pe = torch.split(kv_a, [int(p.kv_norm.shape[0]), dr], dim=-1)
     k_pe = apply_rope(k_pe, cos_s, sin_s)
     kv = lin(rmsnorm(c_kv, p.kv_norm, norm_eps), p.wkv_b).view(b, s, h, dn + dv)
     q, k, v = _Heads.apply(q, kv, k_pe, cos_s.unsqueeze(1), sin_s.unsqueeze(1), dn)  # type: ignore[no-untyped-call]
     o = causal_attention(q.view(b, s, h, dn + dr), k, v, softmax_scale)
     return lin(o.reshape(b, s, h * dv), p.wo)
+
+
+class _SharedInput(torch.autograd.Function):
+    """(x @ w1^T, x @ w2^T), MLA's two projections of x: the backward adds the second dx in its GEMM's
+    epilogue (addmm, beta 1) onto the first, where autograd adds two dx tensors in a kernel of its own."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w1: Tensor, w2: Tensor) -> tuple[Tensor, Tensor]:
+        ctx.save_for_backward(x, w1, w2)
+        return F.linear(x, w1), F.linear(x, w2)
+
+    @staticmethod
+    def backward(ctx: Any, d1: Tensor, d2: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        x, w1, w2 = ctx.saved_tensors
+        rows = x.reshape(-1, x.shape[-1])
+        g1, g2 = d1.reshape(-1, d1.shape[-1]), d2.reshape(-1, d2.shape[-1])
+        dx = dw1 = dw2 = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.mm(g1, w1).addmm_(g2, w2).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            dw1 = g1.T @ rows
+        if ctx.needs_input_grad[2]:
+            dw2 = g2.T @ rows
+        return dx, dw1, dw2
 
 
 MLA_K = Kernel.by_name("nmoe.fast.kernels.mla", "mla_k")
