@@ -391,6 +391,6 @@ def test_a_fast_model_step_reaches_every_launcher_with_its_hosts_arguments() -> 
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["no_grad"] == []
     assert {"grouped_gemm_fwd", "grouped_gemm_dgrad", "grouped_gemm_wgrad", "router_topk", "permute",
-            "grouped_gemm_gather", "grouped_gemm_wgrad_gather",
-            "combine_gather_fwd", "rmsnorm_fwd", "rmsnorm_bwd", "rope_fwd", "rope_bwd", "swiglu_fwd",
+            "grouped_gemm_gather", "spread", "expert_rows_bwd", "combine_gather_fwd", "rmsnorm_fwd",
+            "rmsnorm_bwd", "add_rmsnorm_fwd", "add_rmsnorm_bwd", "rope_fwd", "rope_bwd", "swiglu_fwd",
             "swiglu_bwd", "ce_fwd", "adamw"} <= set(out["launched"]), out["launched"]
