@@ -8,7 +8,9 @@ import torch
 from hypothesis import strategies as st
 
 from parity.compare import (
+    U_FP32,
     Contract,
+    fmt,
     ulp_contract,
 )
 from parity.entry import (
@@ -44,21 +46,26 @@ def space_norm(big: bool) -> st.SearchStrategy[dict[str, Any]]:
     )
 
 
-def make_rmsnorm(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
+def _rows(p: Params, g: torch.Generator, adv: str | None) -> tuple[Params, torch.Tensor, torch.Tensor]:
+    """The family's case: its params, the normed rows [T, D] (adversarial values filled in), a weight ~1."""
     q = with_adv(p, adv, **({"T": 1} if adv == "single_token" else {}))
-    dtype, t, d = dt(q["dtype"]), q["T"], q["D"]
-    x = reduce_fill(randn([t, d], dtype, g, float(q["scale"])), adv, g)
-    w = (1.0 + randn([d], torch.float64, g, 0.1)).to(dtype)
-    return Inputs((x, w, float(q["eps"])), shape={"T": t, "D": d}, dtype=q["dtype"])
+    dtype, t, dd = dt(q["dtype"]), q["T"], q["D"]
+    x = reduce_fill(randn([t, dd], dtype, g, float(q["scale"])), adv, g)
+    return q, x, (1.0 + randn([dd], torch.float64, g, 0.1)).to(dtype)
+
+
+def _case(q: Params, args: tuple[Any, ...]) -> Inputs:
+    return Inputs((*args, float(q["eps"])), shape={"T": q["T"], "D": q["D"]}, dtype=q["dtype"])
+
+
+def make_rmsnorm(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
+    q, x, w = _rows(p, g, adv)
+    return _case(q, (x, w))
 
 
 def make_rmsnorm_bwd(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
-    q = with_adv(p, adv, **({"T": 1} if adv == "single_token" else {}))
-    dtype, t, d = dt(q["dtype"]), q["T"], q["D"]
-    x = reduce_fill(randn([t, d], dtype, g, float(q["scale"])), adv, g)
-    w = (1.0 + randn([d], torch.float64, g, 0.1)).to(dtype)
-    dy = randn([t, d], dtype, g)
-    return Inputs((dy, x, w, float(q["eps"])), shape={"T": t, "D": d}, dtype=q["dtype"])
+    q, x, w = _rows(p, g, adv)
+    return _case(q, (randn(list(x.shape), x.dtype, g), x, w))
 
 
 def rmsnorm(inp: Inputs, c: Contract) -> list[Expect | None]:
@@ -87,21 +94,13 @@ def rmsnorm_bwd(inp: Inputs, c: Contract) -> list[Expect | None]:
 
 
 def make_add_rmsnorm(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
-    q = with_adv(p, adv, **({"T": 1} if adv == "single_token" else {}))
-    dtype, t, d = dt(q["dtype"]), q["T"], q["D"]
-    h = reduce_fill(randn([t, d], dtype, g, float(q["scale"])), adv, g)
-    a = randn([t, d], dtype, g, float(q["scale"]) / 3)
-    w = (1.0 + randn([d], torch.float64, g, 0.1)).to(dtype)
-    return Inputs((h, a, w, float(q["eps"])), shape={"T": t, "D": d}, dtype=q["dtype"])
+    q, h, w = _rows(p, g, adv)
+    return _case(q, (h, randn(list(h.shape), h.dtype, g, float(q["scale"]) / 3), w))
 
 
 def make_add_rmsnorm_bwd(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
-    q = with_adv(p, adv, **({"T": 1} if adv == "single_token" else {}))
-    dtype, t, d = dt(q["dtype"]), q["T"], q["D"]
-    s = reduce_fill(randn([t, d], dtype, g, float(q["scale"])), adv, g)
-    w = (1.0 + randn([d], torch.float64, g, 0.1)).to(dtype)
-    ds, dy = randn([t, d], dtype, g), randn([t, d], dtype, g)
-    return Inputs((ds, dy, s, w, float(q["eps"])), shape={"T": t, "D": d}, dtype=q["dtype"])
+    q, s, w = _rows(p, g, adv)
+    return _case(q, (randn(list(s.shape), s.dtype, g), randn(list(s.shape), s.dtype, g), s, w))
 
 
 def add_rmsnorm(inp: Inputs, c: Contract) -> list[Expect | None]:
@@ -117,8 +116,7 @@ def add_rmsnorm_bwd(inp: Inputs, c: Contract) -> list[Expect | None]:
     ds, dy, s, w, eps = inp.args
     dx, dw = rmsnorm_bwd(Inputs((dy, s, w, eps)), c)
     assert dx is not None and dx.mag is not None
-    u_out = 2.0**-8 if s.dtype == torch.bfloat16 else 2.0**-11 if s.dtype == torch.float16 else 2.0**-24
-    mag = dx.mag + dx.value.abs() * (u_out / (2 * 2.0**-24))
+    mag = dx.mag + dx.value.abs() * (2.0 ** -fmt(s.dtype).p / (2 * U_FP32))
     return [Expect(d(ds) + dx.value, mag=mag, k=1.0), dw]
 
 
