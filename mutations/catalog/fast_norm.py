@@ -31,7 +31,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "rmsnorm_bwd.fast_add_dx_unrounded", FILE,
-        "            low = frag.load().to(m.element_type).to(Float32)\n", "            low = frag.load()\n",
+        "                out = out.to(m.element_type).to(Float32) + added.to(Float32)\n",
+        "                out = out + added.to(Float32)\n",
         "add_rmsnorm's backward adds the stream's gradient to the norm's fp32 dx, one rounding instead of "
         "the two a separate add makes", ADD_TESTS, ("add_rmsnorm_bwd",), device="gpu",
     ),

@@ -189,23 +189,17 @@ CHECKED_CLUSTER = 8
 
 
 def _kernel_specs() -> tuple[KernelSpec, ...]:
-    two_pass = tuple(
-        runtime.portable_spec("cross_entropy" if not grad else "cross_entropy_bwd", f"ce_fwd_{tag}",
-                              CE_FWD.compiler(grad=grad, threads=THREADS, unroll=UNROLL),
-                              _EXPECT + (_GRAD if grad else ()), _FORBID + (_GRAD_FORBID if grad else ()))
+    cluster = {"nper": cluster_nper(CHECKED_V, CHECKED_CLUSTER), "cluster": CHECKED_CLUSTER}
+    kinds = (("ce_fwd", CE_FWD, {"unroll": UNROLL}, _EXPECT, _FORBID, _GRAD, _GRAD_FORBID),
+             (f"ce_cluster{CHECKED_CLUSTER}", CE_CLUSTER_ROW, cluster, _CLUSTER_EXPECT,
+              _FORBID + _CLUSTER_FORBID, _CLUSTER_GRAD, _CLUSTER_GRAD_FORBID))
+    return tuple(
+        runtime.portable_spec("cross_entropy_bwd" if grad else "cross_entropy", f"{name}_{tag}",
+                              kernel.compiler(grad=grad, threads=THREADS, **spec),
+                              expect + (grad_expect if grad else ()), forbid + (grad_forbid if grad else ()))
+        for name, kernel, spec, expect, forbid, grad_expect, grad_forbid in kinds
         for grad, tag in ((False, "nograd"), (True, "grad"))
     )
-    nper = cluster_nper(CHECKED_V, CHECKED_CLUSTER)
-    one_pass = tuple(
-        runtime.portable_spec("cross_entropy" if not grad else "cross_entropy_bwd",
-                              f"ce_cluster{CHECKED_CLUSTER}_{tag}",
-                              CE_CLUSTER_ROW.compiler(grad=grad, threads=THREADS, nper=nper,
-                                                      cluster=CHECKED_CLUSTER),
-                              _CLUSTER_EXPECT + (_CLUSTER_GRAD if grad else ()),
-                              _FORBID + _CLUSTER_FORBID + (_CLUSTER_GRAD_FORBID if grad else ()))
-        for grad, tag in ((False, "nograd"), (True, "grad"))
-    )
-    return two_pass + one_pass
 
 
 KERNELS: tuple[KernelSpec, ...] = _kernel_specs()

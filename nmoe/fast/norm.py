@@ -103,7 +103,7 @@ def _fwd(x: Tensor, a: Tensor | None, w: Tensor, eps: float) -> tuple[Tensor, Te
     _check(x, w, eps)
     if a is not None:
         _check_branch("add_rmsnorm: a", a, x)
-    device, arch = runtime.device_arch(x, w) if a is None else runtime.device_arch(x, a, w)
+    device, arch = runtime.device_arch(*(t for t in (x, a, w) if t is not None))
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     s = x if a is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:
@@ -216,8 +216,8 @@ def _add_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor])
 
 def _add_backward(ctx: Any, ds: Tensor | None, dy: Tensor | None) -> tuple[Tensor, Tensor, Tensor, None]:
     s, w = ctx.saved_tensors
-    ds = torch.zeros_like(s) if ds is None else ds.to(s.dtype)
-    dy = torch.zeros_like(s) if dy is None else dy.to(s.dtype)
+    ds = torch.zeros_like(s) if ds is None else ds
+    dy = torch.zeros_like(s) if dy is None else dy
     dh, dw = _add_bwd_op(ds, dy, s, w, ctx.eps)
     return dh, dh, dw, None
 

@@ -75,9 +75,10 @@ def _load_raw(m: Any, row: Int64, out: cute.Tensor, tidx: Int32, d: Constexpr[in
 @cute.jit
 def _store_row(m: Any, row: Int64, vals: cute.Tensor, tidx: Int32, d: Constexpr[int],
                vec: Constexpr[int], nper: Constexpr[int], threads: Constexpr[int],
-               write_back: Constexpr[bool] = False) -> None:
+               write_back: Constexpr[bool] = False, plus: Any = None) -> None:
     """One rounding of each fp32 value to m's dtype (RNE), vector stores; write_back: vals then hold the
-    values stored (add_rmsnorm norms the stream as stored)."""
+    values stored (add_rmsnorm norms the stream as stored); plus: m's row of it is added to the rounded
+    values and the sum rounded again, what a separate add stores (add_rmsnorm's stream gradient)."""
     nv = d // vec
     g = cute.zipped_divide(m, (vec,))
     for p in range_constexpr(nper):
@@ -93,7 +94,11 @@ def _store_row(m: Any, row: Int64, vals: cute.Tensor, tidx: Int32, d: Constexpr[
             for j in range_constexpr(vec):
                 vals[p * vec + j] = back[j]
         elif const_expr(threads * nper == nv) or v < nv:
-            g[(None, row * nv + v)].store(frag.load().to(m.element_type))
+            out = frag.load()
+            if const_expr(plus is not None):
+                added = cute.zipped_divide(plus, (vec,))[(None, row * nv + v)].load().reshape((vec,))
+                out = out.to(m.element_type).to(Float32) + added.to(Float32)
+            g[(None, row * nv + v)].store(out.to(m.element_type))
 
 
 @cute.jit
@@ -193,24 +198,6 @@ def add_rmsnorm_fwd_host(px: Pointer, pa: Pointer, pw: Pointer, ps: Pointer, py:
 
 
 @cute.jit
-def _store_row_plus(m: Any, mplus: Any, row: Int64, vals: cute.Tensor, tidx: Int32, d: Constexpr[int],
-                    vec: Constexpr[int], nper: Constexpr[int], threads: Constexpr[int]) -> None:
-    """m = vals rounded to m's dtype, plus mplus, rounded again: what a separate add of the two stores."""
-    nv = d // vec
-    g = cute.zipped_divide(m, (vec,))
-    gp = cute.zipped_divide(mplus, (vec,))
-    for p in range_constexpr(nper):
-        v = Int64(tidx) + p * threads
-        if const_expr(threads * nper == nv) or v < nv:
-            frag = cute.make_rmem_tensor((vec,), Float32)
-            for j in range_constexpr(vec):
-                frag[j] = vals[p * vec + j]
-            low = frag.load().to(m.element_type).to(Float32)
-            plus = gp[(None, row * nv + v)].load().reshape((vec,)).to(Float32)
-            g[(None, row * nv + v)].store((low + plus).to(m.element_type))
-
-
-@cute.jit
 def _bwd_rows(pdy: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw: Pointer, pds: Pointer | None,
               rows: Int64, eps: Float32, d: Constexpr[int], vec: Constexpr[int], nper: Constexpr[int],
               threads: Constexpr[int]) -> None:
@@ -270,10 +257,7 @@ def _bwd_rows(pdy: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw: Pointer
             acc.store(part.load())
         for j in range_constexpr(nk):
             gf[j] = mul_rn(r, add_rn(mul_rn(gf[j], wf[j]), -mul_rn(mul_rn(xf[j], rr), s)))
-        if const_expr(mds is not None):
-            _store_row_plus(mdx, mds, row, gf, tidx, d, vec, nper, threads)
-        else:
-            _store_row(mdx, row, gf, tidx, d, vec, nper, threads)
+        _store_row(mdx, row, gf, tidx, d, vec, nper, threads, plus=mds)
     for c in range_constexpr(nk // ck):
         part = dws[(None, c * threads + Int32(tidx))].load()
         for k in range_constexpr(ck):
