@@ -4,6 +4,7 @@ from typing import Any
 
 import pytest
 import torch
+from bf16_oracle import bf16_nearest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
@@ -128,12 +129,8 @@ def test_sep_rmsnorm_eps_outside_sqrt() -> None:
     assert not torch.allclose(y, mutated, rtol=1e-2)
 
 
-def bf16_nearest(t64: Tensor) -> Tensor:
-    """float64 -> the nearest bf16 (ties to even, by ml_dtypes), as float64."""
-    import ml_dtypes
-    import numpy as np
-
-    return torch.from_numpy(t64.numpy().astype(ml_dtypes.bfloat16).astype(np.float64))
+def bf16_t(t64: Tensor) -> Tensor:
+    return torch.from_numpy(bf16_nearest(t64.numpy()))
 
 
 def test_add_rmsnorm_stream_rounded_once_then_normed() -> None:
@@ -142,7 +139,7 @@ def test_add_rmsnorm_stream_rounded_once_then_normed() -> None:
     a = (gen((5, 48), 22) / 3).to(torch.bfloat16)
     w = gen((48,), 23, torch.bfloat16)
     s, y = add_rmsnorm(h, a, w, 1e-6)
-    s64 = bf16_nearest(h.double() + a.double())
+    s64 = bf16_t(h.double() + a.double())
     assert s.dtype == y.dtype == torch.bfloat16 and torch.equal(s.double(), s64)
     assert float(ulp_dist(y, oracle64(s64, w, 1e-6), torch.bfloat16).max()) <= 0.5 + 1e-3
 
@@ -187,7 +184,7 @@ def test_add_rmsnorm_bwd_rounds_the_norms_dx_before_adding() -> None:
     ds, dy = gen((4, 40), 32, torch.bfloat16), gen((4, 40), 33, torch.bfloat16)
     dh, dw = add_rmsnorm_bwd(ds, dy, s, w, 1e-6)
     dx, dw_norm = rmsnorm_bwd(dy, s, w, 1e-6)
-    assert torch.equal(dh.double(), bf16_nearest(ds.double() + dx.double())) and torch.equal(dw, dw_norm)
+    assert torch.equal(dh.double(), bf16_t(ds.double() + dx.double())) and torch.equal(dw, dw_norm)
 
 
 def test_add_rmsnorm_errors_name_the_fix() -> None:

@@ -7,6 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from bf16_oracle import bf16_nearest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
@@ -153,10 +154,6 @@ def test_adamw_and_muon_round_the_new_master_into_p_low() -> None:
         assert torch.equal(low.view(torch.int16), want), step.__name__
 
 
-def _bf16(x: np.ndarray) -> np.ndarray:
-    return x.astype(ml_dtypes.bfloat16).astype(np.float64)
-
-
 def adamw_bf16_moments_oracle(p0: Tensor, grads: list[Tensor], rounded_update: bool = False) -> tuple[
         np.ndarray, np.ndarray, np.ndarray]:
     """float64 AdamW whose m, v live in bf16 (ml_dtypes rounding, to nearest even) between steps; p moves by
@@ -168,7 +165,7 @@ def adamw_bf16_moments_oracle(p0: Tensor, grads: list[Tensor], rounded_update: b
         p = p * (1 - hp["lr"] * hp["weight_decay"])
         m1 = hp["beta1"] * m + (1 - hp["beta1"]) * gn
         v1 = hp["beta2"] * v + (1 - hp["beta2"]) * gn * gn
-        m, v = _bf16(m1), _bf16(v1)
+        m, v = bf16_nearest(m1), bf16_nearest(v1)
         mu, vu = (m, v) if rounded_update else (m1, v1)
         p = p - hp["lr"] * (mu / (1 - hp["beta1"] ** t)) / (np.sqrt(vu / (1 - hp["beta2"] ** t)) + hp["eps"])
     return p, m, v
