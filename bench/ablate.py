@@ -451,21 +451,19 @@ def _layer_rows(compile_only: bool) -> list[dict[str, Any]]:
 
 
 def _ce_rows(compile_only: bool) -> list[dict[str, Any]]:
-    """The fused-linear cross-entropy's fwd+bwd at the production head (T 8192, H 2048, V 201088, chunk
-    4096), CUDA graph replays; FLOPs 6TVH (logits, dh, dw)."""
+    """The fused-linear cross-entropy's fwd+bwd on the loss bench's inputs (bench.torchbase.ce_inputs), CUDA
+    graph replays; FLOPs 6TVH (logits, dh, dw)."""
     import torch
 
     from bench.conftest import capture, replay_median_ms
+    from bench.torchbase import CE_CHUNK, CE_IGNORE, CE_SHAPE, ce_inputs
     from nmoe.fast.loss import cross_entropy
 
-    t, hd, v = 8192, 2048, 201088
-    g = torch.Generator(device="cuda").manual_seed(0)
-    h = torch.randn(t, hd, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-    w = (torch.randn(v, hd, device="cuda", generator=g) / hd**0.5).bfloat16().requires_grad_()
-    tg = torch.randint(0, v, (t,), device="cuda", generator=g)
+    t, hd, v = CE_SHAPE
+    h, w, tg = ce_inputs()
 
     def step() -> Any:
-        return torch.autograd.grad(cross_entropy(h, w, tg, -100, 4096), (h, w))
+        return torch.autograd.grad(cross_entropy(h, w, tg, CE_IGNORE, CE_CHUNK), (h, w))
 
     step()
     torch.cuda.synchronize()

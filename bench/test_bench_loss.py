@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from conftest import cuda_median_ms, mismatch, record
 from torch import Tensor
-
-SHAPE = (8192, 2048, 201088)
-CHUNK = 4096
-IGN = -100
+from torchbase import CE_CHUNK as CHUNK
+from torchbase import CE_IGNORE as IGN
+from torchbase import CE_SHAPE as SHAPE
+from torchbase import ce_inputs
 
 
 def ce_torch_chunked(h: Tensor, w: Tensor, tg: Tensor, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -55,11 +55,7 @@ def _peak(step: Callable[[], object]) -> int:
 def test_bench_cross_entropy_fwd_bwd(benchmark: Any) -> None:
     from nmoe.fast import loss as fl
     t, hd, v = SHAPE
-    g = torch.Generator(device="cuda").manual_seed(0)
-    h = torch.randn(t, hd, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-    w = (torch.randn(v, hd, device="cuda", generator=g) / hd**0.5).bfloat16().requires_grad_()
-    tg = torch.randint(0, v, (t,), device="cuda", generator=g)
-    tg[::17] = IGN
+    h, w, tg = ce_inputs()
 
     def fast() -> None:
         h.grad = w.grad = None

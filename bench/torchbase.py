@@ -68,6 +68,23 @@ ZIPF_BIAS = 0.25
 """Zipf-skewed routing: router bias -ZIPF_BIAS * ln(1 + rank) over a random expert ranking."""
 
 
+CE_SHAPE = (8192, 2048, 201088)
+"""(T, H, V) of the production head the cross-entropy rows time; chunks of CE_CHUNK tokens."""
+CE_CHUNK = 4096
+CE_IGNORE = -100
+
+
+def ce_inputs() -> tuple[Tensor, Tensor, Tensor]:
+    """(h, w_out, targets) at CE_SHAPE, seeded, both leaves requiring grad; every 17th target ignored."""
+    t, hd, v = CE_SHAPE
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(t, hd, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    w = (torch.randn(v, hd, device="cuda", generator=g) / hd**0.5).bfloat16().requires_grad_()
+    tg = torch.randint(0, v, (t,), device="cuda", generator=g)
+    tg[::17] = CE_IGNORE
+    return h, w, tg
+
+
 def layer_inputs(cfg: tuple[int, ...], routing: str,
                  align: int) -> tuple[ModelConfig, MoEParams, Tensor, list[Tensor]]:
     """The MoE layer rows' config, weights and x at (T, H, I, E, K), seeded: every process builds the same."""
