@@ -119,7 +119,7 @@ def _fwd_bwd(attn: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k: Ten
 
 
 def _rows(benchmark: Any, name: str, flops: float, fast: Callable[[], object],
-          baselines: dict[str, Callable[[], object]], notes: dict[str, str] | None = None) -> None:
+          baselines: dict[str, Callable[[], object]], notes: dict[str, str] | None = None) -> dict[str, Any]:
     ms = cuda_median_ms(fast)
     timed = {n: cuda_median_ms(fn) for n, fn in baselines.items()}
     row = record(name, SHAPE, ms, flops=flops, baseline=("cudnn_sdpa", timed["cudnn_sdpa"]))
@@ -129,6 +129,7 @@ def _rows(benchmark: Any, name: str, flops: float, fast: Callable[[], object],
         row["bwd_tiles"] = {n: {"change": BWD_TILES[n], "status": st} for n, st in notes.items()}
     benchmark.extra_info.update(row)
     benchmark.pedantic(lambda: (fast(), torch.cuda.synchronize()), rounds=3, iterations=1, warmup_rounds=1)
+    return row
 
 
 def test_bench_causal_attention_fwd(benchmark: Any) -> None:
@@ -162,9 +163,8 @@ def test_bench_causal_attention_fwd_bwd(benchmark: Any) -> None:
     tiles, notes = _tile_variants(step, with_tile)
     others = {"cudnn_sdpa": _fwd_bwd(_cudnn, q, k, v, do),
               "fa4_nondeterministic": _fwd_bwd(_fa4_nondeterministic, q, k, v, do)}
-    _rows(benchmark, "causal_attention_fwd_bwd", 3.5 * FWD_FLOPS, step, {**others, **tiles}, notes)
-    benchmark.extra_info["bitwise_repeatable"] = {name: _repeatable(fn)
-                                                  for name, fn in {"nmoe": step, **others}.items()}
+    row = _rows(benchmark, "causal_attention_fwd_bwd", 3.5 * FWD_FLOPS, step, {**others, **tiles}, notes)
+    row["bitwise_repeatable"] = {name: _repeatable(fn) for name, fn in {"nmoe": step, **others}.items()}
 
 
 def _repeatable(step: Callable[[], object], runs: int = 4) -> bool:
