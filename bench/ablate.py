@@ -278,12 +278,25 @@ GATHER_COMPOUNDS: tuple[tuple[Mutation, ...], ...] = (
 
 
 FP8_ABLATIONS: tuple[Mutation, ...] = (_FP8_SERIAL,)
+_CE_CLUSTER8 = Mutation(
+    "ablate.ce_cluster8", LIMITS, "CE_CLUSTER: Final[int] = 0\n", "CE_CLUSTER: Final[int] = 8\n",
+    "the cross-entropy row kernel as persistent clusters of 8 CTAs, 2 per SM, each streaming 1/8 of a row "
+    "and re-reading it from L2 (26 MB in flight), against two HBM passes of one CTA per row (6TV bytes "
+    "against 10TV)",
+)
+_CE_PER_SM = Mutation(
+    "ablate.ce_cluster8_4_per_sm", LIMITS, "CE_CLUSTER_CTAS_PER_SM: Final[int] = 2\n",
+    "CE_CLUSTER_CTAS_PER_SM: Final[int] = 4\n",
+    "ce_cluster8 with 4 CTAs per SM: twice the loads in flight, 53 MB of slices (past L2 on the second read)",
+)
 CE_ABLATIONS: tuple[Mutation, ...] = (
-    Mutation(
-        "ablate.ce_cluster8", LIMITS, "CE_CLUSTER: Final[int] = 0\n", "CE_CLUSTER: Final[int] = 8\n",
-        "the cross-entropy row kernel in one pass, each row held in the registers of a cluster of 8 CTAs, "
-        "against two passes of one CTA per row (10TV bytes of row traffic against 6TV)",
-    ),
+    _CE_CLUSTER8,
+    replace(_CE_CLUSTER8, id="ablate.ce_cluster4", replacement="CE_CLUSTER: Final[int] = 4\n",
+            description="clusters of 4 CTAs, 2 per SM: 53 MB of slices in flight (past L2 on the second "
+            "read)"),
+)
+CE_COMPOUNDS: tuple[tuple[Mutation, ...], ...] = (
+    (_CE_PER_SM, replace(_CE_CLUSTER8, id="ablate.ce_cluster8_on")),
 )
 SETS: dict[str, tuple[Mutation, ...]] = {"gemm": ABLATIONS, "gather": GATHER_ABLATIONS,
                                          "layer": LAYER_ABLATIONS, "fp8": FP8_ABLATIONS, "ce": CE_ABLATIONS}
@@ -291,7 +304,7 @@ SETS: dict[str, tuple[Mutation, ...]] = {"gemm": ABLATIONS, "gather": GATHER_ABL
 
 def variants_of(which: str) -> list[tuple[Mutation, ...]]:
     """The ablations of a set as edit sequences: a plain ablation is one edit."""
-    return [*((a,) for a in SETS[which]), *(GATHER_COMPOUNDS if which == "gather" else ())]
+    return [*((a,) for a in SETS[which]), *{"gather": GATHER_COMPOUNDS, "ce": CE_COMPOUNDS}.get(which, ())]
 
 
 PASSES = ("fwd", "dgrad", "wgrad")

@@ -1,6 +1,6 @@
 """Fast fused-linear cross-entropy: per token chunk a bf16 cuBLAS GEMM into fp32 logits, a CuTeDSL row kernel
-(lse, loss, and with grad bf16 dlogits in place) and the two gradient GEMMs, all in the forward; the backward
-only scales by dloss. Never [T, V] fp32 logits, no host sync; peak memory: peak_bytes, docs/ops.md."""
+(lse, loss, and with grad bf16 dlogits) and the two gradient GEMMs, all in the forward; the backward only
+scales by dloss. Never [T, V] fp32 logits, no host sync; peak memory: peak_bytes, docs/ops.md."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from nmoe.fast import runtime
-from nmoe.fast.limits import CE_CLUSTER
+from nmoe.fast.limits import CE_CLUSTER, CE_CLUSTER_CTAS_PER_SM
 from nmoe.fast.op import Kernel, fast_op
 from nmoe.fast.runtime import KernelSpec
 
@@ -19,26 +19,27 @@ CE_CLUSTER_ROW = Kernel.by_name("nmoe.fast.kernels.loss", "ce_cluster")
 THREADS = 512
 UNROLL = 8
 VEC = 4  # fp32 logits per vector of the cluster kernel
-MAX_NPER = 16  # vectors per thread the cluster kernel holds: 64 fp32 registers of the row
+CLUSTER_UNROLL = 4  # vectors per thread per tile of the cluster kernel
 
 
-def cluster_nper(v: int, cluster: int) -> int:
-    """Vectors per thread that hold a V-wide row over `cluster` CTAs; raises where the row cannot fit."""
-    nvec = -(-v // VEC)
-    nper = -(-nvec // (cluster * THREADS))
-    if v % VEC or nper > MAX_NPER:
-        raise ValueError(f"cross_entropy: CE_CLUSTER = {cluster} holds rows of V % {VEC} == 0 and V <= "
-                         f"{cluster * THREADS * VEC * MAX_NPER} in registers; V = {v}: set "
-                         "nmoe.fast.limits.CE_CLUSTER to 0 (the two-pass kernel) or a larger cluster")
-    return nper
+def cluster_segment(v: int, cluster: int) -> int:
+    """4-wide vectors of a V-wide row that each of the cluster's ranks streams; V % 4 != 0 raises."""
+    if v % VEC:
+        raise ValueError(f"cross_entropy: CE_CLUSTER = {cluster} streams rows in {VEC}-wide vectors and "
+                         f"needs V % {VEC} == 0; V = {v}: set nmoe.fast.limits.CE_CLUSTER to 0 (the "
+                         "two-pass kernel) or pad the vocabulary")
+    return -(-(v // VEC) // cluster)
 
 
 def peak_bytes(t: int, v: int, h: int, chunk: int, grad: bool) -> int:
     """Extra device bytes, c = min(chunk, T): 4cV + 8T without grad; with grad 4cV + 4VH + 4TH + 8T in the
-    forward (fp32 dw, dh), 6VH + 6TH in the backward (plus the bf16 results). At T 8192, H 2048, V 201088,
-    chunk 4096: 5.0 GB, where the fp32 logits of all tokens alone take 6.6 GB."""
-    base = 4 * min(chunk, t) * v + 8 * t
-    return max(base + 4 * v * h + 4 * t * h, 6 * v * h + 6 * t * h) if grad else base
+    forward (fp32 dw, dh; CE_CLUSTER adds 2cV of bf16 dlogits), 6VH + 6TH in the backward (plus the bf16
+    results). At T 8192, H 2048, V 201088, chunk 4096: 5.0 GB; the fp32 logits of all tokens take 6.6 GB."""
+    c = min(chunk, t)
+    base = 4 * c * v + 8 * t
+    if not grad:
+        return base
+    return max(base + (2 * c * v if CE_CLUSTER else 0) + 4 * v * h + 4 * t * h, 6 * v * h + 6 * t * h)
 
 
 def _check(h: Tensor, w_out: Tensor, targets: Tensor, chunk: int) -> None:
@@ -83,15 +84,15 @@ def _fused_impl(h: Tensor, w_out: Tensor, targets: Tensor, ignore_index: int, ch
                                                     device=h.device)
     if chunks:
         buf = torch.empty((min(chunk, t), v), dtype=torch.float32, device=h.device)
-        launch = _row_kernel(arch, grad, v, min(chunk, t), h.device)
+        launch, dl = _row_kernel(arch, grad, v, min(chunk, t), h.device)
         for start in range(0, t, chunk):
             n = min(chunk, t - start)
             hc, logits = h[start:start + n], buf[:n]
+            dlogits = logits.view(torch.bfloat16)[:, :v] if dl is None else dl[:n]
             torch.mm(hc, w_out.T, out_dtype=torch.float32, out=logits)
-            launch(device, logits.data_ptr(), tgt[start:].data_ptr(), coef.data_ptr(),
+            launch(device, logits.data_ptr(), dlogits.data_ptr(), tgt[start:].data_ptr(), coef.data_ptr(),
                    per_row[start:].data_ptr(), n, v)
             if grad:
-                dlogits = logits.view(torch.bfloat16)[:, :v]
                 torch.mm(dlogits, w_out, out_dtype=torch.float32, out=dh[start:start + n])
                 if start == 0:
                     torch.mm(dlogits.T, hc, out_dtype=torch.float32, out=dw32)
@@ -101,16 +102,24 @@ def _fused_impl(h: Tensor, w_out: Tensor, targets: Tensor, ignore_index: int, ch
     return loss, dh, dw32
 
 
-def _row_kernel(arch: str, grad: bool, v: int, rows: int, device: torch.device) -> Any:
-    """launch(device, logits, tgt, coef, loss, n, v) of the row kernel CE_CLUSTER names; dlogits are
-    written over the logits."""
+def _row_kernel(arch: str, grad: bool, v: int, rows: int,
+                device: torch.device) -> tuple[Any, Tensor | None]:
+    """(launch(device, logits, dlogits, tgt, coef, loss, n, v), dlogits buffer) of the row kernel CE_CLUSTER
+    names: the two-pass kernel writes dlogits over the logits (None), the cluster kernel into a buffer."""
     if CE_CLUSTER == 0:
-        two_pass = CE_FWD.launcher(arch, grad=grad, threads=THREADS, unroll=UNROLL)
-        return lambda dev, lg, *rest: two_pass(dev, lg, lg, *rest)
-    one_pass = CE_CLUSTER_ROW.launcher(arch, grad=grad, threads=THREADS, nper=cluster_nper(v, CE_CLUSTER),
-                                       cluster=CE_CLUSTER)
+        return CE_FWD.launcher(arch, grad=grad, threads=THREADS, unroll=UNROLL), None
+    cluster_segment(v, CE_CLUSTER)
+    stream = CE_CLUSTER_ROW.launcher(arch, grad=grad, threads=THREADS, unroll=CLUSTER_UNROLL,
+                                     cluster=CE_CLUSTER)
     part = torch.empty(rows * CE_CLUSTER, dtype=torch.float32, device=device)
-    return lambda dev, lg, tg, cf, ls, n, vv: one_pass(dev, lg, lg, tg, cf, ls, part.data_ptr(), n, vv)
+    resident = runtime.sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    ctas = CE_CLUSTER * max(1, min(rows, resident * CE_CLUSTER_CTAS_PER_SM // CE_CLUSTER))
+    dl = torch.empty((rows, v) if grad else (0, v), dtype=torch.bfloat16, device=device)
+
+    def launch(dev: Any, lg: int, dg: int, tg: int, cf: int, ls: int, n: int, vv: int) -> None:
+        stream(dev, lg, dg, tg, cf, ls, part.data_ptr(), n, vv, ctas)
+
+    return launch, dl if grad else None
 
 
 def _fused_fake(h: Tensor, w_out: Tensor, targets: Tensor, ignore_index: int, chunk: int,
@@ -177,22 +186,21 @@ _EXPECT = (r"\bex2\.approx\.f32\b", r"\bshfl\.sync\.bfly\.b32\b", r"\bbar\.sync\
 _GRAD = (r"\bcvt\.rn\.bf16\.f32\b", r"\bst\.global\.b16\b", r"\btrap;")
 
 
-# The cluster kernel reads its row into registers before the cluster barrier and writes dlogits after it: a
-# row load after the wait, or a dlogits store before it, is the race between ranks.
-_CLUSTER_EXPECT = (r"\bbarrier\.cluster\.arrive\b", r"\bbarrier\.cluster\.wait\b", r"\bld\.global\.v4\.b32\b",
-                   r"\bex2\.approx\.f32\b", r"\bshfl\.sync\.bfly\.b32\b")
-_CLUSTER_FORBID = (r"(?s)\bbarrier\.cluster\.wait\b.*\bld\.global\.v4\b",)
+# The cluster kernel posts its partial lse before the cluster barrier's arrive and reads the others' after
+# its wait (a missing wait reads partials not yet posted); logits load 16 bytes and dlogits store 8 at a time.
+_CLUSTER_EXPECT = (r"(?s)\bbarrier\.cluster\.arrive\b.*\bbarrier\.cluster\.wait\b",
+                   r"\bld\.global(\.nc)?\.v4\.(b32|f32)\b", r"\bex2\.approx\.f32\b",
+                   r"\bshfl\.sync\.bfly\.b32\b")
 _CLUSTER_GRAD = (r"\bcvt\.rn\.bf16x2\.f32\b", r"\bst\.global\.v2\.b32\b", r"\btrap;")
-_CLUSTER_GRAD_FORBID = (r"(?s)\bst\.global\.v2\.b32\b.*\bbarrier\.cluster\.wait\b", r"\bld\.global\.nc\b")
-CHECKED_V = 201088  # the o200k vocabulary the compile checks size the cluster kernel for
+_CLUSTER_GRAD_FORBID = (r"\bst\.global\.b16\b",)
 CHECKED_CLUSTER = 8
 
 
 def _kernel_specs() -> tuple[KernelSpec, ...]:
-    cluster = {"nper": cluster_nper(CHECKED_V, CHECKED_CLUSTER), "cluster": CHECKED_CLUSTER}
+    cluster = {"unroll": CLUSTER_UNROLL, "cluster": CHECKED_CLUSTER}
     kinds = (("ce_fwd", CE_FWD, {"unroll": UNROLL}, _EXPECT, _FORBID, _GRAD, _GRAD_FORBID),
-             (f"ce_cluster{CHECKED_CLUSTER}", CE_CLUSTER_ROW, cluster, _CLUSTER_EXPECT,
-              _FORBID + _CLUSTER_FORBID, _CLUSTER_GRAD, _CLUSTER_GRAD_FORBID))
+             (f"ce_cluster{CHECKED_CLUSTER}", CE_CLUSTER_ROW, cluster, _CLUSTER_EXPECT, _FORBID,
+              _CLUSTER_GRAD, _CLUSTER_GRAD_FORBID))
     return tuple(
         runtime.portable_spec("cross_entropy_bwd" if grad else "cross_entropy", f"{name}_{tag}",
                               kernel.compiler(grad=grad, threads=THREADS, **spec),
