@@ -261,15 +261,18 @@ def _train_cfg(tmp: Path, dataset: Path, name: str, steps: int, *extra: str) -> 
 
 
 @gpu
-def test_graphed_steps_train_bitwise_like_eager_ones(tmp_path: Path, dataset: Path) -> None:
+@pytest.mark.parametrize("accum", [1, 2])
+def test_graphed_steps_train_bitwise_like_eager_ones(tmp_path: Path, dataset: Path, accum: int) -> None:
     """train.cuda_graph replays the same kernels in the same order: losses, weights and router biases equal
-    the eager run's bit for bit (step 1 eager, then capture and replays)."""
+    the eager run's bit for bit (step 1 eager, then capture and replays; with grad_accum 2 a second graph
+    adds the second microbatch's gradients as eager autograd does)."""
     from nmoe.train.loop import train
     from nmoe.traincli import optim_steps
 
     runs = []
     for name, graph in (("eager", "false"), ("graph", "true")):
-        cfg = _train_cfg(tmp_path, dataset, name, 8, f"--train.cuda_graph={graph}")
+        cfg = _train_cfg(tmp_path, dataset, name, 8 * accum, f"--train.cuda_graph={graph}",
+                         f"--train.grad_accum={accum}")
         model = fast_model.Model(cfg.model, seed=cfg.train.seed)
         runs.append((train(cfg, model, steps=optim_steps(cfg), max_steps=8, progress=False), model))
     (eager, m_eager), (graph, m_graph) = runs

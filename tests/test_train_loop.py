@@ -24,7 +24,7 @@ from nmoe.train import checkpoint as ckpt
 from nmoe.train.data import build_loader
 from nmoe.train.loop import TrainResult, train
 from nmoe.train.metrics import ExperimentsDB, runs_main
-from nmoe.train.metricstore import rank_dir, visible_parts
+from nmoe.train.metricstore import rank_dir, read_parts, visible_parts
 from nmoe.train.optim import OptimSteps
 from nmoe.traincli import optim_steps
 
@@ -304,6 +304,33 @@ def test_two_gloo_ranks_train_like_one_rank_on_the_same_global_batch(tmp_path: P
             a, b = torch.from_numpy(params[name]), p.detach()
             assert float((a - b).norm() / b.norm()) <= 1e-4, name
             assert float((a - b).abs().max()) <= 2 * lr * steps, name
+
+
+def _logged(cfg: Config, run_id: str, tag: str) -> list[float]:
+    q = f"SELECT value FROM metrics WHERE run='{run_id}' AND tag='{tag}' ORDER BY step"
+    rows = read_parts(rank_dir(cfg.metrics.dir, run_id, 0), lambda con: con.execute(q).fetchall(), [])
+    return [float(r[0]) for r in rows]
+
+
+def test_sep_loop_accum_norm_of_the_sum(tmp_path: Path, dataset: Path) -> None:
+    """Two microbatches of 2 sequences per step train like one batch of 4: the same losses (the mean of the
+    microbatch means), router counts, gradient norms (the summed gradients' over 2; the mutant logs twice
+    that) and weights after 3 steps."""
+    one_cfg = make_cfg(tmp_path, dataset, "--data.batch_size=4", name="one")
+    one_model = ToyMoE()
+    one = run(one_cfg, 3, one_model)
+    acc_cfg = make_cfg(tmp_path, dataset, "--data.batch_size=2", "--train.grad_accum=2", name="acc")
+    acc_model = ToyMoE()
+    acc = run(acc_cfg, 3, acc_model)
+    assert acc.step == one.step == 3 and acc.tokens == one.tokens == 3 * 4 * one_cfg.data.seq_len
+    assert acc.losses == pytest.approx(one.losses, rel=1e-5)
+    norms, acc_norms = _logged(one_cfg, one.run_id, "grad_norm"), _logged(acc_cfg, acc.run_id, "grad_norm")
+    assert len(norms) == 3 and min(norms) > 0.01  # separating: twice each norm is far from it
+    assert acc_norms == pytest.approx(norms, rel=1e-4)
+    assert acc_norms != pytest.approx([2 * n for n in norms], rel=0.1)
+    assert torch.equal(acc_model.router_bias, one_model.router_bias)
+    for (name, a), b in zip(acc_model.named_parameters(), one_model.parameters(), strict=True):
+        assert float((a - b).norm() / b.norm()) <= 1e-4, name
 
 
 def test_sep_loop_previous_graph_kept(tmp_path: Path, dataset: Path) -> None:

@@ -56,7 +56,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "cross_entropy.fast_cluster_last_rank_dropped", KERNEL,
-        "        for r in range_constexpr(1, cluster):\n", "        for r in range_constexpr(1, cluster - 1):\n",
+        "        for r in range_constexpr(1, cluster):\n",
+        "        for r in range_constexpr(1, cluster - 1):\n",
         "the cluster kernel's lse merges every rank's partial but the last: its columns never count",
         CLUSTER_TESTS, ("cross_entropy",), device="gpu",
     ),

@@ -1,6 +1,7 @@
 """sharding.*, checkpoint.*, loop.*: defects in the trainer's data and expert parallelism (nmoe/sharding.py,
 the gradient reduction and norm over ranks; nmoe/train/checkpoint.py, the per-rank keys of expert shards;
-nmoe/train/loop.py, the loss every rank logs, the run they log under and the graph a step frees)."""
+nmoe/train/loop.py, the loss every rank logs, the run they log under, the graph a step frees and the norm of
+accumulated microbatches)."""
 
 from __future__ import annotations
 
@@ -40,10 +41,17 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "loop.previous_graph_kept", "nmoe/train/loop.py",
-        "                    loss = loss.detach()\n", "",
+        "                        loss = loss.detach()\n", "",
         "the eager step's loss keeps its autograd graph into the next step: its AccumulateGrad nodes, made "
         "on the default stream, make that stream wait on the CUDA graph capture (train.cuda_graph fails)",
         "tests/test_train_loop.py",
+    ),
+    sep_mutation(
+        "loop.accum_norm_of_the_sum", "nmoe/train/optim.py",
+        "all_reduce_sum) / accum\n", "all_reduce_sum)\n",
+        "with gradient accumulation the clip norm is taken of the microbatches' summed gradients, not of "
+        "their mean: train.grad_accum times the step's norm, logged, and clipping at that many times too "
+        "early", "tests/test_train_loop.py",
     ),
     Mutation(
         "loop.run_id_per_rank", "nmoe/train/loop.py",

@@ -5,22 +5,35 @@ replays (the graph reads them there); clip and optimizer stay eager, their learn
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 WARMUP = 2  # side-stream iterations before capture (autograd and cuBLAS set up their state there)
 
+LossFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
+
 
 class GraphError(RuntimeError):
     """The step could not be captured; the message names the fix."""
 
 
-class GraphedStep:
-    """Capture loss_fn(model, inputs, targets) and its backward at the given batch shape; call() replays."""
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    loss: Tensor
+    extra: Tensor | None
 
-    def __init__(self, model: nn.Module, loss_fn: Callable[[nn.Module, Tensor, Tensor], Tensor],
-                 inputs: Tensor, targets: Tensor) -> None:
+
+class GraphedStep:
+    """Capture loss_fn(model, inputs, targets) and its backward at the given batch shape; call() replays.
+    accumulate: a second graph, in the first's memory pool, adds a microbatch's gradients to the buffers the
+    first writes (gradient accumulation); extra(): a tensor each graph computes after its backward."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, *,
+                 accumulate: bool = False, extra: Callable[[], Tensor] | None = None) -> None:
         if inputs.device.type != "cuda":
             raise GraphError(f"train.cuda_graph: the batch is on {inputs.device}; graphs replay GPU work "
                              "only")
@@ -30,19 +43,28 @@ class GraphedStep:
                              "buffers); call zero_grad(set_to_none=True) first")
         self.params = params
         self.inputs, self.targets = inputs.clone(), targets.clone()
-        side = torch.cuda.Stream(inputs.device)  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream(inputs.device))
+        self.first = self._capture(model, loss_fn, extra, None, clear=True)
+        self.grads = [p.grad for p in params]
+        self.more = (self._capture(model, loss_fn, extra, self.first.graph.pool(), clear=False)
+                     if accumulate else None)
+
+    def _capture(self, model: nn.Module, loss_fn: LossFn, extra: Callable[[], Tensor] | None, pool: Any,
+                 clear: bool) -> _Captured:
+        device = self.inputs.device
+        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream(device))
         try:
             with torch.cuda.stream(side):
                 for _ in range(WARMUP):
                     loss_fn(model, self.inputs, self.targets).backward()  # type: ignore[no-untyped-call]
-                    for p in params:
+                    for p in self.params if clear else ():
                         p.grad = None
-            torch.cuda.current_stream(inputs.device).wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.loss = loss_fn(model, self.inputs, self.targets)
-                self.loss.backward()  # type: ignore[no-untyped-call]
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                loss = loss_fn(model, self.inputs, self.targets)
+                loss.backward()  # type: ignore[no-untyped-call]
+                out = extra() if extra is not None else None
         except RuntimeError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise GraphError(f"train.cuda_graph: capturing the forward and backward failed ({first}); an "
@@ -50,14 +72,19 @@ class GraphedStep:
                              "nor a step while an eager step's autograd graph is still held (its "
                              "AccumulateGrad nodes keep that step's stream); set train.cuda_graph = false"
                              ) from e
-        self.grads = [p.grad for p in params]
+        return _Captured(graph, loss.detach(), out)
 
-    def __call__(self, inputs: Tensor, targets: Tensor) -> Tensor:
-        """Replay on this batch; the loss tensor and the parameters' .grad hold the results."""
+    def __call__(self, inputs: Tensor, targets: Tensor, add: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Replay on this batch: (loss, extra), the parameters' .grad written (add: added to). The two
+        tensors are the graph's own, overwritten by its next replay."""
         if inputs.shape != self.inputs.shape or targets.shape != self.targets.shape:
             raise GraphError(f"train.cuda_graph: batch {tuple(inputs.shape)} differs from the captured "
                              f"{tuple(self.inputs.shape)}; graphs replay one shape (keep data.batch_size and "
                              "seq_len fixed)")
+        captured = self.more if add else self.first
+        if captured is None:
+            raise GraphError("train.cuda_graph: an accumulating replay of a step captured without "
+                             "accumulate=True; capture with accumulate=True when train.grad_accum > 1")
         for p, g in zip(self.params, self.grads, strict=True):
             if p.grad is not g:
                 raise GraphError("train.cuda_graph: a parameter's .grad was replaced after capture "
@@ -65,5 +92,5 @@ class GraphedStep:
                                  "captured")
         self.inputs.copy_(inputs, non_blocking=True)
         self.targets.copy_(targets, non_blocking=True)
-        self.graph.replay()
-        return self.loss
+        captured.graph.replay()
+        return captured.loss, captured.extra

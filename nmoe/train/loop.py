@@ -213,13 +213,19 @@ def _run(
         r = ckpt.load(resumed_from, model=model, optimizer=optimizer, cfg=cfg, rank=rank, world=world)
         loader.load_state_dict(r.loader_state)
         step, tokens, run_id = r.step, r.tokens, r.run_id
-    total_steps = -(-cfg.schedule.total_tokens // loader.tokens_per_step)
+    accum = cfg.train.grad_accum
+    step_tokens = loader.tokens_per_step * accum
+    total_steps = -(-cfg.schedule.total_tokens // step_tokens)
     end_step = total_steps if max_steps is None else min(max_steps, total_steps)
     writer = MetricsWriter(cfg.metrics.dir, run_id, rank)
     writer.truncate_after(step)
     has_router = hasattr(model, "router_counts") and hasattr(model, "update_router_bias")
     check_exchange: Callable[[], None] | None = getattr(model, "check_exchange", None)
     router_names = _router_names(model)
+
+    def stacked_counts() -> Tensor:
+        return torch.stack(model.router_counts())  # type: ignore[operator]
+
     fpt, peak = flops_per_token(model, cfg), peak_flops(dev)
     db = ExperimentsDB(cfg.metrics.db_path) if rank == 0 else None
     if db is not None:
@@ -240,46 +246,60 @@ def _run(
         with _StopFlag() as stop:
             while step < end_step and stop.signum is None:
                 t0 = time.perf_counter()
-                batch = next(loader)
-                tokens_after = tokens + loader.tokens_per_step
+                tokens_after = tokens + step_tokens
                 optimizer.set_lr_factor(wsd_factor(tokens_after, cfg.schedule))
-                inputs = batch.inputs.to(dev, non_blocking=True)
-                targets = batch.targets.to(dev, non_blocking=True)
-                if cfg.train.cuda_graph and graphed is None and steps_run >= 1:
-                    torch.cuda.empty_cache()
-                    graphed = GraphedStep(model, loss_fn, inputs, targets)
-                if graphed is not None:
-                    loss = graphed(inputs, targets)
-                else:
-                    loss = loss_fn(model, inputs, targets)
-                    loss.backward()  # type: ignore[no-untyped-call]
-                    # A kept graph keeps its AccumulateGrad nodes, made on this stream, into a later capture.
-                    loss = loss.detach()
+                loss_sum: Tensor | None = None
+                count_sum: Tensor | None = None
+                first_seq = -1
+                for micro in range(accum):
+                    batch = next(loader)
+                    first_seq = batch.first_seq if micro == 0 else first_seq
+                    inputs = batch.inputs.to(dev, non_blocking=True)
+                    targets = batch.targets.to(dev, non_blocking=True)
+                    if cfg.train.cuda_graph and graphed is None and steps_run >= 1:
+                        torch.cuda.empty_cache()
+                        graphed = GraphedStep(model, loss_fn, inputs, targets, accumulate=accum > 1,
+                                              extra=stacked_counts if has_router else None)
+                    if graphed is not None:
+                        loss, counts_now = graphed(inputs, targets, add=micro > 0)
+                    else:
+                        loss = loss_fn(model, inputs, targets)
+                        loss.backward()  # type: ignore[no-untyped-call]
+                        # A kept graph keeps its AccumulateGrad nodes, made on this stream, into a later
+                        # capture.
+                        loss = loss.detach()
+                        counts_now = stacked_counts() if has_router else None
+                    # Sums are new tensors: a graph's loss and counts are overwritten by its next replay.
+                    loss_sum = loss.float() if loss_sum is None else loss_sum + loss.float()
+                    if counts_now is not None:
+                        count_sum = counts_now if count_sum is None else count_sum + counts_now
+                assert loss_sum is not None
                 if world > 1:
                     reduce_grads(params, world, _all_reduce_sum)
-                norm, scale = clip_scale(params, cfg.optim.grad_clip, _all_reduce_sum if world > 1 else None)
+                norm, scale = clip_scale(params, cfg.optim.grad_clip, _all_reduce_sum if world > 1 else None,
+                                         accum)
                 optimizer.set_grad_scale(scale)
-                mean_loss = loss.detach().float()
+                mean_loss = loss_sum / accum if accum > 1 else loss_sum
                 if world > 1:
                     mean_loss = mean_loss.clone()
                     _all_reduce_sum(mean_loss)
                     mean_loss.div_(world)
-                loss_value, grad_norm = torch.stack([mean_loss, norm.to(loss.device)]).tolist()
+                loss_value, grad_norm = torch.stack([mean_loss, norm.to(loss_sum.device)]).tolist()
                 if check_exchange is not None:
                     check_exchange()
                 if not math.isfinite(loss_value):
                     raise FloatingPointError(f"loss is {loss_value} at step {step + 1}; lower the learning "
                                              "rate or inspect the batch (first global sequence "
-                                             f"{batch.first_seq})")
+                                             f"{first_seq})")
                 optimizer.step()
                 if graphed is None:
                     optimizer.zero_grad(set_to_none=True)
                 counts: list[Tensor] = []
-                if has_router:
-                    stacked = torch.stack(model.router_counts())  # type: ignore[operator]
+                if count_sum is not None:
                     if world > 1:
-                        dist.all_reduce(stacked)
-                    counts = list(stacked.unbind(0))
+                        count_sum = count_sum.clone()
+                        dist.all_reduce(count_sum)
+                    counts = list(count_sum.unbind(0))
                     model.update_router_bias(counts)  # type: ignore[operator]
                 step, tokens = step + 1, tokens_after
                 # No device sync here: the loss readback above already holds the host within a step of the
@@ -287,7 +307,7 @@ def _run(
                 dt = time.perf_counter() - t0
                 steps_run += 1
                 result.losses.append(loss_value)
-                tok_s = loader.tokens_per_step / dt
+                tok_s = step_tokens / dt
                 values = {"loss": loss_value, "lr": optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
                           "tokens": float(tokens), "tokens_per_s": tok_s, "ms_per_step": 1e3 * dt}
                 if peak is not None:

@@ -159,21 +159,25 @@ def grads(params: Iterable[Tensor]) -> Iterator[Tensor]:
     return (p.grad for p in params if p.grad is not None)
 
 
-def clip_scale(params: list[Tensor], max_norm: float,
-               all_reduce_sum: AllReduceSum | None = None) -> tuple[Tensor, Tensor | None]:
-    """(fp32 global L2 norm over every rank's shards, clip factor), no host sync, grads untouched: the factor
-    max_norm / (norm + 1e-6) in fp32 where the norm exceeds max_norm, else exactly 1, None for max_norm <= 0;
-    the optimizer step multiplies it into each gradient it reads (set_grad_scale)."""
+def clip_scale(params: list[Tensor], max_norm: float, all_reduce_sum: AllReduceSum | None = None,
+               accum: int = 1) -> tuple[Tensor, Tensor | None]:
+    """(fp32 global L2 norm of the step's gradient, scale), no host sync, grads untouched. The grads hold the
+    sum of `accum` microbatch means, so the norm is theirs / accum; the scale (None when exactly 1), which
+    the optimizer multiplies into each gradient it reads (set_grad_scale), is clip / accum, where clip is
+    max_norm / (norm + 1e-6) in fp32 if the norm exceeds max_norm > 0, else exactly 1."""
+    if accum < 1:
+        raise ValueError(f"clip_scale: accum = {accum} microbatches; it must be >= 1")
     held = [p for p in params if p.grad is not None]
     gs = list(grads(held))
     if not gs:
         return torch.zeros((), dtype=torch.float32), None
     norms = list(torch._foreach_norm(gs, 2, dtype=torch.float32))
-    total = grad_norm(norms, [shard_of(p) is not None for p in held], all_reduce_sum)
+    total = grad_norm(norms, [shard_of(p) is not None for p in held], all_reduce_sum) / accum
     if max_norm <= 0:
-        return total, None
+        return total, None if accum == 1 else torch.full((), 1.0 / accum, device=total.device)
     t64 = total.double()
-    return total, torch.where(t64 > max_norm, max_norm / (t64 + 1e-6), torch.ones_like(t64)).float()
+    clip = torch.where(t64 > max_norm, max_norm / (t64 + 1e-6), torch.ones_like(t64))
+    return total, (clip / accum).float()
 
 
 def wsd_factor(tokens: int, s: ScheduleConfig) -> float:
