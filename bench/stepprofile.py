@@ -1,12 +1,20 @@
 """Where a training step's GPU time goes: one profiled step, its kernels grouped into the ops of the model
 (attention, expert GEMMs, dense GEMMs, cross-entropy, optimizer, ...) and its phases (forward, backward,
-clip, optimizer). Used by bench/test_bench_train_step.py; the grouping is pure and tested on the CPU."""
+clip, optimizer). Used by bench/test_bench_train_step.py; the grouping is pure and tested on the CPU.
+
+`python -m bench.stepprofile CONFIG [--section.key=value ...] --out FILE` profiles one eager step of the fast
+model at a config's own batch (the bench's step runs at 2 x 4096 beside the torch baseline) and writes the
+breakdown with each GEMM family's FLOP floor and AdamW's byte floor, under the run's provenance."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import json
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
 from typing import Any
 
 # First match wins: the project's own kernels and FlashAttention before the generic cuBLAS/torch names.
@@ -100,3 +108,105 @@ def profile_step(step: Callable[[Callable[[str], AbstractContextManager[Any]]], 
     for name, begin, done in marks:
         phases[name] = phases.get(name, 0.0) + begin.elapsed_time(done)
     return breakdown(kernel_times(prof.events()), phases, start.elapsed_time(end))
+
+
+Phase = Callable[[str], AbstractContextManager[Any]]
+
+
+def no_phase(name: str) -> AbstractContextManager[Any]:
+    return contextlib.nullcontext()
+
+
+def random_batch(cfg: Any) -> tuple[Any, Any]:
+    """(inputs, targets) [B, S] of uniform random token ids at the config's batch, drawn on the GPU."""
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b, s = cfg.data.batch_size, cfg.data.seq_len
+    tokens = torch.randint(0, cfg.model.vocab_size, (b, s + 1), device="cuda", generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def fast_step(model: Any, opt: Any, cfg: Any, inputs: Any, targets: Any) -> Callable[..., None]:
+    """The trainer's eager step as phases: forward, backward, clip, optimizer (grads freed), bias update."""
+    from nmoe.train.optim import clip_scale
+
+    params = [p for g in opt.param_groups for p in g["params"]]
+
+    def step(phase: Phase = no_phase) -> None:
+        with phase("forward"):
+            loss = model(inputs, targets)
+        with phase("backward"):
+            loss.backward()
+        with phase("clip"):
+            opt.set_grad_scale(clip_scale(params, cfg.optim.grad_clip)[1])
+        with phase("optimizer"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        with phase("bias_update"):
+            model.update_router_bias(model.router_counts())
+
+    return step
+
+
+def with_floors(parts: dict[str, Any], model: Any, cfg: Any, tokens: int,
+                ceil: Mapping[str, float]) -> dict[str, Any]:
+    """Each GEMM family's FLOP floor (flops_parts, the MFU accounting; shared experts run in the grouped
+    kernels, so their FLOPs move from dense to expert) and AdamW's byte floor in the moments' dtype."""
+    from nmoe.train.loop import flops_parts
+    from nmoe.train.optim import STEP_BYTES
+
+    kinds = flops_parts(model, cfg)
+    shared = sum(6.0 * p.numel() for name, p in model.named_parameters() if "shared_" in name)
+    flops = {"expert_gemm": kinds["expert"] + shared, "dense_gemm": kinds["dense"] - shared,
+             "attention": kinds["attention"]}
+    for cat, f in flops.items():
+        parts["categories"].setdefault(cat, {"ms": 0.0, "launches": 0, "share": 0.0})
+        parts["categories"][cat]["floor_ms"] = f * tokens / (ceil["bf16_dense_TFLOPs"] * 1e12) * 1e3
+    every = sum(p.numel() for p in model.parameters())
+    parts["categories"].setdefault("adamw", {"ms": 0.0, "launches": 0, "share": 0.0})
+    nbytes = STEP_BYTES[cfg.train.optim_state_dtype] * every
+    parts["categories"]["adamw"]["floor_ms"] = nbytes / (ceil["hbm_copy_TBps"] * 1e12) * 1e3
+    return parts
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.stepprofile", description=__doc__)
+    ap.add_argument("config")
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--warmup", type=int, default=3, help="eager steps before the profiled one")
+    args, overrides = ap.parse_known_args(argv)
+    import torch
+
+    from bench.conftest import ceilings
+    from nmoe.config import load_config
+    from nmoe.fast.model import Model
+    from nmoe.provenance import provenance
+    from nmoe.train.optim import STATE_DTYPES, build_optimizer
+    from nmoe.traincli import optim_steps
+
+    cfg = load_config(args.config, env={}, overrides=overrides)
+    model = Model(cfg.model, seed=cfg.train.seed, param_dtype=cfg.train.param_dtype)
+    model.train()
+    opt = build_optimizer(model, cfg.optim, optim_steps(cfg), STATE_DTYPES[cfg.train.optim_state_dtype])
+    b, s = cfg.data.batch_size, cfg.data.seq_len
+    step = fast_step(model, opt, cfg, *random_batch(cfg))
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    parts = with_floors(profile_step(step), model, cfg, b * s, ceilings())
+    report = {"provenance": provenance(" ".join(["python -m bench.stepprofile", args.config, *overrides])),
+              "config": str(args.config), "overrides": overrides, "shape": {"B": b, "S": s},
+              "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30, "breakdown": parts}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"step {parts['step_ms']:.1f} ms, kernels {parts['kernel_ms']:.1f} ms; wrote {args.out}")
+    for name, c in parts["categories"].items():
+        floor = c.get("floor_ms")
+        print(f"  {name:24s} {c['ms']:9.2f} ms {c['launches']:6d} launches"
+              + ("" if floor is None else f"  floor {floor:8.2f} ms"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -16,17 +16,15 @@ NMOE_BENCH_TRAIN_STATE_DTYPE its train.optim_state_dtype.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import torch
 from conftest import ceilings, cuda_median_ms, record
-from stepprofile import profile_step
+from stepprofile import fast_step, profile_step, random_batch, with_floors
 from torchbase import TorchMoonlet
 
 from nmoe.config import Config, load_config
@@ -40,13 +38,6 @@ STATE_DTYPE = os.environ.get("NMOE_BENCH_TRAIN_STATE_DTYPE", "")
 STEP_WARMUP, STEP_REPS = 3, 10
 
 
-def _batch(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    b, s = cfg.data.batch_size, cfg.data.seq_len
-    tokens = torch.randint(0, cfg.model.vocab_size, (b, s + 1), device="cuda", generator=gen)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
 def _timed(step: Callable[[], None]) -> tuple[float, float]:
     """(median ms of warm steps, peak GB allocated), then the model's memory is handed back."""
     from nmoe.train.stepstats import memory_stats
@@ -57,38 +48,13 @@ def _timed(step: Callable[[], None]) -> tuple[float, float]:
     return ms, peak
 
 
-def _no_phase(name: str) -> AbstractContextManager[Any]:
-    return contextlib.nullcontext()
-
-
-def _with_floors(parts: dict[str, Any], model: torch.nn.Module, cfg: Config, tokens: int) -> dict[str, Any]:
-    """Each GEMM family's FLOP floor (flops_parts, the MFU accounting; shared experts run in the grouped
-    kernels, so their FLOPs move from dense to expert) and AdamW's byte floor in the moments' dtype."""
-    from nmoe.train.loop import flops_parts
-    from nmoe.train.optim import STEP_BYTES
-
-    ceil = ceilings()
-    kinds = flops_parts(model, cfg)
-    shared = sum(6.0 * p.numel() for name, p in model.named_parameters() if "shared_" in name)
-    flops = {"expert_gemm": kinds["expert"] + shared, "dense_gemm": kinds["dense"] - shared,
-             "attention": kinds["attention"]}
-    for cat, f in flops.items():
-        parts["categories"].setdefault(cat, {"ms": 0.0, "launches": 0, "share": 0.0})
-        parts["categories"][cat]["floor_ms"] = f * tokens / (ceil["bf16_dense_TFLOPs"] * 1e12) * 1e3
-    every = sum(p.numel() for p in model.parameters())
-    parts["categories"].setdefault("adamw", {"ms": 0.0, "launches": 0, "share": 0.0})
-    nbytes = STEP_BYTES[cfg.train.optim_state_dtype] * every
-    parts["categories"]["adamw"]["floor_ms"] = nbytes / (ceil["hbm_copy_TBps"] * 1e12) * 1e3
-    return parts
-
-
 def _torch_step_ms(cfg: Config) -> tuple[float, float]:
     """The baseline's step; its model and optimizer go out of scope on return, and the caller frees them."""
     model = TorchMoonlet(cfg.model, torch.device("cuda"), seed=cfg.train.seed)
     o = cfg.optim
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr_dense, betas=(o.beta1, o.beta2), eps=o.eps,
                             weight_decay=o.weight_decay_dense, fused=True)
-    inputs, targets = _batch(cfg)
+    inputs, targets = random_batch(cfg)
 
     def step() -> None:
         model(inputs, targets).backward()
@@ -118,20 +84,8 @@ def test_bench_train_step_moonlet(benchmark: Any) -> None:
     model.train()
     opt = build_optimizer(model, cfg.optim, optim_steps(cfg), STATE_DTYPES[cfg.train.optim_state_dtype])
     params = [p for g in opt.param_groups for p in g["params"]]
-    inputs, targets = _batch(cfg)
-
-    def step(phase: Callable[[str], AbstractContextManager[Any]] = _no_phase) -> None:
-        with phase("forward"):
-            loss = model(inputs, targets)
-        with phase("backward"):
-            loss.backward()
-        with phase("clip"):
-            opt.set_grad_scale(clip_scale(params, cfg.optim.grad_clip)[1])
-        with phase("optimizer"):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        with phase("bias_update"):
-            model.update_router_bias(model.router_counts())
+    inputs, targets = random_batch(cfg)
+    step = fast_step(model, opt, cfg, inputs, targets)
 
     ms, peak_gb = _timed(step)
     parts = profile_step(step)
@@ -163,7 +117,7 @@ def test_bench_train_step_moonlet(benchmark: Any) -> None:
     row["timing"] = ("eager, CUDA events around the whole step (host syncs of clip and optimizer included); "
                      "graph_*: forward and backward replayed as one CUDA graph (train.cuda_graph), the rest "
                      "eager")
-    row["breakdown"] = _with_floors(parts, model, cfg, n)
+    row["breakdown"] = with_floors(parts, model, cfg, n, ceilings())
     benchmark.extra_info.update(row)
 
     def run() -> None:
