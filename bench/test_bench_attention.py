@@ -57,16 +57,15 @@ def _fa4_nondeterministic(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 # FA4's sm_90a backward tile for head dims (192, 128) is FA3's H100 choice (64 x 96, dK/dV swapped, one P/dS
 # stage). These edits of it run deterministic, as nmoe calls FA4: one faster and in agreement is the measured
-# reason to pin it in nmoe.fast.attention. Built for sm_90a on a CPU host (ptxas 13.0): n64_pds2 without
-# spills, n80 without spills (368 B of stack), n128_q1_do1 spilling 200 B (a 128-wide KV tile makes a quarter
-# fewer dQ accumulations; one Q and one dO stage keep it in shared memory). Measured on the H200 (2a072f3):
-# pds2 1.02x slower than the default; n128 alone, n128 with two P/dS stages and m128 refused at launch
-# (invalid configuration), so no longer built; dQ or S/dP swapped, or one dK/dV atom, do not build.
+# reason to pin it in nmoe.fast.attention. Measured on the H200 before (2a072f3, c01741c), against the
+# default's 6.19 ms fwd+bwd: two P/dS stages 6.23, n64 with them 7.65, n128 with one Q and one dO stage
+# 8.52; n80's gradients differ from the default's beyond bf16 noise; n128 alone or with two P/dS stages and
+# m128 refused at launch; dQ or S/dP swapped, or one dK/dV atom, do not build. Untried until now: the dQ
+# side, where the deterministic backward serializes (each n block adds its dQ in turn), and n64 alone. Built
+# for sm_90a on a CPU host (ptxas 13.0): both without spills; two dQ atoms do not build, n112 spills 112 B.
 BWD_TILES: dict[str, dict[str, Any]] = {
-    "pds2": {"num_stages_PdS": 2},
-    "n64_pds2": {"n_block_size": 64, "num_stages_PdS": 2},
-    "n80": {"n_block_size": 80},
-    "n128_q1_do1": {"n_block_size": 128, "num_stages_Q": 1, "num_stages_dO": 1},
+    "dq_single_wg": {"dQ_single_wg": True},
+    "n64": {"n_block_size": 64},
 }
 
 
