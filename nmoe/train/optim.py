@@ -161,10 +161,9 @@ def grads(params: Iterable[Tensor]) -> Iterator[Tensor]:
 
 def clip_scale(params: list[Tensor], max_norm: float, all_reduce_sum: AllReduceSum | None = None,
                accum: int = 1) -> tuple[Tensor, Tensor | None]:
-    """(fp32 global L2 norm of the step's gradient, scale), no host sync, grads untouched. The grads hold the
-    sum of `accum` microbatch means, so the norm is theirs / accum; the scale (None when exactly 1), which
-    the optimizer multiplies into each gradient it reads (set_grad_scale), is clip / accum, where clip is
-    max_norm / (norm + 1e-6) in fp32 if the norm exceeds max_norm > 0, else exactly 1."""
+    """(fp32 L2 norm of the step's gradient: the grads' (a sum of `accum` microbatch means) / accum; the scale
+    set_grad_scale folds into each gradient: clip / accum, clip = max_norm / (norm + 1e-6) where the norm
+    exceeds max_norm > 0, else 1; None when exactly 1). No host sync; grads untouched."""
     if accum < 1:
         raise ValueError(f"clip_scale: accum = {accum} microbatches; it must be >= 1")
     held = [p for p in params if p.grad is not None]
