@@ -82,9 +82,11 @@ def kernel_times(events: Iterable[Any]) -> list[tuple[str, float]]:
             if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
 
 
-def profile_step(step: Callable[[Callable[[str], AbstractContextManager[Any]]], None]) -> dict[str, Any]:
+def profile_step(step: Callable[[Callable[[str], AbstractContextManager[Any]]], None],
+                 sources: bool = False) -> dict[str, Any]:
     """Run `step(phase)` once under torch.profiler, `phase(name)` marking each phase with CUDA events on the
-    current stream (the backward's kernels launch from autograd's thread, which profiler ranges miss)."""
+    current stream (the backward's kernels launch from autograd's thread, which profiler ranges miss).
+    sources: also record shapes and stacks, and list where the small kernels come from (op_sources)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -99,7 +101,8 @@ def profile_step(step: Callable[[Callable[[str], AbstractContextManager[Any]]], 
         marks.append((name, begin, done))
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=sources,
+                 with_stack=sources) as prof:
         start.record()
         step(phase)
         end.record()
@@ -107,7 +110,44 @@ def profile_step(step: Callable[[Callable[[str], AbstractContextManager[Any]]], 
     phases: dict[str, float] = {}
     for name, begin, done in marks:
         phases[name] = phases.get(name, 0.0) + begin.elapsed_time(done)
-    return breakdown(kernel_times(prof.events()), phases, start.elapsed_time(end))
+    out = breakdown(kernel_times(prof.events()), phases, start.elapsed_time(end))
+    if sources:
+        out["sources"] = op_rows(launch_records(prof.events()))
+    return out
+
+
+SMALL = ("copy_cast_elementwise", "norms_reductions", "other")
+"""The families whose kernels come from many places: op_sources names each launch's op and caller."""
+
+
+def launch_records(events: Iterable[Any]) -> list[tuple[str, str, str, float]]:
+    """(op, input shapes, caller, device ms) per kernel of a SMALL family: the CPU op that launched it and,
+    as caller, the first nmoe/ frame of its own or its ancestors' stacks, else the autograd node it ran in."""
+    out = []
+    for e in events:
+        for k in getattr(e, "kernels", ()) or ():
+            if categorize(k.name) not in SMALL:
+                continue
+            caller, node = "", ""
+            at: Any = e
+            while at is not None and not caller:
+                frames = [f for f in (getattr(at, "stack", None) or []) if "nmoe/" in f]
+                caller = frames[0] if frames else ""
+                if not node and str(at.name).startswith("autograd::engine::evaluate_function"):
+                    node = str(at.name).split(": ", 1)[-1]
+                at = getattr(at, "cpu_parent", None)
+            out.append((str(e.name), str(getattr(e, "input_shapes", "")), caller or node, k.duration / 1e3))
+    return out
+
+
+def op_rows(records: Iterable[tuple[str, str, str, float]], top: int = 40) -> list[dict[str, Any]]:
+    """Records summed per (op, shapes, caller), largest device time first."""
+    acc: dict[tuple[str, str, str], list[float]] = {}
+    for op, shapes, caller, ms in records:
+        acc.setdefault((op, shapes, caller), []).append(ms)
+    ranked = sorted(acc.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return [{"op": op, "shapes": shapes[:200], "caller": caller[:200], "ms": sum(t), "launches": len(t)}
+            for (op, shapes, caller), t in ranked]
 
 
 Phase = Callable[[str], AbstractContextManager[Any]]
@@ -175,6 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("config")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--warmup", type=int, default=3, help="eager steps before the profiled one")
+    ap.add_argument("--sources", action="store_true",
+                    help="record shapes and stacks: where the copy, cast and reduction kernels come from")
     args, overrides = ap.parse_known_args(argv)
     import torch
 
@@ -194,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for _ in range(args.warmup):
         step()
     torch.cuda.synchronize()
-    parts = with_floors(profile_step(step), model, cfg, b * s, ceilings())
+    parts = with_floors(profile_step(step, args.sources), model, cfg, b * s, ceilings())
     report = {"provenance": provenance(" ".join(["python -m bench.stepprofile", args.config, *overrides])),
               "config": str(args.config), "overrides": overrides, "shape": {"B": b, "S": s},
               "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30, "breakdown": parts}

@@ -53,3 +53,34 @@ def test_kernel_times_leave_out_annotation_spans() -> None:
               event("Optimizer.step#AdamW.step", DeviceType.CUDA, 28000.0, annotation=True),
               event("Memcpy DtoD (Device -> Device)", DeviceType.CUDA, 500.0)]
     assert kernel_times(events) == [("nvjet_a", 3.0), ("Memcpy DtoD (Device -> Device)", 0.5)]
+
+
+def test_small_kernels_are_traced_to_their_op_and_caller() -> None:
+    """A cast in a model line and an add in an autograd node: each kernel is charged to its op and caller,
+    and a GEMM (not a small family) is left out."""
+    from types import SimpleNamespace
+
+    from bench.stepprofile import launch_records, op_rows
+
+    def kern(name: str, us: float) -> SimpleNamespace:
+        return SimpleNamespace(name=name, duration=us)
+
+    node = SimpleNamespace(name="autograd::engine::evaluate_function: AddBackward0", stack=[],
+                           cpu_parent=None)
+    fwd = SimpleNamespace(name="aten::to", stack=["torch/nn/x.py(1): f", "nmoe/fast/moe.py(99): moe_layer"],
+                          cpu_parent=None)
+    events = [
+        SimpleNamespace(name="aten::copy_", input_shapes=[[4, 8]], stack=[], cpu_parent=fwd,
+                        kernels=[kern("void at::native::bfloat16_copy_kernel_cuda", 500.0)]),
+        SimpleNamespace(name="aten::add", input_shapes=[[4, 8], [4, 8]], stack=[], cpu_parent=node,
+                        kernels=[kern("vectorized_elementwise_kernel<CUDAFunctor_add>", 250.0)] * 2),
+        SimpleNamespace(name="aten::mm", input_shapes=[[4, 8], [8, 8]], stack=[], cpu_parent=fwd,
+                        kernels=[kern("nvjet_sm90_tst_256x128", 9000.0)]),
+    ]
+    recs = launch_records(events)
+    assert recs == [("aten::copy_", "[[4, 8]]", "nmoe/fast/moe.py(99): moe_layer", 0.5),
+                    ("aten::add", "[[4, 8], [4, 8]]", "AddBackward0", 0.25),
+                    ("aten::add", "[[4, 8], [4, 8]]", "AddBackward0", 0.25)]
+    rows = op_rows(recs)
+    assert [(r["op"], r["ms"], r["launches"]) for r in rows] == [("aten::copy_", 0.5, 1),
+                                                                 ("aten::add", 0.5, 2)]
