@@ -173,6 +173,24 @@ def test_sep_moe_fast_shared_grad_dropped(spec_kernels: None) -> None:
     _close(got["shared_w13"], want["shared_w13"])
 
 
+def test_sep_moe_fast_shared_dx_dropped(spec_kernels: None) -> None:
+    """dx carries the shared MLP's share (added in the routed dx's combine pass): the spec's dx with the
+    shared weights zeroed, which leaves routing and the routed dx as they are, is far from the full one."""
+    got, _, _ = _run(fm.moe_layer, SWIGLU_SHARED)
+    want, _, _ = _run(moe_layer, SWIGLU_SHARED)
+    x, p, cfg = _case(*SWIGLU_SHARED, 3)
+    assert p.shared_w13 is not None and p.shared_w2 is not None
+    with torch.no_grad():
+        p.shared_w2.zero_()
+        p.shared_w13.zero_()
+    dout = torch.randn(T, cfg.dim, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    out, _ = moe_layer(x, p, cfg)
+    (routed_only,) = torch.autograd.grad(out, (x,), dout)
+    sep = float((routed_only.double() - want["x"].double()).norm() / want["x"].double().norm())
+    assert sep > 0.1, f"the shared MLP's dx is too small to tell apart ({sep:.3g})"
+    _close(got["x"], want["x"])
+
+
 def test_sep_moe_fast_weight_wrong_slot(spec_kernels: None) -> None:
     """Each row's router weight scales its dy; a neighbouring slot's weight differs on most rows."""
     got, _, w = _run(fm.moe_layer, SWIGLU_SHARED)

@@ -17,10 +17,16 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "moe.fast_shared_grad_dropped", FILE,
-        "return dx, dw_up, dw2, dweights, dout if ctx.has_shared else None, None, None",
-        "return dx, dw_up, dw2, dweights, None, None, None",
-        "shared expert dropped from the backward (no gradient to its weights or its share of dx)", TESTS,
-        ("moe_layer",),
+        "return dx, dw_up, dw2, dweights, dw_up_s, dw2_s, None, None",
+        "return dx, dw_up, dw2, dweights, None, None, None, None",
+        "shared expert's weights get no gradient from the backward", TESTS, ("moe_layer",),
+    ),
+    sep_mutation(
+        "moe.fast_shared_dx_dropped", FILE,
+        "dx = combine_gather(dxp, row_of, ones, 1.0, dx_s)",
+        "dx = combine_gather(dxp, row_of, ones, 1.0, None)",
+        "the shared expert's share of dx is left out of combine_gather's pass (only the routed dx flows back)",
+        TESTS, ("moe_layer",),
     ),
     sep_mutation(
         "moe.fast_weight_wrong_slot", FILE,

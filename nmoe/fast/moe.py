@@ -1,12 +1,13 @@
 """Fast MoE layer: the spec's moe_layer (nmoe.reference.moe) from fast ops, sm_90a, no host sync.
 
-Autograd pieces: router_logits (its own op), _RouterTopk, _Shared (the shared MLP as one-group GEMMs) and
-_Routed, which runs permute's routing (slot, offs; bf16 experts copy no rows: the up projection gathers x's
-rows as it loads) -> up (+act) -> down -> combine_gather (each slot's row read in place from the permuted
-output: no [T,K,H] copy) and whose backward calls the fast spread_rows, dgrad/wgrad and combine_gather
-kernels, and expert_rows_bwd: one pass over [rows, I] for a = act(h), its router-weight scaling, dweights'
-row dot and dh, written over h (exactly the separate kernels). With an RDEP Exchange the experts are sharded
-over ranks and the routed half is nmoe.fast.rdep.ep.ep_routed (rows travel to their expert's rank and back).
+Autograd pieces: router_logits (its own op), _RouterTopk and _Routed, which runs the shared MLP (one-group
+GEMMs; its dx joins the routed dx in combine_gather's pass) and permute's routing (slot, offs; bf16 experts
+copy no rows: the up projection gathers x's rows as it loads) -> up (+act) -> down -> combine_gather (each
+slot's row read in place from the permuted output: no [T,K,H] copy), and whose backward calls the fast
+spread_rows, dgrad/wgrad and combine_gather kernels, and expert_rows_bwd: one pass over [rows, I] for
+a = act(h), its router-weight scaling, dweights' row dot and dh, written over h (exactly the separate
+kernels). With an RDEP Exchange the experts are sharded over ranks, the routed half is
+nmoe.fast.rdep.ep.ep_routed (rows travel to their expert's rank and back) and _Shared runs the shared MLP.
 
 Saved for the backward, per token (K slots, up width N = 2I swiglu or I relu2, E experts):
   x (the layer input, already alive)      0 extra: the up projection reads x's rows by index, the down
@@ -154,12 +155,17 @@ class _RouterTopk(torch.autograd.Function):
 
 
 class _Routed(torch.autograd.Function):
-    """combine(unpermute(down(act(up(permute(x))))), weights, scale, shared); see the module docstring."""
+    """combine(unpermute(down(act(up(permute(x))))), weights, scale, shared(x)) (module docstring): with
+    the shared MLP inside, the backward adds its dx in combine_gather's pass, not in an add of its own."""
 
     @staticmethod
     @_sync_free
-    def forward(ctx: FunctionCtx, x: Tensor, w_up: Tensor, w2: Tensor, weights: Tensor, shared: Tensor | None,
-                ids: Tensor, cfg: ModelConfig) -> Tensor:
+    def forward(ctx: FunctionCtx, x: Tensor, w_up: Tensor, w2: Tensor, weights: Tensor, s_up: Tensor | None,
+                s_w2: Tensor | None, ids: Tensor, cfg: ModelConfig) -> Tensor:
+        shared = h_s = None
+        if s_up is not None:
+            assert s_w2 is not None
+            shared, h_s = _shared_fwd(x, s_up, s_w2, cfg.activation, cfg.expert_dtype)
         t, k = ids.shape
         e, align = cfg.n_routed_experts, cfg.permute_align
         if cfg.expert_dtype == "bf16":
@@ -179,17 +185,18 @@ class _Routed(torch.autograd.Function):
             out = combine(fp8_y[0], weights, cfg.route_scale, shared)
         else:
             out = combine_gather(yp, row_of, weights, cfg.route_scale, shared)
-        ctx.save_for_backward(x, w_up, w2, weights, ids, slot, row_of, offs, *fp8_y)
+        saved: list[Tensor | None] = [x, w_up, w2, weights, ids, slot, row_of, offs, s_up, s_w2, h_s, *fp8_y]
+        ctx.save_for_backward(*saved)  # type: ignore[arg-type]
         # h, the largest saved tensor, is held outside saved_tensors so the backward can drop it as soon as
         # dh exists, before the up-projection's wgrad and dgrad allocate theirs.
-        ctx.h, ctx.cfg, ctx.has_shared = h, cfg, shared is not None  # type: ignore[attr-defined]
+        ctx.h, ctx.cfg = h, cfg  # type: ignore[attr-defined]
         return out
 
     @staticmethod
     @_sync_free
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None,
-                                                  Tensor | None, None, None]:
-        x, w_up, w2, weights, ids, slot, row_of, offs, *fp8_y = ctx.saved_tensors
+                                                  Tensor | None, Tensor | None, None, None]:
+        x, w_up, w2, weights, ids, slot, row_of, offs, s_up, s_w2, h_s, *fp8_y = ctx.saved_tensors
         h, ctx.h = ctx.h, None
         if h is None:
             raise RuntimeError("moe_layer: its backward ran twice (retain_graph=True); the layer frees h "
@@ -221,48 +228,65 @@ class _Routed(torch.autograd.Function):
             assert aw is not None
             dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, "dy", h.shape[1])
         del aw
+        dx_s = dw_up_s = dw2_s = None
+        if s_up is not None:
+            dx_s, dw_up_s, dw2_s = _shared_bwd(dout, x, s_up, s_w2, h_s, cfg.activation,
+                                               (need_x, *ctx.needs_input_grad[4:6]))
         if need_h:
             dh = h  # expert_rows_bwd wrote it over h
             if need_x:
                 dxp = grouped_gemm_dgrad(dh, w_up, offs)
                 ones = torch.ones(t, k, dtype=torch.float32, device=dout.device)
-                dx = combine_gather(dxp, row_of, ones, 1.0, None)
+                dx = combine_gather(dxp, row_of, ones, 1.0, dx_s)
                 del dxp
             if need_up:
                 dw_up = _chunked_wgrad(dh, x, slot, row_of, offs, "x", dh.shape[1])
-        return dx, dw_up, dw2, dweights, dout if ctx.has_shared else None, None, None
+        return dx, dw_up, dw2, dweights, dw_up_s, dw2_s, None, None
 
 
 def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
     return fn.apply(*args)  # type: ignore[no-untyped-call]
 
 
+def _shared_fwd(x: Tensor, w_up: Tensor, w2: Tensor, activation: str, dtype: str) -> tuple[Tensor, Tensor]:
+    """(out, h) of the shared MLP as one-group grouped GEMMs (so it rounds like an expert)."""
+    offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
+    a, h = _up(x, w_up[None], offs, activation, dtype)
+    return _gemm(a, w2[None], offs, dtype), h
+
+
+def _shared_bwd(dout: Tensor, x: Tensor, w_up: Tensor, w2: Tensor, h: Tensor, activation: str,
+                need: tuple[bool, bool, bool]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """(dx, dw_up, dw2) of _shared_fwd, each where `need` (x, w_up, w2) asks for it."""
+    act, act_bwd = _ACT[activation]
+    need_x, need_up, need_w2 = need
+    offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
+    dw2 = grouped_gemm_wgrad(dout, act(h), offs)[0] if need_w2 else None
+    if not (need_x or need_up):
+        return None, None, dw2
+    dh = act_bwd(grouped_gemm_dgrad(dout, w2[None], offs), h)
+    dw_up = grouped_gemm_wgrad(dh, x, offs)[0] if need_up else None
+    dx = grouped_gemm_dgrad(dh, w_up[None], offs) if need_x else None
+    return dx, dw_up, dw2
+
+
 class _Shared(torch.autograd.Function):
-    """The spec's ffn: one dense MLP as a one-group grouped GEMM (so it rounds like an expert), h kept."""
+    """The shared MLP on its own, beside the RDEP routed half (without RDEP, _Routed runs it)."""
 
     @staticmethod
     @_sync_free
     def forward(ctx: FunctionCtx, x: Tensor, w_up: Tensor, w2: Tensor, activation: str, dtype: str) -> Tensor:
-        offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
-        a, h = _up(x, w_up[None], offs, activation, dtype)
-        out = _gemm(a, w2[None], offs, dtype)
-        ctx.save_for_backward(x, w_up, w2, offs, h)
+        out, h = _shared_fwd(x, w_up, w2, activation, dtype)
+        ctx.save_for_backward(x, w_up, w2, h)
         ctx.activation = activation  # type: ignore[attr-defined]
         return out
 
     @staticmethod
     @_sync_free
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None, None, None]:
-        x, w_up, w2, offs, h = ctx.saved_tensors
-        act, act_bwd = _ACT[ctx.activation]
-        need_x, need_up, need_w2 = ctx.needs_input_grad[:3]
-        dout = dout.contiguous()
-        dw2 = grouped_gemm_wgrad(dout, act(h), offs)[0] if need_w2 else None
-        if not (need_x or need_up):
-            return None, None, dw2, None, None
-        dh = act_bwd(grouped_gemm_dgrad(dout, w2[None], offs), h)
-        dw_up = grouped_gemm_wgrad(dh, x, offs)[0] if need_up else None
-        dx = grouped_gemm_dgrad(dh, w_up[None], offs) if need_x else None
+        x, w_up, w2, h = ctx.saved_tensors
+        dx, dw_up, dw2 = _shared_bwd(dout.contiguous(), x, w_up, w2, h, ctx.activation,
+                                     ctx.needs_input_grad[:3])
         return dx, dw_up, dw2, None, None
 
 
@@ -301,13 +325,13 @@ def moe_layer(x: Tensor, p: MoEParams, cfg: ModelConfig,
     logits = router_logits(x, p.router_w)
     weights, ids = _apply(_RouterTopk, logits, p.router_bias, k, cfg.score_func, cfg.n_expert_groups,
                           cfg.n_limited_groups)
-    shared = None
-    if shared_up is not None:
-        assert p.shared_w2 is not None
-        shared = _apply(_Shared, x, shared_up, p.shared_w2, cfg.activation, cfg.expert_dtype)
     if ex is None:
-        out: Tensor = _apply(_Routed, x, up, p.w2, weights, shared, ids, cfg)
+        out: Tensor = _apply(_Routed, x, up, p.w2, weights, shared_up, p.shared_w2, ids, cfg)
     else:
+        shared = None
+        if shared_up is not None:
+            assert p.shared_w2 is not None
+            shared = _apply(_Shared, x, shared_up, p.shared_w2, cfg.activation, cfg.expert_dtype)
         with offs_built_on_device():
             out = ep_routed(x, weights, ids, up, p.w2, cfg.activation, cfg.route_scale, shared, ex)
     return out, MoERouting(weights=weights, ids=ids, counts=expert_counts(ids, e))
