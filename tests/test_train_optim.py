@@ -170,6 +170,22 @@ def test_clip_scale_leaves_grads_and_names_the_factor() -> None:
     assert float(clip_scale([a, b], 4.5)[1]) == float(np.float32(4.5 / (5.0 + 1e-6)))  # type: ignore[arg-type]
 
 
+def test_clip_scale_of_accumulated_microbatches() -> None:
+    """Grads holding the sum of 2 microbatch means (3, 4 twice over): the step's norm is 5, the scale the
+    clip factor of 5 over 2, and exactly 1/2 where nothing clips or max_norm is off."""
+    a, b = torch.zeros(1, requires_grad=True), torch.zeros(1, requires_grad=True)
+    a.grad, b.grad = torch.tensor([6.0]), torch.tensor([8.0])
+    norm, scale = clip_scale([a, b], 1.0, accum=2)
+    assert float(norm) == pytest.approx(5.0)
+    assert scale is not None and float(scale) == float(np.float32(1.0 / (5.0 + 1e-6)) / 2)
+    for max_norm in (5.0, 0.0):
+        norm, scale = clip_scale([a, b], max_norm, accum=2)
+        assert float(norm) == pytest.approx(5.0) and scale is not None and float(scale) == 0.5
+    assert clip_scale([a, b], 0.0, accum=1)[1] is None
+    with pytest.raises(ValueError, match="accum = 0"):
+        clip_scale([a, b], 1.0, accum=0)
+
+
 def test_optimizer_step_folds_the_clip_factor() -> None:
     """Stepping with the factor equals stepping on gradients multiplied by it in fp32 (the old in-place clip),
     bit for bit; the factor is not 1 here, so dropping it changes the params."""
