@@ -25,7 +25,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "moe.fast_shared_dx_dropped", FILE,
         "dx = combine_gather(dxp, row_of, ones, 1.0, dx_s)",
         "dx = combine_gather(dxp, row_of, ones, 1.0, None)",
-        "the shared expert's share of dx is left out of combine_gather's pass (only the routed dx flows back)",
+        "the shared expert's share of dx is left out of combine_gather's pass (only the routed dx flows "
+        "back)",
         TESTS, ("moe_layer",),
     ),
     sep_mutation(
