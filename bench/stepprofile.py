@@ -157,6 +157,17 @@ def no_phase(name: str) -> AbstractContextManager[Any]:
     return contextlib.nullcontext()
 
 
+def trainer_model(cfg: Any) -> tuple[Any, Any]:
+    """(model, optimizer) as `nmoe train` builds them (traincli.build_model), the model in train mode."""
+    from nmoe.train.optim import STATE_DTYPES, build_optimizer
+    from nmoe.traincli import build_model, optim_steps
+
+    model = build_model(cfg)
+    model.train()
+    states = STATE_DTYPES[cfg.train.optim_state_dtype]
+    return model, build_optimizer(model, cfg.optim, optim_steps(cfg), states)
+
+
 def random_batch(cfg: Any) -> tuple[Any, Any]:
     """(inputs, targets) [B, S] of uniform random token ids at the config's batch, drawn on the GPU."""
     import torch
@@ -222,15 +233,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from bench.conftest import ceilings
     from nmoe.config import load_config
-    from nmoe.fast.model import Model
     from nmoe.provenance import provenance
-    from nmoe.train.optim import STATE_DTYPES, build_optimizer
-    from nmoe.traincli import optim_steps
 
     cfg = load_config(args.config, env={}, overrides=overrides)
-    model = Model(cfg.model, seed=cfg.train.seed, param_dtype=cfg.train.param_dtype)
-    model.train()
-    opt = build_optimizer(model, cfg.optim, optim_steps(cfg), STATE_DTYPES[cfg.train.optim_state_dtype])
+    model, opt = trainer_model(cfg)
     b, s = cfg.data.batch_size, cfg.data.seq_len
     step = fast_step(model, opt, cfg, *random_batch(cfg))
     for _ in range(args.warmup):

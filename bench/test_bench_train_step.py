@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from conftest import ceilings, cuda_median_ms, record
-from stepprofile import fast_step, profile_step, random_batch, with_floors
+from stepprofile import fast_step, profile_step, random_batch, trainer_model, with_floors
 from torchbase import TorchMoonlet
 
 from nmoe.config import Config, load_config
@@ -66,12 +66,10 @@ def _torch_step_ms(cfg: Config) -> tuple[float, float]:
 
 
 def test_bench_train_step_moonlet(benchmark: Any) -> None:
-    from nmoe.fast.model import Model
     from nmoe.train.graphstep import GraphedStep
     from nmoe.train.loop import flops_per_token
-    from nmoe.train.optim import STATE_DTYPES, build_optimizer, clip_scale
+    from nmoe.train.optim import clip_scale
     from nmoe.train.stepstats import peak_flops
-    from nmoe.traincli import optim_steps
 
     dtype = [f"--train.param_dtype={PARAM_DTYPE}"] if PARAM_DTYPE else []
     dtype += [f"--train.optim_state_dtype={STATE_DTYPE}"] if STATE_DTYPE else []
@@ -80,9 +78,7 @@ def test_bench_train_step_moonlet(benchmark: Any) -> None:
     gc.collect()
     torch.cuda.empty_cache()
     b, s = cfg.data.batch_size, cfg.data.seq_len
-    model = Model(cfg.model, seed=cfg.train.seed, param_dtype=cfg.train.param_dtype)
-    model.train()
-    opt = build_optimizer(model, cfg.optim, optim_steps(cfg), STATE_DTYPES[cfg.train.optim_state_dtype])
+    model, opt = trainer_model(cfg)
     params = [p for g in opt.param_groups for p in g["params"]]
     inputs, targets = random_batch(cfg)
     step = fast_step(model, opt, cfg, inputs, targets)

@@ -84,7 +84,7 @@ def _fused_impl(h: Tensor, w_out: Tensor, targets: Tensor, ignore_index: int, ch
                                                     device=h.device)
     if chunks:
         buf = torch.empty((min(chunk, t), v), dtype=torch.float32, device=h.device)
-        launch, dl = _row_kernel(arch, grad, v, min(chunk, t), h.device)
+        launch, dl = _row_kernel(arch, device, grad, v, min(chunk, t))
         for start in range(0, t, chunk):
             n = min(chunk, t - start)
             hc, logits = h[start:start + n], buf[:n]
@@ -102,8 +102,7 @@ def _fused_impl(h: Tensor, w_out: Tensor, targets: Tensor, ignore_index: int, ch
     return loss, dh, dw32
 
 
-def _row_kernel(arch: str, grad: bool, v: int, rows: int,
-                device: torch.device) -> tuple[Any, Tensor | None]:
+def _row_kernel(arch: str, device: int, grad: bool, v: int, rows: int) -> tuple[Any, Tensor | None]:
     """(launch(device, logits, dlogits, tgt, coef, loss, n, v), dlogits buffer) of the row kernel CE_CLUSTER
     names: the two-pass kernel writes dlogits over the logits (None), the cluster kernel into a buffer."""
     if CE_CLUSTER == 0:
@@ -111,15 +110,14 @@ def _row_kernel(arch: str, grad: bool, v: int, rows: int,
     cluster_segment(v, CE_CLUSTER)
     stream = CE_CLUSTER_ROW.launcher(arch, grad=grad, threads=THREADS, unroll=CLUSTER_UNROLL,
                                      cluster=CE_CLUSTER)
-    part = torch.empty(rows * CE_CLUSTER, dtype=torch.float32, device=device)
-    resident = runtime.sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    ctas = CE_CLUSTER * max(1, min(rows, resident * CE_CLUSTER_CTAS_PER_SM // CE_CLUSTER))
-    dl = torch.empty((rows, v) if grad else (0, v), dtype=torch.bfloat16, device=device)
+    where = torch.device("cuda", device)
+    part = torch.empty(rows * CE_CLUSTER, dtype=torch.float32, device=where)
+    ctas = CE_CLUSTER * max(1, min(rows, runtime.sm_count(device) * CE_CLUSTER_CTAS_PER_SM // CE_CLUSTER))
 
     def launch(dev: Any, lg: int, dg: int, tg: int, cf: int, ls: int, n: int, vv: int) -> None:
         stream(dev, lg, dg, tg, cf, ls, part.data_ptr(), n, vv, ctas)
 
-    return launch, dl if grad else None
+    return launch, torch.empty((rows, v), dtype=torch.bfloat16, device=where) if grad else None
 
 
 def _fused_fake(h: Tensor, w_out: Tensor, targets: Tensor, ignore_index: int, chunk: int,

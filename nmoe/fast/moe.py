@@ -162,10 +162,10 @@ class _Routed(torch.autograd.Function):
     @_sync_free
     def forward(ctx: FunctionCtx, x: Tensor, w_up: Tensor, w2: Tensor, weights: Tensor, s_up: Tensor | None,
                 s_w2: Tensor | None, ids: Tensor, cfg: ModelConfig) -> Tensor:
-        shared = h_s = None
+        shared = h_s = offs_s = None
         if s_up is not None:
             assert s_w2 is not None
-            shared, h_s = _shared_fwd(x, s_up, s_w2, cfg.activation, cfg.expert_dtype)
+            shared, h_s, offs_s = _shared_fwd(x, s_up, s_w2, cfg.activation, cfg.expert_dtype)
         t, k = ids.shape
         e, align = cfg.n_routed_experts, cfg.permute_align
         if cfg.expert_dtype == "bf16":
@@ -185,7 +185,8 @@ class _Routed(torch.autograd.Function):
             out = combine(fp8_y[0], weights, cfg.route_scale, shared)
         else:
             out = combine_gather(yp, row_of, weights, cfg.route_scale, shared)
-        saved: list[Tensor | None] = [x, w_up, w2, weights, ids, slot, row_of, offs, s_up, s_w2, h_s, *fp8_y]
+        saved: list[Tensor | None] = [x, w_up, w2, weights, ids, slot, row_of, offs, s_up, s_w2, h_s, offs_s,
+                                      *fp8_y]
         ctx.save_for_backward(*saved)  # type: ignore[arg-type]
         # h, the largest saved tensor, is held outside saved_tensors so the backward can drop it as soon as
         # dh exists, before the up-projection's wgrad and dgrad allocate theirs.
@@ -196,7 +197,7 @@ class _Routed(torch.autograd.Function):
     @_sync_free
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None,
                                                   Tensor | None, Tensor | None, None, None]:
-        x, w_up, w2, weights, ids, slot, row_of, offs, s_up, s_w2, h_s, *fp8_y = ctx.saved_tensors
+        x, w_up, w2, weights, ids, slot, row_of, offs, s_up, s_w2, h_s, offs_s, *fp8_y = ctx.saved_tensors
         h, ctx.h = ctx.h, None
         if h is None:
             raise RuntimeError("moe_layer: its backward ran twice (retain_graph=True); the layer frees h "
@@ -230,7 +231,7 @@ class _Routed(torch.autograd.Function):
         del aw
         dx_s = dw_up_s = dw2_s = None
         if s_up is not None:
-            dx_s, dw_up_s, dw2_s = _shared_bwd(dout, x, s_up, s_w2, h_s, cfg.activation,
+            dx_s, dw_up_s, dw2_s = _shared_bwd(dout, x, s_up, s_w2, h_s, offs_s, cfg.activation,
                                                (need_x, *ctx.needs_input_grad[4:6]))
         if need_h:
             dh = h  # expert_rows_bwd wrote it over h
@@ -248,19 +249,19 @@ def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
     return fn.apply(*args)  # type: ignore[no-untyped-call]
 
 
-def _shared_fwd(x: Tensor, w_up: Tensor, w2: Tensor, activation: str, dtype: str) -> tuple[Tensor, Tensor]:
-    """(out, h) of the shared MLP as one-group grouped GEMMs (so it rounds like an expert)."""
+def _shared_fwd(x: Tensor, w_up: Tensor, w2: Tensor, activation: str,
+                dtype: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, h, offs) of the shared MLP as one-group grouped GEMMs (so it rounds like an expert)."""
     offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
     a, h = _up(x, w_up[None], offs, activation, dtype)
-    return _gemm(a, w2[None], offs, dtype), h
+    return _gemm(a, w2[None], offs, dtype), h, offs
 
 
-def _shared_bwd(dout: Tensor, x: Tensor, w_up: Tensor, w2: Tensor, h: Tensor, activation: str,
+def _shared_bwd(dout: Tensor, x: Tensor, w_up: Tensor, w2: Tensor, h: Tensor, offs: Tensor, activation: str,
                 need: tuple[bool, bool, bool]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """(dx, dw_up, dw2) of _shared_fwd, each where `need` (x, w_up, w2) asks for it."""
     act, act_bwd = _ACT[activation]
     need_x, need_up, need_w2 = need
-    offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
     dw2 = grouped_gemm_wgrad(dout, act(h), offs)[0] if need_w2 else None
     if not (need_x or need_up):
         return None, None, dw2
@@ -276,16 +277,16 @@ class _Shared(torch.autograd.Function):
     @staticmethod
     @_sync_free
     def forward(ctx: FunctionCtx, x: Tensor, w_up: Tensor, w2: Tensor, activation: str, dtype: str) -> Tensor:
-        out, h = _shared_fwd(x, w_up, w2, activation, dtype)
-        ctx.save_for_backward(x, w_up, w2, h)
+        out, h, offs = _shared_fwd(x, w_up, w2, activation, dtype)
+        ctx.save_for_backward(x, w_up, w2, h, offs)
         ctx.activation = activation  # type: ignore[attr-defined]
         return out
 
     @staticmethod
     @_sync_free
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None, None, None]:
-        x, w_up, w2, h = ctx.saved_tensors
-        dx, dw_up, dw2 = _shared_bwd(dout.contiguous(), x, w_up, w2, h, ctx.activation,
+        x, w_up, w2, h, offs = ctx.saved_tensors
+        dx, dw_up, dw2 = _shared_bwd(dout.contiguous(), x, w_up, w2, h, offs, ctx.activation,
                                      ctx.needs_input_grad[:3])
         return dx, dw_up, dw2, None, None
 

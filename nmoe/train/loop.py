@@ -253,7 +253,8 @@ def _run(
                 first_seq = -1
                 for micro in range(accum):
                     batch = next(loader)
-                    first_seq = batch.first_seq if micro == 0 else first_seq
+                    if micro == 0:
+                        first_seq = batch.first_seq
                     inputs = batch.inputs.to(dev, non_blocking=True)
                     targets = batch.targets.to(dev, non_blocking=True)
                     if cfg.train.cuda_graph and graphed is None and steps_run >= 1:
