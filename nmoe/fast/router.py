@@ -146,13 +146,13 @@ def _split_bf16(g: Tensor) -> Tensor:
 
 def _router_logits_backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, Tensor | None]:
     """bf16 operands: the fp32 gradient split into two bf16 halves (error 2^-16 relative, far under the bf16
-    results' rounding). Otherwise fp32 GEMMs at full fp32 precision whatever the process's matmul precision
-    (TF32 would round the gradient to 10 mantissa bits); the setting is restored on return."""
+    results' rounding); dx leaves its GEMM as bf16, no fp32 [T, H] to cast. Otherwise fp32 GEMMs at full fp32
+    precision whatever the process's matmul precision (TF32 would round g to 10 bits), restored on return."""
     x, wr = ctx.saved_tensors
     if x.dtype == wr.dtype == torch.bfloat16:
         gp = _split_bf16(g.float())
         e, h = wr.shape
-        dx = _mm_f32(gp, torch.cat([wr, wr])).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dx = torch.mm(gp, torch.cat([wr, wr])) if ctx.needs_input_grad[0] else None
         dwr = _mm_f32(gp.t(), x).view(2, e, h).sum(0).to(wr.dtype) if ctx.needs_input_grad[1] else None
         return dx, dwr
     prev = torch.get_float32_matmul_precision()
