@@ -265,6 +265,32 @@ def test_rmsnorm_leading_dims_noncontiguous_and_empty() -> None:
     assert fast.rmsnorm(empty, w.cuda(), 1e-6).shape == (0, 256)
 
 
+def test_row_pitch_reads_slices_in_place_and_copies_the_rest() -> None:
+    base = torch.zeros(3, 5, 576, dtype=torch.bfloat16)
+    assert fast.row_pitch(base[..., :512], 8) == 576
+    assert fast.row_pitch(base[1:, :, :512], 8) == 576
+    assert fast.row_pitch(base[:, 1:4, :512], 8) == 0
+    assert fast.row_pitch(base, 8) == 0
+    assert fast.row_pitch(base[..., 1:513], 8) == 0
+    assert fast.row_pitch(base[:, ::2, :512], 8) == 0
+    assert fast.row_pitch(base.transpose(0, 1)[..., :512], 8) == 0
+    assert fast.row_pitch(torch.zeros(4, 7, dtype=torch.bfloat16)[:, :4], 8) == 0
+
+
+@gpu
+def test_rmsnorm_at_a_row_pitch_is_bitwise_the_contiguous_rows() -> None:
+    """MLA's c_kv, 512 of each 576-wide row, read in place: fwd and bwd as on a contiguous copy."""
+    base, w = make(2 * 300, 576, torch.bfloat16, torch.bfloat16, 1.0, 11)
+    x = base.cuda().view(2, 300, 576)[..., :512]
+    w = w[:512].cuda()
+    dy = make(600, 512, torch.bfloat16, torch.bfloat16, 1.0, 12)[0].cuda().view(2, 300, 512)
+    assert fast.row_pitch(x, 8) == 576
+    assert torch.equal(fast.rmsnorm(x, w, 1e-6), fast.rmsnorm(x.contiguous(), w, 1e-6))
+    for got, want in zip(fast.rmsnorm_bwd(dy, x, w, 1e-6), fast.rmsnorm_bwd(dy, x.contiguous(), w, 1e-6),
+                         strict=True):
+        assert torch.equal(got, want)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # GPU: backward.
 # ---------------------------------------------------------------------------------------------------------
@@ -394,3 +420,22 @@ def test_sep_rmsnorm_bwd_fast_dw_partial_dropped() -> None:
     xd, dyd = f64(x), f64(dy)
     r = 1.0 / np.sqrt((xd * xd).mean(-1, keepdims=True) + 1e-6)
     sep_bwd(dy, x, w, 1e-6, None, (dyd * xd * r)[::ctas].sum(0))
+
+
+@gpu
+def test_sep_rmsnorm_fast_pitch_ignored() -> None:
+    """Rows read at d instead of their pitch are other rows' columns: the outputs differ beyond 1 ulp."""
+    base, w = make(64, 576, torch.bfloat16, torch.bfloat16, 1.0, 13)
+    x = base[:, :512]
+    packed = base.flatten()[:64 * 512].view(64, 512)
+    want = rms_fwd64(f64(x), f64(w[:512]), 1e-6)
+    assert ulp_dist(round_to(rms_fwd64(f64(packed), f64(w[:512]), 1e-6), x.dtype), want) > 1
+    assert ulp_dist(fast.rmsnorm(base.cuda()[:, :512], w[:512].cuda(), 1e-6), want) <= 1
+
+
+def test_sep_rmsnorm_fast_pitch_of_one_row_pair() -> None:
+    """Rows 1-3 of each batch of a [3, 5, 576] slice: the second row follows the first at 576, but the
+    next batch's rows start 5 * 576 on, not 3 * 576, so no one pitch reaches them all."""
+    x = torch.zeros(3, 5, 576, dtype=torch.bfloat16)[:, 1:4, :512]
+    assert x.stride(-2) == 576 and x.stride(0) != x.shape[1] * 576
+    assert fast.row_pitch(x, 8) == 0

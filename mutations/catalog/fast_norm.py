@@ -19,6 +19,20 @@ MUTATIONS: tuple[Mutation, ...] = (
         "eps added after the square root", TESTS, ("rmsnorm",), device="gpu",
     ),
     sep_mutation(
+        "rmsnorm.fast_pitch_ignored", FILE,
+        "    return cute.make_tensor(px, cute.make_layout((d, rows), stride=(1, pitch)))",
+        "    return cute.make_tensor(px, cute.make_layout((d, rows), stride=(1, d)))",
+        "rows of a last-dim slice read as if packed at width d (MLA's c_kv in its 576-wide rows)", TESTS,
+        ("rmsnorm", "rmsnorm_bwd"), device="gpu",
+    ),
+    sep_mutation(
+        "rmsnorm.fast_pitch_of_one_row_pair", "nmoe/fast/norm.py",
+        "        if x.shape[i] > 1 and x.stride(i) != x.stride(i + 1) * x.shape[i + 1]:\n            return 0\n",
+        "        pass\n",
+        "the glue takes the stride between two rows for every row's, so a slice of leading dims (rows "
+        "not at one pitch) reaches the kernel in place", TESTS, ("rmsnorm",),
+    ),
+    sep_mutation(
         "rmsnorm_bwd.fast_dw_partial_dropped", FILE,
         "if base + u < nparts:", "if base + u < 1:",
         "dw keeps only the first row-block's partial sum", TESTS, ("rmsnorm_bwd",), device="gpu",

@@ -88,6 +88,30 @@ def _ptrs(*tensors: Tensor) -> list[int]:
     return [t.data_ptr() for t in tensors]
 
 
+def row_pitch(x: Tensor, vec: int) -> int:
+    """Elements between x's rows when they lie at one pitch, unit-stride and vector-aligned (a last-dim
+    slice such as MLA's c_kv in [.., 576]), so the kernel reads them in place; 0 when x must be copied."""
+    d = x.shape[-1]
+    if x.dim() < 2 or x.is_contiguous() or x.stride(-1) != 1 or x.numel() == 0:
+        return 0
+    pitch = x.stride(-2)
+    for i in range(x.dim() - 3, -1, -1):
+        if x.shape[i] > 1 and x.stride(i) != x.stride(i + 1) * x.shape[i + 1]:
+            return 0
+    if pitch < d or pitch % vec or x.data_ptr() % (vec * x.element_size()):
+        return 0
+    return pitch
+
+
+def _x_rows(x: Tensor, spec: dict[str, Any], align: int) -> Tensor:
+    """x as the plain kernels read it: in place at its row pitch (spec["pitch"] set), else a copy."""
+    pitch = row_pitch(x, spec["vec"])
+    if pitch:
+        spec["pitch"] = pitch
+        return x
+    return vector_aligned(x, align)
+
+
 def _rmsnorm_impl(x: Tensor, w: Tensor, eps: float) -> Tensor:
     return _fwd(x, None, w, eps)[1]
 
@@ -110,7 +134,8 @@ def _fwd(x: Tensor, a: Tensor | None, w: Tensor, eps: float) -> tuple[Tensor, Te
         return s, y
     spec, plan = _spec(x, w)
     align = plan.vec * x.element_size()
-    xc, wc = vector_aligned(x, align), vector_aligned(w, min(VEC_BYTES, plan.vec * w.element_size()))
+    xc = vector_aligned(x, align) if a is not None else _x_rows(x, spec, align)
+    wc = vector_aligned(w, min(VEC_BYTES, plan.vec * w.element_size()))
     rows = x.numel() // plan.d
     if a is None:
         RMSNORM_FWD.launcher(arch, **spec)(device, *_ptrs(xc, wc, y), rows, eps)
@@ -147,7 +172,8 @@ def _bwd(dy: Tensor, ds: Tensor | None, x: Tensor, w: Tensor, eps: float) -> tup
     spec, plan = _spec(x, w, BWD_TARGET_THREADS)
     spec["ctas_per_sm"] = bwd_ctas_per_sm(plan.threads)
     align = plan.vec * x.element_size()
-    xc, dyc = vector_aligned(x, align), vector_aligned(dy, align)
+    xc = vector_aligned(x, align) if ds is not None else _x_rows(x, spec, align)
+    dyc = vector_aligned(dy, align)
     wc = vector_aligned(w, min(VEC_BYTES, plan.vec * w.element_size()))
     ctas = min(rows, runtime.sm_count(device) * spec["ctas_per_sm"])
     parts = torch.empty((ctas, d), dtype=torch.float32, device=x.device)
@@ -243,6 +269,9 @@ _FORBID = (r"\b(rsqrt|sqrt|rcp|div|ex2|lg2)\.approx\b", r"\bdiv\.full\b", r"\.ft
 _ROW = (runtime.LD128, runtime.ST128, r"\bshfl\.sync\.bfly\.b32\b", r"\bbar\.sync\b", r"\bsqrt\.rn\.f32\b",
         r"\bdiv\.rn\.f32\b", r"\bmul\.rn\.f32\b")
 _BF16_OUT = r"\bcvt\.rn\.bf16x2\.f32\b"
+# MLA's c_kv: 512 of each 576-wide row, read in place; a load narrower than 16 bytes means the pitch cost
+# the vector width.
+_NARROW_LOAD = r"\bld\.global(\.[a-z]+)*\.(b|u|s|f)(8|16|32|64)\b"
 # (D, x dtype, w dtype) of the compile checks: the benchmark widths, DeepSeek-V3's 7168, a ragged width.
 _CHECKED = ((4096, "bfloat16", "bfloat16"), (1536, "bfloat16", "float32"), (7168, "bfloat16", "bfloat16"),
             (4096, "float32", "float32"))
@@ -275,6 +304,13 @@ def _kernel_specs() -> tuple[KernelSpec, ...]:
                               (*_ROW, r"\badd\.rn\.f32\b", *cvt)))
         out.append(_norm_spec("add_rmsnorm_bwd", f"add_rmsnorm_bwd_{tag}", ADD_RMSNORM_BWD, bwd,
                               (*_ROW, r"\badd\.rn\.f32\b", *cvt)))
+    for name, kernel, spec in (("rmsnorm_fwd", RMSNORM_FWD, _row_spec(512, "bfloat16", "bfloat16")),
+                               ("rmsnorm_bwd", RMSNORM_BWD, _row_spec(512, "bfloat16", "bfloat16",
+                                                                      BWD_TARGET_THREADS))):
+        if name == "rmsnorm_bwd":
+            spec["ctas_per_sm"] = bwd_ctas_per_sm(spec["threads"])
+        out.append(runtime.portable_spec(name.removesuffix("_fwd"), f"{name}_d512_pitch576", kernel.compiler(
+            **spec, pitch=576), (*_ROW, _BF16_OUT), (*_FORBID, _NARROW_LOAD)))
     dw = {"vec": _DW_VEC, "w_dtype": "bfloat16"}
     out.append(_norm_spec("rmsnorm_bwd", "rmsnorm_dw_bf16", RMSNORM_DW, dw,
                           (runtime.LD128, r"\badd\.rn\.f32\b", _BF16_OUT)))

@@ -126,6 +126,14 @@ def _block_sum(vals: tuple[Float32, ...], red: Any, tidx: Int32,
     return tuple(out)
 
 
+def _rows(px: Pointer, rows: Int64, d: int, pitch: int) -> Any:
+    """rows x d elements, row r at px + r * pitch: flat when pitch == d, else a (d, rows) layout whose flat
+    index row * (d / vec) + v still names a row's vector v after zipped_divide by vec."""
+    if const_expr(pitch == d):
+        return cute.make_tensor(px, cute.make_layout(rows * d))
+    return cute.make_tensor(px, cute.make_layout((d, rows), stride=(1, pitch)))
+
+
 @cute.jit
 def _fwd_row(mx: Any, ma: Any, ms: Any, mw: Any, my: Any, row: Int64, eps: Float32, tidx: Int32,
              d: Constexpr[int], vec: Constexpr[int], nper: Constexpr[int], threads: Constexpr[int]) -> None:
@@ -155,10 +163,11 @@ def _fwd_row(mx: Any, ma: Any, ms: Any, mw: Any, my: Any, row: Int64, eps: Float
 
 @cute.kernel
 def rmsnorm_fwd_kernel(px: Pointer, pw: Pointer, py: Pointer, rows: Int64, eps: Float32, d: Constexpr[int],
-                       vec: Constexpr[int], nper: Constexpr[int], threads: Constexpr[int]) -> None:
+                       vec: Constexpr[int], nper: Constexpr[int], threads: Constexpr[int],
+                       pitch: Constexpr[int]) -> None:
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
-    mx = cute.make_tensor(px, cute.make_layout(rows * d))
+    mx = _rows(px, rows, d, pitch)
     mw = cute.make_tensor(pw, cute.make_layout(d))
     my = cute.make_tensor(py, cute.make_layout(rows * d))
     _fwd_row(mx, None, None, mw, my, Int64(bidx), eps, tidx, d, vec, nper, threads)
@@ -181,8 +190,8 @@ def add_rmsnorm_fwd_kernel(px: Pointer, pa: Pointer, pw: Pointer, ps: Pointer, p
 @cute.jit
 def rmsnorm_fwd_host(px: Pointer, pw: Pointer, py: Pointer, rows: Int64, eps: Float32, stream: cuda.CUstream,
                      d: Constexpr[int], vec: Constexpr[int], nper: Constexpr[int], threads: Constexpr[int],
-                     x_dtype: Constexpr[str], w_dtype: Constexpr[str]) -> None:
-    rmsnorm_fwd_kernel(px, pw, py, rows, eps, d, vec, nper, threads).launch(
+                     x_dtype: Constexpr[str], w_dtype: Constexpr[str], pitch: Constexpr[int]) -> None:
+    rmsnorm_fwd_kernel(px, pw, py, rows, eps, d, vec, nper, threads, pitch).launch(
         grid=[rows, 1, 1], block=[threads, 1, 1], stream=stream
     )
 
@@ -200,7 +209,7 @@ def add_rmsnorm_fwd_host(px: Pointer, pa: Pointer, pw: Pointer, ps: Pointer, py:
 @cute.jit
 def _bwd_rows(pdy: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw: Pointer, pds: Pointer | None,
               rows: Int64, eps: Float32, d: Constexpr[int], vec: Constexpr[int], nper: Constexpr[int],
-              threads: Constexpr[int]) -> None:
+              threads: Constexpr[int], pitch: Constexpr[int]) -> None:
     """Rows bidx, bidx + grid, ...: dx = r*(g - x*(r*r)*mean(g*x)), g = dy*w, plus mds's row where given
     (add_rmsnorm's stream gradient); dw partials of dy*(x*r) sit in shared memory (freeing registers for the
     resident-CTA target), then go to row bidx of pdw. The next row's x and dy load before this row's
@@ -209,7 +218,7 @@ def _bwd_rows(pdy: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw: Pointer
     bidx, _, _ = cute.arch.block_idx()
     gdim, _, _ = cute.arch.grid_dim()
     mdy = cute.make_tensor(pdy, cute.make_layout(rows * d))
-    mx = cute.make_tensor(px, cute.make_layout(rows * d))
+    mx = _rows(px, rows, d, pitch)
     mw = cute.make_tensor(pw, cute.make_layout(d))
     mdx = cute.make_tensor(pdx, cute.make_layout(rows * d))
     mdw = cute.make_tensor(pdw, cute.make_layout(Int64(gdim) * d))
@@ -268,25 +277,25 @@ def _bwd_rows(pdy: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw: Pointer
 @cute.kernel
 def rmsnorm_bwd_kernel(pdy: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw: Pointer, rows: Int64,
                        eps: Float32, d: Constexpr[int], vec: Constexpr[int], nper: Constexpr[int],
-                       threads: Constexpr[int]) -> None:
-    _bwd_rows(pdy, px, pw, pdx, pdw, None, rows, eps, d, vec, nper, threads)
+                       threads: Constexpr[int], pitch: Constexpr[int]) -> None:
+    _bwd_rows(pdy, px, pw, pdx, pdw, None, rows, eps, d, vec, nper, threads, pitch)
 
 
 @cute.kernel
 def add_rmsnorm_bwd_kernel(pdy: Pointer, pds: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw: Pointer,
                            rows: Int64, eps: Float32, d: Constexpr[int], vec: Constexpr[int],
                            nper: Constexpr[int], threads: Constexpr[int]) -> None:
-    _bwd_rows(pdy, px, pw, pdx, pdw, pds, rows, eps, d, vec, nper, threads)
+    _bwd_rows(pdy, px, pw, pdx, pdw, pds, rows, eps, d, vec, nper, threads, d)
 
 
 @cute.jit
 def rmsnorm_bwd_host(pdy: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw: Pointer, rows: Int64,
                      eps: Float32, ctas: Int32, stream: cuda.CUstream, d: Constexpr[int], vec: Constexpr[int],
                      nper: Constexpr[int], threads: Constexpr[int], x_dtype: Constexpr[str],
-                     w_dtype: Constexpr[str], ctas_per_sm: Constexpr[int]) -> None:
+                     w_dtype: Constexpr[str], ctas_per_sm: Constexpr[int], pitch: Constexpr[int]) -> None:
     """The grid is sized for ctas_per_sm resident CTAs: .minnctapersm makes ptxas fit the registers to it
     (a CTA that does not fit would run in a second wave). The carveout stays the driver's default."""
-    rmsnorm_bwd_kernel(pdy, px, pw, pdx, pdw, rows, eps, d, vec, nper, threads).launch(
+    rmsnorm_bwd_kernel(pdy, px, pw, pdx, pdw, rows, eps, d, vec, nper, threads, pitch).launch(
         grid=[ctas, 1, 1], block=[threads, 1, 1], stream=stream, min_blocks_per_mp=ctas_per_sm,
         preferred_smem_carveout=-1
     )
@@ -364,8 +373,9 @@ def compile_args(kernel: str, spec: dict[str, Any]) -> tuple[Any, tuple[Any, ...
     if kernel == "rmsnorm_dw":
         return rmsnorm_dw_host, (*fake, Int32(1), Int64(0), s, spec["vec"], spec["w_dtype"])
     row = (spec["d"], spec["vec"], spec["nper"], spec["threads"], spec["x_dtype"], spec["w_dtype"])
+    pitch = (spec.get("pitch", spec["d"]),) if kernel in ("rmsnorm_fwd", "rmsnorm_bwd") else ()
     if kernel in ("rmsnorm_fwd", "add_rmsnorm_fwd"):
         fwd = rmsnorm_fwd_host if kernel == "rmsnorm_fwd" else add_rmsnorm_fwd_host
-        return fwd, (*fake, Int64(0), Float32(0.0), s, *row)
+        return fwd, (*fake, Int64(0), Float32(0.0), s, *row, *pitch)
     bwd = rmsnorm_bwd_host if kernel == "rmsnorm_bwd" else add_rmsnorm_bwd_host
-    return bwd, (*fake, Int64(0), Float32(0.0), Int32(1), s, *row, spec["ctas_per_sm"])
+    return bwd, (*fake, Int64(0), Float32(0.0), Int32(1), s, *row, spec["ctas_per_sm"], *pitch)
