@@ -31,8 +31,9 @@ run() { local name=$1; shift; echo "== $name: $*"; "$@" > "$out/$name.log" 2>&1 
   --out "$out/bench.json"
 [[ $stages == *,train,* ]] && run train bash -c "python3 -m nmoe.cli prep && python3 -m nmoe.cli train configs/tiny-gpu.toml"
 if [[ $stages == *,moonlet,* ]]; then
-  per_step=$(python3 -c "from nmoe.config import load_config as l; c = l('configs/moonlet.toml', env={}); \
-print(c.data.batch_size * c.data.seq_len * c.train.grad_accum)")
+  per_step=$(python3 -c "import sys; from nmoe.config import load_config as l; \
+c = l('configs/moonlet.toml', env={}, overrides=sys.argv[1:]); \
+print(c.data.batch_size * c.data.seq_len * c.train.grad_accum)" ${NMOE_MOONLET_ARGS:-})
   tokens=$(( ${NMOE_MOONLET_STEPS:-200} * per_step ))
   run moonlet bash -c "python3 -m nmoe.cli prep && python3 -m nmoe.cli train configs/moonlet.toml \
     --schedule.total_tokens=$tokens --schedule.warmup_tokens=$(( tokens / 10 )) \
