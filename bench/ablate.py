@@ -278,33 +278,13 @@ GATHER_COMPOUNDS: tuple[tuple[Mutation, ...], ...] = (
 
 
 FP8_ABLATIONS: tuple[Mutation, ...] = (_FP8_SERIAL,)
-_CE_CLUSTER8 = Mutation(
-    "ablate.ce_cluster8", LIMITS, "CE_CLUSTER: Final[int] = 0\n", "CE_CLUSTER: Final[int] = 8\n",
-    "the cross-entropy row kernel as persistent clusters of 8 CTAs, 2 per SM, each streaming 1/8 of a row "
-    "and re-reading it from L2 (26 MB in flight), against two HBM passes of one CTA per row (6TV bytes "
-    "against 10TV)",
-)
-_CE_PER_SM = Mutation(
-    "ablate.ce_cluster8_4_per_sm", LIMITS, "CE_CLUSTER_CTAS_PER_SM: Final[int] = 2\n",
-    "CE_CLUSTER_CTAS_PER_SM: Final[int] = 4\n",
-    "ce_cluster8 with 4 CTAs per SM: twice the loads in flight, 53 MB of slices (past L2 on the second read)",
-)
-CE_ABLATIONS: tuple[Mutation, ...] = (
-    _CE_CLUSTER8,
-    replace(_CE_CLUSTER8, id="ablate.ce_cluster4", replacement="CE_CLUSTER: Final[int] = 4\n",
-            description="clusters of 4 CTAs, 2 per SM: 53 MB of slices in flight (past L2 on the second "
-            "read)"),
-)
-CE_COMPOUNDS: tuple[tuple[Mutation, ...], ...] = (
-    (_CE_PER_SM, replace(_CE_CLUSTER8, id="ablate.ce_cluster8_on")),
-)
 SETS: dict[str, tuple[Mutation, ...]] = {"gemm": ABLATIONS, "gather": GATHER_ABLATIONS,
-                                         "layer": LAYER_ABLATIONS, "fp8": FP8_ABLATIONS, "ce": CE_ABLATIONS}
+                                         "layer": LAYER_ABLATIONS, "fp8": FP8_ABLATIONS}
 
 
 def variants_of(which: str) -> list[tuple[Mutation, ...]]:
     """The ablations of a set as edit sequences: a plain ablation is one edit."""
-    return [*((a,) for a in SETS[which]), *{"gather": GATHER_COMPOUNDS, "ce": CE_COMPOUNDS}.get(which, ())]
+    return [*((a,) for a in SETS[which]), *(GATHER_COMPOUNDS if which == "gather" else ())]
 
 
 PASSES = ("fwd", "dgrad", "wgrad")
@@ -463,35 +443,10 @@ def _layer_rows(compile_only: bool) -> list[dict[str, Any]]:
     return out
 
 
-def _ce_rows(compile_only: bool) -> list[dict[str, Any]]:
-    """The fused-linear cross-entropy's fwd+bwd on the loss bench's inputs (bench.torchbase.ce_inputs), CUDA
-    graph replays; FLOPs 6TVH (logits, dh, dw)."""
-    import torch
-
-    from bench.conftest import capture, replay_median_ms
-    from bench.torchbase import CE_CHUNK, CE_IGNORE, CE_SHAPE, ce_inputs
-    from nmoe.fast.loss import cross_entropy
-
-    t, hd, v = CE_SHAPE
-    h, w, tg = ce_inputs()
-
-    def step() -> Any:
-        return torch.autograd.grad(cross_entropy(h, w, tg, CE_IGNORE, CE_CHUNK), (h, w))
-
-    step()
-    torch.cuda.synchronize()
-    if compile_only:
-        return []
-    ms = replay_median_ms(capture(step))
-    return [{"shape": f"ce fwd_bwd T={t} H={hd} V={v}", "ms": ms, "tflops": 6.0 * t * v * hd / ms / 1e9,
-             "bn": 0}]
-
-
 def child(compile_only: bool, which: str) -> None:
     from nmoe.fast.gemm.sm90 import pick_bn, schedule
 
     timed = {"layer": lambda: _layer_rows(compile_only), "fp8": lambda: _fp8_rows(compile_only),
-             "ce": lambda: _ce_rows(compile_only),
              "gather": lambda: [r for shape in SHAPES for r in _gather_rows(*shape, compile_only)]}
     if which in timed:
         for row in timed[which]():
@@ -522,8 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--only", default="", help="comma-separated ablation ids (default: all)")
     p.add_argument("--set", default="gemm", choices=tuple(SETS),
                    help="gemm: the TMA kernels' ablations; gather: the gathering up projection and wgrad; "
-                   "layer: the fast MoE layer's choices, timed as the layer; fp8: the fp8 fwd's schedule; "
-                   "ce: the cross-entropy row kernel, timed as the op")
+                   "layer: the fast MoE layer's choices, timed as the layer; fp8: the fp8 fwd's schedule")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

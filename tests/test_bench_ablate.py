@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_ablation_anchors_match_once() -> None:
     parts = tuple(m for v in GATHER_COMPOUNDS for m in v[:1])
-    assert set(SETS) == {"gemm", "gather", "layer", "fp8", "ce"} and all(SETS.values())
+    assert set(SETS) == {"gemm", "gather", "layer", "fp8"} and all(SETS.values())
     assert check_anchors(ROOT, tuple(a for s in SETS.values() for a in s) + parts) == []
 
 

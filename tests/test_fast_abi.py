@@ -111,14 +111,9 @@ def _portable_calls() -> None:
     attention.mla_kv_grad(torch.randn(1, t, 2, 64 + 32, dtype=BF), torch.randn(1, t, 2, 64, dtype=BF), 64)
     head = torch.randn(256, h, dtype=BF)
     targets = torch.randint(0, 256, (t,))
-    for cluster in (0, loss.CHECKED_CLUSTER):
-        loss.CE_CLUSTER = cluster  # type: ignore[misc]
-        try:
-            with torch.no_grad():
-                loss.cross_entropy(x, head, targets)
-            loss.cross_entropy_bwd(1.0, x, head, targets)
-        finally:
-            loss.CE_CLUSTER = 0  # type: ignore[misc]
+    with torch.no_grad():
+        loss.cross_entropy(x, head, targets)
+    loss.cross_entropy_bwd(1.0, x, head, targets)
     for g_dtype in (torch.float32, BF):
         p = torch.randn(h, dtype=torch.float32)
         optim.adamw_step(p, torch.randn(h, dtype=g_dtype), torch.zeros(h), torch.zeros(h), 1, 1e-3, 0.9, 0.95,

@@ -17,7 +17,6 @@ from torch import Tensor
 from nmoe.fast import loss as fast
 from nmoe.fast import op
 from nmoe.fast.arch import SUPPORTED_ARCHS, ArchError
-from nmoe.fast.limits import CE_CLUSTER
 from parity.compare import bound, gemm_radius
 from parity.inputs import Inputs
 from parity.ops import loss as pl
@@ -101,8 +100,7 @@ def test_peak_bytes_formula_at_the_production_shape() -> None:
     t, h, v = 8192, 2048, 201088
     assert fast.peak_bytes(t, v, h, 4096, False) == 4 * 4096 * v + 8 * t
     grad = fast.peak_bytes(t, v, h, 4096, True)
-    dlogits = 2 * 4096 * v if CE_CLUSTER else 0
-    assert grad == 4 * 4096 * v + dlogits + 4 * v * h + 4 * t * h + 8 * t
+    assert grad == 4 * 4096 * v + 4 * v * h + 4 * t * h + 8 * t
     assert fast.peak_bytes(2 * t, v, h, 4096, True) - grad == 4 * t * h + 8 * t  # no [T, V] term
 
 

@@ -50,14 +50,6 @@ GEMM_FP8_OVERLAP: Final[bool] = True
 """sm_90a fp8 fwd: each K block's wgmmas stay in flight while the block before is promoted (two block
 accumulators, K loop unrolled) when True, else each block's MMAs are waited before its promotion
 (H200: 1.05-1.27x over the serial schedule)."""
-CE_CLUSTER: Final[int] = 0
-"""CTAs per logits row of the cross-entropy row kernel: 0, one CTA reading its row twice from HBM (max/sum,
-then dlogits over the logits); N, persistent clusters of N CTAs that each stream 1/N of a row, swap partial
-lse, and re-read their slice from L2 (6 instead of 10 bytes of HBM per logit; dlogits in their own buffer).
-H200, a register-held one-pass design measured 0.994x of the two-pass kernel."""
-CE_CLUSTER_CTAS_PER_SM: Final[int] = 2
-"""Resident CTAs per SM of the persistent cluster kernel: with N = 8 the slices in flight span 132 x 2 x
-100 KB = 26 MB of logits, inside the 50 MB L2 that serves their second read."""
 GEMM_MAX_GROUPS: Final[int] = 1024
 """Groups the grouped GEMM's shared-memory offs table holds."""
 GEMM_ALIGN: Final[int] = 8

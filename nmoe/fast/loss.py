@@ -1,6 +1,6 @@
 """Fast fused-linear cross-entropy: per token chunk a bf16 cuBLAS GEMM into fp32 logits, a CuTeDSL row kernel
-(lse, loss, and with grad bf16 dlogits) and the two gradient GEMMs, all in the forward; the backward only
-scales by dloss. Never [T, V] fp32 logits, no host sync; peak memory: peak_bytes, docs/ops.md."""
+(lse, loss, and with grad bf16 dlogits in place) and the two gradient GEMMs, all in the forward; the backward
+only scales by dloss. Never [T, V] fp32 logits, no host sync; peak memory: peak_bytes, docs/ops.md."""
 
 from __future__ import annotations
 
@@ -10,36 +10,20 @@ import torch
 from torch import Tensor
 
 from nmoe.fast import runtime
-from nmoe.fast.limits import CE_CLUSTER, CE_CLUSTER_CTAS_PER_SM
 from nmoe.fast.op import Kernel, fast_op
 from nmoe.fast.runtime import KernelSpec
 
 CE_FWD = Kernel.by_name("nmoe.fast.kernels.loss", "ce_fwd")
-CE_CLUSTER_ROW = Kernel.by_name("nmoe.fast.kernels.loss", "ce_cluster")
 THREADS = 512
 UNROLL = 8
-VEC = 4  # fp32 logits per vector of the cluster kernel
-CLUSTER_UNROLL = 4  # vectors per thread per tile of the cluster kernel
-
-
-def cluster_segment(v: int, cluster: int) -> int:
-    """4-wide vectors of a V-wide row that each of the cluster's ranks streams; V % 4 != 0 raises."""
-    if v % VEC:
-        raise ValueError(f"cross_entropy: CE_CLUSTER = {cluster} streams rows in {VEC}-wide vectors and "
-                         f"needs V % {VEC} == 0; V = {v}: set nmoe.fast.limits.CE_CLUSTER to 0 (the "
-                         "two-pass kernel) or pad the vocabulary")
-    return -(-(v // VEC) // cluster)
 
 
 def peak_bytes(t: int, v: int, h: int, chunk: int, grad: bool) -> int:
     """Extra device bytes, c = min(chunk, T): 4cV + 8T without grad; with grad 4cV + 4VH + 4TH + 8T in the
-    forward (fp32 dw, dh; CE_CLUSTER adds 2cV of bf16 dlogits), 6VH + 6TH in the backward (plus the bf16
-    results). At T 8192, H 2048, V 201088, chunk 4096: 5.0 GB; the fp32 logits of all tokens take 6.6 GB."""
-    c = min(chunk, t)
-    base = 4 * c * v + 8 * t
-    if not grad:
-        return base
-    return max(base + (2 * c * v if CE_CLUSTER else 0) + 4 * v * h + 4 * t * h, 6 * v * h + 6 * t * h)
+    forward (fp32 dw, dh), 6VH + 6TH in the backward (plus the bf16 results). At T 8192, H 2048, V 201088,
+    chunk 4096: 5.0 GB; the fp32 logits of all tokens take 6.6 GB."""
+    base = 4 * min(chunk, t) * v + 8 * t
+    return max(base + 4 * v * h + 4 * t * h, 6 * v * h + 6 * t * h) if grad else base
 
 
 def _check(h: Tensor, w_out: Tensor, targets: Tensor, chunk: int) -> None:
@@ -84,15 +68,15 @@ def _fused_impl(h: Tensor, w_out: Tensor, targets: Tensor, ignore_index: int, ch
                                                     device=h.device)
     if chunks:
         buf = torch.empty((min(chunk, t), v), dtype=torch.float32, device=h.device)
-        launch, dl = _row_kernel(arch, device, grad, v, min(chunk, t))
+        launch = CE_FWD.launcher(arch, grad=grad, threads=THREADS, unroll=UNROLL)
         for start in range(0, t, chunk):
             n = min(chunk, t - start)
             hc, logits = h[start:start + n], buf[:n]
-            dlogits = logits.view(torch.bfloat16)[:, :v] if dl is None else dl[:n]
             torch.mm(hc, w_out.T, out_dtype=torch.float32, out=logits)
-            launch(device, logits.data_ptr(), dlogits.data_ptr(), tgt[start:].data_ptr(), coef.data_ptr(),
+            launch(device, logits.data_ptr(), logits.data_ptr(), tgt[start:].data_ptr(), coef.data_ptr(),
                    per_row[start:].data_ptr(), n, v)
             if grad:
+                dlogits = logits.view(torch.bfloat16)[:, :v]
                 torch.mm(dlogits, w_out, out_dtype=torch.float32, out=dh[start:start + n])
                 if start == 0:
                     torch.mm(dlogits.T, hc, out_dtype=torch.float32, out=dw32)
@@ -100,24 +84,6 @@ def _fused_impl(h: Tensor, w_out: Tensor, targets: Tensor, ignore_index: int, ch
                     torch.addmm(dw32, dlogits.T, hc, out_dtype=torch.float32, out=dw32)
     loss = per_row.sum() / denom
     return loss, dh, dw32
-
-
-def _row_kernel(arch: str, device: int, grad: bool, v: int, rows: int) -> tuple[Any, Tensor | None]:
-    """(launch(device, logits, dlogits, tgt, coef, loss, n, v), dlogits buffer) of the row kernel CE_CLUSTER
-    names: the two-pass kernel writes dlogits over the logits (None), the cluster kernel into a buffer."""
-    if CE_CLUSTER == 0:
-        return CE_FWD.launcher(arch, grad=grad, threads=THREADS, unroll=UNROLL), None
-    cluster_segment(v, CE_CLUSTER)
-    stream = CE_CLUSTER_ROW.launcher(arch, grad=grad, threads=THREADS, unroll=CLUSTER_UNROLL,
-                                     cluster=CE_CLUSTER)
-    where = torch.device("cuda", device)
-    part = torch.empty(rows * CE_CLUSTER, dtype=torch.float32, device=where)
-    ctas = CE_CLUSTER * max(1, min(rows, runtime.sm_count(device) * CE_CLUSTER_CTAS_PER_SM // CE_CLUSTER))
-
-    def launch(dev: Any, lg: int, dg: int, tg: int, cf: int, ls: int, n: int, vv: int) -> None:
-        stream(dev, lg, dg, tg, cf, ls, part.data_ptr(), n, vv, ctas)
-
-    return launch, torch.empty((rows, v), dtype=torch.bfloat16, device=where) if grad else None
 
 
 def _fused_fake(h: Tensor, w_out: Tensor, targets: Tensor, ignore_index: int, chunk: int,
@@ -184,26 +150,11 @@ _EXPECT = (r"\bex2\.approx\.f32\b", r"\bshfl\.sync\.bfly\.b32\b", r"\bbar\.sync\
 _GRAD = (r"\bcvt\.rn\.bf16\.f32\b", r"\bst\.global\.b16\b", r"\btrap;")
 
 
-# The cluster kernel posts its partial lse before the cluster barrier's arrive and reads the others' after
-# its wait (a missing wait reads partials not yet posted); logits load 16 bytes and dlogits store 8 at a time.
-_CLUSTER_EXPECT = (r"(?s)\bbarrier\.cluster\.arrive\b.*\bbarrier\.cluster\.wait\b",
-                   r"\bld\.global(\.nc)?\.v4\.(b32|f32)\b", r"\bex2\.approx\.f32\b",
-                   r"\bshfl\.sync\.bfly\.b32\b")
-_CLUSTER_GRAD = (r"\bcvt\.rn\.bf16x2\.f32\b", r"\bst\.global\.v2\.b32\b", r"\btrap;")
-_CLUSTER_GRAD_FORBID = (r"\bst\.global\.b16\b",)
-CHECKED_CLUSTER = 8
-
-
 def _kernel_specs() -> tuple[KernelSpec, ...]:
-    cluster = {"unroll": CLUSTER_UNROLL, "cluster": CHECKED_CLUSTER}
-    kinds = (("ce_fwd", CE_FWD, {"unroll": UNROLL}, _EXPECT, _FORBID, _GRAD, _GRAD_FORBID),
-             (f"ce_cluster{CHECKED_CLUSTER}", CE_CLUSTER_ROW, cluster, _CLUSTER_EXPECT, _FORBID,
-              _CLUSTER_GRAD, _CLUSTER_GRAD_FORBID))
     return tuple(
-        runtime.portable_spec("cross_entropy_bwd" if grad else "cross_entropy", f"{name}_{tag}",
-                              kernel.compiler(grad=grad, threads=THREADS, **spec),
-                              expect + (grad_expect if grad else ()), forbid + (grad_forbid if grad else ()))
-        for name, kernel, spec, expect, forbid, grad_expect, grad_forbid in kinds
+        runtime.portable_spec("cross_entropy_bwd" if grad else "cross_entropy", f"ce_fwd_{tag}",
+                              CE_FWD.compiler(grad=grad, threads=THREADS, unroll=UNROLL),
+                              _EXPECT + (_GRAD if grad else ()), _FORBID + (_GRAD_FORBID if grad else ()))
         for grad, tag in ((False, "nograd"), (True, "grad"))
     )
 
