@@ -275,6 +275,9 @@ def test_row_pitch_reads_slices_in_place_and_copies_the_rest() -> None:
     assert fast.row_pitch(base[:, ::2, :512], 8) == 0
     assert fast.row_pitch(base.transpose(0, 1)[..., :512], 8) == 0
     assert fast.row_pitch(torch.zeros(4, 7, dtype=torch.bfloat16)[:, :4], 8) == 0
+    # a size-1 dim's stride says nothing: rows of the second batch lie 8 * 576 on, not 4 * 576
+    assert fast.row_pitch(torch.zeros(2, 8, 576).as_strided((2, 1, 4, 512), (4608, 4608, 576, 1)), 4) == 0
+    assert fast.row_pitch(torch.zeros(2, 4, 576).as_strided((2, 1, 4, 512), (2304, 7, 576, 1)), 4) == 576
 
 
 @gpu

@@ -94,10 +94,11 @@ def row_pitch(x: Tensor, vec: int) -> int:
     d = x.shape[-1]
     if x.dim() < 2 or x.is_contiguous() or x.stride(-1) != 1 or x.numel() == 0:
         return 0
-    pitch = x.stride(-2)
+    pitch, span = x.stride(-2), x.stride(-2) * x.shape[-2]
     for i in range(x.dim() - 3, -1, -1):
-        if x.shape[i] > 1 and x.stride(i) != x.stride(i + 1) * x.shape[i + 1]:
+        if x.shape[i] != 1 and x.stride(i) != span:
             return 0
+        span *= x.shape[i]
     if pitch < d or pitch % vec or x.data_ptr() % (vec * x.element_size()):
         return 0
     return pitch
@@ -285,8 +286,8 @@ def _row_spec(d: int, x_dtype: str, w_dtype: str, target_threads: int = _TARGET_
 
 
 def _norm_spec(op: str, name: str, kernel: Kernel, spec: dict[str, Any],
-               expect: tuple[str, ...]) -> KernelSpec:
-    return runtime.portable_spec(op, name, kernel.compiler(**spec), expect, _FORBID)
+               expect: tuple[str, ...], forbid: tuple[str, ...] = ()) -> KernelSpec:
+    return runtime.portable_spec(op, name, kernel.compiler(**spec), expect, (*_FORBID, *forbid))
 
 
 def _kernel_specs() -> tuple[KernelSpec, ...]:
@@ -304,13 +305,13 @@ def _kernel_specs() -> tuple[KernelSpec, ...]:
                               (*_ROW, r"\badd\.rn\.f32\b", *cvt)))
         out.append(_norm_spec("add_rmsnorm_bwd", f"add_rmsnorm_bwd_{tag}", ADD_RMSNORM_BWD, bwd,
                               (*_ROW, r"\badd\.rn\.f32\b", *cvt)))
-    for name, kernel, spec in (("rmsnorm_fwd", RMSNORM_FWD, _row_spec(512, "bfloat16", "bfloat16")),
-                               ("rmsnorm_bwd", RMSNORM_BWD, _row_spec(512, "bfloat16", "bfloat16",
-                                                                      BWD_TARGET_THREADS))):
-        if name == "rmsnorm_bwd":
-            spec["ctas_per_sm"] = bwd_ctas_per_sm(spec["threads"])
-        out.append(runtime.portable_spec(name.removesuffix("_fwd"), f"{name}_d512_pitch576", kernel.compiler(
-            **spec, pitch=576), (*_ROW, _BF16_OUT), (*_FORBID, _NARROW_LOAD)))
+    fwd = {**_row_spec(512, "bfloat16", "bfloat16"), "pitch": 576}
+    bwd = {**_row_spec(512, "bfloat16", "bfloat16", BWD_TARGET_THREADS), "pitch": 576}
+    bwd["ctas_per_sm"] = bwd_ctas_per_sm(bwd["threads"])
+    out.append(_norm_spec("rmsnorm", "rmsnorm_fwd_d512_pitch576", RMSNORM_FWD, fwd, (*_ROW, _BF16_OUT),
+                          (_NARROW_LOAD,)))
+    out.append(_norm_spec("rmsnorm_bwd", "rmsnorm_bwd_d512_pitch576", RMSNORM_BWD, bwd, (*_ROW, _BF16_OUT),
+                          (_NARROW_LOAD,)))
     dw = {"vec": _DW_VEC, "w_dtype": "bfloat16"}
     out.append(_norm_spec("rmsnorm_bwd", "rmsnorm_dw_bf16", RMSNORM_DW, dw,
                           (runtime.LD128, r"\badd\.rn\.f32\b", _BF16_OUT)))
