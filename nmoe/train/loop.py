@@ -280,9 +280,8 @@ def _run(
                 norm, scale = clip_scale(params, cfg.optim.grad_clip, _all_reduce_sum if world > 1 else None,
                                          accum)
                 optimizer.set_grad_scale(scale)
-                mean_loss = loss_sum / accum if accum > 1 else loss_sum
+                mean_loss = loss_sum / accum
                 if world > 1:
-                    mean_loss = mean_loss.clone()
                     _all_reduce_sum(mean_loss)
                     mean_loss.div_(world)
                 loss_value, grad_norm = torch.stack([mean_loss, norm.to(loss_sum.device)]).tolist()
