@@ -29,7 +29,7 @@ EPS: Final = 1e-6
 ROUTED_SCALE: Final = 2.446
 T, H, I, E, K = 32768, 4096, 1024, 128, 8
 M: Final = T * K
-CPU_ELEMS: Final = 2**14
+CPU_ELEMS: Final = 2**16
 
 
 @dataclass(frozen=True)
@@ -204,6 +204,7 @@ def _relu2_spec_cpu() -> Step:
 
     from nmoe.reference import activation
 
+    torch.set_num_threads(1)  # an idle worker's spinning thread pool would take the timed worker's core
     x = torch.randn(CPU_ELEMS, generator=torch.Generator().manual_seed(0))
     return lambda: activation.relu2(x)
 

@@ -24,10 +24,10 @@ from nmoe.provestage import export
 REPO = Path(__file__).resolve().parents[1]
 RELU2 = ("    return round_to(r * r, x.dtype)", "    return round_to(r, x.dtype)")
 MORE_WORK = ("    return round_to(r * r, x.dtype)",
-             "    for _ in range(30):\n        r = r + 0.0 * r\n    return round_to(r * r, x.dtype)")
-# A shared 2-core CI runner shifts one worker process against another by up to ~15 % on this 0.1 ms row
-# (measured: A/A medians 14 % apart), so its declared floor is 30 %; the added work is +100 % and more.
-CPU_ROW = {"relu2_spec_cpu": ("relu2", 0.30)}
+             "    for _ in range(100):\n        r = r + 0.0 * r\n    return round_to(r * r, x.dtype)")
+# A shared 2-core CI runner shifts one worker process against another by up to ~50 % (measured: A/A
+# medians 47 % apart on the 0.07 ms row), so the test's floor is 100 %; the added work is about +500 %.
+CPU_ROW = {"relu2_spec_cpu": ("relu2", 1.0)}
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -209,7 +209,7 @@ def test_ab_added_work_is_slower_and_aa_is_within_noise(tmp_path: Path) -> None:
     [slower] = run_ab(script, {"base": base, "new": new}, CPU_ROW, 8, tmp_path / "ab")
     assert slower["verdict"] == "slower", slower
     assert len(slower["base_ms"]) == len(slower["new_ms"]) == len(slower["aa_ms"]) == 8
-    assert slower["change"] > 1.0
+    assert slower["change"] > 2.0
     [same] = run_ab(script, {"base": base, "new": base}, CPU_ROW, 8, tmp_path / "aa")
     assert same["verdict"] == "within noise", same
 
