@@ -155,9 +155,9 @@ def test_mla64_is_the_spec_in_float64() -> None:
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-def _fa4_parameters() -> list[str]:
-    """flash_attn_func's parameter names in the installed flash-attn-4, read from its source (importing it
-    would import cutlass for one arch)."""
+def _fa4_parameters() -> dict[str, list[str]]:
+    """Parameter names of FA4's _flash_attn_fwd and _flash_attn_bwd in the installed flash-attn-4, read
+    from its source (importing it would import cutlass for one arch)."""
     import ast
     import importlib.util
     from pathlib import Path
@@ -165,31 +165,50 @@ def _fa4_parameters() -> list[str]:
     spec = importlib.util.find_spec("flash_attn")
     assert spec is not None and spec.submodule_search_locations
     path = Path(next(iter(spec.submodule_search_locations))) / "cute" / "interface.py"
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.FunctionDef) and node.name == "flash_attn_func":
-            return [a.arg for a in node.args.args + node.args.kwonlyargs]
-    raise AssertionError(f"no flash_attn_func in {path}")
+    names = {node.name: [a.arg for a in node.args.args + node.args.kwonlyargs]
+             for node in ast.parse(path.read_text()).body if isinstance(node, ast.FunctionDef)}
+    return {f: names[f] for f in ("_flash_attn_fwd", "_flash_attn_bwd")}
 
 
 class _FA4Stand:
-    """flash_attn_func in float64 torch on CPU with FA4's parameter names and (out, lse) result, so the
-    glue's call, layouts and gradients run without a GPU."""
+    """FA4's _flash_attn_fwd and _flash_attn_bwd in float64 torch on CPU, with their parameter names and
+    result shapes, so the glue's calls, layouts and gradients run without a GPU."""
 
     def __init__(self) -> None:
         self.names = _fa4_parameters()
         self.calls: list[dict[str, Any]] = []
 
-    def flash_attn_func(self, q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        unknown = set(kwargs) - set(self.names)
-        assert not unknown and self.names[:3] == ["q", "k", "v"], unknown
-        self.calls.append({"shapes": (q.shape, k.shape, v.shape), **kwargs})
+    def _check(self, fn: str, positional: int, kwargs: dict[str, Any]) -> None:
+        names = self.names[fn]
+        unknown = set(kwargs) - set(names[positional:])
+        assert not unknown and names[:3] == ["q", "k", "v"], unknown
+
+    @staticmethod
+    def _attend(q: Tensor, k: Tensor, v: Tensor, scale: float, right: int) -> Tensor:
         s = q.shape[1]
         qf, kf, vf = (t.to(F64).transpose(1, 2) for t in (q, k, v))
-        scores = qf @ kf.mT * kwargs["softmax_scale"]
-        future = torch.ones(s, s, dtype=torch.bool).triu(1)
-        probs = torch.softmax(scores.masked_fill(future, -math.inf), dim=-1)
-        out = (probs @ vf).transpose(1, 2).to(q.dtype)
-        return out, torch.logsumexp(scores, -1).float()
+        future = torch.ones(s, s, dtype=torch.bool).triu(1 + right)
+        probs = torch.softmax((qf @ kf.mT * scale).masked_fill(future, -math.inf), dim=-1)
+        return (probs @ vf).transpose(1, 2)
+
+    def _flash_attn_fwd(self, q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> tuple[Any, ...]:
+        self._check("_flash_attn_fwd", 3, kwargs)
+        self.calls.append({"stage": "fwd", "shapes": (q.shape, k.shape, v.shape), **kwargs})
+        assert kwargs["causal"] is True and kwargs["return_lse"] is True
+        out = self._attend(q, k, v, kwargs["softmax_scale"], 0).to(q.dtype)
+        lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+        return out, lse, None, None, None
+
+    def _flash_attn_bwd(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, dout: Tensor, lse: Tensor,
+                        **kwargs: Any) -> tuple[Tensor, Tensor, Tensor]:
+        self._check("_flash_attn_bwd", 6, kwargs)
+        self.calls.append({"stage": "bwd", "shapes": (q.shape, k.shape, v.shape), **kwargs})
+        assert kwargs["causal"] is True and out.shape == dout.shape
+        leaves = [t.detach().to(F64).requires_grad_(True) for t in (q, k, v)]
+        with torch.enable_grad():
+            self._attend(*leaves, kwargs["softmax_scale"], 0).backward(dout.to(F64))
+        dq, dk, dv = (t.grad.to(q.dtype) for t in leaves if t.grad is not None)
+        return dq, dk, dv
 
 
 def _stand_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -258,9 +277,10 @@ def test_glue_wires_rope_shared_key_fa4_call_and_every_gradient_on_cpu(monkeypat
     glue, g_glue = run(lambda xx, pp: mla_attention(xx, pp, cos, sin, h, dn, dr, dv, scale, 1e-6),
                        torch.bfloat16)
     want, g_want = run(lambda xx, pp: mla64(xx, pp, cos, sin, h, dn, dr, dv, scale, 1e-6), F64)
-    assert [c["shapes"] for c in fa.calls] == [((b, s, h, dn + dr), (b, s, h, dn + dr), (b, s, h, dv))]
-    assert fa.calls[0]["causal"] is True and fa.calls[0]["softmax_scale"] == scale
-    assert fa.calls[0]["deterministic"] is fast_attn.DETERMINISTIC
+    shapes = ((b, s, h, dn + dr), (b, s, h, dn + dr), (b, s, h, dv))
+    assert [(c["stage"], c["shapes"]) for c in fa.calls] == [("fwd", shapes), ("bwd", shapes)]
+    assert all(c["softmax_scale"] == scale for c in fa.calls)
+    assert fa.calls[1]["deterministic"] is fast_attn.DETERMINISTIC
     weights = [f for f in p.__dataclass_fields__ if getattr(p, f) is not None]
     assert set(g_glue) == set(g_want) == {"x", *weights}
 
@@ -276,35 +296,39 @@ def test_glue_wires_rope_shared_key_fa4_call_and_every_gradient_on_cpu(monkeypat
         assert err(wrong.to(F64), want) > 4 * tol, knobs
 
 
-def _heads_grads(monkeypatch: pytest.MonkeyPatch, b: int = 2, s: int = 5, h: int = 3, dn: int = 4,
-                 dr: int = 6, dv: int = 8) -> dict[str, Any]:
-    """_Heads' outputs and input gradients in float64 (kernel stand-ins), beside autograd through an
-    independent composition: slices, the rotation, concatenation and a broadcast shared key."""
+def _core_grads(monkeypatch: pytest.MonkeyPatch, b: int = 2, s: int = 5, h: int = 3, dn: int = 4,
+                dr: int = 6, dv: int = 8) -> dict[str, Any]:
+    """_MLACore's output and input gradients in float64 (kernel and FA4 stand-ins), beside autograd through
+    an independent composition: slices, the rotation, concatenation, a broadcast shared key, attention."""
     _stand_heads(monkeypatch)
+    fa = _FA4Stand()
     g = torch.Generator().manual_seed(4)
     q0 = torch.randn(b, s, h * (dn + dr), generator=g, dtype=F64)
     kv0 = torch.randn(b, s, h, dn + dv, generator=g, dtype=F64)
     kpe0 = torch.randn(b, s, dr, generator=g, dtype=F64)
     cos, sin = yarn_cos_sin(8, dr, 1e4, 4.0, 8, 32.0, 1.0)
     c, sn = cos[:s].unsqueeze(1), sin[:s].unsqueeze(1)
-    dq, dk, dv_ = (torch.randn(shape, generator=g, dtype=F64) for shape in
-                   ((b, s, h * (dn + dr)), (b, s, h, dn + dr), (b, s, h, dv)))
+    do = torch.randn(b, s, h, dv, generator=g, dtype=F64)
+    rotated: list[Tensor] = []
 
-    def grads(fn: Any) -> tuple[list[Tensor], list[Tensor]]:
+    def grads(fn: Any) -> tuple[Tensor, list[Tensor]]:
         leaves = [t.clone().requires_grad_(True) for t in (q0, kv0, kpe0)]
-        outs = fn(*(t.clone() for t in leaves))
-        torch.autograd.backward(outs, (dq, dk, dv_))
-        return [o.detach() for o in outs], [t.grad for t in leaves]
+        out = fn(*(t.clone() for t in leaves))
+        out.backward(do)
+        return out.detach(), [t.grad for t in leaves]
 
-    def composed(q: Tensor, kv: Tensor, kpe: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def composed(q: Tensor, kv: Tensor, kpe: Tensor) -> Tensor:
         q4 = q.view(b, s, h, dn + dr)
-        qr = torch.cat((q4[..., :dn], _rot(q4[..., dn:], c, sn)), -1).reshape(b, s, -1)
+        qr = torch.cat((q4[..., :dn], _rot(q4[..., dn:], c, sn)), -1)
+        qr.retain_grad()
+        rotated.append(qr)
         k = torch.cat((kv[..., :dn], kpe.unsqueeze(2).expand(b, s, h, dr)), -1)
-        return qr, k, kv[..., dn:]
+        return fa._attend(qr, k, kv[..., dn:], 0.37, 0)
 
-    got = grads(lambda q, kv, kpe: fast_attn._Heads.apply(q, kv, kpe, c, sn, dn))
+    got = grads(lambda q, kv, kpe: fast_attn._MLACore.apply(q, kv, kpe, c, sn, dn, 0.37, fa)[0])
     want = grads(composed)
-    return {"got": got, "want": want, "dq": dq, "dk": dk, "c": c, "sn": sn, "dims": (b, s, h, dn, dr)}
+    return {"got": got, "want": want, "dq_rotated": rotated[0].grad, "c": c, "sn": sn,
+            "dims": (b, s, h, dn, dr)}
 
 
 def _shared_input_case() -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -346,17 +370,17 @@ def test_mla_assembly_refuses_shapes_before_any_gpu_work(kv_shape: tuple[int, ..
         fast_attn.mla_k(kv, k_pe, dn)
 
 
-def test_heads_assembly_values_and_gradients_equal_autograd_of_the_composition(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    r = _heads_grads(monkeypatch)
-    for a, w in zip(r["got"][0] + r["got"][1], r["want"][0] + r["want"][1], strict=True):
+def test_core_values_and_gradients_equal_autograd_of_the_composition(monkeypatch: pytest.MonkeyPatch) -> None:
+    r = _core_grads(monkeypatch)
+    for a, w in zip([r["got"][0], *r["got"][1]], [r["want"][0], *r["want"][1]], strict=True):
         torch.testing.assert_close(a, w, rtol=1e-12, atol=1e-12)
 
 
 def test_sep_mla_fast_dq_rope_not_inverse(monkeypatch: pytest.MonkeyPatch) -> None:
-    r = _heads_grads(monkeypatch)
+    """q's rope-part gradient is FA4's dq turned by -angle; turning it by +angle is the mutant."""
+    r = _core_grads(monkeypatch)
     b, s, h, dn, dr = r["dims"]
-    tail = r["dq"].view(b, s, h, dn + dr)[..., dn:]
+    tail = r["dq_rotated"][..., dn:]
     forward_turn = _rot(tail, r["c"], r["sn"])
     want_tail = r["want"][1][0].view(b, s, h, dn + dr)[..., dn:]
     assert (forward_turn - want_tail).abs().max() > 0.5

@@ -349,8 +349,11 @@ _MODEL_PROBE = """
     from nmoe.config import load_config
     class FA4:
         @staticmethod
-        def flash_attn_func(q, k, v, softmax_scale, causal, deterministic):
+        def _flash_attn_fwd(q, k, v, softmax_scale, causal, return_lse):
             return v + 0 * (q.sum() + k.sum()), None
+        @staticmethod
+        def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal, deterministic):
+            return torch.zeros_like(q), torch.zeros_like(k), dout.clone()
     launched = {}
     with cpu_as_gpu(), cpu_matmuls(), real_hosts(launched):
         from nmoe.fast import attention, model as fast_model

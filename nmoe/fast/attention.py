@@ -74,10 +74,38 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float) -> T
         raise ValueError(f"causal_attention: takes bf16 q, k [B, S, H, D_qk] and v [B, S, H, D_v], got {got}")
     _, arch = runtime.device_arch(q, k, v)
     check_head_dims(arch, q.shape[-1], v.shape[-1])
-    fa = flash_interface(arch)
-    out = fa.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=True, deterministic=DETERMINISTIC)
-    o: Tensor = out[0] if isinstance(out, tuple) else out
+    o: Tensor = _Causal.apply(q, k, v, softmax_scale, flash_interface(arch))  # type: ignore[no-untyped-call]
     return o
+
+
+def _fa4_fwd(fa: ModuleType, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """FA4's causal forward: the bf16 output and the fp32 row logsumexp its backward takes."""
+    out, lse, *_ = fa._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True)
+    return out, lse
+
+
+def _fa4_bwd(fa: ModuleType, q: Tensor, k: Tensor, v: Tensor, out: Tensor, dout: Tensor, lse: Tensor,
+             scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """FA4's causal backward: (dq, dk, dv), each a new tensor the caller owns."""
+    dq, dk, dv = fa._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=scale, causal=True,
+                                    deterministic=DETERMINISTIC)
+    return dq, dk, dv
+
+
+class _Causal(torch.autograd.Function):
+    """FA4's causal forward and backward as one autograd node, with none of FA4's other options."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, scale: float, fa: ModuleType) -> Tensor:
+        out, lse = _fa4_fwd(fa, q, k, v, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.fa = scale, fa
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*_fa4_bwd(ctx.fa, q, k, v, out, dout, lse, ctx.scale), None, None)
 
 
 def mla_attention(
@@ -131,8 +159,8 @@ def mla_attention(
     c_kv, k_pe = torch.split(kv_a, [int(p.kv_norm.shape[0]), dr], dim=-1)
     k_pe = apply_rope(k_pe, cos_s, sin_s)
     kv = lin(rmsnorm(c_kv, p.kv_norm, norm_eps), p.wkv_b).view(b, s, h, dn + dv)
-    q, k, v = _Heads.apply(q, kv, k_pe, cos_s.unsqueeze(1), sin_s.unsqueeze(1), dn)  # type: ignore[no-untyped-call]
-    o = causal_attention(q.view(b, s, h, dn + dr), k, v, softmax_scale)
+    o, _ = _MLACore.apply(q, kv, k_pe, cos_s.unsqueeze(1), sin_s.unsqueeze(1), dn,  # type: ignore[no-untyped-call]
+                          softmax_scale, flash_interface(arch))
     return lin(o.reshape(b, s, h * dv), p.wo)
 
 
@@ -225,30 +253,37 @@ def mla_kv_grad(dk: Tensor, dv: Tensor, dn: int) -> tuple[Tensor, Tensor]:
     return _mla_kv_grad_op(dk, dv, dn)
 
 
-class _Heads(torch.autograd.Function):
-    """q (the [B, S, H * (dn + dr)] projection, its rope parts rotated where they lie), k (mla_k) and v (a
-    view of kv) with no copy of q; the backward rotates one copy of dq in place and builds dkv and dk_pe
-    in one pass (mla_kv_grad), where slicing autograd zero-fills, copies and adds per slice."""
+class _MLACore(torch.autograd.Function):
+    """Causal attention of q (the [B, S, H * (dn + dr)] projection, its rope parts rotated where they lie),
+    k (mla_k) and v (a view of kv), with no copy of q. FA4 is called directly, so its dq is this node's to
+    rotate back in place; dkv and dk_pe come from one pass (mla_kv_grad)."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, kv: Tensor, k_pe: Tensor, cos: Tensor, sin: Tensor,
-                dn: int) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(ctx: Any, q: Tensor, kv: Tensor, k_pe: Tensor, cos: Tensor, sin: Tensor, dn: int,
+                scale: float, fa: ModuleType) -> tuple[Tensor, Tensor]:
         b, s, h, _ = kv.shape
-        rope_inplace(q.view(b, s, h, -1)[..., dn:], cos, sin)
+        q4 = q.view(b, s, h, -1)
+        rope_inplace(q4[..., dn:], cos, sin)
         ctx.mark_dirty(q)
-        ctx.save_for_backward(cos, sin)
-        ctx.dn = dn
-        return q, mla_k(kv, k_pe, dn), kv[..., dn:]
+        k = mla_k(kv, k_pe, dn)
+        out, lse = _fa4_fwd(fa, q4, k, kv[..., dn:], scale)
+        ctx.save_for_backward(q, k, kv, out, lse, cos, sin)
+        ctx.dn, ctx.scale, ctx.fa = dn, scale, fa
+        ctx.set_materialize_grads(False)
+        return out, q
 
     @staticmethod
-    def backward(ctx: Any, dq: Tensor, dk: Tensor, dv: Tensor) -> tuple[Tensor | None, ...]:
-        cos, sin = ctx.saved_tensors
+    def backward(ctx: Any, dout: Tensor | None, dq_rotated: Tensor | None) -> tuple[Tensor | None, ...]:
+        q, k, kv, out, lse, cos, sin = ctx.saved_tensors
         dn = ctx.dn
-        b, s, h, _ = dk.shape
-        dq = dq.clone(memory_format=torch.contiguous_format)
-        rope_inplace(dq.view(b, s, h, -1)[..., dn:], cos, sin, inverse=True)
+        b, s, h, _ = kv.shape
+        dq, dk, dv = _fa4_bwd(ctx.fa, q.view(b, s, h, -1), k, kv[..., dn:], out,
+                              torch.zeros_like(out) if dout is None else dout, lse, ctx.scale)
+        if dq_rotated is not None:
+            dq.add_(dq_rotated.view(dq.shape))
+        rope_inplace(dq[..., dn:], cos, sin, inverse=True)
         dkv, dk_pe = mla_kv_grad(dk, dv, dn)
-        return dq, dkv, dk_pe, None, None, None
+        return dq.view(q.shape), dkv, dk_pe, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -305,7 +340,7 @@ def _fa4_target(arch: str) -> None:
 
 def fa4_ptx(stage: str, d_qk: int, d_v: int, arch: str) -> str:
     """PTX of FA4's causal bf16 forward (stage 'fwd') or its backward kernels ('bwd'), compiled on fake
-    tensors (no GPU, no memory) exactly as causal_attention calls them."""
+    tensors (no GPU, no memory) exactly as the autograd nodes call them."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     _fa4_target(arch)
@@ -318,10 +353,9 @@ def fa4_ptx(stage: str, d_qk: int, d_v: int, arch: str) -> str:
             return torch.empty(2, 256, 4, dim, dtype=torch.bfloat16, device="cuda")
 
         q, k, v = t(d_qk), t(d_qk), t(d_v)
-        out, lse, *_ = fa._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True)
+        out, lse = _fa4_fwd(fa, q, k, v, scale)
         if stage == "bwd":
-            fa._flash_attn_bwd(q, k, v, out, torch.empty_like(out), lse, scale, True,
-                               deterministic=DETERMINISTIC)
+            _fa4_bwd(fa, q, k, v, out, torch.empty_like(out), lse, scale)
         paths = sorted(glob.glob(os.path.join(d, "*.ptx")))
         want = "Backward" if stage == "bwd" else "Forward"
         ptx = [Path(p).read_text() for p in paths if want in Path(p).name]
@@ -332,7 +366,8 @@ def fa4_ptx(stage: str, d_qk: int, d_v: int, arch: str) -> str:
 
 
 def _no_build(kernels: ModuleType, **spec: Any) -> tuple[Any, tuple[Any, ...]]:
-    raise TypeError("flash-attn-4 builds and launches its own kernels (flash_attn_func); only ptx() applies")
+    raise TypeError("flash-attn-4 builds and launches its own kernels (_fa4_fwd, _fa4_bwd); only ptx() "
+                    "applies")
 
 
 @dataclass(frozen=True)
