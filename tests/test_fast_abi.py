@@ -108,7 +108,7 @@ def _portable_calls() -> None:
                             torch.ones(rows, dtype=torch.float32), "swiglu")
     kv, k_pe = torch.randn(1, t, 2, 64 + 64, dtype=BF), torch.randn(1, t, 32, dtype=BF)
     attention.mla_k(kv, k_pe, 64)
-    attention.mla_kv_grad(torch.randn(1, t, 2, 64 + 32, dtype=BF), torch.randn(1, t, 2, 64, dtype=BF), 64)
+    attention.mla_kv_grad(torch.randn(1, t, 2, 64 + 32, dtype=BF), torch.zeros_like(kv), 64)
     head = torch.randn(256, h, dtype=BF)
     targets = torch.randint(0, 256, (t,))
     with torch.no_grad():

@@ -208,6 +208,8 @@ class _FA4Stand:
         with torch.enable_grad():
             self._attend(*leaves, kwargs["softmax_scale"], 0).backward(dout.to(F64))
         dq, dk, dv = (t.grad.to(q.dtype) for t in leaves if t.grad is not None)
+        if kwargs.get("dv") is not None:
+            return dq, dk, kwargs["dv"].copy_(dv)
         return dq, dk, dv
 
 
@@ -230,8 +232,9 @@ def _stand_mla_k(kv: Tensor, k_pe: Tensor, dn: int) -> Tensor:
     return torch.cat((kv[..., :dn], k_pe.unsqueeze(2).expand(b, s, h, k_pe.shape[-1])), dim=-1)
 
 
-def _stand_mla_kv_grad(dk: Tensor, dv: Tensor, dn: int) -> tuple[Tensor, Tensor]:
-    return torch.cat((dk[..., :dn], dv), dim=-1), dk[..., dn:].to(F64).sum(2).to(dk.dtype)
+def _stand_mla_kv_grad(dk: Tensor, dkv: Tensor, dn: int) -> Tensor:
+    dkv[..., :dn] = dk[..., :dn]
+    return dk[..., dn:].to(F64).sum(2).to(dk.dtype)
 
 
 def _stand_heads(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -368,6 +371,15 @@ def test_mla_assembly_refuses_shapes_before_any_gpu_work(kv_shape: tuple[int, ..
     kv, k_pe = torch.zeros(kv_shape, dtype=torch.bfloat16), torch.zeros(pe_shape, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="head dims must be positive multiples of 8"):
         fast_attn.mla_k(kv, k_pe, dn)
+
+
+def test_kv_grad_refuses_a_dkv_it_cannot_write_in_place() -> None:
+    dk = torch.zeros(1, 2, 2, 16 + 8, dtype=torch.bfloat16)
+    dkv = torch.zeros(1, 2, 2, 16 + 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="written in place"):
+        fast_attn.mla_kv_grad(dk, dkv.transpose(1, 2), 16)
+    with pytest.raises(ValueError, match="written in place"):
+        fast_attn.mla_kv_grad(dk, dkv.float(), 16)
 
 
 def test_core_values_and_gradients_equal_autograd_of_the_composition(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -567,25 +579,27 @@ def test_mla_k_and_kv_grad_bitwise() -> None:
     k = fast_attn.mla_k(kv.cuda(), k_pe.cuda(), dn).cpu()
     assert torch.equal(k[..., :dn], kv[..., :dn])
     assert torch.equal(k[..., dn:], k_pe[:, :, None, :].expand_as(k[..., dn:]))
-    dkv, dk_pe = (t.cpu() for t in fast_attn.mla_kv_grad(dk.cuda(), dv.cuda(), dn))
-    assert torch.equal(dkv[..., :dn], dk[..., :dn]) and torch.equal(dkv[..., dn:], dv)
+    dkv = torch.cat((torch.full_like(kv[..., :dn], 7.0), dv), dim=-1).cuda()
+    dk_pe = fast_attn.mla_kv_grad(dk.cuda(), dkv, dn).cpu()
+    assert torch.equal(dkv[..., :dn].cpu(), dk[..., :dn]) and torch.equal(dkv[..., dn:].cpu(), dv)
     assert torch.equal(dk_pe, dk[..., dn:].to(F64).sum(2).to(torch.bfloat16))
 
 
 @gpu
 def test_mla_assembly_ops_pass_opcheck() -> None:
-    kv, k_pe, dk, dv = (t.cuda() for t in _assembly_case(33))
+    kv, k_pe, dk, _ = (t.cuda() for t in _assembly_case(33))
     tests = ("test_schema", "test_faketensor")
     torch.library.opcheck(torch.ops.nmoe.mla_k.default, (kv, k_pe, 128), test_utils=tests)
-    torch.library.opcheck(torch.ops.nmoe.mla_kv_grad.default, (dk, dv, 128), test_utils=tests)
+    torch.library.opcheck(torch.ops.nmoe.mla_kv_grad.default, (dk, torch.zeros_like(kv), 128),
+                          test_utils=tests)
 
 
 @gpu
 def test_sep_mla_fast_k_pe_grad_one_head() -> None:
-    _, _, dk, dv = _assembly_case(31)
+    kv, _, dk, _ = _assembly_case(31)
     want = dk[..., 128:].to(F64).sum(2).to(torch.bfloat16)
     assert not torch.equal(dk[:, :, 0, 128:], want)
-    assert torch.equal(fast_attn.mla_kv_grad(dk.cuda(), dv.cuda(), 128)[1].cpu(), want)
+    assert torch.equal(fast_attn.mla_kv_grad(dk.cuda(), torch.zeros_like(kv).cuda(), 128).cpu(), want)
 
 
 @gpu

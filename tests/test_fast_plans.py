@@ -352,8 +352,8 @@ _MODEL_PROBE = """
         def _flash_attn_fwd(q, k, v, softmax_scale, causal, return_lse):
             return v + 0 * (q.sum() + k.sum()), None
         @staticmethod
-        def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal, deterministic):
-            return torch.zeros_like(q), torch.zeros_like(k), dout.clone()
+        def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal, deterministic, dv=None):
+            return torch.zeros_like(q), torch.zeros_like(k), dout.clone() if dv is None else dv.copy_(dout)
     launched = {}
     with cpu_as_gpu(), cpu_matmuls(), real_hosts(launched):
         from nmoe.fast import attention, model as fast_model

@@ -85,11 +85,12 @@ def _fa4_fwd(fa: ModuleType, q: Tensor, k: Tensor, v: Tensor, scale: float) -> t
 
 
 def _fa4_bwd(fa: ModuleType, q: Tensor, k: Tensor, v: Tensor, out: Tensor, dout: Tensor, lse: Tensor,
-             scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """FA4's causal backward: (dq, dk, dv), each a new tensor the caller owns."""
-    dq, dk, dv = fa._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=scale, causal=True,
-                                    deterministic=DETERMINISTIC)
-    return dq, dk, dv
+             scale: float, dv: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """FA4's causal backward: (dq, dk, dv), dq and dk new tensors the caller owns; dv written into `dv`
+    (any view of v's shape with unit last stride) when given."""
+    dq, dk, dv_ = fa._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=scale, causal=True,
+                                     deterministic=DETERMINISTIC, dv=dv)
+    return dq, dk, dv_
 
 
 class _Causal(torch.autograd.Function):
@@ -218,28 +219,29 @@ def _mla_k_fake(kv: Tensor, k_pe: Tensor, dn: int) -> Tensor:
     return kv.new_empty((*kv.shape[:3], dn + k_pe.shape[-1]))
 
 
-def _mla_kv_grad_impl(dk: Tensor, dv: Tensor, dn: int) -> tuple[Tensor, Tensor]:
-    if dk.dim() != 4 or dv.dim() != 4 or dv.shape[:3] != dk.shape[:3]:
-        raise ValueError(f"mla_kv_grad: dk {tuple(dk.shape)} and dv {tuple(dv.shape)} must be [B, S, H, D] "
+def _mla_kv_grad_impl(dk: Tensor, dkv: Tensor, dn: int) -> Tensor:
+    if dk.dim() != 4 or dkv.dim() != 4 or dkv.shape[:3] != dk.shape[:3]:
+        raise ValueError(f"mla_kv_grad: dk {tuple(dk.shape)} and dkv {tuple(dkv.shape)} must be [B, S, H, D] "
                          "sharing [B, S, H]")
     b, s, h, width = dk.shape
-    dims = _mla_dims((b, s, h, dn + dv.shape[-1]), (b, s, width - dn), dn)
-    device, arch = runtime.device_arch(dk, dv)
-    dkv = torch.empty((b, s, h, dn + dims["dv"]), dtype=dk.dtype, device=dk.device)
+    dims = _mla_dims(tuple(dkv.shape), (b, s, width - dn), dn)
+    if not dkv.is_contiguous() or dkv.data_ptr() % VEC_BYTES or dkv.dtype != dk.dtype:
+        raise ValueError(f"mla_kv_grad: dkv is written in place, so it must be contiguous, {VEC_BYTES}-byte "
+                         f"aligned and of dk's dtype {dk.dtype} (got {dkv.dtype}, strides {dkv.stride()})")
+    device, arch = runtime.device_arch(dk, dkv)
     dk_pe = torch.empty((b, s, dims["dr"]), dtype=dk.dtype, device=dk.device)
     if dkv.numel():
-        dkc, dvc = vector_aligned(dk, VEC_BYTES), vector_aligned(dv, VEC_BYTES)
-        MLA_KV_GRAD.launcher(arch, **dims)(device, dkc.data_ptr(), dvc.data_ptr(), dkv.data_ptr(),
+        MLA_KV_GRAD.launcher(arch, **dims)(device, vector_aligned(dk, VEC_BYTES).data_ptr(), dkv.data_ptr(),
                                            dk_pe.data_ptr(), b * s * h)
-    return dkv, dk_pe
+    return dk_pe
 
 
-def _mla_kv_grad_fake(dk: Tensor, dv: Tensor, dn: int) -> tuple[Tensor, Tensor]:
-    return dk.new_empty((*dk.shape[:3], dn + dv.shape[-1])), dk.new_empty((*dk.shape[:2], dk.shape[-1] - dn))
+def _mla_kv_grad_fake(dk: Tensor, dkv: Tensor, dn: int) -> Tensor:
+    return dk.new_empty((*dk.shape[:2], dk.shape[-1] - dn))
 
 
 _mla_k_op = fast_op("mla_k", _mla_k_impl, _mla_k_fake)
-_mla_kv_grad_op = fast_op("mla_kv_grad", _mla_kv_grad_impl, _mla_kv_grad_fake)
+_mla_kv_grad_op = fast_op("mla_kv_grad", _mla_kv_grad_impl, _mla_kv_grad_fake, mutates=("dkv",))
 
 
 def mla_k(kv: Tensor, k_pe: Tensor, dn: int) -> Tensor:
@@ -247,16 +249,16 @@ def mla_k(kv: Tensor, k_pe: Tensor, dn: int) -> Tensor:
     return _mla_k_op(kv, k_pe, dn)
 
 
-def mla_kv_grad(dk: Tensor, dv: Tensor, dn: int) -> tuple[Tensor, Tensor]:
-    """(dkv, dk_pe) of mla_k and v = kv[..., dn:]: dkv = [dk[..., :dn] | dv]; dk_pe = sum over heads of
-    dk[..., dn:], added in fp32 in head order and rounded once."""
-    return _mla_kv_grad_op(dk, dv, dn)
+def mla_kv_grad(dk: Tensor, dkv: Tensor, dn: int) -> Tensor:
+    """The gradients of mla_k's inputs: dk[..., :dn] into dkv[..., :dn] (its v part, v's gradient, left as
+    it is), and dk_pe, returned: the sum over heads of dk[..., dn:], in fp32 in head order, rounded once."""
+    return _mla_kv_grad_op(dk, dkv, dn)
 
 
 class _MLACore(torch.autograd.Function):
     """Causal attention of q (the [B, S, H * (dn + dr)] projection, its rope parts rotated where they lie),
     k (mla_k) and v (a view of kv), with no copy of q. FA4 is called directly, so its dq is this node's to
-    rotate back in place; dkv and dk_pe come from one pass (mla_kv_grad)."""
+    rotate back in place; FA4 writes dv into dkv's v columns and one pass fills the rest (mla_kv_grad)."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, kv: Tensor, k_pe: Tensor, cos: Tensor, sin: Tensor, dn: int,
@@ -277,12 +279,13 @@ class _MLACore(torch.autograd.Function):
         q, k, kv, out, lse, cos, sin = ctx.saved_tensors
         dn = ctx.dn
         b, s, h, _ = kv.shape
-        dq, dk, dv = _fa4_bwd(ctx.fa, q.view(b, s, h, -1), k, kv[..., dn:], out,
-                              torch.zeros_like(out) if dout is None else dout, lse, ctx.scale)
+        dkv = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
+        dq, dk, _ = _fa4_bwd(ctx.fa, q.view(b, s, h, -1), k, kv[..., dn:], out,
+                             torch.zeros_like(out) if dout is None else dout, lse, ctx.scale, dkv[..., dn:])
         if dq_rotated is not None:
             dq.add_(dq_rotated.view(dq.shape))
         rope_inplace(dq[..., dn:], cos, sin, inverse=True)
-        dkv, dk_pe = mla_kv_grad(dk, dv, dn)
+        dk_pe = mla_kv_grad(dk, dkv, dn)
         return dq.view(q.shape), dkv, dk_pe, None, None, None, None, None
 
 

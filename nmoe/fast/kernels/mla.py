@@ -1,6 +1,6 @@
 """CuTeDSL kernels for MLA's key (mla_k: k[r] = [kv[r, :dn] | k_pe[r // h]]) and kv gradient (mla_kv_grad:
-[dk_nope | dv]; dk_pe the heads' dk rope parts added in fp32 in head order, rounded once), a 128-bit vector
-per thread: no concatenation copies either way. Import after nmoe.fast.runtime.import_cutlass(arch)."""
+dk_nope into dkv's rows beside the dv flash-attn wrote there; dk_pe the heads' dk rope parts added in fp32
+in head order, rounded once), a 128-bit vector per thread. Import after runtime.import_cutlass(arch)."""
 
 from __future__ import annotations
 
@@ -54,16 +54,20 @@ def mla_k_kernel(pkv: Pointer, pkpe: Pointer, pk: Pointer, rows: Int64, h: Const
 
 
 @cute.kernel
-def mla_kv_grad_kernel(pdk: Pointer, pdv: Pointer, pdkv: Pointer, pdkpe: Pointer, rows: Int64,
-                       h: Constexpr[int], dn: Constexpr[int], dr: Constexpr[int], dv: Constexpr[int]) -> None:
-    """Threads [0, rows * (dn + dv) / VEC) build dkv; the next tokens * dr / VEC sum dk_pe's vectors."""
+def mla_kv_grad_kernel(pdk: Pointer, pdkv: Pointer, pdkpe: Pointer, rows: Int64, h: Constexpr[int],
+                       dn: Constexpr[int], dr: Constexpr[int], dv: Constexpr[int]) -> None:
+    """Threads [0, rows * dn / VEC) copy dk's nope vectors into dkv's rows (dn + dv apart); the next
+    tokens * dr / VEC sum dk_pe's vectors."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     i = Int64(bidx) * THREADS + Int64(tidx)
-    n_kv = rows * ((dn + dv) // VEC)
+    n_kv = rows * (dn // VEC)
     per_tok = dr // VEC
     if i < n_kv:
-        _join(pdk, pdv, pdkv, rows, i, dn, dn + dr, dv, 1)
+        r = i // (dn // VEC)
+        c = (i - r * (dn // VEC)) * VEC
+        dst = _vec_at(pdkv, rows * (dn + dv), (r * (dn + dv) + c) // VEC)
+        dst.store(_vec_at(pdk, rows * (dn + dr), (r * (dn + dr) + c) // VEC).load())
     elif i < n_kv + rows // h * per_tok:
         j = i - n_kv
         t = j // per_tok
@@ -87,11 +91,10 @@ def mla_k_host(pkv: Pointer, pkpe: Pointer, pk: Pointer, rows: Int64, stream: cu
 
 
 @cute.jit
-def mla_kv_grad_host(pdk: Pointer, pdv: Pointer, pdkv: Pointer, pdkpe: Pointer, rows: Int64,
-                     stream: cuda.CUstream, h: Constexpr[int], dn: Constexpr[int], dr: Constexpr[int],
-                     dv: Constexpr[int]) -> None:
-    n = rows * ((dn + dv) // VEC) + rows // h * (dr // VEC)
-    mla_kv_grad_kernel(pdk, pdv, pdkv, pdkpe, rows, h, dn, dr, dv).launch(
+def mla_kv_grad_host(pdk: Pointer, pdkv: Pointer, pdkpe: Pointer, rows: Int64, stream: cuda.CUstream,
+                     h: Constexpr[int], dn: Constexpr[int], dr: Constexpr[int], dv: Constexpr[int]) -> None:
+    n = rows * (dn // VEC) + rows // h * (dr // VEC)
+    mla_kv_grad_kernel(pdk, pdkv, pdkpe, rows, h, dn, dr, dv).launch(
         grid=[(n + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream
     )
 
@@ -103,5 +106,5 @@ def compile_args(kernel: str, spec: dict[str, Any]) -> tuple[Any, tuple[Any, ...
     if kernel == "mla_k":
         return mla_k_host, (p, p, p, Int64(0), cuda.CUstream(0), *dims)
     if kernel == "mla_kv_grad":
-        return mla_kv_grad_host, (p, p, p, p, Int64(0), cuda.CUstream(0), *dims)
+        return mla_kv_grad_host, (p, p, p, Int64(0), cuda.CUstream(0), *dims)
     raise ValueError(f"unknown mla kernel {kernel!r}; choose mla_k or mla_kv_grad")
