@@ -177,7 +177,7 @@ def cpu_matmuls() -> Iterator[None]:
 
     def addmm_cpu(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out_dtype: Any = None,
                   out: Any = None) -> torch.Tensor:
-        r = addmm(c.float(), a.float(), b.float())
+        r = addmm(c.float(), a.float(), b.float()) if out_dtype is not None else addmm(c, a, b)
         return r if out is None else out.copy_(r)
 
     torch.mm, torch.addmm = mm_cpu, addmm_cpu  # type: ignore[assignment]

@@ -133,18 +133,16 @@ def test_glue_matches_spec(spec_kernels: None, activation: str, shared: int, dty
         assert err < 1e-2, f"grad {i}: relative error {err:.3g}"
 
 
-def _run(fn: Any, cfg_args: tuple[str, int, str, str]) -> tuple[dict[str, Tensor], Tensor, Tensor]:
-    """(grads by name, routing weights' grad, routing weights) of one layer call on the glue case."""
+def _run(fn: Any, cfg_args: tuple[str, int, str, str]) -> tuple[dict[str, Tensor], Tensor]:
+    """(grads by name, routing weights) of one layer call on the glue case."""
     x, p, cfg = _case(*cfg_args, 3)
     dout = torch.randn(T, cfg.dim, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     out, routing = fn(x, p, cfg)
-    routing.weights.retain_grad()
     out.backward(dout)
     names = ("x", "router_w", "w13", "w1", "w2", "shared_w13", "shared_w1", "shared_w2")
     leaves = (x, p.router_w, p.w13, p.w1, p.w2, p.shared_w13, p.shared_w1, p.shared_w2)
     grads = {n: t.grad for n, t in zip(names, leaves, strict=True) if t is not None and t.grad is not None}
-    assert routing.weights.grad is not None
-    return grads, routing.weights.grad, routing.weights.detach()
+    return grads, routing.weights.detach()
 
 
 def _close(got: Tensor, want: Tensor) -> None:
@@ -156,17 +154,19 @@ SWIGLU_SHARED = ("swiglu", 1, "bf16", "sigmoid")
 
 
 def test_sep_moe_fast_dweights_scale_dropped(spec_kernels: None) -> None:
-    """route_scale 2.5: dweights without it are 2.5x too small."""
-    _, dw, _ = _run(fm.moe_layer, SWIGLU_SHARED)
-    _, want, _ = _run(moe_layer, SWIGLU_SHARED)
-    assert float((want - want / 2.5).norm()) > 0.5 * float(want.norm())
-    _close(dw, want)
+    """route_scale 2.5: dweights without it are 2.5x too small, and so is the router weight's gradient,
+    linear in dweights."""
+    got, _ = _run(fm.moe_layer, SWIGLU_SHARED)
+    want, _ = _run(moe_layer, SWIGLU_SHARED)
+    dwr = want["router_w"]
+    assert float((dwr - dwr / 2.5).norm()) > 0.5 * float(dwr.norm())
+    _close(got["router_w"], dwr)
 
 
 def test_sep_moe_fast_shared_grad_dropped(spec_kernels: None) -> None:
     """The shared MLP's weights get gradient only through dout; dropped, they would stay without one."""
-    got, _, _ = _run(fm.moe_layer, SWIGLU_SHARED)
-    want, _, _ = _run(moe_layer, SWIGLU_SHARED)
+    got, _ = _run(fm.moe_layer, SWIGLU_SHARED)
+    want, _ = _run(moe_layer, SWIGLU_SHARED)
     assert float(want["shared_w2"].norm()) > 0 and float(want["shared_w13"].norm()) > 0
     assert "shared_w2" in got and "shared_w13" in got
     _close(got["shared_w2"], want["shared_w2"])
@@ -176,8 +176,8 @@ def test_sep_moe_fast_shared_grad_dropped(spec_kernels: None) -> None:
 def test_sep_moe_fast_shared_dx_dropped(spec_kernels: None) -> None:
     """dx carries the shared MLP's share (added in the routed dx's combine pass): the spec's dx with the
     shared weights zeroed, which leaves routing and the routed dx as they are, is far from the full one."""
-    got, _, _ = _run(fm.moe_layer, SWIGLU_SHARED)
-    want, _, _ = _run(moe_layer, SWIGLU_SHARED)
+    got, _ = _run(fm.moe_layer, SWIGLU_SHARED)
+    want, _ = _run(moe_layer, SWIGLU_SHARED)
     x, p, cfg = _case(*SWIGLU_SHARED, 3)
     assert p.shared_w13 is not None and p.shared_w2 is not None
     with torch.no_grad():
@@ -191,10 +191,25 @@ def test_sep_moe_fast_shared_dx_dropped(spec_kernels: None) -> None:
     _close(got["x"], want["x"])
 
 
+def test_sep_moe_fast_router_dx_dropped(spec_kernels: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """dx carries the router's share (its GEMM's addend into combine_gather's pass): the spec's dx with the
+    router logits cut from x, which leaves routing and every other path as they are, is far from the full
+    one."""
+    import nmoe.reference.moe as spec_moe
+
+    got, _ = _run(fm.moe_layer, SWIGLU_SHARED)
+    want, _ = _run(moe_layer, SWIGLU_SHARED)
+    monkeypatch.setattr(spec_moe, "router_logits", lambda x, wr: rr.router_logits(x.detach(), wr))
+    cut, _ = _run(moe_layer, SWIGLU_SHARED)
+    sep = float((cut["x"].double() - want["x"].double()).norm() / want["x"].double().norm())
+    assert sep > 0.1, f"the router's dx is too small to tell apart ({sep:.3g})"
+    _close(got["x"], want["x"])
+
+
 def test_sep_moe_fast_weight_wrong_slot(spec_kernels: None) -> None:
     """Each row's router weight scales its dy; a neighbouring slot's weight differs on most rows."""
-    got, _, w = _run(fm.moe_layer, SWIGLU_SHARED)
-    want, _, _ = _run(moe_layer, SWIGLU_SHARED)
+    got, w = _run(fm.moe_layer, SWIGLU_SHARED)
+    want, _ = _run(moe_layer, SWIGLU_SHARED)
     flat = w.reshape(-1)
     assert float((flat[1:] - flat[:-1]).abs().min()) > 0
     _close(got["w2"], want["w2"])
@@ -206,8 +221,8 @@ def test_sep_moe_fast_gather_off_by_one(spec_kernels: None) -> None:
     everywhere."""
     x, _, _ = _case(*SWIGLU_SHARED, 3)
     assert bool((x.detach() != x.detach().roll(1, 0)).any(-1).all())
-    got, _, _ = _run(fm.moe_layer, SWIGLU_SHARED)
-    want, _, _ = _run(moe_layer, SWIGLU_SHARED)
+    got, _ = _run(fm.moe_layer, SWIGLU_SHARED)
+    want, _ = _run(moe_layer, SWIGLU_SHARED)
     _close(got["w13"], want["w13"])
     _close(got["w2"], want["w2"])
 
@@ -216,8 +231,8 @@ def _check_chunks(weight: str, chunk: Any) -> None:
     """The wgrad of `weight` runs in 8-wide chunks; chunk(dw, c0) is the block chunk c0 fills, and the first
     two blocks of the spec's gradient differ, so a chunk stored at the wrong place shows."""
     assert fm.sm90.wgrad_cols(DIMS["bf16"][0], 0) < DIMS["bf16"][0], "more than one chunk"
-    got, _, _ = _run(fm.moe_layer, SWIGLU_SHARED)
-    want, _, _ = _run(moe_layer, SWIGLU_SHARED)
+    got, _ = _run(fm.moe_layer, SWIGLU_SHARED)
+    want, _ = _run(moe_layer, SWIGLU_SHARED)
     assert bool((chunk(want[weight], 0) != chunk(want[weight], 8)).any())
     _close(got[weight], want[weight])
 
@@ -234,8 +249,8 @@ def test_sep_moe_fast_down_wgrad_chunk_at_row0(spec_kernels: None) -> None:
 
 def test_sep_moe_fast_topk_grad_unnormalised(spec_kernels: None) -> None:
     """Sigmoid scores of K=3 picks sum far from 1, so the renormalisation's derivative matters."""
-    got, _, w = _run(fm.moe_layer, SWIGLU_SHARED)
-    want, _, _ = _run(moe_layer, SWIGLU_SHARED)
+    got, w = _run(fm.moe_layer, SWIGLU_SHARED)
+    want, _ = _run(moe_layer, SWIGLU_SHARED)
     assert bool(torch.allclose(w.sum(-1), torch.ones(T), atol=1e-5))
     _close(got["router_w"], want["router_w"])
 

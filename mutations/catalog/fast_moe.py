@@ -17,17 +17,24 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "moe.fast_shared_grad_dropped", FILE,
-        "return dx, dw_up, dw2, dweights, dw_up_s, dw2_s, None, None",
-        "return dx, dw_up, dw2, dweights, None, None, None, None",
+        "return dx, dwr, None, dw_up, dw2, dw_up_s, dw2_s, None",
+        "return dx, dwr, None, dw_up, dw2, None, None, None",
         "shared expert's weights get no gradient from the backward", TESTS, ("moe_layer",),
     ),
     sep_mutation(
         "moe.fast_shared_dx_dropped", FILE,
-        "dx = combine_gather(dxp, row_of, ones, 1.0, dx_s)",
-        "dx = combine_gather(dxp, row_of, ones, 1.0, None)",
-        "the shared expert's share of dx is left out of combine_gather's pass (only the routed dx flows "
-        "back)",
+        "dx_r, dwr = logits_grads(dlogits, x, wr, need_x, need_wr, dx_s)",
+        "dx_r, dwr = logits_grads(dlogits, x, wr, need_x, need_wr, None)",
+        "the shared expert's share of dx is left out of the router dx GEMM's addend (only the routed and "
+        "router dx flow back)",
         TESTS, ("moe_layer",),
+    ),
+    sep_mutation(
+        "moe.fast_router_dx_dropped", FILE,
+        "dx = combine_gather(dxp, row_of, ones, 1.0, dx_r)",
+        "dx = combine_gather(dxp, row_of, ones, 1.0, dx_s)",
+        "x's gradient through the router logits is left out of combine_gather's addend", TESTS,
+        ("moe_layer",),
     ),
     sep_mutation(
         "moe.fast_weight_wrong_slot", FILE,
@@ -55,8 +62,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "moe.fast_topk_grad_unnormalised", FILE,
-        "            w = s / s.sum(-1, keepdim=True)\n",
-        "            w = s\n",
+        "        w = s / s.sum(-1, keepdim=True)\n",
+        "        w = s\n",
         "router top-k backward differentiates the raw scores, not the renormalised weights", TESTS,
         ("moe_layer",),
     ),

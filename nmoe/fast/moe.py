@@ -1,13 +1,14 @@
 """Fast MoE layer: the spec's moe_layer (nmoe.reference.moe) from fast ops, sm_90a, no host sync.
 
-Autograd pieces: router_logits (its own op), _RouterTopk and _Routed, which runs the shared MLP (one-group
-GEMMs; its dx joins the routed dx in combine_gather's pass) and permute's routing (slot, offs; bf16 experts
-copy no rows: the up projection gathers x's rows as it loads) -> up (+act) -> down -> combine_gather (each
-slot's row read in place from the permuted output: no [T,K,H] copy), and whose backward calls the fast
-spread_rows, dgrad/wgrad and combine_gather kernels, and expert_rows_bwd: one pass over [rows, I] for
-a = act(h), its router-weight scaling, dweights' row dot and dh, written over h (exactly the separate
-kernels). With an RDEP Exchange the experts are sharded over ranks, the routed half is
-nmoe.fast.rdep.ep.ep_routed (rows travel to their expert's rank and back) and _Shared runs the shared MLP.
+One autograd node, _Routed, from the router to combine: router_logits and router_topk (the fast ops), the
+shared MLP (one-group GEMMs) and permute's routing (slot, offs; bf16 experts copy no rows: the up projection
+gathers x's rows as it loads) -> up (+act) -> down -> combine_gather (each slot's row read in place from the
+permuted output: no [T,K,H] copy). Its backward calls the fast spread_rows, dgrad/wgrad and combine_gather
+kernels, and expert_rows_bwd: one pass over [rows, I] for a = act(h), its router-weight scaling, dweights'
+row dot and dh, written over h (exactly the separate kernels); x's three gradients meet with no add of their
+own: the router's dx GEMM adds the shared MLP's dx (addmm), combine_gather adds that to the routed rows.
+With an RDEP Exchange the experts are sharded over ranks: router_logits and _RouterTopk route, the routed
+half is nmoe.fast.rdep.ep.ep_routed (rows travel to their expert's rank and back), _Shared the shared MLP.
 
 Saved for the backward, per token (K slots, up width N = 2I swiglu or I relu2, E experts):
   x (the layer input, already alive)      0 extra: the up projection reads x's rows by index, the down
@@ -51,7 +52,7 @@ from nmoe.fast.formats import quantize_mxfp8, quantize_mxfp8_weight
 from nmoe.fast.gemm import grouped_gemm, grouped_gemm_dgrad, grouped_gemm_fp8, grouped_gemm_wgrad, sm90
 from nmoe.fast.gemm.routing import offs_built_on_device
 from nmoe.fast.rdep.ep import Exchange, ep_routed
-from nmoe.fast.router import expert_counts, router_logits, router_topk
+from nmoe.fast.router import expert_counts, logits_grads, router_logits, router_topk
 from nmoe.layout import FP8_ACT_BLOCK, MoEParams, MoERouting, check_moe_params
 
 __all__ = ["MoEParams", "MoERouting", "moe_layer"]
@@ -128,8 +129,21 @@ def _chunked_wgrad(dy: Tensor, x: Tensor, slot: Tensor, row_of: Tensor, offs: Te
     return dw
 
 
+def _topk_grad(logits: Tensor, ids: Tensor, dw: Tensor, score_func: str) -> Tensor:
+    """dL/dlogits from dL/dweights: the analytic derivative of weights = s[ids] / sum s[ids]."""
+    with torch.enable_grad():
+        lg = logits.detach().requires_grad_()
+        if score_func == "sigmoid":
+            s = torch.sigmoid(lg.gather(1, ids))
+        else:
+            s = torch.softmax(lg, dim=-1).gather(1, ids)
+        w = s / s.sum(-1, keepdim=True)
+        (dl,) = torch.autograd.grad(w, lg, dw)
+    return dl
+
+
 class _RouterTopk(torch.autograd.Function):
-    """Fast top-k forward; backward is the analytic derivative of weights = s[ids] / sum s[ids]."""
+    """Fast top-k forward; backward is _topk_grad (the expert-parallel path's router)."""
 
     @staticmethod
     def forward(ctx: FunctionCtx, logits: Tensor, bias: Tensor, k: int, score_func: str, n_groups: int,
@@ -143,25 +157,21 @@ class _RouterTopk(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dw: Tensor, _: Any) -> tuple[Tensor, None, None, None, None, None]:
         logits, ids = ctx.saved_tensors
-        with torch.enable_grad():
-            lg = logits.detach().requires_grad_()
-            if ctx.score_func == "sigmoid":
-                s = torch.sigmoid(lg.gather(1, ids))
-            else:
-                s = torch.softmax(lg, dim=-1).gather(1, ids)
-            w = s / s.sum(-1, keepdim=True)
-            (dl,) = torch.autograd.grad(w, lg, dw)
-        return dl, None, None, None, None, None
+        return _topk_grad(logits, ids, dw, ctx.score_func), None, None, None, None, None
 
 
 class _Routed(torch.autograd.Function):
-    """combine(unpermute(down(act(up(permute(x))))), weights, scale, shared(x)) (module docstring): with
-    the shared MLP inside, the backward adds its dx in combine_gather's pass, not in an add of its own."""
+    """(out, weights, ids): route x (router_logits, router_topk), then combine(unpermute(down(act(up(
+    permute(x))))), weights, scale, shared(x)) (module docstring), one node so x's router, shared and routed
+    gradients meet inside its backward's GEMM and combine passes, with no add of their own."""
 
     @staticmethod
     @_sync_free
-    def forward(ctx: FunctionCtx, x: Tensor, w_up: Tensor, w2: Tensor, weights: Tensor, s_up: Tensor | None,
-                s_w2: Tensor | None, ids: Tensor, cfg: ModelConfig) -> Tensor:
+    def forward(ctx: FunctionCtx, x: Tensor, wr: Tensor, bias: Tensor, w_up: Tensor, w2: Tensor,
+                s_up: Tensor | None, s_w2: Tensor | None, cfg: ModelConfig) -> tuple[Tensor, Tensor, Tensor]:
+        logits = router_logits(x, wr)
+        weights, ids = router_topk(logits, bias, cfg.n_activated_experts, cfg.score_func, cfg.n_expert_groups,
+                                   cfg.n_limited_groups)
         shared = h_s = offs_s = None
         if s_up is not None:
             assert s_w2 is not None
@@ -185,25 +195,27 @@ class _Routed(torch.autograd.Function):
             out = combine(fp8_y[0], weights, cfg.route_scale, shared)
         else:
             out = combine_gather(yp, row_of, weights, cfg.route_scale, shared)
-        saved: list[Tensor | None] = [x, w_up, w2, weights, ids, slot, row_of, offs, s_up, s_w2, h_s, offs_s,
-                                      *fp8_y]
+        saved: list[Tensor | None] = [x, wr, logits, w_up, w2, weights, ids, slot, row_of, offs, s_up, s_w2,
+                                      h_s, offs_s, *fp8_y]
         ctx.save_for_backward(*saved)  # type: ignore[arg-type]
         # h, the largest saved tensor, is held outside saved_tensors so the backward can drop it as soon as
         # dh exists, before the up-projection's wgrad and dgrad allocate theirs.
         ctx.h, ctx.cfg = h, cfg  # type: ignore[attr-defined]
-        return out
+        ctx.mark_non_differentiable(ids)
+        return out, weights, ids
 
     @staticmethod
     @_sync_free
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None,
-                                                  Tensor | None, Tensor | None, None, None]:
-        x, w_up, w2, weights, ids, slot, row_of, offs, s_up, s_w2, h_s, offs_s, *fp8_y = ctx.saved_tensors
+    def backward(ctx: Any, dout: Tensor, dweights_out: Tensor, _: Any) -> tuple[Tensor | None, ...]:
+        x, wr, logits, w_up, w2, weights, ids, slot, row_of, offs, s_up, s_w2, h_s, offs_s, *fp8_y = \
+            ctx.saved_tensors
         h, ctx.h = ctx.h, None
         if h is None:
             raise RuntimeError("moe_layer: its backward ran twice (retain_graph=True); the layer frees h "
                                "during its backward, so run the forward again for a second backward")
         cfg: ModelConfig = ctx.cfg
-        need_x, need_up, need_w2, need_w = ctx.needs_input_grad[:4]
+        need_x, need_wr, _, need_up, need_w2 = ctx.needs_input_grad[:5]
+        need_w = need_x or need_wr
         need_h = need_x or need_up
         dot_w = need_w and not fp8_y
         t, k = ids.shape
@@ -232,17 +244,22 @@ class _Routed(torch.autograd.Function):
         dx_s = dw_up_s = dw2_s = None
         if s_up is not None:
             dx_s, dw_up_s, dw2_s = _shared_bwd(dout, x, s_up, s_w2, h_s, offs_s, cfg.activation,
-                                               (need_x, *ctx.needs_input_grad[4:6]))
+                                               (need_x, *ctx.needs_input_grad[5:7]))
+        dx_r = dwr = None
+        if need_w:
+            assert dweights is not None
+            dlogits = _topk_grad(logits, ids, dweights + dweights_out, cfg.score_func)
+            dx_r, dwr = logits_grads(dlogits, x, wr, need_x, need_wr, dx_s)
         if need_h:
             dh = h  # expert_rows_bwd wrote it over h
             if need_x:
                 dxp = grouped_gemm_dgrad(dh, w_up, offs)
                 ones = torch.ones(t, k, dtype=torch.float32, device=dout.device)
-                dx = combine_gather(dxp, row_of, ones, 1.0, dx_s)
+                dx = combine_gather(dxp, row_of, ones, 1.0, dx_r)
                 del dxp
             if need_up:
                 dw_up = _chunked_wgrad(dh, x, slot, row_of, offs, "x", dh.shape[1])
-        return dx, dw_up, dw2, dweights, dw_up_s, dw2_s, None, None
+        return dx, dwr, None, dw_up, dw2, dw_up_s, dw2_s, None
 
 
 def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
@@ -323,12 +340,14 @@ def moe_layer(x: Tensor, p: MoEParams, cfg: ModelConfig,
     if ex is not None:
         _check_ep(x, cfg, ex)
     k, e = cfg.n_activated_experts, cfg.n_routed_experts
-    logits = router_logits(x, p.router_w)
-    weights, ids = _apply(_RouterTopk, logits, p.router_bias, k, cfg.score_func, cfg.n_expert_groups,
-                          cfg.n_limited_groups)
+    out: Tensor
     if ex is None:
-        out: Tensor = _apply(_Routed, x, up, p.w2, weights, shared_up, p.shared_w2, ids, cfg)
+        out, weights, ids = _apply(_Routed, x, p.router_w, p.router_bias, up, p.w2, shared_up, p.shared_w2,
+                                   cfg)
     else:
+        logits = router_logits(x, p.router_w)
+        weights, ids = _apply(_RouterTopk, logits, p.router_bias, k, cfg.score_func, cfg.n_expert_groups,
+                              cfg.n_limited_groups)
         shared = None
         if shared_up is not None:
             assert p.shared_w2 is not None

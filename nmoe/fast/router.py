@@ -144,25 +144,36 @@ def _split_bf16(g: Tensor) -> Tensor:
     return torch.cat([hi, (g - hi.float()).to(torch.bfloat16)], dim=1)
 
 
-def _router_logits_backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, Tensor | None]:
-    """bf16 operands: the fp32 gradient split into two bf16 halves (error 2^-16 relative, far under the bf16
-    results' rounding); dx leaves its GEMM as bf16, no fp32 [T, H] to cast. Otherwise fp32 GEMMs at full fp32
-    precision whatever the process's matmul precision (TF32 would round g to 10 bits), restored on return."""
-    x, wr = ctx.saved_tensors
+def logits_grads(g: Tensor, x: Tensor, wr: Tensor, need_dx: bool, need_dwr: bool,
+                 dx_add: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
+    """(dx, dwr) of router_logits for g = dL/dlogits; dx_add (x's other gradient) joins dx in its GEMM (addmm,
+    beta 1). bf16 operands: g split into two bf16 halves (2^-16 relative, under the bf16 results' rounding),
+    dx out of its GEMM as bf16; else full-fp32 GEMMs whatever the process's matmul precision."""
     if x.dtype == wr.dtype == torch.bfloat16:
         gp = _split_bf16(g.float())
         e, h = wr.shape
-        dx = torch.mm(gp, torch.cat([wr, wr])) if ctx.needs_input_grad[0] else None
-        dwr = _mm_f32(gp.t(), x).view(2, e, h).sum(0).to(wr.dtype) if ctx.needs_input_grad[1] else None
+        dx = None
+        if need_dx:
+            w2 = torch.cat([wr, wr])
+            dx = torch.mm(gp, w2) if dx_add is None else torch.addmm(dx_add, gp, w2)
+        dwr = _mm_f32(gp.t(), x).view(2, e, h).sum(0).to(wr.dtype) if need_dwr else None
         return dx, dwr
     prev = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
-        dx = torch.mm(g, wr.to(g.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
-        dwr = torch.mm(g.t(), x.to(g.dtype)).to(wr.dtype) if ctx.needs_input_grad[1] else None
+        dx = dwr = None
+        if need_dx:
+            w32 = wr.to(g.dtype)
+            dx = (torch.mm(g, w32) if dx_add is None else torch.addmm(dx_add.to(g.dtype), g, w32)).to(x.dtype)
+        dwr = torch.mm(g.t(), x.to(g.dtype)).to(wr.dtype) if need_dwr else None
     finally:
         torch.set_float32_matmul_precision(prev)
     return dx, dwr
+
+
+def _router_logits_backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    x, wr = ctx.saved_tensors
+    return logits_grads(g, x, wr, *ctx.needs_input_grad[:2])
 
 
 def _check_bias_update(bias: Tensor, counts: Tensor, rate: float, clamp: float) -> None:
