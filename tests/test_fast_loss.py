@@ -380,3 +380,35 @@ def test_a_target_outside_the_vocab_aborts_where_the_spec_raises() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600)
     assert out.returncode != 0 and "no error" not in out.stdout, out.stdout + out.stderr
     assert "CUDA error" in out.stdout + out.stderr, out.stderr[-2000:]
+
+
+def _scale_case(n: int) -> Tensor:
+    """fp32 gradients with bf16 rounding ties, overflow past bf16's max, subnormals, infinities and NaN."""
+    g = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3.0
+    specials = torch.tensor([1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, 3.4e38, 1e-40, -1e-42, math.inf, -math.inf,
+                             math.nan])
+    m = min(n, specials.numel())
+    g[:m] = specials[:m]
+    return g
+
+
+@gpu
+@pytest.mark.parametrize("n", [1, 7, 8, 4099, 2048 * 33 + 5])
+def test_scale_is_torchs_fp32_product_rounded_once_bitwise(n: int) -> None:
+    """ce_scale against torch's mixed-dtype mul (fp32 product, one RNE rounding to bf16), every vector tail
+    length; NaN positions agree (the kernel writes the canonical NaN)."""
+    g, s = _scale_case(n).cuda(), torch.tensor(0.37, device="cuda")
+    got = fast._scaled(g, s)
+    want = torch.mul(g, s, out=torch.empty(n, dtype=torch.bfloat16, device="cuda"))
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+@gpu
+def test_sep_cross_entropy_bwd_fast_scale_ignored() -> None:
+    """dloss 0.37 moves every nonzero gradient: the unscaled rounding differs from the scaled one."""
+    g, s = _scale_case(4099).cuda(), torch.tensor(0.37, device="cuda")
+    scaled = torch.mul(g, s, out=torch.empty(4099, dtype=torch.bfloat16, device="cuda"))
+    assert not torch.equal(g.bfloat16()[8:], scaled[8:])
+    assert torch.equal(fast._scaled(g, s)[8:], scaled[8:])

@@ -23,10 +23,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("relu2",), device="gpu",
     ),
     sep_mutation(
-        "relu2.fast_tail_dropped", FILE,
+        "relu2.fast_tail_dropped", PRIMS,
         "        if base + j < n:\n            mb[base + j] = frag[j]",
         "        if base + j < base:\n            mb[base + j] = frag[j]",
-        "the ragged tail (last n % vec elements) is never stored by either kernel", TESTS, ("relu2",),
+        "the ragged tail (last n % vec elements) is never stored (store_tail, shared by relu2's kernels and "
+        "ce_scale)", TESTS, ("relu2",),
         device="gpu",
     ),
     sep_mutation(

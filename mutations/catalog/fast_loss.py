@@ -11,6 +11,13 @@ TESTS = "tests/test_fast_loss.py"
 
 MUTATIONS: tuple[Mutation, ...] = (
     sep_mutation(
+        "cross_entropy_bwd.fast_scale_ignored", KERNEL,
+        "        store_full(cute.zipped_divide(mo, (SCALE_VEC,)), i, out_bits(g * s, \"bfloat16\"))\n",
+        "        store_full(cute.zipped_divide(mo, (SCALE_VEC,)), i, out_bits(g, \"bfloat16\"))\n",
+        "the backward's gradients are rounded to bf16 without the dloss factor", TESTS,
+        ("cross_entropy_bwd",), device="gpu",
+    ),
+    sep_mutation(
         "cross_entropy.fast_ignore_not_excluded", GLUE,
         "v, targets), -1).to(torch.int32)", "v, targets), 0).to(torch.int32)",
         "ignore_index tokens are scored against token 0 instead of dropped", TESTS, ("cross_entropy",),

@@ -1,6 +1,6 @@
 """Fast fused-linear cross-entropy: per token chunk a bf16 cuBLAS GEMM into fp32 logits, a CuTeDSL row kernel
 (lse, loss, and with grad bf16 dlogits in place) and the two gradient GEMMs, all in the forward; the backward
-only scales by dloss. Never [T, V] fp32 logits, no host sync; peak memory: peak_bytes, docs/ops.md."""
+scales by dloss (ce_scale). Never [T, V] fp32 logits, no host sync; peak memory: peak_bytes, docs/ops.md."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from torch import Tensor
 
 from nmoe.fast import runtime
 from nmoe.fast.op import Kernel, fast_op
-from nmoe.fast.runtime import KernelSpec
+from nmoe.fast.runtime import KernelSpec, vector_aligned
 
 CE_FWD = Kernel.by_name("nmoe.fast.kernels.loss", "ce_fwd")
+CE_SCALE = Kernel.by_name("nmoe.fast.kernels.loss", "ce_scale")
 THREADS = 512
 UNROLL = 8
+SCALE_THREADS = 256
 
 
 def peak_bytes(t: int, v: int, h: int, chunk: int, grad: bool) -> int:
@@ -103,10 +105,27 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tens
     ctx.dtypes = (inputs[0].dtype, inputs[1].dtype)
 
 
-def _scaled(grad: Tensor, dloss: Tensor, dtype: torch.dtype) -> Tensor:
-    """dloss * grad rounded once to dtype, with no fp32 temporary of grad's size."""
-    out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
-    return torch.mul(grad, dloss.to(torch.float32), out=out)
+def _scale_impl(grad: Tensor, dloss: Tensor) -> Tensor:
+    out = torch.empty(grad.shape, dtype=torch.bfloat16, device=grad.device)
+    if grad.numel():
+        device, arch = runtime.device_arch(grad, dloss)
+        s = dloss.to(torch.float32).reshape(1).contiguous()
+        launch = CE_SCALE.launcher(arch, threads=SCALE_THREADS)
+        launch(device, vector_aligned(grad, 16).data_ptr(), s.data_ptr(), out.data_ptr(), grad.numel())
+    return out
+
+
+def _scale_fake(grad: Tensor, dloss: Tensor) -> Tensor:
+    return torch.empty(grad.shape, dtype=torch.bfloat16, device=grad.device)
+
+
+_scale_op = fast_op("ce_scale", _scale_impl, _scale_fake)
+
+
+def _scaled(grad: Tensor, dloss: Tensor) -> Tensor:
+    """bf16(dloss * grad) of an fp32 gradient: the fp32 product rounded once, in one vectorised pass (torch's
+    mixed-dtype mul took 1.74 ms for moonlet's head, 3x its bytes at the copy ceiling)."""
+    return _scale_op(grad, dloss)
 
 
 def _backward(ctx: Any, dloss: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
@@ -114,7 +133,7 @@ def _backward(ctx: Any, dloss: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
     if not ctx.grad:
         raise RuntimeError("cross_entropy: backward through a call made without grad; call it with "
                            "h or w_out requiring grad under torch.enable_grad()")
-    return _scaled(dh, dloss, ctx.dtypes[0]), _scaled(dw, dloss, ctx.dtypes[1]), None, None, None, None
+    return _scaled(dh, dloss), _scaled(dw, dloss), None, None, None, None
 
 
 _ce_op.autograd(_backward, _setup)
@@ -134,7 +153,7 @@ def cross_entropy_bwd(dloss: Tensor | float, h: Tensor, w_out: Tensor, targets: 
     """(dh, dw_out) of cross_entropy: dloss * (softmax - onehot)/n_kept through the two GEMMs per chunk."""
     _, dh, dw = _ce_op(h.detach(), w_out.detach(), targets, ignore_index, chunk, True)
     scale = torch.as_tensor(dloss, dtype=torch.float32, device=h.device)
-    return _scaled(dh, scale, h.dtype), _scaled(dw, scale, w_out.dtype)
+    return _scaled(dh, scale), _scaled(dw, scale)
 
 
 # ex2.approx (not .ftz) carries exp: its ~2 ulp error sits inside the contract's V-term; log is the
@@ -150,13 +169,22 @@ _EXPECT = (r"\bex2\.approx\.f32\b", r"\bshfl\.sync\.bfly\.b32\b", r"\bbar\.sync\
 _GRAD = (r"\bcvt\.rn\.bf16\.f32\b", r"\bst\.global\.b16\b", r"\btrap;")
 
 
+# The scale multiplies in fp32 (sm_100a packs pairs into mul.f32x2) and rounds once to bf16, 16-byte
+# vectors in and out.
+_SCALE_MUL = {"sm_90a": (r"\bmul(\.rn)?\.f32\s",), "sm_100a": (r"\bmul(\.rn)?\.f32x2\s",)}
+
+
 def _kernel_specs() -> tuple[KernelSpec, ...]:
-    return tuple(
+    fwd = tuple(
         runtime.portable_spec("cross_entropy_bwd" if grad else "cross_entropy", f"ce_fwd_{tag}",
                               CE_FWD.compiler(grad=grad, threads=THREADS, unroll=UNROLL),
                               _EXPECT + (_GRAD if grad else ()), _FORBID + (_GRAD_FORBID if grad else ()))
         for grad, tag in ((False, "nograd"), (True, "grad"))
     )
+    scale = runtime.portable_spec("cross_entropy_bwd", "ce_scale", CE_SCALE.compiler(threads=SCALE_THREADS),
+                                  (runtime.LD128, runtime.ST128, r"\bcvt\.rn\.bf16x2\.f32\b"), _FORBID,
+                                  _SCALE_MUL)
+    return (*fwd, scale)
 
 
 KERNELS: tuple[KernelSpec, ...] = _kernel_specs()

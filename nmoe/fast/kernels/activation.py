@@ -10,12 +10,11 @@ from typing import Any
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int64
-from cutlass.base_dsl.ast_helpers import range_constexpr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 
-from nmoe.fast.kernels.prims import out_bits
+from nmoe.fast.kernels.prims import load_tail, out_bits, store_full, store_tail
 
 THREADS = 256
 DTYPES: dict[str, Any] = {"bfloat16": BFloat16, "float32": Float32}
@@ -52,33 +51,6 @@ def _bwd_bits(dy: cute.TensorSSA, x: cute.TensorSSA, dtype_name: str) -> cute.Te
     return out_bits(relu2_bwd_f32(dy, x), dtype_name)
 
 
-@cute.jit
-def _load_tail(m: cute.Tensor, base: Int64, n: Int64, vec: Constexpr[int]) -> cute.TensorSSA:
-    frag = cute.make_rmem_tensor((vec,), m.element_type)
-    frag.fill(0.0)
-    for j in range_constexpr(vec):
-        if base + j < n:
-            frag[j] = m[base + j]
-    v: cute.TensorSSA = frag.load()
-    return v
-
-
-@cute.jit
-def _store_tail(m: cute.Tensor, base: Int64, n: Int64, bits: cute.TensorSSA,
-                vec: Constexpr[int]) -> None:
-    frag = cute.make_rmem_tensor((vec,), bits.dtype)
-    frag.store(bits)
-    mb = cute.recast_tensor(m, bits.dtype)
-    for j in range_constexpr(vec):
-        if base + j < n:
-            mb[base + j] = frag[j]
-
-
-@cute.jit
-def _store_full(g: cute.Tensor, i: Int64, bits: cute.TensorSSA) -> None:
-    cute.recast_tensor(g[(None, i)], bits.dtype).store(bits)
-
-
 @cute.kernel
 def relu2_fwd_kernel(px: Pointer, py: Pointer, n: Int64,
                      vec: Constexpr[int], dtype_name: Constexpr[str]) -> None:
@@ -91,10 +63,10 @@ def relu2_fwd_kernel(px: Pointer, py: Pointer, n: Int64,
     if i < nfull:
         gx = cute.zipped_divide(mx, (vec,))
         x = gx[(None, i)].load().reshape((vec,))
-        _store_full(cute.zipped_divide(my, (vec,)), i, relu2_bits(x, dtype_name))
+        store_full(cute.zipped_divide(my, (vec,)), i, relu2_bits(x, dtype_name))
     elif i == nfull:
-        x = _load_tail(mx, nfull * vec, n, vec)
-        _store_tail(my, nfull * vec, n, relu2_bits(x, dtype_name), vec)
+        x = load_tail(mx, nfull * vec, n, vec)
+        store_tail(my, nfull * vec, n, relu2_bits(x, dtype_name), vec)
 
 
 @cute.kernel
@@ -110,11 +82,11 @@ def relu2_bwd_kernel(pdy: Pointer, px: Pointer, pdx: Pointer, n: Int64,
     if i < nfull:
         dy = cute.zipped_divide(mdy, (vec,))[(None, i)].load().reshape((vec,))
         x = cute.zipped_divide(mx, (vec,))[(None, i)].load().reshape((vec,))
-        _store_full(cute.zipped_divide(mdx, (vec,)), i, _bwd_bits(dy, x, dtype_name))
+        store_full(cute.zipped_divide(mdx, (vec,)), i, _bwd_bits(dy, x, dtype_name))
     elif i == nfull:
-        dy = _load_tail(mdy, nfull * vec, n, vec)
-        x = _load_tail(mx, nfull * vec, n, vec)
-        _store_tail(mdx, nfull * vec, n, _bwd_bits(dy, x, dtype_name), vec)
+        dy = load_tail(mdy, nfull * vec, n, vec)
+        x = load_tail(mx, nfull * vec, n, vec)
+        store_tail(mdx, nfull * vec, n, _bwd_bits(dy, x, dtype_name), vec)
 
 
 def _grid(n: Int64, vec: int) -> list[Any]:

@@ -1,6 +1,6 @@
-"""CuTeDSL row kernel of the fused-linear cross-entropy: per fp32 logits row, online max/sum, lse, loss; with
-grad, (softmax - onehot) * coef as bf16 over the row's own memory (bf16 index i lies in fp32 element i // 2,
-read before the tile's barrier). Import after runtime.import_cutlass."""
+"""CuTeDSL kernels of the fused-linear cross-entropy. ce_fwd, per fp32 logits row: online max/sum, lse, loss;
+with grad, (softmax - onehot) * coef as bf16 over the row's own memory (bf16 index i lies in fp32 element
+i // 2, read before the tile's barrier). ce_scale: bf16(g * dloss) of the fp32 gradients, vectorised."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 from cutlass.cutlass_dsl import select_
 
-from nmoe.fast.kernels.prims import trap
+from nmoe.fast.kernels.prims import load_tail, out_bits, store_full, store_tail, trap
 
 FMATH: Any = cute.math  # typed Any: the DSL's math module declares its functions dynamically
 
@@ -137,11 +137,44 @@ def ce_fwd_host(plog: Pointer, pgrad: Pointer, ptgt: Pointer, pcoef: Pointer, pl
     )
 
 
+SCALE_VEC = 8  # fp32 in (two 16-byte loads), bf16 out (one 16-byte store)
+
+
+@cute.kernel
+def ce_scale_kernel(pg: Pointer, ps: Pointer, pout: Pointer, n: Int64, threads: Constexpr[int]) -> None:
+    """out = bf16(g * s), s = ps[0], over flat fp32 g[0:n]: one vector per thread, the last one guarded."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    i = Int64(bidx) * threads + Int64(tidx)
+    nfull = n // SCALE_VEC
+    mg = cute.make_tensor(pg, cute.make_layout(n))
+    mo = cute.make_tensor(pout, cute.make_layout(n))
+    s = cute.make_tensor(ps, cute.make_layout(1))[0]
+    if i < nfull:
+        g = cute.zipped_divide(mg, (SCALE_VEC,))[(None, i)].load().reshape((SCALE_VEC,))
+        store_full(cute.zipped_divide(mo, (SCALE_VEC,)), i, out_bits(g * s, "bfloat16"))
+    elif i == nfull:
+        g = load_tail(mg, nfull * SCALE_VEC, n, SCALE_VEC)
+        store_tail(mo, nfull * SCALE_VEC, n, out_bits(g * s, "bfloat16"), SCALE_VEC)
+
+
+@cute.jit
+def ce_scale_host(pg: Pointer, ps: Pointer, pout: Pointer, n: Int64, stream: cuda.CUstream,
+                  threads: Constexpr[int]) -> None:
+    ce_scale_kernel(pg, ps, pout, n, threads).launch(
+        grid=[(n // SCALE_VEC + threads) // threads, 1, 1], block=[threads, 1, 1], stream=stream
+    )
+
+
 def compile_args(kernel: str, spec: dict[str, Any]) -> tuple[Any, tuple[Any, ...]]:
     """Host function and fake arguments (null pointers, zero sizes) that compile `kernel` without a GPU."""
-    if kernel != "ce_fwd":
-        raise KeyError(f"nmoe.fast.kernels.loss has no kernel {kernel!r}; it holds ce_fwd")
     gmem = cute.AddressSpace.gmem
+    if kernel == "ce_scale":
+        return ce_scale_host, (make_ptr(Float32, 0, gmem, assumed_align=16), make_ptr(Float32, 0, gmem,
+                               assumed_align=4), make_ptr(BFloat16, 0, gmem, assumed_align=16), Int64(0),
+                               cuda.CUstream(0), spec["threads"])
+    if kernel != "ce_fwd":
+        raise KeyError(f"nmoe.fast.kernels.loss has no kernel {kernel!r}; it holds ce_fwd and ce_scale")
     fake = (make_ptr(Float32, 0, gmem, assumed_align=4), make_ptr(BFloat16, 0, gmem, assumed_align=2),
             make_ptr(Int32, 0, gmem, assumed_align=4), make_ptr(Float32, 0, gmem, assumed_align=4),
             make_ptr(Float32, 0, gmem, assumed_align=4))

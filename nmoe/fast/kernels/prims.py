@@ -9,9 +9,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int16, Int32
+from cutlass import BFloat16, Float32, Int16, Int32, Int64
 from cutlass._mlir.dialects import llvm, nvvm
 from cutlass._mlir_helpers.op import dsl_user_op as _untyped_user_op
+from cutlass.base_dsl.ast_helpers import range_constexpr
+from cutlass.base_dsl.typing import Constexpr
 from cutlass.cutlass_dsl import select_
 
 from nmoe.constants import BF16_CANONICAL_NAN, F32_CANONICAL_NAN
@@ -100,3 +102,32 @@ def out_bits(v: cute.TensorSSA, dtype_name: str) -> cute.TensorSSA:
     vb = v.bitcast(Int32)
     nan32: cute.TensorSSA = cute.where(v != v, cute.full_like(vb, F32_CANONICAL_NAN), vb)
     return nan32
+
+
+@cute.jit
+def load_tail(m: cute.Tensor, base: Int64, n: Int64, vec: Constexpr[int]) -> cute.TensorSSA:
+    """The last, partial `vec`-element vector of flat m[0:n] from `base`, zeros past n."""
+    frag = cute.make_rmem_tensor((vec,), m.element_type)
+    frag.fill(0.0)
+    for j in range_constexpr(vec):
+        if base + j < n:
+            frag[j] = m[base + j]
+    v: cute.TensorSSA = frag.load()
+    return v
+
+
+@cute.jit
+def store_tail(m: cute.Tensor, base: Int64, n: Int64, bits: cute.TensorSSA, vec: Constexpr[int]) -> None:
+    """Store the elements of `bits` that fall before n into flat m from `base`."""
+    frag = cute.make_rmem_tensor((vec,), bits.dtype)
+    frag.store(bits)
+    mb = cute.recast_tensor(m, bits.dtype)
+    for j in range_constexpr(vec):
+        if base + j < n:
+            mb[base + j] = frag[j]
+
+
+@cute.jit
+def store_full(g: cute.Tensor, i: Int64, bits: cute.TensorSSA) -> None:
+    """Store `bits` as vector i of g, a zipped_divide of a flat tensor into vectors."""
+    cute.recast_tensor(g[(None, i)], bits.dtype).store(bits)
