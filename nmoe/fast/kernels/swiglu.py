@@ -17,7 +17,7 @@ from cutlass.cute.typing import Pointer
 
 from nmoe.fast.kernels.activation import elementwise_args
 from nmoe.fast.kernels.activation import pointers as pointers
-from nmoe.fast.kernels.prims import add_rn, mul_rn, out_bits
+from nmoe.fast.kernels.prims import add_rn, mul_rn, out_bits, store_full, store_tail
 
 THREADS = 256
 
@@ -97,20 +97,13 @@ def _load_tail(m: cute.Tensor, base: Int64, n: Int64, width: Constexpr[int]) -> 
 @cute.jit
 def _store_full(m: cute.Tensor, i: Int64, v: cute.Tensor, width: Constexpr[int],
                 dtype_name: Constexpr[str]) -> None:
-    bits = out_bits(v.load(), dtype_name)
-    cute.recast_tensor(cute.zipped_divide(m, (width,))[(None, i)], bits.dtype).store(bits)
+    store_full(cute.zipped_divide(m, (width,)), i, out_bits(v.load(), dtype_name))
 
 
 @cute.jit
 def _store_tail(m: cute.Tensor, base: Int64, n: Int64, v: cute.Tensor, width: Constexpr[int],
                 dtype_name: Constexpr[str]) -> None:
-    bits = out_bits(v.load(), dtype_name)
-    frag = cute.make_rmem_tensor((width,), bits.dtype)
-    frag.store(bits)
-    mb = cute.recast_tensor(m, bits.dtype)
-    for j in range_constexpr(width):
-        if base + j < n:
-            mb[base + j] = frag[j]
+    store_tail(m, base, n, out_bits(v.load(), dtype_name), width)
 
 
 @cute.kernel
