@@ -28,6 +28,7 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ("rmsnorm", r"rmsnorm"),
     ("rope", r"rope_kernel"),
     ("mla_assembly", r"mla_k_kernel|mla_kv_grad_kernel"),
+    ("embedding", r"embed_bwd_kernel"),
     ("cross_entropy_rows", r"ce_fwd"),
     ("adamw", r"adamw"),
     ("dense_gemm", r"gemm|nvjet|xmma|cutlass|cublas|sm90_|sm100_"),

@@ -17,6 +17,7 @@ from bench.stepprofile import PHASES, breakdown, categorize
     ("kernel_cutlass_ce_fwd_kernel_0", "cross_entropy_rows"),
     ("kernel_cutlass_combine_gather_fwd_kernel_0", "dispatch_combine"),
     ("kernel_cutlass_mla_kv_grad_kernel_ptrbf16gmemalign16_0", "mla_assembly"),
+    ("kernel_cutlass_embed_bwd_kernel_ptrbf16gmemalign16_0", "embedding"),
     ("kernel_cutlass_spread_rows_kernel_ptri32gmemalign16_0", "dispatch_combine"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>",
      "copy_cast_elementwise"),

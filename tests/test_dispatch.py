@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from nmoe.reference.dispatch import padded_rows, permute, unpermute
+from nmoe.reference.dispatch import embedding_bwd, padded_rows, permute, unpermute
 
 
 def oracle(ids: list[list[int]], n_experts: int, align: int) -> tuple[list[int], list[int], list[int], int]:
@@ -135,3 +135,47 @@ def test_sep_dispatch_pad_rows_garbage() -> None:
     del junk, mutant
     p = permute(x, ids, 4, 8)
     assert torch.equal(p.xp.view(torch.int32), correct.view(torch.int32))
+
+
+def _embed_oracle(dy: list[list[float]], ids: list[int], vocab: int, width: int) -> np.ndarray:
+    """Row v: float32 accumulation of dy's rows with id v, token by token (numpy scalars, not torch)."""
+    acc = np.zeros((vocab, width), dtype=np.float32)
+    for row, v in zip(dy, ids, strict=True):
+        for c, x in enumerate(row):
+            acc[v, c] = np.float32(acc[v, c] + np.float32(x))
+    return acc
+
+
+def test_embedding_bwd_hand_vectors() -> None:
+    dy = torch.tensor([[1.0, 2.0], [3.0, -4.0], [0.5, 0.25]], dtype=torch.bfloat16)
+    got = embedding_bwd(dy, torch.tensor([2, 0, 2]), 4)
+    want = torch.tensor([[3.0, -4.0], [0.0, 0.0], [1.5, 2.25], [0.0, 0.0]], dtype=torch.bfloat16)
+    assert torch.equal(got, want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(t=st.integers(0, 40), h=st.integers(1, 5), vocab=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_embedding_bwd_is_fp32_token_order_sum_rounded_once(t: int, h: int, vocab: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    dy = (torch.randn(t, h, generator=g) * torch.logspace(-3, 3, t).unsqueeze(1)).to(torch.bfloat16)
+    ids = torch.randint(0, vocab, (t,), generator=g)
+    want = torch.from_numpy(_embed_oracle(dy.float().tolist(), ids.tolist(), vocab, h)).to(torch.bfloat16)
+    assert torch.equal(embedding_bwd(dy, ids, vocab).view(torch.int16), want.view(torch.int16))
+
+
+def test_sep_dispatch_embedding_bwd_reverse_order() -> None:
+    """Three bf16 values whose fp32 sum depends on the order: 2^24 + 1 - 2^24 is 0 forward, 1 reversed."""
+    dy = torch.tensor([[2.0**24], [1.0], [-(2.0**24)]], dtype=torch.bfloat16)
+    ids = torch.zeros(3, dtype=torch.int64)
+    forward = _embed_oracle(dy.float().tolist(), [0, 0, 0], 1, 1)
+    backward = _embed_oracle(dy.float().flip(0).tolist(), [0, 0, 0], 1, 1)
+    assert forward[0, 0] != backward[0, 0]
+    assert float(embedding_bwd(dy, ids, 1)[0, 0]) == float(forward[0, 0])
+
+
+def test_embedding_bwd_refuses_ids_outside_the_vocab() -> None:
+    dy = torch.zeros(2, 3, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="vocab size"):
+        embedding_bwd(dy, torch.tensor([0, 5]), 4)
+    with pytest.raises(ValueError, match="integer ids"):
+        embedding_bwd(dy, torch.tensor([0.0, 1.0]), 4)

@@ -103,6 +103,7 @@ def _portable_calls() -> None:
     combine.combine_bwd(torch.randn(t, h, dtype=BF), y, weights, 1.5)
     combine.combine_gather(yp, perm.slot.view(t, k).to(torch.int32), weights, 1.5)
     dispatch.spread_rows(x.detach(), perm.slot, _rows_of_slots(perm.slot, t, k))
+    dispatch.embedding_bwd(x.detach(), ids[:, 0], e)
     rows = perm.xp.shape[0]
     combine.expert_rows_bwd(torch.randn(rows, h, dtype=BF), torch.randn(rows, 2 * h, dtype=BF),
                             torch.ones(rows, dtype=torch.float32), "swiglu")

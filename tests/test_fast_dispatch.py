@@ -83,10 +83,33 @@ def test_cpu_tensors_are_rejected_naming_the_reference() -> None:
     with pytest.raises(ArchError, match=r"nmoe\.reference"):
         fast.spread_rows(torch.zeros(2, 4), torch.zeros(2, dtype=torch.int64), torch.zeros(2, 1,
                                                                                            dtype=torch.int32))
+    with pytest.raises(ArchError, match=r"nmoe\.reference"):
+        fast.embedding_bwd(torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int64), 4)
+
+
+@pytest.mark.parametrize(("dy", "ids", "vocab", "match"), [
+    (torch.zeros(2, 12, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int64), 4, "16-byte"),
+    (torch.zeros(2, 8, dtype=torch.float16), torch.zeros(2, dtype=torch.int64), 4, "bf16 or fp32"),
+    (torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.int64), 4, "integer ids"),
+    (torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int64), 0, "vocab"),
+])
+def test_embedding_bwd_refuses_what_the_kernel_cannot_take(dy: Tensor, ids: Tensor, vocab: int,
+                                                           match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        fast.embedding_bwd(dy, ids, vocab)
+
+
+def test_embedding_has_a_fake_and_its_table_gradient_shape() -> None:
+    table = torch.empty(50, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    tokens = torch.zeros(2, 3, device="meta", dtype=torch.int64)
+    out = fast.embedding(tokens, table)
+    assert (out.shape, out.dtype) == ((2, 3, 16), torch.bfloat16)
+    out.sum().backward()
+    assert table.grad is not None and table.grad.shape == (50, 16)
 
 
 def test_kernel_specs_cover_both_archs() -> None:
-    assert {s.op for s in fast.KERNELS} == {"permute", "unpermute"}
+    assert {s.op for s in fast.KERNELS} == {"permute", "unpermute", "embedding_bwd"}
     for s in fast.KERNELS:
         assert set(s.expect) == set(s.forbid) == {"sm_90a", "sm_100a"}
 
@@ -297,3 +320,68 @@ def test_sep_dispatch_fast_missing_slot_unchecked() -> None:
         unpermute(torch.zeros(4, 2, device="cuda"), torch.tensor([0, -1, 2, -1], device="cuda"), 3, 1)
         torch.cuda.synchronize()
     """, "slot 1 arrived 0 times")
+
+
+def _embed_case(t: int, h: int, v: int, seed: int, heavy: bool = False) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    dy = (torch.randn(t, h, generator=g) * torch.logspace(-3, 3, max(t, 1))[:t, None]).to(torch.bfloat16)
+    ids = torch.randint(0, v, (t,), generator=g)
+    if heavy and t:
+        ids[torch.rand(t, generator=g) < 0.6] = v // 3
+    return dy, ids
+
+
+@gpu
+@pytest.mark.parametrize(("t", "h", "v", "heavy", "dtype"), [
+    (0, 8, 5, False, torch.bfloat16), (1, 8, 1, False, torch.bfloat16), (37, 24, 11, True, torch.bfloat16),
+    (300, 2048, 977, True, torch.bfloat16), (64, 7168, 40, False, torch.bfloat16),
+    (90, 12, 7, True, torch.float32),
+])
+def test_embedding_bwd_bitwise_vs_reference(t: int, h: int, v: int, heavy: bool, dtype: torch.dtype) -> None:
+    dy, ids = _embed_case(t, h, v, t + h, heavy)
+    dy = dy.to(dtype)
+    got = fast.embedding_bwd(dy.cuda(), ids.cuda(), v).cpu()
+    assert torch.equal(got.view(torch.int16), ref.embedding_bwd(dy, ids, v).view(torch.int16))
+
+
+@gpu
+def test_embedding_grad_through_the_table_and_no_host_sync() -> None:
+    dy, ids = _embed_case(4 * 33, 64, 19, 3, heavy=True)
+    table = torch.zeros(19, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    tokens = ids.view(4, 33).cuda()
+    fast.embedding(tokens, table).backward(dy.view(4, 33, 64).cuda())
+    assert table.grad is not None
+    assert torch.equal(table.grad.cpu().view(torch.int16), ref.embedding_bwd(dy, ids, 19).view(torch.int16))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fast.embedding_bwd(dy.cuda(), ids.cuda(), 19)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@gpu
+def test_sep_dispatch_fast_embed_last_token_dropped() -> None:
+    """A vocab row's last token (in token order) must count: dropping it moves every row named twice."""
+    dy, ids = _embed_case(200, 64, 7, 8)
+    want = ref.embedding_bwd(dy, ids, 7)
+    dropped = torch.zeros(7, 64)
+    last = {v: t for t, v in enumerate(ids.tolist())}
+    for t, v in enumerate(ids.tolist()):
+        if last[v] != t:
+            dropped[v] += dy[t].float()
+    assert not torch.equal(dropped.to(torch.bfloat16), want)
+    assert torch.equal(fast.embedding_bwd(dy.cuda(), ids.cuda(), 7).cpu(), want)
+
+
+@gpu
+def test_embedding_ids_outside_the_vocab_abort_like_the_spec_raises() -> None:
+    with pytest.raises(ValueError, match="vocab size"):
+        ref.embedding_bwd(torch.zeros(2, 8, dtype=torch.bfloat16), torch.tensor([0, 4]), 4)
+    _run_expecting_abort("""
+        import torch
+        from nmoe.fast.dispatch import embedding_bwd
+        dy = torch.zeros(2, 8, device="cuda", dtype=torch.bfloat16)
+        embedding_bwd(dy, torch.tensor([0, 4], device="cuda"), 4)
+        torch.cuda.synchronize()
+    """, "error")

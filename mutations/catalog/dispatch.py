@@ -1,4 +1,4 @@
-"""dispatch.*: defects in permute/unpermute (nmoe/reference/dispatch.py)."""
+"""dispatch.*: defects in permute/unpermute/embedding_bwd (nmoe/reference/dispatch.py)."""
 
 from __future__ import annotations
 
@@ -21,5 +21,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    xp = torch.full((n_rows, x.shape[1]), 7.0, dtype=x.dtype)",
         "pad and tail rows keep stale buffer contents (modelled as 7.0) instead of zeros", TESTS,
         ("permute",),
+    ),
+    sep_mutation(
+        "dispatch.embedding_bwd_reverse_order", FILE,
+        "    for t, v in enumerate(ids.tolist()):\n",
+        "    for t, v in reversed(list(enumerate(ids.tolist()))):\n",
+        "the embedding gradient's rows summed from the last token back (another fp32 rounding order)", TESTS,
+        ("embedding_bwd",),
     ),
 )

@@ -1,4 +1,4 @@
-"""dispatch.fast_*: defects in the CuTeDSL permute/unpermute kernels; GPU host only."""
+"""dispatch.fast_*: defects in the CuTeDSL permute/unpermute/embedding_bwd kernels; GPU host only."""
 
 from __future__ import annotations
 
@@ -34,6 +34,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            vals = _load_vecs(src, Int64(w), v0, row_vecs, src_vecs)\n",
         "            vals = _load_vecs(src, Int64(w), v0, row_vecs, row_vecs)\n",
         "the row copy reads x's rows back to back, ignoring the pitch of a column slice", TESTS, ("permute",),
+        device="gpu",
+    ),
+    sep_mutation(
+        "dispatch.fast_embed_last_token_dropped", FILE,
+        "            for j in dsl.range(0, count, 1):\n",
+        "            for j in dsl.range(0, count - 1, 1):\n",
+        "each vocab row of the embedding gradient leaves out its last token", TESTS, ("embedding_bwd",),
         device="gpu",
     ),
 )

@@ -11,7 +11,6 @@ from typing import Final
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
 from nmoe import modeldef
@@ -20,6 +19,7 @@ from nmoe.fast import runtime
 from nmoe.fast.activation import swiglu
 from nmoe.fast.arch import ArchError
 from nmoe.fast.attention import mla_attention
+from nmoe.fast.dispatch import embedding
 from nmoe.fast.loss import cross_entropy
 from nmoe.fast.moe import moe_layer
 from nmoe.fast.norm import add_rmsnorm, rmsnorm
@@ -70,7 +70,7 @@ def _check_tokens(tokens: Tensor, embed: Tensor, vocab_size: int) -> None:
 OPS: Final[ModelOps] = ModelOps(
     mla_attention=mla_attention, rmsnorm=rmsnorm, add_rmsnorm=add_rmsnorm, dense_ffn=_dense_ffn,
     moe_layer=moe_layer, cross_entropy=cross_entropy, bias_update=bias_update,
-    embedding=F.embedding, check_tokens=_check_tokens,
+    embedding=embedding, check_tokens=_check_tokens,
 )
 
 

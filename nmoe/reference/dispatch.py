@@ -60,3 +60,17 @@ def unpermute(yp: Tensor, slot: Tensor, t: int, k: int) -> Tensor:
     y = torch.zeros(t * k + 1, yp.shape[1], dtype=yp.dtype)
     y.index_copy_(0, idx, yp)
     return y[:sink].reshape(t, k, yp.shape[1])
+
+
+def embedding_bwd(dy: Tensor, ids: Tensor, vocab: int) -> Tensor:
+    """The embedding table's gradient [vocab, H] in dy's dtype: row v is the fp32 sum, in token order, of the
+    rows of dy [T, H] whose id is v, rounded once; a row no token names is zero."""
+    if dy.dim() != 2 or ids.shape != (dy.shape[0],) or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"embedding_bwd: need dy [T,H] and integer ids [T]; got {tuple(dy.shape)}, "
+                         f"{ids.dtype} {tuple(ids.shape)}")
+    if vocab < 1 or (ids.numel() and (bool((ids < 0).any()) or bool((ids >= vocab).any()))):
+        raise ValueError(f"embedding_bwd: ids must lie in [0, {vocab}) (the vocab size); fix the tokens")
+    acc = torch.zeros(vocab, dy.shape[1], dtype=torch.float32)
+    for t, v in enumerate(ids.tolist()):
+        acc[v] += dy[t].float()
+    return acc.to(dy.dtype)

@@ -1,9 +1,11 @@
-"""permute / unpermute: rows sorted by (expert, t, k), segments padded to align, pad rows zero."""
+"""permute / unpermute: rows sorted by (expert, t, k), segments padded to align, pad rows zero; embedding_bwd:
+the table gradient summed in token order."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from hypothesis import strategies as st
 from torch import Tensor
@@ -22,6 +24,7 @@ from parity.inputs import (
     I,
     Inputs,
     Params,
+    S,
     adversarial_fill,
     by_size,
     dt,
@@ -131,6 +134,38 @@ def unpermute(inp: Inputs, c: Contract) -> list[Expect | None]:
     return [Expect(y.reshape(t, k, yp.shape[1]), exact=True)]
 
 
+def space_embedding_bwd(big: bool) -> st.SearchStrategy[dict[str, Any]]:
+    return space(
+        T=I(0, 4096 if big else 40),
+        H=by_size(big, [8, 16, 64], [2048, 7168]),
+        V=I(1, 50) if not big else S([1000, 201088]),
+    )
+
+
+def make_embedding_bwd(p: Params, g: torch.Generator, adv: str | None) -> Inputs:
+    """Rows over six decades (the fp32 order of a token-order sum shows), ids with one heavy token (zipf) or
+    all alike (single_token), most of a big vocab never named."""
+    t, h, v = p["T"], p["H"], p["V"]
+    dy = randn([t, h], torch.float32, g) * torch.logspace(-3, 3, max(t, 1))[:t, None]
+    dy = adversarial_fill(dy.to(torch.bfloat16), adv, g)
+    ids = torch.randint(0, v, (t,), generator=g)
+    if adv == "zipf" and t:
+        ids[torch.rand(t, generator=g) < 0.5] = v // 2
+    elif adv == "single_token":
+        ids.fill_(v - 1)
+    return Inputs((dy, ids, v), shape={"T": t, "H": h, "V": v}, dtype="bf16")
+
+
+def embedding_bwd(inp: Inputs, c: Contract) -> list[Expect | None]:
+    """numpy float32 accumulation row by row in token order, rounded once to bf16."""
+    dy, ids, v = inp.args
+    acc = np.zeros((v, dy.shape[1]), dtype=np.float32)
+    rows = dy.float().numpy()
+    for tok, vid in enumerate(ids.tolist()):
+        acc[vid] = acc[vid] + rows[tok]
+    return [Expect(torch.from_numpy(acc).to(torch.bfloat16), exact=True)]
+
+
 ENTRIES: list[OpEntry] = [
     OpEntry(
         name="permute",
@@ -153,5 +188,15 @@ ENTRIES: list[OpEntry] = [
         contract=BITWISE,
         oracle=unpermute,
         adversarial=(*ROUTING_ADV, "nan"),
+    ),
+    OpEntry(
+        name="embedding_bwd",
+        module="dispatch",
+        fn="embedding_bwd",
+        space=space_embedding_bwd,
+        make=make_embedding_bwd,
+        contract=BITWISE,
+        oracle=embedding_bwd,
+        adversarial=("zipf", "single_token", "nan", "inf", "zero"),
     ),
 ]

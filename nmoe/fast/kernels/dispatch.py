@@ -1,4 +1,5 @@
-"""CuTeDSL permute / unpermute: tile histograms, one-CTA scans, stable warp-sequential ranks, row copies.
+"""CuTeDSL permute / unpermute: tile histograms, one-CTA scans, stable warp-sequential ranks, row copies;
+embedding_bwd: one CTA per vocab row sums its tokens' rows in token order.
 
 Import only after nmoe.fast.runtime.import_cutlass(arch): the DSL fixes its target arch at first import.
 """
@@ -14,14 +15,14 @@ from typing import Any, cast
 import cuda.bindings.driver as cuda
 import cutlass.base_dsl.ast_helpers as dsl
 import cutlass.cute as cute
-from cutlass import Int8, Int16, Int32, Int64
+from cutlass import BFloat16, Float32, Int8, Int16, Int32, Int64
 from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 from cutlass.cutlass_dsl.cutlass import min as dmin
 
-from nmoe.fast.kernels.prims import trap
+from nmoe.fast.kernels.prims import out_bits, store_full, trap
 
 LANES = 32
 WARPS = 8
@@ -373,6 +374,47 @@ def unpermute_host(pyp: Pointer, pslot: Pointer, py: Pointer, pseen: Pointer, n_
             grid=[_blocks(n_slots, THREADS), 1, 1], block=[THREADS, 1, 1], stream=stream)
 
 
+EMBED_DTYPES: dict[str, Any] = {"bfloat16": BFloat16, "float32": Float32}
+
+
+@cute.kernel
+def embed_bwd_kernel(pdy: Pointer, porder: Pointer, pstarts: Pointer, pout: Pointer, n_tok: Int32,
+                     vocab: Int32, h: Constexpr[int], threads: Constexpr[int], dtype: Constexpr[str]) -> None:
+    """Row `bidx` of the table's gradient: the fp32 sum of dy's rows order[starts[row]:starts[row + 1]]
+    (ascending token order), rounded once; CTA 0 traps unless starts spans exactly [0, n_tok] (an id
+    outside [0, vocab) would otherwise be dropped)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    row = Int64(bidx)
+    vec = 16 * 8 // EMBED_DTYPES[dtype].width
+    nvec = h // vec
+    mst = cute.make_tensor(pstarts, cute.make_layout(Int64(vocab) + 1))
+    mord = cute.make_tensor(porder, cute.make_layout(Int64(n_tok) + 1))
+    vdy = cute.zipped_divide(cute.make_tensor(pdy, cute.make_layout(Int64(n_tok) * h)), (vec,))
+    vout = cute.zipped_divide(cute.make_tensor(pout, cute.make_layout(Int64(vocab) * h)), (vec,))
+    if bidx == 0 and tidx == 0 and (mst[0] != 0 or mst[Int64(vocab)] != n_tok):
+        trap()
+    first = mst[row]
+    count = mst[row + 1] - first
+    acc = cute.make_rmem_tensor((vec,), Float32)
+    for c in range_constexpr((nvec + threads - 1) // threads):
+        col = c * threads + tidx
+        if col < nvec:
+            acc.fill(0.0)
+            for j in dsl.range(0, count, 1):
+                tok = Int64(mord[Int64(first + j)])
+                acc.store(acc.load() + vdy[(None, tok * nvec + col)].load().reshape((vec,)).to(Float32))
+            store_full(vout, row * nvec + col, out_bits(acc.load(), dtype))
+
+
+@cute.jit
+def embed_bwd_host(pdy: Pointer, porder: Pointer, pstarts: Pointer, pout: Pointer, n_tok: Int32,
+                   vocab: Int32, stream: cuda.CUstream, h: Constexpr[int], threads: Constexpr[int],
+                   dtype: Constexpr[str]) -> None:
+    embed_bwd_kernel(pdy, porder, pstarts, pout, n_tok, vocab, h, threads, dtype).launch(
+        grid=[vocab, 1, 1], block=[threads, 1, 1], stream=stream)
+
+
 def pointer(dtype: Any, address: int, align: int) -> Any:
     return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
 
@@ -405,3 +447,9 @@ def unpermute_args(unit: str, vec: int, has_rows: bool, has_slots: bool) -> tupl
     ptrs = (pointer(ut, 0, align), pointer(Int64, 0, 8), pointer(ut, 0, align), pointer(Int32, 0, 4))
     return unpermute_host, (*ptrs, Int32(0), Int32(0), Int32(0), cuda.CUstream(0), vec, has_rows,
                             has_slots)
+
+
+def embed_bwd_args(h: int, threads: int, dtype: str) -> tuple[Any, tuple[Any, ...]]:
+    et = EMBED_DTYPES[dtype]
+    ptrs = (pointer(et, 0, 16), pointer(Int32, 0, 4), pointer(Int32, 0, 4), pointer(et, 0, 16))
+    return embed_bwd_host, (*ptrs, Int32(0), Int32(0), cuda.CUstream(0), h, threads, dtype)
