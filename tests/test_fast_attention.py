@@ -184,10 +184,10 @@ class _FA4Stand:
         assert not unknown and names[:3] == ["q", "k", "v"], unknown
 
     @staticmethod
-    def _attend(q: Tensor, k: Tensor, v: Tensor, scale: float, right: int) -> Tensor:
+    def _attend(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         s = q.shape[1]
         qf, kf, vf = (t.to(F64).transpose(1, 2) for t in (q, k, v))
-        future = torch.ones(s, s, dtype=torch.bool).triu(1 + right)
+        future = torch.ones(s, s, dtype=torch.bool).triu(1)
         probs = torch.softmax((qf @ kf.mT * scale).masked_fill(future, -math.inf), dim=-1)
         return (probs @ vf).transpose(1, 2)
 
@@ -195,7 +195,7 @@ class _FA4Stand:
         self._check("_flash_attn_fwd", 3, kwargs)
         self.calls.append({"stage": "fwd", "shapes": (q.shape, k.shape, v.shape), **kwargs})
         assert kwargs["causal"] is True and kwargs["return_lse"] is True
-        out = self._attend(q, k, v, kwargs["softmax_scale"], 0).to(q.dtype)
+        out = self._attend(q, k, v, kwargs["softmax_scale"]).to(q.dtype)
         lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
         return out, lse, None, None, None
 
@@ -206,7 +206,7 @@ class _FA4Stand:
         assert kwargs["causal"] is True and out.shape == dout.shape
         leaves = [t.detach().to(F64).requires_grad_(True) for t in (q, k, v)]
         with torch.enable_grad():
-            self._attend(*leaves, kwargs["softmax_scale"], 0).backward(dout.to(F64))
+            self._attend(*leaves, kwargs["softmax_scale"]).backward(dout.to(F64))
         dq, dk, dv = (t.grad.to(q.dtype) for t in leaves if t.grad is not None)
         if kwargs.get("dv") is not None:
             return dq, dk, kwargs["dv"].copy_(dv)
@@ -326,7 +326,7 @@ def _core_grads(monkeypatch: pytest.MonkeyPatch, b: int = 2, s: int = 5, h: int 
         qr.retain_grad()
         rotated.append(qr)
         k = torch.cat((kv[..., :dn], kpe.unsqueeze(2).expand(b, s, h, dr)), -1)
-        return fa._attend(qr, k, kv[..., dn:], 0.37, 0)
+        return fa._attend(qr, k, kv[..., dn:], 0.37)
 
     got = grads(lambda q, kv, kpe: fast_attn._MLACore.apply(q, kv, kpe, c, sn, dn, 0.37, fa)[0])
     want = grads(composed)

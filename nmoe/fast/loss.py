@@ -102,7 +102,6 @@ _ce_op = fast_op("cross_entropy", _fused_impl, _fused_fake)
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
     ctx.save_for_backward(output[1], output[2])
     ctx.grad = inputs[5]
-    ctx.dtypes = (inputs[0].dtype, inputs[1].dtype)
 
 
 def _scale_impl(grad: Tensor, dloss: Tensor) -> Tensor:
