@@ -176,13 +176,12 @@ def _embedding_bwd_impl(dy: Tensor, ids: Tensor, vocab: int) -> Tensor:
     if h == 0:
         return out
     sorted_ids, order = torch.sort(ids, stable=True)
-    starts = torch.searchsorted(sorted_ids, torch.arange(vocab + 1, device=dy.device, dtype=sorted_ids.dtype))
-    order32 = torch.cat([order.to(torch.int32), order.new_zeros(1, dtype=torch.int32)])
-    starts32, rows = starts.to(torch.int32), runtime.vector_aligned(dy, 16)
+    bounds = torch.arange(vocab + 1, device=dy.device, dtype=sorted_ids.dtype)
+    starts = torch.searchsorted(sorted_ids, bounds, out_int32=True)
+    rows = runtime.vector_aligned(dy, 16)
     vec = 16 // dy.element_size()
     launch = EMBED_BWD.launcher(arch, h=h, threads=min(EMBED_THREADS, h // vec), dtype=EMBED_DTYPES[dy.dtype])
-    launch(device, rows.data_ptr(), order32.data_ptr(), starts32.data_ptr(), out.data_ptr(), dy.shape[0],
-           vocab)
+    launch(device, rows.data_ptr(), order.data_ptr(), starts.data_ptr(), out.data_ptr(), dy.shape[0], vocab)
     return out
 
 

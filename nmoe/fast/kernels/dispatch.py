@@ -381,7 +381,7 @@ EMBED_DTYPES: dict[str, Any] = {"bfloat16": BFloat16, "float32": Float32}
 def embed_bwd_kernel(pdy: Pointer, porder: Pointer, pstarts: Pointer, pout: Pointer, n_tok: Int32,
                      vocab: Int32, h: Constexpr[int], threads: Constexpr[int], dtype: Constexpr[str]) -> None:
     """Row `bidx` of the table's gradient: the fp32 sum of dy's rows order[starts[row]:starts[row + 1]]
-    (ascending token order), rounded once; CTA 0 traps unless starts spans exactly [0, n_tok] (an id
+    (int64 positions, ascending), rounded once; CTA 0 traps unless starts spans exactly [0, n_tok] (an id
     outside [0, vocab) would otherwise be dropped)."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
@@ -389,7 +389,7 @@ def embed_bwd_kernel(pdy: Pointer, porder: Pointer, pstarts: Pointer, pout: Poin
     vec = 16 * 8 // EMBED_DTYPES[dtype].width
     nvec = h // vec
     mst = cute.make_tensor(pstarts, cute.make_layout(Int64(vocab) + 1))
-    mord = cute.make_tensor(porder, cute.make_layout(Int64(n_tok) + 1))
+    mord = cute.make_tensor(porder, cute.make_layout(Int64(n_tok) + 1))  # + 1: never empty; reads < n_tok
     vdy = cute.zipped_divide(cute.make_tensor(pdy, cute.make_layout(Int64(n_tok) * h)), (vec,))
     vout = cute.zipped_divide(cute.make_tensor(pout, cute.make_layout(Int64(vocab) * h)), (vec,))
     if bidx == 0 and tidx == 0 and (mst[0] != 0 or mst[Int64(vocab)] != n_tok):
@@ -402,7 +402,7 @@ def embed_bwd_kernel(pdy: Pointer, porder: Pointer, pstarts: Pointer, pout: Poin
         if col < nvec:
             acc.fill(0.0)
             for j in dsl.range(0, count, 1):
-                tok = Int64(mord[Int64(first + j)])
+                tok = mord[Int64(first + j)]
                 acc.store(acc.load() + vdy[(None, tok * nvec + col)].load().reshape((vec,)).to(Float32))
             store_full(vout, row * nvec + col, out_bits(acc.load(), dtype))
 
@@ -451,5 +451,5 @@ def unpermute_args(unit: str, vec: int, has_rows: bool, has_slots: bool) -> tupl
 
 def embed_bwd_args(h: int, threads: int, dtype: str) -> tuple[Any, tuple[Any, ...]]:
     et = EMBED_DTYPES[dtype]
-    ptrs = (pointer(et, 0, 16), pointer(Int32, 0, 4), pointer(Int32, 0, 4), pointer(et, 0, 16))
+    ptrs = (pointer(et, 0, 16), pointer(Int64, 0, 8), pointer(Int32, 0, 4), pointer(et, 0, 16))
     return embed_bwd_host, (*ptrs, Int32(0), Int32(0), cuda.CUstream(0), h, threads, dtype)
