@@ -352,10 +352,11 @@ def test_embedding_grad_through_the_table_and_no_host_sync() -> None:
     fast.embedding(tokens, table).backward(dy.view(4, 33, 64).cuda())
     assert table.grad is not None
     assert torch.equal(table.grad.cpu().view(torch.int16), ref.embedding_bwd(dy, ids, 19).view(torch.int16))
+    dy_dev, ids_dev = dy.cuda(), ids.cuda()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        fast.embedding_bwd(dy.cuda(), ids.cuda(), 19)
+        fast.embedding_bwd(dy_dev, ids_dev, 19)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
