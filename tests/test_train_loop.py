@@ -255,6 +255,38 @@ def test_graphed_step_refuses_a_cpu_batch() -> None:
         GraphedStep(ToyMoE(), default_loss, x, x)
 
 
+@pytest.mark.gpu
+def test_only_the_first_capture_warms_up_and_the_second_adds() -> None:
+    """An eager warm-up beside the first graph's pool holds a second set of activations (moonlet at batch 16
+    ran out of memory there); the accumulating graph, captured without one, still adds its gradients."""
+    from nmoe.train.graphstep import WARMUP, GraphedStep
+
+    class Bigram(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(16, 16, generator=torch.Generator().manual_seed(0)))
+
+        def forward(self, tokens: Tensor, targets: Tensor) -> Tensor:
+            return F.cross_entropy(self.w[tokens.reshape(-1)], targets.reshape(-1))
+
+    capturing: list[bool] = []
+
+    def loss_fn(m: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        capturing.append(torch.cuda.is_current_stream_capturing())
+        out: Tensor = m(x, y)
+        return out
+
+    model = Bigram().cuda()
+    x = torch.arange(16, device="cuda").view(2, 8)
+    y = x.flip(1).contiguous()
+    step = GraphedStep(model, loss_fn, x, y, accumulate=True)
+    assert capturing == [False] * WARMUP + [True, True]
+    step(x, y)
+    one = model.w.grad.clone()  # type: ignore[union-attr]
+    step(x, y, add=True)
+    assert torch.equal(model.w.grad, 2 * one) and one.abs().sum() > 0
+
+
 def _dp_rank(rank: int, port: int, cfg: Config, out: Any) -> None:
     import torch.distributed as dist
 

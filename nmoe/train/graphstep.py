@@ -54,10 +54,12 @@ class GraphedStep:
         side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(device))
         try:
+            # Only the first capture warms up: an eager step beside the first graph's pool would need a
+            # second set of activations (moonlet at batch 16 ran out of memory there).
             with torch.cuda.stream(side):
-                for _ in range(WARMUP):
+                for _ in range(WARMUP if clear else 0):
                     loss_fn(model, self.inputs, self.targets).backward()  # type: ignore[no-untyped-call]
-                    for p in self.params if clear else ():
+                    for p in self.params:
                         p.grad = None
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
