@@ -137,7 +137,7 @@ def unpermute(inp: Inputs, c: Contract) -> list[Expect | None]:
 def space_embedding_bwd(big: bool) -> st.SearchStrategy[dict[str, Any]]:
     return space(
         T=I(0, 4096 if big else 40),
-        H=by_size(big, [8, 16, 64], [2048, 7168]),
+        H=by_size(big, [8, 16, 64], [1024, 2048]),
         V=I(1, 50) if not big else S([1000, 201088]),
     )
 
