@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 from conftest import cuda_median_ms, mismatch, record
 from torch import Tensor
@@ -97,3 +98,32 @@ def test_bench_cross_entropy_fwd(benchmark: Any) -> None:
     benchmark.extra_info.update(row)
     benchmark.pedantic(lambda: (fl.cross_entropy(h, w, tg, IGN, CHUNK), torch.cuda.synchronize()), rounds=3,
                        iterations=1, warmup_rounds=1)
+
+
+STEP_TOKENS = 65536
+"""Tokens of one moonlet microbatch (16 x 4096), the T the chunk rows time the trainer's head at."""
+
+
+@pytest.mark.parametrize("chunk", [4096, 8192, 16384])
+def test_bench_cross_entropy_chunk(benchmark: Any, chunk: int) -> None:
+    """The trainer's head at one microbatch per chunk size: each chunk's fp32 [chunk, V] logits buffer against
+    the dw accumulator's read and write per chunk (fp32 [V, H], 3.3 GB at moonlet's head)."""
+    from nmoe.fast import loss as fl
+    _, hd, v = SHAPE
+    g = torch.Generator(device="cuda").manual_seed(2)
+    h = torch.randn(STEP_TOKENS, hd, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    w = (torch.randn(v, hd, device="cuda", generator=g) / hd**0.5).bfloat16().requires_grad_()
+    tg = torch.randint(0, v, (STEP_TOKENS,), device="cuda", generator=g)
+
+    def fast() -> None:
+        h.grad = w.grad = None
+        fl.cross_entropy(h, w, tg, IGN, chunk).backward()
+
+    peak = _peak(fast)
+    ms = cuda_median_ms(fast, warmup=2, reps=5)
+    row = record("cross_entropy_fwd_bwd_chunk", {"T": STEP_TOKENS, "H": hd, "V": v, "chunk": chunk}, ms,
+                 flops=6.0 * STEP_TOKENS * v * hd)
+    row.update(timing="eager", peak_bytes=peak,
+               stated_peak_bytes=fl.peak_bytes(STEP_TOKENS, v, hd, chunk, True))
+    benchmark.extra_info.update(row)
+    benchmark.pedantic(lambda: (fast(), torch.cuda.synchronize()), rounds=1, iterations=1, warmup_rounds=0)
