@@ -246,8 +246,9 @@ class TrainConfig(_Section):
     rounded, half the bytes per step); model = "reference" (the CPU spec) only by name, the fast path never
     falls back; cuda_graph: forward and backward replay as one CUDA graph after the first, eager step;
     grad_accum: microbatches of data.batch_size sequences per optimizer step, gradients summed, then averaged
-    in the step. expert_parallel: routed experts sharded over all ranks, rows moved by RDEP; a rank receives
-    at most ep_capacity x its own tokens x top-k rows, more raises."""
+    in the step; ce_chunk: tokens per chunk of the loss head (fp32 logits of ce_chunk x vocab at a time).
+    expert_parallel: routed experts sharded over all ranks, rows moved by RDEP; a rank receives at most
+    ep_capacity x its own tokens x top-k rows, more raises."""
 
     SECTION: ClassVar[str] = "train"
 
@@ -259,6 +260,7 @@ class TrainConfig(_Section):
     optim_state_dtype: str = _spec("fp32", choices=("fp32", "bf16"))
     log_every: int = _spec(10, lo=1)
     grad_accum: int = _spec(1, lo=1)
+    ce_chunk: int = _spec(4096, lo=1)
     cuda_graph: bool = _spec(False)
     expert_parallel: bool = _spec(False)
     ep_capacity: float = _spec(2.0, lo=0.0, lo_open=True)

@@ -48,7 +48,7 @@ def build_model(cfg: Config, rank: int = 0, world: int = 1) -> nn.Module:
         if cfg.train.param_dtype != "fp32":
             raise ValueError(f"train.param_dtype = {cfg.train.param_dtype!r}: the spec model keeps fp32 "
                              "params; set it to \"fp32\" or train the fast model (train.model = \"fast\")")
-        model = SpecModel(cfg.model, seed=cfg.train.seed)
+        model = SpecModel(cfg.model, seed=cfg.train.seed, ce_chunk=cfg.train.ce_chunk)
         return model
     from nmoe.fast.model import Model, ep_shape
     from nmoe.fast.rdep.ep import Exchange
@@ -57,7 +57,7 @@ def build_model(cfg: Config, rank: int = 0, world: int = 1) -> nn.Module:
 
     t = cfg.train
     shard = ExpertShard(rank, world) if t.expert_parallel else None
-    fast = Model(cfg.model, seed=t.seed, param_dtype=t.param_dtype, shard=shard)
+    fast = Model(cfg.model, seed=t.seed, ce_chunk=t.ce_chunk, param_dtype=t.param_dtype, shard=shard)
     if shard is not None:
         tokens = cfg.data.batch_size * cfg.data.seq_len
         shape = ep_shape(cfg.model, tokens, world, t.ep_capacity, t.ep_timeout_s)

@@ -100,3 +100,10 @@ def test_train_package_never_imports_the_spec() -> None:
              for node in ast.walk(ast.parse(path.read_text())) for name in _imported(node)
              if name.startswith(("nmoe.reference", "parity"))]
     assert found == []
+
+
+def test_the_loss_chunk_comes_from_the_config() -> None:
+    from nmoe.config import load_config
+
+    cfg = load_config(TINY, env={}, overrides=["--train.ce_chunk=7"])
+    assert traincli.build_model(cfg).ce_chunk == 7
