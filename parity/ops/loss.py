@@ -96,16 +96,24 @@ def make_cross_entropy_bwd(p: Params, g: torch.Generator, adv: str | None) -> In
     return Inputs((float(p["dloss"]), h, w, targets, -100, shape["chunk"]), shape=shape, dtype=p["dtype"])
 
 
+def _d(x: Tensor) -> Tensor:
+    """float64 on the GPU when the run has one: the oracles' [T, V] float64 GEMMs take seconds per case on a
+    CPU; results come back to the CPU."""
+    return d(x).to("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _ce_parts(inp: Inputs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
     """(logits, probs, onehot, kept mask, per-token logit error bound in units of u, n_kept)."""
-    h, w, targets, ignore = d(inp.args[0]), d(inp.args[1]), inp.args[2], int(inp.args[3])
+    h, w, ignore = _d(inp.args[0]), _d(inp.args[1]), int(inp.args[3])
+    targets = inp.args[2].to(h.device)
     logits = h @ w.T
     kept = targets != ignore
     tgt = torch.where(kept, targets, 0).to(torch.int64)
     onehot = torch.zeros_like(logits)
-    onehot[torch.arange(logits.shape[0]), tgt] = 1.0
+    onehot[torch.arange(logits.shape[0], device=h.device), tgt] = 1.0
     probs = torch.softmax(logits, dim=-1)
-    lerr = h.shape[1] * (h.abs() @ w.abs().T).amax(dim=-1) if logits.numel() else torch.zeros(0, dtype=F64)
+    lerr = (h.shape[1] * (h.abs() @ w.abs().T).amax(dim=-1) if logits.numel()
+            else torch.zeros(0, dtype=F64, device=h.device))
     return logits, probs, onehot, kept, lerr, int(kept.sum())
 
 
@@ -121,7 +129,7 @@ def cross_entropy(inp: Inputs, c: Contract) -> list[Expect | None]:
     loss = per[kept].sum() / n
     v = logits.shape[1]
     err = (2 * lerr + v + 8 + lse.abs() + per.abs())[kept].sum() / n + (n + 2) * loss.abs()
-    return [Expect(loss, mag=err, k=1.0)]
+    return [Expect(loss.cpu(), mag=err.cpu(), k=1.0)]
 
 
 def cross_entropy_bwd(inp: Inputs, c: Contract) -> list[Expect | None]:
@@ -130,12 +138,12 @@ def cross_entropy_bwd(inp: Inputs, c: Contract) -> list[Expect | None]:
     add V (dh) and T (dw), each product flushable."""
     dloss = float(inp.args[0])
     shifted = Inputs(inp.args[1:], inp.kwargs, inp.shape, inp.dtype)
-    h, w = d(inp.args[1]), d(inp.args[2])
+    h, w = _d(inp.args[1]), _d(inp.args[2])
     _, probs, onehot, kept, lerr, n = _ce_parts(shifted)
     if n == 0:
         return [
-            Expect(torch.zeros_like(h), mag=torch.zeros_like(h), k=1.0),
-            Expect(torch.zeros_like(w), mag=torch.zeros_like(w), k=1.0),
+            Expect(torch.zeros(h.shape, dtype=F64), mag=torch.zeros(h.shape, dtype=F64), k=1.0),
+            Expect(torch.zeros(w.shape, dtype=F64), mag=torch.zeros(w.shape, dtype=F64), k=1.0),
         ]
     coef = dloss / n
     g = torch.where(kept[:, None], (probs - onehot) * coef, 0.0)
@@ -145,7 +153,7 @@ def cross_entropy_bwd(inp: Inputs, c: Contract) -> list[Expect | None]:
     v, t = probs.shape[1], h.shape[0]
     mag_dh = delta @ w.abs() + v * (g.abs() @ w.abs()) + v * TINY_U
     mag_dw = delta.T @ h.abs() + t * (g.abs().T @ h.abs()) + t * TINY_U
-    return [Expect(g @ w, mag=mag_dh, k=1.0), Expect(g.T @ h, mag=mag_dw, k=1.0)]
+    return [Expect((g @ w).cpu(), mag=mag_dh.cpu(), k=1.0), Expect((g.T @ h).cpu(), mag=mag_dw.cpu(), k=1.0)]
 
 
 ENTRIES: list[OpEntry] = [
