@@ -1,6 +1,6 @@
-"""Layouts the spec and the fast path share: permute's row capacity and result bundle, the MLA and MoE layers'
-parameter bundles and their shape checks, the model's op bundle (one definition, so neither path imports the
-other)."""
+"""Layouts the spec and the fast path share: permute's row capacity and result bundle, embedding_bwd's operand
+check, the MLA and MoE layers' parameter bundles and their shape checks, the model's op bundle (one
+definition, so neither path imports the other)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,13 @@ def padded_rows(n_slots: int, n_experts: int, align: int) -> int:
         )
     worst = n_slots + n_experts * (align - 1)
     return -(-worst // align) * align
+
+
+def check_embedding_grad(dy: Tensor, ids: Tensor) -> None:
+    """embedding_bwd's operands: rows dy [T, H] and one integer id per row."""
+    if dy.dim() != 2 or ids.shape != (dy.shape[0],) or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"embedding_bwd: need dy [T,H] and integer ids [T]; got {tuple(dy.shape)}, "
+                         f"{ids.dtype} {tuple(ids.shape)}")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from nmoe.fast import runtime
 from nmoe.fast.limits import MAX_EXPERTS
 from nmoe.fast.op import Kernel, fast_op
 from nmoe.fast.runtime import KernelSpec
-from nmoe.layout import Permuted, padded_rows
+from nmoe.layout import Permuted, check_embedding_grad, padded_rows
 
 _INT32_LIMIT = 2**31
 PERMUTE = Kernel("nmoe.fast.kernels.dispatch", "permute",
@@ -158,9 +158,7 @@ def _unpermute_fake(yp: Tensor, slot: Tensor, t: int, k: int) -> Tensor:
 
 
 def _check_embed(dy: Tensor, ids: Tensor, vocab: int) -> None:
-    if dy.dim() != 2 or ids.shape != (dy.shape[0],) or ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"embedding_bwd: need dy [T,H] and integer ids [T]; got {tuple(dy.shape)}, "
-                         f"{ids.dtype} {tuple(ids.shape)}")
+    check_embedding_grad(dy, ids)
     if dy.dtype not in EMBED_DTYPES or dy.shape[1] % (16 // dy.element_size()) or \
             not 1 <= vocab < _INT32_LIMIT or dy.shape[0] >= _INT32_LIMIT:
         raise ValueError(f"embedding_bwd: the fast path takes bf16 or fp32 dy whose rows are whole 16-byte "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from nmoe.layout import Permuted, padded_rows
+from nmoe.layout import Permuted, check_embedding_grad, padded_rows
 
 
 def _check_ids(ids: Tensor, n_experts: int) -> None:
@@ -65,9 +65,7 @@ def unpermute(yp: Tensor, slot: Tensor, t: int, k: int) -> Tensor:
 def embedding_bwd(dy: Tensor, ids: Tensor, vocab: int) -> Tensor:
     """The embedding table's gradient [vocab, H] in dy's dtype: row v is the fp32 sum, in token order, of the
     rows of dy [T, H] whose id is v, rounded once; a row no token names is zero."""
-    if dy.dim() != 2 or ids.shape != (dy.shape[0],) or ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"embedding_bwd: need dy [T,H] and integer ids [T]; got {tuple(dy.shape)}, "
-                         f"{ids.dtype} {tuple(ids.shape)}")
+    check_embedding_grad(dy, ids)
     if vocab < 1 or (ids.numel() and (bool((ids < 0).any()) or bool((ids >= vocab).any()))):
         raise ValueError(f"embedding_bwd: ids must lie in [0, {vocab}) (the vocab size); fix the tokens")
     acc = torch.zeros(vocab, dy.shape[1], dtype=torch.float32)
