@@ -102,10 +102,11 @@ def _d(x: Tensor) -> Tensor:
     return d(x).to("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _ce_parts(inp: Inputs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
-    """(logits, probs, onehot, kept mask, per-token logit error bound in units of u, n_kept)."""
-    h, w, ignore = _d(inp.args[0]), _d(inp.args[1]), int(inp.args[3])
-    targets = inp.args[2].to(h.device)
+def _ce_parts(h: Tensor, w: Tensor, targets: Tensor,
+              ignore: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
+    """(logits, probs, onehot, kept mask, per-token logit error bound in units of u, n_kept) of float64 h,
+    w."""
+    targets = targets.to(h.device)
     logits = h @ w.T
     kept = targets != ignore
     tgt = torch.where(kept, targets, 0).to(torch.int64)
@@ -120,7 +121,8 @@ def _ce_parts(inp: Inputs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]
 def cross_entropy(inp: Inputs, c: Contract) -> list[Expect | None]:
     """Per kept token: |dl| <= D*u*max_j sum|h||w|, lse adds V+8 (sum of V exps, exp, log) and the
     subtractions their own rounding; the chunked mean adds (N+2)*|loss|. All in units of u (k=1)."""
-    logits, _, onehot, kept, lerr, n = _ce_parts(inp)
+    h, w, targets, ignore = _d(inp.args[0]), _d(inp.args[1]), inp.args[2], int(inp.args[3])
+    logits, _, onehot, kept, lerr, n = _ce_parts(h, w, targets, ignore)
     if n == 0:
         z = torch.zeros((), dtype=F64)
         return [Expect(z, mag=z, k=1.0)]
@@ -137,9 +139,8 @@ def cross_entropy_bwd(inp: Inputs, c: Contract) -> list[Expect | None]:
     for its bf16 rounding, and underflow's absolute errors (p flushed below 2^-126, subnormals); the two GEMMs
     add V (dh) and T (dw), each product flushable."""
     dloss = float(inp.args[0])
-    shifted = Inputs(inp.args[1:], inp.kwargs, inp.shape, inp.dtype)
     h, w = _d(inp.args[1]), _d(inp.args[2])
-    _, probs, onehot, kept, lerr, n = _ce_parts(shifted)
+    _, probs, onehot, kept, lerr, n = _ce_parts(h, w, inp.args[3], int(inp.args[4]))
     if n == 0:
         return [
             Expect(torch.zeros(h.shape, dtype=F64), mag=torch.zeros(h.shape, dtype=F64), k=1.0),
