@@ -51,17 +51,18 @@ class GraphedStep:
     def _capture(self, model: nn.Module, loss_fn: LossFn, extra: Callable[[], Tensor] | None, pool: Any,
                  clear: bool) -> _Captured:
         device = self.inputs.device
-        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream(device))
         try:
             # Only the first capture warms up: an eager step beside the first graph's pool would need a
             # second set of activations (moonlet at batch 16 ran out of memory there).
-            with torch.cuda.stream(side):
-                for _ in range(WARMUP if clear else 0):
-                    loss_fn(model, self.inputs, self.targets).backward()  # type: ignore[no-untyped-call]
-                    for p in self.params:
-                        p.grad = None
-            torch.cuda.current_stream(device).wait_stream(side)
+            if clear:
+                side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    for _ in range(WARMUP):
+                        loss_fn(model, self.inputs, self.targets).backward()  # type: ignore[no-untyped-call]
+                        for p in self.params:
+                            p.grad = None
+                torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 loss = loss_fn(model, self.inputs, self.targets)
