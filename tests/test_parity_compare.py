@@ -291,3 +291,14 @@ def test_adversarial_nans_carry_both_signs() -> None:
         assert torch.isnan(x).all()
         signs = {int(b) >> sign & 1 for b in x.view(ity).tolist()}
         assert signs == {0, 1}
+
+
+def test_bitwise_reports_the_widest_ulp_gap_among_the_mismatches() -> None:
+    x = torch.linspace(1.0, 2.0, 257, dtype=BF)
+    bits = x.view(torch.int16).clone()
+    bits[7] += 3
+    bits[100] -= 1
+    v = c.bitwise(bits.view(BF), x)
+    assert not v.passed and v.worst == {"mismatches": 2.0, "ulp": 3.0}
+    assert c.bitwise(x[7], x[7].clone()).worst == {"mismatches": 0.0, "ulp": 0.0}
+    assert c.bitwise(bits.view(BF)[7], x[7]).worst == {"mismatches": 1.0, "ulp": 3.0}
