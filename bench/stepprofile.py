@@ -3,8 +3,9 @@
 clip, optimizer). Used by bench/test_bench_train_step.py; the grouping is pure and tested on the CPU.
 
 `python -m bench.stepprofile CONFIG [--section.key=value ...] --out FILE` profiles one eager step of the fast
-model at a config's own batch (the bench's step runs at 2 x 4096 beside the torch baseline) and writes the
-breakdown with each GEMM family's FLOP floor and AdamW's byte floor, under the run's provenance."""
+model at a config's own batch and train.grad_accum (the bench's step runs one microbatch of 2 x 4096 beside
+the torch baseline) and writes the breakdown with each GEMM family's FLOP floor and AdamW's byte floor, under
+the run's provenance."""
 
 from __future__ import annotations
 
@@ -180,18 +181,21 @@ def random_batch(cfg: Any) -> tuple[Any, Any]:
 
 
 def fast_step(model: Any, opt: Any, cfg: Any, inputs: Any, targets: Any) -> Callable[..., None]:
-    """The trainer's eager step as phases: forward, backward, clip, optimizer (grads freed), bias update."""
+    """The trainer's eager step as phases: train.grad_accum forwards and backwards on one batch (the first
+    writes the gradients, the rest add to them), clip, optimizer (grads freed), bias update."""
     from nmoe.train.optim import clip_scale
 
     params = [p for g in opt.param_groups for p in g["params"]]
+    accum = cfg.train.grad_accum
 
     def step(phase: Phase = no_phase) -> None:
-        with phase("forward"):
-            loss = model(inputs, targets)
-        with phase("backward"):
-            loss.backward()
+        for _ in range(accum):
+            with phase("forward"):
+                loss = model(inputs, targets)
+            with phase("backward"):
+                loss.backward()
         with phase("clip"):
-            opt.set_grad_scale(clip_scale(params, cfg.optim.grad_clip)[1])
+            opt.set_grad_scale(clip_scale(params, cfg.optim.grad_clip, accum=accum)[1])
         with phase("optimizer"):
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -238,14 +242,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     cfg = load_config(args.config, env={}, overrides=overrides)
     model, opt = trainer_model(cfg)
-    b, s = cfg.data.batch_size, cfg.data.seq_len
+    b, s, accum = cfg.data.batch_size, cfg.data.seq_len, cfg.train.grad_accum
     step = fast_step(model, opt, cfg, *random_batch(cfg))
     for _ in range(args.warmup):
         step()
     torch.cuda.synchronize()
-    parts = with_floors(profile_step(step, args.sources), model, cfg, b * s, ceilings())
+    parts = with_floors(profile_step(step, args.sources), model, cfg, b * s * accum, ceilings())
     report = {"provenance": provenance(" ".join(["python -m bench.stepprofile", args.config, *overrides])),
-              "config": str(args.config), "overrides": overrides, "shape": {"B": b, "S": s},
+              "config": str(args.config), "overrides": overrides, "shape": {"B": b, "S": s, "accum": accum},
               "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30, "breakdown": parts}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")

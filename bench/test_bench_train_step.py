@@ -73,7 +73,8 @@ def test_bench_train_step_moonlet(benchmark: Any) -> None:
 
     dtype = [f"--train.param_dtype={PARAM_DTYPE}"] if PARAM_DTYPE else []
     dtype += [f"--train.optim_state_dtype={STATE_DTYPE}"] if STATE_DTYPE else []
-    cfg = load_config(CONFIG, env={}, overrides=[f"--data.batch_size={BATCH}", *dtype])
+    one = ["--train.grad_accum=1"]  # the baseline steps one microbatch
+    cfg = load_config(CONFIG, env={}, overrides=[f"--data.batch_size={BATCH}", *one, *dtype])
     base_ms, base_peak = _torch_step_ms(cfg)
     gc.collect()
     torch.cuda.empty_cache()
