@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The GPU half of the checks (needs an sm_90a/sm_100a GPU and nvidia-cutlass-dsl): fast-path tests,
 # parity report, GPU mutation catalog, benchmarks, a training run. Usage: bash tests/gpu_check.sh OUTDIR [STAGES]
-# STAGES is a comma list of smoke,tests,parity,mutate,sonic,bench,train,moonlet (default: all but smoke,
-# sonic and moonlet); every stage runs even if one fails. smoke launches one elementwise op and one GEMM:
-# run it first on a new launch path. sonic times SonicMoE on the MoE layer rows in its own process
+# STAGES is a comma list of smoke,tests,parity,mutate,sonic,bench,train,profile,moonlet (default: all but
+# smoke, sonic, profile and moonlet); every stage runs even if one fails. smoke launches one elementwise op
+# and one GEMM: run it first on a new launch path. sonic times SonicMoE on the MoE layer rows in its own process
 # (SONIC_PYTHONPATH from the peer install; its kernels compiled for ~16 minutes on the H200: NMOE_SONIC_CACHE
 # names a CuTeDSL file-cache folder for them, kept to seed a later run, reuse untried); bench then puts those
 # rows beside ours. moonlet trains configs/moonlet.toml for NMOE_MOONLET_STEPS (default 200) steps and
 # writes its metrics table, PNG and report JSON (its checkpoint of ~40 GB goes to NMOE_MOONLET_CKPT;
-# NMOE_MOONLET_ARGS adds overrides).
+# NMOE_MOONLET_ARGS adds overrides). profile writes where one eager moonlet step's GPU time goes, by op
+# family and by the ops that launch the small kernels (bench/stepprofile.py; NMOE_MOONLET_ARGS applies).
 # NMOE_GPU_JOBS (default 12) sets the pytest and mutation workers; NMOE_BENCH_K selects bench rows (-k).
 set -uo pipefail
 out=$(mkdir -p "${1:?usage: gpu_check.sh OUTDIR [STAGES]}" && cd "$1" && pwd)
@@ -30,6 +31,8 @@ run() { local name=$1; shift; echo "== $name: $*"; "$@" > "$out/$name.log" 2>&1 
 [[ $stages == *,bench,* ]] && run bench python3 -m nmoe.cli bench ${NMOE_BENCH_K:+-k "$NMOE_BENCH_K"} \
   --out "$out/bench.json"
 [[ $stages == *,train,* ]] && run train bash -c "python3 -m nmoe.cli prep && python3 -m nmoe.cli train configs/tiny-gpu.toml"
+[[ $stages == *,profile,* ]] && run profile python3 -m bench.stepprofile configs/moonlet.toml --sources \
+  --out "$out/stepprofile.json" ${NMOE_MOONLET_ARGS:-}
 if [[ $stages == *,moonlet,* ]]; then
   per_step=$(python3 -c "import sys; from nmoe.config import load_config as l; \
 c = l('configs/moonlet.toml', env={}, overrides=sys.argv[1:]); \
