@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from nmoe.config import TrainConfig
 from nmoe.fast import runtime
 from nmoe.fast.op import Kernel, fast_op
 from nmoe.fast.runtime import KernelSpec, vector_aligned
@@ -139,7 +140,7 @@ _ce_op.autograd(_backward, _setup)
 
 
 def cross_entropy(h: Tensor, w_out: Tensor, targets: Tensor, ignore_index: int = -100,
-                  chunk: int = 4096) -> Tensor:
+                  chunk: int = TrainConfig.ce_chunk) -> Tensor:
     """Mean CE over kept tokens of softmax(h @ w_out^T) as a 0-dim fp32 tensor (0 when none is kept);
     differentiable w.r.t. h and w_out, its gradient computed in this one pass."""
     grad = torch.is_grad_enabled() and (h.requires_grad or w_out.requires_grad)
@@ -148,7 +149,7 @@ def cross_entropy(h: Tensor, w_out: Tensor, targets: Tensor, ignore_index: int =
 
 
 def cross_entropy_bwd(dloss: Tensor | float, h: Tensor, w_out: Tensor, targets: Tensor,
-                      ignore_index: int = -100, chunk: int = 4096) -> tuple[Tensor, Tensor]:
+                      ignore_index: int = -100, chunk: int = TrainConfig.ce_chunk) -> tuple[Tensor, Tensor]:
     """(dh, dw_out) of cross_entropy: dloss * (softmax - onehot)/n_kept through the two GEMMs per chunk."""
     _, dh, dw = _ce_op(h.detach(), w_out.detach(), targets, ignore_index, chunk, True)
     scale = torch.as_tensor(dloss, dtype=torch.float32, device=h.device)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from nmoe import modeldef
-from nmoe.config import ModelConfig
+from nmoe.config import ModelConfig, TrainConfig
 from nmoe.fast import runtime
 from nmoe.fast.activation import swiglu
 from nmoe.fast.arch import ArchError
@@ -81,7 +81,8 @@ class Model(modeldef.Model):
     """
 
     def __init__(
-        self, cfg: ModelConfig, seed: int = 0, ce_chunk: int = 4096, ignore_index: int = -100, *,
+        self, cfg: ModelConfig, seed: int = 0, ce_chunk: int = TrainConfig.ce_chunk,
+        ignore_index: int = -100, *,
         param_dtype: str = "fp32", device: str | torch.device | None = None, shard: ExpertShard | None = None,
     ) -> None:
         if param_dtype not in PARAM_DTYPES:

@@ -6,6 +6,8 @@ Loss = sum over kept tokens / n_kept. No kept token (all ignore_index) -> loss 0
 import torch
 from torch import Tensor
 
+from nmoe.config import TrainConfig
+
 
 def _acc_dtype(h: Tensor, w_out: Tensor) -> torch.dtype:
     return torch.promote_types(torch.promote_types(h.dtype, w_out.dtype), torch.float32)
@@ -41,7 +43,7 @@ def _logsumexp(logits: Tensor) -> Tensor:
 
 
 def cross_entropy(
-    h: Tensor, w_out: Tensor, targets: Tensor, ignore_index: int = -100, chunk: int = 4096
+    h: Tensor, w_out: Tensor, targets: Tensor, ignore_index: int = -100, chunk: int = TrainConfig.ce_chunk
 ) -> Tensor:
     """Mean CE over kept tokens of softmax(h @ w_out^T); 0-dim fp32 (fp64 for fp64 inputs).
 
@@ -68,7 +70,7 @@ def cross_entropy_bwd(
     w_out: Tensor,
     targets: Tensor,
     ignore_index: int = -100,
-    chunk: int = 4096,
+    chunk: int = TrainConfig.ce_chunk,
 ) -> tuple[Tensor, Tensor]:
     """(dh, dw_out) of cross_entropy: dlogits = dloss*(softmax - onehot)/n_kept on kept rows, 0 elsewhere.
 

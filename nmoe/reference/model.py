@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from nmoe import modeldef
-from nmoe.config import ModelConfig
+from nmoe.config import ModelConfig, TrainConfig
 from nmoe.layout import ModelOps
 from nmoe.modeldef import MLA, Block, DenseFFN, MoE
 from nmoe.reference.attention import mla_attention
@@ -68,6 +68,6 @@ class Model(modeldef.Model):
     """forward(tokens [B,S]) -> fp32 logits [B,S,V]; with targets [B,S] -> fp32 mean CE over kept tokens."""
 
     def __init__(
-        self, cfg: ModelConfig, seed: int = 0, ce_chunk: int = 4096, ignore_index: int = -100
+        self, cfg: ModelConfig, seed: int = 0, ce_chunk: int = TrainConfig.ce_chunk, ignore_index: int = -100
     ) -> None:
         super().__init__(cfg, OPS, seed, ce_chunk, ignore_index, torch.device("cpu"), torch.float32)
