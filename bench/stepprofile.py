@@ -183,16 +183,17 @@ def random_batch(cfg: Any) -> tuple[Any, Any]:
 def fast_step(model: Any, opt: Any, cfg: Any, inputs: Any, targets: Any) -> Callable[..., None]:
     """The trainer's eager step as phases: train.grad_accum forwards and backwards on one batch (the first
     writes the gradients, the rest add to them), clip, optimizer (grads freed), bias update."""
+    from nmoe.accumulate import adding_to_grads
     from nmoe.train.optim import clip_scale
 
     params = [p for g in opt.param_groups for p in g["params"]]
     accum = cfg.train.grad_accum
 
     def step(phase: Phase = no_phase) -> None:
-        for _ in range(accum):
+        for micro in range(accum):
             with phase("forward"):
                 loss = model(inputs, targets)
-            with phase("backward"):
+            with phase("backward"), adding_to_grads(micro > 0):
                 loss.backward()
         with phase("clip"):
             opt.set_grad_scale(clip_scale(params, cfg.optim.grad_clip, accum=accum)[1])

@@ -172,3 +172,29 @@ def test_moe_layer_eager_never_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(bool(torch.isfinite(g).all()) for g in grads)
+
+
+@gpu
+def test_a_later_microbatch_adds_routed_wgrads_in_place_bit_for_bit() -> None:
+    """Inside adding_to_grads the routed experts' wgrads are added into their held .grad by the wgrad
+    kernel's reduce-add: bit for bit autograd's bf16 add of the two microbatches' gradients, in the same
+    tensors; every other gradient as autograd adds it."""
+    _sm90()
+    from nmoe.accumulate import adding_to_grads
+    from nmoe.fast.moe import moe_layer
+    cfg = _cfg("swiglu", 1, "bf16", "sigmoid")
+    x, p = _params(cfg, 7, "cuda")
+    leaves = _leaves(x, p)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    douts = [torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2)]
+    each = [torch.autograd.grad(moe_layer(x, p, cfg)[0], leaves, d) for d in douts]
+    want = [a + b for a, b in zip(*each, strict=True)]
+    assert not torch.equal(want[2], each[0][2]) and not torch.equal(want[2], each[1][2])
+    moe_layer(x, p, cfg)[0].backward(douts[0])
+    assert p.w13 is not None
+    held = [p.w13.grad, p.w2.grad]
+    with adding_to_grads():
+        moe_layer(x, p, cfg)[0].backward(douts[1])
+    assert p.w13.grad is held[0] and p.w2.grad is held[1]
+    for t, w in zip(leaves, want, strict=True):
+        assert t.grad is not None and torch.equal(t.grad.view(torch.int16), w.view(torch.int16))

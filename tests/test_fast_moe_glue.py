@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 import nmoe.fast.moe as fm
+from nmoe.accumulate import adding_to_grads
 from nmoe.config import ModelConfig
 from nmoe.fast.gemm import sm90
 from nmoe.layout import MoEParams
@@ -39,8 +40,11 @@ def _wgrad_gathered(dy: Tensor, x: Tensor, slot: Tensor, top_k: int, offs: Tenso
     return rg.grouped_gemm_wgrad(dy, _gathered_rows(x, slot, top_k), offs)
 
 
-def _wgrad_cols(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int, row0: int = 0) -> None:
-    dw[:, row0:row0 + dy.shape[1], col0:col0 + x.shape[1]] = rg.grouped_gemm_wgrad(dy, x, offs)
+def _wgrad_cols(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int, row0: int = 0,
+                accumulate: bool = False) -> None:
+    block = dw[:, row0:row0 + dy.shape[1], col0:col0 + x.shape[1]]
+    new = rg.grouped_gemm_wgrad(dy, x, offs)
+    block.add_(new) if accumulate else block.copy_(new)
 
 
 def _dgrad_gathered(dy: Tensor, slot: Tensor, top_k: int, w: Tensor, offs: Tensor) -> Tensor:
@@ -295,9 +299,10 @@ def test_frozen_inputs_get_no_grad_and_skip_their_gemms(spec_kernels: None, monk
     monkeypatch.setattr(sm90, "grouped_gemm_dgrad_gathered", counted("dgrad", _dgrad_gathered))
     monkeypatch.setattr(fm, "grouped_gemm_dgrad", counted("dgrad", rg.grouped_gemm_dgrad))
 
-    def cols(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int, row0: int = 0) -> None:
+    def cols(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int, row0: int = 0,
+             accumulate: bool = False) -> None:
         calls.extend(["wgrad"] if col0 == row0 == 0 else [])  # one weight's wgrad, in chunks
-        _wgrad_cols(dy, x, offs, dw, col0, row0)
+        _wgrad_cols(dy, x, offs, dw, col0, row0, accumulate)
 
     monkeypatch.setattr(sm90, "grouped_gemm_wgrad_cols", cols)
     dout = torch.randn(T, DIMS["bf16"][0], generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
@@ -364,3 +369,53 @@ def test_h_is_freed_by_the_backward_and_a_second_backward_says_so(spec_kernels: 
     assert node.h is None
     with pytest.raises(RuntimeError, match="backward ran twice"):
         torch.autograd.backward(out, dout)
+
+
+def _two_microbatches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first backward() writes .grad (autograd takes the wgrad); a second inside adding_to_grads adds the
+    routed experts' wgrads in place through the kernel's accumulate: bit for bit autograd's bf16 add of the
+    two, in the same tensors, every other .grad as autograd adds it; torch.autograd.grad is untouched."""
+    adds: list[bool] = []
+
+    def cols(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int, row0: int = 0,
+             accumulate: bool = False) -> None:
+        adds.append(accumulate)
+        _wgrad_cols(dy, x, offs, dw, col0, row0, accumulate)
+
+    monkeypatch.setattr(sm90, "grouped_gemm_wgrad_cols", cols)
+    x, p, cfg = _case(*SWIGLU_SHARED, 3)
+    g = torch.Generator().manual_seed(11)
+    douts = [torch.randn(T, DIMS["bf16"][0], generator=g).to(torch.bfloat16) for _ in range(2)]
+    leaves = [x, p.router_w, p.w13, p.w2, p.shared_w13, p.shared_w2]
+    each = [torch.autograd.grad(fm.moe_layer(x, p, cfg)[0], leaves, d) for d in douts]
+    want = [a + b for a, b in zip(*each, strict=True)]
+    assert all(t.grad is None for t in leaves) and not any(adds)
+    fm.moe_layer(x, p, cfg)[0].backward(douts[0])
+    held = [p.w13.grad, p.w2.grad]
+    adds.clear()
+    with adding_to_grads():
+        fm.moe_layer(x, p, cfg)[0].backward(douts[1])
+    assert adds and all(adds), "the second microbatch's routed wgrads were not added by the kernel"
+    assert p.w13.grad is held[0] and p.w2.grad is held[1]
+    for t, w in zip(leaves, want, strict=True):
+        assert t.grad is not None and torch.equal(t.grad, w)
+    adds.clear()
+    again = torch.autograd.grad(fm.moe_layer(x, p, cfg)[0], leaves, douts[0])
+    assert not any(adds) and all(torch.equal(a, b) for a, b in zip(again, each[0], strict=True))
+    assert all(t.grad is not None and torch.equal(t.grad, w) for t, w in zip(leaves, want, strict=True))
+
+
+def test_later_microbatches_add_routed_wgrads_into_grad(spec_kernels: None,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    _two_microbatches(monkeypatch)
+
+
+def test_sep_moe_fast_held_grad_returned_too(spec_kernels: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The added wgrad also handed to autograd doubles that microbatch's share of .grad."""
+    _two_microbatches(monkeypatch)
+
+
+def test_sep_moe_fast_adding_flag_ignored(spec_kernels: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adding into .grad outside adding_to_grads: torch.autograd.grad gets None for the experts and .grad
+    moves under it."""
+    _two_microbatches(monkeypatch)

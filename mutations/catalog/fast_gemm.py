@@ -12,6 +12,7 @@ TESTS = "tests/test_fast_gemm.py"
 GATHER_TESTS = "tests/test_fast_gemm_gather.py"
 CLUSTER_TESTS = "tests/test_fast_gemm_gather_cluster.py"
 SCHEDULE_TESTS = "tests/test_fast_wgrad_schedule.py"
+ACC_TESTS = "tests/test_fast_wgrad_accumulate.py"
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
@@ -79,6 +80,24 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        s_bits[(coord[0], coord[1] // ratio, (buf + 1) % EPI_BUFS)] = ",
         "the fused epilogue stages act(h) in the other buffer than its TMA store reads, so each full tile's "
         "act subtile leaves with its neighbour's values", TESTS, ("grouped_gemm_act",), device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_wgrad_accumulate_stores", FILE,
+        "    op = cpasync.CopyReduceBulkTensorTileS2GOp() if accumulate else "
+        "cpasync.CopyBulkTensorTileS2GOp()\n",
+        "    op = cpasync.CopyBulkTensorTileS2GOp()\n",
+        "the accumulating wgrad's full tiles leave by a plain TMA store, overwriting the gradient they add "
+        "to",
+        ACC_TESTS, ("grouped_gemm_wgrad",),
+    ),
+    sep_mutation(
+        "gemm.fast_wgrad_accumulate_cut_tile_stores", FILE,
+        "                            _add_chunk(epi.t_s_sd[(None, i, j, buf)], t_s_gd[(None, i, j)])\n",
+        "                            cute.copy(epi.s2g_atom, epi.t_s_sd[(None, i, j, buf)], "
+        "t_s_gd[(None, i, j)])\n",
+        "the accumulating wgrad's tiles cut by n or k are stored chunk by chunk over the gradient they add "
+        "to",
+        ACC_TESTS, ("grouped_gemm_wgrad",),
     ),
     sep_mutation(
         "gemm.fast_wgrad_mask_dropped", WGRAD,

@@ -50,15 +50,27 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "moe.fast_up_wgrad_chunk_at_col0", FILE,
-        "sm90.grouped_gemm_wgrad_cols(dy, part, offs, dw, c0)",
-        "sm90.grouped_gemm_wgrad_cols(dy, part, offs, dw, 0)",
+        "sm90.grouped_gemm_wgrad_cols(dy, part, offs, dw, c0, accumulate=add)",
+        "sm90.grouped_gemm_wgrad_cols(dy, part, offs, dw, 0, accumulate=add)",
         "every column chunk of the up wgrad lands on dw's first columns", TESTS, ("moe_layer",),
     ),
     sep_mutation(
         "moe.fast_down_wgrad_chunk_at_row0", FILE,
-        "sm90.grouped_gemm_wgrad_cols(part, x, offs, dw, 0, c0)",
-        "sm90.grouped_gemm_wgrad_cols(part, x, offs, dw, 0, 0)",
+        "sm90.grouped_gemm_wgrad_cols(part, x, offs, dw, 0, c0, accumulate=add)",
+        "sm90.grouped_gemm_wgrad_cols(part, x, offs, dw, 0, 0, accumulate=add)",
         "every chunk of dout's columns lands on dw2's first rows", TESTS, ("moe_layer",),
+    ),
+    sep_mutation(
+        "moe.fast_held_grad_returned_too", FILE,
+        "            dw2 = None if held is not None else dw2\n", "",
+        "a later microbatch's down wgrad, added into .grad by the kernel, is also handed to autograd, which "
+        "adds it again", TESTS, ("moe_layer",),
+    ),
+    sep_mutation(
+        "moe.fast_adding_flag_ignored", FILE,
+        "    if (not adding() or not w.is_leaf", "    if (not w.is_leaf",
+        "expert wgrads go into a held .grad even outside adding_to_grads: torch.autograd.grad gets None for "
+        "them and .grad changes under it", TESTS, ("moe_layer",),
     ),
     sep_mutation(
         "moe.fast_topk_grad_unnormalised", FILE,

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
+from nmoe.accumulate import adding
 from nmoe.config import ModelConfig
 from nmoe.fast import runtime
 from nmoe.fast.activation import relu2, relu2_bwd, swiglu, swiglu_bwd
@@ -110,21 +111,33 @@ def _to_slots(v: Tensor, slot: Tensor, t: int, k: int) -> Tensor:
     return v.new_zeros(t * k + 1).index_copy_(0, sink, v)[: t * k].view(t, k)
 
 
+def _held_grad(w: Tensor) -> Tensor | None:
+    """w's .grad to add the wgrad into, when nmoe.accumulate's adding_to_grads is on and w (a leaf) holds a
+    bf16 one the kernel can address; else None, and autograd gets the wgrad as usual."""
+    g = w.grad
+    if (not adding() or not w.is_leaf or g is None or g.dtype != torch.bfloat16 or g.shape != w.shape
+            or not g.is_contiguous() or g.data_ptr() % 16):
+        return None
+    return g
+
+
 def _chunked_wgrad(dy: Tensor, x: Tensor, slot: Tensor, row_of: Tensor, offs: Tensor, tokens: str,
-                   width: int) -> Tensor:
+                   width: int, into: Tensor | None = None) -> Tensor:
     """dy^T @ x per expert where the `tokens` side ("x": the up projection's x, "dy": the down projection's
     dout) is token-major: `width` of its columns at a time (whole 128-wide tiles) are copied into permuted
     order (the forward's routing, columns read in place) for the TMA-fed wgrad (gathering rows by index as
-    the wgrad loads measured 2.0-3.5x slower than copy + TMA wgrad on the up projection)."""
+    the wgrad loads measured 2.0-3.5x slower than copy + TMA wgrad on the up projection); `into`: added to
+    it in place (_held_grad's gradient) instead of a new dw."""
     src, other = (x, dy) if tokens == "x" else (dy, x)
-    dw = other.new_empty(offs.shape[0], dy.shape[1], x.shape[1])
+    dw = other.new_empty(offs.shape[0], dy.shape[1], x.shape[1]) if into is None else into
+    add = into is not None
     cols = sm90.wgrad_cols(src.shape[1], width)
     for c0 in range(0, src.shape[1], cols):
         part = spread_rows(src[:, c0:c0 + cols], slot, row_of)
         if tokens == "x":
-            sm90.grouped_gemm_wgrad_cols(dy, part, offs, dw, c0)
+            sm90.grouped_gemm_wgrad_cols(dy, part, offs, dw, c0, accumulate=add)
         else:
-            sm90.grouped_gemm_wgrad_cols(part, x, offs, dw, 0, c0)
+            sm90.grouped_gemm_wgrad_cols(part, x, offs, dw, 0, c0, accumulate=add)
         del part
     return dw
 
@@ -239,7 +252,9 @@ class _Routed(torch.autograd.Function):
             dweights = _to_slots(dot * scale, slot, t, k)
         if need_w2:
             assert aw is not None
-            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, "dy", h.shape[1])
+            held = _held_grad(w2)
+            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, "dy", h.shape[1], held)
+            dw2 = None if held is not None else dw2
         del aw
         dx_s = dw_up_s = dw2_s = None
         if s_up is not None:
@@ -258,7 +273,9 @@ class _Routed(torch.autograd.Function):
                 dx = combine_gather(dxp, row_of, ones, 1.0, dx_r)
                 del dxp
             if need_up:
-                dw_up = _chunked_wgrad(dh, x, slot, row_of, offs, "x", dh.shape[1])
+                held = _held_grad(w_up)
+                dw_up = _chunked_wgrad(dh, x, slot, row_of, offs, "x", dh.shape[1], held)
+                dw_up = None if held is not None else dw_up
         return dx, dwr, None, dw_up, dw2, dw_up_s, dw2_s, None
 
 

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from nmoe.accumulate import adding_to_grads
+
 WARMUP = 2  # side-stream iterations before capture (autograd and cuBLAS set up their state there)
 
 LossFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
@@ -30,7 +32,8 @@ class _Captured:
 class GraphedStep:
     """Capture loss_fn(model, inputs, targets) and its backward at the given batch shape; call() replays.
     accumulate: a second graph, in the first's memory pool, adds a microbatch's gradients to the buffers the
-    first writes (gradient accumulation); extra(): a tensor each graph computes after its backward."""
+    first writes (gradient accumulation, captured inside adding_to_grads); extra(): a tensor each graph
+    computes after its backward."""
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, *,
                  accumulate: bool = False, extra: Callable[[], Tensor] | None = None) -> None:
@@ -64,7 +67,7 @@ class GraphedStep:
                             p.grad = None
                 torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool), adding_to_grads(not clear):
                 loss = loss_fn(model, self.inputs, self.targets)
                 loss.backward()  # type: ignore[no-untyped-call]
                 out = extra() if extra is not None else None

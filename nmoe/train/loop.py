@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from nmoe.accumulate import adding_to_grads
 from nmoe.config import Config
 from nmoe.sharding import full_numel, reduce_grads
 from nmoe.train import checkpoint as ckpt
@@ -265,7 +266,8 @@ def _run(
                         loss, counts_now = graphed(inputs, targets, add=micro > 0)
                     else:
                         loss = loss_fn(model, inputs, targets)
-                        loss.backward()  # type: ignore[no-untyped-call]
+                        with adding_to_grads(micro > 0):
+                            loss.backward()  # type: ignore[no-untyped-call]
                         # A kept graph keeps its AccumulateGrad nodes, made on this stream, into a later
                         # capture.
                         loss = loss.detach()

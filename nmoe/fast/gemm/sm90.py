@@ -49,7 +49,8 @@ GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_gather", "grouped_gemm_gath
                     n, k, bn, act, w_k_major, pingpong, cn),
                 (ARCH,), "nmoe.fast.gemm.grouped_gemm_act_gathered")
 WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad",
-               lambda km, n, k, bn, ld, gs=0, dynamic=False: km.compile_args(n, k, bn, ld, gs, dynamic),
+               lambda km, n, k, bn, ld, gs=0, dynamic=False, accumulate=False: km.compile_args(
+                   n, k, bn, ld, gs, dynamic, accumulate),
                (ARCH,),
                "nmoe.fast.gemm.grouped_gemm_wgrad")
 WGRAD_GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad_gather",
@@ -230,8 +231,9 @@ def _launch_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, bn: int | Non
 
 
 def _prepare_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw_shape: tuple[int, ...], bn: int | None,
-                   *outs: Tensor, ld: int = 0, gs: int = 0) -> tuple[int, Launcher | None, bool,
-                                                            tuple[int, int, int], WgradSplit | None]:
+                   *outs: Tensor, ld: int = 0, gs: int = 0, accumulate: bool = False
+                   ) -> tuple[int, Launcher | None, bool, tuple[int, int, int], WgradSplit | None]:
+    """accumulate: the kernel adds to dw, and no rows at all leave dw as it is (zeros to add)."""
     device, arch = runtime.device_arch(dy, x, offs, *outs)
     require("grouped_gemm_wgrad", arch, ARCH)
     m = dy.shape[0]
@@ -239,10 +241,11 @@ def _prepare_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw_shape: tuple[int, ...
     if n_groups * n * k == 0:
         return device, None, False, (m, 0, 0), None
     if m == 0:
-        return device, None, True, (m, 0, 0), None
+        return device, None, not accumulate, (m, 0, 0), None
     bn = _pick_bn("grouped_gemm_wgrad", k, bn)
     n_ctas, split = _wgrad_grid(device, m, n, k, bn, n_groups, GEMM_WGRAD_DYNAMIC)
-    launch = WGRAD.launcher(arch, n=n, k=k, bn=bn, ld=ld or k, gs=gs or n, dynamic=split.dynamic)
+    launch = WGRAD.launcher(arch, n=n, k=k, bn=bn, ld=ld or k, gs=gs or n, dynamic=split.dynamic,
+                            accumulate=accumulate)
     return device, launch, False, (m, n_groups, n_ctas), split
 
 
@@ -557,7 +560,8 @@ def grouped_gemm_wgrad_gathered(dy: Tensor, x: Tensor, slot: Tensor, top_k: int,
     return _wgrad_gathered_op(dy, x, slot, offs, top_k, side)
 
 
-def _wgrad_cols_impl(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int, row0: int = 0) -> None:
+def _wgrad_cols_impl(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int, row0: int = 0,
+                     accumulate: bool = False) -> None:
     op = "grouped_gemm_wgrad_cols"
     _check_wgrad(dy, x, offs)
     n, k = dy.shape[1], x.shape[1]
@@ -570,12 +574,13 @@ def _wgrad_cols_impl(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int,
                          f"{dw.dtype} {tuple(dw.shape)}, row0={row0}, col0={col0}")
     dy, x = tma_aligned(op, "dy", dy), tma_aligned(op, "x", x)
     device, launch, zero, scalars, split = _prepare_wgrad(dy, x, offs, (e, n, k), None, dw, ld=width,
-                                                          gs=height)
+                                                          gs=height, accumulate=accumulate)
     _Plan(op, device, dy.device, (), 0, True, True, launch, zero, scalars, False, split).run(
         dy, x, offs.contiguous(), (dw[:, row0:row0 + n, col0:col0 + k],))
 
 
-def _wgrad_cols_fake(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int, row0: int = 0) -> None:
+def _wgrad_cols_fake(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int, row0: int = 0,
+                     accumulate: bool = False) -> None:
     return None
 
 
@@ -583,11 +588,12 @@ _wgrad_cols_op = fast_op("grouped_gemm_wgrad_cols", _wgrad_cols_impl, _wgrad_col
 
 
 def grouped_gemm_wgrad_cols(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int,
-                            row0: int = 0) -> None:
+                            row0: int = 0, accumulate: bool = False) -> None:
     """dw[e, row0 : row0 + N, col0 : col0 + K] = dy[rows of e]^T @ x[rows of e], bit for bit
     grouped_gemm_wgrad(dy, x, offs) stored into that block of a larger dw: a wide wgrad taken a few x
-    columns (or dy columns) at a time, in place."""
-    _wgrad_cols_op(dy, x, offs, dw, col0, row0)
+    columns (or dy columns) at a time, in place. accumulate: added to the block instead, bit for bit a bf16
+    add of that wgrad (gradient accumulation without a second gradient in memory)."""
+    _wgrad_cols_op(dy, x, offs, dw, col0, row0, accumulate)
 
 
 def grouped_gemm_dgrad(dy: Tensor, w: Tensor, offs: Tensor) -> Tensor:
@@ -617,6 +623,12 @@ _CLUSTER = (r"cp\.async\.bulk\.tensor\.3d\.shared::cluster\.global\.tile\.mbarri
 # A split group's chunks publish fp32 partials, then count in with a device-scope acq_rel atomic.
 _EXPECT_WGRAD = (*_EXPECT_SM90, r"\bfence\.proxy\.async\.shared::cta\b", r"\bfence\.acq_rel\.gpu\b",
                  r"\batom\.global\.acq_rel(\.gpu)?\.add\.u32\b")
+# An accumulating wgrad adds each full tile by TMA reduce-add and each cut one by loading dw's 16-byte chunk,
+# adding in fp32 and rounding once; a plain TMA store would overwrite the gradient it adds to, and a storing
+# wgrad must never reduce.
+_TMA_STORE = r"\bcp\.async\.bulk\.tensor\.2d\.global\.shared::cta\.tile\b"
+_TMA_REDUCE_ADD = r"\bcp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add\.tile\b"
+_EXPECT_WGRAD_ACC = (*_EXPECT_WGRAD, _TMA_REDUCE_ADD, r"\bld\.global\.v4\.b32\b", r"\bcvt\.rn\.bf16x2\.f32\b")
 
 
 # The fused epilogue must round like the standalone activations: canonical NaN selects, no ftz arithmetic
@@ -708,7 +720,10 @@ KERNELS: tuple[KernelSpec, ...] = (
                forbid={"sm_90a": _FORBID_SM90}),
     KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_cols_n256",
                compile=WGRAD.compiler(n=2048, k=1024, bn=256, ld=4096), expect={"sm_90a": _EXPECT_WGRAD},
-               forbid={"sm_90a": _FORBID_SM90}),
+               forbid={"sm_90a": (*_FORBID_SM90, _TMA_REDUCE_ADD)}),
+    KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_cols_accumulate_n256",
+               compile=WGRAD.compiler(n=2048, k=1024, bn=256, ld=4096, accumulate=True),
+               expect={"sm_90a": _EXPECT_WGRAD_ACC}, forbid={"sm_90a": (*_FORBID_SM90, _TMA_STORE)}),
     KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_rows_n256",
                compile=WGRAD.compiler(n=1024, k=1024, bn=256, ld=1024, gs=4096),
                expect={"sm_90a": _EXPECT_WGRAD}, forbid={"sm_90a": _FORBID_SM90}),

@@ -105,15 +105,18 @@ def epi_smem_layout(sets: int = 1) -> cute.ComposedLayout:
     return layout
 
 
-def epi_tma(m_y: cute.Tensor, act: str = "none") -> tuple[cute.CopyAtom, cute.Tensor]:
+def epi_tma(m_y: cute.Tensor, act: str = "none",
+            accumulate: bool = False) -> tuple[cute.CopyAtom, cute.Tensor]:
     """TMA store of one output subtile (of h, or with act given of act(h)); full tiles leave this way,
-    asynchronously, tiles cut by a group end or the last N columns through masked per-thread stores."""
+    asynchronously, tiles cut by a group end or the last N columns through masked per-thread stores.
+    accumulate: a TMA reduce-add instead, y = bf16(y + subtile), what a bf16 add of the two would give."""
     if act == "none":
         layout: Any = cute.slice_(epi_smem_layout(), (None, None, 0))
         cols = EPI_N
     else:
         layout, cols = cute.slice_(act_smem_layout(act), (None, None, 0)), act_cols(act)
-    atom, tensor = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), m_y, layout, (BM, cols))
+    op = cpasync.CopyReduceBulkTensorTileS2GOp() if accumulate else cpasync.CopyBulkTensorTileS2GOp()
+    atom, tensor = cpasync.make_tiled_tma_atom(op, m_y, layout, (BM, cols))
     return atom, tensor
 
 
@@ -359,12 +362,18 @@ def act_by_tma(n: int, act: str) -> bool:
 
 
 @cute.jit
+def _add_chunk(src: cute.Tensor, dst: cute.Tensor) -> None:
+    """dst = bf16(dst + src) for one 16-byte chunk (fp32 sum, rounded once, as torch's bf16 add)."""
+    dst.store((dst.load().to(Float32) + src.load().to(Float32)).to(BFloat16))
+
+
+@cute.jit
 def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.Tensor, row0: Int32,
                n_tile: Int32, row_end: Int32, n: Constexpr[int], bn: Constexpr[int],
-               act: Constexpr[str], tma_act: Any = None) -> None:
+               act: Constexpr[str], tma_act: Any = None, accumulate: Constexpr[bool] = False) -> None:
     """The tile's rows below row_end and columns below n, one EPI_N subtile at a time: registers -> bf16
     smem subtile (and act(h) computed from the same bf16 registers -> its own subtile) -> TMA stores (full
-    tiles) or masked 16-byte stores."""
+    tiles) or masked 16-byte stores; accumulate (tma_d a reduce-add): each is added to what m_d holds."""
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     store_warp = warp_idx == epi.store_warp
     rows_valid = row_end - row0
@@ -416,7 +425,10 @@ def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.
                 for j in range_constexpr(cute.size(epi.t_s_sd, mode=[2])):
                     coord: Any = epi.t_s_cd[(0, i, j)]
                     if coord[0] < rows_valid and coord[1] < cols_valid - sub * EPI_N:
-                        cute.copy(epi.s2g_atom, epi.t_s_sd[(None, i, j, buf)], t_s_gd[(None, i, j)])
+                        if const_expr(accumulate):
+                            _add_chunk(epi.t_s_sd[(None, i, j, buf)], t_s_gd[(None, i, j)])
+                        else:
+                            cute.copy(epi.s2g_atom, epi.t_s_sd[(None, i, j, buf)], t_s_gd[(None, i, j)])
                         if const_expr(act != "none"):
                             cute.copy(epi.act_atom, epi.t_s_sa[(None, i, j, buf)], t_s_ga[(None, i, j)])
             if store_warp:

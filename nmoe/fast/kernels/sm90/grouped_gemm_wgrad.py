@@ -291,7 +291,8 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                   s_b: cute.Tensor, s_d: cute.Tensor, u: Units, m_ws: cute.Tensor, m_count: cute.Tensor,
                   tma_atom_d: cute.CopyAtom, tma_d: cute.Tensor, m_d: cute.Tensor, tidx: Int32,
                   warp_idx: Int32, bidx: Int32, n_ctas: Int32, n: Constexpr[int], k: Constexpr[int],
-                  bn: Constexpr[int], stages: Constexpr[int], gs: Constexpr[int], q: Any = None) -> None:
+                  bn: Constexpr[int], stages: Constexpr[int], gs: Constexpr[int], q: Any = None,
+                  accumulate: Constexpr[bool] = False) -> None:
     """The two consumer warpgroups of the wgrad: masked K boxes into wgmma, then the fwd's epilogue into
     dw's rows, group e's n from row e * gs (a split group's chunk first through its workspace slice and
     counter). Tiles in snake rounds, or, with a TileQueue q, as the producer hands them over."""
@@ -336,7 +337,8 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
             write = _split_partial(acc, m_ws, m_count, u.flag, e * u.tiles_per_group + local, first_slice,
                                    part, splits, u.tiles_per_group, local, ctid, epi.bar)
         if write == 1:
-            store_tile(epi, tma_d, m_d, m_d, e * gs + m_tile * BM, n_tile, e * gs + n, k, bn, "none")
+            store_tile(epi, tma_d, m_d, m_d, e * gs + m_tile * BM, n_tile, e * gs + n, k, bn, "none",
+                       accumulate=accumulate)
         rnd = rnd + 1
         t, qstate = next_tile(q, qstate, rnd, bidx, n_ctas, u.total)
     drain_stores()
@@ -373,7 +375,7 @@ def grouped_wgrad_kernel(
     n_groups: Int32, thresh: Int32, split_rows: Int32,
     tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
     d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
-    stages: Constexpr[int], gs: Constexpr[int], dynamic: Constexpr[bool],
+    stages: Constexpr[int], gs: Constexpr[int], dynamic: Constexpr[bool], accumulate: Constexpr[bool],
 ) -> None:
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b, tma_atom_d))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
@@ -409,7 +411,7 @@ def grouped_wgrad_kernel(
             mainloop.producer_tail(state)
     else:
         consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, u, m_ws, m_count, tma_atom_d, tma_d, m_d, tidx,
-                      warp_idx, bidx, n_ctas, n, k, bn, stages, gs, q)
+                      warp_idx, bidx, n_ctas, n, k, bn, stages, gs, q, accumulate)
 
 
 def _mn_major_setup(bn: int, stages: int) -> tuple[cute.TiledMma, cute.ComposedLayout, cute.ComposedLayout,
@@ -427,13 +429,13 @@ def _mn_major_setup(bn: int, stages: int) -> tuple[cute.TiledMma, cute.ComposedL
     return tiled_mma, a_layout, b_layout, epi_smem_layout()
 
 
-def _dw_out(pdw: Pointer, n_groups: Int32, n: int, k: int, ld: int,
-            gs: int) -> tuple[cute.Tensor, cute.CopyAtom, cute.Tensor]:
-    """dw as the rows (ld apart: k columns of a wider dw) the fwd's epilogue stores, group e's n rows from
-    row e * gs (gs > n: n rows of a taller dw): a group's tiles never cross into the next group's rows,
-    since its row_end is e * gs + n; the rows end at the last group's."""
+def _dw_out(pdw: Pointer, n_groups: Int32, n: int, k: int, ld: int, gs: int,
+            accumulate: bool = False) -> tuple[cute.Tensor, cute.CopyAtom, cute.Tensor]:
+    """dw as the rows (ld apart: k columns of a wider dw) the fwd's epilogue stores (accumulate: adds to),
+    group e's n rows from row e * gs (gs > n: n rows of a taller dw): a group's tiles never cross into the
+    next group's rows, since its row_end is e * gs + n; the rows end at the last group's."""
     m_d = cute.make_tensor(pdw, cute.make_layout(((n_groups - 1) * gs + n, k), stride=(ld, 1)))
-    atom, tma_d = epi_tma(m_d)
+    atom, tma_d = epi_tma(m_d, accumulate=accumulate)
     return m_d, atom, tma_d
 
 
@@ -453,16 +455,16 @@ def grouped_wgrad_host(
     pdy: Pointer, px: Pointer, pdw: Pointer, poffs: Pointer, pws: Pointer, pcount: Pointer, m_rows: Int32,
     n_groups: Int32, n_ctas: Int32, thresh: Int32, split_rows: Int32, ws_tiles: Int32, stream: cuda.CUstream,
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], ld: Constexpr[int], gs: Constexpr[int],
-    dynamic: Constexpr[bool],
+    dynamic: Constexpr[bool], accumulate: Constexpr[bool],
 ) -> None:
-    """dw[E, n, k] (rows ld apart, groups gs rows apart): per group dy[rows, n]^T @ x[rows, k]; MN-major
-    operand views. A group of more than thresh rows splits into split_rows chunks (fp32 partials in pws,
-    counters pcount, zeroed)."""
+    """dw[E, n, k] (rows ld apart, groups gs rows apart): per group dy[rows, n]^T @ x[rows, k], stored or
+    (accumulate) added to dw; MN-major operand views. A group of more than thresh rows splits into
+    split_rows chunks (fp32 partials in pws, counters pcount, zeroed)."""
     stages = stages_for(bn)
     m_ws, m_count = _split_tensors(pws, pcount, ws_tiles, n_groups, n, k, bn)
     m_dyt = cute.make_tensor(pdy, cute.make_layout((n, m_rows), stride=(1, n)))
     m_xt = cute.make_tensor(px, cute.make_layout((k, m_rows), stride=(1, k)))
-    m_dw, tma_atom_d, tma_d = _dw_out(pdw, n_groups, n, k, ld, gs)
+    m_dw, tma_atom_d, tma_d = _dw_out(pdw, n_groups, n, k, ld, gs, accumulate)
     m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
 
     tiled_mma, a_layout, b_layout, d_layout = _mn_major_setup(bn, stages)
@@ -473,6 +475,7 @@ def grouped_wgrad_host(
     grouped_wgrad_kernel(
         tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, m_dw, m_offs, m_ws, m_count, m_rows,
         n_groups, thresh, split_rows, tiled_mma, a_layout, b_layout, d_layout, n, k, bn, stages, gs, dynamic,
+        accumulate,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
 
 
@@ -654,15 +657,15 @@ def pointer(dtype: Any, address: int, align: int = 16) -> Any:
     return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
 
 
-def compile_args(n: int, k: int, bn: int, ld: int, gs: int = 0,
-                 dynamic: bool = False) -> tuple[Any, tuple[Any, ...]]:
+def compile_args(n: int, k: int, bn: int, ld: int, gs: int = 0, dynamic: bool = False,
+                 accumulate: bool = False) -> tuple[Any, tuple[Any, ...]]:
     if gs and gs < n:
         raise ValueError(f"wgrad group row stride {gs} < its rows {n}: groups would overlap")
     gs = gs or n
     ptrs = (pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(Int32, 0, 4),
             pointer(Float32, 0), pointer(Int32, 0, 4))
     return grouped_wgrad_host, (*ptrs, *(Int32(0) for _ in range(6)), cuda.CUstream(0), n, k, bn, ld, gs,
-                                dynamic)
+                                dynamic, accumulate)
 
 
 def compile_args_gather(n: int, k: int, bn: int, side: str) -> tuple[Any, tuple[Any, ...]]:
