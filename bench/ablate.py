@@ -238,9 +238,7 @@ MOE = "nmoe/fast/moe.py"
 LAYER_ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
         "ablate.layer_down_wgrad_gathered", MOE,
-        "            held = _held_grad(w2)\n"
-        "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", h.shape[1], held)\n",
-        "            held = None\n"
+        "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", h.shape[1], w2)\n",
         "            dw2 = sm90.grouped_gemm_wgrad_gathered(dout, aw, slot, k, offs, side=\"dy\")\n",
         "the down projection's wgrad reads dout's rows by index as it loads (cp.async) instead of the TMA "
         "wgrad over permuted copies of dout's column chunks",
@@ -256,8 +254,8 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ablate.layer_down_chunks_a_wide", MOE,
-        "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", h.shape[1], held)\n",
-        "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", aw.shape[1], held)\n",
+        "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", h.shape[1], w2)\n",
+        "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", aw.shape[1], w2)\n",
         "the down wgrad copies dout's columns in chunks as wide as a (I) instead of dh (2I for swiglu): "
         "twice the launches, each with a skewed routing's tail",
     ),

@@ -62,9 +62,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "moe.fast_held_grad_returned_too", FILE,
-        "            dw2 = None if held is not None else dw2\n", "",
-        "a later microbatch's down wgrad, added into .grad by the kernel, is also handed to autograd, which "
-        "adds it again", TESTS, ("moe_layer",),
+        "    return None if add else dw\n", "    return dw\n",
+        "a later microbatch's expert wgrads, added into .grad by the kernel, are also handed to autograd, "
+        "which adds them again", TESTS, ("moe_layer",),
     ),
     sep_mutation(
         "moe.fast_adding_flag_ignored", FILE,

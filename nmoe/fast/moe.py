@@ -122,13 +122,14 @@ def _held_grad(w: Tensor) -> Tensor | None:
 
 
 def _chunked_wgrad(dy: Tensor, x: Tensor, slot: Tensor, row_of: Tensor, offs: Tensor, tokens: str,
-                   width: int, into: Tensor | None = None) -> Tensor:
+                   width: int, w: Tensor) -> Tensor | None:
     """dy^T @ x per expert where the `tokens` side ("x": the up projection's x, "dy": the down projection's
     dout) is token-major: `width` of its columns at a time (whole 128-wide tiles) are copied into permuted
     order (the forward's routing, columns read in place) for the TMA-fed wgrad (gathering rows by index as
-    the wgrad loads measured 2.0-3.5x slower than copy + TMA wgrad on the up projection); `into`: added to
-    it in place (_held_grad's gradient) instead of a new dw."""
+    the wgrad loads measured 2.0-3.5x slower than copy + TMA wgrad on the up projection). None when it was
+    added into w's held .grad in place (_held_grad), autograd's share then being nothing."""
     src, other = (x, dy) if tokens == "x" else (dy, x)
+    into = _held_grad(w)
     dw = other.new_empty(offs.shape[0], dy.shape[1], x.shape[1]) if into is None else into
     add = into is not None
     cols = sm90.wgrad_cols(src.shape[1], width)
@@ -139,7 +140,7 @@ def _chunked_wgrad(dy: Tensor, x: Tensor, slot: Tensor, row_of: Tensor, offs: Te
         else:
             sm90.grouped_gemm_wgrad_cols(part, x, offs, dw, 0, c0, accumulate=add)
         del part
-    return dw
+    return None if add else dw
 
 
 def _topk_grad(logits: Tensor, ids: Tensor, dw: Tensor, score_func: str) -> Tensor:
@@ -252,9 +253,7 @@ class _Routed(torch.autograd.Function):
             dweights = _to_slots(dot * scale, slot, t, k)
         if need_w2:
             assert aw is not None
-            held = _held_grad(w2)
-            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, "dy", h.shape[1], held)
-            dw2 = None if held is not None else dw2
+            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, "dy", h.shape[1], w2)
         del aw
         dx_s = dw_up_s = dw2_s = None
         if s_up is not None:
@@ -273,9 +272,7 @@ class _Routed(torch.autograd.Function):
                 dx = combine_gather(dxp, row_of, ones, 1.0, dx_r)
                 del dxp
             if need_up:
-                held = _held_grad(w_up)
-                dw_up = _chunked_wgrad(dh, x, slot, row_of, offs, "x", dh.shape[1], held)
-                dw_up = None if held is not None else dw_up
+                dw_up = _chunked_wgrad(dh, x, slot, row_of, offs, "x", dh.shape[1], w_up)
         return dx, dwr, None, dw_up, dw2, dw_up_s, dw2_s, None
 
 
