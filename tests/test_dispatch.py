@@ -174,6 +174,17 @@ def test_sep_dispatch_embedding_bwd_reverse_order() -> None:
     assert torch.equal(embedding_bwd(dy, ids, 1), forward)
 
 
+def test_embedding_bwd_nan_rows_are_the_canonical_nan() -> None:
+    """docs/spec-corners.md: a NaN the sum produces leaves as 0x7FC0, whatever sign or payload fed it."""
+    bits = torch.tensor([[0xFFA1 - 0x10000, 0x3F80], [0x7F81, 0x3F80]], dtype=torch.int16)
+    dy = bits.view(torch.bfloat16)
+    got = embedding_bwd(dy, torch.tensor([0, 1]), 2).view(torch.int16)
+    assert dy.float().to(torch.bfloat16).view(torch.int16)[0, 0] != 0x7FC0
+    want = torch.tensor([[0x7FC0, 0x3F80], [0x7FC0, 0x3F80]], dtype=torch.int16)
+    assert torch.equal(got, want)
+    assert torch.equal(_embed_oracle(dy, torch.tensor([0, 1]), 2).view(torch.int16), want)
+
+
 def test_embedding_bwd_refuses_ids_outside_the_vocab() -> None:
     dy = torch.zeros(2, 3, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="vocab size"):

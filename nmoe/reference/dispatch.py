@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from nmoe.layout import Permuted, check_embedding_grad, padded_rows
+from nmoe.reference.formats import round_to
 
 
 def _check_ids(ids: Tensor, n_experts: int) -> None:
@@ -64,11 +65,11 @@ def unpermute(yp: Tensor, slot: Tensor, t: int, k: int) -> Tensor:
 
 def embedding_bwd(dy: Tensor, ids: Tensor, vocab: int) -> Tensor:
     """The embedding table's gradient [vocab, H] in dy's dtype: row v is the fp32 sum, in token order, of the
-    rows of dy [T, H] whose id is v, rounded once; a row no token names is zero."""
+    rows of dy [T, H] whose id is v, rounded once (NaN canonical); a row no token names is zero."""
     check_embedding_grad(dy, ids)
     if vocab < 1 or (ids.numel() and (bool((ids < 0).any()) or bool((ids >= vocab).any()))):
         raise ValueError(f"embedding_bwd: ids must lie in [0, {vocab}) (the vocab size); fix the tokens")
     acc = torch.zeros(vocab, dy.shape[1], dtype=torch.float32)
     for t, v in enumerate(ids.tolist()):
         acc[v] += dy[t].float()
-    return acc.to(dy.dtype)
+    return round_to(acc, dy.dtype)
