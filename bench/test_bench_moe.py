@@ -12,8 +12,9 @@ router_topk's operands fit in L2, so each of its graphs cycles through input cop
 moe_layer (swiglu, sigmoid, no shared experts, align 128, bf16 experts) at (T, H, I, E, K): FLOPs counted as
 SonicMoE counts them, forward 6*T*I*H*K, forward+backward 18*T*I*H*K; extra peak memory is the peak
 allocation of one eager call above what was allocated before it (dout = randn). The baseline is the same
-layer from torch ops with torch._grouped_mm for the experts, timed in the same run. A fwd_bwd row also
-carries one profiled call's `breakdown` (bench/stepprofile.py): GPU time per kernel family and kernel.
+layer from torch ops with torch._grouped_mm for the experts, timed in the same run. Every layer row also
+carries one profiled call's `breakdown` (bench/stepprofile.py): GPU time per kernel family and kernel, the
+first place to look when a row misses SonicMoE's.
 """
 
 from __future__ import annotations
@@ -226,8 +227,7 @@ def test_bench_moe_layer(benchmark: Any, cfg: tuple[int, ...], routing: str, pas
                sonicmoe="in baselines (its eager_ms_ratio is its time over our eager time)" if sonic else
                "not run: SonicMoE runs in its own process (bench/sonicpeer.py); set NMOE_BENCH_PEER to its "
                "results", baseline_check=check or "ok")
-    if pass_ == "fwd_bwd":
-        row["breakdown"] = profile_step(lambda phase: fast())
+    row["breakdown"] = profile_step(lambda phase: fast())
     benchmark.extra_info.update(row)
 
     def run() -> None:
