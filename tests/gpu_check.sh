@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The GPU half of the checks (needs an sm_90a/sm_100a GPU and nvidia-cutlass-dsl): fast-path tests,
-# parity report, GPU mutation catalog, benchmarks, a training run. Usage: bash tests/gpu_check.sh OUTDIR [STAGES]
+# The GPU half of the checks (needs an sm_90a/sm_100a GPU and nvidia-cutlass-dsl): fast-path tests, parity
+# report, GPU mutation catalog, benchmarks, a training run. Usage: bash tests/gpu_check.sh OUTDIR [STAGES].
 # STAGES is a comma list of smoke,tests,parity,mutate,sonic,bench,train,profile,moonlet (default: all but
 # smoke, sonic, profile and moonlet); every stage runs even if one fails. smoke launches one elementwise op
-# and one GEMM: run it first on a new launch path. sonic times SonicMoE on the MoE layer rows in its own process
-# (SONIC_PYTHONPATH from the peer install; its kernels compiled for ~16 minutes on the H200, so they compile in
-# the background while tests, parity and mutate run, and are timed only after those, right before bench, which
-# puts those rows beside ours; NMOE_SONIC_CACHE names a CuTeDSL file-cache folder for them, reuse untried).
-# moonlet trains configs/moonlet.toml for NMOE_MOONLET_STEPS (default 200) steps and writes its metrics table, PNG and report JSON (its checkpoint of ~40 GB goes to NMOE_MOONLET_CKPT;
+# and one GEMM: run it first on a new launch path. sonic times SonicMoE on the MoE layer rows in its own
+# process (SONIC_PYTHONPATH from the peer install; its kernels compiled for ~16 minutes on the H200, so they
+# compile in the background while tests, parity and mutate run, and are timed only after those, right before
+# bench, which puts those rows beside ours; NMOE_SONIC_CACHE names a CuTeDSL file-cache folder for them,
+# reuse untried). moonlet trains configs/moonlet.toml for NMOE_MOONLET_STEPS (default 200) steps and writes
+# its metrics table, PNG and report JSON (its checkpoint of ~40 GB goes to NMOE_MOONLET_CKPT;
 # NMOE_MOONLET_ARGS adds overrides). profile writes where one eager moonlet step's GPU time goes, by op
 # family and by the ops that launch the small kernels (bench/stepprofile.py; NMOE_MOONLET_ARGS applies).
 # NMOE_GPU_JOBS (default 12) sets the pytest and mutation workers; NMOE_BENCH_K selects bench rows (-k).
