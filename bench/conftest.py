@@ -121,15 +121,21 @@ def capture(step: Callable[[], object]) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def replay_median_ms(graph: torch.cuda.CUDAGraph, calls: int = 1, replays: int = REPLAYS,
-                     reps: int = REPS) -> float:
-    """GPU ms per op call: `replays` back-to-back replays of a `calls`-call graph per L2-flushed sample."""
+def sustained_ms(fn: Callable[[], object], replays: int = REPLAYS, reps: int = REPS) -> float:
+    """GPU ms per call of `replays` back-to-back calls per L2-flushed sample: the GPU runs under load as in
+    training, where a lone call after a sync can run at clocks the 700 W cap does not sustain."""
 
     def run() -> None:
         for _ in range(replays):
-            graph.replay()
+            fn()
 
-    return cuda_median_ms(run, reps=reps) / (replays * calls)
+    return cuda_median_ms(run, reps=reps) / replays
+
+
+def replay_median_ms(graph: torch.cuda.CUDAGraph, calls: int = 1, replays: int = REPLAYS,
+                     reps: int = REPS) -> float:
+    """GPU ms per op call: sustained_ms of a `calls`-call graph's replays."""
+    return sustained_ms(graph.replay, replays, reps) / calls
 
 
 def eager_call_ms(step: Callable[[], object], calls: int = 1, samples: int = 5) -> tuple[float, float]:

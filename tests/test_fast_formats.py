@@ -372,6 +372,16 @@ def test_dequantize_mxfp8_weight_every_code_with_every_scale_byte() -> None:
                    ref.dequantize_mxfp8_weight(codes, scales))
 
 
+@gpu
+def test_mxfp8_weight_stacks_past_65535_rows() -> None:
+    """E x N rows of an expert stack (here 65664) past the grid's y limit: both kernels put rows on x."""
+    w = torch.randn(513, 128, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    codes, scales = ref.quantize_mxfp8_weight(w)
+    assert_bitwise(fast.quantize_mxfp8_weight(w.cuda()), (codes, scales))
+    want = ref.dequantize_mxfp8_weight(codes, scales)
+    assert_bitwise(fast.dequantize_mxfp8_weight(*cuda(codes, scales)), want)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # GPU: NVFP4.
 # ---------------------------------------------------------------------------------------------------------

@@ -244,13 +244,13 @@ def mx_quant_host(px: Pointer, pq: Pointer, ps: Pointer, nvec: Int64, stream: cu
 @cute.kernel
 def mxw_quant_kernel(px: Pointer, pq: Pointer, ps: Pointer, rows: Int64, k: Int64, vec: Constexpr[int],
                      dtype_name: Constexpr[str]) -> None:
-    """One CTA per 128x128 block, `tpr` lanes per row. Each thread loads all its vectors up front and
-    keeps them in registers: the block's max |x| meets by warp shuffles and shared memory, then the
-    same registers are encoded, so the block is read from memory once."""
+    """One CTA per 128x128 block (row blocks on the grid's x: y stops at 65535), `tpr` lanes per row.
+    Each thread keeps all its vectors in registers: the block's max |x| meets by warp shuffles and shared
+    memory, then the same registers are encoded, so the block is read from memory once."""
     tpr = WEIGHT_BLOCK // vec
     passes = WEIGHT_BLOCK * tpr // THREADS
     tidx, _, _ = cute.arch.thread_idx()
-    bx, by, _ = cute.arch.block_idx()
+    by, bx, _ = cute.arch.block_idx()
     kv = k // vec
     gx = cute.zipped_divide(cute.make_tensor(px, cute.make_layout(rows * k)), (vec,))
     gq = cute.zipped_divide(cute.make_tensor(pq, cute.make_layout(rows * k)), (vec,))
@@ -283,7 +283,7 @@ def mxw_quant_kernel(px: Pointer, pq: Pointer, ps: Pointer, rows: Int64, k: Int6
 def mxw_quant_host(px: Pointer, pq: Pointer, ps: Pointer, rows: Int64, k: Int64, stream: cuda.CUstream,
                    vec: Constexpr[int], dtype_name: Constexpr[str]) -> None:
     mxw_quant_kernel(px, pq, ps, rows, k, vec, dtype_name).launch(
-        grid=[k // WEIGHT_BLOCK, rows // WEIGHT_BLOCK, 1], block=[THREADS, 1, 1], stream=stream
+        grid=[rows // WEIGHT_BLOCK, k // WEIGHT_BLOCK, 1], block=[THREADS, 1, 1], stream=stream
     )
 
 
@@ -326,9 +326,10 @@ def mx_dequant_host(pq: Pointer, ps: Pointer, py: Pointer, nvec: Int64, stream: 
 @cute.kernel
 def mxw_dequant_kernel(pq: Pointer, ps: Pointer, py: Pointer, rows: Int64, k: Int64,
                        vec: Constexpr[int]) -> None:
-    """Grid (column chunks, rows): the scale index needs no division by the dynamic K."""
+    """Grid (rows, column chunks): the scale index needs no division by the dynamic K, and rows, E x N of a
+    weight stack, go on x, whose limit is 2^31 - 1, not the 65535 of y."""
     tidx, _, _ = cute.arch.thread_idx()
-    bx, row, _ = cute.arch.block_idx()
+    row, bx, _ = cute.arch.block_idx()
     kv = k // vec
     cv = Int64(bx) * THREADS + Int64(tidx)
     if cv < kv:
@@ -345,7 +346,7 @@ def mxw_dequant_kernel(pq: Pointer, ps: Pointer, py: Pointer, rows: Int64, k: In
 def mxw_dequant_host(pq: Pointer, ps: Pointer, py: Pointer, rows: Int64, k: Int64, stream: cuda.CUstream,
                      vec: Constexpr[int]) -> None:
     mxw_dequant_kernel(pq, ps, py, rows, k, vec).launch(
-        grid=[(k // vec + THREADS - 1) // THREADS, rows, 1], block=[THREADS, 1, 1], stream=stream
+        grid=[rows, (k // vec + THREADS - 1) // THREADS, 1], block=[THREADS, 1, 1], stream=stream
     )
 
 
