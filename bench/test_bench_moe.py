@@ -39,6 +39,7 @@ from conftest import (
 )
 from sonicpeer import REPS as PEER_REPS
 from sonicpeer import WARMUP as PEER_WARMUP
+from sonicpeer import vs_peer
 from stepprofile import profile_step
 from torch import Tensor
 from torchbase import (
@@ -55,7 +56,6 @@ from nmoe.layout import padded_rows
 CONFIGS = ((32768, 4096, 128, 8), (24576, 1536, 128, 8))
 ALIGN = 128
 ROTATE_BYTES = 256 * 2**20
-GOAL_VS_PEER = 1.1
 
 
 def _shape(cfg: tuple[int, ...], **more: int) -> dict[str, int]:
@@ -170,19 +170,6 @@ def test_bench_unpermute(benchmark: Any, cfg: tuple[int, ...]) -> None:
     assert check is None, f"unpermute: nmoe and the torch baseline disagree ({check})"
 
 
-def vs_peer(peer: dict[str, Any], ms: float, single_ms: float, mem_gib: float, goal: bool) -> dict[str, Any]:
-    """Speedups over SonicMoE under matched timing: sustained (back-to-back calls per sample, our rows' ms)
-    and single (one call per sample, the peer's ms); on SonicMoE's configs the goal needs both and memory."""
-    held = peer.get("sustained_ms")
-    out: dict[str, Any] = {"sustained": None if held is None else held / ms}
-    out.update(single_call=peer["ms"] / single_ms, memory_ratio=mem_gib / peer["peak_extra_GiB"])
-    if goal:
-        met = None if held is None else (min(out["sustained"], out["single_call"]) >= GOAL_VS_PEER
-                                         and out["memory_ratio"] <= 1)
-        out["goal"] = {"min_speedup": GOAL_VS_PEER, "max_memory_ratio": 1.0, "met": met}
-    return out
-
-
 def peer_row(name: str, shape: dict[str, int]) -> dict[str, Any] | None:
     """SonicMoE's row for (name, shape) from the results NMOE_BENCH_PEER names, if it is set."""
     from sonicpeer import find_row
@@ -239,7 +226,7 @@ def test_bench_moe_layer(benchmark: Any, cfg: tuple[int, ...], routing: str, pas
     sonic = peer_row(f"moe_layer_{pass_}_{routing}", shape)
     if sonic is not None:
         sonic["eager_ms_ratio"] = sonic["ms"] / eager_ms
-        row["vs_sonicmoe"] = vs_peer(sonic, ms, single_ms, mem_fast / 2**30, cfg in LAYER_CONFIGS[:3])
+        row["vs_sonicmoe"] = vs_peer(sonic, ms, single_ms, mem_fast / 2**30, cfg in LAYER_CONFIGS[:3], pass_)
     row.update(routing=routing, max_over_mean_load=load, baselines=[torch_base] + ([sonic] if sonic else []),
                peak_extra_GiB=mem_fast / 2**30, single_call_ms=single_ms, eager_ms=eager_ms,
                eager_host_ms=host_ms, host_frac_of_gpu=host_ms / ms,

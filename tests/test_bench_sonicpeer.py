@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.sonicpeer import find_row, row_key
+from bench.sonicpeer import find_row, row_key, vs_peer
 
 
 def test_peer_rows_are_found_by_name_and_shape(tmp_path: Path) -> None:
@@ -16,3 +16,18 @@ def test_peer_rows_are_found_by_name_and_shape(tmp_path: Path) -> None:
     assert find_row(path, "moe_layer_fwd_zipf", shape) == {"name": "sonicmoe", "ms": 1.5}
     assert find_row(path, "moe_layer_fwd_uniform", shape) is None
     assert find_row(path, "moe_layer_fwd_zipf", {**shape, "K": 2}) is None
+
+
+def test_vs_peer_compares_like_with_like() -> None:
+    """Sustained against sustained, one call against one call; memory counts for fwd_bwd alone."""
+    peer = {"ms": 12.0, "sustained_ms": 11.0, "peak_extra_GiB": 2.0}
+    fwd = vs_peer(peer, ms=10.0, single_ms=10.0, mem_gib=3.0, goal=True, pass_="fwd")
+    assert fwd["sustained"] == 1.1 and fwd["single_call"] == 1.2 and fwd["goal"]["met"] is True
+    both = vs_peer(peer, ms=10.0, single_ms=10.0, mem_gib=3.0, goal=True, pass_="fwd_bwd")
+    assert both["memory_ratio"] == 1.5 and both["goal"]["met"] is False
+    slow = vs_peer(peer, ms=10.5, single_ms=10.0, mem_gib=1.0, goal=True, pass_="fwd_bwd")
+    assert slow["goal"]["met"] is False
+    old = vs_peer({"ms": 12.0, "peak_extra_GiB": 2.0}, ms=10.0, single_ms=10.0, mem_gib=1.0, goal=True,
+                  pass_="fwd")
+    assert old["sustained"] is None and old["goal"]["met"] is None
+    assert "goal" not in vs_peer(peer, ms=10.0, single_ms=10.0, mem_gib=1.0, goal=False, pass_="fwd")
