@@ -75,6 +75,13 @@ ABLATIONS: tuple[Mutation, ...] = (
         "full tiles skip their TMA stores: the output's share of the time under uniform routing",
     ),
     Mutation(
+        "ablate.wgrad_no_epilogue", "nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py",
+        "        if write == 1:\n            store_tile(",
+        "        if write == 2:\n            store_tile(",
+        "timing only: the TMA wgrad's tiles skip their whole epilogue (staging, barriers, stores): the most "
+        "that overlapping it with the next tile's MMAs could buy",
+    ),
+    Mutation(
         "ablate.masked_stores", KERNEL,
         "    tma_ok = rows_valid >= BM and cols_valid >= bn\n",
         "    tma_ok = rows_valid >= BM and cols_valid >= bn and rows_valid < 0\n",
@@ -443,7 +450,7 @@ def _layer_rows(compile_only: bool) -> list[dict[str, Any]]:
     return out
 
 
-def child(compile_only: bool, which: str) -> None:
+def child(compile_only: bool, which: str, passes: Sequence[str] = PASSES) -> None:
     from nmoe.fast.gemm.sm90 import pick_bn, schedule
 
     timed = {"layer": lambda: _layer_rows(compile_only), "fp8": lambda: _fp8_rows(compile_only),
@@ -453,7 +460,7 @@ def child(compile_only: bool, which: str) -> None:
             print(json.dumps(row), flush=True)
         return
     for label, m, n, k, e in _problems():
-        for pass_ in PASSES:
+        for pass_ in passes:
             ms = _time(pass_, m, n, k, e, compile_only)
             if not compile_only:
                 width = n if pass_ == "fwd" else k
@@ -462,10 +469,10 @@ def child(compile_only: bool, which: str) -> None:
                 print(json.dumps(row), flush=True)
 
 
-def _run(copy: Path, compile_only: bool, which: str) -> subprocess.Popen[str]:
+def _run(copy: Path, compile_only: bool, which: str, passes: str) -> subprocess.Popen[str]:
     env = child_env(copy, "gpu", 2)
     env["NMOE_KERNEL_CACHE"] = str(copy / ".kernels")
-    cmd = [sys.executable, "-m", "bench.ablate", "--child", "--set", which]
+    cmd = [sys.executable, "-m", "bench.ablate", "--child", "--set", which, "--passes", passes]
     cmd += ["--compile-only"] if compile_only else []
     return subprocess.Popen(cmd, cwd=copy, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -478,11 +485,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--set", default="gemm", choices=tuple(SETS),
                    help="gemm: the TMA kernels' ablations; gather: the gathering up projection and wgrad; "
                    "layer: the fast MoE layer's choices, timed as the layer; fp8: the fp8 fwd's schedule")
+    p.add_argument("--passes", default=",".join(PASSES),
+                   help="gemm set: comma-separated passes to time (default: fwd,dgrad,wgrad)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        child(args.compile_only, args.set)
+        child(args.compile_only, args.set, args.passes.split(","))
         return 0
     catalog = variants_of(args.set)
     chosen = [v for v in catalog if not args.only or v[0].id in args.only.split(",")]
@@ -498,14 +507,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             path = copy / edit.file
             path.write_text(apply(path.read_text(encoding="utf-8"), edit), encoding="utf-8")
         copies[name] = copy
-    failed = {n: out for n, proc in [(n, _run(c, True, args.set)) for n, c in copies.items()]
+    failed = {n: out for n, proc in [(n, _run(c, True, args.set, args.passes)) for n, c in copies.items()]
               if (out := proc.communicate()[0]) and proc.returncode}
     rows: dict[str, Any] = {}
     for name, copy in copies.items():
         if name in failed:
             rows[name] = {"error": failed[name][-2000:]}
             continue
-        out, _ = _run(copy, False, args.set).communicate()
+        out, _ = _run(copy, False, args.set, args.passes).communicate()
         timed = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         rows[name] = timed or {"error": out[-2000:]}
     shutil.rmtree(tmp, ignore_errors=True)
