@@ -82,6 +82,12 @@ ABLATIONS: tuple[Mutation, ...] = (
         "that overlapping it with the next tile's MMAs could buy",
     ),
     Mutation(
+        "ablate.wgrad_staged_tile", LIMITS,
+        "GEMM_WGRAD_STAGED_TILE: Final[bool] = False\n", "GEMM_WGRAD_STAGED_TILE: Final[bool] = True\n",
+        "the TMA wgrad stages a whole output tile (one operand stage less at bn = 256), so its stores drain "
+        "under the next tile's MMAs instead of holding the consumers",
+    ),
+    Mutation(
         "ablate.masked_stores", KERNEL,
         "    tma_ok = rows_valid >= BM and cols_valid >= bn\n",
         "    tma_ok = rows_valid >= BM and cols_valid >= bn and rows_valid < 0\n",

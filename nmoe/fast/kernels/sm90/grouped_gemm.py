@@ -99,9 +99,9 @@ def act_smem_layout(act: str, sets: int = 1) -> cute.Layout:
     return layout
 
 
-def epi_smem_layout(sets: int = 1) -> cute.ComposedLayout:
+def epi_smem_layout(sets: int = 1, bufs: int = EPI_BUFS) -> cute.ComposedLayout:
     layout: cute.ComposedLayout = sm90_utils.make_smem_layout_epi(BFloat16, LayoutEnum.ROW_MAJOR, (BM, EPI_N),
-                                                                  EPI_BUFS * sets)
+                                                                  bufs * sets)
     return layout
 
 
@@ -247,8 +247,9 @@ def epilogue_copies(tiled_mma: cute.TiledMma, acc: cute.Tensor, s_d: cute.Tensor
                     tma_atom: cute.CopyAtom, act: str = "none", s_act: Any = None,
                     act_tma_atom: Any = None, pingpong: bool = False) -> Epilogue:
     """stmatrix from the fp32 accumulator into a bf16 smem subtile (s_d: BM x EPI_N x EPI_BUFS per
-    epilogue set), act(h) by scalar stores into s_act (BM x EPI_N / ratio x EPI_BUFS per set), then TMA
-    stores or masked smem -> global chunks; ping-pong: warpgroup wg's own set, barrier and storing warp."""
+    epilogue set, or as many as store_tile is told), act(h) by scalar stores into s_act (BM x EPI_N / ratio
+    x EPI_BUFS per set), then TMA stores or masked smem -> global chunks; ping-pong: warpgroup wg's own set,
+    barrier and storing warp."""
     threads = tile_wgs(pingpong) * WG_THREADS
     wg = ctid // WG_THREADS if pingpong else Int32(0)
     tid = ctid - wg * WG_THREADS
@@ -370,7 +371,8 @@ def _add_chunk(src: cute.Tensor, dst: cute.Tensor) -> None:
 @cute.jit
 def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.Tensor, row0: Int32,
                n_tile: Int32, row_end: Int32, n: Constexpr[int], bn: Constexpr[int],
-               act: Constexpr[str], tma_act: Any = None, accumulate: Constexpr[bool] = False) -> None:
+               act: Constexpr[str], tma_act: Any = None, accumulate: Constexpr[bool] = False,
+               bufs: Constexpr[int] = EPI_BUFS) -> None:
     """The tile's rows below row_end and columns below n, one EPI_N subtile at a time: registers -> bf16
     smem subtile (and act(h) computed from the same bf16 registers -> its own subtile) -> TMA stores (full
     tiles) or masked 16-byte stores; accumulate (tma_d a reduce-add): each is added to what m_d holds."""
@@ -391,7 +393,7 @@ def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.
     size_sub = cute.size(epi.r_f)
     batch = act_batch(size_sub)
     for sub in range_constexpr(bn // EPI_N):
-        buf = epi.buf0 + sub % EPI_BUFS
+        buf = epi.buf0 + sub % bufs
         if const_expr(act != "none" and sub % batch == 0):
             r_ha, r_bits = _act_tile(epi, sub * size_sub, batch * size_sub, act)
         if const_expr(act == "none"):
@@ -415,7 +417,7 @@ def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.
                 if const_expr(act_by_tma(n, act)):
                     cute.copy(epi.act_tma_atom, b_sa[(None, buf)], b_ga[(None, (0, sub))])
                 cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(EPI_BUFS - 1, read=True)
+                cute.arch.cp_async_bulk_wait_group(bufs - 1, read=True)
             if const_expr(act != "none" and not act_by_tma(n, act)):
                 cute.copy(epi.act_atom, epi.t_s_sa[(None, None, None, buf)], t_s_ga)
         else:
