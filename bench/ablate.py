@@ -290,7 +290,15 @@ GATHER_COMPOUNDS: tuple[tuple[Mutation, ...], ...] = (
 )
 
 
-FP8_ABLATIONS: tuple[Mutation, ...] = (_FP8_SERIAL,)
+FP8_ABLATIONS: tuple[Mutation, ...] = (
+    _FP8_SERIAL,
+    Mutation(
+        "ablate.fp8_staged_tile", LIMITS,
+        "GEMM_FP8_STAGED_TILE: Final[bool] = False\n", "GEMM_FP8_STAGED_TILE: Final[bool] = True\n",
+        "the fp8 fwd stages a whole 128 x 128 output tile (one operand stage less), so its stores drain "
+        "under the next tile's MMAs instead of holding the consumers",
+    ),
+)
 SETS: dict[str, tuple[Mutation, ...]] = {"gemm": ABLATIONS, "gather": GATHER_ABLATIONS,
                                          "layer": LAYER_ABLATIONS, "fp8": FP8_ABLATIONS}
 

@@ -1,6 +1,6 @@
 """The fp8 fwd's overlapped schedule (GEMM_FP8_OVERLAP): block kt's wgmmas stay in flight while block kt - 1
 is promoted from the other block accumulator. Promotions keep K order, so its contract is the serial
-schedule's, bit for bit; its PTX shape is read without a GPU."""
+schedule's, bit for bit (as is the staged output tile's); its PTX shape is read without a GPU."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_consumer_promotes_each_block_under_the_next_blocks_mmas(probe: dict[str
     step = [*issue, ["wgmma.wait_group.sync.aligned 1", 1], ["fma.rn.f32", 64]]
     tail = [["wgmma.wait_group.sync.aligned 0", 1], ["fma.rn.f32", 64], ["stmatrix", 8]]
     names = [n for n in probe["ops"] if "overlap" in n]
-    assert len(names) == 3
+    assert len(names) == 4, names
     for name in names:
         ops = probe["ops"][name]
         consumer = ops[[op for op, _ in ops].index("setmaxnreg.inc") + 1:]
@@ -102,3 +102,20 @@ def test_sep_gemm_fast_fp8_overlap_tail_dropped(k: int, monkeypatch: pytest.Monk
     mutated = case.formula(sx=case.x_scale()[kept], sw=case.w_scale()[kept], p=case.blocks()[kept])
     ref, mag = _separates(case, mutated)
     assert_contract(case.run(), ref, mag, case.k)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("k", [512, 4096])
+def test_staged_tile_equals_two_subtiles(k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GEMM_FP8_STAGED_TILE moves only where the output waits in shared memory: the same bits, cut tiles
+    (group ends, the last columns) included."""
+    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_OVERLAP", True)
+    counts = [0, 1, 300, 0, 129, 2, 700, 0, 64]
+    case = make(sum(counts) + 5, 384, k, cumsum(counts), seed=k + 1)
+    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_STAGED_TILE", False)
+    plain = case.run()
+    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_STAGED_TILE", True)
+    staged = case.run()
+    torch.cuda.synchronize()
+    assert torch.equal(staged.view(torch.int16), plain.view(torch.int16))

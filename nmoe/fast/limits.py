@@ -54,6 +54,9 @@ GEMM_FP8_OVERLAP: Final[bool] = True
 """sm_90a fp8 fwd: each K block's wgmmas stay in flight while the block before is promoted (two block
 accumulators, K loop unrolled) when True, else each block's MMAs are waited before its promotion
 (H200: 1.05-1.27x over the serial schedule)."""
+GEMM_FP8_STAGED_TILE: Final[bool] = False
+"""sm_90a fp8 fwd: stage a whole 128 x 128 output tile (one operand stage less), so its stores drain under
+the next tile's MMAs, when True: the fp8 MMAs halve the mainloop, doubling the epilogue's share."""
 GEMM_MAX_GROUPS: Final[int] = 1024
 """Groups the grouped GEMM's shared-memory offs table holds."""
 GEMM_ALIGN: Final[int] = 8

@@ -9,7 +9,7 @@ from torch import Tensor
 from nmoe.constants import FP8_WEIGHT_BLOCK, MXFP8_BLOCK_SM90
 from nmoe.fast import runtime
 from nmoe.fast.gemm.routing import as_bytes, check_offs_on_host, check_routing, require, tile_upper_bound
-from nmoe.fast.limits import GEMM_FP8_OVERLAP
+from nmoe.fast.limits import GEMM_FP8_OVERLAP, GEMM_FP8_STAGED_TILE
 from nmoe.fast.op import Kernel, fast_op
 from nmoe.fast.runtime import KernelSpec, tma_aligned
 
@@ -19,7 +19,7 @@ K_BLOCK = MXFP8_BLOCK_SM90
 _CODES = (torch.uint8, torch.float8_e4m3fn)
 _SCALES = (torch.uint8, torch.float8_e8m0fnu)
 FP8 = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_fp8", "grouped_gemm_fp8_sm90",
-             lambda km, n, k, overlap=False: km.compile_args(n, k, overlap), (ARCH,),
+             lambda km, n, k, overlap=False, staged=False: km.compile_args(n, k, overlap, staged), (ARCH,),
              "nmoe.fast.gemm.grouped_gemm_fp8")
 
 
@@ -56,7 +56,7 @@ def _launch(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, offs: Tensor, y: Ten
         return
     check_offs_on_host("grouped_gemm_fp8", offs, m)
     n_ctas = min(runtime.sm_count(device), tile_upper_bound(m, n, n_groups, BN))
-    launch = FP8.launcher(arch, n=n, k=k, overlap=GEMM_FP8_OVERLAP)
+    launch = FP8.launcher(arch, n=n, k=k, overlap=GEMM_FP8_OVERLAP, staged=GEMM_FP8_STAGED_TILE)
     launch(device, xq.data_ptr(), wq.data_ptr(), xs.data_ptr(), ws.data_ptr(), y.data_ptr(), offs.data_ptr(),
            m, n_groups, n_ctas)
 
@@ -101,9 +101,15 @@ _FORBID = (r"\b(ld|st)\.local\b", r"\bmma\.sync\b", r"wgmma\.mma_async\S*\.bf16"
 _EXPECT_OVERLAP = (*_EXPECT, r"wgmma\.wait_group\.sync\.aligned\s+1;")
 
 
-def _spec(name: str, n: int, k: int, overlap: bool = False) -> KernelSpec:
-    return KernelSpec(op="grouped_gemm_fp8", name=name, compile=FP8.compiler(n=n, k=k, overlap=overlap),
-                      expect={ARCH: _EXPECT_OVERLAP if overlap else _EXPECT}, forbid={ARCH: _FORBID})
+# A staged tile's consumers wait only for the store of the subtile whose buffer comes next: all but 3 of 4.
+_STAGED = r"\bcp\.async\.bulk\.wait_group\.read\s+3\b"
+
+
+def _spec(name: str, n: int, k: int, overlap: bool = False, staged: bool = False) -> KernelSpec:
+    expect = (*(_EXPECT_OVERLAP if overlap else _EXPECT), *((_STAGED,) if staged else ()))
+    return KernelSpec(op="grouped_gemm_fp8", name=name,
+                      compile=FP8.compiler(n=n, k=k, overlap=overlap, staged=staged),
+                      expect={ARCH: expect}, forbid={ARCH: _FORBID})
 
 
 # Representative classes: the up projection (N = 2I, K = H) and the down projection (N = H, K = I); the
@@ -114,4 +120,5 @@ KERNELS: tuple[KernelSpec, ...] = (
     _spec("grouped_gemm_fp8_sm90_up_overlap", 2048, 4096, True),
     _spec("grouped_gemm_fp8_sm90_down_overlap", 4096, 1024, True),
     _spec("grouped_gemm_fp8_sm90_odd_overlap", 2048, 384, True),
+    _spec("grouped_gemm_fp8_sm90_down_overlap_staged", 4096, 1024, True, True),
 )

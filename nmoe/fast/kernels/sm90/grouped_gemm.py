@@ -72,6 +72,12 @@ def epi_sets(pingpong: bool) -> int:
     return CONSUMER_WGS // tile_wgs(pingpong)
 
 
+def epi_bufs(bn: int, staged: bool) -> int:
+    """Output subtiles: EPI_BUFS, or (staged) a whole tile's, so the tile's TMA stores drain under the next
+    tile's MMAs instead of holding the consumers, at the shared memory of about one operand stage."""
+    return bn // EPI_N if staged else EPI_BUFS
+
+
 def pipeline_stages(stage_bytes: int, epi_bytes: int = EPI_SMEM_BYTES) -> int:
     """Operand pipeline depth that fits next to the output staging, the offs table and the mbarriers."""
     return min(8, (SMEM_BYTES - epi_bytes - MAX_GROUPS * 4 - 2048) // stage_bytes)

@@ -24,6 +24,7 @@ from nmoe.fast.kernels.prims import i2f, sel
 from nmoe.fast.kernels.sm90.grouped_gemm import (
     CONSUMER_REGS,
     CONSUMER_WGS,
+    EPI_N,
     PRODUCER_REGS,
     THREADS,
     WG_THREADS,
@@ -32,6 +33,7 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     cta_setup,
     cta_start,
     drain_stores,
+    epi_bufs,
     epi_smem_layout,
     epi_tma,
     epilogue_copies,
@@ -50,8 +52,8 @@ BN = FP8_WEIGHT_BLOCK
 K_BLOCKS = BK // 32
 
 
-def stages_for() -> int:
-    return pipeline_stages((BM + BN) * BK)
+def stages_for(staged: bool = False) -> int:
+    return pipeline_stages((BM + BN) * BK, BM * EPI_N * 2 * epi_bufs(BN, staged))
 
 
 def _byte(t: cute.Tensor, coord: Any) -> Int32:
@@ -175,7 +177,7 @@ def grouped_gemm_fp8_kernel(
     m_offs: cute.Tensor, m_rows: Int32,
     n_groups: Int32, tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
     d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], stages: Constexpr[int],
-    overlap: Constexpr[bool],
+    overlap: Constexpr[bool], staged: Constexpr[bool],
 ) -> None:
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b, tma_atom_d))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, Float8E4M3FN, a_layout, b_layout, d_layout,
@@ -227,7 +229,7 @@ def grouped_gemm_fp8_kernel(
                         read.advance()
                         s_lo, s_hi = _block_scales(b_lo, b_hi, b_w)
                         _promote(acc, blk, s_lo, s_hi)
-            store_tile(epi, tma_d, m_d, m_d, row0, n_tile, g_end, n, BN, "none")
+            store_tile(epi, tma_d, m_d, m_d, row0, n_tile, g_end, n, BN, "none", bufs=epi_bufs(BN, staged))
             t = t + n_ctas
             e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,
                                                     before, here, n_tiles_n)
@@ -238,10 +240,11 @@ def grouped_gemm_fp8_kernel(
 def grouped_gemm_fp8_host(
     px: Pointer, pw: Pointer, pxs: Pointer, pws: Pointer, py: Pointer, poffs: Pointer, m_rows: Int32,
     n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream, n: Constexpr[int], k: Constexpr[int],
-    overlap: Constexpr[bool],
+    overlap: Constexpr[bool], staged: Constexpr[bool],
 ) -> None:
-    """y[M, n] = per-group dequant(xq)[M, k] @ dequant(wq[e])^T; codes K-major, scales row-major bytes."""
-    stages = stages_for()
+    """y[M, n] = per-group dequant(xq)[M, k] @ dequant(wq[e])^T; codes K-major, scales row-major bytes;
+    staged: a whole output tile waits in shared memory (epi_bufs)."""
+    stages = stages_for(staged)
     kb = k // BK
     m_x = cute.make_tensor(px, cute.make_layout((m_rows, k), stride=(k, 1)))
     m_w = cute.make_tensor(pw, cute.make_layout((n, k, n_groups), stride=(k, 1, n * k)))
@@ -262,11 +265,13 @@ def grouped_gemm_fp8_host(
         cpasync.CopyBulkTensorTileG2SOp(), m_w, cute.slice_(b_layout, (None, None, 0)), (BN, BK))
     grouped_gemm_fp8_kernel(
         tma_atom_a, tma_a, tma_atom_b, tma_b, m_xs, m_ws, *epi_tma(m_y), m_y, m_offs, m_rows, n_groups,
-        tiled_mma, a_layout, b_layout, epi_smem_layout(), n, k, stages, overlap,
+        tiled_mma, a_layout, b_layout, epi_smem_layout(bufs=epi_bufs(BN, staged)), n, k, stages, overlap,
+        staged,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
 
 
-def compile_args(n: int, k: int, overlap: bool = False) -> tuple[Any, tuple[Any, ...]]:
+def compile_args(n: int, k: int, overlap: bool = False, staged: bool = False) -> tuple[Any, tuple[Any, ...]]:
     ptrs = (pointer(Float8E4M3FN, 0), pointer(Float8E4M3FN, 0), pointer(Uint8, 0, 1), pointer(Uint8, 0, 1),
             pointer(BFloat16, 0), pointer(Int32, 0, 4))
-    return grouped_gemm_fp8_host, (*ptrs, Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k, overlap)
+    return grouped_gemm_fp8_host, (*ptrs, Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k, overlap,
+                                   staged)

@@ -36,6 +36,7 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     cta_setup,
     cta_start,
     drain_stores,
+    epi_bufs,
     epi_smem_layout,
     epi_tma,
     epilogue_copies,
@@ -53,12 +54,6 @@ QUEUE_DEPTH = 4
 PACK = 1 << 16
 LOG_GROUPS = MAX_GROUPS.bit_length() - 1
 assert 1 << LOG_GROUPS == MAX_GROUPS, "the unit search halves a power-of-two table"
-
-
-def epi_bufs(bn: int, staged: bool) -> int:
-    """Output subtiles: the fwd's EPI_BUFS, or (staged) a whole tile's, so its TMA stores drain under the
-    next tile's MMAs instead of holding the consumers (one operand stage less at bn = 256)."""
-    return bn // EPI_N if staged else EPI_BUFS
 
 
 def stages_for(bn: int, staged: bool = False) -> int:
