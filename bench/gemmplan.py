@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -136,3 +137,12 @@ DENSE_WHAT = {
     "dgrad": "one torch.mm [M,N] x [N,K] (dy @ w[0]), bf16, same 2MNK FLOPs, no grouping",
     "wgrad": "one torch.mm [N,M] x [M,K] (dy^T @ x, one [N,K] output), bf16, same 2MNK FLOPs, no grouping",
 }
+
+
+def goal_summary(name: str, met: list[bool | None], expected: int, rule: str) -> dict[str, Any]:
+    """A pass and routing's rows against their goal: all met only when every expected row was measured
+    and judged (a wrong or unmeasured row leaves it None, never True)."""
+    complete = len(met) == expected and None not in met
+    return {"name": name, "shape": {}, "ms": None, "status": "summary", "n_shapes": len(met),
+            "n_expected": expected, "shapes_meeting_goal": sum(m is True for m in met),
+            "goal": {"per_shape": rule, "all_shapes_met": all(met) if complete else None}}

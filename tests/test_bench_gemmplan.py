@@ -116,3 +116,14 @@ def test_grouped_mm_wgrad_is_per_group_dy_t_x() -> None:
         want = dy[start:end].float().t() @ x[start:end].float()
         torch.testing.assert_close(got[i], want, rtol=2e-2, atol=2e-2)
         start = end
+
+
+def test_goal_summary_is_met_only_when_every_row_is() -> None:
+    rule = "frac_of_dense >= 0.97"
+    full = plan.goal_summary("g", [True, True], 2, rule)
+    assert full["shapes_meeting_goal"] == 2 and full["goal"]["all_shapes_met"] is True
+    assert plan.goal_summary("g", [True, False], 2, rule)["goal"]["all_shapes_met"] is False
+    partial = plan.goal_summary("g", [True], 2, rule)
+    assert partial["goal"]["all_shapes_met"] is None and partial["n_expected"] == 2
+    wrong = plan.goal_summary("g", [True, None], 2, rule)
+    assert wrong["goal"]["all_shapes_met"] is None and wrong["shapes_meeting_goal"] == 1
