@@ -33,16 +33,22 @@ def test_dynamic_plan_allocates_its_counter_even_without_a_split() -> None:
     assert split.counters == len(SKEWED) * tpg and split.ws_tiles > 0
 
 
-def _wgrad(counts: list[int], seed: int, monkeypatch: pytest.MonkeyPatch, dynamic: bool) -> torch.Tensor:
-    monkeypatch.setattr(gemm, "GEMM_WGRAD_DYNAMIC", dynamic)
+def nan_wgrad(counts: list[int], seed: int, n: int = N, k: int = K, bn: int = BN) -> torch.Tensor:
+    """The wgrad of seeded operands (5 rows past the last group) into a NaN-filled dw: a tile no CTA stored
+    stays NaN."""
     m = sum(counts) + 5
     g = torch.Generator().manual_seed(seed)
-    dy = torch.randn(m, N, generator=g).to(torch.bfloat16).cuda()
-    x = torch.randn(m, K, generator=g).to(torch.bfloat16).cuda()
-    dw = torch.full((len(counts), N, K), float("nan"), dtype=torch.bfloat16, device="cuda")
-    gemm._launch_wgrad(dy, x, offs_of(cumsum(counts)), dw, BN)
+    dy = torch.randn(m, n, generator=g).to(torch.bfloat16).cuda()
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).cuda()
+    dw = torch.full((len(counts), n, k), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gemm._launch_wgrad(dy, x, offs_of(cumsum(counts)), dw, bn)
     torch.cuda.synchronize()
     return dw
+
+
+def _wgrad(counts: list[int], seed: int, monkeypatch: pytest.MonkeyPatch, dynamic: bool) -> torch.Tensor:
+    monkeypatch.setattr(gemm, "GEMM_WGRAD_DYNAMIC", dynamic)
+    return nan_wgrad(counts, seed)
 
 
 @gpu

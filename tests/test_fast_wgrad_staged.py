@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_fast_gemm import cumsum, offs_of, zipf_counts
+from test_fast_wgrad_dynamic import nan_wgrad
 
 from nmoe.fast.gemm import sm90 as gemm
 from nmoe.fast.kernels.sm90.grouped_gemm_wgrad import epi_bufs, stages_for
@@ -25,14 +26,7 @@ def test_staged_tile_costs_one_stage_at_bn_256() -> None:
 def _wgrad(counts: list[int], n: int, k: int, bn: int, seed: int, staged: bool,
            monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
     monkeypatch.setattr(gemm, "GEMM_WGRAD_STAGED_TILE", staged)
-    m = sum(counts) + 5
-    g = torch.Generator().manual_seed(seed)
-    dy = torch.randn(m, n, generator=g).to(torch.bfloat16).cuda()
-    x = torch.randn(m, k, generator=g).to(torch.bfloat16).cuda()
-    dw = torch.full((len(counts), n, k), float("nan"), dtype=torch.bfloat16, device="cuda")
-    gemm._launch_wgrad(dy, x, offs_of(cumsum(counts)), dw, bn)
-    torch.cuda.synchronize()
-    return dw
+    return nan_wgrad(counts, seed, n, k, bn)
 
 
 @gpu
