@@ -252,10 +252,9 @@ class Epilogue(NamedTuple):
 def epilogue_copies(tiled_mma: cute.TiledMma, acc: cute.Tensor, s_d: cute.Tensor, ctid: Int32,
                     tma_atom: cute.CopyAtom, act: str = "none", s_act: Any = None,
                     act_tma_atom: Any = None, pingpong: bool = False) -> Epilogue:
-    """stmatrix from the fp32 accumulator into a bf16 smem subtile (s_d: BM x EPI_N x EPI_BUFS per
-    epilogue set, or as many as store_tile is told), act(h) by scalar stores into s_act (BM x EPI_N / ratio
-    x EPI_BUFS per set), then TMA stores or masked smem -> global chunks; ping-pong: warpgroup wg's own set,
-    barrier and storing warp."""
+    """stmatrix from the fp32 accumulator into bf16 smem subtiles (s_d: BM x EPI_N, store_tile's bufs a set),
+    act(h) by scalar stores into s_act (BM x EPI_N / ratio x EPI_BUFS per set), then TMA stores or masked
+    smem -> global chunks; ping-pong: warpgroup wg's own set, barrier and storing warp."""
     threads = tile_wgs(pingpong) * WG_THREADS
     wg = ctid // WG_THREADS if pingpong else Int32(0)
     tid = ctid - wg * WG_THREADS
@@ -382,6 +381,7 @@ def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.
     """The tile's rows below row_end and columns below n, one EPI_N subtile at a time: registers -> bf16
     smem subtile (and act(h) computed from the same bf16 registers -> its own subtile) -> TMA stores (full
     tiles) or masked 16-byte stores; accumulate (tma_d a reduce-add): each is added to what m_d holds."""
+    assert act == "none" or bufs == EPI_BUFS, f"act(h) is staged in {EPI_BUFS} subtiles, not {bufs}"
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     store_warp = warp_idx == epi.store_warp
     rows_valid = row_end - row0
