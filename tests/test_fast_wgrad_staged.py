@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fast_gemm import cumsum, offs_of, zipf_counts
-from test_fast_wgrad_dynamic import nan_wgrad
+from test_fast_wgrad_dynamic import SKEWED, column_chunk_runs, nan_wgrad
 
 from nmoe.fast.gemm import sm90 as gemm
 from nmoe.fast.kernels.sm90.grouped_gemm_wgrad import epi_bufs, stages_for
 
 gpu = pytest.mark.gpu
-SKEWED = [*zipf_counts(9000, 30), 0, 0, 64, 64, 64, 1, 1, 300, 300, 0]
 
 
 def test_staged_tile_costs_one_stage_at_bn_256() -> None:
@@ -23,18 +21,17 @@ def test_staged_tile_costs_one_stage_at_bn_256() -> None:
     assert (stages_for(128, True), stages_for(128)) == (5, 6)
 
 
-def _wgrad(counts: list[int], n: int, k: int, bn: int, seed: int, staged: bool,
-           monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
+def _wgrad(counts: list[int], bn: int, staged: bool, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
     monkeypatch.setattr(gemm, "GEMM_WGRAD_STAGED_TILE", staged)
-    return nan_wgrad(counts, seed, n, k, bn)
+    return nan_wgrad(counts, 41, bn=bn)
 
 
 @gpu
 @pytest.mark.parametrize("bn", [128, 256])
 @pytest.mark.parametrize("counts", [SKEWED, [1024] * 16, [0, 0, 7000, 3]], ids=["zipf", "uniform", "one"])
 def test_staged_equals_two_subtiles(counts: list[int], bn: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    plain = _wgrad(counts, 256, 512, bn, 41, False, monkeypatch)
-    staged = _wgrad(counts, 256, 512, bn, 41, True, monkeypatch)
+    plain = _wgrad(counts, bn, False, monkeypatch)
+    staged = _wgrad(counts, bn, True, monkeypatch)
     assert not bool(staged.isnan().any()), "a tile the staged epilogue never stored stays NaN"
     assert torch.equal(staged.view(torch.int16), plain.view(torch.int16))
 
@@ -42,18 +39,5 @@ def test_staged_equals_two_subtiles(counts: list[int], bn: int, monkeypatch: pyt
 @gpu
 def test_staged_column_chunks_accumulate(monkeypatch: pytest.MonkeyPatch) -> None:
     """The layer's accumulating column chunks (TMA reduce-add for full tiles) through a staged tile."""
-    m = sum(SKEWED) + 5
-    g = torch.Generator().manual_seed(42)
-    dy = torch.randn(m, 256, generator=g).to(torch.bfloat16).cuda()
-    x = torch.randn(m, 1024, generator=g).to(torch.bfloat16).cuda()
-    offs = offs_of(cumsum(SKEWED))
-    start = torch.randn(len(SKEWED), 256, 1024, generator=g).to(torch.bfloat16).cuda()
-    runs = []
-    for staged in (False, True):
-        monkeypatch.setattr(gemm, "GEMM_WGRAD_STAGED_TILE", staged)
-        dw = start.clone()
-        gemm.grouped_gemm_wgrad_cols(dy, x[:, 512:].contiguous(), offs, dw, 512, accumulate=True)
-        gemm.grouped_gemm_wgrad_cols(dy, x[:, :512].contiguous(), offs, dw, 0, accumulate=True)
-        torch.cuda.synchronize()
-        runs.append(dw)
-    assert torch.equal(runs[1].view(torch.int16), runs[0].view(torch.int16))
+    plain, staged = column_chunk_runs(monkeypatch, "GEMM_WGRAD_STAGED_TILE", 42, accumulate=True)
+    assert torch.equal(staged.view(torch.int16), plain.view(torch.int16))

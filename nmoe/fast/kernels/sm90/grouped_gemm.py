@@ -78,6 +78,11 @@ def epi_bufs(bn: int, staged: bool) -> int:
     return bn // EPI_N if staged else EPI_BUFS
 
 
+def epi_smem_bytes(bn: int, staged: bool) -> int:
+    """Shared memory of epi_bufs(bn, staged) bf16 BM x EPI_N output subtiles."""
+    return BM * EPI_N * 2 * epi_bufs(bn, staged)
+
+
 def pipeline_stages(stage_bytes: int, epi_bytes: int = EPI_SMEM_BYTES) -> int:
     """Operand pipeline depth that fits next to the output staging, the offs table and the mbarriers."""
     return min(8, (SMEM_BYTES - epi_bytes - MAX_GROUPS * 4 - 2048) // stage_bytes)

@@ -24,7 +24,6 @@ from nmoe.fast.kernels.prims import i2f, sel
 from nmoe.fast.kernels.sm90.grouped_gemm import (
     CONSUMER_REGS,
     CONSUMER_WGS,
-    EPI_N,
     PRODUCER_REGS,
     THREADS,
     WG_THREADS,
@@ -34,6 +33,7 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     cta_start,
     drain_stores,
     epi_bufs,
+    epi_smem_bytes,
     epi_smem_layout,
     epi_tma,
     epilogue_copies,
@@ -53,7 +53,7 @@ K_BLOCKS = BK // 32
 
 
 def stages_for(staged: bool = False) -> int:
-    return pipeline_stages((BM + BN) * BK, BM * EPI_N * 2 * epi_bufs(BN, staged))
+    return pipeline_stages((BM + BN) * BK, epi_smem_bytes(BN, staged))
 
 
 def _byte(t: cute.Tensor, coord: Any) -> Int32:

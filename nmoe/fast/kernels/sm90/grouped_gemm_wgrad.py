@@ -27,7 +27,6 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     CONSUMER_THREADS,
     CONSUMER_WGS,
     EPI_BUFS,
-    EPI_N,
     PRODUCER_REGS,
     THREADS,
     VEC,
@@ -37,6 +36,7 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     cta_start,
     drain_stores,
     epi_bufs,
+    epi_smem_bytes,
     epi_smem_layout,
     epi_tma,
     epilogue_copies,
@@ -58,8 +58,7 @@ assert 1 << LOG_GROUPS == MAX_GROUPS, "the unit search halves a power-of-two tab
 
 def stages_for(bn: int, staged: bool = False) -> int:
     """Operand stages beside the output subtiles and the wgrad's two unit tables."""
-    epi_bytes = BM * EPI_N * 2 * epi_bufs(bn, staged)
-    return pipeline_stages((BM + bn) * BK * 2, epi_bytes + (2 * MAX_GROUPS + 8) * 4)
+    return pipeline_stages((BM + bn) * BK * 2, epi_smem_bytes(bn, staged) + (2 * MAX_GROUPS + 8) * 4)
 
 
 @cute.jit
