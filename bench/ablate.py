@@ -82,12 +82,6 @@ ABLATIONS: tuple[Mutation, ...] = (
         "that overlapping it with the next tile's MMAs could buy",
     ),
     Mutation(
-        "ablate.wgrad_staged_tile", LIMITS,
-        "GEMM_WGRAD_STAGED_TILE: Final[bool] = False\n", "GEMM_WGRAD_STAGED_TILE: Final[bool] = True\n",
-        "the TMA wgrad stages a whole output tile (one operand stage less at bn = 256), so its stores drain "
-        "under the next tile's MMAs instead of holding the consumers",
-    ),
-    Mutation(
         "ablate.masked_stores", KERNEL,
         "    tma_ok = rows_valid >= BM and cols_valid >= bn\n",
         "    tma_ok = rows_valid >= BM and cols_valid >= bn and rows_valid < 0\n",
@@ -293,10 +287,10 @@ GATHER_COMPOUNDS: tuple[tuple[Mutation, ...], ...] = (
 FP8_ABLATIONS: tuple[Mutation, ...] = (
     _FP8_SERIAL,
     Mutation(
-        "ablate.fp8_staged_tile", LIMITS,
-        "GEMM_FP8_STAGED_TILE: Final[bool] = False\n", "GEMM_FP8_STAGED_TILE: Final[bool] = True\n",
-        "the fp8 fwd stages a whole 128 x 128 output tile (one operand stage less), so its stores drain "
-        "under the next tile's MMAs instead of holding the consumers",
+        "ablate.fp8_two_subtiles", LIMITS,
+        "GEMM_FP8_STAGED_TILE: Final[bool] = True\n", "GEMM_FP8_STAGED_TILE: Final[bool] = False\n",
+        "the fp8 fwd stages two output subtiles (one operand stage more) instead of the whole tile, so its "
+        "consumers wait on the tile's stores before the next tile's MMAs",
     ),
 )
 SETS: dict[str, tuple[Mutation, ...]] = {"gemm": ABLATIONS, "gather": GATHER_ABLATIONS,

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from nmoe.fast.gemm import sm90_fp8 as gemm_fp8
 from nmoe.fast.gemm.sm90_fp8 import KERNELS
+from nmoe.fast.kernels.sm90.grouped_gemm import EPI_N
 
 gpu = pytest.mark.gpu
 __all__ = ["probe"]
@@ -119,3 +120,16 @@ def test_staged_tile_equals_two_subtiles(k: int, monkeypatch: pytest.MonkeyPatch
     staged = case.run()
     torch.cuda.synchronize()
     assert torch.equal(staged.view(torch.int16), plain.view(torch.int16))
+
+
+@gpu
+@sm90
+def test_sep_gemm_fast_fp8_staged_store_next_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: each full tile's subtile store reads the next subtile's buffer, so it leaves with that
+    subtile's values or an earlier tile's; the next subtile's values break the bound on this data."""
+    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_STAGED_TILE", True)
+    case = make(256, 256, 512, cumsum([128, 128]), seed=24)
+    f = case.formula()
+    nxt = f.view(case.m, -1, BLK // EPI_N, EPI_N).roll(-1, dims=2).reshape(case.m, case.n)
+    ref, mag = _separates(case, nxt)
+    assert_contract(case.run(), ref, mag, case.k)

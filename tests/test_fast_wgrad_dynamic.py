@@ -60,22 +60,20 @@ def test_dynamic_schedule_equals_the_static_one(counts: list[int], monkeypatch: 
     assert torch.equal(dynamic.view(torch.int16), static.view(torch.int16))
 
 
-def column_chunk_runs(monkeypatch: pytest.MonkeyPatch, flag: str, seed: int,
-                      accumulate: bool = False) -> list[torch.Tensor]:
-    """The layer's column-chunk wgrad (rows ld apart, groups gs apart, two K-wide chunks into a 2K-wide dw)
-    with the sm90 glue's `flag` off, then on: into NaN, or (accumulate) added to the same random dw."""
+def column_chunk_runs(monkeypatch: pytest.MonkeyPatch, flag: str, seed: int) -> list[torch.Tensor]:
+    """The layer's column-chunk wgrad (rows ld apart, groups gs apart, two K-wide chunks into a 2K-wide
+    NaN-filled dw) with the sm90 glue's `flag` off, then on."""
     m = sum(SKEWED) + 5
     g = torch.Generator().manual_seed(seed)
     dy = torch.randn(m, N, generator=g).to(torch.bfloat16).cuda()
     x = torch.randn(m, 2 * K, generator=g).to(torch.bfloat16).cuda()
-    start = torch.randn(len(SKEWED), N, 2 * K, generator=g).to(torch.bfloat16).cuda()
     offs = offs_of(cumsum(SKEWED))
     runs = []
     for on in (False, True):
         monkeypatch.setattr(gemm, flag, on)
-        dw = start.clone() if accumulate else torch.full_like(start, float("nan"))
-        gemm.grouped_gemm_wgrad_cols(dy, x[:, K:].contiguous(), offs, dw, K, accumulate=accumulate)
-        gemm.grouped_gemm_wgrad_cols(dy, x[:, :K].contiguous(), offs, dw, 0, accumulate=accumulate)
+        dw = torch.full((len(SKEWED), N, 2 * K), float("nan"), dtype=torch.bfloat16, device="cuda")
+        gemm.grouped_gemm_wgrad_cols(dy, x[:, K:].contiguous(), offs, dw, K)
+        gemm.grouped_gemm_wgrad_cols(dy, x[:, :K].contiguous(), offs, dw, 0)
         torch.cuda.synchronize()
         runs.append(dw)
     return runs

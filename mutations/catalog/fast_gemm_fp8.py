@@ -51,6 +51,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         OVERLAP_TESTS, CONTRACTS, device="gpu",
     ),
     sep_mutation(
+        "gemm.fast_fp8_staged_store_next_buffer", "nmoe/fast/kernels/sm90/grouped_gemm.py",
+        "                cute.copy(epi.tma_atom, b_sd[(None, buf)], b_gd[(None, (0, sub))])\n",
+        "                cute.copy(epi.tma_atom, b_sd[(None, epi.buf0 + (sub + 1) % bufs)], "
+        "b_gd[(None, (0, sub))])\n",
+        "a staged tile's subtile store reads the next subtile's buffer, so it leaves with that subtile's "
+        "values or an earlier tile's", OVERLAP_TESTS, CONTRACTS, device="gpu",
+    ),
+    sep_mutation(
         "gemm.fast_fp8_overlap_tail_dropped", FILE,
         "    warpgroup.wait_group(0)\n    _promote(acc, bufs[(k_tiles - 1) % 2], s_lo, s_hi)\n",
         "    warpgroup.wait_group(0)\n",

@@ -32,7 +32,6 @@ from nmoe.fast.limits import (
     GEMM_PINGPONG_BN,
     GEMM_PINGPONG_MAX_K,
     GEMM_WGRAD_DYNAMIC,
-    GEMM_WGRAD_STAGED_TILE,
 )
 from nmoe.fast.op import Kernel, Launcher, fast_op, remember, save_inputs
 from nmoe.fast.runtime import KernelSpec, tma_aligned
@@ -50,8 +49,8 @@ GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_gather", "grouped_gemm_gath
                     n, k, bn, act, w_k_major, pingpong, cn),
                 (ARCH,), "nmoe.fast.gemm.grouped_gemm_act_gathered")
 WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad",
-               lambda km, n, k, bn, ld, gs=0, dynamic=False, accumulate=False, staged=False: km.compile_args(
-                   n, k, bn, ld, gs, dynamic, accumulate, staged),
+               lambda km, n, k, bn, ld, gs=0, dynamic=False, accumulate=False: km.compile_args(
+                   n, k, bn, ld, gs, dynamic, accumulate),
                (ARCH,),
                "nmoe.fast.gemm.grouped_gemm_wgrad")
 WGRAD_GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad_gather",
@@ -246,7 +245,7 @@ def _prepare_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw_shape: tuple[int, ...
     bn = _pick_bn("grouped_gemm_wgrad", k, bn)
     n_ctas, split = _wgrad_grid(device, m, n, k, bn, n_groups, GEMM_WGRAD_DYNAMIC)
     launch = WGRAD.launcher(arch, n=n, k=k, bn=bn, ld=ld or k, gs=gs or n, dynamic=split.dynamic,
-                            accumulate=accumulate, staged=GEMM_WGRAD_STAGED_TILE)
+                            accumulate=accumulate)
     return device, launch, False, (m, n_groups, n_ctas), split
 
 
@@ -279,7 +278,7 @@ _PLANS: dict[tuple[Any, ...], _Plan] = {}
 def _plan(op: str, a: Tensor, w: Tensor, offs: Tensor, a_name: str, w_name: str,
           activation: str = "") -> _Plan:
     """The memoised plan of this layout, or the full checks (raising as they always did) and a new plan."""
-    key = (op, activation, GEMM_WGRAD_DYNAMIC, GEMM_WGRAD_STAGED_TILE, *_layout(a, w, offs))
+    key = (op, activation, GEMM_WGRAD_DYNAMIC, *_layout(a, w, offs))
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
@@ -629,8 +628,6 @@ _EXPECT_WGRAD = (*_EXPECT_SM90, r"\bfence\.proxy\.async\.shared::cta\b", r"\bfen
 # wgrad must never reduce.
 _TMA_STORE = r"\bcp\.async\.bulk\.tensor\.2d\.global\.shared::cta\.tile\b"
 _TMA_REDUCE_ADD = r"\bcp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add\.tile\b"
-# A staged wgrad's consumers wait only for the store of the subtile whose buffer comes next: all but 7 of 8.
-_STAGED = r"\bcp\.async\.bulk\.wait_group\.read\s+7\b"
 _EXPECT_WGRAD_ACC = (*_EXPECT_WGRAD, _TMA_REDUCE_ADD, r"\bld\.global\.v4\.b32\b", r"\bcvt\.rn\.bf16x2\.f32\b")
 
 
@@ -721,9 +718,6 @@ KERNELS: tuple[KernelSpec, ...] = (
                expect={"sm_90a": (*_EXPECT_WGRAD, r"\batom\.global\.acq_rel(\.gpu)?\.add\.u32\b",
                                   r"\bshfl\.sync\.idx\.b32\b")},
                forbid={"sm_90a": _FORBID_SM90}),
-    KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_staged_n256",
-               compile=WGRAD.compiler(n=2048, k=4096, bn=256, ld=4096, dynamic=True, staged=True),
-               expect={"sm_90a": (*_EXPECT_WGRAD, _STAGED)}, forbid={"sm_90a": _FORBID_SM90}),
     KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_cols_n256",
                compile=WGRAD.compiler(n=2048, k=1024, bn=256, ld=4096), expect={"sm_90a": _EXPECT_WGRAD},
                forbid={"sm_90a": (*_FORBID_SM90, _TMA_REDUCE_ADD)}),

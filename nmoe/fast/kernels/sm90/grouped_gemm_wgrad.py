@@ -26,7 +26,7 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     CONSUMER_REGS,
     CONSUMER_THREADS,
     CONSUMER_WGS,
-    EPI_BUFS,
+    EPI_SMEM_BYTES,
     PRODUCER_REGS,
     THREADS,
     VEC,
@@ -35,8 +35,6 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     cta_setup,
     cta_start,
     drain_stores,
-    epi_bufs,
-    epi_smem_bytes,
     epi_smem_layout,
     epi_tma,
     epilogue_copies,
@@ -56,9 +54,9 @@ LOG_GROUPS = MAX_GROUPS.bit_length() - 1
 assert 1 << LOG_GROUPS == MAX_GROUPS, "the unit search halves a power-of-two table"
 
 
-def stages_for(bn: int, staged: bool = False) -> int:
-    """Operand stages beside the output subtiles and the wgrad's two unit tables."""
-    return pipeline_stages((BM + bn) * BK * 2, epi_smem_bytes(bn, staged) + (2 * MAX_GROUPS + 8) * 4)
+def stages_for(bn: int) -> int:
+    """Operand stages beside the fwd's output subtiles and the wgrad's two unit tables."""
+    return pipeline_stages((BM + bn) * BK * 2, EPI_SMEM_BYTES + (2 * MAX_GROUPS + 8) * 4)
 
 
 @cute.jit
@@ -294,7 +292,7 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                   tma_atom_d: cute.CopyAtom, tma_d: cute.Tensor, m_d: cute.Tensor, tidx: Int32,
                   warp_idx: Int32, bidx: Int32, n_ctas: Int32, n: Constexpr[int], k: Constexpr[int],
                   bn: Constexpr[int], stages: Constexpr[int], gs: Constexpr[int], q: Any = None,
-                  accumulate: Constexpr[bool] = False, staged: Constexpr[bool] = False) -> None:
+                  accumulate: Constexpr[bool] = False) -> None:
     """The two consumer warpgroups of the wgrad: masked K boxes into wgmma, then the fwd's epilogue into
     dw's rows, group e's n from row e * gs (a split group's chunk first through its workspace slice and
     counter). Tiles in snake rounds, or, with a TileQueue q, as the producer hands them over."""
@@ -340,7 +338,7 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                                    part, splits, u.tiles_per_group, local, ctid, epi.bar)
         if write == 1:
             store_tile(epi, tma_d, m_d, m_d, e * gs + m_tile * BM, n_tile, e * gs + n, k, bn, "none",
-                       accumulate=accumulate, bufs=epi_bufs(bn, staged))
+                       accumulate=accumulate)
         rnd = rnd + 1
         t, qstate = next_tile(q, qstate, rnd, bidx, n_ctas, u.total)
     drain_stores()
@@ -378,7 +376,6 @@ def grouped_wgrad_kernel(
     tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
     d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
     stages: Constexpr[int], gs: Constexpr[int], dynamic: Constexpr[bool], accumulate: Constexpr[bool],
-    staged: Constexpr[bool],
 ) -> None:
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b, tma_atom_d))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
@@ -414,11 +411,11 @@ def grouped_wgrad_kernel(
             mainloop.producer_tail(state)
     else:
         consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, u, m_ws, m_count, tma_atom_d, tma_d, m_d, tidx,
-                      warp_idx, bidx, n_ctas, n, k, bn, stages, gs, q, accumulate, staged)
+                      warp_idx, bidx, n_ctas, n, k, bn, stages, gs, q, accumulate)
 
 
-def _mn_major_setup(bn: int, stages: int, bufs: int = EPI_BUFS
-                    ) -> tuple[cute.TiledMma, cute.ComposedLayout, cute.ComposedLayout, cute.ComposedLayout]:
+def _mn_major_setup(bn: int, stages: int) -> tuple[cute.TiledMma, cute.ComposedLayout, cute.ComposedLayout,
+                                                    cute.ComposedLayout]:
     """The wgrad's MMA and shared layouts: both operands MN-major (rows are the reduction), the output
     through the fwd's subtiles."""
     mn_major = LayoutEnum.COL_MAJOR
@@ -429,7 +426,7 @@ def _mn_major_setup(bn: int, stages: int, bufs: int = EPI_BUFS
     )
     a_layout = sm90_utils.make_smem_layout_a(mn_major, tile, BFloat16, stages)
     b_layout = sm90_utils.make_smem_layout_b(mn_major, tile, BFloat16, stages)
-    return tiled_mma, a_layout, b_layout, epi_smem_layout(bufs=bufs)
+    return tiled_mma, a_layout, b_layout, epi_smem_layout()
 
 
 def _dw_out(pdw: Pointer, n_groups: Int32, n: int, k: int, ld: int, gs: int,
@@ -458,19 +455,19 @@ def grouped_wgrad_host(
     pdy: Pointer, px: Pointer, pdw: Pointer, poffs: Pointer, pws: Pointer, pcount: Pointer, m_rows: Int32,
     n_groups: Int32, n_ctas: Int32, thresh: Int32, split_rows: Int32, ws_tiles: Int32, stream: cuda.CUstream,
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], ld: Constexpr[int], gs: Constexpr[int],
-    dynamic: Constexpr[bool], accumulate: Constexpr[bool], staged: Constexpr[bool],
+    dynamic: Constexpr[bool], accumulate: Constexpr[bool],
 ) -> None:
     """dw[E, n, k] (rows ld apart, groups gs rows apart): per group dy[rows, n]^T @ x[rows, k], stored or
     (accumulate) added to dw; MN-major operand views. A group of more than thresh rows splits into
-    split_rows chunks (fp32 partials in pws, counters pcount, zeroed). staged: see epi_bufs."""
-    stages = stages_for(bn, staged)
+    split_rows chunks (fp32 partials in pws, counters pcount, zeroed)."""
+    stages = stages_for(bn)
     m_ws, m_count = _split_tensors(pws, pcount, ws_tiles, n_groups, n, k, bn)
     m_dyt = cute.make_tensor(pdy, cute.make_layout((n, m_rows), stride=(1, n)))
     m_xt = cute.make_tensor(px, cute.make_layout((k, m_rows), stride=(1, k)))
     m_dw, tma_atom_d, tma_d = _dw_out(pdw, n_groups, n, k, ld, gs, accumulate)
     m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
 
-    tiled_mma, a_layout, b_layout, d_layout = _mn_major_setup(bn, stages, epi_bufs(bn, staged))
+    tiled_mma, a_layout, b_layout, d_layout = _mn_major_setup(bn, stages)
     tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
         cpasync.CopyBulkTensorTileG2SOp(), m_dyt, cute.slice_(a_layout, (None, None, 0)), (BM, BK))
     tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
@@ -478,7 +475,7 @@ def grouped_wgrad_host(
     grouped_wgrad_kernel(
         tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, m_dw, m_offs, m_ws, m_count, m_rows,
         n_groups, thresh, split_rows, tiled_mma, a_layout, b_layout, d_layout, n, k, bn, stages, gs, dynamic,
-        accumulate, staged,
+        accumulate,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
 
 
@@ -661,14 +658,14 @@ def pointer(dtype: Any, address: int, align: int = 16) -> Any:
 
 
 def compile_args(n: int, k: int, bn: int, ld: int, gs: int = 0, dynamic: bool = False,
-                 accumulate: bool = False, staged: bool = False) -> tuple[Any, tuple[Any, ...]]:
+                 accumulate: bool = False) -> tuple[Any, tuple[Any, ...]]:
     if gs and gs < n:
         raise ValueError(f"wgrad group row stride {gs} < its rows {n}: groups would overlap")
     gs = gs or n
     ptrs = (pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(Int32, 0, 4),
             pointer(Float32, 0), pointer(Int32, 0, 4))
     return grouped_wgrad_host, (*ptrs, *(Int32(0) for _ in range(6)), cuda.CUstream(0), n, k, bn, ld, gs,
-                                dynamic, accumulate, staged)
+                                dynamic, accumulate)
 
 
 def compile_args_gather(n: int, k: int, bn: int, side: str) -> tuple[Any, tuple[Any, ...]]:
