@@ -132,6 +132,24 @@ def dense_mm(pass_: str, a: Tensor, b: Tensor) -> Tensor:
     raise ValueError(f"pass {pass_!r} unknown; use one of {PASSES}")
 
 
+def batched_mm(pass_: str, a: Tensor, b: Tensor, e: int) -> Tensor:
+    """One cuBLAS torch.bmm over E equal groups: our pass at uniform routing, each expert's own short
+    reduction and output kept, so it prices the grouped shape itself rather than one long-K mm."""
+    m = a.shape[0]
+    if m % e:
+        raise ValueError(f"batched_mm needs M ({m}) divisible by E ({e}): uniform routing only")
+    ga = a.view(e, m // e, a.shape[1])
+    if pass_ == "fwd":
+        return torch.bmm(ga, b.transpose(1, 2))
+    if pass_ == "dgrad":
+        return torch.bmm(ga, b)
+    if pass_ == "wgrad":
+        return torch.bmm(ga.transpose(1, 2), b.view(e, m // e, b.shape[1]))
+    raise ValueError(f"pass {pass_!r} unknown; use one of {PASSES}")
+
+
+BATCHED_WHAT = "one torch.bmm over E equal groups (uniform routing), bf16: the grouped shape's own roofline"
+
 DENSE_WHAT = {
     "fwd": "one torch.mm [M,K] x [K,N] (x @ w[0]^T), bf16, same 2MNK FLOPs, no grouping",
     "dgrad": "one torch.mm [M,N] x [N,K] (dy @ w[0]), bf16, same 2MNK FLOPs, no grouping",

@@ -26,6 +26,7 @@ from conftest import (
 )
 from gemmplan import (
     ACTS,
+    BATCHED_WHAT,
     CONFIGS,
     DENSE_WHAT,
     FP8_ACT_BLOCK,
@@ -35,6 +36,7 @@ from gemmplan import (
     Config,
     act_bytes,
     act_dims,
+    batched_mm,
     config_id,
     dense_mm,
     fp8_bytes,
@@ -198,6 +200,14 @@ def _dense(key: tuple[Config, str, str], a: Tensor, b: Tensor, flops: float, rep
     return dict(_DENSE[key])
 
 
+def _batched(pass_: str, a: Tensor, b: Tensor, e: int, flops: float, reps: int) -> dict[str, Any]:
+    """cuBLAS bmm over the uniform rows' equal groups: the grouped shape's roofline beside the dense one."""
+    entry = baseline("cublas_bmm", lambda: batched_mm(pass_, a, b, e), reps=reps)
+    entry.update(what=BATCHED_WHAT, role="roofline of the grouped shape, not a competitor",
+                 tflops=_tflops(flops, entry["ms"]))
+    return entry
+
+
 def _pass_operands(pass_: str, m: int, n: int, k: int, e: int, seed: int) -> Operands:
     """fwd (x [M,K], w [E,N,K]); dgrad (dy [M,N], w); wgrad (dy, x); w scaled so outputs stay near 1."""
     if pass_ == "wgrad":
@@ -233,14 +243,16 @@ def test_bench_grouped_gemm(benchmark: Any, pass_: str, cfg: Config, proj: str, 
         ms = replay_median_ms(graph, copies, reps=reps)
         base = baseline("torch._grouped_mm", theirs, copies, reps=reps)
         dense = _dense((cfg, proj, pass_), a0, b0, flops, reps)
+        bmm = _batched(pass_, a0, b0, e, flops, reps) if routing == "uniform" else None
         row = record(name, shape, ms, flops=flops, nbytes=nbytes, baseline=_pick(base))
         row.setdefault("speedup", None)
         ours_tflops = row["tflops"]
         row.update(
             status="measured", routing=routing, max_group_rows=max(counts), input_copies=copies, reps=reps,
-            baseline_tflops=_tflops(flops, base["ms"]), baselines=[base, dense],
+            baseline_tflops=_tflops(flops, base["ms"]), baselines=[base, dense, *([bmm] if bmm else [])],
             dense_tflops=dense["tflops"],
             frac_of_dense=None if dense["tflops"] is None else ours_tflops / dense["tflops"],
+            frac_of_bmm=None if bmm is None or bmm["tflops"] is None else ours_tflops / bmm["tflops"],
             check=check,
         )
         if routing == "uniform":

@@ -118,6 +118,26 @@ def test_grouped_mm_wgrad_is_per_group_dy_t_x() -> None:
         start = end
 
 
+@pytest.mark.parametrize("pass_", ["fwd", "dgrad", "wgrad"])
+def test_batched_mm_is_each_equal_groups_own_product(pass_: str) -> None:
+    m, n, k, e = 24, 8, 12, 3
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(m, k if pass_ == "fwd" else n, generator=g, dtype=torch.float64)
+    b = torch.randn(m, k, generator=g, dtype=torch.float64) if pass_ == "wgrad" else \
+        torch.randn(e, n, k, generator=g, dtype=torch.float64)
+    got = plan.batched_mm(pass_, a, b, e)
+    rows = m // e
+    for i in range(e):
+        ai = a[i * rows:(i + 1) * rows]
+        if pass_ == "wgrad":
+            want = ai.t() @ b[i * rows:(i + 1) * rows]
+        else:
+            want = ai @ (b[i].t() if pass_ == "fwd" else b[i])
+        torch.testing.assert_close(got[i].reshape(want.shape), want)
+    with pytest.raises(ValueError, match="uniform routing only"):
+        plan.batched_mm(pass_, a[:m - 1], b[:m - 1] if pass_ == "wgrad" else b, e)
+
+
 def test_goal_summary_is_met_only_when_every_row_is() -> None:
     rule = "frac_of_dense >= 0.97"
     full = plan.goal_summary("g", [True, True], 2, rule)
