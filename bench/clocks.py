@@ -1,0 +1,141 @@
+"""How the H200's power cap moves a timing: the MoE layer's fwd+bwd graph and a same-FLOP cuBLAS mm, each
+timed as one call after an idle pause (boost clocks) and as a series of back-to-back calls (the clocks a
+training step sustains), with nvidia-smi's SM clock, power and throttle reasons sampled beside them.
+
+`python -m bench.clocks --out FILE.json [--config N] [--calls 60]` (N indexes torchbase.LAYER_CONFIGS)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SMI_QUERY = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+SMI_PERIOD_MS = 20
+IDLE_S = 3.0
+COLD_TRIALS = 3
+
+
+def parse_smi(lines: Iterable[str]) -> list[tuple[float, float, float, str]]:
+    """(unix seconds, SM MHz, watts, throttle reasons) per `nvidia-smi --query-gpu=SMI_QUERY` csv line."""
+    from datetime import datetime
+
+    rows = []
+    for line in lines:
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 5 or not parts[1].replace(".", "").isdigit():
+            continue
+        t = datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+        rows.append((t, float(parts[1]), float(parts[2]), parts[4]))
+    return rows
+
+
+def window(samples: Sequence[tuple[float, float, float, str]],
+           spans: Sequence[tuple[float, float]]) -> dict[str, Any]:
+    """Median SM clock and power of the samples inside any of the (start, end) spans, and the throttle
+    reasons seen there."""
+    inside = [s for s in samples if any(a <= s[0] <= b for a, b in spans)]
+    if not inside:
+        return {"samples": 0, "sm_mhz": None, "power_w": None, "throttle_reasons": []}
+    return {"samples": len(inside), "sm_mhz": statistics.median(s[1] for s in inside),
+            "power_w": statistics.median(s[2] for s in inside),
+            "throttle_reasons": sorted({s[3] for s in inside})}
+
+
+def _series(fn: Callable[[], object], calls: int) -> list[float]:
+    import torch
+
+    events = [[torch.cuda.Event(enable_timing=True) for _ in range(2)] for _ in range(calls)]
+    for a, b in events:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) for a, b in events]
+
+
+def _probe(fn: Callable[[], object], flops: float,
+           calls: int) -> tuple[dict[str, Any], list[tuple[str, float, float]]]:
+    """Cold single calls after idle pauses, then `calls` back-to-back: the timings, and the host spans."""
+    cold, spans = [], []
+    for _ in range(COLD_TRIALS):
+        time.sleep(IDLE_S)
+        t0 = time.time()
+        cold.append(_series(fn, 1)[0])
+        spans.append(("cold", t0, time.time()))
+    time.sleep(IDLE_S)
+    t0 = time.time()
+    held = _series(fn, calls)
+    spans.append(("sustained", t0 + (time.time() - t0) / 2, time.time()))
+    late = statistics.median(held[calls // 2:])
+    row = {"cold_ms": cold, "sustained_ms": held, "cold_median_ms": statistics.median(cold),
+           "sustained_median_ms": late, "slowdown": late / statistics.median(cold),
+           "cold_tflops": flops / statistics.median(cold) / 1e9, "sustained_tflops": flops / late / 1e9}
+    return row, spans
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.clocks", description=__doc__)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--config", type=int, default=0)
+    p.add_argument("--calls", type=int, default=60)
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(ROOT / "bench"))
+    import torch
+    from conftest import capture
+    from torchbase import LAYER_CONFIGS, layer_inputs
+
+    from nmoe.fast.moe import moe_layer
+    from nmoe.provenance import provenance
+
+    cfg = LAYER_CONFIGS[args.config]
+    t, h, i, _, k = cfg
+    mc, prm, x, leaves = layer_inputs(cfg, "uniform", 128)
+    dout = torch.randn(t, h, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))
+    dout = dout.to(torch.bfloat16)
+    flops = 18.0 * t * i * h * k
+    n = 8192
+    a = torch.randn(round(flops / (2 * n * n)), n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    steps: dict[str, Callable[[], object]] = {
+        "moe_layer_fwd_bwd": lambda: torch.autograd.grad(moe_layer(x, prm, mc)[0], leaves, dout),
+        "cublas_mm_same_flops": lambda: a @ b,
+    }
+    log = args.out.with_suffix(".smi.csv")
+    rows: dict[str, Any] = {}
+    spans: dict[str, list[tuple[str, float, float]]] = {}
+    with log.open("w") as f:
+        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_QUERY}", "--format=csv,noheader,nounits",
+                                "-lms", str(SMI_PERIOD_MS)], stdout=f)
+        try:
+            for name, step in steps.items():
+                rows[name], spans[name] = _probe(capture(step).replay, flops, args.calls)
+        finally:
+            time.sleep(0.5)
+            smi.terminate()
+            smi.wait()
+    samples = parse_smi(log.read_text().splitlines())
+    for name, row in rows.items():
+        row["clocks"] = {kind: window(samples, [(t0, t1) for k_, t0, t1 in spans[name] if k_ == kind])
+                         for kind in ("cold", "sustained")}
+    doc = {"provenance": provenance("python -m bench.clocks " + " ".join(argv or sys.argv[1:])),
+           "shape": dict(zip(("T", "H", "I", "E", "K"), cfg, strict=True)), "flops": flops,
+           "mm_shape": [a.shape[0], n, n], "idle_s": IDLE_S, "smi_period_ms": SMI_PERIOD_MS,
+           "note": "cold: one call after an idle pause; sustained: the median of the later half of "
+                   "back-to-back calls, clocks sampled over that half", "rows": rows}
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    for name, row in rows.items():
+        print(f"{name}: cold {row['cold_median_ms']:.2f} ms, sustained {row['sustained_median_ms']:.2f} ms "
+              f"(x{row['slowdown']:.3f}); clocks {row['clocks']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
