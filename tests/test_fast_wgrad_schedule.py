@@ -95,8 +95,10 @@ def test_sep_gemm_fast_wgrad_order_ties_collide() -> None:
 
 
 @gpu
-def test_sep_gemm_fast_wgrad_last_round_dropped() -> None:
-    """More than two rounds (so the snake turns), the last one partial: every tile of it is kept."""
+def test_sep_gemm_fast_wgrad_last_round_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The static deal (GEMM_WGRAD_DYNAMIC off): more than two rounds (so the snake turns), the last one
+    partial: every tile of it is kept."""
+    monkeypatch.setattr(gemm, "GEMM_WGRAD_DYNAMIC", False)
     plan = wgrad_split(sum(SKEWED) + 5, N, K, BN, len(SKEWED), runtime.sm_count(torch.cuda.current_device()))
     assert plan.ws_tiles > 0, "the heaviest groups split, so units outnumber groups"
     units = len(SKEWED) + sum(-(-c // plan.rows) - 1 for c in SKEWED if c > plan.thresh)
