@@ -2,23 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 from datetime import datetime
-from pathlib import Path
-from types import ModuleType
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmod import load_bench
 
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("clocks", ROOT / "bench" / "clocks.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-clocks = _load()
+clocks = load_bench("clocks")
 LINES = [
     "2026/12/04 14:57:28.195, 1965, 149.77, 35, 0x0000000000000004",
     "2026/12/04 14:57:28.215, 1410, 698.30, 54, 0x0000000000000004",

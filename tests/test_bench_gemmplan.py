@@ -3,26 +3,13 @@ geomean and baseline call shapes are right before a GPU run spends time on them.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
+from benchmod import load_bench
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gemmplan", ROOT / "bench" / "gemmplan.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-plan = _load()
+plan = load_bench("gemmplan")
 
 
 @pytest.mark.parametrize("routing", ["uniform", "zipf1.2"])

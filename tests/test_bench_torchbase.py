@@ -3,13 +3,11 @@ steps count the same FLOPs) and trains: a loss near ln V at init and a gradient 
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import torch
+from benchmod import load_bench
 from torch.nn.attention import SDPBackend
 
 from nmoe.config import load_config
@@ -18,18 +16,9 @@ from nmoe.fast import model as fast_model
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("torchbase", ROOT / "bench" / "torchbase.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("torchbase", mod)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_torch_moonlet_matches_the_fast_model_shapes_and_trains() -> None:
     cfg = load_config(ROOT / "configs" / "tiny.toml", env={}, overrides=["--model.q_lora_rank=0"]).model
-    base = _load().TorchMoonlet(cfg, torch.device("cpu"), ce_chunk=16, sdpa=SDPBackend.MATH)
+    base = load_bench("torchbase").TorchMoonlet(cfg, torch.device("cpu"), ce_chunk=16, sdpa=SDPBackend.MATH)
     fast = fast_model.Model(cfg, device="meta")
     shapes = [sorted(tuple(p.shape) for p in m.parameters()) for m in (base, fast)]
     assert shapes[0] == shapes[1]
