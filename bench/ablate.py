@@ -155,6 +155,12 @@ _GATHER_CLUSTER_TWO = Mutation(
 )
 GATHER_ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
+        "ablate.wgrad_gather_row_tma", LIMITS,
+        "GEMM_WGRAD_GATHER_ROW_TMA: Final[bool] = False\n", "GEMM_WGRAD_GATHER_ROW_TMA: Final[bool] = True\n",
+        "the gathered wgrad's token-major side lands by row TMA (a 64-element box per row and swizzle run) "
+        "instead of 16-byte cp.async chunks",
+    ),
+    Mutation(
         "ablate.gather_no_fence", WGRAD_GATHER,
         "        cute.arch.cp_async_wait_group(lag)\n"
         "        cute.arch.fence_proxy(\"async.shared\", space=\"cta\")\n",
