@@ -153,13 +153,14 @@ _GATHER_CLUSTER_TWO = Mutation(
     "GEMM_GATHER_CLUSTER_M: Final[int] = 1\n", "GEMM_GATHER_CLUSTER_M: Final[int] = 2\n",
     "the gathering fwd/dgrad in 2-CTA clusters sharing each B box by multicast, like the TMA-fed ones",
 )
+_WGRAD_ROW_TMA = Mutation(
+    "ablate.wgrad_gather_row_tma", LIMITS,
+    "GEMM_WGRAD_GATHER_ROW_TMA: Final[bool] = False\n", "GEMM_WGRAD_GATHER_ROW_TMA: Final[bool] = True\n",
+    "the gathered wgrad's token-major side lands by row TMA (a 64-element box per row and swizzle run) "
+    "instead of 16-byte cp.async chunks",
+)
 GATHER_ABLATIONS: tuple[Mutation, ...] = (
-    Mutation(
-        "ablate.wgrad_gather_row_tma", LIMITS,
-        "GEMM_WGRAD_GATHER_ROW_TMA: Final[bool] = False\n", "GEMM_WGRAD_GATHER_ROW_TMA: Final[bool] = True\n",
-        "the gathered wgrad's token-major side lands by row TMA (a 64-element box per row and swizzle run) "
-        "instead of 16-byte cp.async chunks",
-    ),
+    _WGRAD_ROW_TMA,
     Mutation(
         "ablate.gather_no_fence", WGRAD_GATHER,
         "        cute.arch.cp_async_wait_group(lag)\n"
@@ -248,14 +249,22 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     ),
 )
 MOE = "nmoe/fast/moe.py"
+_LAYER_DOWN_GATHERED = Mutation(
+    "ablate.layer_down_wgrad_gathered", MOE,
+    "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", h.shape[1], w2)\n",
+    "            dw2 = sm90.grouped_gemm_wgrad_gathered(dout, aw, slot, k, offs, side=\"dy\")\n",
+    "the down projection's wgrad reads dout's rows by index as it loads (cp.async) instead of the TMA "
+    "wgrad over permuted copies of dout's column chunks",
+)
+_LAYER_UP_GATHERED = Mutation(
+    "ablate.layer_up_wgrad_gathered", MOE,
+    "                dw_up = _chunked_wgrad(dh, x, slot, row_of, offs, \"x\", dh.shape[1], w_up)\n",
+    "                dw_up = sm90.grouped_gemm_wgrad_gathered(dh, x, slot, k, offs)\n",
+    "the up projection's wgrad reads x's rows by index as it loads instead of the TMA wgrad over "
+    "spread_rows copies of x's column chunks",
+)
 LAYER_ABLATIONS: tuple[Mutation, ...] = (
-    Mutation(
-        "ablate.layer_down_wgrad_gathered", MOE,
-        "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", h.shape[1], w2)\n",
-        "            dw2 = sm90.grouped_gemm_wgrad_gathered(dout, aw, slot, k, offs, side=\"dy\")\n",
-        "the down projection's wgrad reads dout's rows by index as it loads (cp.async) instead of the TMA "
-        "wgrad over permuted copies of dout's column chunks",
-    ),
+    _LAYER_DOWN_GATHERED,
     Mutation(
         "ablate.layer_up_copied", MOE,
         "            p = permute(x.new_empty(t, 0), ids, e, align)\n"
@@ -290,6 +299,19 @@ GATHER_COMPOUNDS: tuple[tuple[Mutation, ...], ...] = (
 )
 
 
+LAYER_COMPOUNDS: tuple[tuple[Mutation, ...], ...] = (
+    (replace(_WGRAD_ROW_TMA, id="ablate.layer_wgrads_gathered_rows",
+             description="both of the layer's wgrads read token rows by row TMA as they load: no spread_rows "
+             "copies of x or dout"), _LAYER_DOWN_GATHERED, _LAYER_UP_GATHERED),
+    (replace(_WGRAD_ROW_TMA, id="ablate.layer_down_wgrad_gathered_rows",
+             description="the down projection's wgrad reads dout's rows by row TMA as it loads"),
+     _LAYER_DOWN_GATHERED),
+)
+COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {"gather": GATHER_COMPOUNDS,
+                                                          "layer": LAYER_COMPOUNDS}
+"""Ablations of several edits, named by their first."""
+
+
 FP8_ABLATIONS: tuple[Mutation, ...] = (
     _FP8_SERIAL,
     Mutation(
@@ -305,7 +327,7 @@ SETS: dict[str, tuple[Mutation, ...]] = {"gemm": ABLATIONS, "gather": GATHER_ABL
 
 def variants_of(which: str) -> list[tuple[Mutation, ...]]:
     """The ablations of a set as edit sequences: a plain ablation is one edit."""
-    return [*((a,) for a in SETS[which]), *(GATHER_COMPOUNDS if which == "gather" else ())]
+    return [*((a,) for a in SETS[which]), *COMPOUNDS.get(which, ())]
 
 
 PASSES = ("fwd", "dgrad", "wgrad")

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from bench.ablate import GATHER_COMPOUNDS, SETS, variants_of
+from bench.ablate import COMPOUNDS, SETS, variants_of
 from mutations.model import apply, check_anchors
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_ablation_anchors_match_once() -> None:
-    parts = tuple(m for v in GATHER_COMPOUNDS for m in v[:1])
+    parts = tuple(m for c in COMPOUNDS.values() for v in c for m in v[:1])
     assert set(SETS) == {"gemm", "gather", "layer", "fp8"} and all(SETS.values())
     assert check_anchors(ROOT, tuple(a for s in SETS.values() for a in s) + parts) == []
 
@@ -32,7 +32,8 @@ def test_each_ablation_changes_its_files_in_order(which: str) -> None:
             compile(edited, file, "exec")
 
 
-def test_variant_ids_are_unique_and_compounds_are_in_the_gather_set() -> None:
+def test_variant_ids_are_unique_and_compounds_are_in_their_sets() -> None:
     ids = [v[0].id for w in SETS for v in variants_of(w)]
     assert len(ids) == len(set(ids))
-    assert {v[0].id for v in GATHER_COMPOUNDS} <= {v[0].id for v in variants_of("gather")}
+    for which, compounds in COMPOUNDS.items():
+        assert {v[0].id for v in compounds} <= {v[0].id for v in variants_of(which)}
