@@ -315,6 +315,12 @@ COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {"gather": GATHER_COMPO
 FP8_ABLATIONS: tuple[Mutation, ...] = (
     _FP8_SERIAL,
     Mutation(
+        "ablate.fp8_cluster_two", LIMITS,
+        "GEMM_FP8_CLUSTER_M: Final[int] = 1\n", "GEMM_FP8_CLUSTER_M: Final[int] = 2\n",
+        "the fp8 fwd in clusters of two M tiles, each CTA loading half of every B box for both (multicast): "
+        "half the B reads from L2",
+    ),
+    Mutation(
         "ablate.fp8_two_subtiles", LIMITS,
         "GEMM_FP8_STAGED_TILE: Final[bool] = True\n", "GEMM_FP8_STAGED_TILE: Final[bool] = False\n",
         "the fp8 fwd stages two output subtiles (one operand stage more) instead of the whole tile, so its "

@@ -41,7 +41,7 @@ def test_consumer_promotes_each_block_under_the_next_blocks_mmas(probe: dict[str
     step = [*issue, ["wgmma.wait_group.sync.aligned 1", 1], ["fma.rn.f32", 64]]
     tail = [["wgmma.wait_group.sync.aligned 0", 1], ["fma.rn.f32", 64], ["stmatrix", 8]]
     names = [n for n in probe["ops"] if "overlap" in n]
-    assert len(names) == 4, names
+    assert len(names) == 5, names
     for name in names:
         ops = probe["ops"][name]
         consumer = ops[[op for op, _ in ops].index("setmaxnreg.inc") + 1:]
@@ -133,3 +133,19 @@ def test_sep_gemm_fast_fp8_staged_store_next_buffer(monkeypatch: pytest.MonkeyPa
     nxt = f.view(case.m, -1, BLK // EPI_N, EPI_N).roll(-1, dims=2).reshape(case.m, case.n)
     ref, mag = _separates(case, nxt)
     assert_contract(case.run(), ref, mag, case.k)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("counts", [[0, 1, 300, 0, 129, 2, 700, 0, 64], [5, 5, 5, 1000]],
+                         ids=["mixed", "small"])
+def test_cluster_two_equals_ctas_alone(counts: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """GEMM_FP8_CLUSTER_M = 2: two M tiles share each B box (multicast), a cluster's tile past its group's
+    end is computed and never stored; the bits are those of CTAs alone, odd tile counts included."""
+    case = make(sum(counts) + 5, 384, 512, cumsum(counts), seed=31)
+    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_CLUSTER_M", 1)
+    alone = case.run()
+    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_CLUSTER_M", 2)
+    clustered = case.run()
+    torch.cuda.synchronize()
+    assert torch.equal(clustered.view(torch.int16), alone.view(torch.int16))

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from nmoe.fast import runtime
 from nmoe.fast.arch import ArchNotImplemented
 from nmoe.fast.limits import GEMM_BM, GEMM_MAX_GROUPS
 
@@ -61,6 +62,13 @@ def tile_upper_bound(m: int, n: int, n_groups: int, bn: int, cm: int = 1) -> int
     """Most work units (cm M tiles side by side by one N tile) any routing of m rows into n_groups groups
     (plus the zero tail) can make: a group of t tiles takes ceil(t / cm) <= (t + cm - 1) / cm units."""
     return (-(-m // GEMM_BM) + cm * (n_groups + 1)) // cm * -(-n // bn)
+
+
+def fwd_ctas(device: int, m: int, n: int, n_groups: int, bn: int, cm: int, cn: int = 1) -> int:
+    """Persistent CTAs of a fwd/dgrad launch in clusters of cm (M) or cn (N) CTAs: whole clusters, one CTA per
+    SM at most, no more clusters than work units."""
+    size = cm * cn
+    return size * min(runtime.sm_count(device) // size, tile_upper_bound(m, n, n_groups, bn * cn, cm))
 
 
 _OFFS_BUILT_ON_DEVICE = contextvars.ContextVar("nmoe_offs_built_on_device", default=False)

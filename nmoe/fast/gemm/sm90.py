@@ -17,8 +17,8 @@ from nmoe.fast.gemm.routing import (
     check_bf16,
     check_offs_on_host,
     check_routing,
+    fwd_ctas,
     require,
-    tile_upper_bound,
 )
 from nmoe.fast.limits import (
     GEMM_ALIGN,
@@ -65,13 +65,6 @@ WGRAD_ROWS = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad_rows", "grouped_g
 def pick_bn(n: int) -> int:
     """Wide N tiles halve the A re-reads; they need N to fill them."""
     return 256 if n % 256 == 0 else 128
-
-
-def fwd_ctas(device: int, m: int, n: int, n_groups: int, bn: int, cm: int, cn: int = 1) -> int:
-    """Persistent CTAs of a fwd/dgrad launch in clusters of cm (M) or cn (N) CTAs: whole clusters, one CTA per
-    SM at most, no more clusters than work units."""
-    size = cm * cn
-    return size * min(runtime.sm_count(device) // size, tile_upper_bound(m, n, n_groups, bn * cn, cm))
 
 
 def gather_cluster_n(n: int, bn: int, pingpong: bool) -> int:

@@ -8,8 +8,8 @@ from torch import Tensor
 
 from nmoe.constants import FP8_WEIGHT_BLOCK, MXFP8_BLOCK_SM90
 from nmoe.fast import runtime
-from nmoe.fast.gemm.routing import as_bytes, check_offs_on_host, check_routing, require, tile_upper_bound
-from nmoe.fast.limits import GEMM_FP8_OVERLAP, GEMM_FP8_STAGED_TILE
+from nmoe.fast.gemm.routing import as_bytes, check_offs_on_host, check_routing, fwd_ctas, require
+from nmoe.fast.limits import GEMM_FP8_CLUSTER_M, GEMM_FP8_OVERLAP, GEMM_FP8_STAGED_TILE
 from nmoe.fast.op import Kernel, fast_op
 from nmoe.fast.runtime import KernelSpec, tma_aligned
 
@@ -19,7 +19,8 @@ K_BLOCK = MXFP8_BLOCK_SM90
 _CODES = (torch.uint8, torch.float8_e4m3fn)
 _SCALES = (torch.uint8, torch.float8_e8m0fnu)
 FP8 = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_fp8", "grouped_gemm_fp8_sm90",
-             lambda km, n, k, overlap=False, staged=False: km.compile_args(n, k, overlap, staged), (ARCH,),
+             lambda km, n, k, overlap=False, staged=False, cm=1: km.compile_args(n, k, overlap, staged, cm),
+             (ARCH,),
              "nmoe.fast.gemm.grouped_gemm_fp8")
 
 
@@ -55,8 +56,9 @@ def _launch(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, offs: Tensor, y: Ten
         y.zero_()
         return
     check_offs_on_host("grouped_gemm_fp8", offs, m)
-    n_ctas = min(runtime.sm_count(device), tile_upper_bound(m, n, n_groups, BN))
-    launch = FP8.launcher(arch, n=n, k=k, overlap=GEMM_FP8_OVERLAP, staged=GEMM_FP8_STAGED_TILE)
+    n_ctas = fwd_ctas(device, m, n, n_groups, BN, GEMM_FP8_CLUSTER_M)
+    launch = FP8.launcher(arch, n=n, k=k, overlap=GEMM_FP8_OVERLAP, staged=GEMM_FP8_STAGED_TILE,
+                          cm=GEMM_FP8_CLUSTER_M)
     launch(device, xq.data_ptr(), wq.data_ptr(), xs.data_ptr(), ws.data_ptr(), y.data_ptr(), offs.data_ptr(),
            m, n_groups, n_ctas)
 
@@ -105,10 +107,15 @@ _EXPECT_OVERLAP = (*_EXPECT, r"wgmma\.wait_group\.sync\.aligned\s+1;")
 _STAGED = r"\bcp\.async\.bulk\.wait_group\.read\s+3\b"
 
 
-def _spec(name: str, n: int, k: int, overlap: bool = False, staged: bool = False) -> KernelSpec:
-    expect = (*(_EXPECT_OVERLAP if overlap else _EXPECT), *((_STAGED,) if staged else ()))
+# A cluster's CTAs each load 1/cm of a B box for all of them.
+_MULTICAST = (r"multicast::cluster", r"\bbarrier\.cluster\.wait\b")
+
+
+def _spec(name: str, n: int, k: int, overlap: bool = False, staged: bool = False, cm: int = 1) -> KernelSpec:
+    expect = (*(_EXPECT_OVERLAP if overlap else _EXPECT), *((_STAGED,) if staged else ()),
+              *(_MULTICAST if cm > 1 else ()))
     return KernelSpec(op="grouped_gemm_fp8", name=name,
-                      compile=FP8.compiler(n=n, k=k, overlap=overlap, staged=staged),
+                      compile=FP8.compiler(n=n, k=k, overlap=overlap, staged=staged, cm=cm),
                       expect={ARCH: expect}, forbid={ARCH: _FORBID})
 
 
@@ -121,4 +128,5 @@ KERNELS: tuple[KernelSpec, ...] = (
     _spec("grouped_gemm_fp8_sm90_down_overlap", 4096, 1024, True),
     _spec("grouped_gemm_fp8_sm90_odd_overlap", 2048, 384, True),
     _spec("grouped_gemm_fp8_sm90_down_overlap_staged", 4096, 1024, True, True),
+    _spec("grouped_gemm_fp8_sm90_down_overlap_cluster2", 4096, 1024, True, True, 2),
 )

@@ -29,6 +29,8 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     WG_THREADS,
     _seek,
     _tile_at,
+    cluster_dims,
+    cluster_units,
     cta_setup,
     cta_start,
     drain_stores,
@@ -177,11 +179,12 @@ def grouped_gemm_fp8_kernel(
     m_offs: cute.Tensor, m_rows: Int32,
     n_groups: Int32, tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
     d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], stages: Constexpr[int],
-    overlap: Constexpr[bool], staged: Constexpr[bool],
+    overlap: Constexpr[bool], staged: Constexpr[bool], cm: Constexpr[int],
 ) -> None:
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b, tma_atom_d))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, Float8E4M3FN, a_layout, b_layout, d_layout,
-                                                stages)
+                                                stages, cm=cm)
+    unit, n_units, rank = cluster_units(bidx, n_ctas, cm)
 
     n_tiles_n = n // BN
     k_tiles = k // BK
@@ -190,7 +193,7 @@ def grouped_gemm_fp8_kernel(
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         if warp_idx == 0:
             produce_tiles(mainloop, tma_atom_a, m_a, tma_atom_b, m_b, s_a, s_b, s_offs, n_groups, m_rows,
-                          Int32(bidx), n_ctas, n_tiles_n, k_tiles, BN, BK, stages)
+                          unit, n_units, n_tiles_n, k_tiles, BN, BK, stages, cm, rank)
     else:
         cute.arch.setmaxregister_increase(CONSUMER_REGS)
         ctid = tidx - WG_THREADS
@@ -207,10 +210,10 @@ def grouped_gemm_fp8_kernel(
 
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-        t = Int32(bidx)
-        e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, n_tiles_n)
+        t = unit
+        e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, n_tiles_n, cm)
         while e <= n_groups:
-            n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n)
+            n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n, cm, rank)
             acc.fill(0.0)
             if e < n_groups:
                 # Rows past the group are computed, then masked at the store; past M they read row M - 1.
@@ -230,9 +233,9 @@ def grouped_gemm_fp8_kernel(
                         s_lo, s_hi = _block_scales(b_lo, b_hi, b_w)
                         _promote(acc, blk, s_lo, s_hi)
             store_tile(epi, tma_d, m_d, m_d, row0, n_tile, g_end, n, BN, "none", bufs=epi_bufs(BN, staged))
-            t = t + n_ctas
+            t = t + n_units
             e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,
-                                                    before, here, n_tiles_n)
+                                                    before, here, n_tiles_n, cm)
         drain_stores()
 
 
@@ -240,10 +243,11 @@ def grouped_gemm_fp8_kernel(
 def grouped_gemm_fp8_host(
     px: Pointer, pw: Pointer, pxs: Pointer, pws: Pointer, py: Pointer, poffs: Pointer, m_rows: Int32,
     n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream, n: Constexpr[int], k: Constexpr[int],
-    overlap: Constexpr[bool], staged: Constexpr[bool],
+    overlap: Constexpr[bool], staged: Constexpr[bool], cm: Constexpr[int],
 ) -> None:
     """y[M, n] = per-group dequant(xq)[M, k] @ dequant(wq[e])^T; codes K-major, scales row-major bytes;
-    staged: a whole output tile waits in shared memory (epi_bufs)."""
+    staged: a whole output tile waits in shared memory (epi_bufs); cm > 1: clusters of cm M tiles share
+    each B box, every CTA loading 1/cm of it for all."""
     stages = stages_for(staged)
     kb = k // BK
     m_x = cute.make_tensor(px, cute.make_layout((m_rows, k), stride=(k, 1)))
@@ -261,17 +265,20 @@ def grouped_gemm_fp8_host(
     b_layout = sm90_utils.make_smem_layout_b(k_major, tile, Float8E4M3FN, stages)
     tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
         cpasync.CopyBulkTensorTileG2SOp(), m_x, cute.slice_(a_layout, (None, None, 0)), (BM, BK))
-    tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
-        cpasync.CopyBulkTensorTileG2SOp(), m_w, cute.slice_(b_layout, (None, None, 0)), (BN, BK))
+    b_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if cm > 1 else cpasync.CopyBulkTensorTileG2SOp()
+    tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(b_op, m_w, cute.slice_(b_layout, (None, None, 0)),
+                                                    (BN, BK), num_multicast=cm)
     grouped_gemm_fp8_kernel(
         tma_atom_a, tma_a, tma_atom_b, tma_b, m_xs, m_ws, *epi_tma(m_y), m_y, m_offs, m_rows, n_groups,
         tiled_mma, a_layout, b_layout, epi_smem_layout(bufs=epi_bufs(BN, staged)), n, k, stages, overlap,
-        staged,
-    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
+        staged, cm,
+    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(cm), min_blocks_per_mp=1,
+             stream=stream)
 
 
-def compile_args(n: int, k: int, overlap: bool = False, staged: bool = False) -> tuple[Any, tuple[Any, ...]]:
+def compile_args(n: int, k: int, overlap: bool = False, staged: bool = False,
+                 cm: int = 1) -> tuple[Any, tuple[Any, ...]]:
     ptrs = (pointer(Float8E4M3FN, 0), pointer(Float8E4M3FN, 0), pointer(Uint8, 0, 1), pointer(Uint8, 0, 1),
             pointer(BFloat16, 0), pointer(Int32, 0, 4))
     return grouped_gemm_fp8_host, (*ptrs, Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k, overlap,
-                                   staged)
+                                   staged, cm)
