@@ -21,14 +21,14 @@ from nmoe.fast.kernels.sm90.grouped_gemm import PRODUCER_REGS, THREADS, cta_setu
 from nmoe.fast.kernels.sm90.grouped_gemm_gather import _source_row, arm_stage
 from nmoe.fast.kernels.sm90.grouped_gemm_wgrad import (
     Units,
-    _dw_out,
-    _mn_major_setup,
-    _split_tensors,
     _wgrad_tile,
+    by_side,
     consume_wgrad,
+    gathered_setup,
     n_rounds,
     plan_units,
     pointer,
+    side_tiles,
     snake_tile,
     stages_for,
 )
@@ -78,14 +78,8 @@ def produce_wgrad_rows(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyA
         t = snake_tile(rnd, bidx, n_ctas)
         if t < u.total:
             _, m_tile, n_tile, start, end, _, _, _ = _wgrad_tile(u, t)
-            if const_expr(side == "b"):
-                g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (BM, BK), (m_tile, None))
-                run0 = n_tile * (bn // RUN)
-            else:
-                g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (bn, BK), (n_tile, None))
-                run0 = m_tile * (BM // RUN)
-            t_st, t_gt = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), s_t_flat,
-                                               cute.group_modes(g_t, 0, 2))
+            t_st, t_gt, col0 = side_tiles(tma_atom, m_t, s_t_flat, side, start, m_tile, n_tile, bn)
+            run0 = col0 // RUN
             src[0] = _source_row(m_slot, start + first + lane, end, top_k, src_rows)
             for kt in range((end - start + BK - 1) // BK):
                 here = src[0]
@@ -118,12 +112,9 @@ def grouped_wgrad_rows_kernel(
     u = plan_units(s_offs, n_groups, m_rows, thresh, split_rows, tidx, n, k, bn)
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-        if const_expr(side == "b"):
-            produce_wgrad_rows(mainloop, tma_atom, m_t, run_atom, tma_src, t_run, m_slot, top_k, src_rows,
-                               s_a, s_b, b_layout.outer, u, bidx, n_ctas, warp_idx, tidx, bn, side, stages)
-        else:
-            produce_wgrad_rows(mainloop, tma_atom, m_t, run_atom, tma_src, t_run, m_slot, top_k, src_rows,
-                               s_b, s_a, a_layout.outer, u, bidx, n_ctas, warp_idx, tidx, bn, side, stages)
+        s_t, s_g, g_outer = by_side(side, s_a, s_b, a_layout, b_layout)
+        produce_wgrad_rows(mainloop, tma_atom, m_t, run_atom, tma_src, t_run, m_slot, top_k, src_rows, s_t,
+                           s_g, g_outer, u, bidx, n_ctas, warp_idx, tidx, bn, side, stages)
     else:
         consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, u, m_ws, m_count, tma_atom_d, tma_d, m_d, tidx,
                       warp_idx, bidx, n_ctas, n, k, bn, stages, n)
@@ -139,23 +130,12 @@ def grouped_wgrad_rows_host(
     """The gathered wgrad's result (side "b": x[slot // top_k] beside pt = dy [R, n]; side "a":
     dy[slot // top_k] beside pt = x [R, k]) with the token-major side [src_rows, width] loaded by row TMA."""
     stages = stages_for(bn)
-    m_dw, tma_atom_d, tma_d = _dw_out(pdw, n_groups, n, k, k, n)
-    m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
-    m_slot = cute.make_tensor(pslot, cute.make_layout(m_rows))
-    m_ws, m_count = _split_tensors(pws, pcount, ws_tiles, n_groups, n, k, bn)
-    tiled_mma, a_layout, b_layout, d_layout = _mn_major_setup(bn, stages)
-    if const_expr(side == "b"):
-        m_t = cute.make_tensor(pt, cute.make_layout((n, m_rows), stride=(1, n)))
-        tma_atom, tma_t = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), m_t, cute.slice_(a_layout, (None, None, 0)), (BM, BK))
-        m_src = cute.make_tensor(psrc, cute.make_layout((k, src_rows), stride=(1, k)))
-        t_run = run_layout(b_layout)
-    else:
-        m_t = cute.make_tensor(pt, cute.make_layout((k, m_rows), stride=(1, k)))
-        tma_atom, tma_t = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), m_t, cute.slice_(b_layout, (None, None, 0)), (bn, BK))
-        m_src = cute.make_tensor(psrc, cute.make_layout((n, src_rows), stride=(1, n)))
-        t_run = run_layout(a_layout)
+    (m_dw, tma_atom_d, tma_d, m_offs, m_slot, m_ws, m_count, tiled_mma, a_layout, b_layout, d_layout,
+     tma_atom, tma_t) = gathered_setup(pt, pdw, poffs, pslot, pws, pcount, m_rows, n_groups, ws_tiles, n, k,
+                                       bn, side, stages)
+    width = k if const_expr(side == "b") else n
+    m_src = cute.make_tensor(psrc, cute.make_layout((width, src_rows), stride=(1, width)))
+    t_run = run_layout(b_layout if const_expr(side == "b") else a_layout)
     run_atom, tma_src = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_src, t_run, (RUN, 1))
     grouped_wgrad_rows_kernel(
         tma_atom, tma_t, run_atom, tma_src, m_slot, top_k, src_rows, tma_atom_d, tma_d, m_dw, m_offs, m_ws,
