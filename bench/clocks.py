@@ -1,7 +1,5 @@
-"""How the H200's power cap moves a timing: the MoE layer's fwd+bwd graph and a same-FLOP cuBLAS mm, each
-timed as one call after an idle pause (boost clocks) and as a series of back-to-back calls (the clocks a
-training step sustains), with nvidia-smi's SM clock, power and throttle reasons sampled beside them.
-
+"""The H200's power cap in a timing: the MoE layer's fwd+bwd and a same-FLOP cuBLAS mm, one call after an idle
+pause and back-to-back, beside nvidia-smi's SM clock, power and throttle reasons.
 `python -m bench.clocks --out FILE.json [--config N] [--calls 60]` (N indexes torchbase.LAYER_CONFIGS)."""
 
 from __future__ import annotations

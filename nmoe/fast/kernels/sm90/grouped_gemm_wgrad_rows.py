@@ -1,8 +1,6 @@
-"""sm_90a gathered wgrad whose token-major side arrives by row TMA: each of a stage's 64 rows lands as
-box // 64 boxes of one 128-byte swizzle row (MN-major operands put a row's 64-element runs in separate swizzle
-atoms), onto the stage barrier the other side's TMA arms; pad rows and rows past the group arrive as TMA's
-zero fill. The consumers and the static deal are the cp.async gathered wgrad's. Import after
-runtime.import_cutlass("sm_90a")."""
+"""sm_90a gathered wgrad whose token-major side lands by row TMA (one box per row and 64-element swizzle run,
+since MN-major tiles put a row's runs in separate atoms), pad rows as TMA's zero fill; consumers and the
+static deal are the cp.async kernel's. Import after runtime.import_cutlass("sm_90a")."""
 
 from __future__ import annotations
 
