@@ -33,22 +33,16 @@ def test_dynamic_plan_allocates_its_counter_even_without_a_split() -> None:
     assert split.counters == len(SKEWED) * tpg and split.ws_tiles > 0
 
 
-def nan_wgrad(counts: list[int], seed: int, n: int = N, k: int = K, bn: int = BN) -> torch.Tensor:
-    """The wgrad of seeded operands (5 rows past the last group) into a NaN-filled dw: a tile no CTA stored
-    stays NaN."""
-    m = sum(counts) + 5
-    g = torch.Generator().manual_seed(seed)
-    dy = torch.randn(m, n, generator=g).to(torch.bfloat16).cuda()
-    x = torch.randn(m, k, generator=g).to(torch.bfloat16).cuda()
-    dw = torch.full((len(counts), n, k), float("nan"), dtype=torch.bfloat16, device="cuda")
-    gemm._launch_wgrad(dy, x, offs_of(cumsum(counts)), dw, bn)
-    torch.cuda.synchronize()
-    return dw
-
-
 def _wgrad(counts: list[int], seed: int, monkeypatch: pytest.MonkeyPatch, dynamic: bool) -> torch.Tensor:
     monkeypatch.setattr(gemm, "GEMM_WGRAD_DYNAMIC", dynamic)
-    return nan_wgrad(counts, seed)
+    m = sum(counts) + 5
+    g = torch.Generator().manual_seed(seed)
+    dy = torch.randn(m, N, generator=g).to(torch.bfloat16).cuda()
+    x = torch.randn(m, K, generator=g).to(torch.bfloat16).cuda()
+    dw = torch.full((len(counts), N, K), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gemm._launch_wgrad(dy, x, offs_of(cumsum(counts)), dw, BN)
+    torch.cuda.synchronize()
+    return dw
 
 
 @gpu
@@ -60,30 +54,22 @@ def test_dynamic_schedule_equals_the_static_one(counts: list[int], monkeypatch: 
     assert torch.equal(dynamic.view(torch.int16), static.view(torch.int16))
 
 
-def column_chunk_runs(monkeypatch: pytest.MonkeyPatch, flag: str, seed: int) -> list[torch.Tensor]:
-    """The layer's column-chunk wgrad (rows ld apart, groups gs apart, two K-wide chunks into a 2K-wide
-    NaN-filled dw) with the sm90 glue's `flag` off, then on."""
+@gpu
+def test_dynamic_schedule_column_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layer's column-chunk wgrad (rows ld apart, groups gs apart) under the dynamic schedule."""
     m = sum(SKEWED) + 5
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(32)
     dy = torch.randn(m, N, generator=g).to(torch.bfloat16).cuda()
     x = torch.randn(m, 2 * K, generator=g).to(torch.bfloat16).cuda()
     offs = offs_of(cumsum(SKEWED))
     runs = []
-    for on in (False, True):
-        monkeypatch.setattr(gemm, flag, on)
+    for dynamic in (False, True):
+        monkeypatch.setattr(gemm, "GEMM_WGRAD_DYNAMIC", dynamic)
         dw = torch.full((len(SKEWED), N, 2 * K), float("nan"), dtype=torch.bfloat16, device="cuda")
         gemm.grouped_gemm_wgrad_cols(dy, x[:, K:].contiguous(), offs, dw, K)
         gemm.grouped_gemm_wgrad_cols(dy, x[:, :K].contiguous(), offs, dw, 0)
-        torch.cuda.synchronize()
         runs.append(dw)
-    return runs
-
-
-@gpu
-def test_dynamic_schedule_column_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The layer's column-chunk wgrad under the dynamic schedule."""
-    static, dynamic = column_chunk_runs(monkeypatch, "GEMM_WGRAD_DYNAMIC", 32)
-    assert torch.equal(dynamic.view(torch.int16), static.view(torch.int16))
+    assert torch.equal(runs[1].view(torch.int16), runs[0].view(torch.int16))
 
 
 @gpu
