@@ -768,10 +768,11 @@ def cluster_dims(cm: int) -> list[int] | None:
     return [cm, 1, 1] if cm > 1 else None
 
 
-def b_tma(m_w: cute.Tensor, b_layout: cute.ComposedLayout, bn: int, cm: int) -> tuple[cute.CopyAtom, Any]:
-    """TMA of the B tile (bn x BK), each of the cm CTAs of a cluster loading 1/cm of it for all of them."""
+def b_tma(m_w: cute.Tensor, b_layout: cute.ComposedLayout, bn: int, cm: int,
+          bk: int = BK) -> tuple[cute.CopyAtom, Any]:
+    """TMA of the B tile (bn x bk), each of the cm CTAs of a cluster loading 1/cm of it for all of them."""
     op = cpasync.CopyBulkTensorTileG2SMulticastOp() if cm > 1 else cpasync.CopyBulkTensorTileG2SOp()
-    atom, tensor = cpasync.make_tiled_tma_atom(op, m_w, cute.slice_(b_layout, (None, None, 0)), (bn, BK),
+    atom, tensor = cpasync.make_tiled_tma_atom(op, m_w, cute.slice_(b_layout, (None, None, 0)), (bn, bk),
                                                num_multicast=cm)
     return atom, tensor
 

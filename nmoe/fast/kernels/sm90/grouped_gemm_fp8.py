@@ -29,6 +29,7 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     WG_THREADS,
     _seek,
     _tile_at,
+    b_tma,
     cluster_dims,
     cluster_units,
     cta_setup,
@@ -265,9 +266,7 @@ def grouped_gemm_fp8_host(
     b_layout = sm90_utils.make_smem_layout_b(k_major, tile, Float8E4M3FN, stages)
     tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
         cpasync.CopyBulkTensorTileG2SOp(), m_x, cute.slice_(a_layout, (None, None, 0)), (BM, BK))
-    b_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if cm > 1 else cpasync.CopyBulkTensorTileG2SOp()
-    tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(b_op, m_w, cute.slice_(b_layout, (None, None, 0)),
-                                                    (BN, BK), num_multicast=cm)
+    tma_atom_b, tma_b = b_tma(m_w, b_layout, BN, cm, BK)
     grouped_gemm_fp8_kernel(
         tma_atom_a, tma_a, tma_atom_b, tma_b, m_xs, m_ws, *epi_tma(m_y), m_y, m_offs, m_rows, n_groups,
         tiled_mma, a_layout, b_layout, epi_smem_layout(bufs=epi_bufs(BN, staged)), n, k, stages, overlap,
