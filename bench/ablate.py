@@ -153,14 +153,7 @@ _GATHER_CLUSTER_TWO = Mutation(
     "GEMM_GATHER_CLUSTER_M: Final[int] = 1\n", "GEMM_GATHER_CLUSTER_M: Final[int] = 2\n",
     "the gathering fwd/dgrad in 2-CTA clusters sharing each B box by multicast, like the TMA-fed ones",
 )
-_WGRAD_ROW_TMA = Mutation(
-    "ablate.wgrad_gather_row_tma", LIMITS,
-    "GEMM_WGRAD_GATHER_ROW_TMA: Final[bool] = False\n", "GEMM_WGRAD_GATHER_ROW_TMA: Final[bool] = True\n",
-    "the gathered wgrad's token-major side lands by row TMA (a 64-element box per row and swizzle run) "
-    "instead of 16-byte cp.async chunks",
-)
 GATHER_ABLATIONS: tuple[Mutation, ...] = (
-    _WGRAD_ROW_TMA,
     Mutation(
         "ablate.gather_no_fence", WGRAD_GATHER,
         "        cute.arch.cp_async_wait_group(lag)\n"
@@ -299,16 +292,7 @@ GATHER_COMPOUNDS: tuple[tuple[Mutation, ...], ...] = (
 )
 
 
-LAYER_COMPOUNDS: tuple[tuple[Mutation, ...], ...] = (
-    (replace(_WGRAD_ROW_TMA, id="ablate.layer_wgrads_gathered_rows",
-             description="both of the layer's wgrads read token rows by row TMA as they load: no spread_rows "
-             "copies of x or dout"), _LAYER_DOWN_GATHERED, _LAYER_UP_GATHERED),
-    (replace(_WGRAD_ROW_TMA, id="ablate.layer_down_wgrad_gathered_rows",
-             description="the down projection's wgrad reads dout's rows by row TMA as it loads"),
-     _LAYER_DOWN_GATHERED),
-)
-COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {"gather": GATHER_COMPOUNDS,
-                                                          "layer": LAYER_COMPOUNDS}
+COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {"gather": GATHER_COMPOUNDS}
 """Ablations of several edits, named by their first."""
 
 

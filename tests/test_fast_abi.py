@@ -144,12 +144,6 @@ def _sm90_calls() -> None:
     sm90.grouped_gemm_dgrad_gathered(torch.randn(t, h, dtype=BF), slot, 1, wg, offs)
     sm90.grouped_gemm_wgrad_gathered(torch.randn(t, h, dtype=BF), xg.detach(), slot, 1, offs)
     sm90.grouped_gemm_wgrad_gathered(torch.randn(t, h, dtype=BF), xg.detach(), slot, 1, offs, side="dy")
-    cp_async, sm90.GEMM_WGRAD_GATHER_ROW_TMA = sm90.GEMM_WGRAD_GATHER_ROW_TMA, True
-    try:
-        sm90.grouped_gemm_wgrad_gathered(torch.randn(t, h, dtype=BF), xg.detach(), slot, 1, offs)
-        sm90.grouped_gemm_wgrad_gathered(torch.randn(t, h, dtype=BF), xg.detach(), slot, 1, offs, side="dy")
-    finally:
-        sm90.GEMM_WGRAD_GATHER_ROW_TMA = cp_async
     xq, xs = formats.quantize_mxfp8(xg.detach(), 128)
     wq, ws = formats.quantize_mxfp8_weight(wg)
     sm90_fp8.grouped_gemm_fp8(xq, xs, wq, ws, offs)

@@ -186,17 +186,10 @@ def _wgrad_pair(t: int, k: int, hid: int, n: int, e: int, x: Tensor, routing: st
     return p.slot, got, want
 
 
-@pytest.fixture(params=[False, True], ids=["cp_async", "row_tma"])
-def wgrad_rows(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Both loaders of the gathered wgrad's token-major side (GEMM_WGRAD_GATHER_ROW_TMA)."""
-    monkeypatch.setattr(sm90, "GEMM_WGRAD_GATHER_ROW_TMA", request.param)
-    return bool(request.param)
-
-
 @gpu
 @pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}K{c[1]}H{c[2]}N{c[3]}E{c[4]}" for c in CASES])
 def test_gathered_wgrad_equals_the_wgrad_on_permutes_copy(
-        case: tuple[int, int, int, int, int, int, str, str], wgrad_rows: bool) -> None:
+        case: tuple[int, int, int, int, int, int, str, str]) -> None:
     t, k, hid, n, e, align, _, routing = case
     x = torch.randn(t, hid, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16).cuda()
     _, got, want = _wgrad_pair(t, k, hid, n, e, x, routing, align)
@@ -213,12 +206,6 @@ def test_sep_gemm_fast_wgrad_gather_row_off_by_one() -> None:
 
 
 @gpu
-def test_wgrad_rows_zero_pad_rows(wgrad_rows: bool) -> None:
-    """Pad rows (slot -1) and rows past a group land as zeros under either loader."""
-    _assert_pad_rows_zero(_wgrad_pair)
-
-
-@gpu
 def test_sep_gemm_fast_wgrad_gather_pad_rows_read() -> None:
     """Pad rows carry dy values here: read as token 0's row instead of zeros they add dy_pad^T x_0."""
     _assert_pad_rows_zero(_wgrad_pair)
@@ -227,7 +214,7 @@ def test_sep_gemm_fast_wgrad_gather_pad_rows_read() -> None:
 @gpu
 @pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}K{c[1]}H{c[2]}N{c[3]}E{c[4]}" for c in CASES])
 def test_gathered_dgrad_and_dy_side_wgrad_equal_the_kernels_on_permutes_copy(
-        case: tuple[int, int, int, int, int, int, str, str], wgrad_rows: bool) -> None:
+        case: tuple[int, int, int, int, int, int, str, str]) -> None:
     """The down projection's backward from the token-major dout: dz = dout[slot // K] @ w2[e] and
     dw2[e] = dout[slot // K]^T @ a, bit for bit those of permute's copy of dout."""
     t, k, hid, inter, e, align, _, routing = case

@@ -46,10 +46,6 @@ GEMM_WGRAD_DYNAMIC: Final[bool] = True
 """sm_90a TMA-fed wgrad: each CTA takes its next tile of the heaviest-first list from a device counter (a
 skewed routing's heavy tiles then spread like a greedy schedule) when True, else in static snake rounds
 (H200, MoE layer fwd+bwd: Zipf 1.01-1.03x, uniform 0.99-1.00x over static)."""
-GEMM_WGRAD_GATHER_ROW_TMA: Final[bool] = False
-"""sm_90a gathered wgrad: the token-major side lands by row TMA (a 64-element box per row and swizzle run,
-box // 64 per row) when True, else by 16-byte cp.async chunks (measured 2.0-3.5x slower than the MoE layer's
-copy plus the TMA wgrad)."""
 GEMM_FP8_OVERLAP: Final[bool] = True
 """sm_90a fp8 fwd: each K block's wgmmas stay in flight while the block before is promoted (two block
 accumulators, K loop unrolled) when True, else each block's MMAs are waited before its promotion

@@ -32,7 +32,6 @@ from nmoe.fast.limits import (
     GEMM_PINGPONG_BN,
     GEMM_PINGPONG_MAX_K,
     GEMM_WGRAD_DYNAMIC,
-    GEMM_WGRAD_GATHER_ROW_TMA,
 )
 from nmoe.fast.op import Kernel, Launcher, fast_op, remember, save_inputs
 from nmoe.fast.runtime import KernelSpec, tma_aligned
@@ -57,9 +56,6 @@ WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad"
 WGRAD_GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad_gather",
                       lambda km, n, k, bn, side: km.compile_args_gather(n, k, bn, side), (ARCH,),
                       "nmoe.fast.gemm.grouped_gemm_wgrad_gathered")
-WGRAD_ROWS = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad_rows", "grouped_gemm_wgrad_rows",
-                    lambda km, n, k, bn, side: km.compile_args_rows(n, k, bn, side), (ARCH,),
-                    "nmoe.fast.gemm.grouped_gemm_wgrad_gathered")
 
 
 def pick_bn(n: int) -> int:
@@ -536,11 +532,6 @@ def _wgrad_gathered_impl(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_
     tma_side, token_major = (x, dy) if side == "dy" else (dy, x)
     _keep, (ws, counters, *split_args) = split.args(dy.device)
     tail = (dw.data_ptr(), offs.contiguous().data_ptr(), ws, counters, top_k)
-    if GEMM_WGRAD_GATHER_ROW_TMA:
-        launch = WGRAD_ROWS.launcher(arch, n=n, k=k, bn=bn, side=kernel_side)
-        launch(device, tma_side.data_ptr(), token_major.data_ptr(), slot.contiguous().data_ptr(), *tail,
-               token_major.shape[0], m, e, n_ctas, *split_args)
-        return dw
     launch = WGRAD_GATHER.launcher(arch, n=n, k=k, bn=bn, side=kernel_side)
     zero = _zero_chunk(op, dy.device).data_ptr()
     launch(device, tma_side.data_ptr(), token_major.data_ptr(), zero, slot.contiguous().data_ptr(), *tail, m,
@@ -689,13 +680,6 @@ def _wgrad_gather_spec(name: str, n: int, k: int, side: str) -> KernelSpec:
                       expect={"sm_90a": _EXPECT_WGRAD_GATHER}, forbid={"sm_90a": _FORBID_SM90})
 
 
-def _wgrad_rows_spec(name: str, n: int, k: int, side: str) -> KernelSpec:
-    return KernelSpec(op="grouped_gemm_wgrad", name=name,
-                      compile=WGRAD_ROWS.compiler(n=n, k=k, bn=pick_bn(k), side=side),
-                      expect={"sm_90a": (*_EXPECT_WGRAD, *_ROW_TMA)},
-                      forbid={"sm_90a": (*_FORBID_SM90, *_NO_CP_ASYNC)})
-
-
 def _spec(name: str, n: int, k: int, bn: int, w_k_major: bool | None, activation: str = "none",
           pingpong: bool = False) -> KernelSpec:
     expect = _EXPECT_WGRAD if w_k_major is None else (*_EXPECT_SM90, *_CLUSTER, *(_TURNS if pingpong else ()))
@@ -750,8 +734,6 @@ KERNELS: tuple[KernelSpec, ...] = (
     _wgrad_gather_spec("grouped_gemm_wgrad_gathered_x_n256", 2048, 4096, "b"),
     _wgrad_gather_spec("grouped_gemm_wgrad_gathered_x_n128", 1024, 1152, "b"),
     _wgrad_gather_spec("grouped_gemm_wgrad_gathered_dy_n128", 4096, 1152, "a"),
-    _wgrad_rows_spec("grouped_gemm_wgrad_gathered_rows_x_n256", 2048, 4096, "b"),
-    _wgrad_rows_spec("grouped_gemm_wgrad_gathered_rows_dy_n128", 4096, 1152, "a"),
     _dgrad_gather_spec("grouped_gemm_dgrad_gathered_n128", 1024, 4096),
     _gather_spec("grouped_gemm_act_gathered_swiglu_cn2", 2048, 4096, "swiglu", cn=2),
     _dgrad_gather_spec("grouped_gemm_dgrad_gathered_cn2", 1024, 4096, cn=2),
