@@ -299,10 +299,15 @@ COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {"gather": GATHER_COMPO
 FP8_ABLATIONS: tuple[Mutation, ...] = (
     _FP8_SERIAL,
     Mutation(
-        "ablate.fp8_cluster_two", LIMITS,
-        "GEMM_FP8_CLUSTER_M: Final[int] = 1\n", "GEMM_FP8_CLUSTER_M: Final[int] = 2\n",
-        "the fp8 fwd in clusters of two M tiles, each CTA loading half of every B box for both (multicast): "
-        "half the B reads from L2",
+        "ablate.fp8_no_cluster", LIMITS,
+        "GEMM_FP8_CLUSTER_M: Final[int] = 2\n", "GEMM_FP8_CLUSTER_M: Final[int] = 1\n",
+        "the fp8 fwd at K <= GEMM_FP8_CLUSTER_MAX_K in CTAs alone, each loading all of its B boxes, "
+        "instead of clusters of two M tiles sharing each B box by multicast",
+    ),
+    Mutation(
+        "ablate.fp8_cluster_every_k", LIMITS,
+        "GEMM_FP8_CLUSTER_MAX_K: Final[int] = 1024\n", "GEMM_FP8_CLUSTER_MAX_K: Final[int] = 1 << 30\n",
+        "the fp8 fwd in clusters of two M tiles at every K, the up projections' long K included",
     ),
     Mutation(
         "ablate.fp8_two_subtiles", LIMITS,

@@ -137,6 +137,23 @@ def test_sep_gemm_fast_fp8_staged_store_next_buffer(monkeypatch: pytest.MonkeyPa
 
 @gpu
 @sm90
+def test_sep_gemm_fast_fp8_cluster_b_slice_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: both CTAs of a cluster load slice 0 of each B box, so the box's other half (its last 64 N rows
+    or K columns, as the multicast splits it) keeps stale bytes; modelled as zeros, either half breaks it."""
+    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_CLUSTER_M", 2)
+    case = make(384, 256, 512, cumsum([256, 128]), seed=24)
+    assert case.k <= gemm_fp8.GEMM_FP8_CLUSTER_MAX_K
+    boxes = case.wq.cpu().reshape(2, 256 // BLK, BLK, case.k // BLK, BLK)
+    for lost in ((..., slice(BLK // 2, None), slice(None), slice(None)), (..., slice(BLK // 2, None))):
+        wq = boxes.clone()
+        wq[lost] = 0
+        mutated = Case(case.xq.cpu(), case.xs.cpu(), wq.reshape(2, 256, case.k), case.ws.cpu(), case.ends)
+        ref, mag = _separates(case, mutated.formula())
+    assert_contract(case.run(), ref, mag, case.k)
+
+
+@gpu
+@sm90
 @pytest.mark.parametrize("counts", [[0, 1, 300, 0, 129, 2, 700, 0, 64], [5, 5, 5, 1000]],
                          ids=["mixed", "small"])
 def test_cluster_two_equals_ctas_alone(counts: list[int], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -59,6 +59,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "values or an earlier tile's", OVERLAP_TESTS, CONTRACTS, device="gpu",
     ),
     sep_mutation(
+        "gemm.fast_fp8_cluster_b_slice_dropped", "nmoe/fast/kernels/sm90/grouped_gemm.py",
+        "            t_sb, t_gb = cpasync.tma_partition(tma_atom_b, rank, cute.make_layout(cm), s_b_flat,\n",
+        "            t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(cm), s_b_flat,\n",
+        "both CTAs of an fp8 M cluster load and multicast slice 0 of each B box: the other slice is never "
+        "loaded", OVERLAP_TESTS, CONTRACTS, device="gpu",
+    ),
+    sep_mutation(
         "gemm.fast_fp8_overlap_tail_dropped", FILE,
         "    warpgroup.wait_group(0)\n    _promote(acc, bufs[(k_tiles - 1) % 2], s_lo, s_hi)\n",
         "    warpgroup.wait_group(0)\n",

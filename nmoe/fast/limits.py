@@ -53,9 +53,12 @@ accumulators, K loop unrolled) when True, else each block's MMAs are waited befo
 GEMM_FP8_STAGED_TILE: Final[bool] = True
 """sm_90a fp8 fwd: stage a whole 128 x 128 output tile (one operand stage less), so its stores drain under
 the next tile's MMAs, when True, else two subtiles (H200: down projections 1.047-1.053x, up 0.99-1.00x)."""
-GEMM_FP8_CLUSTER_M: Final[int] = 1
-"""sm_90a fp8 fwd: CTAs per M cluster, each loading 1/this of the B box for all (multicast), halving B's L2
-reads at 2; 1: CTAs alone."""
+GEMM_FP8_CLUSTER_M: Final[int] = 2
+"""sm_90a fp8 fwd at K <= GEMM_FP8_CLUSTER_MAX_K: CTAs per M cluster, each loading 1/this of the B box for all
+(multicast); 1: CTAs alone."""
+GEMM_FP8_CLUSTER_MAX_K: Final[int] = 1024
+"""Reduction K up to which the fp8 fwd runs in M clusters (H200 at cluster 2: K = 256 / 512 / 1024 downs
+1.117 / 1.054 / 1.009x, K = 1536 / 4096 ups 0.90-0.97x over CTAs alone)."""
 GEMM_MAX_GROUPS: Final[int] = 1024
 """Groups the grouped GEMM's shared-memory offs table holds."""
 GEMM_ALIGN: Final[int] = 8

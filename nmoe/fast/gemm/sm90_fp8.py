@@ -9,7 +9,12 @@ from torch import Tensor
 from nmoe.constants import FP8_WEIGHT_BLOCK, MXFP8_BLOCK_SM90
 from nmoe.fast import runtime
 from nmoe.fast.gemm.routing import as_bytes, check_offs_on_host, check_routing, fwd_ctas, require
-from nmoe.fast.limits import GEMM_FP8_CLUSTER_M, GEMM_FP8_OVERLAP, GEMM_FP8_STAGED_TILE
+from nmoe.fast.limits import (
+    GEMM_FP8_CLUSTER_M,
+    GEMM_FP8_CLUSTER_MAX_K,
+    GEMM_FP8_OVERLAP,
+    GEMM_FP8_STAGED_TILE,
+)
 from nmoe.fast.op import Kernel, fast_op
 from nmoe.fast.runtime import KernelSpec, tma_aligned
 
@@ -56,9 +61,9 @@ def _launch(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, offs: Tensor, y: Ten
         y.zero_()
         return
     check_offs_on_host("grouped_gemm_fp8", offs, m)
-    n_ctas = fwd_ctas(device, m, n, n_groups, BN, GEMM_FP8_CLUSTER_M)
-    launch = FP8.launcher(arch, n=n, k=k, overlap=GEMM_FP8_OVERLAP, staged=GEMM_FP8_STAGED_TILE,
-                          cm=GEMM_FP8_CLUSTER_M)
+    cm = GEMM_FP8_CLUSTER_M if k <= GEMM_FP8_CLUSTER_MAX_K else 1
+    n_ctas = fwd_ctas(device, m, n, n_groups, BN, cm)
+    launch = FP8.launcher(arch, n=n, k=k, overlap=GEMM_FP8_OVERLAP, staged=GEMM_FP8_STAGED_TILE, cm=cm)
     launch(device, xq.data_ptr(), wq.data_ptr(), xs.data_ptr(), ws.data_ptr(), y.data_ptr(), offs.data_ptr(),
            m, n_groups, n_ctas)
 
