@@ -4,7 +4,7 @@ GEMM bench, kept apart from the timing code so CPU tests can pin them."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -146,6 +146,34 @@ def batched_mm(pass_: str, a: Tensor, b: Tensor, e: int) -> Tensor:
     if pass_ == "wgrad":
         return torch.bmm(ga.transpose(1, 2), b.view(e, m // e, b.shape[1]))
     raise ValueError(f"pass {pass_!r} unknown; use one of {PASSES}")
+
+
+FP8_DENSE_SCALINGS = ("blockwise", "tensorwise")
+FP8_DENSE_WHAT = {
+    "blockwise": "one torch._scaled_mm [M,K] x [K,N], e4m3, x scaled per 1x128 and w per 128x128 block as "
+                 "ours, bf16 out: cuBLAS's own fp8 on the dense shape",
+    "tensorwise": "one torch._scaled_mm [M,K] x [K,N], e4m3, one scale per operand, bf16 out: cuBLAS's fp8 "
+                  "with no block promotions",
+}
+
+
+def fp8_dense_scales(m: int, n: int, k: int, scaling: str, device: str) -> tuple[Tensor, Tensor]:
+    """torch._scaled_mm's scales: singletons, or x's [M, K/128] outer-dim-major and w's [K/128, N/128]."""
+    if scaling == "tensorwise":
+        return torch.ones((), device=device), torch.ones((), device=device)
+    if scaling == "blockwise":
+        return (torch.ones(k // FP8_ACT_BLOCK, m, device=device).t(),
+                torch.ones(n // FP8_WEIGHT_BLOCK, k // FP8_WEIGHT_BLOCK, device=device).t())
+    raise ValueError(f"fp8 scaling {scaling!r} unknown; use one of {FP8_DENSE_SCALINGS}")
+
+
+def fp8_dense_mm(m: int, n: int, k: int, scaling: str, device: str) -> Callable[[], Tensor]:
+    """The dense fp8 mm at an fp8 row's M x N x K on random normal codes: what cuBLAS itself gains from fp8
+    on that shape, the roofline of the fp8-over-bf16 goal."""
+    sa, sb = fp8_dense_scales(m, n, k, scaling, device)
+    a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn)
+    return lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
 
 
 BATCHED_WHAT = "one torch.bmm over E equal groups (uniform routing), bf16: the grouped shape's own roofline"

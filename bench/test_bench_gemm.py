@@ -30,6 +30,8 @@ from gemmplan import (
     CONFIGS,
     DENSE_WHAT,
     FP8_ACT_BLOCK,
+    FP8_DENSE_SCALINGS,
+    FP8_DENSE_WHAT,
     PASSES,
     PROJS,
     ROUTINGS,
@@ -40,6 +42,7 @@ from gemmplan import (
     config_id,
     dense_mm,
     fp8_bytes,
+    fp8_dense_mm,
     gemm_flops,
     geomean,
     goal_summary,
@@ -292,6 +295,24 @@ def _fp8_ceiling() -> float | None:
     return _FP8_CEILING["tflops"]
 
 
+def _fp8_rooflines(cfg: Config, proj: str, bf16: Operands, flops: float, reps: int) -> dict[str, Any]:
+    """cuBLAS's dense bf16 and fp8 mm at the row's M x N x K, and what fp8 buys cuBLAS there: the goal's
+    1.6x held against the gain the vendor library gets on the same shape."""
+    m, n, k = proj_dims(cfg, proj)
+    dense = _dense((cfg, proj, "fwd"), bf16[0], bf16[1], flops, reps)
+    entries = []
+    for scaling in FP8_DENSE_SCALINGS:
+        entry = baseline(f"cublas_fp8_dense_{scaling}", fp8_dense_mm(m, n, k, scaling, "cuda"), reps=reps)
+        entry.update(what=FP8_DENSE_WHAT[scaling], role="roofline at equal FLOPs, not a competitor",
+                     tflops=_tflops(flops, entry["ms"]))
+        entries.append(entry)
+        gc.collect()
+        torch.cuda.empty_cache()
+    gain = {e["name"]: None if e["ms"] is None or dense["ms"] is None else dense["ms"] / e["ms"]
+            for e in entries}
+    return {"baselines": [dense, *entries], "cublas_fp8_over_bf16": gain}
+
+
 @pytest.mark.parametrize(("cfg", "proj", "routing"), SHAPES, ids=SHAPE_IDS)
 def test_bench_grouped_gemm_fp8(benchmark: Any, cfg: Config, proj: str, routing: str) -> None:
     m, n, k = proj_dims(cfg, proj)
@@ -321,6 +342,7 @@ def test_bench_grouped_gemm_fp8(benchmark: Any, cfg: Config, proj: str, routing:
         if bf16_ms is None:
             bf16_ms = replay_median_ms(capture(_cycle(gemm.grouped_gemm, bf16, offs)), copies, reps=reps)
             bf16_source = "timed in this test"
+        cublas = _fp8_rooflines(cfg, proj, bf16[0], flops, reps) if routing == "uniform" else {}
         del bf16
         graph = capture(_cycle(fn, sets, offs))
         ms = replay_median_ms(graph, copies, reps=reps)
@@ -337,7 +359,7 @@ def test_bench_grouped_gemm_fp8(benchmark: Any, cfg: Config, proj: str, routing:
             timing="GEMM only: x (1x128 blocks) and w (128x128 blocks) quantized by nmoe.fast.formats "
                    "before timing; quantization excluded",
             baseline_source=bf16_source, baseline_tflops=_tflops(flops, bf16_ms),
-            goal=_goal(row["speedup"], goal_min, vs, check), check=check,
+            goal=_goal(row["speedup"], goal_min, vs, check), check=check, **cublas,
         )
         if goal_min is not None:
             _count("fp8_goal_shapes", row["speedup"], check)

@@ -125,6 +125,26 @@ def test_batched_mm_is_each_equal_groups_own_product(pass_: str) -> None:
         plan.batched_mm(pass_, a[:m - 1], b[:m - 1] if pass_ == "wgrad" else b, e)
 
 
+def test_fp8_dense_mm_is_the_scaled_product() -> None:
+    """Tensor-wise on the CPU (torch's CPU _scaled_mm has no block scales): the e4m3 codes' own product."""
+    torch.manual_seed(3)
+    got = plan.fp8_dense_mm(8, 128, 256, "tensorwise", "cpu")()
+    assert got.shape == (8, 128) and got.dtype == torch.bfloat16
+    torch.manual_seed(3)
+    a = torch.randn(8, 256).to(torch.float8_e4m3fn).double()
+    b = torch.randn(128, 256).to(torch.float8_e4m3fn).double()
+    torch.testing.assert_close(got.double(), (a @ b.t()).bfloat16().double(), rtol=2**-7, atol=0)
+
+
+def test_fp8_dense_block_scales_are_outer_dim_major_per_block() -> None:
+    sa, sb = plan.fp8_dense_scales(384, 512, 1024, "blockwise", "cpu")
+    assert sa.shape == (384, 8) and sa.stride() == (1, 384)
+    assert sb.shape == (8, 4) and sb.stride() == (1, 8)
+    assert all(s.shape == () for s in plan.fp8_dense_scales(384, 512, 1024, "tensorwise", "cpu"))
+    with pytest.raises(ValueError, match="unknown"):
+        plan.fp8_dense_scales(1, 1, 1, "rowwise", "cpu")
+
+
 def test_goal_summary_is_met_only_when_every_row_is() -> None:
     rule = "frac_of_dense >= 0.97"
     full = plan.goal_summary("g", [True, True], 2, rule)
