@@ -141,6 +141,8 @@ def _sm90_calls() -> None:
     sm90.grouped_gemm_act(xg.detach(), wg, offs, "relu2")
     slot = torch.arange(t, dtype=torch.int64)
     sm90.grouped_gemm_act_gathered(xg.detach(), slot, 1, torch.randn(e, 2 * h, h, dtype=BF), offs, "swiglu")
+    sm90.grouped_gemm_act_gathered(xg.detach(), slot, 1, torch.randn(e, 2 * h, h, dtype=BF), offs, "swiglu",
+                                   keep_h=False)
     sm90.grouped_gemm_dgrad_gathered(torch.randn(t, h, dtype=BF), slot, 1, wg, offs)
     sm90.grouped_gemm_wgrad_gathered(torch.randn(t, h, dtype=BF), xg.detach(), slot, 1, offs)
     sm90.grouped_gemm_wgrad_gathered(torch.randn(t, h, dtype=BF), xg.detach(), slot, 1, offs, side="dy")

@@ -55,6 +55,40 @@ def test_gathered_up_projection_equals_the_fused_kernel_on_permutes_copy(
 
 
 @gpu
+@pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}K{c[1]}H{c[2]}N{c[3]}E{c[4]}-{c[6]}" for c in CASES])
+def test_act_only_epilogue_stores_the_same_act_and_no_h(case: tuple[int, int, int, int, int, int, str, str]
+                                                        ) -> None:
+    """keep_h False (no backward to come): act(h) bit for bit the full epilogue's, h [0, N] never written."""
+    t, k, hid, n, e, align, act, routing = case
+    g = torch.Generator().manual_seed(t * 5 + e)
+    x = torch.randn(t, hid, generator=g).to(torch.bfloat16).cuda()
+    w = (torch.randn(e, n, hid, generator=g) / hid**0.5).to(torch.bfloat16).cuda()
+    p = permute(x.new_empty(t, 0), _ids(t, k, e, routing, g).cuda(), e, align)
+    want, _ = sm90.grouped_gemm_act_gathered(x, p.slot, k, w, p.offs, act)
+    got, h = sm90.grouped_gemm_act_gathered(x, p.slot, k, w, p.offs, act, keep_h=False)
+    torch.cuda.synchronize()
+    assert h.shape == (0, n)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "act(h) differs from the full epilogue"
+
+
+@gpu
+def test_sep_gemm_fast_act_only_act_store_dropped() -> None:
+    """Full tiles' act(h) leaves by TMA: an act-only epilogue dropping that store too leaves a as torch.empty
+    found it, here a block filled with NaN just before (the caching allocator hands the same block back)."""
+    t, k, hid, n, e = 512, 2, 256, 256, 4
+    x = torch.randn(t, hid, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(e, n, hid, device="cuda") / hid**0.5).to(torch.bfloat16)
+    p = permute(x.new_empty(t, 0), torch.arange(t * k, device="cuda").view(t, k) % e, e, 128)
+    want, _ = sm90.grouped_gemm_act_gathered(x, p.slot, k, w, p.offs, "swiglu")
+    assert not want.isnan().any(), "the unwritten (NaN) result and the kernel's must differ"
+    junk = torch.full_like(want, float("nan"))
+    del junk
+    got, _ = sm90.grouped_gemm_act_gathered(x, p.slot, k, w, p.offs, "swiglu", keep_h=False)
+    torch.cuda.synchronize()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@gpu
 def test_gathered_up_projection_reads_x_in_place_without_a_sync() -> None:
     """No permuted copy of x: the call allocates only h and act(h), and never waits on the GPU."""
     t, k, hid, n, e = 512, 4, 1024, 512, 16
@@ -304,3 +338,10 @@ def test_sep_gemm_fast_gather_lag_too_deep() -> None:
         assert all(_pipeline_finishes(stages, gather_lag(stages), t) for t in tilings), stages
     with pytest.raises(ValueError, match="3 or more pipeline stages"):
         gather_lag(2)
+
+
+def test_act_only_needs_an_activation() -> None:
+    """keep_h=False with act 'none' would store nothing: refused before any compile."""
+    from nmoe.fast.kernels.sm90 import grouped_gemm_gather as km
+    with pytest.raises(ValueError, match="keep_h=False"):
+        km.compile_args_gather(256, 256, 256, "none", True, keep_h=False)

@@ -153,6 +153,31 @@ def test_moe_layer_fwd_bwd_one_cuda_graph(activation: str, shared: int, dtype: s
 
 
 @gpu
+@pytest.mark.parametrize("activation", ["swiglu", "relu2"])
+def test_moe_layer_without_grad_keeps_no_h(activation: str) -> None:
+    """No backward to come: the same output bit for bit, and the forward's peak holds no h [slots, N]."""
+    _sm90()
+    from nmoe.fast.moe import moe_layer
+    cfg = _cfg(activation, 0, "bf16", "softmax")
+    x, p = _params(cfg, 2, "cuda")
+    peaks, outs = [], []
+    for grad in (True, False):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.set_grad_enabled(grad):
+            out, _ = moe_layer(x, p, cfg)
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+        outs.append(out.detach())
+        del out
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    width = (2 if activation == "swiglu" else 1) * INTER
+    slots = T * K
+    assert peaks[0] - peaks[1] >= slots * width * 2, f"peak with grad {peaks[0]}, without {peaks[1]}"
+
+
+@gpu
 def test_moe_layer_eager_never_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Even with the GEMMs' opt-in host offs check on, fwd+bwd run without one device-to-host sync (the
     warm-up compiles and loads every kernel first, so only the layer itself is watched)."""

@@ -159,6 +159,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         TESTS, ("grouped_gemm",), device="gpu",
     ),
     sep_mutation(
+        "gemm.fast_act_only_act_store_dropped", FILE,
+        "                if const_expr(act_by_tma(n, act)):\n"
+        "                    cute.copy(epi.act_tma_atom, b_sa[(None, buf)], b_ga[(None, (0, sub))])\n",
+        "                if const_expr(act_by_tma(n, act) and keep_h):\n"
+        "                    cute.copy(epi.act_tma_atom, b_sa[(None, buf)], b_ga[(None, (0, sub))])\n",
+        "the act-only epilogue (keep_h False) drops act(h)'s TMA store along with h's: full tiles of a are "
+        "never written", GATHER_TESTS, ("moe_layer",), device="gpu",
+    ),
+    sep_mutation(
         "gemm.fast_gather_row_off_by_one", GATHER,
         "            src = Int32(s) // top_k\n",
         "            src = (Int32(s) + 1) // top_k\n",

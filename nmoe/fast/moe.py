@@ -23,6 +23,8 @@ Saved for the backward, per token (K slots, up width N = 2I swiglu or I relu2, E
   weights fp32 [T,K], ids int64 [T,K],      16K + 8*(rows/T) bytes: routing
   row_of int32 [T,K], slot int64 [rows]
   logits fp32 [T,E]                         4E bytes: router_topk's backward (softmax needs every score)
+With no backward to come (no grad mode, or no input requiring grad) bf16 experts never write h at all: the
+up projection stores a = act(h) only, 2KN bytes per token less memory and HBM writes in inference.
 bf16 experts keep no expert outputs y [T,K,H]: dweights_k = scale * <a_k, dout @ W2_e> (the down GEMM's
 dgrad computes dout @ W2_e anyway), saving 2KH bytes per token for a row dot product.
 fp8 experts: the forward quantizes (1x128 activations, 128x128 weights) and runs the sm90 fp8 GEMM; the
@@ -182,7 +184,8 @@ class _Routed(torch.autograd.Function):
     @staticmethod
     @_sync_free
     def forward(ctx: FunctionCtx, x: Tensor, wr: Tensor, bias: Tensor, w_up: Tensor, w2: Tensor,
-                s_up: Tensor | None, s_w2: Tensor | None, cfg: ModelConfig) -> tuple[Tensor, Tensor, Tensor]:
+                s_up: Tensor | None, s_w2: Tensor | None, cfg: ModelConfig,
+                grad: bool) -> tuple[Tensor, Tensor, Tensor]:
         logits = router_logits(x, wr)
         weights, ids = router_topk(logits, bias, cfg.n_activated_experts, cfg.score_func, cfg.n_expert_groups,
                                    cfg.n_limited_groups)
@@ -194,7 +197,7 @@ class _Routed(torch.autograd.Function):
         e, align = cfg.n_routed_experts, cfg.permute_align
         if cfg.expert_dtype == "bf16":
             p = permute(x.new_empty(t, 0), ids, e, align)
-            a, h = sm90.grouped_gemm_act_gathered(x, p.slot, k, w_up, p.offs, cfg.activation)
+            a, h = sm90.grouped_gemm_act_gathered(x, p.slot, k, w_up, p.offs, cfg.activation, keep_h=grad)
         else:
             p = permute(x, ids, e, align)
             a, h = _up(p.xp, w_up, p.offs, cfg.activation, cfg.expert_dtype)
@@ -214,7 +217,8 @@ class _Routed(torch.autograd.Function):
         ctx.save_for_backward(*saved)  # type: ignore[arg-type]
         # h, the largest saved tensor, is held outside saved_tensors so the backward can drop it as soon as
         # dh exists, before the up-projection's wgrad and dgrad allocate theirs.
-        ctx.h, ctx.cfg = h, cfg  # type: ignore[attr-defined]
+        # With no backward to come (no grad mode, or no input asks for one) the up projection never wrote h.
+        ctx.h, ctx.cfg = h if grad else None, cfg  # type: ignore[attr-defined]
         ctx.mark_non_differentiable(ids)
         return out, weights, ids
 
@@ -273,7 +277,7 @@ class _Routed(torch.autograd.Function):
                 del dxp
             if need_up:
                 dw_up = _chunked_wgrad(dh, x, slot, row_of, offs, "x", dh.shape[1], w_up)
-        return dx, dwr, None, dw_up, dw2, dw_up_s, dw2_s, None
+        return dx, dwr, None, dw_up, dw2, dw_up_s, dw2_s, None, None
 
 
 def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
@@ -356,8 +360,10 @@ def moe_layer(x: Tensor, p: MoEParams, cfg: ModelConfig,
     k, e = cfg.n_activated_experts, cfg.n_routed_experts
     out: Tensor
     if ex is None:
+        grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (x, p.router_w, up, p.w2, shared_up, p.shared_w2))
         out, weights, ids = _apply(_Routed, x, p.router_w, p.router_bias, up, p.w2, shared_up, p.shared_w2,
-                                   cfg)
+                                   cfg, grad)
     else:
         logits = router_logits(x, p.router_w)
         weights, ids = _apply(_RouterTopk, logits, p.router_bias, k, cfg.score_func, cfg.n_expert_groups,

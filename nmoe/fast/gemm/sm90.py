@@ -45,8 +45,8 @@ DGRAD = Kernel(_FWD_MODULE, "grouped_gemm_dgrad",
                lambda km, n, k, bn, pingpong=False: km.compile_args(n, k, bn, False, "none", pingpong),
                (ARCH,), "nmoe.fast.gemm.grouped_gemm_dgrad")
 GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_gather", "grouped_gemm_gather",
-                lambda km, n, k, bn, act, w_k_major, pingpong=False, cn=1: km.compile_args_gather(
-                    n, k, bn, act, w_k_major, pingpong, cn),
+                lambda km, n, k, bn, act, w_k_major, pingpong=False, cn=1, keep_h=True:
+                    km.compile_args_gather(n, k, bn, act, w_k_major, pingpong, cn, keep_h),
                 (ARCH,), "nmoe.fast.gemm.grouped_gemm_act_gathered")
 WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad",
                lambda km, n, k, bn, ld, gs=0, dynamic=False, accumulate=False: km.compile_args(
@@ -428,9 +428,9 @@ def _zero_chunk(op: str, device: torch.device) -> Tensor:
 
 
 def _gathered_gemm(op: str, src: Tensor, src_name: str, slot: Tensor, w: Tensor, offs: Tensor, top_k: int,
-                   activation: str, w_k_major: bool) -> tuple[Tensor, Tensor]:
+                   activation: str, w_k_major: bool, keep_h: bool = True) -> tuple[Tensor, Tensor]:
     """(h, act(h) or h): the gathering kernel over src's token rows; w [E, N, K] read K-major (the up
-    projection, h [R, N]) or N-major (a dgrad, h [R, K])."""
+    projection, h [R, N]) or N-major (a dgrad, h [R, K]); keep_h False: h is [0, N], never stored."""
     check_bf16(op, **{src_name: src, "w": w})
     red = 2 if w_k_major else 1
     if src.dim() != 2 or w.dim() != 3 or src.shape[1] != w.shape[red]:
@@ -446,7 +446,7 @@ def _gathered_gemm(op: str, src: Tensor, src_name: str, slot: Tensor, w: Tensor,
     require(op, arch, ARCH)
     src, w = tma_aligned(op, src_name, src), tma_aligned(op, "w", w)
     m, n, k = slot.shape[0], w.shape[1 if w_k_major else 2], w.shape[red]
-    h = torch.empty(m, n, dtype=torch.bfloat16, device=src.device)
+    h = torch.empty(m if keep_h else 0, n, dtype=torch.bfloat16, device=src.device)
     a = torch.empty(m, width, dtype=torch.bfloat16, device=src.device) if width else h
     if m == 0 or n == 0:
         return h, a
@@ -456,34 +456,36 @@ def _gathered_gemm(op: str, src: Tensor, src_name: str, slot: Tensor, w: Tensor,
     bn, pp = schedule(op, n, k, gathered=True)
     cn = gather_cluster_n(n, bn, pp)
     n_ctas = fwd_ctas(device, m, n, w.shape[0], bn, GEMM_GATHER_CLUSTER_M, cn)
-    launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act=activation, w_k_major=w_k_major, pingpong=pp, cn=cn)
-    launch(device, src.data_ptr(), slot.contiguous().data_ptr(), w.data_ptr(), h.data_ptr(), a.data_ptr(),
+    launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act=activation, w_k_major=w_k_major, pingpong=pp, cn=cn,
+                             keep_h=keep_h)
+    h_ptr = h.data_ptr() if keep_h else a.data_ptr()
+    launch(device, src.data_ptr(), slot.contiguous().data_ptr(), w.data_ptr(), h_ptr, a.data_ptr(),
            offs.contiguous().data_ptr(), top_k, src.shape[0], m, w.shape[0], n_ctas)
     return h, a
 
 
-def _gathered_impl(x: Tensor, slot: Tensor, w: Tensor, offs: Tensor, top_k: int,
-                   activation: str) -> tuple[Tensor, Tensor]:
+def _gathered_impl(x: Tensor, slot: Tensor, w: Tensor, offs: Tensor, top_k: int, activation: str,
+                   keep_h: bool) -> tuple[Tensor, Tensor]:
     act_width(w, activation)
-    h, a = _gathered_gemm("grouped_gemm_act_gathered", x, "x", slot, w, offs, top_k, activation, True)
+    h, a = _gathered_gemm("grouped_gemm_act_gathered", x, "x", slot, w, offs, top_k, activation, True, keep_h)
     return a, h
 
 
-def _gathered_fake(x: Tensor, slot: Tensor, w: Tensor, offs: Tensor, top_k: int,
-                   activation: str) -> tuple[Tensor, Tensor]:
+def _gathered_fake(x: Tensor, slot: Tensor, w: Tensor, offs: Tensor, top_k: int, activation: str,
+                   keep_h: bool) -> tuple[Tensor, Tensor]:
     width = act_width(w, activation)
-    return x.new_empty(slot.shape[0], width), x.new_empty(slot.shape[0], w.shape[1])
+    return x.new_empty(slot.shape[0], width), x.new_empty(slot.shape[0] if keep_h else 0, w.shape[1])
 
 
 _gathered_op = fast_op("grouped_gemm_act_gathered", _gathered_impl, _gathered_fake)
 
 
 def grouped_gemm_act_gathered(x: Tensor, slot: Tensor, top_k: int, w: Tensor, offs: Tensor,
-                              activation: str) -> tuple[Tensor, Tensor]:
+                              activation: str, keep_h: bool = True) -> tuple[Tensor, Tensor]:
     """(act(h), h) with h[p] = x[slot[p] // top_k] @ w[e]^T for permuted row p of group e (zero rows where
-    slot[p] = -1): permute's row order without its [R, K] copy of x. No autograd: its caller owns the
-    backward (the fast MoE layer)."""
-    out: tuple[Tensor, Tensor] = _gathered_op(x, slot, w, offs, top_k, activation)
+    slot[p] = -1), without permute's [R, K] copy of x; keep_h False (no backward to come): h [0, N], never
+    written. No autograd: its caller owns the backward (the fast MoE layer)."""
+    out: tuple[Tensor, Tensor] = _gathered_op(x, slot, w, offs, top_k, activation, keep_h)
     return out
 
 
@@ -602,9 +604,9 @@ def grouped_gemm_wgrad(dy: Tensor, x: Tensor, offs: Tensor) -> Tensor:
 
 # Hopper tensor-core MMA fed by the TMA engine; 128-bit epilogue stores; setmaxnreg for the producer/consumer
 # split; local memory would mean spilled accumulators.
+_STMATRIX, _ST_V4 = r"\bstmatrix\.sync", r"\bst\.global\.v4\.b32\b"
 _EXPECT_SM90 = (r"\.target sm_90a\b", r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16",
-                r"cp\.async\.bulk\.tensor", r"\bst\.global\.v4\.b32\b", r"\bsetmaxnreg\.inc",
-                r"\bstmatrix\.sync")
+                r"cp\.async\.bulk\.tensor", _ST_V4, r"\bsetmaxnreg\.inc", _STMATRIX)
 _FORBID_SM90 = (r"\b(ld|st)\.local\b", r"\bmma\.sync\b")
 # The TMA-fed fwd and dgrad run in clusters of GEMM_CLUSTER_M CTAs that share each B box by TMA multicast.
 _CLUSTER = (r"cp\.async\.bulk\.tensor\.3d\.shared::cluster\.global\.tile\.mbarrier::complete_tx::bytes"
@@ -651,14 +653,20 @@ _EXPECT_GATHER_CN = (*_EXPECT_EPILOGUE, *_ROW_MULTICAST)
 
 
 def _gather_spec(name: str, n: int, k: int, activation: str, pingpong: bool = False,
-                 cn: int = 1) -> KernelSpec:
+                 cn: int = 1, keep_h: bool = True) -> KernelSpec:
+    """keep_h False: h is never staged or stored, so no stmatrix and none of its 16-byte masked stores
+    (act(h) is staged by scalar stores and leaves in 8-byte chunks)."""
     bn = GEMM_PINGPONG_BN if pingpong else pick_bn(n)
+    expect: tuple[str, ...] = (*(_EXPECT_GATHER if cn == 1 else _EXPECT_GATHER_CN),
+                               *(_TURNS if pingpong else ()))
+    forbid: tuple[str, ...] = (*_FORBID_EPILOGUE, *_NO_CP_ASYNC)
+    if not keep_h:
+        expect = tuple(rx for rx in expect if rx not in (_STMATRIX, _ST_V4))
+        forbid = (*forbid, _STMATRIX, _ST_V4)
     return KernelSpec(op="grouped_gemm_act", name=name,
                       compile=GATHER.compiler(n=n, k=k, bn=bn, act=activation, w_k_major=True,
-                                              pingpong=pingpong, cn=cn),
-                      expect={"sm_90a": (*(_EXPECT_GATHER if cn == 1 else _EXPECT_GATHER_CN),
-                                         *(_TURNS if pingpong else ()))},
-                      forbid={"sm_90a": (*_FORBID_EPILOGUE, *_NO_CP_ASYNC)})
+                                              pingpong=pingpong, cn=cn, keep_h=keep_h),
+                      expect={"sm_90a": expect}, forbid={"sm_90a": forbid})
 
 
 # The gathered wgrad: the token-major operand by 16-byte cp.async in commit groups; each thread waits for a
@@ -738,4 +746,5 @@ KERNELS: tuple[KernelSpec, ...] = (
     _gather_spec("grouped_gemm_act_gathered_swiglu_cn2", 2048, 4096, "swiglu", cn=2),
     _dgrad_gather_spec("grouped_gemm_dgrad_gathered_cn2", 1024, 4096, cn=2),
     _gather_spec("grouped_gemm_act_gathered_swiglu_cn4", 2048, 4096, "swiglu", cn=4),
+    _gather_spec("grouped_gemm_act_gathered_swiglu_cn2_act_only", 2048, 4096, "swiglu", cn=2, keep_h=False),
 )

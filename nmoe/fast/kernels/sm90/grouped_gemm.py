@@ -382,11 +382,12 @@ def _add_chunk(src: cute.Tensor, dst: cute.Tensor) -> None:
 def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.Tensor, row0: Int32,
                n_tile: Int32, row_end: Int32, n: Constexpr[int], bn: Constexpr[int],
                act: Constexpr[str], tma_act: Any = None, accumulate: Constexpr[bool] = False,
-               bufs: Constexpr[int] = EPI_BUFS) -> None:
+               bufs: Constexpr[int] = EPI_BUFS, keep_h: Constexpr[bool] = True) -> None:
     """The tile's rows below row_end and columns below n, one EPI_N subtile at a time: registers -> bf16
-    smem subtile (and act(h) computed from the same bf16 registers -> its own subtile) -> TMA stores (full
-    tiles) or masked 16-byte stores; accumulate (tma_d a reduce-add): each is added to what m_d holds."""
+    smem subtile (and act(h) from the same bf16 registers -> its own subtile) -> TMA stores (full tiles) or
+    masked 16-byte stores; accumulate: added to what m_d holds; keep_h False: act(h) alone leaves."""
     assert act == "none" or bufs == EPI_BUFS, f"act(h) is staged in {EPI_BUFS} subtiles, not {bufs}"
+    assert keep_h or act != "none", "an epilogue without act(h) must store h"
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     store_warp = warp_idx == epi.store_warp
     rows_valid = row_end - row0
@@ -412,10 +413,12 @@ def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.
                 epi.r_f[v] = epi.t_rs_acc[epi.order[sub * size_sub + v]]
             epi.r_d.store(epi.r_f.load().to(BFloat16))
         else:
-            for v in range_constexpr(size_sub):
-                epi.r_d[v] = r_ha[sub % batch * size_sub + v]
+            if const_expr(keep_h):
+                for v in range_constexpr(size_sub):
+                    epi.r_d[v] = r_ha[sub % batch * size_sub + v]
             _stage_act(epi, r_bits, sub, buf, act)
-        cute.copy(epi.r2s, epi.r_d, epi.t_rs_d[(None, None, None, buf)])
+        if const_expr(keep_h):
+            cute.copy(epi.r2s, epi.r_d, epi.t_rs_d[(None, None, None, buf)])
         cute.arch.fence_proxy("async.shared", space="cta")
         epi.bar.arrive_and_wait()
         sub_n = n_tile * (bn // EPI_N) + sub
@@ -424,7 +427,8 @@ def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.
                 cute.local_tile(cute.domain_offset((row0, 0), m_act), (BM, act_cols(act)), (0, sub_n)))
         if tma_ok:
             if store_warp:
-                cute.copy(epi.tma_atom, b_sd[(None, buf)], b_gd[(None, (0, sub))])
+                if const_expr(keep_h):
+                    cute.copy(epi.tma_atom, b_sd[(None, buf)], b_gd[(None, (0, sub))])
                 if const_expr(act_by_tma(n, act)):
                     cute.copy(epi.act_tma_atom, b_sa[(None, buf)], b_ga[(None, (0, sub))])
                 cute.arch.cp_async_bulk_commit_group()
@@ -440,7 +444,7 @@ def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.
                     if coord[0] < rows_valid and coord[1] < cols_valid - sub * EPI_N:
                         if const_expr(accumulate):
                             _add_chunk(epi.t_s_sd[(None, i, j, buf)], t_s_gd[(None, i, j)])
-                        else:
+                        elif const_expr(keep_h):
                             cute.copy(epi.s2g_atom, epi.t_s_sd[(None, i, j, buf)], t_s_gd[(None, i, j)])
                         if const_expr(act != "none"):
                             cute.copy(epi.act_atom, epi.t_s_sa[(None, i, j, buf)], t_s_ga[(None, i, j)])
@@ -610,7 +614,7 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                   bn: Constexpr[int],
                   k_tiles: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
                   cm: Constexpr[int] = 1, rank: Int32 | int = 0, pingpong: Constexpr[bool] = False,
-                  cn: Constexpr[int] = 1) -> None:
+                  cn: Constexpr[int] = 1, keep_h: Constexpr[bool] = True) -> None:
     """The two consumer warpgroups: wgmma over each tile's K boxes, then the epilogue (none for a cluster's
     tile past its group's end, which only keeps the shared B stages flowing). Ping-pong: warpgroup wg takes
     the CTA's units wg, wg + 2, ... and steps its ring cursor over the other's stages; the mainloops take
@@ -661,7 +665,7 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                 if nxt <= n_groups:
                     mine_done.arrive()
 
-            store_tile(epi, tma_d, m_d, m_act, row0, n_tile, g_end, n, bn, act, tma_act)
+            store_tile(epi, tma_d, m_d, m_act, row0, n_tile, g_end, n, bn, act, tma_act, keep_h=keep_h)
         elif e < n_groups and const_expr(k_tiles > 0):
             read.advance(k_tiles)
             release.advance(k_tiles)
