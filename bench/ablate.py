@@ -368,28 +368,31 @@ def _time(pass_: str, m: int, n: int, k: int, e: int, compile_only: bool) -> flo
 
 
 def _fp8_rows(compile_only: bool) -> list[dict[str, Any]]:
-    """The fp8 fwd (x 1x128, w 128x128 blocks, quantized before timing) of each problem, uniform routing."""
+    """The fp8 fwd (x 1x128, w 128x128 blocks, quantized before timing) of each problem, uniform and
+    Zipf(1.2) routing (the grouped GEMM bench's group sizes)."""
     import torch
 
     from bench.conftest import capture, replay_median_ms
+    from bench.gemmplan import routed_counts
     from nmoe.constants import MXFP8_BLOCK_SM90
     from nmoe.fast import formats, gemm
 
     out = []
     for label, m, n, k, e in _problems():
-        offs = _uniform_offs(m, e)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16)
         xq, xs = formats.quantize_mxfp8(x, MXFP8_BLOCK_SM90)
         wq, ws = formats.quantize_mxfp8_weight(w)
         del x, w
-        args = (xq, xs, wq, ws, offs)
-        gemm.grouped_gemm_fp8(*args)
-        torch.cuda.synchronize()
-        if not compile_only:
-            ms = replay_median_ms(capture(partial(gemm.grouped_gemm_fp8, *args)))
-            out.append({"shape": f"fp8 fwd {label}", "ms": ms, "tflops": 2.0 * m * n * k / ms / 1e9,
-                        "bn": 128})
+        for routing in ("uniform", "zipf1.2"):
+            counts = torch.tensor(routed_counts(m, e, routing), dtype=torch.int64)
+            args = (xq, xs, wq, ws, counts.cumsum(0).to(torch.int32).cuda())
+            gemm.grouped_gemm_fp8(*args)
+            torch.cuda.synchronize()
+            if not compile_only:
+                ms = replay_median_ms(capture(partial(gemm.grouped_gemm_fp8, *args)))
+                out.append({"shape": f"fp8 fwd {routing} {label}", "ms": ms,
+                            "tflops": 2.0 * m * n * k / ms / 1e9, "bn": 128})
     return out
 
 
