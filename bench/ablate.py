@@ -69,9 +69,8 @@ _NO_PINGPONG = Mutation(
 ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
         "ablate.no_tma_stores", KERNEL,
-        "            if store_warp:\n                cute.copy(epi.tma_atom",
-        "            if store_warp and rows_valid < 0:\n"
-        "                cute.copy(epi.tma_atom",
+        "            if store_warp:\n                if const_expr(keep_h):\n",
+        "            if store_warp and rows_valid < 0:\n                if const_expr(keep_h):\n",
         "full tiles skip their TMA stores: the output's share of the time under uniform routing",
     ),
     Mutation(
@@ -261,7 +260,8 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
         "ablate.layer_up_copied", MOE,
         "            p = permute(x.new_empty(t, 0), ids, e, align)\n"
-        "            a, h = sm90.grouped_gemm_act_gathered(x, p.slot, k, w_up, p.offs, cfg.activation)\n",
+        "            a, h = sm90.grouped_gemm_act_gathered(x, p.slot, k, w_up, p.offs, cfg.activation, "
+        "keep_h=grad)\n",
         "            p = permute(x, ids, e, align)\n"
         "            a, h = sm90.grouped_gemm_act_h(p.xp, w_up, p.offs, cfg.activation)\n",
         "the up projection from permute's [R, H] copy of x by TMA instead of gathering x's rows as it loads: "
