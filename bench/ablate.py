@@ -6,6 +6,7 @@ FILE.json."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import subprocess
@@ -340,21 +341,26 @@ def _problems() -> list[tuple[str, int, int, int, int]]:
     return out
 
 
-def _uniform_offs(m: int, e: int) -> Any:
-    """Group ends of m rows over e experts, m // e each (uniform routing)."""
+ROUTINGS = ("uniform", "zipf1.2")
+
+
+def _offs(m: int, e: int, routing: str = "uniform") -> Any:
+    """Group ends of m rows over e experts, sized as the grouped GEMM bench routes them."""
     import torch
 
-    return torch.full((e,), m // e, dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
+    from bench.gemmplan import routed_counts
+
+    return torch.tensor(routed_counts(m, e, routing), dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
 
 
-def _time(pass_: str, m: int, n: int, k: int, e: int, compile_only: bool) -> float:
-    """One pass of the problem, uniform routing: fwd x[m,k] w[e,n,k]; dgrad dy[m,n] w; wgrad dy x."""
+def _time(pass_: str, m: int, n: int, k: int, e: int, compile_only: bool, routing: str = "uniform") -> float:
+    """One pass of the problem: fwd x[m,k] w[e,n,k]; dgrad dy[m,n] w; wgrad dy x."""
     import torch
 
     from bench.conftest import capture, replay_median_ms
     from nmoe.fast import gemm
 
-    offs = _uniform_offs(m, e)
+    offs = _offs(m, e, routing)
 
     fn, (shape_a, shape_b) = {"fwd": (gemm.grouped_gemm, ((m, k), (e, n, k))),
                               "dgrad": (gemm.grouped_gemm_dgrad, ((m, n), (e, n, k))),
@@ -373,7 +379,6 @@ def _fp8_rows(compile_only: bool) -> list[dict[str, Any]]:
     import torch
 
     from bench.conftest import capture, replay_median_ms
-    from bench.gemmplan import routed_counts
     from nmoe.constants import MXFP8_BLOCK_SM90
     from nmoe.fast import formats, gemm
 
@@ -384,9 +389,8 @@ def _fp8_rows(compile_only: bool) -> list[dict[str, Any]]:
         xq, xs = formats.quantize_mxfp8(x, MXFP8_BLOCK_SM90)
         wq, ws = formats.quantize_mxfp8_weight(w)
         del x, w
-        for routing in ("uniform", "zipf1.2"):
-            counts = torch.tensor(routed_counts(m, e, routing), dtype=torch.int64)
-            args = (xq, xs, wq, ws, counts.cumsum(0).to(torch.int32).cuda())
+        for routing in ROUTINGS:
+            args = (xq, xs, wq, ws, _offs(m, e, routing))
             gemm.grouped_gemm_fp8(*args)
             torch.cuda.synchronize()
             if not compile_only:
@@ -484,7 +488,8 @@ def _layer_rows(compile_only: bool) -> list[dict[str, Any]]:
     return out
 
 
-def child(compile_only: bool, which: str, passes: Sequence[str] = PASSES) -> None:
+def child(compile_only: bool, which: str, passes: Sequence[str] = PASSES,
+          routings: Sequence[str] = ("uniform",)) -> None:
     from nmoe.fast.gemm.sm90 import pick_bn, schedule
 
     timed = {"layer": lambda: _layer_rows(compile_only), "fp8": lambda: _fp8_rows(compile_only),
@@ -494,19 +499,21 @@ def child(compile_only: bool, which: str, passes: Sequence[str] = PASSES) -> Non
             print(json.dumps(row), flush=True)
         return
     for label, m, n, k, e in _problems():
-        for pass_ in passes:
-            ms = _time(pass_, m, n, k, e, compile_only)
+        for pass_, routing in itertools.product(passes, routings):
+            ms = _time(pass_, m, n, k, e, compile_only, routing)
             if not compile_only:
                 width = n if pass_ == "fwd" else k
-                row = {"shape": f"{pass_} {label}", "ms": ms, "tflops": 2.0 * m * n * k / ms / 1e9,
+                named = pass_ if routing == "uniform" else f"{pass_} {routing}"
+                row = {"shape": f"{named} {label}", "ms": ms, "tflops": 2.0 * m * n * k / ms / 1e9,
                        "bn": pick_bn(k) if pass_ == "wgrad" else schedule(pass_, width, n + k - width)[0]}
                 print(json.dumps(row), flush=True)
 
 
-def _run(copy: Path, compile_only: bool, which: str, passes: str) -> subprocess.Popen[str]:
+def _run(copy: Path, compile_only: bool, which: str, passes: str, routings: str) -> subprocess.Popen[str]:
     env = child_env(copy, "gpu", 2)
     env["NMOE_KERNEL_CACHE"] = str(copy / ".kernels")
-    cmd = [sys.executable, "-m", "bench.ablate", "--child", "--set", which, "--passes", passes]
+    cmd = [sys.executable, "-m", "bench.ablate", "--child", "--set", which, "--passes", passes,
+           "--routings", routings]
     cmd += ["--compile-only"] if compile_only else []
     return subprocess.Popen(cmd, cwd=copy, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -521,11 +528,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "layer: the fast MoE layer's choices, timed as the layer; fp8: the fp8 fwd's schedule")
     p.add_argument("--passes", default=",".join(PASSES),
                    help="gemm set: comma-separated passes to time (default: fwd,dgrad,wgrad)")
+    p.add_argument("--routings", default="uniform",
+                   help=f"gemm set: comma-separated group sizings of {ROUTINGS} (default: uniform)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if bad := sorted(set(args.routings.split(",")) - set(ROUTINGS)):
+        p.error(f"--routings {bad} unknown; use some of {ROUTINGS}")
     if args.child:
-        child(args.compile_only, args.set, args.passes.split(","))
+        child(args.compile_only, args.set, args.passes.split(","), args.routings.split(","))
         return 0
     catalog = variants_of(args.set)
     chosen = [v for v in catalog if not args.only or v[0].id in args.only.split(",")]
@@ -541,14 +552,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             path = copy / edit.file
             path.write_text(apply(path.read_text(encoding="utf-8"), edit), encoding="utf-8")
         copies[name] = copy
-    failed = {n: out for n, proc in [(n, _run(c, True, args.set, args.passes)) for n, c in copies.items()]
+    compiling = [(n, _run(c, True, args.set, args.passes, args.routings)) for n, c in copies.items()]
+    failed = {n: out for n, proc in compiling
               if (out := proc.communicate()[0]) and proc.returncode}
     rows: dict[str, Any] = {}
     for name, copy in copies.items():
         if name in failed:
             rows[name] = {"error": failed[name][-2000:]}
             continue
-        out, _ = _run(copy, False, args.set, args.passes).communicate()
+        out, _ = _run(copy, False, args.set, args.passes, args.routings).communicate()
         timed = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         rows[name] = timed or {"error": out[-2000:]}
     shutil.rmtree(tmp, ignore_errors=True)

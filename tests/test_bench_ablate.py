@@ -37,3 +37,10 @@ def test_variant_ids_are_unique_and_compounds_are_in_their_sets() -> None:
     assert len(ids) == len(set(ids))
     for which, compounds in COMPOUNDS.items():
         assert {v[0].id for v in compounds} <= {v[0].id for v in variants_of(which)}
+
+
+def test_unknown_routing_is_refused_before_any_copy(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.ablate import main
+    with pytest.raises(SystemExit):
+        main(["--routings", "uniform,zipf9"])
+    assert "zipf9" in capsys.readouterr().err
