@@ -52,9 +52,11 @@ def _dgrad_gathered(dy: Tensor, slot: Tensor, top_k: int, w: Tensor, offs: Tenso
 
 
 def _act_gathered(x: Tensor, slot: Tensor, top_k: int, w: Tensor, offs: Tensor,
-                  activation: str) -> tuple[Tensor, Tensor]:
-    """The gathered kernel's definition: permute's rows (x[slot // top_k], zero where slot = -1), _act_h."""
-    return _act_h(_gathered_rows(x, slot, top_k), w, offs, activation)
+                  activation: str, keep_h: bool = True) -> tuple[Tensor, Tensor]:
+    """The gathered kernel's definition: permute's rows (x[slot // top_k], zero where slot = -1), _act_h;
+    keep_h False: h [0, N]."""
+    a, h = _act_h(_gathered_rows(x, slot, top_k), w, offs, activation)
+    return a, h if keep_h else h[:0]
 
 
 def _rows_bwd(dz: Tensor, h: Tensor, w: Tensor, activation: str) -> tuple[Tensor, Tensor]:
@@ -135,6 +137,32 @@ def test_glue_matches_spec(spec_kernels: None, activation: str, shared: int, dty
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         err = float((a.double() - b.double()).norm() / b.double().norm())
         assert err < 1e-2, f"grad {i}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["no_grad", "frozen_inputs"])
+def test_h_is_kept_only_for_a_backward(spec_kernels: None, monkeypatch: pytest.MonkeyPatch,
+                                       frozen: bool) -> None:
+    """Under no_grad, or with no input requiring grad, the up projection is asked for act(h) alone
+    (keep_h=False) and the output is unchanged; with grad it keeps h."""
+    asked: list[bool] = []
+
+    def act_gathered(*args: Any, keep_h: bool = True) -> tuple[Tensor, Tensor]:
+        asked.append(keep_h)
+        return _act_gathered(*args, keep_h=keep_h)
+
+    monkeypatch.setattr(sm90, "grouped_gemm_act_gathered", act_gathered)
+    x, p, cfg = _case("swiglu", 1, "bf16", "sigmoid", 3)
+    want, _ = fm.moe_layer(x, p, cfg)
+    if frozen:
+        leaves = [t for t in (x, p.router_w, p.w13, p.w2, p.shared_w13, p.shared_w2) if t is not None]
+        for t in leaves:
+            t.requires_grad_(False)
+        got, _ = fm.moe_layer(x, p, cfg)
+    else:
+        with torch.no_grad():
+            got, _ = fm.moe_layer(x, p, cfg)
+    assert asked == [True, False]
+    assert torch.equal(got, want.detach())
 
 
 def _run(fn: Any, cfg_args: tuple[str, int, str, str]) -> tuple[dict[str, Tensor], Tensor]:
