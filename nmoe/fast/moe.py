@@ -23,8 +23,9 @@ Saved for the backward, per token (K slots, up width N = 2I swiglu or I relu2, E
   weights fp32 [T,K], ids int64 [T,K],      16K + 8*(rows/T) bytes: routing
   row_of int32 [T,K], slot int64 [rows]
   logits fp32 [T,E]                         4E bytes: router_topk's backward (softmax needs every score)
-With no backward to come (no grad mode, or no input requiring grad) bf16 experts never write h at all: the
-up projection stores a = act(h) only, 2KN bytes per token less memory and HBM writes in inference.
+With no backward to come (no grad mode, or no input requiring grad) nothing is kept for one: bf16 experts
+never write h (the up projection stores a = act(h) only, 2KN bytes per token less memory and HBM writes),
+fp8 drops h once act(h) exists, and the logits go once routed.
 bf16 experts keep no expert outputs y [T,K,H]: dweights_k = scale * <a_k, dout @ W2_e> (the down GEMM's
 dgrad computes dout @ W2_e anyway), saving 2KH bytes per token for a row dot product.
 fp8 experts: the forward quantizes (1x128 activations, 128x128 weights) and runs the sm90 fp8 GEMM; the
@@ -186,9 +187,13 @@ class _Routed(torch.autograd.Function):
     def forward(ctx: FunctionCtx, x: Tensor, wr: Tensor, bias: Tensor, w_up: Tensor, w2: Tensor,
                 s_up: Tensor | None, s_w2: Tensor | None, cfg: ModelConfig,
                 grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+        # With no backward to come (no grad mode, or no input asks for one) nothing is kept for it: the logits
+        # go once routed, and the up projection never writes h (bf16) or drops it once act(h) exists (fp8).
         logits = router_logits(x, wr)
         weights, ids = router_topk(logits, bias, cfg.n_activated_experts, cfg.score_func, cfg.n_expert_groups,
                                    cfg.n_limited_groups)
+        kept_logits = logits if grad else None
+        del logits
         shared = h_s = offs_s = None
         if s_up is not None:
             assert s_w2 is not None
@@ -201,8 +206,9 @@ class _Routed(torch.autograd.Function):
         else:
             p = permute(x, ids, e, align)
             a, h = _up(p.xp, w_up, p.offs, cfg.activation, cfg.expert_dtype)
+        kept_h = h if grad else None
         offs, slot = p.offs, p.slot
-        del p
+        del p, h
         yp = _gemm(a, w2, offs, cfg.expert_dtype)
         del a
         row_of = _rows_of_slots(slot, t, k)
@@ -212,13 +218,12 @@ class _Routed(torch.autograd.Function):
             out = combine(fp8_y[0], weights, cfg.route_scale, shared)
         else:
             out = combine_gather(yp, row_of, weights, cfg.route_scale, shared)
-        saved: list[Tensor | None] = [x, wr, logits, w_up, w2, weights, ids, slot, row_of, offs, s_up, s_w2,
-                                      h_s, offs_s, *fp8_y]
+        saved: list[Tensor | None] = [x, wr, kept_logits, w_up, w2, weights, ids, slot, row_of, offs, s_up,
+                                      s_w2, h_s, offs_s, *fp8_y]
         ctx.save_for_backward(*saved)  # type: ignore[arg-type]
         # h, the largest saved tensor, is held outside saved_tensors so the backward can drop it as soon as
         # dh exists, before the up-projection's wgrad and dgrad allocate theirs.
-        # With no backward to come (no grad mode, or no input asks for one) the up projection never wrote h.
-        ctx.h, ctx.cfg = h if grad else None, cfg  # type: ignore[attr-defined]
+        ctx.h, ctx.cfg = kept_h, cfg  # type: ignore[attr-defined]
         ctx.mark_non_differentiable(ids)
         return out, weights, ids
 
