@@ -259,6 +259,14 @@ _LAYER_UP_GATHERED = Mutation(
 LAYER_ABLATIONS: tuple[Mutation, ...] = (
     _LAYER_DOWN_GATHERED,
     Mutation(
+        "ablate.layer_align8", "bench/ablate.py",
+        "    mc, p, x, leaves = layer_inputs(cfg, routing, 128)\n",
+        "    mc, p, x, leaves = layer_inputs(cfg, routing, 8)\n",
+        "permute_align 8 instead of 128: the sync-free row bound T K + E (align - 1) that sizes every "
+        "[rows, *] buffer shrinks (E = 256: 1792 pad rows instead of 32512), while a group's last tile is "
+        "partial and stores by masked chunks instead of TMA",
+    ),
+    Mutation(
         "ablate.layer_up_copied", MOE,
         "            p = permute(x.new_empty(t, 0), ids, e, align)\n"
         "            a, h = sm90.grouped_gemm_act_gathered(x, p.slot, k, w_up, p.offs, cfg.activation, "
