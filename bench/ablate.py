@@ -82,6 +82,14 @@ ABLATIONS: tuple[Mutation, ...] = (
         "that overlapping it with the next tile's MMAs could buy",
     ),
     Mutation(
+        "ablate.wgrad_no_tail_mask", "nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py",
+        "    if valid < BK:\n        _zero_rows(s_a, stage, valid, BM, ctid)\n",
+        "    if valid < 0:\n        _zero_rows(s_a, stage, valid, BM, ctid)\n",
+        "timing only: a group's last K box keeps the next group's rows instead of zeroing them (scalar "
+        "shared stores, a proxy fence and a barrier per tile): what the tail mask costs, most under Zipf "
+        "routing, where nearly every group ends inside a box",
+    ),
+    Mutation(
         "ablate.masked_stores", KERNEL,
         "    tma_ok = rows_valid >= BM and cols_valid >= bn\n",
         "    tma_ok = rows_valid >= BM and cols_valid >= bn and rows_valid < 0\n",
