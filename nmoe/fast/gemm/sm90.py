@@ -531,13 +531,12 @@ def _wgrad_gathered_impl(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_
     bn = pick_bn(k)
     n_ctas, split = _wgrad_grid(device, m, n, k, bn, e)
     kernel_side = "a" if side == "dy" else "b"
-    tma_side, token_major = (x, dy) if side == "dy" else (dy, x)
-    _keep, (ws, counters, *split_args) = split.args(dy.device)
-    tail = (dw.data_ptr(), offs.contiguous().data_ptr(), ws, counters, top_k)
     launch = WGRAD_GATHER.launcher(arch, n=n, k=k, bn=bn, side=kernel_side)
+    tma_side, token_major = (x, dy) if side == "dy" else (dy, x)
     zero = _zero_chunk(op, dy.device).data_ptr()
-    launch(device, tma_side.data_ptr(), token_major.data_ptr(), zero, slot.contiguous().data_ptr(), *tail, m,
-           e, n_ctas, *split_args)
+    _keep, (ws, counters, *split_args) = split.args(dy.device)
+    launch(device, tma_side.data_ptr(), token_major.data_ptr(), zero, slot.contiguous().data_ptr(),
+           dw.data_ptr(), offs.contiguous().data_ptr(), ws, counters, top_k, m, e, n_ctas, *split_args)
     return dw
 
 

@@ -564,8 +564,14 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.C
         t = snake_tile(rnd, bidx, n_ctas)
         if t < u.total:
             _, m_tile, n_tile, start, end, _, _, _ = _wgrad_tile(u, t)
-            t_st, t_gt, col0 = side_tiles(tma_atom, m_t, s_t_flat, side, start, m_tile, n_tile, bn)
-            col = col0 + c
+            if const_expr(side == "b"):
+                g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (BM, BK), (m_tile, None))
+                col = n_tile * bn + c
+            else:
+                g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (bn, BK), (n_tile, None))
+                col = m_tile * BM + c
+            t_st, t_gt = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), s_t_flat,
+                                               cute.group_modes(g_t, 0, 2))
             slot[0] = _slot_at(m_slot, start + mine, end)
             for kt in range((end - start + BK - 1) // BK):
                 arm_stage(mainloop, state, warp_idx, tma_atom, t_gt[(None, kt)], t_st[(None, state.index)])
@@ -604,59 +610,15 @@ def grouped_wgrad_gather_kernel(
     u = plan_units(s_offs, n_groups, m_rows, thresh, split_rows, tidx, n, k, bn)
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-        s_t, s_g, g_outer = by_side(side, s_a, s_b, a_layout, b_layout)
-        produce_wgrad_gathered(mainloop, tma_atom, m_t, m_slot, src_addr, zero_addr, top_k, s_t, s_g, g_outer,
-                               u, bidx, n_ctas, warp_idx, tidx, k if const_expr(side == "b") else n, bn,
-                               side, stages)
+        if const_expr(side == "b"):
+            produce_wgrad_gathered(mainloop, tma_atom, m_t, m_slot, src_addr, zero_addr, top_k, s_a, s_b,
+                                   b_layout.outer, u, bidx, n_ctas, warp_idx, tidx, k, bn, side, stages)
+        else:
+            produce_wgrad_gathered(mainloop, tma_atom, m_t, m_slot, src_addr, zero_addr, top_k, s_b, s_a,
+                                   a_layout.outer, u, bidx, n_ctas, warp_idx, tidx, n, bn, side, stages)
     else:
         consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, u, m_ws, m_count, tma_atom_d, tma_d, m_d, tidx,
                       warp_idx, bidx, n_ctas, n, k, bn, stages, n)
-
-
-def side_tiles(tma_atom: cute.CopyAtom, m_t: cute.Tensor, s_t_flat: cute.Tensor, side: str, start: Int32,
-               m_tile: Int32, n_tile: Int32, bn: int) -> tuple[cute.Tensor, cute.Tensor, Int32]:
-    """A gathered wgrad tile's TMA-side K boxes (shared, global) from the unit's first row, and the first
-    column of its gathered side's box (dy's m tile and x's n tile for side "b"; the other way for "a")."""
-    if side == "b":
-        g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (BM, BK), (m_tile, None))
-        col0 = n_tile * bn
-    else:
-        g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (bn, BK), (n_tile, None))
-        col0 = m_tile * BM
-    t_st, t_gt = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), s_t_flat,
-                                       cute.group_modes(g_t, 0, 2))
-    return t_st, t_gt, col0
-
-
-def by_side(side: str, s_a: cute.Tensor, s_b: cute.Tensor, a_layout: cute.ComposedLayout,
-            b_layout: cute.ComposedLayout) -> tuple[cute.Tensor, cute.Tensor, cute.Layout]:
-    """(the TMA-loaded side's smem, the gathered side's smem, its unswizzled layout) of a gathered wgrad:
-    side "b" gathers x (B), side "a" gathers dy (A)."""
-    if side == "b":
-        return s_a, s_b, b_layout.outer
-    return s_b, s_a, a_layout.outer
-
-
-def gathered_setup(pt: Pointer, pdw: Pointer, poffs: Pointer, pslot: Pointer, pws: Pointer, pcount: Pointer,
-                   m_rows: Int32, n_groups: Int32, ws_tiles: Int32, n: int, k: int, bn: int, side: str,
-                   stages: int) -> tuple[Any, ...]:
-    """What the gathered wgrad hosts share: dw's TMA, offs, slot, the split workspace, the MMA and shared
-    layouts, and the TMA of the permuted side pt (dy [R, n] for side "b", x [R, k] for side "a")."""
-    m_dw, tma_atom_d, tma_d = _dw_out(pdw, n_groups, n, k, k, n)
-    m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
-    m_slot = cute.make_tensor(pslot, cute.make_layout(m_rows))
-    m_ws, m_count = _split_tensors(pws, pcount, ws_tiles, n_groups, n, k, bn)
-    tiled_mma, a_layout, b_layout, d_layout = _mn_major_setup(bn, stages)
-    if side == "b":
-        m_t = cute.make_tensor(pt, cute.make_layout((n, m_rows), stride=(1, n)))
-        tma_atom, tma_t = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), m_t, cute.slice_(a_layout, (None, None, 0)), (BM, BK))
-    else:
-        m_t = cute.make_tensor(pt, cute.make_layout((k, m_rows), stride=(1, k)))
-        tma_atom, tma_t = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), m_t, cute.slice_(b_layout, (None, None, 0)), (bn, BK))
-    return (m_dw, tma_atom_d, tma_d, m_offs, m_slot, m_ws, m_count, tiled_mma, a_layout, b_layout, d_layout,
-            tma_atom, tma_t)
 
 
 @cute.jit
@@ -670,9 +632,19 @@ def grouped_wgrad_gather_host(
     slot (zero rows where slot = -1): side "b", x[slot // top_k] (pt = dy [R, n]); side "a",
     dy[slot // top_k] (pt = x [R, k]). Neither side is permuted into a copy."""
     stages = stages_for(bn)
-    (m_dw, tma_atom_d, tma_d, m_offs, m_slot, m_ws, m_count, tiled_mma, a_layout, b_layout, d_layout,
-     tma_atom, tma_t) = gathered_setup(pt, pdw, poffs, pslot, pws, pcount, m_rows, n_groups, ws_tiles, n, k,
-                                       bn, side, stages)
+    m_dw, tma_atom_d, tma_d = _dw_out(pdw, n_groups, n, k, k, n)
+    m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
+    m_slot = cute.make_tensor(pslot, cute.make_layout(m_rows))
+    m_ws, m_count = _split_tensors(pws, pcount, ws_tiles, n_groups, n, k, bn)
+    tiled_mma, a_layout, b_layout, d_layout = _mn_major_setup(bn, stages)
+    if const_expr(side == "b"):
+        m_t = cute.make_tensor(pt, cute.make_layout((n, m_rows), stride=(1, n)))
+        tma_atom, tma_t = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), m_t, cute.slice_(a_layout, (None, None, 0)), (BM, BK))
+    else:
+        m_t = cute.make_tensor(pt, cute.make_layout((k, m_rows), stride=(1, k)))
+        tma_atom, tma_t = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), m_t, cute.slice_(b_layout, (None, None, 0)), (bn, BK))
     grouped_wgrad_gather_kernel(
         tma_atom, tma_t, m_slot, Int64(psrc.toint()), Int64(pzero.toint()), top_k, tma_atom_d, tma_d, m_dw,
         m_offs, m_ws,
