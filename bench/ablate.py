@@ -250,22 +250,14 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     ),
 )
 MOE = "nmoe/fast/moe.py"
-_LAYER_DOWN_GATHERED = Mutation(
-    "ablate.layer_down_wgrad_gathered", MOE,
-    "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", h.shape[1], w2)\n",
-    "            dw2 = sm90.grouped_gemm_wgrad_gathered(dout, aw, slot, k, offs, side=\"dy\")\n",
-    "the down projection's wgrad reads dout's rows by index as it loads (cp.async) instead of the TMA "
-    "wgrad over permuted copies of dout's column chunks",
-)
-_LAYER_UP_GATHERED = Mutation(
-    "ablate.layer_up_wgrad_gathered", MOE,
-    "                dw_up = _chunked_wgrad(dh, x, slot, row_of, offs, \"x\", dh.shape[1], w_up)\n",
-    "                dw_up = sm90.grouped_gemm_wgrad_gathered(dh, x, slot, k, offs)\n",
-    "the up projection's wgrad reads x's rows by index as it loads instead of the TMA wgrad over "
-    "spread_rows copies of x's column chunks",
-)
 LAYER_ABLATIONS: tuple[Mutation, ...] = (
-    _LAYER_DOWN_GATHERED,
+    Mutation(
+        "ablate.layer_down_wgrad_gathered", MOE,
+        "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", h.shape[1], w2)\n",
+        "            dw2 = sm90.grouped_gemm_wgrad_gathered(dout, aw, slot, k, offs, side=\"dy\")\n",
+        "the down projection's wgrad reads dout's rows by index as it loads (cp.async) instead of the TMA "
+        "wgrad over permuted copies of dout's column chunks",
+    ),
     Mutation(
         "ablate.layer_align8", "bench/ablate.py",
         "    mc, p, x, leaves = layer_inputs(cfg, routing, 128)\n",

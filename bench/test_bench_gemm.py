@@ -192,23 +192,30 @@ def _run(name: str, shape: dict[str, int], body: Callable[[], str]) -> None:
         pytest.fail(outcome[1])
 
 
+def _roofline(name: str, step: Callable[[], object], what: str, role: str, flops: float,
+              reps: int) -> dict[str, Any]:
+    """A timed vendor-library entry beside our row: what it computes, why it is there, its TFLOP/s."""
+    entry = baseline(name, step, reps=reps)
+    entry.update(what=what, role=role, tflops=_tflops(flops, entry["ms"]))
+    return entry
+
+
+_EQUAL_FLOPS = "roofline at equal FLOPs, not a competitor"
+
+
 def _dense(key: tuple[Config, str, str], a: Tensor, b: Tensor, flops: float, reps: int) -> dict[str, Any]:
     """Routing does not change the dense mm, so it is timed once per shape and pass."""
     if key not in _DENSE:
         pass_ = key[2]
-        entry = baseline("cublas_dense_mm", lambda: dense_mm(pass_, a, b), reps=reps)
-        entry.update(what=DENSE_WHAT[pass_], role="roofline at equal FLOPs, not a competitor",
-                     tflops=_tflops(flops, entry["ms"]))
-        _DENSE[key] = entry
+        _DENSE[key] = _roofline("cublas_dense_mm", lambda: dense_mm(pass_, a, b), DENSE_WHAT[pass_],
+                                _EQUAL_FLOPS, flops, reps)
     return dict(_DENSE[key])
 
 
 def _batched(pass_: str, a: Tensor, b: Tensor, e: int, flops: float, reps: int) -> dict[str, Any]:
     """cuBLAS bmm over the uniform rows' equal groups: the grouped shape's roofline beside the dense one."""
-    entry = baseline("cublas_bmm", lambda: batched_mm(pass_, a, b, e), reps=reps)
-    entry.update(what=BATCHED_WHAT, role="roofline of the grouped shape, not a competitor",
-                 tflops=_tflops(flops, entry["ms"]))
-    return entry
+    return _roofline("cublas_bmm", lambda: batched_mm(pass_, a, b, e), BATCHED_WHAT,
+                     "roofline of the grouped shape, not a competitor", flops, reps)
 
 
 def _pass_operands(pass_: str, m: int, n: int, k: int, e: int, seed: int) -> Operands:
@@ -284,11 +291,7 @@ def _fp8_ceiling() -> float | None:
     the bf16 ceiling is no bound there; None where this torch or GPU has no fp8 mm."""
     if "tflops" not in _FP8_CEILING:
         try:
-            a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
-            b = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
-            one = torch.ones((), device="cuda")
-            ms = cuda_median_ms(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one,
-                                                         out_dtype=torch.bfloat16))
+            ms = cuda_median_ms(fp8_dense_mm(8192, 8192, 8192, "tensorwise", "cuda"))
             _FP8_CEILING["tflops"] = 2 * 8192**3 / (ms * 1e-3) / 1e12
         except Exception:
             _FP8_CEILING["tflops"] = None
@@ -302,10 +305,8 @@ def _fp8_rooflines(cfg: Config, proj: str, bf16: Operands, flops: float, reps: i
     dense = _dense((cfg, proj, "fwd"), bf16[0], bf16[1], flops, reps)
     entries = []
     for scaling in FP8_DENSE_SCALINGS:
-        entry = baseline(f"cublas_fp8_dense_{scaling}", fp8_dense_mm(m, n, k, scaling, "cuda"), reps=reps)
-        entry.update(what=FP8_DENSE_WHAT[scaling], role="roofline at equal FLOPs, not a competitor",
-                     tflops=_tflops(flops, entry["ms"]))
-        entries.append(entry)
+        entries.append(_roofline(f"cublas_fp8_dense_{scaling}", fp8_dense_mm(m, n, k, scaling, "cuda"),
+                                 FP8_DENSE_WHAT[scaling], _EQUAL_FLOPS, flops, reps))
         gc.collect()
         torch.cuda.empty_cache()
     gain = {e["name"]: None if e["ms"] is None or dense["ms"] is None else dense["ms"] / e["ms"]
