@@ -812,6 +812,26 @@ def test_sep_gemm_fast_wgrad_mask_dropped() -> None:
 
 
 @gpu
+def test_sep_gemm_fast_wgrad_mask_last_chunk_kept() -> None:
+    """A mask that leaves each row's last 16-byte chunk keeps the next group's rows in dw[e, j, l] wherever j
+    and l both sit in their tile's last 8 columns (n = k = 136: 128-wide tiles, both chunks hold data)."""
+    counts = [70, 100, 30]
+    m = sum(counts) + 20
+    g = torch.Generator().manual_seed(23)
+    dy = torch.randn(m, 136, generator=g).to(torch.bfloat16).cuda()
+    x = torch.randn(m, 136, generator=g).to(torch.bfloat16).cuda()
+    ends = cumsum(counts)
+    ref, mag = wgrad_oracle(dy, x, ends)
+    last = (torch.arange(136, device=dy.device) % 128 >= 120).double()
+    mutated = ref.clone()
+    for e, (s, t) in enumerate(ends_to_ranges(ends)):
+        t_box = min(s + -(-(t - s) // BK) * BK, m)
+        mutated[e] += dy[t:t_box].double().t() @ x[t:t_box].double() * last[:, None] * last[None, :]
+    assert any(violates(mutated[e], ref[e], mag[e], t - s) for e, (s, t) in enumerate(ends_to_ranges(ends)))
+    assert_wgrad_bound(grouped_gemm_wgrad(dy, x, offs_of(ends)), ref, mag, ends)
+
+
+@gpu
 def test_sep_gemm_fast_epilogue_act_swapped() -> None:
     """silu(gate) * up against silu(up) * gate on the same bf16 h: they differ, so bitwise equality with the
     unfused swiglu (and the interval bound) pins which column of each pair is the gate."""

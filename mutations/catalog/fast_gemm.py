@@ -106,6 +106,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         device="gpu",
     ),
     sep_mutation(
+        "gemm.fast_wgrad_mask_last_chunk_kept", WGRAD,
+        "    per_row = rows // VEC\n", "    per_row = rows // VEC - 1\n",
+        "the wgrad's 16-byte tail mask skips each row's last chunk: where both operands keep one, the next "
+        "group's rows reach dw", TESTS, ("grouped_gemm_wgrad",), device="gpu",
+    ),
+    sep_mutation(
         "gemm.fast_wgrad_order_ties_collide", WGRAD,
         "            if e_j - s_j == end - start and j < i:\n                rank += 1\n", "",
         "the wgrad ranks groups by rows alone: equal groups share a rank, another rank's group is never "

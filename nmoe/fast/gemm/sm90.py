@@ -613,11 +613,12 @@ _CLUSTER = (r"cp\.async\.bulk\.tensor\.3d\.shared::cluster\.global\.tile\.mbarri
             r"\bmbarrier\.arrive\.shared::cluster\.b64\b")
 
 
-# wgrad zeroes the rows of its last box that belong to the next group with ordinary stores, which the
-# tensor cores may read only after an async-proxy fence.
+# wgrad zeroes the rows of its last box that belong to the next group with ordinary 16-byte stores (scalar
+# ones cost the Zipf rows up to a fifth), which the tensor cores may read only after an async-proxy fence.
 # A split group's chunks publish fp32 partials, then count in with a device-scope acq_rel atomic.
 _EXPECT_WGRAD = (*_EXPECT_SM90, r"\bfence\.proxy\.async\.shared::cta\b", r"\bfence\.acq_rel\.gpu\b",
-                 r"\batom\.global\.acq_rel(\.gpu)?\.add\.u32\b")
+                 r"\batom\.global\.acq_rel(\.gpu)?\.add\.u32\b",
+                 r"\bst\.shared\.v4\.b32\s+\[[^\]]+\],\s*\{0, 0, 0, 0\}")
 # An accumulating wgrad adds each full tile by TMA reduce-add and each cut one by loading dw's 16-byte chunk,
 # adding in fp32 and rounding once; a plain TMA store would overwrite the gradient it adds to, and a storing
 # wgrad must never reduce.

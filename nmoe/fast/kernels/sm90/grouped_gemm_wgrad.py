@@ -269,10 +269,17 @@ def _split_partial(acc: Any, m_ws: Any, m_count: cute.Tensor, flag: cute.Tensor,
 
 @cute.jit
 def _zero_rows(s: cute.Tensor, stage: Int32, valid: Int32, rows: Constexpr[int], ctid: Int32) -> None:
-    """Zero s[i, r, stage] for r >= valid: consecutive threads take consecutive (contiguous) i."""
-    for idx in range(ctid, rows * (BK - valid), CONSUMER_THREADS):
-        r = valid + idx // rows
-        s[(idx - (idx // rows) * rows, r, stage)] = BFloat16(0.0)
+    """Zero s[i, r, stage] for r >= valid by 16-byte stores (scalar ones made the mask the Zipf wgrad's
+    largest cost); unswizzled offsets suffice, as the swizzle only permutes the chunks within one row r."""
+    base = cast(Pointer, s.iterator).toint()
+    per_row = rows // VEC
+    zeros = cute.full((VEC,), 0.0, BFloat16)
+    for idx in range(ctid, per_row * (BK - valid), CONSUMER_THREADS):
+        r = valid + idx // per_row
+        c = (idx - (idx // per_row) * per_row) * VEC
+        at = base + cast(Int32, s.layout((c, r, stage))) * 2
+        cute.make_tensor(cute.make_ptr(BFloat16, at, cute.AddressSpace.smem, assumed_align=16),
+                         cute.make_layout(VEC)).store(zeros)
 
 
 @cute.jit
