@@ -259,12 +259,12 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
         "wgrad over permuted copies of dout's column chunks",
     ),
     Mutation(
-        "ablate.layer_align8", "bench/ablate.py",
+        "ablate.layer_align128", "bench/ablate.py",
+        "    mc, p, x, leaves = layer_inputs(cfg, routing, LAYER_ALIGN)\n",
         "    mc, p, x, leaves = layer_inputs(cfg, routing, 128)\n",
-        "    mc, p, x, leaves = layer_inputs(cfg, routing, 8)\n",
-        "permute_align 8 instead of 128: the sync-free row bound T K + E (align - 1) that sizes every "
-        "[rows, *] buffer shrinks (E = 256: 1792 pad rows instead of 32512), while a group's last tile is "
-        "partial and stores by masked chunks instead of TMA",
+        "permute_align 128 instead of 8: every group fills whole 128-row tiles (no partial tile, no wgrad "
+        "tail mask), while the sync-free row bound T K + E (align - 1) that sizes every [rows, *] buffer "
+        "grows (E = 256: 32512 pad rows instead of 1792)",
     ),
     Mutation(
         "ablate.layer_up_copied", MOE,
@@ -454,10 +454,10 @@ def _layer_step(cfg: tuple[int, ...], routing: str, pass_: str) -> Any:
     """One call of the fast MoE layer on the bench's seeded inputs (fwd under no_grad, or fwd+bwd)."""
     import torch
 
-    from bench.torchbase import layer_inputs
+    from bench.torchbase import LAYER_ALIGN, layer_inputs
     from nmoe.fast.moe import moe_layer
 
-    mc, p, x, leaves = layer_inputs(cfg, routing, 128)
+    mc, p, x, leaves = layer_inputs(cfg, routing, LAYER_ALIGN)
     dout = torch.randn(cfg[0], cfg[1], device="cuda", dtype=torch.bfloat16)
 
     def step() -> Any:

@@ -16,9 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from torchbase import LAYER_CONFIGS, layer_inputs, router_topk_torch
+from torchbase import LAYER_ALIGN, LAYER_CONFIGS, layer_inputs, router_topk_torch
 
-ALIGN = 128
 WARMUP, REPS = 3, 10
 GOAL_VS_PEER = 1.1
 ROUTINGS = ("uniform", "zipf")
@@ -59,7 +58,7 @@ def _step(cfg: tuple[int, ...], routing: str, pass_: str) -> Callable[[], object
     from sonicmoe.enums import ActivationType
 
     t, h, _, e, k = cfg
-    _, p, x, _ = layer_inputs(cfg, routing, ALIGN)
+    _, p, x, _ = layer_inputs(cfg, routing, LAYER_ALIGN)
     assert p.w13 is not None
     with torch.no_grad():
         weights, ids = router_topk_torch(x.float() @ p.router_w.float().T, p.router_bias, k)

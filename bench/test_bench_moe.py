@@ -1,7 +1,7 @@
 """MoE routing ops, nmoe vs torch eager and torch.compile: router_topk, permute, unpermute.
 
-Sigmoid scores, one expert group, align 128; M = T*K slots, R = padded_rows(M, E, 128)
-= ceil((M + 127E) / 128) * 128 rows. Bytes floor, each tensor read or written once:
+Sigmoid scores, one expert group, align 8 (LAYER_ALIGN); M = T*K slots, R = padded_rows(M, E, 8)
+= ceil((M + 7E) / 8) * 8 rows. Bytes floor, each tensor read or written once:
   router_topk reads logits [T,E] fp32, bias [E] fp32; writes weights [T,K] fp32, ids [T,K] int64:
     4TE + 4E + 12TK
   permute reads x [T,H] bf16 once per token, ids [T,K] int64; writes all of xp [R,H] bf16 (pad rows are
@@ -9,7 +9,7 @@ Sigmoid scores, one expert group, align 128; M = T*K slots, R = padded_rows(M, E
   unpermute reads slot [R] int64 and the M real rows of yp [R,H] bf16; writes y [T,K,H] bf16: 8R + 4MH
 router_topk's operands fit in L2, so each of its graphs cycles through input copies totalling >= 256 MiB.
 
-moe_layer (swiglu, sigmoid, no shared experts, align 128, bf16 experts) at (T, H, I, E, K): FLOPs counted as
+moe_layer (swiglu, sigmoid, no shared experts, align 8, bf16 experts) at (T, H, I, E, K): FLOPs counted as
 SonicMoE counts them, forward 6*T*I*H*K, forward+backward 18*T*I*H*K; extra peak memory is the peak
 allocation of one eager call above what was allocated before it (dout = randn). The baseline is the same
 layer from torch ops with torch._grouped_mm for the experts, timed in the same run. Every layer row also
@@ -43,6 +43,7 @@ from sonicpeer import vs_peer
 from stepprofile import profile_step
 from torch import Tensor
 from torchbase import (
+    LAYER_ALIGN,
     LAYER_CONFIGS,
     layer_inputs,
     permute_torch,
@@ -54,7 +55,6 @@ from torchbase import (
 from nmoe.layout import padded_rows
 
 CONFIGS = ((32768, 4096, 128, 8), (24576, 1536, 128, 8))
-ALIGN = 128
 ROTATE_BYTES = 256 * 2**20
 
 
@@ -126,8 +126,8 @@ def test_bench_permute(benchmark: Any, cfg: tuple[int, ...]) -> None:
     from nmoe.fast import dispatch as fd
     t, h, e, k = cfg
     x, ids = _x(t, h), _ids(t, e, k)
-    rows = padded_rows(t * k, e, ALIGN)
-    args = (x, ids, e, ALIGN)
+    rows = padded_rows(t * k, e, LAYER_ALIGN)
+    args = (x, ids, e, LAYER_ALIGN)
     compiled, note = try_compile(permute_torch, *args)
     p = fd.permute(*args)
     want = permute_torch(*args)
@@ -143,7 +143,7 @@ def test_bench_permute(benchmark: Any, cfg: tuple[int, ...]) -> None:
         permute_torch(*args)
 
     nbytes = 2.0 * t * h + 8.0 * t * k + 2.0 * rows * h + 8.0 * rows + 8.0 * e
-    measure_op(benchmark, "permute", _shape(cfg, R=rows, align=ALIGN), nbytes, fast, eager,
+    measure_op(benchmark, "permute", _shape(cfg, R=rows, align=LAYER_ALIGN), nbytes, fast, eager,
                _compiled_step(compiled, *args), note, baseline_check=check or "ok")
     assert not check, f"permute: nmoe and the torch baseline disagree ({check})"
 
@@ -152,7 +152,7 @@ def test_bench_permute(benchmark: Any, cfg: tuple[int, ...]) -> None:
 def test_bench_unpermute(benchmark: Any, cfg: tuple[int, ...]) -> None:
     from nmoe.fast import dispatch as fd
     t, h, e, k = cfg
-    p = fd.permute(_x(t, h), _ids(t, e, k), e, ALIGN)
+    p = fd.permute(_x(t, h), _ids(t, e, k), e, LAYER_ALIGN)
     rows = p.xp.shape[0]
     args = (p.xp, p.slot, t, k)
     compiled, note = try_compile(unpermute_torch, *args)
@@ -165,7 +165,7 @@ def test_bench_unpermute(benchmark: Any, cfg: tuple[int, ...]) -> None:
         unpermute_torch(*args)
 
     nbytes = 8.0 * rows + 4.0 * t * k * h
-    measure_op(benchmark, "unpermute", _shape(cfg, R=rows, align=ALIGN), nbytes, fast, eager,
+    measure_op(benchmark, "unpermute", _shape(cfg, R=rows, align=LAYER_ALIGN), nbytes, fast, eager,
                _compiled_step(compiled, *args), note, baseline_check=check or "ok")
     assert check is None, f"unpermute: nmoe and the torch baseline disagree ({check})"
 
@@ -184,7 +184,7 @@ def peer_row(name: str, shape: dict[str, int]) -> dict[str, Any] | None:
 def test_bench_moe_layer(benchmark: Any, cfg: tuple[int, ...], routing: str, pass_: str) -> None:
     from nmoe.fast.moe import moe_layer
     t, h, i, e, k = cfg
-    mc, p, x, leaves = layer_inputs(cfg, routing, ALIGN)
+    mc, p, x, leaves = layer_inputs(cfg, routing, LAYER_ALIGN)
     dout = torch.randn(t, h, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))
     dout = dout.to(torch.bfloat16)
 
@@ -195,7 +195,7 @@ def test_bench_moe_layer(benchmark: Any, cfg: tuple[int, ...], routing: str, pas
         return torch.autograd.grad(moe_layer(x, p, mc)[0], leaves, dout)
 
     def torch_moe() -> Tensor:
-        return torch_layer(x, p.router_w, p.router_bias, p.w13, p.w2, k, ALIGN)
+        return torch_layer(x, p.router_w, p.router_bias, p.w13, p.w2, k, LAYER_ALIGN)
 
     def base() -> Any:
         if pass_ == "fwd":
@@ -254,11 +254,11 @@ def test_bench_moe_up_gathered(benchmark: Any, cfg: tuple[int, ...], pass_: str)
     from nmoe.fast.gemm import sm90
 
     t, h, i, e, k = cfg
-    _, p, x, _ = layer_inputs(cfg, "uniform", ALIGN)
+    _, p, x, _ = layer_inputs(cfg, "uniform", LAYER_ALIGN)
     assert p.w13 is not None
     x, w = x.detach(), p.w13.detach()
     ids = _ids(t, e, k)
-    route = permute(x.new_empty(t, 0), ids, e, ALIGN)
+    route = permute(x.new_empty(t, 0), ids, e, LAYER_ALIGN)
     rows = route.slot.shape[0]
     dh = torch.randn(rows, 2 * i, device="cuda", dtype=torch.bfloat16)
     if pass_ == "fwd":
@@ -266,13 +266,13 @@ def test_bench_moe_up_gathered(benchmark: Any, cfg: tuple[int, ...], pass_: str)
             return sm90.grouped_gemm_act_gathered(x, route.slot, k, w, route.offs, "swiglu")
 
         def copied() -> object:
-            return sm90.grouped_gemm_act_h(permute(x, ids, e, ALIGN).xp, w, route.offs, "swiglu")
+            return sm90.grouped_gemm_act_h(permute(x, ids, e, LAYER_ALIGN).xp, w, route.offs, "swiglu")
     else:
         def gathered() -> object:
             return sm90.grouped_gemm_wgrad_gathered(dh, x, route.slot, k, route.offs)
 
         def copied() -> object:
-            return sm90.grouped_gemm_wgrad(dh, permute(x, ids, e, ALIGN).xp, route.offs)
+            return sm90.grouped_gemm_wgrad(dh, permute(x, ids, e, LAYER_ALIGN).xp, route.offs)
     got, want = gathered(), copied()
     outs = zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,),
                strict=True)

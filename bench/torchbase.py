@@ -64,6 +64,9 @@ def torch_layer(x: Tensor, router_w: Tensor, router_bias: Tensor, w13: Tensor, w
 LAYER_CONFIGS = ((32768, 4096, 1024, 128, 8), (24576, 1536, 256, 128, 8), (32768, 4096, 512, 256, 8),
                  (32768, 2048, 512, 64, 6))
 """(T, H, I, E, K) of the MoE layer rows: SonicMoE's three, then moonlet's layer at its 32k-token step."""
+LAYER_ALIGN = 8
+"""permute_align of the layer rows, the config default: against 128 its fwd+bwd measured 0.99-1.01x the time
+with 0.04-0.26 GiB less peak on the H200, once the wgrad's tail mask stored 16 bytes at a time."""
 ZIPF_BIAS = 0.25
 """Zipf-skewed routing: router bias -ZIPF_BIAS * ln(1 + rank) over a random expert ranking."""
 
