@@ -56,6 +56,12 @@ _WGRAD_STATIC = Mutation(
     "the TMA wgrad deals its heaviest-first list in static snake rounds instead of taking each next tile "
     "from a device counter",
 )
+_WGRAD_DEFERRED = Mutation(
+    "ablate.wgrad_deferred", LIMITS,
+    "GEMM_WGRAD_DEFERRED: Final[bool] = False\n", "GEMM_WGRAD_DEFERRED: Final[bool] = True\n",
+    "the TMA wgrad holds each finished tile's bf16 subtiles in registers and sends one under each K box of "
+    "the next tile's wgmmas, instead of storing them all before that tile starts",
+)
 _FP8_SERIAL = Mutation(
     "ablate.fp8_serial", LIMITS,
     "GEMM_FP8_OVERLAP: Final[bool] = True\n", "GEMM_FP8_OVERLAP: Final[bool] = False\n",
@@ -70,14 +76,14 @@ _NO_PINGPONG = Mutation(
 ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
         "ablate.no_tma_stores", KERNEL,
-        "            if store_warp:\n                if const_expr(keep_h):\n",
-        "            if store_warp and rows_valid < 0:\n                if const_expr(keep_h):\n",
+        "        if views.store_warp:\n            if const_expr(keep_h):\n",
+        "        if views.store_warp and views.rows_valid < 0:\n            if const_expr(keep_h):\n",
         "full tiles skip their TMA stores: the output's share of the time under uniform routing",
     ),
     Mutation(
         "ablate.wgrad_no_epilogue", "nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py",
-        "        if write == 1:\n            store_tile(",
-        "        if write == 2:\n            store_tile(",
+        "        if write == 1:\n            if const_expr(deferred):",
+        "        if write == 2:\n            if const_expr(deferred):",
         "timing only: the TMA wgrad's tiles skip their whole epilogue (staging, barriers, stores): the most "
         "that overlapping it with the next tile's MMAs could buy",
     ),
@@ -117,6 +123,7 @@ ABLATIONS: tuple[Mutation, ...] = (
     _PINGPONG,
     _NO_PINGPONG,
     _WGRAD_STATIC,
+    _WGRAD_DEFERRED,
     Mutation(
         "ablate.cluster_one", LIMITS,
         "GEMM_CLUSTER_M: Final[int] = 2\n", "GEMM_CLUSTER_M: Final[int] = 1\n",
@@ -243,8 +250,10 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ablate.gather_act_no_a_tma", KERNEL,
-        "                if const_expr(act_by_tma(n, act)):\n"
-        "                    cute.copy(epi.act_tma_atom, b_sa[(None, buf)], b_ga[(None, (0, sub))])\n", "",
+        "            if const_expr(act_by_tma(n, act)):\n"
+        "                cute.copy(epi.act_tma_atom, views.b_sa[(None, buf)], "
+        "views.b_ga[(None, (0, sub))])\n",
+        "",
         "timing only: the fused-activation epilogue computes and stages act(h) but never stores it to global "
         "memory: what its TMA store costs",
     ),

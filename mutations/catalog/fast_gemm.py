@@ -92,8 +92,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "gemm.fast_wgrad_accumulate_cut_tile_stores", FILE,
-        "                            _add_chunk(epi.t_s_sd[(None, i, j, buf)], t_s_gd[(None, i, j)])\n",
-        "                            cute.copy(epi.s2g_atom, epi.t_s_sd[(None, i, j, buf)], "
+        "                        _add_chunk(epi.t_s_sd[(None, i, j, buf)], t_s_gd[(None, i, j)])\n",
+        "                        cute.copy(epi.s2g_atom, epi.t_s_sd[(None, i, j, buf)], "
         "t_s_gd[(None, i, j)])\n",
         "the accumulating wgrad's tiles cut by n or k are stored chunk by chunk over the gradient they add "
         "to",
@@ -110,6 +110,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    per_row = rows // VEC\n", "    per_row = rows // VEC - 1\n",
         "the wgrad's 16-byte tail mask skips each row's last chunk: where both operands keep one, the next "
         "group's rows reach dw", TESTS, ("grouped_gemm_wgrad",), device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_wgrad_deferred_subtile_skipped", WGRAD,
+        "                    emit_held(held, p_row0, p_tile, p_end, p_on, kt, kt + 1)\n",
+        "                    emit_held(held, p_row0, p_tile, p_end, p_on, kt + 1, kt + 2)\n",
+        "the deferred wgrad epilogue sends subtile kt + 1 under K box kt: subtile 1 of a tile followed by "
+        "one of two or more boxes never leaves", "tests/test_fast_wgrad_deferred.py", ("grouped_gemm_wgrad",),
+        device="gpu",
     ),
     sep_mutation(
         "gemm.fast_wgrad_order_ties_collide", WGRAD,
@@ -166,10 +174,12 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "gemm.fast_act_only_act_store_dropped", FILE,
-        "                if const_expr(act_by_tma(n, act)):\n"
-        "                    cute.copy(epi.act_tma_atom, b_sa[(None, buf)], b_ga[(None, (0, sub))])\n",
-        "                if const_expr(act_by_tma(n, act) and keep_h):\n"
-        "                    cute.copy(epi.act_tma_atom, b_sa[(None, buf)], b_ga[(None, (0, sub))])\n",
+        "            if const_expr(act_by_tma(n, act)):\n"
+        "                cute.copy(epi.act_tma_atom, views.b_sa[(None, buf)], "
+        "views.b_ga[(None, (0, sub))])\n",
+        "            if const_expr(act_by_tma(n, act) and keep_h):\n"
+        "                cute.copy(epi.act_tma_atom, views.b_sa[(None, buf)], "
+        "views.b_ga[(None, (0, sub))])\n",
         "the act-only epilogue (keep_h False) drops act(h)'s TMA store along with h's: full tiles of a are "
         "never written", GATHER_TESTS, ("moe_layer",), device="gpu",
     ),

@@ -46,6 +46,10 @@ GEMM_WGRAD_DYNAMIC: Final[bool] = True
 """sm_90a TMA-fed wgrad: each CTA takes its next tile of the heaviest-first list from a device counter (a
 skewed routing's heavy tiles then spread like a greedy schedule) when True, else in static snake rounds
 (H200, MoE layer fwd+bwd: Zipf 1.01-1.03x, uniform 0.99-1.00x over static)."""
+GEMM_WGRAD_DEFERRED: Final[bool] = False
+"""sm_90a TMA-fed wgrad: a tile's bf16 result waits in registers and leaves one subtile per K box of the next
+tile, under its wgmmas, instead of before them (without any epilogue the wgrad ran 1.06-1.18x on the H200).
+Off until its own H200 run: tests and ablate.wgrad_deferred."""
 GEMM_FP8_OVERLAP: Final[bool] = True
 """sm_90a fp8 fwd: each K block's wgmmas stay in flight while the block before is promoted (two block
 accumulators, K loop unrolled) when True, else each block's MMAs are waited before its promotion

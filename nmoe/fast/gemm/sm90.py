@@ -31,6 +31,7 @@ from nmoe.fast.limits import (
     GEMM_GATHER_PINGPONG,
     GEMM_PINGPONG_BN,
     GEMM_PINGPONG_MAX_K,
+    GEMM_WGRAD_DEFERRED,
     GEMM_WGRAD_DYNAMIC,
 )
 from nmoe.fast.op import Kernel, Launcher, fast_op, remember, save_inputs
@@ -49,8 +50,8 @@ GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_gather", "grouped_gemm_gath
                     km.compile_args_gather(n, k, bn, act, w_k_major, pingpong, cn, keep_h),
                 (ARCH,), "nmoe.fast.gemm.grouped_gemm_act_gathered")
 WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad",
-               lambda km, n, k, bn, ld, gs=0, dynamic=False, accumulate=False: km.compile_args(
-                   n, k, bn, ld, gs, dynamic, accumulate),
+               lambda km, n, k, bn, ld, gs=0, dynamic=False, accumulate=False, deferred=False:
+                   km.compile_args(n, k, bn, ld, gs, dynamic, accumulate, deferred),
                (ARCH,),
                "nmoe.fast.gemm.grouped_gemm_wgrad")
 WGRAD_GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad_gather",
@@ -238,7 +239,7 @@ def _prepare_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw_shape: tuple[int, ...
     bn = _pick_bn("grouped_gemm_wgrad", k, bn)
     n_ctas, split = _wgrad_grid(device, m, n, k, bn, n_groups, GEMM_WGRAD_DYNAMIC)
     launch = WGRAD.launcher(arch, n=n, k=k, bn=bn, ld=ld or k, gs=gs or n, dynamic=split.dynamic,
-                            accumulate=accumulate)
+                            accumulate=accumulate, deferred=GEMM_WGRAD_DEFERRED)
     return device, launch, False, (m, n_groups, n_ctas), split
 
 
@@ -271,7 +272,7 @@ _PLANS: dict[tuple[Any, ...], _Plan] = {}
 def _plan(op: str, a: Tensor, w: Tensor, offs: Tensor, a_name: str, w_name: str,
           activation: str = "") -> _Plan:
     """The memoised plan of this layout, or the full checks (raising as they always did) and a new plan."""
-    key = (op, activation, GEMM_WGRAD_DYNAMIC, *_layout(a, w, offs))
+    key = (op, activation, GEMM_WGRAD_DYNAMIC, GEMM_WGRAD_DEFERRED, *_layout(a, w, offs))
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
@@ -720,6 +721,12 @@ KERNELS: tuple[KernelSpec, ...] = (
                expect={"sm_90a": (*_EXPECT_WGRAD, r"\batom\.global\.acq_rel(\.gpu)?\.add\.u32\b",
                                   r"\bshfl\.sync\.idx\.b32\b")},
                forbid={"sm_90a": _FORBID_SM90}),
+    KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_deferred_n256",
+               compile=WGRAD.compiler(n=2048, k=4096, bn=256, ld=4096, dynamic=True, deferred=True),
+               expect={"sm_90a": _EXPECT_WGRAD}, forbid={"sm_90a": _FORBID_SM90}),
+    KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_cols_accumulate_deferred_n256",
+               compile=WGRAD.compiler(n=2048, k=1024, bn=256, ld=4096, accumulate=True, deferred=True),
+               expect={"sm_90a": _EXPECT_WGRAD_ACC}, forbid={"sm_90a": (*_FORBID_SM90, _TMA_STORE)}),
     KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_cols_n256",
                compile=WGRAD.compiler(n=2048, k=1024, bn=256, ld=4096), expect={"sm_90a": _EXPECT_WGRAD},
                forbid={"sm_90a": (*_FORBID_SM90, _TMA_REDUCE_ADD)}),

@@ -378,6 +378,41 @@ def _add_chunk(src: cute.Tensor, dst: cute.Tensor) -> None:
     dst.store((dst.load().to(Float32) + src.load().to(Float32)).to(BFloat16))
 
 
+class TileViews(NamedTuple):
+    """Where one output tile goes: its subtile buffers and global boxes for TMA (h's, then act(h)'s), how
+    many of its rows and columns are real, whether it leaves by TMA, and whether this warp issues it."""
+
+    b_sd: cute.Tensor
+    b_gd: cute.Tensor
+    b_sa: Any
+    b_ga: Any
+    rows_valid: Int32
+    cols_valid: Int32
+    tma_ok: Any
+    store_warp: Any
+
+
+@cute.jit
+def tile_views(epi: Epilogue, tma_d: cute.Tensor, row0: Int32, n_tile: Int32, row_end: Int32,
+               n: Constexpr[int], bn: Constexpr[int], act: Constexpr[str], tma_act: Any = None) -> TileViews:
+    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    rows_valid = row_end - row0
+    cols_valid = n - n_tile * bn
+    g_tile = cute.local_tile(cute.domain_offset((row0, 0), tma_d), (BM, bn), (0, n_tile))
+    b_sd, b_gd = cpasync.tma_partition(epi.tma_atom, 0, cute.make_layout(1), cute.group_modes(epi.s_d, 0, 2),
+                                       cute.zipped_divide(g_tile, (BM, EPI_N)))
+    b_sa, b_ga = None, None
+    if const_expr(act_by_tma(n, act)):
+        g_act = cute.local_tile(cute.domain_offset((row0, 0), tma_act), (BM, bn // EPILOGUES[act]),
+                                (0, n_tile))
+        b_sa, b_ga = cpasync.tma_partition(epi.act_tma_atom, 0, cute.make_layout(1),
+                                           cute.group_modes(epi.s_act, 0, 2),
+                                           cute.zipped_divide(g_act, (BM, act_cols(act))))
+    tma_ok = rows_valid >= BM and cols_valid >= bn
+    store_warp = warp_idx == epi.store_warp
+    return TileViews(b_sd, b_gd, b_sa, b_ga, rows_valid, cols_valid, tma_ok, store_warp)
+
+
 @cute.jit
 def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.Tensor, row0: Int32,
                n_tile: Int32, row_end: Int32, n: Constexpr[int], bn: Constexpr[int],
@@ -388,20 +423,7 @@ def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.
     masked 16-byte stores; accumulate: added to what m_d holds; keep_h False: act(h) alone leaves."""
     assert act == "none" or bufs == EPI_BUFS, f"act(h) is staged in {EPI_BUFS} subtiles, not {bufs}"
     assert keep_h or act != "none", "an epilogue without act(h) must store h"
-    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    store_warp = warp_idx == epi.store_warp
-    rows_valid = row_end - row0
-    cols_valid = n - n_tile * bn
-    tma_ok = rows_valid >= BM and cols_valid >= bn
-    g_tile = cute.local_tile(cute.domain_offset((row0, 0), tma_d), (BM, bn), (0, n_tile))
-    b_sd, b_gd = cpasync.tma_partition(epi.tma_atom, 0, cute.make_layout(1), cute.group_modes(epi.s_d, 0, 2),
-                                       cute.zipped_divide(g_tile, (BM, EPI_N)))
-    ratio = EPILOGUES[act]
-    if const_expr(act_by_tma(n, act)):
-        g_act = cute.local_tile(cute.domain_offset((row0, 0), tma_act), (BM, bn // ratio), (0, n_tile))
-        b_sa, b_ga = cpasync.tma_partition(epi.act_tma_atom, 0, cute.make_layout(1),
-                                           cute.group_modes(epi.s_act, 0, 2),
-                                           cute.zipped_divide(g_act, (BM, act_cols(act))))
+    views = tile_views(epi, tma_d, row0, n_tile, row_end, n, bn, act, tma_act)
     size_sub = cute.size(epi.r_f)
     batch = act_batch(size_sub)
     for sub in range_constexpr(bn // EPI_N):
@@ -417,40 +439,51 @@ def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.
                 for v in range_constexpr(size_sub):
                     epi.r_d[v] = r_ha[sub % batch * size_sub + v]
             _stage_act(epi, r_bits, sub, buf, act)
-        if const_expr(keep_h):
-            cute.copy(epi.r2s, epi.r_d, epi.t_rs_d[(None, None, None, buf)])
-        cute.arch.fence_proxy("async.shared", space="cta")
-        epi.bar.arrive_and_wait()
-        sub_n = n_tile * (bn // EPI_N) + sub
-        if const_expr(act != "none"):
-            t_s_ga = epi.thr_act.partition_D(
-                cute.local_tile(cute.domain_offset((row0, 0), m_act), (BM, act_cols(act)), (0, sub_n)))
-        if tma_ok:
-            if store_warp:
-                if const_expr(keep_h):
-                    cute.copy(epi.tma_atom, b_sd[(None, buf)], b_gd[(None, (0, sub))])
-                if const_expr(act_by_tma(n, act)):
-                    cute.copy(epi.act_tma_atom, b_sa[(None, buf)], b_ga[(None, (0, sub))])
-                cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(bufs - 1, read=True)
-            if const_expr(act != "none" and not act_by_tma(n, act)):
-                cute.copy(epi.act_atom, epi.t_s_sa[(None, None, None, buf)], t_s_ga)
-        else:
-            g_d = cute.local_tile(cute.domain_offset((row0, 0), m_d), (BM, EPI_N), (0, sub_n))
-            t_s_gd = epi.thr_s2g.partition_D(g_d)
-            for i in range_constexpr(cute.size(epi.t_s_sd, mode=[1])):
-                for j in range_constexpr(cute.size(epi.t_s_sd, mode=[2])):
-                    coord: Any = epi.t_s_cd[(0, i, j)]
-                    if coord[0] < rows_valid and coord[1] < cols_valid - sub * EPI_N:
-                        if const_expr(accumulate):
-                            _add_chunk(epi.t_s_sd[(None, i, j, buf)], t_s_gd[(None, i, j)])
-                        elif const_expr(keep_h):
-                            cute.copy(epi.s2g_atom, epi.t_s_sd[(None, i, j, buf)], t_s_gd[(None, i, j)])
-                        if const_expr(act != "none"):
-                            cute.copy(epi.act_atom, epi.t_s_sa[(None, i, j, buf)], t_s_ga[(None, i, j)])
-            if store_warp:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-        epi.bar.arrive_and_wait()
+        emit_subtile(epi, views, epi.r_d, m_d, m_act, row0, n_tile, sub, buf, n, bn, act, accumulate, bufs,
+                     keep_h)
+
+
+@cute.jit
+def emit_subtile(epi: Epilogue, views: TileViews, r_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.Tensor,
+                 row0: Int32, n_tile: Int32, sub: Constexpr[int], buf: Any, n: Constexpr[int],
+                 bn: Constexpr[int], act: Constexpr[str], accumulate: Constexpr[bool] = False,
+                 bufs: Constexpr[int] = EPI_BUFS, keep_h: Constexpr[bool] = True) -> None:
+    """Subtile sub of a tile, its bf16 values in r_d (act(h) already staged): into smem buffer buf, then out
+    by TMA (full tiles) or by masked 16-byte stores."""
+    if const_expr(keep_h):
+        cute.copy(epi.r2s, r_d, epi.t_rs_d[(None, None, None, buf)])
+    cute.arch.fence_proxy("async.shared", space="cta")
+    epi.bar.arrive_and_wait()
+    sub_n = n_tile * (bn // EPI_N) + sub
+    if const_expr(act != "none"):
+        t_s_ga = epi.thr_act.partition_D(
+            cute.local_tile(cute.domain_offset((row0, 0), m_act), (BM, act_cols(act)), (0, sub_n)))
+    if views.tma_ok:
+        if views.store_warp:
+            if const_expr(keep_h):
+                cute.copy(epi.tma_atom, views.b_sd[(None, buf)], views.b_gd[(None, (0, sub))])
+            if const_expr(act_by_tma(n, act)):
+                cute.copy(epi.act_tma_atom, views.b_sa[(None, buf)], views.b_ga[(None, (0, sub))])
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(bufs - 1, read=True)
+        if const_expr(act != "none" and not act_by_tma(n, act)):
+            cute.copy(epi.act_atom, epi.t_s_sa[(None, None, None, buf)], t_s_ga)
+    else:
+        g_d = cute.local_tile(cute.domain_offset((row0, 0), m_d), (BM, EPI_N), (0, sub_n))
+        t_s_gd = epi.thr_s2g.partition_D(g_d)
+        for i in range_constexpr(cute.size(epi.t_s_sd, mode=[1])):
+            for j in range_constexpr(cute.size(epi.t_s_sd, mode=[2])):
+                coord: Any = epi.t_s_cd[(0, i, j)]
+                if coord[0] < views.rows_valid and coord[1] < views.cols_valid - sub * EPI_N:
+                    if const_expr(accumulate):
+                        _add_chunk(epi.t_s_sd[(None, i, j, buf)], t_s_gd[(None, i, j)])
+                    elif const_expr(keep_h):
+                        cute.copy(epi.s2g_atom, epi.t_s_sd[(None, i, j, buf)], t_s_gd[(None, i, j)])
+                    if const_expr(act != "none"):
+                        cute.copy(epi.act_atom, epi.t_s_sa[(None, i, j, buf)], t_s_ga[(None, i, j)])
+        if views.store_warp:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+    epi.bar.arrive_and_wait()
 
 
 @cute.jit

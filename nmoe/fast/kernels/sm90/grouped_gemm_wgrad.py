@@ -26,6 +26,8 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     CONSUMER_REGS,
     CONSUMER_THREADS,
     CONSUMER_WGS,
+    EPI_BUFS,
+    EPI_N,
     EPI_SMEM_BYTES,
     PRODUCER_REGS,
     THREADS,
@@ -35,12 +37,14 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     cta_setup,
     cta_start,
     drain_stores,
+    emit_subtile,
     epi_smem_layout,
     epi_tma,
     epilogue_copies,
     mma_fragments,
     pipeline_stages,
     store_tile,
+    tile_views,
 )
 from nmoe.fast.kernels.sm90.grouped_gemm_gather import arm_stage
 from nmoe.fast.limits import GEMM_BK as BK
@@ -293,16 +297,53 @@ def _mask_tail(s_a: cute.Tensor, s_b: cute.Tensor, stage: Int32, valid: Int32, b
         bar.arrive_and_wait()
 
 
+class Pending(NamedTuple):
+    """A deferred epilogue: the finished tile's bf16 subtiles in registers (`regs`, one per EPI_N columns)
+    and where they go; the tile's rows and the held flag travel beside it as loop scalars."""
+
+    epi: Any
+    regs: list[cute.Tensor]
+    tma_d: cute.Tensor
+    m_d: cute.Tensor
+    k: int
+    bn: int
+    accumulate: bool
+
+
+@cute.jit
+def hold(p: Pending) -> None:
+    """The accumulator, rounded once to bf16, into the held subtiles (as store_tile would stage them)."""
+    size_sub = cute.size(p.epi.r_f)
+    for sub in range_constexpr(p.bn // EPI_N):
+        for v in range_constexpr(size_sub):
+            p.epi.r_f[v] = p.epi.t_rs_acc[p.epi.order[sub * size_sub + v]]
+        p.regs[sub].store(p.epi.r_f.load().to(BFloat16))
+
+
+@cute.jit
+def emit_held(p: Pending, row0: Int32, n_tile: Int32, row_end: Int32, on: Int32, lo: Int32,
+              hi: Int32) -> None:
+    """The held subtiles lo <= sub < hi leave (when a tile is held): each by a static branch, since a
+    register subtile is chosen at compile time."""
+    if on == 1 and lo < hi:
+        views = tile_views(p.epi, p.tma_d, row0, n_tile, row_end, p.k, p.bn, "none")
+        for sub in range_constexpr(p.bn // EPI_N):
+            if sub >= lo and sub < hi:
+                emit_subtile(p.epi, views, p.regs[sub], p.m_d, p.m_d, row0, n_tile, sub,
+                             p.epi.buf0 + sub % EPI_BUFS, p.k, p.bn, "none", p.accumulate)
+
+
 @cute.jit
 def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma, s_a: cute.Tensor,
                   s_b: cute.Tensor, s_d: cute.Tensor, u: Units, m_ws: cute.Tensor, m_count: cute.Tensor,
                   tma_atom_d: cute.CopyAtom, tma_d: cute.Tensor, m_d: cute.Tensor, tidx: Int32,
                   warp_idx: Int32, bidx: Int32, n_ctas: Int32, n: Constexpr[int], k: Constexpr[int],
                   bn: Constexpr[int], stages: Constexpr[int], gs: Constexpr[int], q: Any = None,
-                  accumulate: Constexpr[bool] = False) -> None:
+                  accumulate: Constexpr[bool] = False, deferred: Constexpr[bool] = False) -> None:
     """The two consumer warpgroups of the wgrad: masked K boxes into wgmma, then the fwd's epilogue into
     dw's rows, group e's n from row e * gs (a split group's chunk first through its workspace slice and
-    counter). Tiles in snake rounds, or, with a TileQueue q, as the producer hands them over."""
+    counter); deferred: the tile's bf16 subtiles leave under the next tile's wgmmas (`Pending`). Tiles in
+    snake rounds, or, with a TileQueue q, as the producer hands them over."""
     cute.arch.setmaxregister_increase(CONSUMER_REGS)
     ctid = tidx - WG_THREADS
     t_ra, t_rb, acc_shape = mma_fragments(tiled_mma, s_a, s_b, warp_idx, bn)
@@ -315,6 +356,11 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     qstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QUEUE_DEPTH)
+    held = None
+    if const_expr(deferred):
+        held = Pending(epi, [cute.make_rmem_tensor(epi.r_f.shape, BFloat16) for _ in range(bn // EPI_N)],
+                       tma_d, m_d, k, bn, accumulate)
+    p_row0, p_tile, p_end, p_on = Int32(0), Int32(0), Int32(0), Int32(0)
     rnd = Int32(0)
     t, qstate = next_tile(q, qstate, rnd, bidx, n_ctas, u.total)
     while t < u.total:
@@ -325,18 +371,28 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
             mainloop.consumer_wait(read)
             _mask_tail(s_a, s_b, read.index, end - start, bn, ctid, mask_bar)
             _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
+            if const_expr(deferred):
+                emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(1))
             read.advance()
             for kt in range(1, k_tiles):
                 mainloop.consumer_wait(read)
                 _mask_tail(s_a, s_b, read.index, end - start - kt * BK, bn, ctid, mask_bar)
                 _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
+                if const_expr(deferred):
+                    emit_held(held, p_row0, p_tile, p_end, p_on, kt, kt + 1)
                 warpgroup.wait_group(1)
                 mainloop.consumer_release(release)
                 release.advance()
                 read.advance()
+            if const_expr(deferred):
+                emit_held(held, p_row0, p_tile, p_end, p_on, k_tiles, Int32(bn // EPI_N))
             warpgroup.wait_group(0)
             mainloop.consumer_release(release)
             release.advance()
+        elif const_expr(deferred):
+            emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(bn // EPI_N))
+        if const_expr(deferred):
+            p_on = Int32(0)
 
         local = m_tile * u.tiles_n + n_tile
         write = Int32(1)
@@ -344,10 +400,16 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
             write = _split_partial(acc, m_ws, m_count, u.flag, e * u.tiles_per_group + local, first_slice,
                                    part, splits, u.tiles_per_group, local, ctid, epi.bar)
         if write == 1:
-            store_tile(epi, tma_d, m_d, m_d, e * gs + m_tile * BM, n_tile, e * gs + n, k, bn, "none",
-                       accumulate=accumulate)
+            if const_expr(deferred):
+                hold(held)
+                p_row0, p_tile, p_end, p_on = e * gs + m_tile * BM, n_tile, e * gs + n, Int32(1)
+            else:
+                store_tile(epi, tma_d, m_d, m_d, e * gs + m_tile * BM, n_tile, e * gs + n, k, bn, "none",
+                           accumulate=accumulate)
         rnd = rnd + 1
         t, qstate = next_tile(q, qstate, rnd, bidx, n_ctas, u.total)
+    if const_expr(deferred):
+        emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(bn // EPI_N))
     drain_stores()
 
 
@@ -383,6 +445,7 @@ def grouped_wgrad_kernel(
     tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
     d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
     stages: Constexpr[int], gs: Constexpr[int], dynamic: Constexpr[bool], accumulate: Constexpr[bool],
+    deferred: Constexpr[bool],
 ) -> None:
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b, tma_atom_d))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
@@ -418,7 +481,7 @@ def grouped_wgrad_kernel(
             mainloop.producer_tail(state)
     else:
         consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, u, m_ws, m_count, tma_atom_d, tma_d, m_d, tidx,
-                      warp_idx, bidx, n_ctas, n, k, bn, stages, gs, q, accumulate)
+                      warp_idx, bidx, n_ctas, n, k, bn, stages, gs, q, accumulate, deferred)
 
 
 def _mn_major_setup(bn: int, stages: int) -> tuple[cute.TiledMma, cute.ComposedLayout, cute.ComposedLayout,
@@ -462,7 +525,7 @@ def grouped_wgrad_host(
     pdy: Pointer, px: Pointer, pdw: Pointer, poffs: Pointer, pws: Pointer, pcount: Pointer, m_rows: Int32,
     n_groups: Int32, n_ctas: Int32, thresh: Int32, split_rows: Int32, ws_tiles: Int32, stream: cuda.CUstream,
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], ld: Constexpr[int], gs: Constexpr[int],
-    dynamic: Constexpr[bool], accumulate: Constexpr[bool],
+    dynamic: Constexpr[bool], accumulate: Constexpr[bool], deferred: Constexpr[bool],
 ) -> None:
     """dw[E, n, k] (rows ld apart, groups gs rows apart): per group dy[rows, n]^T @ x[rows, k], stored or
     (accumulate) added to dw; MN-major operand views. A group of more than thresh rows splits into
@@ -482,7 +545,7 @@ def grouped_wgrad_host(
     grouped_wgrad_kernel(
         tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, m_dw, m_offs, m_ws, m_count, m_rows,
         n_groups, thresh, split_rows, tiled_mma, a_layout, b_layout, d_layout, n, k, bn, stages, gs, dynamic,
-        accumulate,
+        accumulate, deferred,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
 
 
@@ -665,14 +728,14 @@ def pointer(dtype: Any, address: int, align: int = 16) -> Any:
 
 
 def compile_args(n: int, k: int, bn: int, ld: int, gs: int = 0, dynamic: bool = False,
-                 accumulate: bool = False) -> tuple[Any, tuple[Any, ...]]:
+                 accumulate: bool = False, deferred: bool = False) -> tuple[Any, tuple[Any, ...]]:
     if gs and gs < n:
         raise ValueError(f"wgrad group row stride {gs} < its rows {n}: groups would overlap")
     gs = gs or n
     ptrs = (pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(Int32, 0, 4),
             pointer(Float32, 0), pointer(Int32, 0, 4))
     return grouped_wgrad_host, (*ptrs, *(Int32(0) for _ in range(6)), cuda.CUstream(0), n, k, bn, ld, gs,
-                                dynamic, accumulate)
+                                dynamic, accumulate, deferred)
 
 
 def compile_args_gather(n: int, k: int, bn: int, side: str) -> tuple[Any, tuple[Any, ...]]:
