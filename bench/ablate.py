@@ -260,6 +260,8 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
 )
 MOE = "nmoe/fast/moe.py"
 LAYER_ABLATIONS: tuple[Mutation, ...] = (
+    replace(_WGRAD_DEFERRED, id="ablate.layer_wgrad_deferred",
+            description="the layer's wgrads (both column-chunked TMA wgrads) with the deferred epilogue"),
     Mutation(
         "ablate.layer_down_wgrad_gathered", MOE,
         "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", h.shape[1], w2)\n",
