@@ -793,42 +793,49 @@ def test_sep_gemm_fast_act_staged_wrong_buffer() -> None:
     assert torch.equal(bits(a), bits(want))
 
 
+MASK_COUNTS = [70, 100, 30]
+
+
+def _mask_case(seed: int, k: int) -> tuple[Tensor, Tensor, list[int], Tensor, Tensor]:
+    """Three groups that end inside a 64-row box, 20 tail rows after them: dy [m, 136], x [m, k]."""
+    m = sum(MASK_COUNTS) + 20
+    g = torch.Generator().manual_seed(seed)
+    dy = torch.randn(m, 136, generator=g).to(torch.bfloat16).cuda()
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).cuda()
+    ends = cumsum(MASK_COUNTS)
+    ref, mag = wgrad_oracle(dy, x, ends)
+    return dy, x, ends, ref, mag
+
+
+def _assert_mask_separates(dy: Tensor, x: Tensor, ends: list[int], ref: Tensor, mag: Tensor,
+                           mutated: Tensor) -> None:
+    """The mutated sums break the bound on some group, and the kernel's hold it on every group."""
+    assert any(violates(mutated[e], ref[e], mag[e], t - s) for e, (s, t) in enumerate(ends_to_ranges(ends)))
+    assert_wgrad_bound(grouped_gemm_wgrad(dy, x, offs_of(ends)), ref, mag, ends)
+
+
 @gpu
 def test_sep_gemm_fast_wgrad_mask_dropped() -> None:
     """Unmasked, the last 64-row box of a group also reduces the next group's rows (or the tail rows)."""
-    counts = [70, 100, 30]
-    m = sum(counts) + 20
-    g = torch.Generator().manual_seed(22)
-    dy = torch.randn(m, 136, generator=g).to(torch.bfloat16).cuda()
-    x = torch.randn(m, 72, generator=g).to(torch.bfloat16).cuda()
-    ends = cumsum(counts)
-    ref, mag = wgrad_oracle(dy, x, ends)
+    dy, x, ends, ref, mag = _mask_case(22, 72)
     mutated = torch.zeros_like(ref)
     for e, (s, t) in enumerate(ends_to_ranges(ends)):
         t_box = s + -(-(t - s) // BK) * BK
         mutated[e] = dy[s:t_box].double().t() @ x[s:t_box].double()
-    assert any(violates(mutated[e], ref[e], mag[e], t - s) for e, (s, t) in enumerate(ends_to_ranges(ends)))
-    assert_wgrad_bound(grouped_gemm_wgrad(dy, x, offs_of(ends)), ref, mag, ends)
+    _assert_mask_separates(dy, x, ends, ref, mag, mutated)
 
 
 @gpu
 def test_sep_gemm_fast_wgrad_mask_last_chunk_kept() -> None:
     """A mask that leaves each row's last 16-byte chunk keeps the next group's rows in dw[e, j, l] wherever j
     and l both sit in their tile's last 8 columns (n = k = 136: 128-wide tiles, both chunks hold data)."""
-    counts = [70, 100, 30]
-    m = sum(counts) + 20
-    g = torch.Generator().manual_seed(23)
-    dy = torch.randn(m, 136, generator=g).to(torch.bfloat16).cuda()
-    x = torch.randn(m, 136, generator=g).to(torch.bfloat16).cuda()
-    ends = cumsum(counts)
-    ref, mag = wgrad_oracle(dy, x, ends)
+    dy, x, ends, ref, mag = _mask_case(23, 136)
     last = (torch.arange(136, device=dy.device) % 128 >= 120).double()
     mutated = ref.clone()
     for e, (s, t) in enumerate(ends_to_ranges(ends)):
-        t_box = min(s + -(-(t - s) // BK) * BK, m)
+        t_box = min(s + -(-(t - s) // BK) * BK, dy.shape[0])
         mutated[e] += dy[t:t_box].double().t() @ x[t:t_box].double() * last[:, None] * last[None, :]
-    assert any(violates(mutated[e], ref[e], mag[e], t - s) for e, (s, t) in enumerate(ends_to_ranges(ends)))
-    assert_wgrad_bound(grouped_gemm_wgrad(dy, x, offs_of(ends)), ref, mag, ends)
+    _assert_mask_separates(dy, x, ends, ref, mag, mutated)
 
 
 @gpu
