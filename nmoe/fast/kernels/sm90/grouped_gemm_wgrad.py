@@ -325,7 +325,7 @@ def emit_held(p: Pending, row0: Int32, n_tile: Int32, row_end: Int32, on: Int32,
               hi: Int32) -> None:
     """The held subtiles lo <= sub < hi leave (when a tile is held): each by a static branch, since a
     register subtile is chosen at compile time."""
-    if on == 1 and lo < hi:
+    if on == 1 and lo < hi and lo < p.bn // EPI_N:
         views = tile_views(p.epi, p.tma_d, row0, n_tile, row_end, p.k, p.bn, "none")
         for sub in range_constexpr(p.bn // EPI_N):
             if sub >= lo and sub < hi:
