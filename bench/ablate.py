@@ -23,6 +23,8 @@ from mutations.model import Mutation, apply
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL = "nmoe/fast/kernels/sm90/grouped_gemm.py"
+EPILOGUE = "nmoe/fast/kernels/sm90/epilogue.py"
+TILES = "nmoe/fast/kernels/sm90/tiles.py"
 GLUE = "nmoe/fast/gemm/sm90.py"
 LIMITS = "nmoe/fast/limits.py"
 _BN128 = Mutation(
@@ -75,7 +77,7 @@ _NO_PINGPONG = Mutation(
 )
 ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
-        "ablate.no_tma_stores", KERNEL,
+        "ablate.no_tma_stores", EPILOGUE,
         "        if views.store_warp:\n            if const_expr(keep_h):\n",
         "        if views.store_warp and views.rows_valid < 0:\n            if const_expr(keep_h):\n",
         "full tiles skip their TMA stores: the output's share of the time under uniform routing",
@@ -96,25 +98,25 @@ ABLATIONS: tuple[Mutation, ...] = (
         "routing, where nearly every group ends inside a box",
     ),
     Mutation(
-        "ablate.masked_stores", KERNEL,
+        "ablate.masked_stores", EPILOGUE,
         "    tma_ok = rows_valid >= BM and cols_valid >= bn\n",
         "    tma_ok = rows_valid >= BM and cols_valid >= bn and rows_valid < 0\n",
         "full tiles leave through the masked per-thread stores instead of TMA",
     ),
     Mutation(
-        "ablate.one_stage_less", KERNEL,
+        "ablate.one_stage_less", TILES,
         "    return min(8, (SMEM_BYTES - epi_bytes - MAX_GROUPS * 4 - 2048) // stage_bytes)",
         "    return min(8, (SMEM_BYTES - epi_bytes - MAX_GROUPS * 4 - 2048) // stage_bytes) - 1",
         "operand pipeline one stage shallower: how much depth matters",
     ),
     Mutation(
-        "ablate.epi_n64", KERNEL,
+        "ablate.epi_n64", TILES,
         "EPI_N = 32\n", "EPI_N = 64\n",
         "the output leaves in 64-column subtiles: half the epilogue's barriers, one operand stage less at "
         "bn=256",
     ),
     Mutation(
-        "ablate.epi_bufs4", KERNEL,
+        "ablate.epi_bufs4", TILES,
         "EPI_BUFS = 2\n", "EPI_BUFS = 4\n",
         "four output subtile buffers, so no subtile waits for an earlier store to leave shared memory; one "
         "operand stage less at bn=256",
@@ -243,13 +245,13 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
             description="every grouped GEMM in 128-wide N tiles: six operand stages instead of four, at "
             "twice the re-reads of A: whether more stages in flight pace the gathering producer"),
     Mutation(
-        "ablate.gather_act_no_compute", KERNEL,
+        "ablate.gather_act_no_compute", EPILOGUE,
         "    r_bits.store(bits)\n", "    r_bits.fill(0)\n",
         "timing only: the fused-activation epilogue stages and stores zeros as act(h) instead of computing "
         "it: what the activation's arithmetic costs",
     ),
     Mutation(
-        "ablate.gather_act_no_a_tma", KERNEL,
+        "ablate.gather_act_no_a_tma", EPILOGUE,
         "            if const_expr(act_by_tma(n, act)):\n"
         "                cute.copy(epi.act_tma_atom, views.b_sa[(None, buf)], "
         "views.b_ga[(None, (0, sub))])\n",

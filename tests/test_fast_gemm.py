@@ -309,7 +309,7 @@ _BROKEN_PAIRING = """
 from nmoe.fast import runtime
 runtime.import_cutlass("sm_90a")
 import cutlass.cute as cute
-from nmoe.fast.kernels.sm90 import grouped_gemm as g
+from nmoe.fast.kernels.sm90 import tiles as g
 right = g.store_copy
 
 def column_major_threads(bn, width, n_threads=g.CONSUMER_THREADS):
@@ -691,7 +691,8 @@ def test_act_under_torch_compile() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Separating inputs for the GPU mutations of the kernel (anchors in nmoe/fast/kernels/sm90/grouped_gemm.py):
+# Separating inputs for the GPU mutations of the kernels (anchors in nmoe/fast/kernels/sm90/: grouped_gemm.py,
+# epilogue.py, tiles.py):
 # each test first shows the correct and the mutated formula differ beyond the bound, then checks the kernel.
 # ---------------------------------------------------------------------------------------------------------
 

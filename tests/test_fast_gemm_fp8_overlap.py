@@ -14,7 +14,7 @@ from torch import Tensor
 
 from nmoe.fast.gemm import sm90_fp8 as gemm_fp8
 from nmoe.fast.gemm.sm90_fp8 import KERNELS
-from nmoe.fast.kernels.sm90.grouped_gemm import EPI_N
+from nmoe.fast.kernels.sm90.tiles import EPI_N
 
 gpu = pytest.mark.gpu
 __all__ = ["probe"]

@@ -100,7 +100,8 @@ def test_pingpong_staging_order_is_not_the_flat_order(tmp_path: Path) -> None:
         import cutlass.utils.hopper_helpers as sm90_utils
         from cutlass import BFloat16, Float32
         from cutlass.tensor_utils import LayoutEnum
-        from nmoe.fast.kernels.sm90 import grouped_gemm as g
+        from nmoe.fast.kernels.sm90 import epilogue as ep
+        from nmoe.fast.kernels.sm90 import tiles as g
 
         @cute.jit
         def main():
@@ -111,7 +112,7 @@ def test_pingpong_staging_order_is_not_the_flat_order(tmp_path: Path) -> None:
                 stm = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16)
                 r2s = cute.make_tiled_copy_S(stm, cute.make_tiled_copy_C_atom(stm, mma))
                 shape = mma.get_slice(0).partition_shape_C((g.BM, bn))
-                order = g.acc_order(mma, r2s, shape, g.tile_wgs(pingpong) * g.WG_THREADS)
+                order = ep.acc_order(mma, r2s, shape, g.tile_wgs(pingpong) * g.WG_THREADS)
                 print("FLAT" if order == tuple(range(len(order))) else "PERMUTED", len(order))
 
         cute.compile(main)

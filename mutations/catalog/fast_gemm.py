@@ -5,6 +5,8 @@ from __future__ import annotations
 from mutations.model import Mutation, sep_mutation
 
 FILE = "nmoe/fast/kernels/sm90/grouped_gemm.py"
+EPILOGUE = "nmoe/fast/kernels/sm90/epilogue.py"
+TILES = "nmoe/fast/kernels/sm90/tiles.py"
 WGRAD = "nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py"
 PLAN = "nmoe/fast/kernels/sm90/gatherplan.py"
 GATHER = "nmoe/fast/kernels/sm90/grouped_gemm_gather.py"
@@ -31,7 +33,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "accumulator rounded to bf16 after every K tile", TESTS, ("grouped_gemm",), device="gpu",
     ),
     sep_mutation(
-        "gemm.fast_pingpong_acc_order_flat", FILE,
+        "gemm.fast_pingpong_acc_order_flat", EPILOGUE,
         "                epi.r_f[v] = epi.t_rs_acc[epi.order[sub * size_sub + v]]",
         "                epi.r_f[v] = epi.t_rs_acc[sub * size_sub + v]",
         "the epilogue stages the retiled accumulator in its flat order, as if it listed the subtiles one "
@@ -63,26 +65,26 @@ MUTATIONS: tuple[Mutation, ...] = (
         "rows past offs[-1] keep stale output instead of zeros", TESTS, ("grouped_gemm",), device="gpu",
     ),
     sep_mutation(
-        "gemm.fast_ragged_n_dropped", FILE,
+        "gemm.fast_ragged_n_dropped", EPILOGUE,
         "cols_valid = n - n_tile * bn", "cols_valid = (n // bn - n_tile) * bn",
         "columns of a ragged last N tile are never stored", TESTS, ("grouped_gemm",), device="gpu",
     ),
     sep_mutation(
-        "gemm.fast_epilogue_act_swapped", FILE,
+        "gemm.fast_epilogue_act_swapped", EPILOGUE,
         "        hf.store(h.to(Float32))\n",
         "        for v in range_constexpr(total):\n            hf[v] = r_ha[v ^ 1].to(Float32)\n",
         "the fused swiglu epilogue takes silu of the up column and multiplies the gate (gate/up swapped)",
         TESTS, ("grouped_gemm_act",), device="gpu",
     ),
     sep_mutation(
-        "gemm.fast_act_staged_wrong_buffer", FILE,
+        "gemm.fast_act_staged_wrong_buffer", EPILOGUE,
         "        s_bits[(coord[0], coord[1] // ratio, buf)] = ",
         "        s_bits[(coord[0], coord[1] // ratio, (buf + 1) % EPI_BUFS)] = ",
         "the fused epilogue stages act(h) in the other buffer than its TMA store reads, so each full tile's "
         "act subtile leaves with its neighbour's values", TESTS, ("grouped_gemm_act",), device="gpu",
     ),
     sep_mutation(
-        "gemm.fast_wgrad_accumulate_stores", FILE,
+        "gemm.fast_wgrad_accumulate_stores", TILES,
         "    op = cpasync.CopyReduceBulkTensorTileS2GOp() if accumulate else "
         "cpasync.CopyBulkTensorTileS2GOp()\n",
         "    op = cpasync.CopyBulkTensorTileS2GOp()\n",
@@ -91,7 +93,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ACC_TESTS, ("grouped_gemm_wgrad",),
     ),
     sep_mutation(
-        "gemm.fast_wgrad_accumulate_cut_tile_stores", FILE,
+        "gemm.fast_wgrad_accumulate_cut_tile_stores", EPILOGUE,
         "                        _add_chunk(epi.t_s_sd[(None, i, j, buf)], t_s_gd[(None, i, j)])\n",
         "                        cute.copy(epi.s2g_atom, epi.t_s_sd[(None, i, j, buf)], "
         "t_s_gd[(None, i, j)])\n",
@@ -173,7 +175,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         TESTS, ("grouped_gemm",), device="gpu",
     ),
     sep_mutation(
-        "gemm.fast_act_only_act_store_dropped", FILE,
+        "gemm.fast_act_only_act_store_dropped", EPILOGUE,
         "            if const_expr(act_by_tma(n, act)):\n"
         "                cute.copy(epi.act_tma_atom, views.b_sa[(None, buf)], "
         "views.b_ga[(None, (0, sub))])\n",

@@ -51,7 +51,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         OVERLAP_TESTS, CONTRACTS, device="gpu",
     ),
     sep_mutation(
-        "gemm.fast_fp8_staged_store_next_buffer", "nmoe/fast/kernels/sm90/grouped_gemm.py",
+        "gemm.fast_fp8_staged_store_next_buffer", "nmoe/fast/kernels/sm90/epilogue.py",
         "                cute.copy(epi.tma_atom, views.b_sd[(None, buf)], views.b_gd[(None, (0, sub))])\n",
         "                cute.copy(epi.tma_atom, views.b_sd[(None, epi.buf0 + (sub + 1) % bufs)], "
         "views.b_gd[(None, (0, sub))])\n",

@@ -4,7 +4,7 @@ syncs the host. Import only after nmoe.fast.runtime.import_cutlass("sm_90a")."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, NoReturn, cast
+from typing import Any
 
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
@@ -21,159 +21,35 @@ from cutlass.cutlass_dsl.cutlass import min as dsl_min
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from nmoe.constants import ACT_H_COLUMNS
-from nmoe.fast.kernels.activation import relu2_bits
-from nmoe.fast.kernels.prims import out_bits
-from nmoe.fast.kernels.sm90.gatherplan import PRODUCER_THREADS
-from nmoe.fast.kernels.swiglu import swiglu_pairs
+from nmoe.fast.kernels.sm90.epilogue import (
+    act_by_tma,
+    drain_stores,
+    epilogue_copies,
+    store_tile,
+)
+from nmoe.fast.kernels.sm90.tiles import (
+    CONSUMER_REGS,
+    CONSUMER_WGS,
+    EPI_N,
+    EPILOGUES,
+    K_BLOCKS,
+    ORDER_BARRIER_ID,
+    PRODUCER_REGS,
+    THREADS,
+    WG_THREADS,
+    act_smem_layout,
+    check_pairing,
+    epi_sets,
+    epi_smem_layout,
+    epi_tma,
+    stages_for,
+    tile_wgs,
+)
 from nmoe.fast.limits import GEMM_BK as BK
 from nmoe.fast.limits import GEMM_BM as BM
 from nmoe.fast.limits import GEMM_CLUSTER_M as CLUSTER_M
 from nmoe.fast.limits import GEMM_MAX_GROUPS as MAX_GROUPS
 from nmoe.fast.limits import GEMM_PINGPONG_BN as PINGPONG_BN
-
-K_BLOCKS = BK // 16
-WG_THREADS = PRODUCER_THREADS
-CONSUMER_WGS = 2
-CONSUMER_THREADS = CONSUMER_WGS * WG_THREADS
-THREADS = WG_THREADS + CONSUMER_THREADS
-PRODUCER_REGS = 40
-CONSUMER_REGS = 232
-EPI_BARRIER_ID = 1
-# Ping-pong warpgroup wg arrives on ORDER_BARRIER_ID + wg when its unit's stages have all arrived, and the
-# other waits on it before its own: mbarrier waits match phases by parity only, so no warpgroup may wait on a
-# stage more than one fill ahead of the producer.
-ORDER_BARRIER_ID = EPI_BARRIER_ID + CONSUMER_WGS
-SMEM_BYTES = 232448
-VEC = 8
-# The output leaves through EPI_BUFS swizzled BM x EPI_N subtiles: small enough to leave room for a deeper
-# operand pipeline, double-buffered so a subtile's TMA store overlaps the next one's stmatrix.
-EPI_N = 32
-EPI_BUFS = 2
-EPI_SMEM_BYTES = BM * EPI_N * 2 * EPI_BUFS
-STORE_WARP = 4
-# Accumulator values per thread whose activation is computed in one batch (two cooperative subtiles, one
-# ping-pong subtile): as much overlap as fits in registers without spilling.
-ACT_VALUES = 32
-# h columns per output column of each fused epilogue ("none": the plain GEMM).
-EPILOGUES: dict[str, int] = {"none": 1, **ACT_H_COLUMNS}
-
-
-# Ping-pong: each consumer warpgroup takes every other work unit, a whole BM x PINGPONG_BN tile, so one's
-# epilogue runs under the other's mainloop (the shared stage ring already orders their mainloops); each keeps
-# its own output subtiles, barrier and storing warp. Cooperative: both split one BM x bn tile by rows.
-def tile_wgs(pingpong: bool) -> int:
-    """Consumer warpgroups that share one output tile."""
-    return 1 if pingpong else CONSUMER_WGS
-
-
-def epi_sets(pingpong: bool) -> int:
-    """Output staging sets: one per warpgroup running an epilogue of its own."""
-    return CONSUMER_WGS // tile_wgs(pingpong)
-
-
-def epi_bufs(bn: int, staged: bool) -> int:
-    """Output subtiles: EPI_BUFS, or (staged) a whole tile's, so the tile's TMA stores drain under the next
-    tile's MMAs instead of holding the consumers, at the shared memory of about one operand stage."""
-    return bn // EPI_N if staged else EPI_BUFS
-
-
-def epi_smem_bytes(bn: int, staged: bool) -> int:
-    """Shared memory of epi_bufs(bn, staged) bf16 BM x EPI_N output subtiles."""
-    return BM * EPI_N * 2 * epi_bufs(bn, staged)
-
-
-def pipeline_stages(stage_bytes: int, epi_bytes: int = EPI_SMEM_BYTES) -> int:
-    """Operand pipeline depth that fits next to the output staging, the offs table and the mbarriers."""
-    return min(8, (SMEM_BYTES - epi_bytes - MAX_GROUPS * 4 - 2048) // stage_bytes)
-
-
-def stages_for(bn: int, act: str = "none", pingpong: bool = False) -> int:
-    sets = epi_sets(pingpong)
-    return pipeline_stages((BM + bn) * BK * 2, sets * (EPI_SMEM_BYTES + act_smem_bytes(act)))
-
-
-def act_cols(act: str) -> int:
-    """Columns of an act(h) subtile: one per ratio h columns of the EPI_N-wide h subtile."""
-    return EPI_N // EPILOGUES[act]
-
-
-def act_smem_bytes(act: str) -> int:
-    """act(h) leaves through its own EPI_BUFS subtiles of BM x act_cols, beside h's."""
-    return 0 if act == "none" else BM * act_cols(act) * 2 * EPI_BUFS
-
-
-def act_smem_layout(act: str, sets: int = 1) -> cute.Layout:
-    """Row-major act(h) subtiles (32- or 64-byte rows, unswizzled): written by scalar stores, read by TMA."""
-    cols = act_cols(act)
-    layout: cute.Layout = cute.make_layout((BM, cols, EPI_BUFS * sets), stride=(cols, 1, BM * cols))
-    return layout
-
-
-def epi_smem_layout(sets: int = 1, bufs: int = EPI_BUFS) -> cute.ComposedLayout:
-    layout: cute.ComposedLayout = sm90_utils.make_smem_layout_epi(BFloat16, LayoutEnum.ROW_MAJOR, (BM, EPI_N),
-                                                                  bufs * sets)
-    return layout
-
-
-def epi_tma(m_y: cute.Tensor, act: str = "none",
-            accumulate: bool = False) -> tuple[cute.CopyAtom, cute.Tensor]:
-    """TMA store of one output subtile (of h, or with act given of act(h)); full tiles leave this way,
-    asynchronously, tiles cut by a group end or the last N columns through masked per-thread stores.
-    accumulate: a TMA reduce-add instead, y = bf16(y + subtile), what a bf16 add of the two would give."""
-    if act == "none":
-        layout: Any = cute.slice_(epi_smem_layout(), (None, None, 0))
-        cols = EPI_N
-    else:
-        layout, cols = cute.slice_(act_smem_layout(act), (None, None, 0)), act_cols(act)
-    op = cpasync.CopyReduceBulkTensorTileS2GOp() if accumulate else cpasync.CopyBulkTensorTileS2GOp()
-    atom, tensor = cpasync.make_tiled_tma_atom(op, m_y, layout, (BM, cols))
-    return atom, tensor
-
-
-def store_copy(bn: int, width: int, threads: int = CONSUMER_THREADS) -> tuple[cute.CopyAtom, cute.TiledCopy]:
-    """Epilogue stores: a tile's epilogue threads tile the BM x bn h tile in 8-column chunks, each thread
-    writing `width` contiguous bf16 of its chunk's output (8 for h and relu2, 4 for swiglu)."""
-    chunks_n = bn // VEC
-    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=16 * width)
-    tiled = cute.make_tiled_copy_tv(
-        atom,
-        cute.make_layout((threads // chunks_n, chunks_n), stride=(chunks_n, 1)),
-        cute.make_layout((1, width)),
-    )
-    return atom, tiled
-
-
-def check_pairing(bn: int, act: str, threads: int = CONSUMER_THREADS) -> None:
-    """Trace-time proof over every epilogue thread and chunk that output element (r, c) is computed from h
-    columns ratio*c .. ratio*c + ratio - 1 of row r (swiglu: the (gate, up) pair) through identity tensors."""
-    ratio = EPILOGUES[act]
-    _, h_copy = store_copy(bn, VEC, threads)
-    _, a_copy = store_copy(bn, VEC // ratio, threads)
-    h_id = cute.make_identity_tensor((BM, bn))
-    a_id = cute.make_identity_tensor((BM, bn // ratio))
-
-    def fail(what: str) -> NoReturn:
-        raise RuntimeError(f"{act} epilogue pairing broken: {what}; rebuild both copies with store_copy")
-
-    # A partition is its thread's base coordinate plus a thread-independent layout: check each half.
-    h0 = h_copy.get_slice(0).partition_D(h_id)
-    a0 = a_copy.get_slice(0).partition_D(a_id)
-    if h0.shape[1:] != a0.shape[1:]:
-        fail(f"h chunks {h0.shape} and output chunks {a0.shape} iterate differently")
-    for t in range(threads):
-        h = h_copy.get_slice(t).partition_D(h_id)
-        a = a_copy.get_slice(t).partition_D(a_id)
-        (hr, hc), (ar, ac) = h.iterator, a.iterator
-        if str(h.layout) != str(h0.layout) or str(a.layout) != str(a0.layout) or (hr, hc) != (ar, ratio * ac):
-            fail(f"thread {t} starts at h {(hr, hc)} and output {(ar, ac)}")
-    for i in range(cute.size(h0, mode=[1])):
-        for j in range(cute.size(h0, mode=[2])):
-            for v in range(VEC // ratio):
-                r, c = a0.layout((v, i, j))
-                for p in range(ratio):
-                    if tuple(h0.layout((ratio * v + p, i, j))) != (r, ratio * c + p):
-                        fail(f"output offset {(r, c)} would read h offset {h0.layout((ratio * v + p, i, j))}")
 
 
 @cute.jit
@@ -226,272 +102,6 @@ def _seek(s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, t: Int32, e: Int3
             g_end = dsl_max(_group_end(s_offs, e, n_groups, m_rows), g_start)
         here = (g_end - g_start + (cm * BM - 1)) // (cm * BM) * n_tiles_n
     return e, g_start, g_end, before, here
-
-
-class Epilogue(NamedTuple):
-    """A consumer thread's share of the output path (and of act(h) when fused), built once per kernel."""
-
-    r2s: cute.TiledCopy
-    t_rs_d: cute.Tensor
-    t_rs_acc: cute.Tensor
-    r_f: cute.Tensor
-    r_d: cute.Tensor
-    s2g_atom: cute.CopyAtom
-    thr_s2g: Any
-    t_s_sd: cute.Tensor
-    t_s_cd: cute.Tensor
-    bar: pipeline.NamedBarrier
-    s_d: cute.Tensor
-    tma_atom: cute.CopyAtom
-    t_rs_c: cute.Tensor
-    s_act: Any
-    act_atom: cute.CopyAtom
-    t_s_sa: Any
-    thr_act: Any
-    act_tma_atom: Any
-    buf0: Int32
-    store_warp: Int32
-    order: tuple[int, ...]
-
-
-def epilogue_copies(tiled_mma: cute.TiledMma, acc: cute.Tensor, s_d: cute.Tensor, ctid: Int32,
-                    tma_atom: cute.CopyAtom, act: str = "none", s_act: Any = None,
-                    act_tma_atom: Any = None, pingpong: bool = False) -> Epilogue:
-    """stmatrix from the fp32 accumulator into bf16 smem subtiles (s_d: BM x EPI_N, store_tile's bufs a set),
-    act(h) by scalar stores into s_act (BM x EPI_N / ratio x EPI_BUFS per set), then TMA stores or masked
-    smem -> global chunks; ping-pong: warpgroup wg's own set, barrier and storing warp."""
-    threads = tile_wgs(pingpong) * WG_THREADS
-    wg = ctid // WG_THREADS if pingpong else Int32(0)
-    tid = ctid - wg * WG_THREADS
-    stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16)
-    r2s = cute.make_tiled_copy_S(stmatrix, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
-    if act == "swiglu":
-        check_fragment_pairs(r2s, threads)
-    thr_r2s = r2s.get_slice(tid)
-    d_shape = thr_r2s.partition_S(s_d).shape[:3]
-    s2g_atom, s2g = store_copy(EPI_N, VEC, threads)
-    thr_s2g = s2g.get_slice(tid)
-    act_atom, act_copy = store_copy(EPI_N, VEC // EPILOGUES[act], threads)
-    thr_act = act_copy.get_slice(tid)
-    t_s_sd = thr_s2g.partition_S(s_d)
-    return Epilogue(
-        r2s, thr_r2s.partition_D(s_d), r2s.retile(acc), cute.make_rmem_tensor(d_shape, Float32),
-        cute.make_rmem_tensor(d_shape, BFloat16), s2g_atom, thr_s2g, t_s_sd,
-        thr_s2g.partition_D(cute.make_identity_tensor((BM, EPI_N))),
-        pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID + wg, num_threads=threads), s_d, tma_atom,
-        thr_r2s.partition_S(cute.make_identity_tensor((BM, EPI_N))), s_act, act_atom,
-        None if act == "none" else thr_act.partition_S(s_act), thr_act, act_tma_atom,
-        wg * EPI_BUFS, STORE_WARP + wg * (WG_THREADS // 32), acc_order(tiled_mma, r2s, acc.shape, threads),
-    )
-
-
-def acc_order(tiled_mma: cute.TiledMma, r2s: cute.TiledCopy, acc_shape: Any, threads: int) -> tuple[int, ...]:
-    """Staged value i of an epilogue thread (subtile i // per, value i % per of its smem partition) is its
-    retiled accumulator value order[i]: found from thread 0's coordinates; every thread's partitions are
-    thread 0's layouts at one shared base coordinate, so the order holds for all."""
-    tile = cute.make_identity_tensor((BM, cute.size(acc_shape) * threads // BM))
-    sub_id = cute.make_identity_tensor((BM, EPI_N))
-
-    def parts(t: int) -> tuple[cute.Tensor, cute.Tensor]:
-        return r2s.retile(tiled_mma.get_slice(t).partition_C(tile)), r2s.get_slice(t).partition_S(sub_id)
-
-    acc0, part0 = parts(0)
-    per = cute.size(part0)
-    held = {tuple(cast(Any, acc0[j])): j for j in range(cute.size(acc0))}
-    at: list[Any] = [part0[v] for v in range(per)]
-    staged = [(at[i % per][0], i // per * EPI_N + at[i % per][1]) for i in range(cute.size(acc0))]
-    if sorted(held) != sorted(staged):
-        raise RuntimeError("epilogue subtiles do not cover the accumulator; rebuild r2s from tiled_mma")
-    for t in range(1, threads):
-        acc, part = parts(t)
-        if (str(acc.layout), str(part.layout)) != (str(acc0.layout), str(part0.layout)) or (
-                acc.iterator != part.iterator):
-            raise RuntimeError(f"epilogue thread {t}'s accumulator and staging partitions are not thread 0's "
-                               "at one base coordinate; the staging order would not hold for it")
-    return tuple(held[c] for c in staged)
-
-
-def check_fragment_pairs(r2s: cute.TiledCopy, threads: int = CONSUMER_THREADS) -> None:
-    """Trace-time proof over every epilogue thread that its subtile values 2p and 2p + 1 hold h columns
-    c and c + 1 of one row, c even: the (gate, up) pair swiglu takes from registers."""
-    ident = cute.make_identity_tensor((BM, EPI_N))
-    for t in range(threads):
-        part = r2s.get_slice(t).partition_S(ident)
-        base_r, base_c = part.iterator
-        for v in range(0, cute.size(part), 2):
-            (r0, c0), (r1, c1) = part.layout(v), part.layout(v + 1)
-            if base_c % 2 or c0 % 2 or (r0, c0 + 1) != (r1, c1):
-                raise RuntimeError(f"swiglu epilogue pairing broken: thread {t} values {v}, {v + 1} sit at "
-                                   f"{(base_r + r0, base_c + c0)} and {(base_r + r1, base_c + c1)}; the "
-                                   "stmatrix partition no longer keeps column pairs in adjacent values")
-
-
-@cute.jit
-def _act_tile(epi: Epilogue, first: Constexpr[int], total: Constexpr[int], act: Constexpr[str]
-              ) -> tuple[cute.Tensor, cute.Tensor]:
-    """bf16 h and act(h) bits (the standalone activation kernels' own math) of ACT_VALUES staged values from
-    value `first`, computed before they are staged so the activation's chains overlap instead of queuing."""
-    ratio = EPILOGUES[act]
-    r_fa = cute.make_rmem_tensor((total,), Float32)
-    for v in range_constexpr(total):
-        r_fa[v] = epi.t_rs_acc[epi.order[first + v]]
-    r_ha = cute.make_rmem_tensor((total,), BFloat16)
-    r_ha.store(r_fa.load().to(BFloat16))
-    h = r_ha.load()
-    if const_expr(act == "relu2"):
-        bits = relu2_bits(h, "bfloat16")
-    else:
-        hf = cute.make_rmem_tensor((total,), Float32)
-        hf.store(h.to(Float32))
-        bits = out_bits(swiglu_pairs(hf, total // 2).load(), "bfloat16")
-    r_bits = cute.make_rmem_tensor((total // ratio,), Int16)
-    r_bits.store(bits)
-    return r_ha, r_bits
-
-
-@cute.jit
-def _stage_act(epi: Epilogue, r_bits: cute.Tensor, sub: Constexpr[int], buf: Int32,
-               act: Constexpr[str]) -> None:
-    """Subtile sub's act(h) bits to the act staging buffer at (row, col // ratio)."""
-    ratio = EPILOGUES[act]
-    per = cute.size(epi.r_d) // ratio
-    batch = act_batch(cute.size(epi.r_d))
-    s_bits = cute.recast_tensor(epi.s_act, Int16)
-    for p in range_constexpr(per):
-        coord: Any = epi.t_rs_c[ratio * p]
-        s_bits[(coord[0], coord[1] // ratio, buf)] = r_bits[sub % batch * per + p]
-
-
-def act_batch(size_sub: int) -> int:
-    """Subtiles whose activation is computed together: ACT_VALUES of a thread's staged values."""
-    return max(1, ACT_VALUES // size_sub)
-
-
-def act_by_tma(n: int, act: str) -> bool:
-    """act(h) rows of n / ratio bf16 leave by TMA only when their stride is whole 16-byte units."""
-    return act != "none" and (n // EPILOGUES[act]) * 2 % 16 == 0
-
-
-@cute.jit
-def _add_chunk(src: cute.Tensor, dst: cute.Tensor) -> None:
-    """dst = bf16(dst + src) for one 16-byte chunk (fp32 sum, rounded once, as torch's bf16 add)."""
-    dst.store((dst.load().to(Float32) + src.load().to(Float32)).to(BFloat16))
-
-
-class TileViews(NamedTuple):
-    """Where one output tile goes: its subtile buffers and global boxes for TMA (h's, then act(h)'s), how
-    many of its rows and columns are real, whether it leaves by TMA, and whether this warp issues it."""
-
-    b_sd: cute.Tensor
-    b_gd: cute.Tensor
-    b_sa: Any
-    b_ga: Any
-    rows_valid: Int32
-    cols_valid: Int32
-    tma_ok: Any
-    store_warp: Any
-
-
-@cute.jit
-def tile_views(epi: Epilogue, tma_d: cute.Tensor, row0: Int32, n_tile: Int32, row_end: Int32,
-               n: Constexpr[int], bn: Constexpr[int], act: Constexpr[str], tma_act: Any = None) -> TileViews:
-    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    rows_valid = row_end - row0
-    cols_valid = n - n_tile * bn
-    g_tile = cute.local_tile(cute.domain_offset((row0, 0), tma_d), (BM, bn), (0, n_tile))
-    b_sd, b_gd = cpasync.tma_partition(epi.tma_atom, 0, cute.make_layout(1), cute.group_modes(epi.s_d, 0, 2),
-                                       cute.zipped_divide(g_tile, (BM, EPI_N)))
-    b_sa, b_ga = None, None
-    if const_expr(act_by_tma(n, act)):
-        g_act = cute.local_tile(cute.domain_offset((row0, 0), tma_act), (BM, bn // EPILOGUES[act]),
-                                (0, n_tile))
-        b_sa, b_ga = cpasync.tma_partition(epi.act_tma_atom, 0, cute.make_layout(1),
-                                           cute.group_modes(epi.s_act, 0, 2),
-                                           cute.zipped_divide(g_act, (BM, act_cols(act))))
-    tma_ok = rows_valid >= BM and cols_valid >= bn
-    store_warp = warp_idx == epi.store_warp
-    return TileViews(b_sd, b_gd, b_sa, b_ga, rows_valid, cols_valid, tma_ok, store_warp)
-
-
-@cute.jit
-def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.Tensor, row0: Int32,
-               n_tile: Int32, row_end: Int32, n: Constexpr[int], bn: Constexpr[int],
-               act: Constexpr[str], tma_act: Any = None, accumulate: Constexpr[bool] = False,
-               bufs: Constexpr[int] = EPI_BUFS, keep_h: Constexpr[bool] = True) -> None:
-    """The tile's rows below row_end and columns below n, one EPI_N subtile at a time: registers -> bf16
-    smem subtile (and act(h) from the same bf16 registers -> its own subtile) -> TMA stores (full tiles) or
-    masked 16-byte stores; accumulate: added to what m_d holds; keep_h False: act(h) alone leaves."""
-    assert act == "none" or bufs == EPI_BUFS, f"act(h) is staged in {EPI_BUFS} subtiles, not {bufs}"
-    assert keep_h or act != "none", "an epilogue without act(h) must store h"
-    views = tile_views(epi, tma_d, row0, n_tile, row_end, n, bn, act, tma_act)
-    size_sub = cute.size(epi.r_f)
-    batch = act_batch(size_sub)
-    for sub in range_constexpr(bn // EPI_N):
-        buf = epi.buf0 + sub % bufs
-        if const_expr(act != "none" and sub % batch == 0):
-            r_ha, r_bits = _act_tile(epi, sub * size_sub, batch * size_sub, act)
-        if const_expr(act == "none"):
-            for v in range_constexpr(size_sub):
-                epi.r_f[v] = epi.t_rs_acc[epi.order[sub * size_sub + v]]
-            epi.r_d.store(epi.r_f.load().to(BFloat16))
-        else:
-            if const_expr(keep_h):
-                for v in range_constexpr(size_sub):
-                    epi.r_d[v] = r_ha[sub % batch * size_sub + v]
-            _stage_act(epi, r_bits, sub, buf, act)
-        emit_subtile(epi, views, epi.r_d, m_d, m_act, row0, n_tile, sub, buf, n, bn, act, accumulate, bufs,
-                     keep_h)
-
-
-@cute.jit
-def emit_subtile(epi: Epilogue, views: TileViews, r_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.Tensor,
-                 row0: Int32, n_tile: Int32, sub: Constexpr[int], buf: Any, n: Constexpr[int],
-                 bn: Constexpr[int], act: Constexpr[str], accumulate: Constexpr[bool] = False,
-                 bufs: Constexpr[int] = EPI_BUFS, keep_h: Constexpr[bool] = True) -> None:
-    """Subtile sub of a tile, its bf16 values in r_d (act(h) already staged): into smem buffer buf, then out
-    by TMA (full tiles) or by masked 16-byte stores."""
-    if const_expr(keep_h):
-        cute.copy(epi.r2s, r_d, epi.t_rs_d[(None, None, None, buf)])
-    cute.arch.fence_proxy("async.shared", space="cta")
-    epi.bar.arrive_and_wait()
-    sub_n = n_tile * (bn // EPI_N) + sub
-    if const_expr(act != "none"):
-        t_s_ga = epi.thr_act.partition_D(
-            cute.local_tile(cute.domain_offset((row0, 0), m_act), (BM, act_cols(act)), (0, sub_n)))
-    if views.tma_ok:
-        if views.store_warp:
-            if const_expr(keep_h):
-                cute.copy(epi.tma_atom, views.b_sd[(None, buf)], views.b_gd[(None, (0, sub))])
-            if const_expr(act_by_tma(n, act)):
-                cute.copy(epi.act_tma_atom, views.b_sa[(None, buf)], views.b_ga[(None, (0, sub))])
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(bufs - 1, read=True)
-        if const_expr(act != "none" and not act_by_tma(n, act)):
-            cute.copy(epi.act_atom, epi.t_s_sa[(None, None, None, buf)], t_s_ga)
-    else:
-        g_d = cute.local_tile(cute.domain_offset((row0, 0), m_d), (BM, EPI_N), (0, sub_n))
-        t_s_gd = epi.thr_s2g.partition_D(g_d)
-        for i in range_constexpr(cute.size(epi.t_s_sd, mode=[1])):
-            for j in range_constexpr(cute.size(epi.t_s_sd, mode=[2])):
-                coord: Any = epi.t_s_cd[(0, i, j)]
-                if coord[0] < views.rows_valid and coord[1] < views.cols_valid - sub * EPI_N:
-                    if const_expr(accumulate):
-                        _add_chunk(epi.t_s_sd[(None, i, j, buf)], t_s_gd[(None, i, j)])
-                    elif const_expr(keep_h):
-                        cute.copy(epi.s2g_atom, epi.t_s_sd[(None, i, j, buf)], t_s_gd[(None, i, j)])
-                    if const_expr(act != "none"):
-                        cute.copy(epi.act_atom, epi.t_s_sa[(None, i, j, buf)], t_s_ga[(None, i, j)])
-        if views.store_warp:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-    epi.bar.arrive_and_wait()
-
-
-@cute.jit
-def drain_stores(store_warp: Int32 | int = STORE_WARP) -> None:
-    """Outstanding TMA stores complete before the CTA exits."""
-    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    if warp_idx == store_warp:
-        cute.arch.cp_async_bulk_wait_group(0)
 
 
 @cute.jit

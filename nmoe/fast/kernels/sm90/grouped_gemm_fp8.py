@@ -21,12 +21,12 @@ from cutlass.tensor_utils import LayoutEnum
 from nmoe.constants import E8M0_NAN, F32_CANONICAL_NAN, FP8_WEIGHT_BLOCK, MXFP8_BLOCK_SM90
 from nmoe.fast.kernels.formats import e8m0_value_bits
 from nmoe.fast.kernels.prims import i2f, sel
+from nmoe.fast.kernels.sm90.epilogue import (
+    drain_stores,
+    epilogue_copies,
+    store_tile,
+)
 from nmoe.fast.kernels.sm90.grouped_gemm import (
-    CONSUMER_REGS,
-    CONSUMER_WGS,
-    PRODUCER_REGS,
-    THREADS,
-    WG_THREADS,
     _seek,
     _tile_at,
     b_tma,
@@ -34,18 +34,22 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     cluster_units,
     cta_setup,
     cta_start,
-    drain_stores,
+    first_unit,
+    mma_fragments,
+    pointer,
+    produce_tiles,
+)
+from nmoe.fast.kernels.sm90.tiles import (
+    CONSUMER_REGS,
+    CONSUMER_WGS,
+    PRODUCER_REGS,
+    THREADS,
+    WG_THREADS,
     epi_bufs,
     epi_smem_bytes,
     epi_smem_layout,
     epi_tma,
-    epilogue_copies,
-    first_unit,
-    mma_fragments,
     pipeline_stages,
-    pointer,
-    produce_tiles,
-    store_tile,
 )
 from nmoe.fast.limits import GEMM_BM as BM
 

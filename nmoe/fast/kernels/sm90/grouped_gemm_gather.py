@@ -17,24 +17,26 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.typing import Pointer
 
 from nmoe.fast.kernels.sm90.grouped_gemm import (
-    EPILOGUES,
-    PRODUCER_REGS,
-    THREADS,
     _gemm_setup,
     _seek,
     check_schedule,
     cluster_dims,
     consume_tiles,
     copy_b,
-    epi_sets,
-    epi_smem_layout,
     first_unit,
     fwd_cta_begin,
     n_k_tiles,
     n_tiles_n_of,
     pointer,
-    stages_for,
     unit_tile,
+)
+from nmoe.fast.kernels.sm90.tiles import (
+    EPILOGUES,
+    PRODUCER_REGS,
+    THREADS,
+    epi_sets,
+    epi_smem_layout,
+    stages_for,
 )
 from nmoe.fast.limits import GEMM_BK as BK
 from nmoe.fast.limits import GEMM_BM as BM

@@ -21,32 +21,36 @@ from cutlass.cutlass_dsl.cutlass import min as dsl_min
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
+from nmoe.fast.kernels.sm90.epilogue import (
+    Pending,
+    drain_stores,
+    emit_held,
+    epilogue_copies,
+    hold,
+    store_tile,
+)
 from nmoe.fast.kernels.sm90.gatherplan import gather_lag, gather_lanes, own_row, source_lane
 from nmoe.fast.kernels.sm90.grouped_gemm import (
+    _issue_mmas,
+    cta_setup,
+    cta_start,
+    mma_fragments,
+)
+from nmoe.fast.kernels.sm90.grouped_gemm_gather import arm_stage
+from nmoe.fast.kernels.sm90.tiles import (
     CONSUMER_REGS,
     CONSUMER_THREADS,
     CONSUMER_WGS,
-    EPI_BUFS,
     EPI_N,
     EPI_SMEM_BYTES,
     PRODUCER_REGS,
     THREADS,
     VEC,
     WG_THREADS,
-    _issue_mmas,
-    cta_setup,
-    cta_start,
-    drain_stores,
-    emit_subtile,
     epi_smem_layout,
     epi_tma,
-    epilogue_copies,
-    mma_fragments,
     pipeline_stages,
-    store_tile,
-    tile_views,
 )
-from nmoe.fast.kernels.sm90.grouped_gemm_gather import arm_stage
 from nmoe.fast.limits import GEMM_BK as BK
 from nmoe.fast.limits import GEMM_BM as BM
 from nmoe.fast.limits import GEMM_MAX_GROUPS as MAX_GROUPS
@@ -295,42 +299,6 @@ def _mask_tail(s_a: cute.Tensor, s_b: cute.Tensor, stage: Int32, valid: Int32, b
         _zero_rows(s_b, stage, valid, bn, ctid)
         cute.arch.fence_proxy("async.shared", space="cta")
         bar.arrive_and_wait()
-
-
-class Pending(NamedTuple):
-    """A deferred epilogue: the finished tile's bf16 subtiles in registers (`regs`, one per EPI_N columns)
-    and where they go; the tile's rows and the held flag travel beside it as loop scalars."""
-
-    epi: Any
-    regs: list[cute.Tensor]
-    tma_d: cute.Tensor
-    m_d: cute.Tensor
-    k: int
-    bn: int
-    accumulate: bool
-
-
-@cute.jit
-def hold(p: Pending) -> None:
-    """The accumulator, rounded once to bf16, into the held subtiles (as store_tile would stage them)."""
-    size_sub = cute.size(p.epi.r_f)
-    for sub in range_constexpr(p.bn // EPI_N):
-        for v in range_constexpr(size_sub):
-            p.epi.r_f[v] = p.epi.t_rs_acc[p.epi.order[sub * size_sub + v]]
-        p.regs[sub].store(p.epi.r_f.load().to(BFloat16))
-
-
-@cute.jit
-def emit_held(p: Pending, row0: Int32, n_tile: Int32, row_end: Int32, on: Int32, lo: Int32,
-              hi: Int32) -> None:
-    """The held subtiles lo <= sub < hi leave (when a tile is held): each by a static branch, since a
-    register subtile is chosen at compile time."""
-    if on == 1 and lo < hi and lo < p.bn // EPI_N:
-        views = tile_views(p.epi, p.tma_d, row0, n_tile, row_end, p.k, p.bn, "none")
-        for sub in range_constexpr(p.bn // EPI_N):
-            if sub >= lo and sub < hi:
-                emit_subtile(p.epi, views, p.regs[sub], p.m_d, p.m_d, row0, n_tile, sub,
-                             p.epi.buf0 + sub % EPI_BUFS, p.k, p.bn, "none", p.accumulate)
 
 
 @cute.jit
