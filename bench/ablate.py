@@ -64,6 +64,12 @@ _WGRAD_DEFERRED = Mutation(
     "the TMA wgrad holds each finished tile's bf16 subtiles in registers and sends one under each K box of "
     "the next tile's wgmmas, instead of storing them all before that tile starts",
 )
+_FWD_DEFERRED = Mutation(
+    "ablate.fwd_deferred", LIMITS,
+    "GEMM_FWD_DEFERRED: Final[bool] = False\n", "GEMM_FWD_DEFERRED: Final[bool] = True\n",
+    "the cooperative TMA-fed fwd and dgrad (K above the ping-pong's) hold each tile's bf16 subtiles in "
+    "registers and send one under each K box of the next tile's wgmmas",
+)
 _FP8_SERIAL = Mutation(
     "ablate.fp8_serial", LIMITS,
     "GEMM_FP8_OVERLAP: Final[bool] = True\n", "GEMM_FP8_OVERLAP: Final[bool] = False\n",
@@ -126,6 +132,7 @@ ABLATIONS: tuple[Mutation, ...] = (
     _NO_PINGPONG,
     _WGRAD_STATIC,
     _WGRAD_DEFERRED,
+    _FWD_DEFERRED,
     Mutation(
         "ablate.cluster_one", LIMITS,
         "GEMM_CLUSTER_M: Final[int] = 2\n", "GEMM_CLUSTER_M: Final[int] = 1\n",

@@ -114,11 +114,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         "group's rows reach dw", TESTS, ("grouped_gemm_wgrad",), device="gpu",
     ),
     sep_mutation(
+        "gemm.fast_fwd_deferred_subtile_skipped", FILE,
+        "                        emit_held(held, p_row0, p_tile, p_end, p_on, _kt, _kt + 1)\n",
+        "                        emit_held(held, p_row0, p_tile, p_end, p_on, _kt + 1, _kt + 2)\n",
+        "the deferred fwd/dgrad epilogue sends subtile kt + 1 under K box kt: subtile 1 of a held tile never "
+        "leaves", "tests/test_fast_gemm_deferred.py", ("grouped_gemm", "grouped_gemm_dgrad"), device="gpu",
+    ),
+    sep_mutation(
         "gemm.fast_wgrad_deferred_subtile_skipped", WGRAD,
         "                    emit_held(held, p_row0, p_tile, p_end, p_on, kt, kt + 1)\n",
         "                    emit_held(held, p_row0, p_tile, p_end, p_on, kt + 1, kt + 2)\n",
         "the deferred wgrad epilogue sends subtile kt + 1 under K box kt: subtile 1 of a tile followed by "
-        "one of two or more boxes never leaves", "tests/test_fast_wgrad_deferred.py", ("grouped_gemm_wgrad",),
+        "one of two or more boxes never leaves", "tests/test_fast_gemm_deferred.py", ("grouped_gemm_wgrad",),
         device="gpu",
     ),
     sep_mutation(

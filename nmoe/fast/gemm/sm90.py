@@ -26,6 +26,7 @@ from nmoe.fast.limits import (
     GEMM_BM,
     GEMM_BN_CHOICES,
     GEMM_CLUSTER_M,
+    GEMM_FWD_DEFERRED,
     GEMM_GATHER_CLUSTER_M,
     GEMM_GATHER_CLUSTER_N,
     GEMM_GATHER_PINGPONG,
@@ -40,10 +41,12 @@ from nmoe.fast.runtime import KernelSpec, tma_aligned
 ARCH = "sm_90a"
 _FWD_MODULE = "nmoe.fast.kernels.sm90.grouped_gemm"
 FWD = Kernel(_FWD_MODULE, "grouped_gemm_fwd",
-             lambda km, n, k, bn, act, pingpong=False: km.compile_args(n, k, bn, True, act, pingpong),
+             lambda km, n, k, bn, act, pingpong=False, deferred=False: km.compile_args(n, k, bn, True, act,
+                                                                                      pingpong, deferred),
              (ARCH,), "nmoe.fast.gemm.grouped_gemm")
 DGRAD = Kernel(_FWD_MODULE, "grouped_gemm_dgrad",
-               lambda km, n, k, bn, pingpong=False: km.compile_args(n, k, bn, False, "none", pingpong),
+               lambda km, n, k, bn, pingpong=False, deferred=False: km.compile_args(n, k, bn, False, "none",
+                                                                                   pingpong, deferred),
                (ARCH,), "nmoe.fast.gemm.grouped_gemm_dgrad")
 GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_gather", "grouped_gemm_gather",
                 lambda km, n, k, bn, act, w_k_major, pingpong=False, cn=1, keep_h=True:
@@ -200,10 +203,11 @@ def _prepare(op: str, a: Tensor, w: Tensor, offs: Tensor, n: int, w_k_major: boo
         return device, None, True, (m, 0, 0)
     bn, pp = schedule(op, n, k, bn, pingpong)
     n_ctas = fwd_ctas(device, m, n, w.shape[0], bn, GEMM_CLUSTER_M)
+    deferred = GEMM_FWD_DEFERRED and not pp and activation == "none"
     if w_k_major:
-        launch = FWD.launcher(arch, n=n, k=k, bn=bn, act=activation, pingpong=pp)
+        launch = FWD.launcher(arch, n=n, k=k, bn=bn, act=activation, pingpong=pp, deferred=deferred)
     else:
-        launch = DGRAD.launcher(arch, n=n, k=k, bn=bn, pingpong=pp)
+        launch = DGRAD.launcher(arch, n=n, k=k, bn=bn, pingpong=pp, deferred=deferred)
     return device, launch, False, (m, w.shape[0], n_ctas)
 
 
@@ -272,7 +276,7 @@ _PLANS: dict[tuple[Any, ...], _Plan] = {}
 def _plan(op: str, a: Tensor, w: Tensor, offs: Tensor, a_name: str, w_name: str,
           activation: str = "") -> _Plan:
     """The memoised plan of this layout, or the full checks (raising as they always did) and a new plan."""
-    key = (op, activation, GEMM_WGRAD_DYNAMIC, GEMM_WGRAD_DEFERRED, *_layout(a, w, offs))
+    key = (op, activation, GEMM_WGRAD_DYNAMIC, GEMM_WGRAD_DEFERRED, GEMM_FWD_DEFERRED, *_layout(a, w, offs))
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
@@ -716,6 +720,12 @@ KERNELS: tuple[KernelSpec, ...] = (
     _spec("grouped_gemm_fwd_n256", 4096, 1024, 256, True),
     _spec("grouped_gemm_dgrad_n128", 1024, 4096, 128, False),
     _spec("grouped_gemm_wgrad_n256", 2048, 4096, 256, None),
+    KernelSpec(op="grouped_gemm", name="grouped_gemm_fwd_deferred_n256",
+               compile=FWD.compiler(n=2048, k=4096, bn=256, act="none", deferred=True),
+               expect={"sm_90a": (*_EXPECT_SM90, *_CLUSTER)}, forbid={"sm_90a": _FORBID_SM90}),
+    KernelSpec(op="grouped_gemm_dgrad", name="grouped_gemm_dgrad_deferred_n256",
+               compile=DGRAD.compiler(n=1024, k=4096, bn=256, deferred=True),
+               expect={"sm_90a": (*_EXPECT_SM90, *_CLUSTER)}, forbid={"sm_90a": _FORBID_SM90}),
     KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_dynamic_n256",
                compile=WGRAD.compiler(n=2048, k=4096, bn=256, ld=4096, dynamic=True),
                expect={"sm_90a": (*_EXPECT_WGRAD, r"\batom\.global\.acq_rel(\.gpu)?\.add\.u32\b",

@@ -22,9 +22,12 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from nmoe.fast.kernels.sm90.epilogue import (
+    Pending,
     act_by_tma,
     drain_stores,
+    emit_held,
     epilogue_copies,
+    hold,
     store_tile,
 )
 from nmoe.fast.kernels.sm90.tiles import (
@@ -257,11 +260,14 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                   bn: Constexpr[int],
                   k_tiles: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
                   cm: Constexpr[int] = 1, rank: Int32 | int = 0, pingpong: Constexpr[bool] = False,
-                  cn: Constexpr[int] = 1, keep_h: Constexpr[bool] = True) -> None:
+                  cn: Constexpr[int] = 1, keep_h: Constexpr[bool] = True,
+                  deferred: Constexpr[bool] = False) -> None:
     """The two consumer warpgroups: wgmma over each tile's K boxes, then the epilogue (none for a cluster's
     tile past its group's end, which only keeps the shared B stages flowing). Ping-pong: warpgroup wg takes
     the CTA's units wg, wg + 2, ... and steps its ring cursor over the other's stages; the mainloops take
-    turns unit by unit (ORDER_BARRIER_ID). cn > 1: units of cn N tiles (unit_tile)."""
+    turns unit by unit (ORDER_BARRIER_ID). cn > 1: units of cn N tiles (unit_tile). deferred (cooperative,
+    no activation): a tile's bf16 subtiles leave under the next tile's wgmmas (`Pending`)."""
+    assert not deferred or (act == "none" and not pingpong), "deferred: cooperative plain epilogue only"
     cute.arch.setmaxregister_increase(CONSUMER_REGS)
     ctid = tidx - WG_THREADS
     wg = warp_idx // 4 - 1
@@ -278,6 +284,12 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     ordered = 2 * WG_THREADS
     mine_done = pipeline.NamedBarrier(barrier_id=ORDER_BARRIER_ID + wg, num_threads=ordered)
     other_done = pipeline.NamedBarrier(barrier_id=ORDER_BARRIER_ID + 1 - wg, num_threads=ordered)
+    held = None
+    if const_expr(deferred):
+        held = Pending(epi, [cute.make_rmem_tensor(epi.r_f.shape, BFloat16) for _ in range(bn // EPI_N)],
+                       tma_d, m_d, n, bn, False)
+    subs = bn // EPI_N
+    p_row0, p_tile, p_end, p_on = Int32(0), Int32(0), Int32(0), Int32(0)
     turn = Int32(0)
     while e <= n_groups:
         mine = True
@@ -291,24 +303,36 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
             if e < n_groups and const_expr(k_tiles > 0):
                 mainloop.consumer_wait(read)
                 _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
+                if const_expr(deferred):
+                    emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(1))
                 read.advance()
                 for _kt in range(1, k_tiles):
                     mainloop.consumer_wait(read)
                     _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
+                    if const_expr(deferred):
+                        emit_held(held, p_row0, p_tile, p_end, p_on, _kt, _kt + 1)
                     warpgroup.wait_group(1)
                     mainloop.consumer_release(release)
                     release.advance()
                     read.advance()
+                if const_expr(deferred):
+                    emit_held(held, p_row0, p_tile, p_end, p_on, Int32(k_tiles), Int32(subs))
                 warpgroup.wait_group(0)
                 mainloop.consumer_release(release)
                 release.advance()
+            elif const_expr(deferred):
+                emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(subs))
             if const_expr(pingpong):
                 nxt = _seek(s_offs, n_groups, m_rows, t + n_ctas, e, g_start, g_end, before, here,
                             units_n, cm)[0]
                 if nxt <= n_groups:
                     mine_done.arrive()
 
-            store_tile(epi, tma_d, m_d, m_act, row0, n_tile, g_end, n, bn, act, tma_act, keep_h=keep_h)
+            if const_expr(deferred):
+                hold(held)
+                p_row0, p_tile, p_end, p_on = row0, n_tile, g_end, Int32(1)
+            else:
+                store_tile(epi, tma_d, m_d, m_act, row0, n_tile, g_end, n, bn, act, tma_act, keep_h=keep_h)
         elif e < n_groups and const_expr(k_tiles > 0):
             read.advance(k_tiles)
             release.advance(k_tiles)
@@ -317,6 +341,8 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
         t = t + n_ctas
         e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,
                                                 before, here, units_n, cm)
+    if const_expr(deferred):
+        emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(subs))
     drain_stores(epi.store_warp)
 
 
@@ -352,6 +378,7 @@ def grouped_gemm_kernel(
     m_rows: Int32, n_groups: Int32, tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout,
     b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int],
     bn: Constexpr[int], stages: Constexpr[int], act: Constexpr[str], pingpong: Constexpr[bool],
+    deferred: Constexpr[bool],
 ) -> None:
     tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, s_act, mainloop = fwd_cta_begin(
         (tma_atom_a, tma_atom_b, tma_atom_d, tma_atom_act), m_offs, n_groups, a_layout, b_layout, d_layout,
@@ -367,7 +394,7 @@ def grouped_gemm_kernel(
         consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, s_act,
                       tma_atom_act, tma_act, n_groups,
                       m_rows, tidx, warp_idx, n_units, unit, n, bn, k_tiles,
-                      stages, act, CLUSTER_M, rank, pingpong)
+                      stages, act, CLUSTER_M, rank, pingpong, deferred=deferred)
 
 
 def _gemm_setup(pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer, m_rows: Int32, n_groups: Int32, n: int,
@@ -428,7 +455,7 @@ def b_tma(m_w: cute.Tensor, b_layout: cute.ComposedLayout, bn: int, cm: int,
 def grouped_gemm_host(
     px: Pointer, pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer, m_rows: Int32, n_groups: Int32,
     n_ctas: Int32, stream: cuda.CUstream, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
-    w_k_major: Constexpr[bool], act: Constexpr[str], pingpong: Constexpr[bool],
+    w_k_major: Constexpr[bool], act: Constexpr[str], pingpong: Constexpr[bool], deferred: Constexpr[bool],
 ) -> None:
     """y[M, n] = per-group x[M, k] @ B_e^T, B_e [n, k] read from w (K-major w [E, n, k], else w [E, k, n]);
     with act != "none" also a[M, n / ratio] = act(y) (pa is ignored for "none")."""
@@ -443,6 +470,7 @@ def grouped_gemm_host(
         tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, m_y, m_a, tma_atom_act, tma_act, m_offs,
         m_rows, n_groups,
         tiled_mma, a_layout, b_layout, epi_smem_layout(epi_sets(pingpong)), n, k, bn, stages, act, pingpong,
+        deferred,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(CLUSTER_M), min_blocks_per_mp=1,
              stream=stream)
 
@@ -452,12 +480,15 @@ def pointer(dtype: Any, address: int, align: int = 16) -> Any:
     return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
 
 
-def compile_args(n: int, k: int, bn: int, w_k_major: bool, act: str = "none",
-                 pingpong: bool = False) -> tuple[Any, tuple[Any, ...]]:
+def compile_args(n: int, k: int, bn: int, w_k_major: bool, act: str = "none", pingpong: bool = False,
+                 deferred: bool = False) -> tuple[Any, tuple[Any, ...]]:
     if act not in EPILOGUES or (act != "none" and not w_k_major):
         raise ValueError(f"grouped GEMM epilogue {act!r} (w_k_major={w_k_major}) unsupported; the fwd takes "
                          f"one of {sorted(EPILOGUES)}, dgrad only 'none'")
+    if deferred and (act != "none" or pingpong):
+        raise ValueError(f"grouped GEMM deferred epilogue: the cooperative plain epilogue only, not "
+                         f"act={act!r} or ping-pong={pingpong}; launch it with deferred=False")
     ptrs = (*(pointer(BFloat16, 0) for _ in range(4)), pointer(Int32, 0, 4))
     check_schedule(bn, pingpong)
     return grouped_gemm_host, (*ptrs, Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k, bn, w_k_major,
-                               act, pingpong)
+                               act, pingpong, deferred)

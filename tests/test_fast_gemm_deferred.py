@@ -1,8 +1,8 @@
-"""The wgrad's deferred epilogue (GEMM_WGRAD_DEFERRED): a finished tile's bf16 subtiles wait in registers
-and leave one per K box of the next tile, under its wgmmas. The values and their rounding are the plain
-epilogue's, so the contract is that epilogue's output bit for bit, every tile written (NaN-filled outputs):
-split and unsplit groups, tiles cut by n and k, tiles with fewer K boxes than subtiles, the accumulating
-form and the last tile of each CTA."""
+"""The deferred epilogue (GEMM_WGRAD_DEFERRED, GEMM_FWD_DEFERRED): a finished tile's bf16 subtiles wait in
+registers and leave one per K box of the CTA's next tile, under its wgmmas. The values and their rounding are
+the plain epilogue's, so the contract is that epilogue's output bit for bit, every tile written (NaN-filled
+outputs): split and unsplit groups, tiles cut by n and k, tiles with fewer K boxes than subtiles, the
+accumulating wgrad, the cooperative fwd and dgrad, and the last tile of each CTA."""
 
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ CASES = {"zipf": SKEWED, "uniform": [1024] * 16, "one": [0, 0, 7000, 3], "short"
          "many": zipf_counts(40000, 128)}
 
 
-def _both(run: object, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+def _both(run: object, monkeypatch: pytest.MonkeyPatch,
+          flag: str = "GEMM_WGRAD_DEFERRED") -> list[torch.Tensor]:
     outs = []
     for deferred in (False, True):
-        monkeypatch.setattr(gemm, "GEMM_WGRAD_DEFERRED", deferred)
+        monkeypatch.setattr(gemm, flag, deferred)
         outs.append(run())  # type: ignore[operator]
     return outs
 
@@ -93,3 +94,37 @@ def test_sep_gemm_fast_wgrad_deferred_subtile_skipped(monkeypatch: pytest.Monkey
     assert not bool(plain.isnan().any())
     assert not bool(deferred.isnan().any()), "a held subtile never left"
     assert torch.equal(deferred.view(torch.int16), plain.view(torch.int16))
+
+
+@gpu
+@pytest.mark.parametrize("case", ["zipf", "uniform", "one", "short"])
+@pytest.mark.parametrize(("op", "n", "k", "bn"), [("grouped_gemm", 1024, 2048, 256),
+                                                  ("grouped_gemm", 200, 192, 128),
+                                                  ("grouped_gemm_dgrad", 1024, 2048, 256)])
+def test_deferred_fwd_equals_the_plain_one(case: str, op: str, n: int, k: int, bn: int,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cooperative fwd and dgrad (forced at K = 192 too, 3 K boxes under 4 subtiles)."""
+    counts = CASES[case]
+    m = sum(counts) + 5
+    g = torch.Generator().manual_seed(44)
+    a = torch.randn(m, k, generator=g).to(torch.bfloat16).cuda()
+    fwd = op == "grouped_gemm"
+    w = torch.randn(len(counts), *((n, k) if fwd else (k, n)), generator=g).to(torch.bfloat16).cuda()
+    offs = offs_of(cumsum(counts))
+
+    def run() -> torch.Tensor:
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        gemm._launch(op, a, w, offs, out, fwd, bn, pingpong=False)
+        torch.cuda.synchronize()
+        return out
+
+    plain, deferred = _both(run, monkeypatch, "GEMM_FWD_DEFERRED")
+    assert not bool(deferred[: sum(counts)].isnan().any()), "a held subtile never left"
+    assert torch.equal(deferred.view(torch.int16), plain.view(torch.int16))
+
+
+@gpu
+def test_sep_gemm_fast_fwd_deferred_subtile_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Box kt sending subtile kt + 1: subtile 1 of every held tile never leaves (32 K boxes a tile, 512 tiles
+    over at most 132 CTAs), so NaN stays where the plain epilogue writes numbers."""
+    test_deferred_fwd_equals_the_plain_one("uniform", "grouped_gemm", 1024, 2048, 256, monkeypatch)
