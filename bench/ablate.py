@@ -99,7 +99,7 @@ ABLATIONS: tuple[Mutation, ...] = (
         "ablate.wgrad_no_tail_mask", "nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py",
         "    if valid < BK:\n        _zero_rows(s_a, stage, valid, BM, ctid)\n",
         "    if valid < 0:\n        _zero_rows(s_a, stage, valid, BM, ctid)\n",
-        "timing only: a group's last K box keeps the next group's rows instead of zeroing them (scalar "
+        "timing only: a group's last K box keeps the next group's rows instead of zeroing them (16-byte "
         "shared stores, a proxy fence and a barrier per tile): what the tail mask costs, most under Zipf "
         "routing, where nearly every group ends inside a box",
     ),

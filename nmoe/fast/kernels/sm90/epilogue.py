@@ -307,9 +307,16 @@ class Pending(NamedTuple):
     regs: list[cute.Tensor]
     tma_d: cute.Tensor
     m_d: cute.Tensor
-    k: int
+    cols: int
     bn: int
     accumulate: bool
+
+
+def make_pending(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, cols: int, bn: int,
+                 accumulate: bool = False) -> Pending:
+    """Register subtiles for one held tile of an output cols wide (a fwd's n, a wgrad's k)."""
+    return Pending(epi, [cute.make_rmem_tensor(epi.r_f.shape, BFloat16) for _ in range(bn // EPI_N)], tma_d,
+                   m_d, cols, bn, accumulate)
 
 
 @cute.jit
@@ -328,8 +335,8 @@ def emit_held(p: Pending, row0: Int32, n_tile: Int32, row_end: Int32, on: Int32,
     """The held subtiles lo <= sub < hi leave (when a tile is held): each by a static branch, since a
     register subtile is chosen at compile time."""
     if on == 1 and lo < hi and lo < p.bn // EPI_N:
-        views = tile_views(p.epi, p.tma_d, row0, n_tile, row_end, p.k, p.bn, "none")
+        views = tile_views(p.epi, p.tma_d, row0, n_tile, row_end, p.cols, p.bn, "none")
         for sub in range_constexpr(p.bn // EPI_N):
             if sub >= lo and sub < hi:
                 emit_subtile(p.epi, views, p.regs[sub], p.m_d, p.m_d, row0, n_tile, sub,
-                             p.epi.buf0 + sub % EPI_BUFS, p.k, p.bn, "none", p.accumulate)
+                             p.epi.buf0 + sub % EPI_BUFS, p.cols, p.bn, "none", p.accumulate)

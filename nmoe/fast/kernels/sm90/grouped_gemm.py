@@ -22,12 +22,12 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from nmoe.fast.kernels.sm90.epilogue import (
-    Pending,
     act_by_tma,
     drain_stores,
     emit_held,
     epilogue_copies,
     hold,
+    make_pending,
     store_tile,
 )
 from nmoe.fast.kernels.sm90.tiles import (
@@ -286,8 +286,7 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     other_done = pipeline.NamedBarrier(barrier_id=ORDER_BARRIER_ID + 1 - wg, num_threads=ordered)
     held = None
     if const_expr(deferred):
-        held = Pending(epi, [cute.make_rmem_tensor(epi.r_f.shape, BFloat16) for _ in range(bn // EPI_N)],
-                       tma_d, m_d, n, bn, False)
+        held = make_pending(epi, tma_d, m_d, n, bn)
     subs = bn // EPI_N
     p_row0, p_tile, p_end, p_on = Int32(0), Int32(0), Int32(0), Int32(0)
     turn = Int32(0)

@@ -22,11 +22,11 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from nmoe.fast.kernels.sm90.epilogue import (
-    Pending,
     drain_stores,
     emit_held,
     epilogue_copies,
     hold,
+    make_pending,
     store_tile,
 )
 from nmoe.fast.kernels.sm90.gatherplan import gather_lag, gather_lanes, own_row, source_lane
@@ -326,8 +326,8 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     qstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QUEUE_DEPTH)
     held = None
     if const_expr(deferred):
-        held = Pending(epi, [cute.make_rmem_tensor(epi.r_f.shape, BFloat16) for _ in range(bn // EPI_N)],
-                       tma_d, m_d, k, bn, accumulate)
+        held = make_pending(epi, tma_d, m_d, k, bn, accumulate)
+    subs = bn // EPI_N
     p_row0, p_tile, p_end, p_on = Int32(0), Int32(0), Int32(0), Int32(0)
     rnd = Int32(0)
     t, qstate = next_tile(q, qstate, rnd, bidx, n_ctas, u.total)
@@ -353,12 +353,12 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                 release.advance()
                 read.advance()
             if const_expr(deferred):
-                emit_held(held, p_row0, p_tile, p_end, p_on, k_tiles, Int32(bn // EPI_N))
+                emit_held(held, p_row0, p_tile, p_end, p_on, k_tiles, Int32(subs))
             warpgroup.wait_group(0)
             mainloop.consumer_release(release)
             release.advance()
         elif const_expr(deferred):
-            emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(bn // EPI_N))
+            emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(subs))
         if const_expr(deferred):
             p_on = Int32(0)
 
@@ -377,7 +377,7 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
         rnd = rnd + 1
         t, qstate = next_tile(q, qstate, rnd, bidx, n_ctas, u.total)
     if const_expr(deferred):
-        emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(bn // EPI_N))
+        emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(subs))
     drain_stores()
 
 
