@@ -68,7 +68,13 @@ _FWD_DEFERRED = Mutation(
     "ablate.fwd_deferred", LIMITS,
     "GEMM_FWD_DEFERRED: Final[bool] = False\n", "GEMM_FWD_DEFERRED: Final[bool] = True\n",
     "the cooperative TMA-fed fwd and dgrad (K above the ping-pong's) hold each tile's bf16 subtiles in "
-    "registers and send one under each K box of the next tile's wgmmas",
+    "registers and send one under each K box of the next tile's wgmmas, act(h) computed as each leaves",
+)
+_GATHER_DEFERRED = Mutation(
+    "ablate.gather_deferred", LIMITS,
+    "GEMM_GATHER_DEFERRED: Final[bool] = False\n", "GEMM_GATHER_DEFERRED: Final[bool] = True\n",
+    "the gathering up projection (with its fused activation) and dgrad hold each tile's bf16 h subtiles in "
+    "registers and send one, with act(h), under each K box of the next tile's wgmmas",
 )
 _FP8_SERIAL = Mutation(
     "ablate.fp8_serial", LIMITS,
@@ -239,6 +245,7 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "timing only: the fused (and standalone) swiglu multiplies by 1 + e instead of dividing: what the "
         "IEEE division costs",
     ),
+    _GATHER_DEFERRED,
     _GATHER_CLUSTER_TWO,
     _GATHER_CLUSTER_N1,
     _GATHER_CLUSTER_N4,
@@ -271,6 +278,9 @@ MOE = "nmoe/fast/moe.py"
 LAYER_ABLATIONS: tuple[Mutation, ...] = (
     replace(_WGRAD_DEFERRED, id="ablate.layer_wgrad_deferred",
             description="the layer's wgrads (both column-chunked TMA wgrads) with the deferred epilogue"),
+    replace(_GATHER_DEFERRED, id="ablate.layer_gather_deferred",
+            description="the layer's gathering up projection (swiglu fused) and down-projection dgrad with "
+            "the deferred epilogue"),
     Mutation(
         "ablate.layer_down_wgrad_gathered", MOE,
         "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", h.shape[1], w2)\n",

@@ -1,14 +1,20 @@
-"""The deferred epilogue (GEMM_WGRAD_DEFERRED, GEMM_FWD_DEFERRED): a finished tile's bf16 subtiles wait in
-registers and leave one per K box of the CTA's next tile, under its wgmmas. The values and their rounding are
-the plain epilogue's, so the contract is that epilogue's output bit for bit, every tile written (NaN-filled
-outputs): split and unsplit groups, tiles cut by n and k, tiles with fewer K boxes than subtiles, the
-accumulating wgrad, the cooperative fwd and dgrad, and the last tile of each CTA."""
+"""The deferred epilogue (GEMM_WGRAD_DEFERRED, GEMM_FWD_DEFERRED, GEMM_GATHER_DEFERRED): a finished tile's
+bf16 subtiles wait in registers and leave one per K box of the CTA's next tile, under its wgmmas, act(h) of
+each computed as it leaves. The values and their rounding are the plain epilogue's, so the contract is that
+epilogue's output bit for bit, every tile written (NaN-filled outputs): split and unsplit groups, tiles cut
+by n and k, tiles with fewer K boxes than subtiles, the accumulating wgrad, the cooperative fwd and dgrad,
+the gathering ones with and without h, and the last tile of each CTA."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
 from test_fast_gemm import cumsum, offs_of, zipf_counts
+from test_fast_gemm_gather_cluster import CASES as GATHER_CASES
+from test_fast_gemm_gather_cluster import Case as GatherCase
+from test_fast_gemm_gather_cluster import _case as gather_case
 from test_fast_wgrad_schedule import SKEWED
 
 from nmoe.fast.gemm import sm90 as gemm
@@ -100,27 +106,35 @@ def test_sep_gemm_fast_wgrad_deferred_subtile_skipped(monkeypatch: pytest.Monkey
 @pytest.mark.parametrize("case", ["zipf", "uniform", "one", "short"])
 @pytest.mark.parametrize(("op", "n", "k", "bn"), [("grouped_gemm", 1024, 2048, 256),
                                                   ("grouped_gemm", 200, 192, 128),
-                                                  ("grouped_gemm_dgrad", 1024, 2048, 256)])
+                                                  ("grouped_gemm_dgrad", 1024, 2048, 256),
+                                                  ("swiglu", 1024, 2048, 256),
+                                                  ("relu2", 384, 192, 128)])
 def test_deferred_fwd_equals_the_plain_one(case: str, op: str, n: int, k: int, bn: int,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """The cooperative fwd and dgrad (forced at K = 192 too, 3 K boxes under 4 subtiles)."""
+    """The cooperative fwd (with either fused activation: h and act(h)) and dgrad, forced at K = 192 too
+    (3 K boxes under 4 subtiles)."""
     counts = CASES[case]
     m = sum(counts) + 5
     g = torch.Generator().manual_seed(44)
     a = torch.randn(m, k, generator=g).to(torch.bfloat16).cuda()
-    fwd = op == "grouped_gemm"
-    w = torch.randn(len(counts), *((n, k) if fwd else (k, n)), generator=g).to(torch.bfloat16).cuda()
+    fwd = op != "grouped_gemm_dgrad"
+    w = torch.randn(len(counts), *((n, k) if fwd else (k, n)), generator=g) / k**0.5
+    w = w.to(torch.bfloat16).cuda()
     offs = offs_of(cumsum(counts))
+    act = op if op in ("swiglu", "relu2") else "none"
 
-    def run() -> torch.Tensor:
+    def run() -> list[torch.Tensor]:
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        gemm._launch(op, a, w, offs, out, fwd, bn, pingpong=False)
+        act_out = None if act == "none" else torch.full((m, gemm.act_width(w, act)), float("nan"),
+                                                        dtype=torch.bfloat16, device="cuda")
+        gemm._launch(op, a, w, offs, out, fwd, bn, act_out, act, pingpong=False)
         torch.cuda.synchronize()
-        return out
+        return [out] if act_out is None else [out, act_out]
 
     plain, deferred = _both(run, monkeypatch, "GEMM_FWD_DEFERRED")
-    assert not bool(deferred[: sum(counts)].isnan().any()), "a held subtile never left"
-    assert torch.equal(deferred.view(torch.int16), plain.view(torch.int16))
+    for want, got in zip(plain, deferred, strict=True):
+        assert not bool(got[: sum(counts)].isnan().any()), "a held subtile never left"
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 @gpu
@@ -128,3 +142,53 @@ def test_sep_gemm_fast_fwd_deferred_subtile_skipped(monkeypatch: pytest.MonkeyPa
     """Box kt sending subtile kt + 1: subtile 1 of every held tile never leaves (32 K boxes a tile, 512 tiles
     over at most 132 CTAs), so NaN stays where the plain epilogue writes numbers."""
     test_deferred_fwd_equals_the_plain_one("uniform", "grouped_gemm", 1024, 2048, 256, monkeypatch)
+
+
+def _into_nan(shapes: list[tuple[int, int]], op: Callable[[], tuple[torch.Tensor, ...]]
+              ) -> tuple[torch.Tensor, ...]:
+    """op's results, its outputs (allocated by torch.empty, in `shapes`' order) handed blocks just filled
+    with NaN by the caching allocator, so a subtile that never leaves shows."""
+    junk = [torch.full(s, float("nan"), dtype=torch.bfloat16, device="cuda") for s in shapes]
+    del junk
+    out = op()
+    torch.cuda.synchronize()
+    return out
+
+
+@gpu
+@pytest.mark.parametrize("case", GATHER_CASES, ids=[f"H{c[2]}N{c[3]}-{c[6]}" for c in GATHER_CASES])
+@pytest.mark.parametrize("keep_h", [True, False])
+def test_deferred_gathered_equals_the_plain_one(case: GatherCase, keep_h: bool,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gathering up projection (h and act(h), or act(h) alone) and the gathered dgrad: K boxes from 1 to
+    32 under 8 subtiles, N clusters of two where N allows, pad rows and a zero-filled tail."""
+    x, w, dy, slot, offs = gather_case(case)
+    k, act, m = case[1], case[6], slot.shape[0]
+    shapes = [(m, w.shape[1]), (m, gemm.act_width(w, act))][0 if keep_h else 1:]
+
+    def up() -> tuple[torch.Tensor, ...]:
+        return gemm.grouped_gemm_act_gathered(x, slot, k, w, offs, act, keep_h)
+
+    def dgrad() -> tuple[torch.Tensor, ...]:
+        return (gemm.grouped_gemm_dgrad_gathered(dy, slot, k, w, offs),)
+
+    def run() -> list[torch.Tensor]:
+        return [*_into_nan(shapes, up), *_into_nan([(m, x.shape[1])], dgrad)]
+
+    plain, deferred = _both(run, monkeypatch, "GEMM_GATHER_DEFERRED")
+    for name, want, got in zip(("act(h)", "h", "dx"), plain, deferred, strict=True):
+        assert not bool(want.isnan().any()), f"plain {name} has NaN: the NaN fill would not show"
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"deferred {name} differs"
+
+
+@gpu
+def test_sep_gemm_fast_gather_deferred_act_chunk_misplaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each held subtile's act(h) is computed HELD_ACT_VALUES h values at a time: every chunk staged at its
+    own outputs, not all at the subtile's first ones (then the others keep an earlier subtile's values)."""
+    case = GATHER_CASES[2]
+    x, w, _, slot, offs = gather_case(case)
+    a, _ = gemm.grouped_gemm_act_gathered(x, slot, case[1], w, offs, case[6])
+    rows = int(offs[-1])
+    subtiles = a[:rows].view(rows, -1, 16)
+    assert not bool((subtiles[:, 2:] == subtiles[:, :-2]).all()), "stale staged outputs would look right"
+    test_deferred_gathered_equals_the_plain_one(case, False, monkeypatch)

@@ -121,6 +121,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "leaves", "tests/test_fast_gemm_deferred.py", ("grouped_gemm", "grouped_gemm_dgrad"), device="gpu",
     ),
     sep_mutation(
+        "gemm.fast_gather_deferred_act_chunk_misplaced", EPILOGUE,
+        "                                   c // ratio, HELD_ACT_VALUES // ratio)\n",
+        "                                   0, HELD_ACT_VALUES // ratio)\n",
+        "a held subtile's act(h) chunks are all staged at the subtile's first outputs: its other outputs "
+        "leave with what an earlier subtile staged there", "tests/test_fast_gemm_deferred.py",
+        ("grouped_gemm_act",), device="gpu",
+    ),
+    sep_mutation(
         "gemm.fast_wgrad_deferred_subtile_skipped", WGRAD,
         "                    emit_held(held, p_row0, p_tile, p_end, p_on, kt, kt + 1)\n",
         "                    emit_held(held, p_row0, p_tile, p_end, p_on, kt + 1, kt + 2)\n",

@@ -51,8 +51,12 @@ GEMM_WGRAD_DEFERRED: Final[bool] = False
 tile, under its wgmmas, instead of before them (without any epilogue the wgrad ran 1.06-1.18x on the H200).
 Off until its own H200 run: tests and ablate.wgrad_deferred."""
 GEMM_FWD_DEFERRED: Final[bool] = False
-"""The same for the cooperative TMA-fed fwd and dgrad without a fused activation (K above the ping-pong's):
-each tile's result leaves under the next tile's wgmmas. Off until its own H200 run: ablate.fwd_deferred."""
+"""The same for the cooperative TMA-fed fwd and dgrad (K above the ping-pong's), act(h) of a fused activation
+computed from the held h as each subtile leaves. Off until its own H200 run: ablate.fwd_deferred."""
+GEMM_GATHER_DEFERRED: Final[bool] = False
+"""The same for the fwd and dgrad that gather A row by row (the MoE layer's up projection with its fused
+activation, and its down projection's dgrad), cooperative at every K, so nothing else overlaps their
+epilogue. Off until its own H200 run: ablate.gather_deferred."""
 GEMM_FP8_OVERLAP: Final[bool] = True
 """sm_90a fp8 fwd: each K block's wgmmas stay in flight while the block before is promoted (two block
 accumulators, K loop unrolled) when True, else each block's MMAs are waited before its promotion

@@ -29,6 +29,7 @@ from nmoe.fast.limits import (
     GEMM_FWD_DEFERRED,
     GEMM_GATHER_CLUSTER_M,
     GEMM_GATHER_CLUSTER_N,
+    GEMM_GATHER_DEFERRED,
     GEMM_GATHER_PINGPONG,
     GEMM_PINGPONG_BN,
     GEMM_PINGPONG_MAX_K,
@@ -49,8 +50,8 @@ DGRAD = Kernel(_FWD_MODULE, "grouped_gemm_dgrad",
                                                                                    pingpong, deferred),
                (ARCH,), "nmoe.fast.gemm.grouped_gemm_dgrad")
 GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_gather", "grouped_gemm_gather",
-                lambda km, n, k, bn, act, w_k_major, pingpong=False, cn=1, keep_h=True:
-                    km.compile_args_gather(n, k, bn, act, w_k_major, pingpong, cn, keep_h),
+                lambda km, n, k, bn, act, w_k_major, pingpong=False, cn=1, keep_h=True, deferred=False:
+                    km.compile_args_gather(n, k, bn, act, w_k_major, pingpong, cn, keep_h, deferred),
                 (ARCH,), "nmoe.fast.gemm.grouped_gemm_act_gathered")
 WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad",
                lambda km, n, k, bn, ld, gs=0, dynamic=False, accumulate=False, deferred=False:
@@ -203,7 +204,7 @@ def _prepare(op: str, a: Tensor, w: Tensor, offs: Tensor, n: int, w_k_major: boo
         return device, None, True, (m, 0, 0)
     bn, pp = schedule(op, n, k, bn, pingpong)
     n_ctas = fwd_ctas(device, m, n, w.shape[0], bn, GEMM_CLUSTER_M)
-    deferred = GEMM_FWD_DEFERRED and not pp and activation == "none"
+    deferred = GEMM_FWD_DEFERRED and not pp
     if w_k_major:
         launch = FWD.launcher(arch, n=n, k=k, bn=bn, act=activation, pingpong=pp, deferred=deferred)
     else:
@@ -462,7 +463,7 @@ def _gathered_gemm(op: str, src: Tensor, src_name: str, slot: Tensor, w: Tensor,
     cn = gather_cluster_n(n, bn, pp)
     n_ctas = fwd_ctas(device, m, n, w.shape[0], bn, GEMM_GATHER_CLUSTER_M, cn)
     launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act=activation, w_k_major=w_k_major, pingpong=pp, cn=cn,
-                             keep_h=keep_h)
+                             keep_h=keep_h, deferred=GEMM_GATHER_DEFERRED and not pp)
     h_ptr = h.data_ptr() if keep_h else a.data_ptr()
     launch(device, src.data_ptr(), slot.contiguous().data_ptr(), w.data_ptr(), h_ptr, a.data_ptr(),
            offs.contiguous().data_ptr(), top_k, src.shape[0], m, w.shape[0], n_ctas)
@@ -658,7 +659,7 @@ _EXPECT_GATHER_CN = (*_EXPECT_EPILOGUE, *_ROW_MULTICAST)
 
 
 def _gather_spec(name: str, n: int, k: int, activation: str, pingpong: bool = False,
-                 cn: int = 1, keep_h: bool = True) -> KernelSpec:
+                 cn: int = 1, keep_h: bool = True, deferred: bool = False) -> KernelSpec:
     """keep_h False: h is never staged or stored, so no stmatrix and none of its 16-byte masked stores
     (act(h) is staged by scalar stores and leaves in 8-byte chunks)."""
     bn = GEMM_PINGPONG_BN if pingpong else pick_bn(n)
@@ -670,7 +671,7 @@ def _gather_spec(name: str, n: int, k: int, activation: str, pingpong: bool = Fa
         forbid = (*forbid, _STMATRIX, _ST_V4)
     return KernelSpec(op="grouped_gemm_act", name=name,
                       compile=GATHER.compiler(n=n, k=k, bn=bn, act=activation, w_k_major=True,
-                                              pingpong=pingpong, cn=cn, keep_h=keep_h),
+                                              pingpong=pingpong, cn=cn, keep_h=keep_h, deferred=deferred),
                       expect={"sm_90a": expect}, forbid={"sm_90a": forbid})
 
 
@@ -680,9 +681,10 @@ _EXPECT_WGRAD_GATHER = (*_EXPECT_WGRAD, r"\bcp\.async\.cg\.shared\.global\b", r"
                         r"\bcp\.async\.wait_group\b", r"\bfence\.proxy\.async\.shared::cta\b")
 
 
-def _dgrad_gather_spec(name: str, n: int, k: int, cn: int = 1) -> KernelSpec:
+def _dgrad_gather_spec(name: str, n: int, k: int, cn: int = 1, deferred: bool = False) -> KernelSpec:
     return KernelSpec(op="grouped_gemm_dgrad", name=name,
-                      compile=GATHER.compiler(n=n, k=k, bn=pick_bn(n), act="none", w_k_major=False, cn=cn),
+                      compile=GATHER.compiler(n=n, k=k, bn=pick_bn(n), act="none", w_k_major=False, cn=cn,
+                                              deferred=deferred),
                       expect={"sm_90a": (*_EXPECT_SM90, *(_ROW_TMA if cn == 1 else _ROW_MULTICAST))},
                       forbid={"sm_90a": (*_FORBID_SM90, *_NO_CP_ASYNC)})
 
@@ -764,4 +766,12 @@ KERNELS: tuple[KernelSpec, ...] = (
     _dgrad_gather_spec("grouped_gemm_dgrad_gathered_cn2", 1024, 4096, cn=2),
     _gather_spec("grouped_gemm_act_gathered_swiglu_cn4", 2048, 4096, "swiglu", cn=4),
     _gather_spec("grouped_gemm_act_gathered_swiglu_cn2_act_only", 2048, 4096, "swiglu", cn=2, keep_h=False),
+    _gather_spec("grouped_gemm_act_gathered_swiglu_cn2_deferred", 2048, 4096, "swiglu", cn=2, deferred=True),
+    _gather_spec("grouped_gemm_act_gathered_swiglu_cn2_act_only_deferred", 2048, 4096, "swiglu", cn=2,
+                 keep_h=False, deferred=True),
+    _gather_spec("grouped_gemm_act_gathered_relu2_n128_deferred", 1152, 2048, "relu2", deferred=True),
+    _dgrad_gather_spec("grouped_gemm_dgrad_gathered_cn2_deferred", 1024, 4096, cn=2, deferred=True),
+    KernelSpec(op="grouped_gemm_act", name="grouped_gemm_act_swiglu_deferred_n256",
+               compile=FWD.compiler(n=2048, k=4096, bn=256, act="swiglu", deferred=True),
+               expect={"sm_90a": (*_EXPECT_EPILOGUE, *_CLUSTER)}, forbid={"sm_90a": _FORBID_EPILOGUE}),
 )

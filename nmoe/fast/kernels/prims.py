@@ -75,6 +75,14 @@ def i2f(x: Any, *, loc: Any = None, ip: Any = None) -> Float32:
     return Float32(llvm.bitcast(Float32.mlir_type, Int32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
+@dsl_user_op
+def pinned(x: Any, *, loc: Any = None, ip: Any = None) -> Int32:
+    """x through an empty volatile asm: work computed from the result stays after this point (the compiler
+    cannot hoist it out of a loop, as it would a pure function of loop-invariant registers)."""
+    return Int32(llvm.inline_asm(Int32.mlir_type, [Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;",
+                                 "=r,r", has_side_effects=True, loc=loc, ip=ip))
+
+
 def sel(c: Any, a: Any, b: Any) -> Int32:
     return Int32(select_(c, Int32(a), Int32(b)))
 

@@ -14,7 +14,7 @@ from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.nvgpu import cpasync
 
 from nmoe.fast.kernels.activation import relu2_bits
-from nmoe.fast.kernels.prims import out_bits
+from nmoe.fast.kernels.prims import out_bits, pinned
 from nmoe.fast.kernels.sm90.tiles import (
     ACT_VALUES,
     CONSUMER_THREADS,
@@ -136,12 +136,17 @@ def _act_tile(epi: Epilogue, first: Constexpr[int], total: Constexpr[int], act: 
               ) -> tuple[cute.Tensor, cute.Tensor]:
     """bf16 h and act(h) bits (the standalone activation kernels' own math) of ACT_VALUES staged values from
     value `first`, computed before they are staged so the activation's chains overlap instead of queuing."""
-    ratio = EPILOGUES[act]
     r_fa = cute.make_rmem_tensor((total,), Float32)
     for v in range_constexpr(total):
         r_fa[v] = epi.t_rs_acc[epi.order[first + v]]
     r_ha = cute.make_rmem_tensor((total,), BFloat16)
     r_ha.store(r_fa.load().to(BFloat16))
+    return r_ha, _act_bits(r_ha, total, act)
+
+
+@cute.jit
+def _act_bits(r_ha: cute.Tensor, total: Constexpr[int], act: Constexpr[str]) -> cute.Tensor:
+    """act(h) bits of `total` bf16 h values in staging order (swiglu: adjacent (gate, up) pairs)."""
     h = r_ha.load()
     if const_expr(act == "relu2"):
         bits = relu2_bits(h, "bfloat16")
@@ -149,22 +154,22 @@ def _act_tile(epi: Epilogue, first: Constexpr[int], total: Constexpr[int], act: 
         hf = cute.make_rmem_tensor((total,), Float32)
         hf.store(h.to(Float32))
         bits = out_bits(swiglu_pairs(hf, total // 2).load(), "bfloat16")
-    r_bits = cute.make_rmem_tensor((total // ratio,), Int16)
+    r_bits: cute.Tensor = cute.make_rmem_tensor((total // EPILOGUES[act],), Int16)
     r_bits.store(bits)
-    return r_ha, r_bits
+    return r_bits
 
 
 @cute.jit
-def _stage_act(epi: Epilogue, r_bits: cute.Tensor, sub: Constexpr[int], buf: Int32,
-               act: Constexpr[str]) -> None:
-    """Subtile sub's act(h) bits to the act staging buffer at (row, col // ratio)."""
+def _stage_act(epi: Epilogue, r_bits: cute.Tensor, at: Constexpr[int], buf: Any, act: Constexpr[str],
+               lo: Constexpr[int] = 0, count: Constexpr[int] = 0) -> None:
+    """A subtile's act(h) bits, outputs lo .. lo + count (count 0: all of them) from r_bits[at:], to the act
+    staging buffer at (row, col // ratio)."""
     ratio = EPILOGUES[act]
-    per = cute.size(epi.r_d) // ratio
-    batch = act_batch(cute.size(epi.r_d))
+    per = count or cute.size(epi.r_d) // ratio
     s_bits = cute.recast_tensor(epi.s_act, Int16)
     for p in range_constexpr(per):
-        coord: Any = epi.t_rs_c[ratio * p]
-        s_bits[(coord[0], coord[1] // ratio, buf)] = r_bits[sub % batch * per + p]
+        coord: Any = epi.t_rs_c[ratio * (lo + p)]
+        s_bits[(coord[0], coord[1] // ratio, buf)] = r_bits[at + p]
 
 
 def act_batch(size_sub: int) -> int:
@@ -243,7 +248,7 @@ def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.
             if const_expr(keep_h):
                 for v in range_constexpr(size_sub):
                     epi.r_d[v] = r_ha[sub % batch * size_sub + v]
-            _stage_act(epi, r_bits, sub, buf, act)
+            _stage_act(epi, r_bits, sub % batch * (size_sub // EPILOGUES[act]), buf, act)
         emit_subtile(epi, views, epi.r_d, m_d, m_act, row0, n_tile, sub, buf, n, bn, act, accumulate, bufs,
                      keep_h)
 
@@ -299,9 +304,15 @@ def drain_stores(store_warp: Int32 | int = STORE_WARP) -> None:
         cute.arch.cp_async_bulk_wait_group(0)
 
 
+# h values of a held subtile whose activation is computed at once: few, since a held tile's registers sit
+# beside the next tile's accumulator.
+HELD_ACT_VALUES = 8
+
+
 class Pending(NamedTuple):
-    """A deferred epilogue: the finished tile's bf16 subtiles in registers (`regs`, one per EPI_N columns)
-    and where they go; the tile's rows and the held flag travel beside it as loop scalars."""
+    """A deferred epilogue: the finished tile's bf16 subtiles in registers (`regs`, one per EPI_N columns; h
+    where an activation is fused, act(h) computed from them as each leaves) and where they go; the tile's rows
+    and the held flag travel beside it as loop scalars."""
 
     epi: Any
     regs: list[cute.Tensor]
@@ -310,13 +321,18 @@ class Pending(NamedTuple):
     cols: int
     bn: int
     accumulate: bool
+    act: str
+    keep_h: bool
+    m_act: Any
+    tma_act: Any
 
 
 def make_pending(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, cols: int, bn: int,
-                 accumulate: bool = False) -> Pending:
+                 accumulate: bool = False, act: str = "none", keep_h: bool = True, m_act: Any = None,
+                 tma_act: Any = None) -> Pending:
     """Register subtiles for one held tile of an output cols wide (a fwd's n, a wgrad's k)."""
     return Pending(epi, [cute.make_rmem_tensor(epi.r_f.shape, BFloat16) for _ in range(bn // EPI_N)], tma_d,
-                   m_d, cols, bn, accumulate)
+                   m_d, cols, bn, accumulate, act, keep_h, m_d if m_act is None else m_act, tma_act)
 
 
 @cute.jit
@@ -330,13 +346,33 @@ def hold(p: Pending) -> None:
 
 
 @cute.jit
+def _pinned(h: cute.Tensor) -> cute.Tensor:
+    """A copy of bf16 registers through `pinned`: act(h) of a held subtile is computed where it leaves, under
+    that K box's wgmmas, not hoisted out of the K loop into one serial batch before it."""
+    words = cute.recast_tensor(h, Int32)
+    out = cute.make_rmem_tensor(cute.size(words), Int32)
+    for w in range_constexpr(cute.size(words)):
+        out[w] = pinned(words[w])
+    h_out: cute.Tensor = cute.recast_tensor(out, BFloat16)
+    return h_out
+
+
+@cute.jit
 def emit_held(p: Pending, row0: Int32, n_tile: Int32, row_end: Int32, on: Int32, lo: Int32,
               hi: Int32) -> None:
-    """The held subtiles lo <= sub < hi leave (when a tile is held): each by a static branch, since a
-    register subtile is chosen at compile time."""
+    """The held subtiles lo <= sub < hi leave (when a tile is held), each with act(h) of its h when fused:
+    each by a static branch, since a register subtile is chosen at compile time."""
     if on == 1 and lo < hi and lo < p.bn // EPI_N:
-        views = tile_views(p.epi, p.tma_d, row0, n_tile, row_end, p.cols, p.bn, "none")
+        views = tile_views(p.epi, p.tma_d, row0, n_tile, row_end, p.cols, p.bn, p.act, p.tma_act)
         for sub in range_constexpr(p.bn // EPI_N):
             if sub >= lo and sub < hi:
-                emit_subtile(p.epi, views, p.regs[sub], p.m_d, p.m_d, row0, n_tile, sub,
-                             p.epi.buf0 + sub % EPI_BUFS, p.cols, p.bn, "none", p.accumulate)
+                buf = p.epi.buf0 + sub % EPI_BUFS
+                if const_expr(p.act != "none"):
+                    ratio = EPILOGUES[p.act]
+                    for c in range_constexpr(0, cute.size(p.epi.r_f), HELD_ACT_VALUES):
+                        at = cast(Any, p.regs[sub].iterator) + c
+                        part = cute.make_tensor(at, cute.make_layout(HELD_ACT_VALUES))
+                        _stage_act(p.epi, _act_bits(_pinned(part), HELD_ACT_VALUES, p.act), 0, buf, p.act,
+                                   c // ratio, HELD_ACT_VALUES // ratio)
+                emit_subtile(p.epi, views, p.regs[sub], p.m_d, p.m_act, row0, n_tile, sub, buf, p.cols, p.bn,
+                             p.act, p.accumulate, EPI_BUFS, p.keep_h)

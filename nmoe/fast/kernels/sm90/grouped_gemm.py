@@ -265,9 +265,9 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     """The two consumer warpgroups: wgmma over each tile's K boxes, then the epilogue (none for a cluster's
     tile past its group's end, which only keeps the shared B stages flowing). Ping-pong: warpgroup wg takes
     the CTA's units wg, wg + 2, ... and steps its ring cursor over the other's stages; the mainloops take
-    turns unit by unit (ORDER_BARRIER_ID). cn > 1: units of cn N tiles (unit_tile). deferred (cooperative,
-    no activation): a tile's bf16 subtiles leave under the next tile's wgmmas (`Pending`)."""
-    assert not deferred or (act == "none" and not pingpong), "deferred: cooperative plain epilogue only"
+    turns unit by unit (ORDER_BARRIER_ID). cn > 1: units of cn N tiles (unit_tile). deferred (cooperative):
+    a tile's bf16 subtiles (and act(h) of them) leave under the next tile's wgmmas (`Pending`)."""
+    assert not (deferred and pingpong), "deferred: the cooperative epilogue only; ping-pong overlaps its own"
     cute.arch.setmaxregister_increase(CONSUMER_REGS)
     ctid = tidx - WG_THREADS
     wg = warp_idx // 4 - 1
@@ -286,7 +286,7 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     other_done = pipeline.NamedBarrier(barrier_id=ORDER_BARRIER_ID + 1 - wg, num_threads=ordered)
     held = None
     if const_expr(deferred):
-        held = make_pending(epi, tma_d, m_d, n, bn)
+        held = make_pending(epi, tma_d, m_d, n, bn, act=act, keep_h=keep_h, m_act=m_act, tma_act=tma_act)
     subs = bn // EPI_N
     p_row0, p_tile, p_end, p_on = Int32(0), Int32(0), Int32(0), Int32(0)
     turn = Int32(0)
@@ -436,6 +436,14 @@ def check_schedule(bn: int, pingpong: bool) -> None:
                          "schedule")
 
 
+def check_deferred(deferred: bool, pingpong: bool) -> None:
+    """The deferred epilogue holds a cooperative tile; a ping-pong warpgroup already overlaps its own."""
+    if deferred and pingpong:
+        raise ValueError("grouped GEMM deferred epilogue: the cooperative schedule only, not ping-pong "
+                         "(whose epilogue already runs under the other warpgroup's MMAs); launch it with "
+                         "deferred=False")
+
+
 def cluster_dims(cm: int) -> list[int] | None:
     """A launch's cluster shape: none at all for CTAs that run alone."""
     return [cm, 1, 1] if cm > 1 else None
@@ -484,9 +492,7 @@ def compile_args(n: int, k: int, bn: int, w_k_major: bool, act: str = "none", pi
     if act not in EPILOGUES or (act != "none" and not w_k_major):
         raise ValueError(f"grouped GEMM epilogue {act!r} (w_k_major={w_k_major}) unsupported; the fwd takes "
                          f"one of {sorted(EPILOGUES)}, dgrad only 'none'")
-    if deferred and (act != "none" or pingpong):
-        raise ValueError(f"grouped GEMM deferred epilogue: the cooperative plain epilogue only, not "
-                         f"act={act!r} or ping-pong={pingpong}; launch it with deferred=False")
+    check_deferred(deferred, pingpong)
     ptrs = (*(pointer(BFloat16, 0) for _ in range(4)), pointer(Int32, 0, 4))
     check_schedule(bn, pingpong)
     return grouped_gemm_host, (*ptrs, Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k, bn, w_k_major,

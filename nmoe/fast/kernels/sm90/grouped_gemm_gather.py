@@ -19,6 +19,7 @@ from cutlass.cute.typing import Pointer
 from nmoe.fast.kernels.sm90.grouped_gemm import (
     _gemm_setup,
     _seek,
+    check_deferred,
     check_schedule,
     cluster_dims,
     consume_tiles,
@@ -154,7 +155,7 @@ def grouped_gemm_gather_kernel(
     top_k: Int32, src_rows: Int32, m_rows: Int32, n_groups: Int32, tiled_mma: cute.TiledMma,
     a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout,
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
-    pingpong: Constexpr[bool], cn: Constexpr[int], keep_h: Constexpr[bool],
+    pingpong: Constexpr[bool], cn: Constexpr[int], keep_h: Constexpr[bool], deferred: Constexpr[bool],
 ) -> None:
     tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, s_act, mainloop = fwd_cta_begin(
         (tma_atom_b, row_atom, tma_atom_d, tma_atom_act), m_offs, n_groups, a_layout, b_layout, d_layout,
@@ -170,7 +171,7 @@ def grouped_gemm_gather_kernel(
         consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, s_act,
                       tma_atom_act, tma_act, n_groups,
                       m_rows, tidx, warp_idx, n_units, unit, n, bn, k_tiles,
-                      stages, act, GATHER_CLUSTER_M, rank, pingpong, cn, keep_h)
+                      stages, act, GATHER_CLUSTER_M, rank, pingpong, cn, keep_h, deferred)
 
 
 @cute.jit
@@ -178,12 +179,13 @@ def grouped_gemm_gather_host(
     px: Pointer, pslot: Pointer, pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer,
     top_k: Int32, src_rows: Int32, m_rows: Int32, n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream,
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], w_k_major: Constexpr[bool], act: Constexpr[str],
-    pingpong: Constexpr[bool], cn: Constexpr[int], keep_h: Constexpr[bool],
+    pingpong: Constexpr[bool], cn: Constexpr[int], keep_h: Constexpr[bool], deferred: Constexpr[bool],
 ) -> None:
     """y[p, n] = x[slot[p] // top_k] @ B_e^T for permuted row p of group e (x [src_rows, k]; B_e = w[e]
     K-major [E, n, k], else w[e]^T of w [E, k, n]: the dgrad), zero rows where slot[p] = -1; with act !=
     "none" also a = act(y), and y is not stored unless keep_h. The permuted copy of x is never written.
-    cn > 1: clusters of cn CTAs on one M tile's cn N tiles, each gathering 1/cn of A's rows for all."""
+    cn > 1: clusters of cn CTAs on one M tile's cn N tiles, each gathering 1/cn of A's rows for all.
+    deferred: each tile's epilogue leaves under the next tile's wgmmas (grouped_gemm's Pending)."""
     stages = stages_for(bn, act, pingpong)
     (m_y, m_a, m_offs, tiled_mma, a_layout, b_layout, tma_atom_b, tma_b, tma_atom_d, tma_d, tma_atom_act,
      tma_act) = _gemm_setup(
@@ -194,14 +196,14 @@ def grouped_gemm_gather_host(
     grouped_gemm_gather_kernel(
         tma_atom_b, tma_b, row_atom, tma_x, tma_atom_d, tma_d, m_y, m_a, tma_atom_act, tma_act, m_offs,
         m_slot, top_k, src_rows, m_rows, n_groups, tiled_mma, a_layout, b_layout,
-        epi_smem_layout(epi_sets(pingpong)), n, k, bn, stages, act, pingpong, cn, keep_h,
+        epi_smem_layout(epi_sets(pingpong)), n, k, bn, stages, act, pingpong, cn, keep_h, deferred,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(GATHER_CLUSTER_M * cn),
              min_blocks_per_mp=1, stream=stream)
 
 
 def compile_args_gather(n: int, k: int, bn: int, act: str = "none", w_k_major: bool = True,
-                        pingpong: bool = False, cn: int = 1,
-                        keep_h: bool = True) -> tuple[Any, tuple[Any, ...]]:
+                        pingpong: bool = False, cn: int = 1, keep_h: bool = True,
+                        deferred: bool = False) -> tuple[Any, tuple[Any, ...]]:
     if cn > 1 and (n_tiles_n_of(n, bn) % cn or GATHER_CLUSTER_M > 1 or BM // 4 % cn):
         raise ValueError(f"gathered grouped GEMM N cluster of {cn}: needs N tiles ({n_tiles_n_of(n, bn)} "
                          f"of {bn}) in whole clusters, no M cluster (GEMM_GATHER_CLUSTER_M = "
@@ -215,5 +217,6 @@ def compile_args_gather(n: int, k: int, bn: int, act: str = "none", w_k_major: b
     ptrs = (pointer(BFloat16, 0), pointer(Int64, 0, 8), *(pointer(BFloat16, 0) for _ in range(3)),
             pointer(Int32, 0, 4))
     check_schedule(bn, pingpong)
+    check_deferred(deferred, pingpong)
     return grouped_gemm_gather_host, (*ptrs, *(Int32(0) for _ in range(5)), cuda.CUstream(0), n, k, bn,
-                                      w_k_major, act, pingpong, cn, keep_h)
+                                      w_k_major, act, pingpong, cn, keep_h, deferred)
