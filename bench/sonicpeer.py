@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from stepprofile import profile_step
 from torchbase import LAYER_ALIGN, LAYER_CONFIGS, layer_inputs, router_topk_torch
 
 WARMUP, REPS = 3, 10
@@ -97,9 +98,10 @@ def _row(cfg: tuple[int, ...], routing: str, pass_: str) -> dict[str, Any]:
     return {"key": row_key(name, shape), "name": "sonicmoe", "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12,
             "sustained_ms": held, "sustained_tflops": flops / (held * 1e-3) / 1e12,
             "peak_extra_GiB": peak_extra_bytes(step) / 2**30, "timing": "eager",
+            "breakdown": profile_step(lambda phase: step()),
             "note": "moe_general_routing_inputs with the rows' routing given (router not timed); ms: median "
                     f"of {REPS} warm calls, one per L2-flushed sample; sustained_ms: back-to-back calls per "
-                    "sample, as our rows' ms"}
+                    "sample, as our rows' ms; breakdown: one profiled call's kernels, as our rows'"}
 
 
 def main(argv: list[str] | None = None) -> int:
