@@ -12,10 +12,8 @@ CONTRACTS = ("grouped_gemm_fp8",)
 MUTATIONS: tuple[Mutation, ...] = (
     sep_mutation(
         "gemm.fast_fp8_scale_wrong_operand", FILE,
-        "                row_lo = dsl_min(row0 + t_c[((0, 0, 0), 0, 0)][0], m_rows - 1)\n"
-        "                row_hi = dsl_min(row0 + t_c[((0, 1, 0), 0, 0)][0], m_rows - 1)\n",
-        "                row_lo = dsl_min(row0 + t_c[((0, 0, 0), 0, 0)][1], m_rows - 1)\n"
-        "                row_hi = dsl_min(row0 + t_c[((0, 1, 0), 0, 0)][1], m_rows - 1)\n",
+        "    lo, hi = c[((0, 0, 0), 0, 0)][0], c[((0, 1, 0), 0, 0)][0]\n",
+        "    lo, hi = c[((0, 0, 0), 0, 0)][1], c[((0, 1, 0), 0, 0)][1]\n",
         "the activation scale is looked up by the output column instead of the row", TESTS, CONTRACTS,
         device="gpu",
     ),
@@ -71,5 +69,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    warpgroup.wait_group(0)\n",
         "the overlapped schedule waits for a tile's last K block but never promotes it", OVERLAP_TESTS,
         CONTRACTS, device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_fp8_chained_first_block_scales_kept", FILE,
+        "                s_lo, s_hi = _block_scales(b_lo, b_hi, b_w)\n                store_tile(",
+        "                store_tile(",
+        "the chained schedule promotes the next tile's first K block with this tile's last block's scales "
+        "instead of the ones loaded for it", OVERLAP_TESTS, CONTRACTS, device="gpu",
     ),
 )

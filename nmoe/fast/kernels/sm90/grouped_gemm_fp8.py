@@ -52,6 +52,7 @@ from nmoe.fast.kernels.sm90.tiles import (
     pipeline_stages,
 )
 from nmoe.fast.limits import GEMM_BM as BM
+from nmoe.fast.limits import fp8_chains
 
 # One K tile per activation scale block and one N tile per weight scale block.
 BK = MXFP8_BLOCK_SM90
@@ -177,6 +178,118 @@ def _k_overlapped(mainloop: pipeline.PipelineTmaAsync, read: Any, release: Any, 
     return read, release, tiled_mma
 
 
+@cute.jit
+def _thread_rows(t_c: cute.Tensor, row0: Int32, m_rows: Int32) -> tuple[Int32, Int32]:
+    """This thread's two accumulator rows of the tile at row0, for their scale bytes: rows past the group are
+    computed, then masked at the store; past M they read row M - 1."""
+    c: Any = t_c
+    lo, hi = c[((0, 0, 0), 0, 0)][0], c[((0, 1, 0), 0, 0)][0]
+    return dsl_min(row0 + lo, m_rows - 1), dsl_min(row0 + hi, m_rows - 1)
+
+
+@cute.jit
+def _consume_by_tile(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma, acc: cute.Tensor,
+                     bufs: tuple[cute.Tensor, cute.Tensor], t_ra: cute.Tensor, t_rb: cute.Tensor,
+                     t_c: cute.Tensor, m_xs: cute.Tensor, m_ws: cute.Tensor, epi: Any, tma_d: cute.Tensor,
+                     m_d: cute.Tensor, s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, t: Int32,
+                     n_units: Int32, rank: Int32, n: Constexpr[int], k_tiles: Constexpr[int],
+                     stages: Constexpr[int], staged: Constexpr[bool], cm: Constexpr[int],
+                     overlap: Constexpr[bool]) -> None:
+    """The consumers' tiles one after another: each tile's K blocks (promotions overlapped or serial), then
+    its epilogue."""
+    n_tiles_n = n // BN
+    read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+    release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+    e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, n_tiles_n, cm)
+    while e <= n_groups:
+        n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n, cm, rank)
+        acc.fill(Float32(0.0))
+        if e < n_groups:
+            row_lo, row_hi = _thread_rows(t_c, row0, m_rows)
+            if const_expr(overlap):
+                read, release, tiled_mma = _k_overlapped(
+                    mainloop, read, release, tiled_mma, acc, bufs, t_ra, t_rb, m_xs, m_ws, row_lo, row_hi,
+                    n_tile, e, k_tiles)
+            else:
+                for kt in range(k_tiles):
+                    b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo, row_hi, n_tile, kt, e)
+                    mainloop.consumer_wait(read)
+                    tiled_mma = _block_mma(tiled_mma, bufs[0], t_ra, t_rb, read.index)
+                    mainloop.consumer_release(read)
+                    read.advance()
+                    s_lo, s_hi = _block_scales(b_lo, b_hi, b_w)
+                    _promote(acc, bufs[0], s_lo, s_hi)
+        store_tile(epi, tma_d, m_d, m_d, row0, n_tile, g_end, n, BN, "none", bufs=epi_bufs(BN, staged))
+        t = t + n_units
+        e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
+                                                n_tiles_n, cm)
+
+
+@cute.jit
+def _consume_chained(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma, acc: cute.Tensor,
+                     bufs: tuple[cute.Tensor, cute.Tensor], t_ra: cute.Tensor, t_rb: cute.Tensor,
+                     t_c: cute.Tensor, m_xs: cute.Tensor, m_ws: cute.Tensor, epi: Any, tma_d: cute.Tensor,
+                     m_d: cute.Tensor, s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, t: Int32,
+                     n_units: Int32, rank: Int32, n: Constexpr[int], k_tiles: Constexpr[int],
+                     stages: Constexpr[int], staged: Constexpr[bool], cm: Constexpr[int],
+                     overlap: Constexpr[bool] = True) -> None:
+    """The overlapped schedule chained across tiles: the next tile's first K block is issued before this
+    tile's last promotion, so this tile's epilogue runs under its wgmmas, and is waited for in the same
+    iteration (a wgmma in flight over the loop's back edge makes ptxas serialize them all). Block kt sits in
+    bufs[kt % 2], hence an even K block count; promotions keep K order: every bit equals the tile-by-tile
+    schedule's."""
+    n_tiles_n = n // BN
+    out = epi_bufs(BN, staged)
+    read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+    release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+    e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, n_tiles_n, cm)
+    n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n, cm, rank)
+    s_lo, s_hi = Float32(0.0), Float32(0.0)
+    acc.fill(Float32(0.0))
+    if e < n_groups:
+        row_lo, row_hi = _thread_rows(t_c, row0, m_rows)
+        b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo, row_hi, n_tile, Int32(0), e)
+        mainloop.consumer_wait(read)
+        tiled_mma = _block_mma(tiled_mma, bufs[0], t_ra, t_rb, read.index)
+        read.advance()
+        s_lo, s_hi = _block_scales(b_lo, b_hi, b_w)
+    while e <= n_groups:
+        t_next = t + n_units
+        e2, g_start2, g_end2, before2, here2 = _seek(s_offs, n_groups, m_rows, t_next, e, g_start, g_end,
+                                                     before, here, n_tiles_n, cm)
+        n_tile2, row0_2 = _tile_at(t_next, before2, g_start2, n_tiles_n, cm, rank)
+        if e < n_groups:
+            row_lo, row_hi = _thread_rows(t_c, row0, m_rows)
+            for kt in range_constexpr(1, k_tiles):
+                read, release, tiled_mma, s_lo, s_hi = _overlap_step(
+                    mainloop, read, release, tiled_mma, acc, bufs[kt % 2], bufs[(kt - 1) % 2], s_lo, s_hi,
+                    t_ra, t_rb, m_xs, m_ws, row_lo, row_hi, n_tile, Int32(kt), e)
+            if e2 < n_groups:
+                row_lo2, row_hi2 = _thread_rows(t_c, row0_2, m_rows)
+                b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo2, row_hi2, n_tile2, Int32(0), e2)
+                mainloop.consumer_wait(read)
+                tiled_mma = _issue_block(tiled_mma, bufs[0], t_ra, t_rb, read.index)
+                read.advance()
+                warpgroup.wait_group(1)
+                _promote(acc, bufs[1], s_lo, s_hi)
+                mainloop.consumer_release(release)
+                release.advance()
+                s_lo, s_hi = _block_scales(b_lo, b_hi, b_w)
+                store_tile(epi, tma_d, m_d, m_d, row0, n_tile, g_end, n, BN, "none", bufs=out)
+                warpgroup.wait_group(0)
+            else:
+                warpgroup.wait_group(0)
+                _promote(acc, bufs[1], s_lo, s_hi)
+                mainloop.consumer_release(release)
+                release.advance()
+                store_tile(epi, tma_d, m_d, m_d, row0, n_tile, g_end, n, BN, "none", bufs=out)
+        else:
+            store_tile(epi, tma_d, m_d, m_d, row0, n_tile, g_end, n, BN, "none", bufs=out)
+        acc.fill(Float32(0.0))
+        t, e, g_start, g_end, before, here = t_next, e2, g_start2, g_end2, before2, here2
+        n_tile, row0 = n_tile2, row0_2
+
+
 @cute.kernel
 def grouped_gemm_fp8_kernel(
     tma_atom_a: cute.CopyAtom, m_a: cute.Tensor, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
@@ -184,7 +297,7 @@ def grouped_gemm_fp8_kernel(
     m_offs: cute.Tensor, m_rows: Int32,
     n_groups: Int32, tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
     d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], stages: Constexpr[int],
-    overlap: Constexpr[bool], staged: Constexpr[bool], cm: Constexpr[int],
+    overlap: Constexpr[bool], staged: Constexpr[bool], cm: Constexpr[int], chained: Constexpr[bool],
 ) -> None:
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b, tma_atom_d))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, Float8E4M3FN, a_layout, b_layout, d_layout,
@@ -212,35 +325,9 @@ def grouped_gemm_fp8_kernel(
         # Tile coordinates (row, col) of this thread's accumulator values; its rows are those of (j, 0|1, c).
         t_c = tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor((BM, BN)))
         epi = epilogue_copies(tiled_mma, acc, s_d, ctid, tma_atom_d)
-
-        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-        t = unit
-        e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, n_tiles_n, cm)
-        while e <= n_groups:
-            n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n, cm, rank)
-            acc.fill(0.0)
-            if e < n_groups:
-                # Rows past the group are computed, then masked at the store; past M they read row M - 1.
-                row_lo = dsl_min(row0 + t_c[((0, 0, 0), 0, 0)][0], m_rows - 1)
-                row_hi = dsl_min(row0 + t_c[((0, 1, 0), 0, 0)][0], m_rows - 1)
-                if const_expr(overlap):
-                    read, release, tiled_mma = _k_overlapped(
-                        mainloop, read, release, tiled_mma, acc, (blk, blk2), t_ra, t_rb, m_xs, m_ws, row_lo,
-                        row_hi, n_tile, e, k_tiles)
-                else:
-                    for kt in range(k_tiles):
-                        b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo, row_hi, n_tile, kt, e)
-                        mainloop.consumer_wait(read)
-                        tiled_mma = _block_mma(tiled_mma, blk, t_ra, t_rb, read.index)
-                        mainloop.consumer_release(read)
-                        read.advance()
-                        s_lo, s_hi = _block_scales(b_lo, b_hi, b_w)
-                        _promote(acc, blk, s_lo, s_hi)
-            store_tile(epi, tma_d, m_d, m_d, row0, n_tile, g_end, n, BN, "none", bufs=epi_bufs(BN, staged))
-            t = t + n_units
-            e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,
-                                                    before, here, n_tiles_n, cm)
+        consume = _consume_chained if const_expr(chained) else _consume_by_tile
+        consume(mainloop, tiled_mma, acc, (blk, blk2), t_ra, t_rb, t_c, m_xs, m_ws, epi, tma_d, m_d, s_offs,
+                n_groups, m_rows, unit, n_units, rank, n, k_tiles, stages, staged, cm, overlap)
         drain_stores()
 
 
@@ -248,11 +335,12 @@ def grouped_gemm_fp8_kernel(
 def grouped_gemm_fp8_host(
     px: Pointer, pw: Pointer, pxs: Pointer, pws: Pointer, py: Pointer, poffs: Pointer, m_rows: Int32,
     n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream, n: Constexpr[int], k: Constexpr[int],
-    overlap: Constexpr[bool], staged: Constexpr[bool], cm: Constexpr[int],
+    overlap: Constexpr[bool], staged: Constexpr[bool], cm: Constexpr[int], chained: Constexpr[bool],
 ) -> None:
     """y[M, n] = per-group dequant(xq)[M, k] @ dequant(wq[e])^T; codes K-major, scales row-major bytes;
     staged: a whole output tile waits in shared memory (epi_bufs); cm > 1: clusters of cm M tiles share
-    each B box, every CTA loading 1/cm of it for all."""
+    each B box, every CTA loading 1/cm of it for all; chained: each tile's epilogue runs under the next
+    tile's first K block (_consume_chained)."""
     stages = stages_for(staged)
     kb = k // BK
     m_x = cute.make_tensor(px, cute.make_layout((m_rows, k), stride=(k, 1)))
@@ -274,14 +362,17 @@ def grouped_gemm_fp8_host(
     grouped_gemm_fp8_kernel(
         tma_atom_a, tma_a, tma_atom_b, tma_b, m_xs, m_ws, *epi_tma(m_y), m_y, m_offs, m_rows, n_groups,
         tiled_mma, a_layout, b_layout, epi_smem_layout(bufs=epi_bufs(BN, staged)), n, k, stages, overlap,
-        staged, cm,
+        staged, cm, chained,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(cm), min_blocks_per_mp=1,
              stream=stream)
 
 
-def compile_args(n: int, k: int, overlap: bool = False, staged: bool = False,
-                 cm: int = 1) -> tuple[Any, tuple[Any, ...]]:
+def compile_args(n: int, k: int, overlap: bool = False, staged: bool = False, cm: int = 1,
+                 chained: bool = False) -> tuple[Any, tuple[Any, ...]]:
+    if chained and not (overlap and fp8_chains(k)):
+        raise ValueError(f"fp8 grouped GEMM chained schedule: needs the overlapped one and an even count of "
+                         f"K blocks of {BK}, got overlap={overlap}, K={k}; launch it with chained=False")
     ptrs = (pointer(Float8E4M3FN, 0), pointer(Float8E4M3FN, 0), pointer(Uint8, 0, 1), pointer(Uint8, 0, 1),
             pointer(BFloat16, 0), pointer(Int32, 0, 4))
     return grouped_gemm_fp8_host, (*ptrs, Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k, overlap,
-                                   staged, cm)
+                                   staged, cm, chained)
