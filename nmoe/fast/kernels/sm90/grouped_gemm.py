@@ -267,7 +267,7 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     the CTA's units wg, wg + 2, ... and steps its ring cursor over the other's stages; the mainloops take
     turns unit by unit (ORDER_BARRIER_ID). cn > 1: units of cn N tiles (unit_tile). deferred (cooperative):
     a tile's bf16 subtiles (and act(h) of them) leave under the next tile's wgmmas (`Pending`)."""
-    assert not (deferred and pingpong), "deferred: the cooperative epilogue only; ping-pong overlaps its own"
+    check_deferred(deferred, pingpong)
     cute.arch.setmaxregister_increase(CONSUMER_REGS)
     ctid = tidx - WG_THREADS
     wg = warp_idx // 4 - 1
