@@ -4,7 +4,7 @@ Import only after nmoe.fast.runtime.import_cutlass("sm_90a")."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
@@ -187,16 +187,33 @@ def _thread_rows(t_c: cute.Tensor, row0: Int32, m_rows: Int32) -> tuple[Int32, I
     return dsl_min(row0 + lo, m_rows - 1), dsl_min(row0 + hi, m_rows - 1)
 
 
+class Consumer(NamedTuple):
+    """What both consumer schedules read: the ring, the accumulators and their fragments, the scales, the
+    epilogue and the routing."""
+
+    mainloop: pipeline.PipelineTmaAsync
+    acc: cute.Tensor
+    bufs: tuple[cute.Tensor, cute.Tensor]
+    t_ra: cute.Tensor
+    t_rb: cute.Tensor
+    t_c: cute.Tensor
+    m_xs: cute.Tensor
+    m_ws: cute.Tensor
+    epi: Any
+    tma_d: cute.Tensor
+    m_d: cute.Tensor
+    s_offs: cute.Tensor
+    n_groups: Int32
+    m_rows: Int32
+
+
 @cute.jit
-def _consume_by_tile(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma, acc: cute.Tensor,
-                     bufs: tuple[cute.Tensor, cute.Tensor], t_ra: cute.Tensor, t_rb: cute.Tensor,
-                     t_c: cute.Tensor, m_xs: cute.Tensor, m_ws: cute.Tensor, epi: Any, tma_d: cute.Tensor,
-                     m_d: cute.Tensor, s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, t: Int32,
-                     n_units: Int32, rank: Int32, n: Constexpr[int], k_tiles: Constexpr[int],
-                     stages: Constexpr[int], staged: Constexpr[bool], cm: Constexpr[int],
-                     overlap: Constexpr[bool]) -> None:
+def _consume_by_tile(c: Consumer, tiled_mma: cute.TiledMma, t: Int32, n_units: Int32, rank: Int32,
+                     n: Constexpr[int], k_tiles: Constexpr[int], stages: Constexpr[int],
+                     staged: Constexpr[bool], cm: Constexpr[int], overlap: Constexpr[bool]) -> None:
     """The consumers' tiles one after another: each tile's K blocks (promotions overlapped or serial), then
     its epilogue."""
+    mainloop, acc, bufs, t_ra, t_rb, t_c, m_xs, m_ws, epi, tma_d, m_d, s_offs, n_groups, m_rows = c
     n_tiles_n = n // BN
     read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
@@ -226,18 +243,28 @@ def _consume_by_tile(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledM
 
 
 @cute.jit
-def _consume_chained(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma, acc: cute.Tensor,
-                     bufs: tuple[cute.Tensor, cute.Tensor], t_ra: cute.Tensor, t_rb: cute.Tensor,
-                     t_c: cute.Tensor, m_xs: cute.Tensor, m_ws: cute.Tensor, epi: Any, tma_d: cute.Tensor,
-                     m_d: cute.Tensor, s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, t: Int32,
-                     n_units: Int32, rank: Int32, n: Constexpr[int], k_tiles: Constexpr[int],
-                     stages: Constexpr[int], staged: Constexpr[bool], cm: Constexpr[int],
-                     overlap: Constexpr[bool] = True) -> None:
+def _issue_first(c: Consumer, tiled_mma: cute.TiledMma, read: Any, row0: Int32, n_tile: Int32,
+                 e: Int32) -> tuple[Any, cute.TiledMma, Int32, Int32, Int32]:
+    """Issue the first K block of the tile at (row0, n_tile) of group e into bufs[0], its scale bytes loaded
+    before the stage wait; returns the advanced ring state, the MMA and those bytes."""
+    row_lo, row_hi = _thread_rows(c.t_c, row0, c.m_rows)
+    b_lo, b_hi, b_w = _block_bytes(c.m_xs, c.m_ws, row_lo, row_hi, n_tile, Int32(0), e)
+    c.mainloop.consumer_wait(read)
+    tiled_mma = _issue_block(tiled_mma, c.bufs[0], c.t_ra, c.t_rb, read.index)
+    read.advance()
+    return read, tiled_mma, b_lo, b_hi, b_w
+
+
+@cute.jit
+def _consume_chained(c: Consumer, tiled_mma: cute.TiledMma, t: Int32, n_units: Int32, rank: Int32,
+                     n: Constexpr[int], k_tiles: Constexpr[int], stages: Constexpr[int],
+                     staged: Constexpr[bool], cm: Constexpr[int], overlap: Constexpr[bool] = True) -> None:
     """The overlapped schedule chained across tiles: the next tile's first K block is issued before this
     tile's last promotion, so this tile's epilogue runs under its wgmmas, and is waited for in the same
     iteration (a wgmma in flight over the loop's back edge makes ptxas serialize them all). Block kt sits in
     bufs[kt % 2], hence an even K block count; promotions keep K order: every bit equals the tile-by-tile
     schedule's."""
+    mainloop, acc, bufs, t_ra, t_rb, t_c, m_xs, m_ws, epi, tma_d, m_d, s_offs, n_groups, m_rows = c
     n_tiles_n = n // BN
     out = epi_bufs(BN, staged)
     read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
@@ -247,11 +274,8 @@ def _consume_chained(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledM
     s_lo, s_hi = Float32(0.0), Float32(0.0)
     acc.fill(Float32(0.0))
     if e < n_groups:
-        row_lo, row_hi = _thread_rows(t_c, row0, m_rows)
-        b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo, row_hi, n_tile, Int32(0), e)
-        mainloop.consumer_wait(read)
-        tiled_mma = _block_mma(tiled_mma, bufs[0], t_ra, t_rb, read.index)
-        read.advance()
+        read, tiled_mma, b_lo, b_hi, b_w = _issue_first(c, tiled_mma, read, row0, n_tile, e)
+        warpgroup.wait_group(0)
         s_lo, s_hi = _block_scales(b_lo, b_hi, b_w)
     while e <= n_groups:
         t_next = t + n_units
@@ -265,11 +289,7 @@ def _consume_chained(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledM
                     mainloop, read, release, tiled_mma, acc, bufs[kt % 2], bufs[(kt - 1) % 2], s_lo, s_hi,
                     t_ra, t_rb, m_xs, m_ws, row_lo, row_hi, n_tile, Int32(kt), e)
             if e2 < n_groups:
-                row_lo2, row_hi2 = _thread_rows(t_c, row0_2, m_rows)
-                b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo2, row_hi2, n_tile2, Int32(0), e2)
-                mainloop.consumer_wait(read)
-                tiled_mma = _issue_block(tiled_mma, bufs[0], t_ra, t_rb, read.index)
-                read.advance()
+                read, tiled_mma, b_lo, b_hi, b_w = _issue_first(c, tiled_mma, read, row0_2, n_tile2, e2)
                 warpgroup.wait_group(1)
                 _promote(acc, bufs[1], s_lo, s_hi)
                 mainloop.consumer_release(release)
@@ -326,8 +346,9 @@ def grouped_gemm_fp8_kernel(
         t_c = tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor((BM, BN)))
         epi = epilogue_copies(tiled_mma, acc, s_d, ctid, tma_atom_d)
         consume = _consume_chained if const_expr(chained) else _consume_by_tile
-        consume(mainloop, tiled_mma, acc, (blk, blk2), t_ra, t_rb, t_c, m_xs, m_ws, epi, tma_d, m_d, s_offs,
-                n_groups, m_rows, unit, n_units, rank, n, k_tiles, stages, staged, cm, overlap)
+        consume(Consumer(mainloop, acc, (blk, blk2), t_ra, t_rb, t_c, m_xs, m_ws, epi, tma_d, m_d, s_offs,
+                         n_groups, m_rows), tiled_mma, unit, n_units, rank, n, k_tiles, stages, staged, cm,
+                overlap)
         drain_stores()
 
 
