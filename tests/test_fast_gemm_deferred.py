@@ -7,7 +7,11 @@ the gathering ones with and without h, and the last tile of each CTA."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +21,10 @@ from test_fast_gemm_gather_cluster import Case as GatherCase
 from test_fast_gemm_gather_cluster import _case as gather_case
 from test_fast_wgrad_schedule import SKEWED
 
+from nmoe.checkout import tree_pythonpath
 from nmoe.fast.gemm import sm90 as gemm
+
+ROOT = Path(__file__).resolve().parents[1]
 
 gpu = pytest.mark.gpu
 CASES = {"zipf": SKEWED, "uniform": [1024] * 16, "one": [0, 0, 7000, 3], "short": [70, 1, 130, 0, 64],
@@ -192,3 +199,30 @@ def test_sep_gemm_fast_gather_deferred_act_chunk_misplaced(monkeypatch: pytest.M
     subtiles = a[:rows].view(rows, -1, 16)
     assert not bool((subtiles[:, 2:] == subtiles[:, :-2]).all()), "stale staged outputs would look right"
     test_deferred_gathered_equals_the_plain_one(case, False, monkeypatch)
+
+
+_HOISTED = r"""
+from nmoe.fast import runtime
+from nmoe.fast.gemm import sm90
+runtime.import_cutlass("sm_90a")
+spec = {s.name: s for s in sm90.KERNELS}["grouped_gemm_act_gathered_swiglu_cn2_deferred"]
+ptx = spec.compile("sm_90a")
+lines = ptx.splitlines()
+mma = [i for i, ln in enumerate(lines) if "wgmma.mma_async" in ln]
+batches = [i for j, i in enumerate(mma) if j == 0 or i - mma[j - 1] > 40]
+print(sum("ex2.approx" in ln for ln in lines[batches[0]:batches[1]]), sum("ex2.approx" in ln for ln in lines))
+"""
+
+
+def test_deferred_act_is_computed_under_the_k_box_that_sends_it() -> None:
+    """Between a unit's first K box's wgmmas and the K loop's, the swiglu deferred kernel computes one held
+    subtile's act(h) (8 of its 16 h values' exp), not the whole tile's 64: LLVM hoists the loop-invariant
+    activation of every held subtile out of the loop unless the held h passes through `pinned`."""
+    env = {**os.environ, "PYTHONPATH": tree_pythonpath(ROOT, os.environ.get("PYTHONPATH"))}
+    env.pop("CUTE_DSL_ARCH", None)
+    out = subprocess.run([sys.executable, "-c", _HOISTED], capture_output=True, text=True, timeout=600,
+                         cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    before_loop, total = (int(v) for v in out.stdout.split()[-2:])
+    assert total >= 64, "the kernel computes no swiglu"
+    assert before_loop <= 8, f"{before_loop} exp before the K loop: the held tile's act(h) was hoisted"

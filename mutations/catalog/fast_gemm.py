@@ -120,6 +120,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the deferred fwd/dgrad epilogue sends subtile kt + 1 under K box kt: subtile 1 of a held tile never "
         "leaves", "tests/test_fast_gemm_deferred.py", ("grouped_gemm", "grouped_gemm_dgrad"), device="gpu",
     ),
+    Mutation(
+        "gemm.fast_deferred_act_hoisted", EPILOGUE,
+        "_act_bits(_pinned(part), HELD_ACT_VALUES, p.act)", "_act_bits(part, HELD_ACT_VALUES, p.act)",
+        "the deferred epilogue computes act(h) from the held registers directly: LLVM hoists every held "
+        "subtile's activation out of the K loop into one serial batch before it (and spills it)",
+        tests=("tests/test_fast_gemm_deferred.py::test_deferred_act_is_computed_under_the_k_box_that_sends_it",),
+    ),
     sep_mutation(
         "gemm.fast_gather_deferred_act_chunk_misplaced", EPILOGUE,
         "                                   c // ratio, HELD_ACT_VALUES // ratio)\n",
