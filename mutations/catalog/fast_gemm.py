@@ -121,6 +121,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         "leaves", "tests/test_fast_gemm_deferred.py", ("grouped_gemm", "grouped_gemm_dgrad"), device="gpu",
     ),
     Mutation(
+        "gemm.fast_deferred_tile_end_wait_one", FILE,
+        "                    emit_held(held, p_row0, p_tile, p_end, p_on, Int32(k_tiles), Int32(subs))\n"
+        "                warpgroup.wait_group(0)\n",
+        "                    emit_held(held, p_row0, p_tile, p_end, p_on, Int32(k_tiles), Int32(subs))\n"
+        "                warpgroup.wait_group(1)\n",
+        "a tile's last K box is left in flight when its accumulator is held: ptxas must inject the wait "
+        "itself (C7517), and the schedule is no longer the one written",
+        tests=("tests/test_fast_gemm_deferred.py::test_deferred_kernels_keep_their_wgmmas_pipelined",),
+        device="gpu",
+    ),
+    Mutation(
         "gemm.fast_deferred_act_hoisted", EPILOGUE,
         "_act_bits(_pinned(part), HELD_ACT_VALUES, p.act)", "_act_bits(part, HELD_ACT_VALUES, p.act)",
         "the deferred epilogue computes act(h) from the held registers directly: LLVM hoists every held "
