@@ -1,8 +1,12 @@
-"""Compile rows of one fast module's KERNELS for every supported arch, through compilecheck's spawner."""
+"""Compile rows of one fast module's KERNELS for every supported arch, through compilecheck's spawner, and
+the CUDA binary tools the SASS checks use where some install has them."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from nmoe.fast import compilecheck
@@ -23,3 +27,30 @@ def assert_rows_ok(rows: list[dict[str, Any]], arch: str, n: int) -> None:
         assert row["status"] == "ok" and row["arch"] == arch and row["error"] is None, row
         assert row["instructions"] and all(row["instructions"].values()), row
         assert not any(row["forbidden"].values()), row
+
+
+def tool(name: str) -> str | None:
+    """A CUDA tool (ptxas, nvdisasm): on PATH, under CUDA_HOME or /usr/local/cuda, in an nvidia-* wheel, or
+    the copy triton bundles; None where none is installed."""
+    found = shutil.which(name)
+    if found:
+        return found
+    for base in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
+        p = Path(base) / "bin" / name
+        if base and p.exists():
+            return str(p)
+    roots: list[Path] = []
+    try:
+        import nvidia
+
+        roots += [p for root in nvidia.__path__ for p in sorted(Path(root).glob(f"*/bin/{name}"))]
+    except ImportError:
+        pass
+    try:
+        import triton
+
+        roots.append(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+    except ImportError:
+        pass
+    hits = [p for p in roots if p.exists()]
+    return str(hits[0]) if hits else None

@@ -5,15 +5,14 @@ checks, custom-op fakes and the no-FMA PTX/SASS evidence on CPU (compiles are `h
 from __future__ import annotations
 
 import math
-import os
 import re
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+from fastcompile import tool
 from torch import Tensor
 
 from nmoe.fast import combine as fast
@@ -123,43 +122,27 @@ def test_kernel_specs_forbid_fma_and_expect_rn() -> None:
         assert not any(re.search(rx, line) for rx in forbid), line
 
 
-def _tool(name: str) -> str | None:
-    found = shutil.which(name)
-    if found:
-        return found
-    for base in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
-        p = Path(base) / "bin" / name
-        if base and p.exists():
-            return str(p)
-    try:
-        import nvidia
-
-        for root in nvidia.__path__:
-            hits = sorted(Path(root).glob(f"*/bin/{name}"))
-            if hits:
-                return str(hits[0])
-    except ImportError:
-        pass
-    return None
-
-
 @pytest.mark.heavy
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 def test_compiles_without_gpu_and_sass_has_no_ffma(arch: str) -> None:
-    """PTX: declared expect/forbid rows are ok. SASS (ptxas + nvdisasm when installed): no FFMA/FFMA2."""
+    """PTX: declared expect/forbid rows are ok. SASS (ptxas + nvdisasm where installed): the combine sums
+    have no FFMA or half FMA. ptxas's HFMA2 of zero registers (-RZ, RZ) only loads a constant, and the expert
+    rows' activations keep libdevice expf's and the IEEE division's FFMAs, as their PTX forbid list allows."""
     with tempfile.TemporaryDirectory() as d:
         rows = compilecheck.compile_rows([arch], Selection(modules=("nmoe.fast.combine",), ptx_dir=d))
         assert [r["status"] for r in rows] == ["ok"] * len(fast.KERNELS), rows
-        ptxas, nvdisasm = _tool("ptxas"), _tool("nvdisasm")
+        ptxas, nvdisasm = tool("ptxas"), tool("nvdisasm")
         if ptxas is None or nvdisasm is None:
             pytest.skip(f"PTX checked; SASS not checked: ptxas={ptxas} nvdisasm={nvdisasm} not both found")
-        for spec in fast.KERNELS:
+        for spec in (s for s in fast.KERNELS if not s.name.startswith("expert_rows_bwd")):
             ptx, cubin = Path(d) / arch / f"{spec.name}.ptx", Path(d) / arch / f"{spec.name}.cubin"
             subprocess.run([ptxas, f"-arch={arch}", str(ptx), "-o", str(cubin)], check=True, timeout=300)
             sass = subprocess.run([nvdisasm, "-c", str(cubin)], check=True, capture_output=True, text=True,
                                   timeout=300).stdout
             assert re.search(r"\bFMUL", sass), f"{spec.name}: no FMUL in SASS"
-            assert not re.search(r"\b[FH]FMA", sass), f"{spec.name} ({arch}): SASS has an FMA"
+            fmas = [ln for ln in sass.splitlines() if re.search(r"\b[FH]FMA", ln)
+                    and not re.search(r"\bHFMA2(\.MMA)? R\d+, -RZ, RZ,", ln)]
+            assert not fmas, f"{spec.name} ({arch}): SASS has an FMA: {fmas[:3]}"
 
 
 # ------------------------------------------------------------------------------------------------------

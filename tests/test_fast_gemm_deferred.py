@@ -18,6 +18,7 @@ from typing import cast
 
 import pytest
 import torch
+from fastcompile import tool
 from test_fast_gemm import cumsum, offs_of, zipf_counts
 from test_fast_gemm_gather_cluster import CASES as GATHER_CASES
 from test_fast_gemm_gather_cluster import Case as GatherCase
@@ -205,18 +206,12 @@ def test_sep_gemm_fast_gather_deferred_act_chunk_misplaced(monkeypatch: pytest.M
 
 
 _PROBE = r"""
-import json, os, shutil, subprocess, tempfile
+import json, os, subprocess, sys, tempfile
 from nmoe.fast import runtime
 from nmoe.fast.gemm import sm90
 runtime.import_cutlass("sm_90a")
 out = {"ex2": None, "ptxas": None}
-ptxas = shutil.which("ptxas")
-try:
-    import triton
-    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    ptxas = ptxas or (bundled if os.path.exists(bundled) else None)
-except ImportError:
-    pass
+ptxas = sys.argv[1] or None
 for spec in sm90.KERNELS:
     if "deferred" not in spec.name:
         continue
@@ -242,11 +237,11 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def probe() -> dict[str, object]:
     """The deferred kernels' PTX facts, compiled for sm_90a in a fresh process, and ptxas's log of each where
-    ptxas is installed."""
+    some install has ptxas (fastcompile.tool)."""
     env = {**os.environ, "PYTHONPATH": tree_pythonpath(ROOT, os.environ.get("PYTHONPATH"))}
     env.pop("CUTE_DSL_ARCH", None)
-    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=900,
-                         cwd=ROOT, env=env)
+    out = subprocess.run([sys.executable, "-c", _PROBE, tool("ptxas") or ""], capture_output=True, text=True,
+                         timeout=900, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     found: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
     return found
@@ -263,8 +258,8 @@ def test_deferred_act_is_computed_under_the_k_box_that_sends_it(probe: dict[str,
 
 def test_deferred_kernels_keep_their_wgmmas_pipelined(probe: dict[str, object]) -> None:
     """ptxas injects waits (C7517) or serializes a kernel's wgmmas (C7514, C7518) where registers a wgmma
-    writes may be touched while it is in flight: each deferred kernel must assemble with neither (ptxas on
-    PATH, else triton's), and the plain ones without spilling."""
+    writes may be touched while it is in flight: each deferred kernel must assemble with neither, and the
+    plain ones without spilling."""
     logs = cast(dict[str, str] | None, probe["ptxas"])
     if logs is None:
         pytest.skip("ptxas not installed: the deferred kernels' PTX was not assembled")

@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from fastcompile import assert_rows_ok, compile_rows
+from fastcompile import assert_rows_ok, compile_rows, tool
 from test_fast_gemm import cumsum, ends_to_ranges, ulp_bf16, uniform_counts, zipf_counts
 from torch import Tensor
 
@@ -197,7 +197,7 @@ def test_sm100a_compile_is_not_run_naming_the_dispatcher(rows: dict[str, list[di
 
 
 _PROBE = r'''
-import itertools, json, os, re, shutil, subprocess, sys, tempfile
+import itertools, json, os, re, subprocess, sys, tempfile
 from nmoe.fast import runtime
 from nmoe.fast.gemm import sm90_fp8 as gemm_fp8
 runtime.import_cutlass("sm_90a")
@@ -212,12 +212,12 @@ for spec in gemm_fp8.KERNELS:
     ptx = spec.compile("sm_90a")
     ops = [re.sub(r"\s+", " ", o) for o in re.findall(OPS, ptx)]
     out["ops"][spec.name] = [[op, len(list(run))] for op, run in itertools.groupby(ops)]
-    if shutil.which("ptxas"):
+    if sys.argv[1]:
         out["ptxas"] = out["ptxas"] or {}
         with tempfile.TemporaryDirectory() as d:
             src = os.path.join(d, "k.ptx")
             open(src, "w").write(ptx)
-            p = subprocess.run(["ptxas", "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+            p = subprocess.run([sys.argv[1], "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
                                capture_output=True, text=True)
             out["ptxas"][spec.name] = {"rc": p.returncode, "log": (p.stdout + p.stderr)[-3000:]}
 
@@ -246,22 +246,24 @@ def probe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path}
     env.pop("CUTE_DSL_ARCH", None)
-    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, str(script), tool("ptxas") or ""], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return out
 
 
 def test_sm90a_ptx_assembles_without_spills(probe: dict[str, Any]) -> None:
-    """Two 64x128 fp32 accumulators per consumer thread must stay in registers (232 after setmaxnreg)."""
+    """Two 64x128 fp32 accumulators per consumer thread must stay in registers (232 after setmaxnreg), and
+    ptxas must neither inject a wgmma wait (C7517) nor serialize the wgmmas (C7514, C7518): the chained
+    schedule keeps no wgmma in flight over its loop's back edge."""
     if probe["ptxas"] is None:
         pytest.skip("ptxas not installed: PTX not assembled (the instruction checks above still ran)")
     assert set(probe["ptxas"]) == {s.name for s in KERNELS}
     for name, res in probe["ptxas"].items():
         assert res["rc"] == 0, (name, res["log"])
         assert "0 bytes spill stores, 0 bytes spill loads" in res["log"], (name, res["log"])
-        assert "serialized" not in res["log"], (name, res["log"])
+        assert not re.search(r"C751[478]|serialized", res["log"]), (name, res["log"])
         regs = int(re.findall(r"Used (\d+) registers", res["log"])[-1])
         assert regs <= 232, (name, regs)
 
