@@ -129,7 +129,6 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a tile's last K box is left in flight when its accumulator is held: ptxas must inject the wait "
         "itself (C7517), and the schedule is no longer the one written",
         tests=("tests/test_fast_gemm_deferred.py::test_deferred_kernels_keep_their_wgmmas_pipelined",),
-        device="gpu",
     ),
     Mutation(
         "gemm.fast_deferred_act_hoisted", EPILOGUE,

@@ -77,7 +77,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                store_tile(epi, tma_d, m_d, m_d, row0, n_tile, g_end, n, BN, \"none\", bufs=out)\n",
         "the chained schedule leaves the next tile's first K block in flight over the tile loop's back edge "
         "(the next step's wait_group 1 still orders it): ptxas serializes every wgmma of the kernel",
-        tests=("tests/test_fast_gemm_fp8.py::test_sm90a_ptx_assembles_without_spills",), device="gpu",
+        tests=("tests/test_fast_gemm_fp8.py::test_sm90a_ptx_assembles_without_spills",),
     ),
     sep_mutation(
         "gemm.fast_fp8_chained_first_block_scales_kept", FILE,
