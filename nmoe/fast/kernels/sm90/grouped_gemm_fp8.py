@@ -208,12 +208,20 @@ class Consumer(NamedTuple):
 
 
 @cute.jit
+def _store(c: Consumer, row0: Int32, n_tile: Int32, g_end: Int32, n: Constexpr[int],
+           staged: Constexpr[bool]) -> None:
+    """The accumulator's tile at (row0, n_tile) out through the epilogue, rows below g_end."""
+    store_tile(c.epi, c.tma_d, c.m_d, c.m_d, row0, n_tile, g_end, n, BN, "none", bufs=epi_bufs(BN, staged))
+
+
+@cute.jit
 def _consume_by_tile(c: Consumer, tiled_mma: cute.TiledMma, t: Int32, n_units: Int32, rank: Int32,
                      n: Constexpr[int], k_tiles: Constexpr[int], stages: Constexpr[int],
                      staged: Constexpr[bool], cm: Constexpr[int], overlap: Constexpr[bool]) -> None:
     """The consumers' tiles one after another: each tile's K blocks (promotions overlapped or serial), then
     its epilogue."""
-    mainloop, acc, bufs, t_ra, t_rb, t_c, m_xs, m_ws, epi, tma_d, m_d, s_offs, n_groups, m_rows = c
+    mainloop, acc, bufs, t_ra, t_rb, t_c, m_xs, m_ws = c[:8]
+    s_offs, n_groups, m_rows = c.s_offs, c.n_groups, c.m_rows
     n_tiles_n = n // BN
     read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
@@ -236,7 +244,7 @@ def _consume_by_tile(c: Consumer, tiled_mma: cute.TiledMma, t: Int32, n_units: I
                     read.advance()
                     s_lo, s_hi = _block_scales(b_lo, b_hi, b_w)
                     _promote(acc, bufs[0], s_lo, s_hi)
-        store_tile(epi, tma_d, m_d, m_d, row0, n_tile, g_end, n, BN, "none", bufs=epi_bufs(BN, staged))
+        _store(c, row0, n_tile, g_end, n, staged)
         t = t + n_units
         e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
                                                 n_tiles_n, cm)
@@ -258,15 +266,15 @@ def _issue_first(c: Consumer, tiled_mma: cute.TiledMma, read: Any, row0: Int32, 
 @cute.jit
 def _consume_chained(c: Consumer, tiled_mma: cute.TiledMma, t: Int32, n_units: Int32, rank: Int32,
                      n: Constexpr[int], k_tiles: Constexpr[int], stages: Constexpr[int],
-                     staged: Constexpr[bool], cm: Constexpr[int], overlap: Constexpr[bool] = True) -> None:
+                     staged: Constexpr[bool], cm: Constexpr[int]) -> None:
     """The overlapped schedule chained across tiles: the next tile's first K block is issued before this
     tile's last promotion, so this tile's epilogue runs under its wgmmas, and is waited for in the same
     iteration (a wgmma in flight over the loop's back edge makes ptxas serialize them all). Block kt sits in
     bufs[kt % 2], hence an even K block count; promotions keep K order: every bit equals the tile-by-tile
     schedule's."""
-    mainloop, acc, bufs, t_ra, t_rb, t_c, m_xs, m_ws, epi, tma_d, m_d, s_offs, n_groups, m_rows = c
+    mainloop, acc, bufs, t_ra, t_rb, t_c, m_xs, m_ws = c[:8]
+    s_offs, n_groups, m_rows = c.s_offs, c.n_groups, c.m_rows
     n_tiles_n = n // BN
-    out = epi_bufs(BN, staged)
     read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, n_tiles_n, cm)
@@ -295,16 +303,16 @@ def _consume_chained(c: Consumer, tiled_mma: cute.TiledMma, t: Int32, n_units: I
                 mainloop.consumer_release(release)
                 release.advance()
                 s_lo, s_hi = _block_scales(b_lo, b_hi, b_w)
-                store_tile(epi, tma_d, m_d, m_d, row0, n_tile, g_end, n, BN, "none", bufs=out)
+                _store(c, row0, n_tile, g_end, n, staged)
                 warpgroup.wait_group(0)
             else:
                 warpgroup.wait_group(0)
                 _promote(acc, bufs[1], s_lo, s_hi)
                 mainloop.consumer_release(release)
                 release.advance()
-                store_tile(epi, tma_d, m_d, m_d, row0, n_tile, g_end, n, BN, "none", bufs=out)
+                _store(c, row0, n_tile, g_end, n, staged)
         else:
-            store_tile(epi, tma_d, m_d, m_d, row0, n_tile, g_end, n, BN, "none", bufs=out)
+            _store(c, row0, n_tile, g_end, n, staged)
         acc.fill(Float32(0.0))
         t, e, g_start, g_end, before, here = t_next, e2, g_start2, g_end2, before2, here2
         n_tile, row0 = n_tile2, row0_2
@@ -345,10 +353,12 @@ def grouped_gemm_fp8_kernel(
         # Tile coordinates (row, col) of this thread's accumulator values; its rows are those of (j, 0|1, c).
         t_c = tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor((BM, BN)))
         epi = epilogue_copies(tiled_mma, acc, s_d, ctid, tma_atom_d)
-        consume = _consume_chained if const_expr(chained) else _consume_by_tile
-        consume(Consumer(mainloop, acc, (blk, blk2), t_ra, t_rb, t_c, m_xs, m_ws, epi, tma_d, m_d, s_offs,
-                         n_groups, m_rows), tiled_mma, unit, n_units, rank, n, k_tiles, stages, staged, cm,
-                overlap)
+        c = Consumer(mainloop, acc, (blk, blk2), t_ra, t_rb, t_c, m_xs, m_ws, epi, tma_d, m_d, s_offs,
+                     n_groups, m_rows)
+        if const_expr(chained):
+            _consume_chained(c, tiled_mma, unit, n_units, rank, n, k_tiles, stages, staged, cm)
+        else:
+            _consume_by_tile(c, tiled_mma, unit, n_units, rank, n, k_tiles, stages, staged, cm, overlap)
         drain_stores()
 
 
