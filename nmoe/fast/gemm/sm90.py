@@ -696,16 +696,17 @@ def _wgrad_gather_spec(name: str, n: int, k: int, side: str) -> KernelSpec:
 
 
 def _spec(name: str, n: int, k: int, bn: int, w_k_major: bool | None, activation: str = "none",
-          pingpong: bool = False) -> KernelSpec:
+          pingpong: bool = False, deferred: bool = False) -> KernelSpec:
     expect = _EXPECT_WGRAD if w_k_major is None else (*_EXPECT_SM90, *_CLUSTER, *(_TURNS if pingpong else ()))
     fused = activation != "none"
     if w_k_major is None:
         op, compile = "grouped_gemm_wgrad", WGRAD.compiler(n=n, k=k, bn=bn, ld=k)
     elif not w_k_major:
-        op, compile = "grouped_gemm_dgrad", DGRAD.compiler(n=n, k=k, bn=bn, pingpong=pingpong)
+        op = "grouped_gemm_dgrad"
+        compile = DGRAD.compiler(n=n, k=k, bn=bn, pingpong=pingpong, deferred=deferred)
     else:
         op = "grouped_gemm_act" if fused else "grouped_gemm"
-        compile = FWD.compiler(n=n, k=k, bn=bn, act=activation, pingpong=pingpong)
+        compile = FWD.compiler(n=n, k=k, bn=bn, act=activation, pingpong=pingpong, deferred=deferred)
     return KernelSpec(
         op=op,
         name=name,
@@ -722,12 +723,8 @@ KERNELS: tuple[KernelSpec, ...] = (
     _spec("grouped_gemm_fwd_n256", 4096, 1024, 256, True),
     _spec("grouped_gemm_dgrad_n128", 1024, 4096, 128, False),
     _spec("grouped_gemm_wgrad_n256", 2048, 4096, 256, None),
-    KernelSpec(op="grouped_gemm", name="grouped_gemm_fwd_deferred_n256",
-               compile=FWD.compiler(n=2048, k=4096, bn=256, act="none", deferred=True),
-               expect={"sm_90a": (*_EXPECT_SM90, *_CLUSTER)}, forbid={"sm_90a": _FORBID_SM90}),
-    KernelSpec(op="grouped_gemm_dgrad", name="grouped_gemm_dgrad_deferred_n256",
-               compile=DGRAD.compiler(n=1024, k=4096, bn=256, deferred=True),
-               expect={"sm_90a": (*_EXPECT_SM90, *_CLUSTER)}, forbid={"sm_90a": _FORBID_SM90}),
+    _spec("grouped_gemm_fwd_deferred_n256", 2048, 4096, 256, True, deferred=True),
+    _spec("grouped_gemm_dgrad_deferred_n256", 1024, 4096, 256, False, deferred=True),
     KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_dynamic_n256",
                compile=WGRAD.compiler(n=2048, k=4096, bn=256, ld=4096, dynamic=True),
                expect={"sm_90a": (*_EXPECT_WGRAD, r"\batom\.global\.acq_rel(\.gpu)?\.add\.u32\b",
@@ -771,7 +768,5 @@ KERNELS: tuple[KernelSpec, ...] = (
                  keep_h=False, deferred=True),
     _gather_spec("grouped_gemm_act_gathered_relu2_n128_deferred", 1152, 2048, "relu2", deferred=True),
     _dgrad_gather_spec("grouped_gemm_dgrad_gathered_cn2_deferred", 1024, 4096, cn=2, deferred=True),
-    KernelSpec(op="grouped_gemm_act", name="grouped_gemm_act_swiglu_deferred_n256",
-               compile=FWD.compiler(n=2048, k=4096, bn=256, act="swiglu", deferred=True),
-               expect={"sm_90a": (*_EXPECT_EPILOGUE, *_CLUSTER)}, forbid={"sm_90a": _FORBID_EPILOGUE}),
+    _spec("grouped_gemm_act_swiglu_deferred_n256", 2048, 4096, 256, True, "swiglu", deferred=True),
 )
