@@ -12,14 +12,13 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
 import pytest
 import torch
 from fastcompile import tool
-from test_fast_gemm import cumsum, offs_of, zipf_counts
+from test_fast_gemm import cumsum, into_nan, offs_of, zipf_counts
 from test_fast_gemm_gather_cluster import CASES as GATHER_CASES
 from test_fast_gemm_gather_cluster import Case as GatherCase
 from test_fast_gemm_gather_cluster import _case as gather_case
@@ -155,17 +154,6 @@ def test_sep_gemm_fast_fwd_deferred_subtile_skipped(monkeypatch: pytest.MonkeyPa
     test_deferred_fwd_equals_the_plain_one("uniform", "grouped_gemm", 1024, 2048, 256, monkeypatch)
 
 
-def _into_nan(shapes: list[tuple[int, int]], op: Callable[[], tuple[torch.Tensor, ...]]
-              ) -> tuple[torch.Tensor, ...]:
-    """op's results, its outputs (allocated by torch.empty, in `shapes`' order) handed blocks just filled
-    with NaN by the caching allocator, so a subtile that never leaves shows."""
-    junk = [torch.full(s, float("nan"), dtype=torch.bfloat16, device="cuda") for s in shapes]
-    del junk
-    out = op()
-    torch.cuda.synchronize()
-    return out
-
-
 @gpu
 @pytest.mark.parametrize("case", GATHER_CASES, ids=[f"H{c[2]}N{c[3]}-{c[6]}" for c in GATHER_CASES])
 @pytest.mark.parametrize("keep_h", [True, False])
@@ -184,7 +172,7 @@ def test_deferred_gathered_equals_the_plain_one(case: GatherCase, keep_h: bool,
         return (gemm.grouped_gemm_dgrad_gathered(dy, slot, k, w, offs),)
 
     def run() -> list[torch.Tensor]:
-        return [*_into_nan(shapes, up), *_into_nan([(m, x.shape[1])], dgrad)]
+        return [*into_nan(shapes, up), *into_nan([(m, x.shape[1])], dgrad)]
 
     plain, deferred = _both(run, monkeypatch, "GEMM_GATHER_DEFERRED")
     for name, want, got in zip(("act(h)", "h", "dx"), plain, deferred, strict=True):

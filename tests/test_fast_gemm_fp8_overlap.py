@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_fast_gemm import cumsum, zipf_counts
+from test_fast_gemm import cumsum, into_nan, zipf_counts
 from test_fast_gemm_fp8 import BLK, Case, _separates, assert_contract, make, probe, sm90
 from torch import Tensor
 
@@ -190,15 +190,6 @@ def test_cluster_two_equals_ctas_alone(counts: list[int], monkeypatch: pytest.Mo
     assert torch.equal(clustered.view(torch.int16), alone.view(torch.int16))
 
 
-def _into_nan(case: Case) -> Tensor:
-    """case.run() into a block the caching allocator just held NaN in, so an unwritten tile shows."""
-    junk = torch.full((case.m, case.n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    del junk
-    out = case.run()
-    torch.cuda.synchronize()
-    return out
-
-
 @gpu
 @sm90
 @pytest.mark.parametrize("k", [256, 512, 1024, 4096])
@@ -211,9 +202,9 @@ def test_chained_schedule_equals_the_tile_by_tile_one(k: int, counts: list[int],
     monkeypatch.setattr(gemm_fp8, "GEMM_FP8_OVERLAP", True)
     case = make(sum(counts) + 5, 384, k, cumsum(counts), seed=k + 2)
     monkeypatch.setattr(gemm_fp8, "GEMM_FP8_CHAINED", False)
-    plain = _into_nan(case)
+    plain = into_nan([(case.m, case.n)], case.run)
     monkeypatch.setattr(gemm_fp8, "GEMM_FP8_CHAINED", True)
-    chained = _into_nan(case)
+    chained = into_nan([(case.m, case.n)], case.run)
     assert not bool(chained.isnan().any()), "a tile was never stored"
     assert torch.equal(chained.view(torch.int16), plain.view(torch.int16))
 
