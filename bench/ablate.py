@@ -64,11 +64,11 @@ _WGRAD_DEFERRED = Mutation(
     "the TMA wgrad holds each finished tile's bf16 subtiles in registers and sends one under each K box of "
     "the next tile's wgmmas, instead of storing them all before that tile starts",
 )
-_FWD_DEFERRED = Mutation(
-    "ablate.fwd_deferred", LIMITS,
-    "GEMM_FWD_DEFERRED: Final[bool] = False\n", "GEMM_FWD_DEFERRED: Final[bool] = True\n",
-    "the cooperative TMA-fed fwd and dgrad (K above the ping-pong's) hold each tile's bf16 subtiles in "
-    "registers and send one under each K box of the next tile's wgmmas, act(h) computed as each leaves",
+_FWD_STORED_FIRST = Mutation(
+    "ablate.fwd_stored_first", LIMITS,
+    "GEMM_FWD_DEFERRED: Final[bool] = True\n", "GEMM_FWD_DEFERRED: Final[bool] = False\n",
+    "the cooperative TMA-fed fwd and dgrad (K above the ping-pong's) store each finished tile before the "
+    "next tile's wgmmas start, instead of holding it in registers and sending one subtile under each K box",
 )
 _GATHER_DEFERRED = Mutation(
     "ablate.gather_deferred", LIMITS,
@@ -138,7 +138,7 @@ ABLATIONS: tuple[Mutation, ...] = (
     _NO_PINGPONG,
     _WGRAD_STATIC,
     _WGRAD_DEFERRED,
-    _FWD_DEFERRED,
+    _FWD_STORED_FIRST,
     Mutation(
         "ablate.cluster_one", LIMITS,
         "GEMM_CLUSTER_M: Final[int] = 2\n", "GEMM_CLUSTER_M: Final[int] = 1\n",
