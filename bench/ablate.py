@@ -338,12 +338,6 @@ COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {"gather": GATHER_COMPO
 FP8_ABLATIONS: tuple[Mutation, ...] = (
     _FP8_SERIAL,
     Mutation(
-        "ablate.fp8_chained", LIMITS,
-        "GEMM_FP8_CHAINED: Final[bool] = False\n", "GEMM_FP8_CHAINED: Final[bool] = True\n",
-        "the overlapped fp8 fwd issues the next tile's first K block before a tile's last promotion, so the "
-        "tile's epilogue runs under its wgmmas (even K block counts: every row here)",
-    ),
-    Mutation(
         "ablate.fp8_no_cluster", LIMITS,
         "GEMM_FP8_CLUSTER_M: Final[int] = 2\n", "GEMM_FP8_CLUSTER_M: Final[int] = 1\n",
         "the fp8 fwd at K <= GEMM_FP8_CLUSTER_MAX_K in CTAs alone, each loading all of its B boxes, "

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_fast_gemm import cumsum, into_nan, zipf_counts
+from test_fast_gemm import cumsum, zipf_counts
 from test_fast_gemm_fp8 import BLK, Case, _separates, assert_contract, make, probe, sm90
 from torch import Tensor
 
@@ -40,35 +40,13 @@ def test_consumer_promotes_each_block_under_the_next_blocks_mmas(probe: dict[str
     issue = [["ld.global.b8", 3], ["mbarrier.try_wait", 1], ["wgmma.fence", 1], ["wgmma.mma_async", 4]]
     step = [*issue, ["wgmma.wait_group.sync.aligned 1", 1], ["fma.rn.f32", 64]]
     tail = [["wgmma.wait_group.sync.aligned 0", 1], ["fma.rn.f32", 64], ["stmatrix", 8]]
-    names = [n for n in probe["ops"] if "overlap" in n and "chained" not in n]
+    names = [n for n in probe["ops"] if "overlap" in n]
     assert len(names) == 5, names
     for name in names:
         ops = probe["ops"][name]
         consumer = ops[[op for op, _ in ops].index("setmaxnreg.inc") + 1:]
         body = issue + step * (_k_blocks(name) - 1) + tail
         assert consumer[: len(body)] == body, (name, consumer[: len(body) + 2])
-
-
-def test_chained_consumer_runs_each_epilogue_under_the_next_tiles_first_block(probe: dict[str, Any]) -> None:
-    """GEMM_FP8_CHAINED: the first tile's block 0 is waited alone; then every block as in the overlapped
-    schedule, and after a tile's last block the next tile's block 0 is issued (its scale bytes loaded first),
-    wait_group 1 leaves it in flight under the last promotion and the epilogue's stmatrix, and wait_group 0
-    follows them in the same iteration (a wgmma in flight over the loop's back edge serializes them all)."""
-    issue = [["ld.global.b8", 3], ["mbarrier.try_wait", 1], ["wgmma.fence", 1], ["wgmma.mma_async", 4]]
-    step = [*issue, ["wgmma.wait_group.sync.aligned 1", 1], ["fma.rn.f32", 64]]
-    names = [n for n in probe["ops"] if "chained" in n]
-    assert len(names) == 2, names
-    for name in names:
-        ops = probe["ops"][name]
-        consumer = ops[[op for op, _ in ops].index("setmaxnreg.inc") + 1:]
-        body = [*issue, ["wgmma.wait_group.sync.aligned 0", 1], *step * _k_blocks(name), ["stmatrix", 8]]
-        assert consumer[: len(body)] == body, (name, consumer[: len(body) + 2])
-        assert consumer[len(body)][0] == "wgmma.wait_group.sync.aligned 0", (name, consumer[len(body)])
-    assert probe["ptxas"] is None or all("C75" not in probe["ptxas"][n]["log"] for n in names)
-
-
-def test_chained_schedule_takes_even_k_block_counts_only() -> None:
-    assert [k for k in range(0, 1200, 128) if gemm_fp8.fp8_chains(k)] == [256, 512, 768, 1024]
 
 
 def _both(case: Case, monkeypatch: pytest.MonkeyPatch) -> tuple[Tensor, Tensor]:
@@ -188,37 +166,3 @@ def test_cluster_two_equals_ctas_alone(counts: list[int], monkeypatch: pytest.Mo
     clustered = case.run()
     torch.cuda.synchronize()
     assert torch.equal(clustered.view(torch.int16), alone.view(torch.int16))
-
-
-@gpu
-@sm90
-@pytest.mark.parametrize("k", [256, 512, 1024, 4096])
-@pytest.mark.parametrize("counts", [[0, 1, 300, 0, 129, 2, 700, 0, 64], [5, 5, 5, 1000], [0, 0, 7000, 3]],
-                         ids=["mixed", "small", "one"])
-def test_chained_schedule_equals_the_tile_by_tile_one(k: int, counts: list[int],
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Chaining moves only when each tile's epilogue runs: the same bits, every tile written, from 2 to 32
-    K blocks, clustered (K <= GEMM_FP8_CLUSTER_MAX_K) and alone, with empty groups and the zero tail."""
-    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_OVERLAP", True)
-    case = make(sum(counts) + 5, 384, k, cumsum(counts), seed=k + 2)
-    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_CHAINED", False)
-    plain = into_nan([(case.m, case.n)], case.run)
-    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_CHAINED", True)
-    chained = into_nan([(case.m, case.n)], case.run)
-    assert not bool(chained.isnan().any()), "a tile was never stored"
-    assert torch.equal(chained.view(torch.int16), plain.view(torch.int16))
-
-
-@gpu
-@sm90
-def test_sep_gemm_fast_fp8_chained_first_block_scales_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mutant: the next tile's block 0 is promoted with the scales of this tile's last block (kept instead of
-    the ones loaded for it). 256 tiles over at most 132 CTAs, so most tiles are chained; modelled as each
-    row's block 0 taking its own last block's scales, which differ, as the predecessor's do."""
-    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_OVERLAP", True)
-    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_CHAINED", True)
-    case = make(8192, 512, 512, cumsum([4096, 4096]), seed=25)
-    sx, sw = case.x_scale().clone(), case.w_scale().clone()
-    sx[0], sw[0] = sx[-1].clone(), sw[-1].clone()
-    ref, mag = _separates(case, case.formula(sx=sx, sw=sw))
-    assert_contract(case.run(), ref, mag, case.k)

@@ -70,20 +70,4 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the overlapped schedule waits for a tile's last K block but never promotes it", OVERLAP_TESTS,
         CONTRACTS, device="gpu",
     ),
-    Mutation(
-        "gemm.fast_fp8_chained_wait_over_back_edge", FILE,
-        "                _store(c, row0, n_tile, g_end, n, staged)\n"
-        "                warpgroup.wait_group(0)\n",
-        "                _store(c, row0, n_tile, g_end, n, staged)\n",
-        "the chained schedule leaves the next tile's first K block in flight over the tile loop's back edge "
-        "(the next step's wait_group 1 still orders it): ptxas serializes every wgmma of the kernel",
-        tests=("tests/test_fast_gemm_fp8.py::test_sm90a_ptx_assembles_without_spills",),
-    ),
-    sep_mutation(
-        "gemm.fast_fp8_chained_first_block_scales_kept", FILE,
-        "                s_lo, s_hi = _block_scales(b_lo, b_hi, b_w)\n                _store(",
-        "                _store(",
-        "the chained schedule promotes the next tile's first K block with this tile's last block's scales "
-        "instead of the ones loaded for it", OVERLAP_TESTS, CONTRACTS, device="gpu",
-    ),
 )

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import Final
 
-from nmoe.constants import MXFP8_BLOCK_SM90
-
 VEC_BYTES: Final[int] = 16
 """Widest global access (128-bit); a pointer aligned to it lets a kernel move whole vectors."""
 
@@ -64,18 +62,6 @@ GEMM_FP8_OVERLAP: Final[bool] = True
 """sm_90a fp8 fwd: each K block's wgmmas stay in flight while the block before is promoted (two block
 accumulators, K loop unrolled) when True, else each block's MMAs are waited before its promotion
 (H200: 1.05-1.27x over the serial schedule)."""
-GEMM_FP8_CHAINED: Final[bool] = False
-"""sm_90a fp8 fwd, overlapped: the next tile's first K block is issued before a tile's last promotion, so the
-tile's epilogue runs under its wgmmas (where fp8_chains(K)), else tiles run one after another. Off: H200
-ablate.fp8_chained up 0.93-0.99x, down 0.94-1.02x of the tile-by-tile schedule."""
-
-
-def fp8_chains(k: int) -> bool:
-    """Whether the chained fp8 schedule takes reduction K: it alternates two block accumulators and starts
-    every tile on the first, so it needs an even count (>= 2) of MXFP8_BLOCK_SM90 blocks."""
-    return k // MXFP8_BLOCK_SM90 >= 2 and k // MXFP8_BLOCK_SM90 % 2 == 0
-
-
 GEMM_FP8_STAGED_TILE: Final[bool] = True
 """sm_90a fp8 fwd: stage a whole 128 x 128 output tile (one operand stage less), so its stores drain under
 the next tile's MMAs, when True, else two subtiles (H200: down projections 1.047-1.053x, up 0.99-1.00x)."""

@@ -10,12 +10,10 @@ from nmoe.constants import FP8_WEIGHT_BLOCK, MXFP8_BLOCK_SM90
 from nmoe.fast import runtime
 from nmoe.fast.gemm.routing import as_bytes, check_offs_on_host, check_routing, fwd_ctas, require
 from nmoe.fast.limits import (
-    GEMM_FP8_CHAINED,
     GEMM_FP8_CLUSTER_M,
     GEMM_FP8_CLUSTER_MAX_K,
     GEMM_FP8_OVERLAP,
     GEMM_FP8_STAGED_TILE,
-    fp8_chains,
 )
 from nmoe.fast.op import Kernel, fast_op
 from nmoe.fast.runtime import KernelSpec, tma_aligned
@@ -26,8 +24,7 @@ K_BLOCK = MXFP8_BLOCK_SM90
 _CODES = (torch.uint8, torch.float8_e4m3fn)
 _SCALES = (torch.uint8, torch.float8_e8m0fnu)
 FP8 = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_fp8", "grouped_gemm_fp8_sm90",
-             lambda km, n, k, overlap=False, staged=False, cm=1, chained=False:
-                 km.compile_args(n, k, overlap, staged, cm, chained),
+             lambda km, n, k, overlap=False, staged=False, cm=1: km.compile_args(n, k, overlap, staged, cm),
              (ARCH,),
              "nmoe.fast.gemm.grouped_gemm_fp8")
 
@@ -66,9 +63,7 @@ def _launch(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, offs: Tensor, y: Ten
     check_offs_on_host("grouped_gemm_fp8", offs, m)
     cm = GEMM_FP8_CLUSTER_M if k <= GEMM_FP8_CLUSTER_MAX_K else 1
     n_ctas = fwd_ctas(device, m, n, n_groups, BN, cm)
-    chained = GEMM_FP8_CHAINED and GEMM_FP8_OVERLAP and fp8_chains(k)
-    launch = FP8.launcher(arch, n=n, k=k, overlap=GEMM_FP8_OVERLAP, staged=GEMM_FP8_STAGED_TILE, cm=cm,
-                          chained=chained)
+    launch = FP8.launcher(arch, n=n, k=k, overlap=GEMM_FP8_OVERLAP, staged=GEMM_FP8_STAGED_TILE, cm=cm)
     launch(device, xq.data_ptr(), wq.data_ptr(), xs.data_ptr(), ws.data_ptr(), y.data_ptr(), offs.data_ptr(),
            m, n_groups, n_ctas)
 
@@ -121,12 +116,11 @@ _STAGED = r"\bcp\.async\.bulk\.wait_group\.read\s+3\b"
 _MULTICAST = (r"multicast::cluster", r"\bbarrier\.cluster\.wait\b")
 
 
-def _spec(name: str, n: int, k: int, overlap: bool = False, staged: bool = False, cm: int = 1,
-          chained: bool = False) -> KernelSpec:
+def _spec(name: str, n: int, k: int, overlap: bool = False, staged: bool = False, cm: int = 1) -> KernelSpec:
     expect = (*(_EXPECT_OVERLAP if overlap else _EXPECT), *((_STAGED,) if staged else ()),
               *(_MULTICAST if cm > 1 else ()))
     return KernelSpec(op="grouped_gemm_fp8", name=name,
-                      compile=FP8.compiler(n=n, k=k, overlap=overlap, staged=staged, cm=cm, chained=chained),
+                      compile=FP8.compiler(n=n, k=k, overlap=overlap, staged=staged, cm=cm),
                       expect={ARCH: expect}, forbid={ARCH: _FORBID})
 
 
@@ -140,6 +134,4 @@ KERNELS: tuple[KernelSpec, ...] = (
     _spec("grouped_gemm_fp8_sm90_odd_overlap", 2048, 384, True),
     _spec("grouped_gemm_fp8_sm90_down_overlap_staged", 4096, 1024, True, True),
     _spec("grouped_gemm_fp8_sm90_down_overlap_cluster2", 4096, 1024, True, True, 2),
-    _spec("grouped_gemm_fp8_sm90_down_overlap_chained_cluster2", 4096, 512, True, True, 2, True),
-    _spec("grouped_gemm_fp8_sm90_up_overlap_chained", 2048, 4096, True, True, 1, True),
 )

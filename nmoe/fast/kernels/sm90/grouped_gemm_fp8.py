@@ -52,7 +52,6 @@ from nmoe.fast.kernels.sm90.tiles import (
     pipeline_stages,
 )
 from nmoe.fast.limits import GEMM_BM as BM
-from nmoe.fast.limits import fp8_chains
 
 # One K tile per activation scale block and one N tile per weight scale block.
 BK = MXFP8_BLOCK_SM90
@@ -188,7 +187,7 @@ def _thread_rows(t_c: cute.Tensor, row0: Int32, m_rows: Int32) -> tuple[Int32, I
 
 
 class Consumer(NamedTuple):
-    """What both consumer schedules read: the ring, the accumulators and their fragments, the scales, the
+    """What the consumer warpgroups read: the ring, the accumulators and their fragments, the scales, the
     epilogue and the routing."""
 
     mainloop: pipeline.PipelineTmaAsync
@@ -205,13 +204,6 @@ class Consumer(NamedTuple):
     s_offs: cute.Tensor
     n_groups: Int32
     m_rows: Int32
-
-
-@cute.jit
-def _store(c: Consumer, row0: Int32, n_tile: Int32, g_end: Int32, n: Constexpr[int],
-           staged: Constexpr[bool]) -> None:
-    """The accumulator's tile at (row0, n_tile) out through the epilogue, rows below g_end."""
-    store_tile(c.epi, c.tma_d, c.m_d, c.m_d, row0, n_tile, g_end, n, BN, "none", bufs=epi_bufs(BN, staged))
 
 
 @cute.jit
@@ -244,78 +236,11 @@ def _consume_by_tile(c: Consumer, tiled_mma: cute.TiledMma, t: Int32, n_units: I
                     read.advance()
                     s_lo, s_hi = _block_scales(b_lo, b_hi, b_w)
                     _promote(acc, bufs[0], s_lo, s_hi)
-        _store(c, row0, n_tile, g_end, n, staged)
+        store_tile(c.epi, c.tma_d, c.m_d, c.m_d, row0, n_tile, g_end, n, BN, "none",
+                   bufs=epi_bufs(BN, staged))
         t = t + n_units
         e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
                                                 n_tiles_n, cm)
-
-
-@cute.jit
-def _issue_first(c: Consumer, tiled_mma: cute.TiledMma, read: Any, row0: Int32, n_tile: Int32,
-                 e: Int32) -> tuple[Any, cute.TiledMma, Int32, Int32, Int32]:
-    """Issue the first K block of the tile at (row0, n_tile) of group e into bufs[0], its scale bytes loaded
-    before the stage wait; returns the advanced ring state, the MMA and those bytes."""
-    row_lo, row_hi = _thread_rows(c.t_c, row0, c.m_rows)
-    b_lo, b_hi, b_w = _block_bytes(c.m_xs, c.m_ws, row_lo, row_hi, n_tile, Int32(0), e)
-    c.mainloop.consumer_wait(read)
-    tiled_mma = _issue_block(tiled_mma, c.bufs[0], c.t_ra, c.t_rb, read.index)
-    read.advance()
-    return read, tiled_mma, b_lo, b_hi, b_w
-
-
-@cute.jit
-def _consume_chained(c: Consumer, tiled_mma: cute.TiledMma, t: Int32, n_units: Int32, rank: Int32,
-                     n: Constexpr[int], k_tiles: Constexpr[int], stages: Constexpr[int],
-                     staged: Constexpr[bool], cm: Constexpr[int]) -> None:
-    """The overlapped schedule chained across tiles: the next tile's first K block is issued before this
-    tile's last promotion, so this tile's epilogue runs under its wgmmas, and is waited for in the same
-    iteration (a wgmma in flight over the loop's back edge makes ptxas serialize them all). Block kt sits in
-    bufs[kt % 2], hence an even K block count; promotions keep K order: every bit equals the tile-by-tile
-    schedule's."""
-    mainloop, acc, bufs, t_ra, t_rb, t_c, m_xs, m_ws = c[:8]
-    s_offs, n_groups, m_rows = c.s_offs, c.n_groups, c.m_rows
-    n_tiles_n = n // BN
-    read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-    release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-    e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, n_tiles_n, cm)
-    n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n, cm, rank)
-    s_lo, s_hi = Float32(0.0), Float32(0.0)
-    acc.fill(Float32(0.0))
-    if e < n_groups:
-        read, tiled_mma, b_lo, b_hi, b_w = _issue_first(c, tiled_mma, read, row0, n_tile, e)
-        warpgroup.wait_group(0)
-        s_lo, s_hi = _block_scales(b_lo, b_hi, b_w)
-    while e <= n_groups:
-        t_next = t + n_units
-        e2, g_start2, g_end2, before2, here2 = _seek(s_offs, n_groups, m_rows, t_next, e, g_start, g_end,
-                                                     before, here, n_tiles_n, cm)
-        n_tile2, row0_2 = _tile_at(t_next, before2, g_start2, n_tiles_n, cm, rank)
-        if e < n_groups:
-            row_lo, row_hi = _thread_rows(t_c, row0, m_rows)
-            for kt in range_constexpr(1, k_tiles):
-                read, release, tiled_mma, s_lo, s_hi = _overlap_step(
-                    mainloop, read, release, tiled_mma, acc, bufs[kt % 2], bufs[(kt - 1) % 2], s_lo, s_hi,
-                    t_ra, t_rb, m_xs, m_ws, row_lo, row_hi, n_tile, Int32(kt), e)
-            if e2 < n_groups:
-                read, tiled_mma, b_lo, b_hi, b_w = _issue_first(c, tiled_mma, read, row0_2, n_tile2, e2)
-                warpgroup.wait_group(1)
-                _promote(acc, bufs[1], s_lo, s_hi)
-                mainloop.consumer_release(release)
-                release.advance()
-                s_lo, s_hi = _block_scales(b_lo, b_hi, b_w)
-                _store(c, row0, n_tile, g_end, n, staged)
-                warpgroup.wait_group(0)
-            else:
-                warpgroup.wait_group(0)
-                _promote(acc, bufs[1], s_lo, s_hi)
-                mainloop.consumer_release(release)
-                release.advance()
-                _store(c, row0, n_tile, g_end, n, staged)
-        else:
-            _store(c, row0, n_tile, g_end, n, staged)
-        acc.fill(Float32(0.0))
-        t, e, g_start, g_end, before, here = t_next, e2, g_start2, g_end2, before2, here2
-        n_tile, row0 = n_tile2, row0_2
 
 
 @cute.kernel
@@ -325,7 +250,7 @@ def grouped_gemm_fp8_kernel(
     m_offs: cute.Tensor, m_rows: Int32,
     n_groups: Int32, tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
     d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], stages: Constexpr[int],
-    overlap: Constexpr[bool], staged: Constexpr[bool], cm: Constexpr[int], chained: Constexpr[bool],
+    overlap: Constexpr[bool], staged: Constexpr[bool], cm: Constexpr[int],
 ) -> None:
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b, tma_atom_d))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, Float8E4M3FN, a_layout, b_layout, d_layout,
@@ -355,10 +280,7 @@ def grouped_gemm_fp8_kernel(
         epi = epilogue_copies(tiled_mma, acc, s_d, ctid, tma_atom_d)
         c = Consumer(mainloop, acc, (blk, blk2), t_ra, t_rb, t_c, m_xs, m_ws, epi, tma_d, m_d, s_offs,
                      n_groups, m_rows)
-        if const_expr(chained):
-            _consume_chained(c, tiled_mma, unit, n_units, rank, n, k_tiles, stages, staged, cm)
-        else:
-            _consume_by_tile(c, tiled_mma, unit, n_units, rank, n, k_tiles, stages, staged, cm, overlap)
+        _consume_by_tile(c, tiled_mma, unit, n_units, rank, n, k_tiles, stages, staged, cm, overlap)
         drain_stores()
 
 
@@ -366,12 +288,11 @@ def grouped_gemm_fp8_kernel(
 def grouped_gemm_fp8_host(
     px: Pointer, pw: Pointer, pxs: Pointer, pws: Pointer, py: Pointer, poffs: Pointer, m_rows: Int32,
     n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream, n: Constexpr[int], k: Constexpr[int],
-    overlap: Constexpr[bool], staged: Constexpr[bool], cm: Constexpr[int], chained: Constexpr[bool],
+    overlap: Constexpr[bool], staged: Constexpr[bool], cm: Constexpr[int],
 ) -> None:
     """y[M, n] = per-group dequant(xq)[M, k] @ dequant(wq[e])^T; codes K-major, scales row-major bytes;
     staged: a whole output tile waits in shared memory (epi_bufs); cm > 1: clusters of cm M tiles share
-    each B box, every CTA loading 1/cm of it for all; chained: each tile's epilogue runs under the next
-    tile's first K block (_consume_chained)."""
+    each B box, every CTA loading 1/cm of it for all."""
     stages = stages_for(staged)
     kb = k // BK
     m_x = cute.make_tensor(px, cute.make_layout((m_rows, k), stride=(k, 1)))
@@ -393,17 +314,14 @@ def grouped_gemm_fp8_host(
     grouped_gemm_fp8_kernel(
         tma_atom_a, tma_a, tma_atom_b, tma_b, m_xs, m_ws, *epi_tma(m_y), m_y, m_offs, m_rows, n_groups,
         tiled_mma, a_layout, b_layout, epi_smem_layout(bufs=epi_bufs(BN, staged)), n, k, stages, overlap,
-        staged, cm, chained,
+        staged, cm,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(cm), min_blocks_per_mp=1,
              stream=stream)
 
 
-def compile_args(n: int, k: int, overlap: bool = False, staged: bool = False, cm: int = 1,
-                 chained: bool = False) -> tuple[Any, tuple[Any, ...]]:
-    if chained and not (overlap and fp8_chains(k)):
-        raise ValueError(f"fp8 grouped GEMM chained schedule: needs the overlapped one and an even count of "
-                         f"K blocks of {BK}, got overlap={overlap}, K={k}; launch it with chained=False")
+def compile_args(n: int, k: int, overlap: bool = False, staged: bool = False,
+                 cm: int = 1) -> tuple[Any, tuple[Any, ...]]:
     ptrs = (pointer(Float8E4M3FN, 0), pointer(Float8E4M3FN, 0), pointer(Uint8, 0, 1), pointer(Uint8, 0, 1),
             pointer(BFloat16, 0), pointer(Int32, 0, 4))
     return grouped_gemm_fp8_host, (*ptrs, Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k, overlap,
-                                   staged, cm, chained)
+                                   staged, cm)
