@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from fastcompile import tool
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
@@ -221,7 +222,7 @@ def test_kernel_source_hash_covers_the_kernel_file() -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 _PROBE = r'''
-import json, os, re, shutil, subprocess, sys, tempfile, time
+import json, os, re, subprocess, sys, tempfile, time
 from nmoe.fast import runtime
 from nmoe.fast.gemm import sm100 as gemm_sm100
 runtime.import_cutlass("sm_100a")
@@ -239,11 +240,11 @@ for spec in gemm_sm100.KERNELS:
            "mma": sorted(set(re.findall(r"tcgen05\.mma\.cta_group::\d\.kind::\w+(?:\.block_scale\.block\d+)?",
                                         ptx))),
            "mma_full": sorted(set(re.findall(r"tcgen05\.mma\S*", ptx))), "ptxas": None}
-    if shutil.which("ptxas"):
+    if sys.argv[1]:
         with tempfile.TemporaryDirectory() as d:
             src = os.path.join(d, "k.ptx")
             open(src, "w").write(ptx)
-            p = subprocess.run(["ptxas", "-arch=sm_100a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+            p = subprocess.run([sys.argv[1], "-arch=sm_100a", "-v", src, "-o", os.path.join(d, "k.cubin")],
                                capture_output=True, text=True)
             row["ptxas"] = {"rc": p.returncode, "log": (p.stdout + p.stderr)[-2000:]}
     rows.append(row)
@@ -272,8 +273,8 @@ def probe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     script.write_text(_PROBE)
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, "CUTE_DSL_ARCH": "sm_100a"}
-    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, str(script), tool("ptxas") or ""], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return out
