@@ -12,8 +12,10 @@ CONTRACTS = ("grouped_gemm_fp8",)
 MUTATIONS: tuple[Mutation, ...] = (
     sep_mutation(
         "gemm.fast_fp8_scale_wrong_operand", FILE,
-        "    lo, hi = c[((0, 0, 0), 0, 0)][0], c[((0, 1, 0), 0, 0)][0]\n",
-        "    lo, hi = c[((0, 0, 0), 0, 0)][1], c[((0, 1, 0), 0, 0)][1]\n",
+        "                row_lo = dsl_min(row0 + t_c[((0, 0, 0), 0, 0)][0], m_rows - 1)\n"
+        "                row_hi = dsl_min(row0 + t_c[((0, 1, 0), 0, 0)][0], m_rows - 1)\n",
+        "                row_lo = dsl_min(row0 + t_c[((0, 0, 0), 0, 0)][1], m_rows - 1)\n"
+        "                row_hi = dsl_min(row0 + t_c[((0, 1, 0), 0, 0)][1], m_rows - 1)\n",
         "the activation scale is looked up by the output column instead of the row", TESTS, CONTRACTS,
         device="gpu",
     ),

@@ -4,7 +4,7 @@ Import only after nmoe.fast.runtime.import_cutlass("sm_90a")."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
@@ -177,72 +177,6 @@ def _k_overlapped(mainloop: pipeline.PipelineTmaAsync, read: Any, release: Any, 
     return read, release, tiled_mma
 
 
-@cute.jit
-def _thread_rows(t_c: cute.Tensor, row0: Int32, m_rows: Int32) -> tuple[Int32, Int32]:
-    """This thread's two accumulator rows of the tile at row0, for their scale bytes: rows past the group are
-    computed, then masked at the store; past M they read row M - 1."""
-    c: Any = t_c
-    lo, hi = c[((0, 0, 0), 0, 0)][0], c[((0, 1, 0), 0, 0)][0]
-    return dsl_min(row0 + lo, m_rows - 1), dsl_min(row0 + hi, m_rows - 1)
-
-
-class Consumer(NamedTuple):
-    """What the consumer warpgroups read: the ring, the accumulators and their fragments, the scales, the
-    epilogue and the routing."""
-
-    mainloop: pipeline.PipelineTmaAsync
-    acc: cute.Tensor
-    bufs: tuple[cute.Tensor, cute.Tensor]
-    t_ra: cute.Tensor
-    t_rb: cute.Tensor
-    t_c: cute.Tensor
-    m_xs: cute.Tensor
-    m_ws: cute.Tensor
-    epi: Any
-    tma_d: cute.Tensor
-    m_d: cute.Tensor
-    s_offs: cute.Tensor
-    n_groups: Int32
-    m_rows: Int32
-
-
-@cute.jit
-def _consume_by_tile(c: Consumer, tiled_mma: cute.TiledMma, t: Int32, n_units: Int32, rank: Int32,
-                     n: Constexpr[int], k_tiles: Constexpr[int], stages: Constexpr[int],
-                     staged: Constexpr[bool], cm: Constexpr[int], overlap: Constexpr[bool]) -> None:
-    """The consumers' tiles one after another: each tile's K blocks (promotions overlapped or serial), then
-    its epilogue."""
-    mainloop, acc, bufs, t_ra, t_rb, t_c, m_xs, m_ws = c[:8]
-    s_offs, n_groups, m_rows = c.s_offs, c.n_groups, c.m_rows
-    n_tiles_n = n // BN
-    read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-    release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-    e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, n_tiles_n, cm)
-    while e <= n_groups:
-        n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n, cm, rank)
-        acc.fill(Float32(0.0))
-        if e < n_groups:
-            row_lo, row_hi = _thread_rows(t_c, row0, m_rows)
-            if const_expr(overlap):
-                read, release, tiled_mma = _k_overlapped(
-                    mainloop, read, release, tiled_mma, acc, bufs, t_ra, t_rb, m_xs, m_ws, row_lo, row_hi,
-                    n_tile, e, k_tiles)
-            else:
-                for kt in range(k_tiles):
-                    b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo, row_hi, n_tile, kt, e)
-                    mainloop.consumer_wait(read)
-                    tiled_mma = _block_mma(tiled_mma, bufs[0], t_ra, t_rb, read.index)
-                    mainloop.consumer_release(read)
-                    read.advance()
-                    s_lo, s_hi = _block_scales(b_lo, b_hi, b_w)
-                    _promote(acc, bufs[0], s_lo, s_hi)
-        store_tile(c.epi, c.tma_d, c.m_d, c.m_d, row0, n_tile, g_end, n, BN, "none",
-                   bufs=epi_bufs(BN, staged))
-        t = t + n_units
-        e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
-                                                n_tiles_n, cm)
-
-
 @cute.kernel
 def grouped_gemm_fp8_kernel(
     tma_atom_a: cute.CopyAtom, m_a: cute.Tensor, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
@@ -278,9 +212,35 @@ def grouped_gemm_fp8_kernel(
         # Tile coordinates (row, col) of this thread's accumulator values; its rows are those of (j, 0|1, c).
         t_c = tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor((BM, BN)))
         epi = epilogue_copies(tiled_mma, acc, s_d, ctid, tma_atom_d)
-        c = Consumer(mainloop, acc, (blk, blk2), t_ra, t_rb, t_c, m_xs, m_ws, epi, tma_d, m_d, s_offs,
-                     n_groups, m_rows)
-        _consume_by_tile(c, tiled_mma, unit, n_units, rank, n, k_tiles, stages, staged, cm, overlap)
+
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        t = unit
+        e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, n_tiles_n, cm)
+        while e <= n_groups:
+            n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n, cm, rank)
+            acc.fill(0.0)
+            if e < n_groups:
+                # Rows past the group are computed, then masked at the store; past M they read row M - 1.
+                row_lo = dsl_min(row0 + t_c[((0, 0, 0), 0, 0)][0], m_rows - 1)
+                row_hi = dsl_min(row0 + t_c[((0, 1, 0), 0, 0)][0], m_rows - 1)
+                if const_expr(overlap):
+                    read, release, tiled_mma = _k_overlapped(
+                        mainloop, read, release, tiled_mma, acc, (blk, blk2), t_ra, t_rb, m_xs, m_ws, row_lo,
+                        row_hi, n_tile, e, k_tiles)
+                else:
+                    for kt in range(k_tiles):
+                        b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo, row_hi, n_tile, kt, e)
+                        mainloop.consumer_wait(read)
+                        tiled_mma = _block_mma(tiled_mma, blk, t_ra, t_rb, read.index)
+                        mainloop.consumer_release(read)
+                        read.advance()
+                        s_lo, s_hi = _block_scales(b_lo, b_hi, b_w)
+                        _promote(acc, blk, s_lo, s_hi)
+            store_tile(epi, tma_d, m_d, m_d, row0, n_tile, g_end, n, BN, "none", bufs=epi_bufs(BN, staged))
+            t = t + n_units
+            e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,
+                                                    before, here, n_tiles_n, cm)
         drain_stores()
 
 
