@@ -1,10 +1,12 @@
 """Compile rows of one fast module's KERNELS for every supported arch, through compilecheck's spawner, and
-the CUDA binary tools the SASS checks use where some install has them."""
+the CUDA binary tools the PTX and SASS checks use where some install has them."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -54,3 +56,20 @@ def tool(name: str) -> str | None:
         pass
     hits = [p for p in roots if p.exists()]
     return str(hits[0]) if hits else None
+
+
+def assemble(ptx: dict[str, str], arch: str) -> dict[str, dict[str, Any]] | None:
+    """ptxas -v on each named kernel's PTX: {name: {"rc", "log"}}, or None where no install has ptxas (the
+    probes compile in a fresh process for their arch; only the assembly happens here)."""
+    ptxas = tool("ptxas")
+    if ptxas is None:
+        return None
+    out: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as d:
+        for name, text in ptx.items():
+            src, cubin = Path(d) / f"{name}.ptx", Path(d) / f"{name}.cubin"
+            src.write_text(text)
+            p = subprocess.run([ptxas, f"-arch={arch}", "-v", str(src), "-o", str(cubin)],
+                               capture_output=True, text=True, timeout=300)
+            out[name] = {"rc": p.returncode, "log": p.stdout + p.stderr}
+    return out

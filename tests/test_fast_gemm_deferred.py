@@ -13,11 +13,11 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import pytest
 import torch
-from fastcompile import tool
+from fastcompile import assemble
 from test_fast_gemm import cumsum, into_nan, offs_of, zipf_counts
 from test_fast_gemm_gather_cluster import CASES as GATHER_CASES
 from test_fast_gemm_gather_cluster import Case as GatherCase
@@ -194,30 +194,21 @@ def test_sep_gemm_fast_gather_deferred_act_chunk_misplaced(monkeypatch: pytest.M
 
 
 _PROBE = r"""
-import json, os, subprocess, sys, tempfile
+import json
 from nmoe.fast import runtime
 from nmoe.fast.gemm import sm90
 runtime.import_cutlass("sm_90a")
-out = {"ex2": None, "ptxas": None}
-ptxas = sys.argv[1] or None
+out = {"ex2": None, "ptx": {}}
 for spec in sm90.KERNELS:
     if "deferred" not in spec.name:
         continue
-    ptx = spec.compile("sm_90a")
+    ptx = out["ptx"][spec.name] = spec.compile("sm_90a")
     if spec.name == "grouped_gemm_act_gathered_swiglu_cn2_deferred":
         lines = ptx.splitlines()
         mma = [i for i, ln in enumerate(lines) if "wgmma.mma_async" in ln]
         batches = [i for j, i in enumerate(mma) if j == 0 or i - mma[j - 1] > 40]
         out["ex2"] = [sum("ex2.approx" in ln for ln in lines[batches[0]:batches[1]]),
                       sum("ex2.approx" in ln for ln in lines)]
-    if ptxas:
-        out["ptxas"] = out["ptxas"] or {}
-        with tempfile.TemporaryDirectory() as d:
-            src = os.path.join(d, "k.ptx")
-            open(src, "w").write(ptx)
-            run = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
-                                 capture_output=True, text=True)
-            out["ptxas"][spec.name] = (run.stdout + run.stderr)[-3000:]
 print(json.dumps(out))
 """
 
@@ -228,10 +219,11 @@ def probe() -> dict[str, object]:
     some install has ptxas (fastcompile.tool)."""
     env = {**os.environ, "PYTHONPATH": tree_pythonpath(ROOT, os.environ.get("PYTHONPATH"))}
     env.pop("CUTE_DSL_ARCH", None)
-    out = subprocess.run([sys.executable, "-c", _PROBE, tool("ptxas") or ""], capture_output=True, text=True,
-                         timeout=900, cwd=ROOT, env=env)
+    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=900,
+                         cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     found: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    found["ptxas"] = assemble(cast(dict[str, str], found.pop("ptx")), "sm_90a")
     return found
 
 
@@ -248,11 +240,13 @@ def test_deferred_kernels_keep_their_wgmmas_pipelined(probe: dict[str, object]) 
     """ptxas injects waits (C7517) or serializes a kernel's wgmmas (C7514, C7518) where registers a wgmma
     writes may be touched while it is in flight: each deferred kernel must assemble with neither, and the
     plain ones without spilling."""
-    logs = cast(dict[str, str] | None, probe["ptxas"])
-    if logs is None:
+    runs = cast(dict[str, dict[str, Any]] | None, probe["ptxas"])
+    if runs is None:
         pytest.skip("ptxas not installed: the deferred kernels' PTX was not assembled")
-    assert len(logs) == sum("deferred" in s.name for s in gemm.KERNELS)
-    for name, log in logs.items():
+    assert len(runs) == sum("deferred" in s.name for s in gemm.KERNELS)
+    for name, run in runs.items():
+        log = run["log"]
+        assert run["rc"] == 0, (name, log)
         assert not re.search(r"C751[478]|serialized", log), (name, log)
         if "act" not in name and "accumulate" not in name:
             assert "0 bytes spill stores" in log, (name, log)
