@@ -1,0 +1,112 @@
+"""Where the gathering up projection loses to the TMA-fed one: `python bench/gatherprobe.py --out FILE` times
+both (swiglu, h kept) on the layer rows under router routings and synthetic balanced ones; `--one ROUTING
+CONFIG` runs one gathered call and `--wgrad`/`--dense` one c1 up wgrad or its equal-FLOP mm (for ncu)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from torchbase import LAYER_ALIGN, LAYER_CONFIGS, layer_inputs
+
+from nmoe.fast.dispatch import permute
+from nmoe.fast.gemm import sm90
+from nmoe.fast.router import router_logits, router_topk
+
+ROUTINGS = ("uniform", "zipf", "blocked", "strided", "shuffled")
+"""Router routings, then balanced ones (T*K/E rows per expert): blocked gives each expert contiguous tokens
+and a token's K experts adjacent ids; strided every (T/R)-th token; shuffled a random token set per expert."""
+
+
+def routed(cfg: tuple[int, ...], routing: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(x, w13, ids [T, K]) of a layer row under the named routing."""
+    t, _, _, e, k = cfg
+    mc, p, x, _ = layer_inputs(cfg, routing if routing in ("uniform", "zipf") else "uniform", LAYER_ALIGN)
+    assert p.w13 is not None
+    if routing in ("uniform", "zipf"):
+        with torch.no_grad():
+            _, ids = router_topk(router_logits(x, p.router_w), p.router_bias, k, mc.score_func,
+                                 mc.n_expert_groups, mc.n_limited_groups)
+        return x.detach(), p.w13.detach(), ids
+    rows = t * k // e
+    tok = torch.arange(t, device="cuda")[:, None]
+    if routing == "strided":
+        block = tok % (t // rows)
+    elif routing == "shuffled":
+        block = torch.randperm(t, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
+        block = block[:, None] // rows
+    else:
+        block = tok // rows
+    return x.detach(), p.w13.detach(), (block * k + torch.arange(k, device="cuda")[None, :]) % e
+
+
+def median_ms(fn: Callable[[], object], reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return sorted(a.elapsed_time(b) for a, b in ev)[reps // 2]
+
+
+def row(cfg: tuple[int, ...], routing: str) -> dict[str, Any]:
+    x, w, ids = routed(cfg, routing)
+    with torch.no_grad():
+        pm = permute(x, ids, cfg[3], LAYER_ALIGN)
+        k = ids.shape[1]
+        gathered = median_ms(lambda: sm90.grouped_gemm_act_gathered(x, pm.slot, k, w, pm.offs, "swiglu"))
+        tma = median_ms(lambda: sm90.grouped_gemm_act_h(pm.xp, w, pm.offs, "swiglu"))
+    counts = pm.counts.float()
+    flops = 2.0 * cfg[0] * cfg[4] * 2 * cfg[2] * cfg[1]
+    return {"cfg": list(cfg), "routing": routing, "gathered_ms": gathered, "tma_ms": tma,
+            "gathered_tflops": flops / gathered / 1e9, "tma_tflops": flops / tma / 1e9,
+            "max_over_mean": float(counts.max() / counts.mean())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="gatherprobe", description=__doc__)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--one", nargs=2, metavar=("ROUTING", "CONFIG"))
+    ap.add_argument("--wgrad", action="store_true")
+    ap.add_argument("--dense", action="store_true")
+    args = ap.parse_args(argv)
+    if args.one:
+        cfg = LAYER_CONFIGS[int(args.one[1])]
+        x, w, ids = routed(cfg, args.one[0])
+        with torch.no_grad():
+            pm = permute(x, ids, cfg[3], LAYER_ALIGN)
+            for _ in range(3):
+                sm90.grouped_gemm_act_gathered(x, pm.slot, ids.shape[1], w, pm.offs, "swiglu")
+    elif args.wgrad or args.dense:
+        t, h, i, e, k = LAYER_CONFIGS[0]
+        g = torch.Generator(device="cuda").manual_seed(1)
+        dy = torch.randn(t * k, 2 * i, device="cuda", generator=g).to(torch.bfloat16)
+        xs = torch.randn(t * k, h, device="cuda", generator=g).to(torch.bfloat16)
+        offs = torch.full((e,), t * k // e, dtype=torch.int32, device="cuda").cumsum(0, dtype=torch.int32)
+        wd = torch.randn(2 * i, h, device="cuda", generator=g).to(torch.bfloat16)
+        for _ in range(3):
+            sm90.grouped_gemm_wgrad(dy, xs, offs) if args.wgrad else xs @ wd.T
+    else:
+        rows = [row(LAYER_CONFIGS[c], r) for c in (2, 0) for r in ROUTINGS]
+        text = json.dumps(rows, indent=1)
+        print(text)
+        if args.out:
+            args.out.write_text(text + "\n")
+    torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
