@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--one", nargs=2, metavar=("ROUTING", "CONFIG"))
     ap.add_argument("--wgrad", action="store_true")
     ap.add_argument("--dense", action="store_true")
+    ap.add_argument("--routings", default=",".join(ROUTINGS), help="comma-separated: " + " ".join(ROUTINGS))
     args = ap.parse_args(argv)
     if args.one:
         cfg = LAYER_CONFIGS[int(args.one[1])]
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(3):
             sm90.grouped_gemm_wgrad(dy, xs, offs) if args.wgrad else xs @ wd.T
     else:
-        rows = [row(LAYER_CONFIGS[c], r) for c in (2, 0) for r in ROUTINGS]
+        rows = [row(LAYER_CONFIGS[c], r) for c in (2, 0) for r in args.routings.split(",")]
         text = json.dumps(rows, indent=1)
         print(text)
         if args.out:

@@ -42,6 +42,12 @@ GEMM_GATHER_CLUSTER_N: Final[int] = 2
 """CTAs of an N cluster of the gathering fwd/dgrad (cooperative, where the N tiles fill whole clusters): each
 gathers 1/this of A's rows for one M tile's adjacent N tiles by multicast row TMA, half the row TMAs per CTA
 (H200, MoE layer: fwd 1.01-1.045x, fwd+bwd 1.00-1.043x over unclustered)."""
+GEMM_GATHER_ROWS_EVICT_FIRST: Final[bool] = False
+"""The gathering fwd/dgrad's row TMAs mark their rows first to leave L2: a row is read by its M tile's N tiles
+at once, then not before another expert's tile, while the expert's B boxes are read again by each of its M
+tiles (H200 ncu at c3, uniform routing: 12.7 GB of DRAM reads at 34% L2 hits, 4.1-4.4 GB at 71% balanced)."""
+GEMM_GATHER_B_EVICT_LAST: Final[bool] = False
+"""The gathering fwd/dgrad's B TMAs mark the expert's weights last to leave L2, for the same reason."""
 GEMM_WGRAD_DYNAMIC: Final[bool] = True
 """sm_90a TMA-fed wgrad: each CTA takes its next tile of the heaviest-first list from a device counter (a
 skewed routing's heavy tiles then spread like a greedy schedule) when True, else in static snake rounds

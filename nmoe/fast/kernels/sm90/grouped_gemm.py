@@ -234,12 +234,21 @@ def produce_tiles(mainloop: pipeline.PipelineTmaAsync, tma_atom_a: cute.CopyAtom
 
 
 @cute.jit
-def copy_b(atom: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, bar: Any, cm: Constexpr[int]) -> None:
-    """One TMA load of this CTA's share of a B box, multicast to all cm CTAs of its cluster when cm > 1."""
-    if const_expr(cm > 1):
-        cute.copy(atom, src, dst, tma_bar_ptr=bar, mcast_mask=Int16((1 << cm) - 1))
-    else:
-        cute.copy(atom, src, dst, tma_bar_ptr=bar)
+def copy_b(atom: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, bar: Any, cm: Constexpr[int],
+           policy: Constexpr[int] = 0) -> None:
+    """One TMA load of this CTA's share of a B box, multicast to all cm CTAs of its cluster when cm > 1;
+    policy: an L2 cache policy (0: none)."""
+    cute.copy(atom, src, dst, tma_bar_ptr=bar, **tma_hints(cm, policy))
+
+
+def tma_hints(cm: int, policy: int) -> dict[str, Any]:
+    """A TMA load's optional operands: the multicast mask over a cluster of cm CTAs, the L2 cache policy."""
+    hints: dict[str, Any] = {}
+    if cm > 1:
+        hints["mcast_mask"] = Int16((1 << cm) - 1)
+    if policy != 0:
+        hints["cache_policy"] = Int64(policy)
+    return hints
 
 
 @cute.jit

@@ -10,7 +10,7 @@ from typing import Any, cast
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import BFloat16, Int16, Int32, Int64
+from cutlass import BFloat16, Int32, Int64
 from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.nvgpu import cpasync
@@ -29,6 +29,7 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     n_k_tiles,
     n_tiles_n_of,
     pointer,
+    tma_hints,
     unit_tile,
 )
 from nmoe.fast.kernels.sm90.tiles import (
@@ -41,17 +42,24 @@ from nmoe.fast.kernels.sm90.tiles import (
 )
 from nmoe.fast.limits import GEMM_BK as BK
 from nmoe.fast.limits import GEMM_BM as BM
+from nmoe.fast.limits import GEMM_GATHER_B_EVICT_LAST as B_EVICT_LAST
 from nmoe.fast.limits import GEMM_GATHER_CLUSTER_M as GATHER_CLUSTER_M
+from nmoe.fast.limits import GEMM_GATHER_ROWS_EVICT_FIRST as ROWS_EVICT_FIRST
+
+EVICT_FIRST, EVICT_LAST = 0x12F0000000000000, 0x14F0000000000000
+"""The L2 cache policies a TMA load takes for evict-first and evict-last (fractional, the whole box)."""
+ROW_POLICY = EVICT_FIRST if ROWS_EVICT_FIRST else 0
+B_POLICY = EVICT_LAST if B_EVICT_LAST else 0
 
 
 @cute.jit
 def arm_stage(mainloop: pipeline.PipelineTmaAsync, state: Any, warp_idx: Int32, tma_atom: cute.CopyAtom,
-              src: cute.Tensor, dst: cute.Tensor, cm: Constexpr[int] = 1) -> None:
+              src: cute.Tensor, dst: cute.Tensor, cm: Constexpr[int] = 1, policy: Constexpr[int] = 0) -> None:
     """A gathering producer's stage: every thread waits for it to be free; warp 0 arms its barrier and
     TMA-loads the operand that is not gathered (its 1/cm share, multicast over the cluster)."""
     if warp_idx == 0:
         mainloop.producer_acquire(state)
-        copy_b(tma_atom, src, dst, mainloop.producer_get_barrier(state), cm)
+        copy_b(tma_atom, src, dst, mainloop.producer_get_barrier(state), cm, policy)
     else:
         mainloop.sync_object_empty.wait(state.index, state.phase)
 
@@ -94,10 +102,8 @@ def _copy_row(atom: cute.CopyAtom, tma_x: cute.Tensor, src: Int32, kt: Int32, ds
     g_row = cute.local_tile(tma_x, (1, BK), (src, kt))
     t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_row, 0, 2),
                                      cute.group_modes(g_row, 0, 2))
-    if const_expr(cn > 1):
-        cute.copy(atom, t_g, t_s, tma_bar_ptr=bar, mcast_mask=Int16((1 << cn) - 1))
-    else:
-        cute.copy(atom, t_g, t_s, tma_bar_ptr=bar)
+    hints = tma_hints(cn, ROW_POLICY)
+    cute.copy(atom, t_g, t_s, tma_bar_ptr=bar, **hints)
 
 
 @cute.jit
@@ -134,7 +140,7 @@ def produce_rows(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom,
                                                cute.group_modes(g_b, 0, 2))
             for kt in range(k_tiles):
                 arm_stage(mainloop, state, warp_idx, tma_atom_b, t_gb[(None, kt)],
-                          t_sb[(None, state.index)], cm)
+                          t_sb[(None, state.index)], cm, B_POLICY)
                 bar = mainloop.producer_get_barrier(state)
                 for i in range_constexpr(per_warp):
                     _copy_row(row_atom, tma_x, cute.arch.shuffle_sync(src, i), kt,
