@@ -52,6 +52,18 @@ _GATHER_CLUSTER_N4 = Mutation(
     "N clusters of up to four CTAs where the N tiles fill them (two, else none): a quarter of a tile's A "
     "rows gathered per CTA",
 )
+_ROWS_EVICT_FIRST = Mutation(
+    "ablate.gather_rows_evict_first", LIMITS,
+    "GEMM_GATHER_ROWS_EVICT_FIRST: Final[bool] = False\n",
+    "GEMM_GATHER_ROWS_EVICT_FIRST: Final[bool] = True\n",
+    "the gathering fwd/dgrad's row TMAs evict their rows from L2 first, so the expert's weights, which each "
+    "of its M tiles reads again, stay",
+)
+_B_EVICT_LAST = Mutation(
+    "ablate.gather_b_evict_last", LIMITS,
+    "GEMM_GATHER_B_EVICT_LAST: Final[bool] = False\n", "GEMM_GATHER_B_EVICT_LAST: Final[bool] = True\n",
+    "the gathering fwd/dgrad's B TMAs keep the expert's weights in L2 last",
+)
 _WGRAD_STATIC = Mutation(
     "ablate.wgrad_static", LIMITS,
     "GEMM_WGRAD_DYNAMIC: Final[bool] = True\n", "GEMM_WGRAD_DYNAMIC: Final[bool] = False\n",
@@ -249,6 +261,8 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     _GATHER_CLUSTER_TWO,
     _GATHER_CLUSTER_N1,
     _GATHER_CLUSTER_N4,
+    _ROWS_EVICT_FIRST,
+    _B_EVICT_LAST,
     Mutation(
         "ablate.gather_pingpong", LIMITS,
         "GEMM_GATHER_PINGPONG: Final[bool] = False\n", "GEMM_GATHER_PINGPONG: Final[bool] = True\n",
@@ -318,9 +332,15 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     replace(_GATHER_CLUSTER_N4, id="ablate.layer_gather_cluster_n4"),
     replace(_WGRAD_STATIC, id="ablate.layer_wgrad_static"),
     replace(_PINGPONG, id="ablate.layer_pingpong"),
+    replace(_ROWS_EVICT_FIRST, id="ablate.layer_gather_rows_evict_first"),
+    replace(_B_EVICT_LAST, id="ablate.layer_gather_b_evict_last"),
 )
 # Ablations of more than one edit, applied in order; the first names the variant and says what it measures.
+_EVICT_BOTH = (replace(_ROWS_EVICT_FIRST, id="ablate.gather_evict_both",
+                       description="gather_rows_evict_first and gather_b_evict_last together"),
+               replace(_B_EVICT_LAST, id="ablate.gather_evict_both_b"))
 GATHER_COMPOUNDS: tuple[tuple[Mutation, ...], ...] = (
+    _EVICT_BOTH,
     (
         replace(_GATHER_CLUSTER_TWO, id="ablate.gather_cluster_two_noinc",
                 description="gather_cluster_two with gather_noinc's landing (as SonicMoE's up projection; "
@@ -331,7 +351,11 @@ GATHER_COMPOUNDS: tuple[tuple[Mutation, ...], ...] = (
 )
 
 
-COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {"gather": GATHER_COMPOUNDS}
+COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {
+    "gather": GATHER_COMPOUNDS,
+    "layer": ((replace(_EVICT_BOTH[0], id="ablate.layer_gather_evict_both"),
+               replace(_EVICT_BOTH[1], id="ablate.layer_gather_evict_both_b")),),
+}
 """Ablations of several edits, named by their first."""
 
 
