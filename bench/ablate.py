@@ -64,6 +64,16 @@ _B_EVICT_LAST = Mutation(
     "GEMM_GATHER_B_EVICT_LAST: Final[bool] = False\n", "GEMM_GATHER_B_EVICT_LAST: Final[bool] = True\n",
     "the gathering fwd/dgrad's B TMAs keep the expert's weights in L2 last",
 )
+_A_EVICT_FIRST = Mutation(
+    "ablate.a_evict_first", LIMITS,
+    "GEMM_A_EVICT_FIRST: Final[bool] = False\n", "GEMM_A_EVICT_FIRST: Final[bool] = True\n",
+    "the TMA-fed fwd/dgrad's A TMAs evict A's rows from L2 first",
+)
+_B_EVICT_LAST_TMA = Mutation(
+    "ablate.b_evict_last", LIMITS,
+    "GEMM_B_EVICT_LAST: Final[bool] = False\n", "GEMM_B_EVICT_LAST: Final[bool] = True\n",
+    "the TMA-fed fwd/dgrad's B TMAs keep the expert's weights in L2 last",
+)
 _WGRAD_STATIC = Mutation(
     "ablate.wgrad_static", LIMITS,
     "GEMM_WGRAD_DYNAMIC: Final[bool] = True\n", "GEMM_WGRAD_DYNAMIC: Final[bool] = False\n",
@@ -100,6 +110,8 @@ _NO_PINGPONG = Mutation(
     "the TMA-fed fwd and dgrad cooperative at every K: what ping-pong buys where K <= 1024",
 )
 ABLATIONS: tuple[Mutation, ...] = (
+    _A_EVICT_FIRST,
+    _B_EVICT_LAST_TMA,
     Mutation(
         "ablate.no_tma_stores", EPILOGUE,
         "        if views.store_warp:\n            if const_expr(keep_h):\n",
@@ -333,6 +345,8 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     replace(_WGRAD_STATIC, id="ablate.layer_wgrad_static"),
     replace(_PINGPONG, id="ablate.layer_pingpong"),
     replace(_ROWS_EVICT_FIRST, id="ablate.layer_gather_rows_evict_first"),
+    replace(_A_EVICT_FIRST, id="ablate.layer_a_evict_first"),
+    replace(_B_EVICT_LAST_TMA, id="ablate.layer_b_evict_last"),
     replace(_B_EVICT_LAST, id="ablate.layer_gather_b_evict_last"),
 )
 # Ablations of more than one edit, applied in order; the first names the variant and says what it measures.
@@ -354,7 +368,15 @@ GATHER_COMPOUNDS: tuple[tuple[Mutation, ...], ...] = (
 COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {
     "gather": GATHER_COMPOUNDS,
     "layer": ((replace(_EVICT_BOTH[0], id="ablate.layer_gather_evict_both"),
-               replace(_EVICT_BOTH[1], id="ablate.layer_gather_evict_both_b")),),
+               replace(_EVICT_BOTH[1], id="ablate.layer_gather_evict_both_b")),
+              (replace(_EVICT_BOTH[0], id="ablate.layer_evict_all",
+                       description="every fwd/dgrad TMA's rows evict-first and weights evict-last"),
+               replace(_EVICT_BOTH[1], id="ablate.layer_evict_all_b"),
+               replace(_A_EVICT_FIRST, id="ablate.layer_evict_all_a"),
+               replace(_B_EVICT_LAST_TMA, id="ablate.layer_evict_all_tma_b"))),
+    "gemm": ((replace(_A_EVICT_FIRST, id="ablate.evict_both",
+                      description="a_evict_first and b_evict_last together"),
+              replace(_B_EVICT_LAST_TMA, id="ablate.evict_both_b")),),
 }
 """Ablations of several edits, named by their first."""
 

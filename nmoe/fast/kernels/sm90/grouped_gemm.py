@@ -48,11 +48,18 @@ from nmoe.fast.kernels.sm90.tiles import (
     stages_for,
     tile_wgs,
 )
+from nmoe.fast.limits import GEMM_A_EVICT_FIRST as A_EVICT_FIRST
+from nmoe.fast.limits import GEMM_B_EVICT_LAST as B_EVICT_LAST
 from nmoe.fast.limits import GEMM_BK as BK
 from nmoe.fast.limits import GEMM_BM as BM
 from nmoe.fast.limits import GEMM_CLUSTER_M as CLUSTER_M
 from nmoe.fast.limits import GEMM_MAX_GROUPS as MAX_GROUPS
 from nmoe.fast.limits import GEMM_PINGPONG_BN as PINGPONG_BN
+
+EVICT_FIRST, EVICT_LAST = 0x12F0000000000000, 0x14F0000000000000
+"""The L2 cache policies a TMA load takes for evict-first and evict-last (fractional, the whole box)."""
+A_POLICY = EVICT_FIRST if A_EVICT_FIRST else 0
+B_POLICY = EVICT_LAST if B_EVICT_LAST else 0
 
 
 @cute.jit
@@ -223,8 +230,9 @@ def produce_tiles(mainloop: pipeline.PipelineTmaAsync, tma_atom_a: cute.CopyAtom
             for kt in range(k_tiles):
                 mainloop.producer_acquire(state)
                 bar = mainloop.producer_get_barrier(state)
-                cute.copy(tma_atom_a, t_ga[(None, kt)], t_sa[(None, state.index)], tma_bar_ptr=bar)
-                copy_b(tma_atom_b, t_gb[(None, kt)], t_sb[(None, state.index)], bar, cm)
+                cute.copy(tma_atom_a, t_ga[(None, kt)], t_sa[(None, state.index)], tma_bar_ptr=bar,
+                          **tma_hints(1, A_POLICY))
+                copy_b(tma_atom_b, t_gb[(None, kt)], t_sb[(None, state.index)], bar, cm, B_POLICY)
                 mainloop.producer_commit(state)
                 state.advance()
         t = t + n_ctas

@@ -17,6 +17,8 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.typing import Pointer
 
 from nmoe.fast.kernels.sm90.grouped_gemm import (
+    EVICT_FIRST,
+    EVICT_LAST,
     _gemm_setup,
     _seek,
     check_deferred,
@@ -42,14 +44,12 @@ from nmoe.fast.kernels.sm90.tiles import (
 )
 from nmoe.fast.limits import GEMM_BK as BK
 from nmoe.fast.limits import GEMM_BM as BM
-from nmoe.fast.limits import GEMM_GATHER_B_EVICT_LAST as B_EVICT_LAST
+from nmoe.fast.limits import GEMM_GATHER_B_EVICT_LAST as GATHER_B_EVICT_LAST
 from nmoe.fast.limits import GEMM_GATHER_CLUSTER_M as GATHER_CLUSTER_M
 from nmoe.fast.limits import GEMM_GATHER_ROWS_EVICT_FIRST as ROWS_EVICT_FIRST
 
-EVICT_FIRST, EVICT_LAST = 0x12F0000000000000, 0x14F0000000000000
-"""The L2 cache policies a TMA load takes for evict-first and evict-last (fractional, the whole box)."""
 ROW_POLICY = EVICT_FIRST if ROWS_EVICT_FIRST else 0
-B_POLICY = EVICT_LAST if B_EVICT_LAST else 0
+GATHER_B_POLICY = EVICT_LAST if GATHER_B_EVICT_LAST else 0
 
 
 @cute.jit
@@ -140,7 +140,7 @@ def produce_rows(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom,
                                                cute.group_modes(g_b, 0, 2))
             for kt in range(k_tiles):
                 arm_stage(mainloop, state, warp_idx, tma_atom_b, t_gb[(None, kt)],
-                          t_sb[(None, state.index)], cm, B_POLICY)
+                          t_sb[(None, state.index)], cm, GATHER_B_POLICY)
                 bar = mainloop.producer_get_barrier(state)
                 for i in range_constexpr(per_warp):
                     _copy_row(row_atom, tma_x, cute.arch.shuffle_sync(src, i), kt,
