@@ -270,7 +270,6 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "IEEE division costs",
     ),
     _GATHER_DEFERRED,
-    _GATHER_CLUSTER_TWO,
     _GATHER_CLUSTER_N1,
     _GATHER_CLUSTER_N4,
     _ROWS_EVICT_FIRST,
@@ -353,13 +352,17 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
 _EVICT_BOTH = (replace(_ROWS_EVICT_FIRST, id="ablate.gather_evict_both",
                        description="gather_rows_evict_first and gather_b_evict_last together"),
                replace(_B_EVICT_LAST, id="ablate.gather_evict_both_b"))
+_CLUSTER_TWO_UNCLUSTERED_N = replace(_GATHER_CLUSTER_N1, id="ablate.gather_cluster_two_n1")
+"""An M cluster of the gathering kernel excludes an N cluster (compile_args_gather refuses both)."""
 GATHER_COMPOUNDS: tuple[tuple[Mutation, ...], ...] = (
     _EVICT_BOTH,
+    (_GATHER_CLUSTER_TWO, _CLUSTER_TWO_UNCLUSTERED_N),
     (
         replace(_GATHER_CLUSTER_TWO, id="ablate.gather_cluster_two_noinc",
                 description="gather_cluster_two with gather_noinc's landing (as SonicMoE's up projection; "
                 "timing only): whether the landing, not the clusters, made the clustered gathering kernels "
                 "slower"),
+        replace(_CLUSTER_TWO_UNCLUSTERED_N, id="ablate.gather_cluster_two_noinc_n1"),
         replace(_GATHER_NOINC, id="ablate.gather_cluster_two_noinc_landing"),
     ),
 )
@@ -367,7 +370,11 @@ GATHER_COMPOUNDS: tuple[tuple[Mutation, ...], ...] = (
 
 COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {
     "gather": GATHER_COMPOUNDS,
-    "layer": ((replace(_EVICT_BOTH[0], id="ablate.layer_gather_evict_both"),
+    "layer": ((replace(_GATHER_CLUSTER_TWO, id="ablate.layer_gather_cluster_m2",
+                       description="the gathering fwd/dgrad in M clusters of two sharing each B box "
+                       "by multicast (two M tiles read each weight box once, in step), not N clusters"),
+               replace(_CLUSTER_TWO_UNCLUSTERED_N, id="ablate.layer_gather_cluster_m2_n1")),
+              (replace(_EVICT_BOTH[0], id="ablate.layer_gather_evict_both"),
                replace(_EVICT_BOTH[1], id="ablate.layer_gather_evict_both_b")),
               (replace(_EVICT_BOTH[0], id="ablate.layer_evict_all",
                        description="every fwd/dgrad TMA's rows evict-first and weights evict-last"),
