@@ -390,6 +390,11 @@ COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {
 
 FP8_ABLATIONS: tuple[Mutation, ...] = (
     _FP8_SERIAL,
+    replace(_A_EVICT_FIRST, id="ablate.fp8_a_evict_first",
+            description="the fp8 fwd's A TMAs evict A's rows from L2 first"),
+    replace(_B_EVICT_LAST_TMA, id="ablate.fp8_b_evict_last",
+            description="the fp8 fwd's B TMAs keep the expert's weights in L2 last (the downs' short K reads "
+            "each weight box for few MMAs)"),
     Mutation(
         "ablate.fp8_no_cluster", LIMITS,
         "GEMM_FP8_CLUSTER_M: Final[int] = 2\n", "GEMM_FP8_CLUSTER_M: Final[int] = 1\n",
