@@ -43,9 +43,10 @@ GEMM_GATHER_CLUSTER_N: Final[int] = 2
 gathers 1/this of A's rows for one M tile's adjacent N tiles by multicast row TMA, half the row TMAs per CTA
 (H200, MoE layer: fwd 1.01-1.045x, fwd+bwd 1.00-1.043x over unclustered)."""
 GEMM_A_EVICT_FIRST: Final[bool] = False
-"""The TMA-fed fwd/dgrad's (bf16 and fp8) A TMAs mark A's rows first to leave L2 (one M tile's rows serve its
-N tiles at once), its B TMAs the expert's weights last (`GEMM_B_EVICT_LAST`), as the gathering flags below."""
+"""The TMA-fed fwd/dgrad's (bf16 and fp8) A TMAs mark A's rows first to leave L2: one M tile's rows serve its
+N tiles at once (as GEMM_GATHER_ROWS_EVICT_FIRST below)."""
 GEMM_B_EVICT_LAST: Final[bool] = False
+"""The TMA-fed fwd/dgrad's B TMAs mark the expert's weights last to leave L2 (as GEMM_GATHER_B_EVICT_LAST)."""
 GEMM_GATHER_ROWS_EVICT_FIRST: Final[bool] = False
 """The gathering fwd/dgrad's row TMAs mark their rows first to leave L2: a row is read by its M tile's N tiles
 at once, then not before another expert's tile, while the expert's B boxes are read again by each of its M

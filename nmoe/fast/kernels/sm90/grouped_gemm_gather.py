@@ -102,8 +102,7 @@ def _copy_row(atom: cute.CopyAtom, tma_x: cute.Tensor, src: Int32, kt: Int32, ds
     g_row = cute.local_tile(tma_x, (1, BK), (src, kt))
     t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_row, 0, 2),
                                      cute.group_modes(g_row, 0, 2))
-    hints = tma_hints(cn, ROW_POLICY)
-    cute.copy(atom, t_g, t_s, tma_bar_ptr=bar, **hints)
+    cute.copy(atom, t_g, t_s, tma_bar_ptr=bar, **tma_hints(cn, ROW_POLICY))
 
 
 @cute.jit
