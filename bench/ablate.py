@@ -52,24 +52,24 @@ _GATHER_CLUSTER_N4 = Mutation(
     "N clusters of up to four CTAs where the N tiles fill them (two, else none): a quarter of a tile's A "
     "rows gathered per CTA",
 )
-_ROWS_EVICT_FIRST = Mutation(
+_GATHER_ROWS_EVICT_FIRST = Mutation(
     "ablate.gather_rows_evict_first", LIMITS,
     "GEMM_GATHER_ROWS_EVICT_FIRST: Final[bool] = False\n",
     "GEMM_GATHER_ROWS_EVICT_FIRST: Final[bool] = True\n",
     "the gathering fwd/dgrad's row TMAs evict their rows from L2 first, so the expert's weights, which each "
     "of its M tiles reads again, stay",
 )
-_B_EVICT_LAST = Mutation(
+_GATHER_B_EVICT_LAST = Mutation(
     "ablate.gather_b_evict_last", LIMITS,
     "GEMM_GATHER_B_EVICT_LAST: Final[bool] = False\n", "GEMM_GATHER_B_EVICT_LAST: Final[bool] = True\n",
     "the gathering fwd/dgrad's B TMAs keep the expert's weights in L2 last",
 )
-_A_EVICT_FIRST = Mutation(
+_TMA_A_EVICT_FIRST = Mutation(
     "ablate.a_evict_first", LIMITS,
     "GEMM_A_EVICT_FIRST: Final[bool] = False\n", "GEMM_A_EVICT_FIRST: Final[bool] = True\n",
     "the TMA-fed fwd/dgrad's A TMAs evict A's rows from L2 first",
 )
-_B_EVICT_LAST_TMA = Mutation(
+_TMA_B_EVICT_LAST = Mutation(
     "ablate.b_evict_last", LIMITS,
     "GEMM_B_EVICT_LAST: Final[bool] = False\n", "GEMM_B_EVICT_LAST: Final[bool] = True\n",
     "the TMA-fed fwd/dgrad's B TMAs keep the expert's weights in L2 last",
@@ -110,8 +110,8 @@ _NO_PINGPONG = Mutation(
     "the TMA-fed fwd and dgrad cooperative at every K: what ping-pong buys where K <= 1024",
 )
 ABLATIONS: tuple[Mutation, ...] = (
-    _A_EVICT_FIRST,
-    _B_EVICT_LAST_TMA,
+    _TMA_A_EVICT_FIRST,
+    _TMA_B_EVICT_LAST,
     Mutation(
         "ablate.no_tma_stores", EPILOGUE,
         "        if views.store_warp:\n            if const_expr(keep_h):\n",
@@ -272,8 +272,8 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     _GATHER_DEFERRED,
     _GATHER_CLUSTER_N1,
     _GATHER_CLUSTER_N4,
-    _ROWS_EVICT_FIRST,
-    _B_EVICT_LAST,
+    _GATHER_ROWS_EVICT_FIRST,
+    _GATHER_B_EVICT_LAST,
     Mutation(
         "ablate.gather_pingpong", LIMITS,
         "GEMM_GATHER_PINGPONG: Final[bool] = False\n", "GEMM_GATHER_PINGPONG: Final[bool] = True\n",
@@ -343,15 +343,15 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     replace(_GATHER_CLUSTER_N4, id="ablate.layer_gather_cluster_n4"),
     replace(_WGRAD_STATIC, id="ablate.layer_wgrad_static"),
     replace(_PINGPONG, id="ablate.layer_pingpong"),
-    replace(_ROWS_EVICT_FIRST, id="ablate.layer_gather_rows_evict_first"),
-    replace(_A_EVICT_FIRST, id="ablate.layer_a_evict_first"),
-    replace(_B_EVICT_LAST_TMA, id="ablate.layer_b_evict_last"),
-    replace(_B_EVICT_LAST, id="ablate.layer_gather_b_evict_last"),
+    replace(_GATHER_ROWS_EVICT_FIRST, id="ablate.layer_gather_rows_evict_first"),
+    replace(_TMA_A_EVICT_FIRST, id="ablate.layer_a_evict_first"),
+    replace(_TMA_B_EVICT_LAST, id="ablate.layer_b_evict_last"),
+    replace(_GATHER_B_EVICT_LAST, id="ablate.layer_gather_b_evict_last"),
 )
 # Ablations of more than one edit, applied in order; the first names the variant and says what it measures.
-_EVICT_BOTH = (replace(_ROWS_EVICT_FIRST, id="ablate.gather_evict_both",
+_EVICT_BOTH = (replace(_GATHER_ROWS_EVICT_FIRST, id="ablate.gather_evict_both",
                        description="gather_rows_evict_first and gather_b_evict_last together"),
-               replace(_B_EVICT_LAST, id="ablate.gather_evict_both_b"))
+               replace(_GATHER_B_EVICT_LAST, id="ablate.gather_evict_both_b"))
 _CLUSTER_TWO_UNCLUSTERED_N = replace(_GATHER_CLUSTER_N1, id="ablate.gather_cluster_two_n1")
 """An M cluster of the gathering kernel excludes an N cluster (compile_args_gather refuses both)."""
 GATHER_COMPOUNDS: tuple[tuple[Mutation, ...], ...] = (
@@ -379,20 +379,20 @@ COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {
               (replace(_EVICT_BOTH[0], id="ablate.layer_evict_all",
                        description="every fwd/dgrad TMA's rows evict-first and weights evict-last"),
                replace(_EVICT_BOTH[1], id="ablate.layer_evict_all_b"),
-               replace(_A_EVICT_FIRST, id="ablate.layer_evict_all_a"),
-               replace(_B_EVICT_LAST_TMA, id="ablate.layer_evict_all_tma_b"))),
-    "gemm": ((replace(_A_EVICT_FIRST, id="ablate.evict_both",
+               replace(_TMA_A_EVICT_FIRST, id="ablate.layer_evict_all_a"),
+               replace(_TMA_B_EVICT_LAST, id="ablate.layer_evict_all_tma_b"))),
+    "gemm": ((replace(_TMA_A_EVICT_FIRST, id="ablate.evict_both",
                       description="a_evict_first and b_evict_last together"),
-              replace(_B_EVICT_LAST_TMA, id="ablate.evict_both_b")),),
+              replace(_TMA_B_EVICT_LAST, id="ablate.evict_both_b")),),
 }
 """Ablations of several edits, named by their first."""
 
 
 FP8_ABLATIONS: tuple[Mutation, ...] = (
     _FP8_SERIAL,
-    replace(_A_EVICT_FIRST, id="ablate.fp8_a_evict_first",
+    replace(_TMA_A_EVICT_FIRST, id="ablate.fp8_a_evict_first",
             description="the fp8 fwd's A TMAs evict A's rows from L2 first"),
-    replace(_B_EVICT_LAST_TMA, id="ablate.fp8_b_evict_last",
+    replace(_TMA_B_EVICT_LAST, id="ablate.fp8_b_evict_last",
             description="the fp8 fwd's B TMAs keep the expert's weights in L2 last (the downs' short K reads "
             "each weight box for few MMAs)"),
     Mutation(

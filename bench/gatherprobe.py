@@ -1,13 +1,12 @@
 """Where the gathering up projection loses to the TMA-fed one: `python bench/gatherprobe.py --out FILE` times
-both (swiglu, h kept) on the layer rows under router routings and synthetic balanced ones; `--one ROUTING
-CONFIG` runs one gathered call and `--wgrad`/`--dense` one c1 up wgrad or its equal-FLOP mm (for ncu)."""
+both (swiglu, h kept; conftest's sustained_ms) on the layer rows under router routings and synthetic balanced
+ones; `--one ROUTING CONFIG` runs one gathered call, `--wgrad`/`--dense` a c1 up wgrad or its mm (for ncu)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from conftest import sustained_ms
 from torchbase import LAYER_ALIGN, LAYER_CONFIGS, layer_inputs
 
 from nmoe.fast.dispatch import permute
@@ -30,9 +30,10 @@ and a token's K experts adjacent ids; strided every (T/R)-th token; shuffled a r
 def routed(cfg: tuple[int, ...], routing: str) -> tuple[Tensor, Tensor, Tensor]:
     """(x, w13, ids [T, K]) of a layer row under the named routing."""
     t, _, _, e, k = cfg
-    mc, p, x, _ = layer_inputs(cfg, routing if routing in ("uniform", "zipf") else "uniform", LAYER_ALIGN)
+    by_router = routing in ("uniform", "zipf")
+    mc, p, x, _ = layer_inputs(cfg, routing if by_router else "uniform", LAYER_ALIGN)
     assert p.w13 is not None
-    if routing in ("uniform", "zipf"):
+    if by_router:
         with torch.no_grad():
             _, ids = router_topk(router_logits(x, p.router_w), p.router_bias, k, mc.score_func,
                                  mc.n_expert_groups, mc.n_limited_groups)
@@ -49,25 +50,13 @@ def routed(cfg: tuple[int, ...], routing: str) -> tuple[Tensor, Tensor, Tensor]:
     return x.detach(), p.w13.detach(), (block * k + torch.arange(k, device="cuda")[None, :]) % e
 
 
-def median_ms(fn: Callable[[], object], reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return sorted(a.elapsed_time(b) for a, b in ev)[reps // 2]
-
-
 def row(cfg: tuple[int, ...], routing: str) -> dict[str, Any]:
     x, w, ids = routed(cfg, routing)
     with torch.no_grad():
         pm = permute(x, ids, cfg[3], LAYER_ALIGN)
         k = ids.shape[1]
-        gathered = median_ms(lambda: sm90.grouped_gemm_act_gathered(x, pm.slot, k, w, pm.offs, "swiglu"))
-        tma = median_ms(lambda: sm90.grouped_gemm_act_h(pm.xp, w, pm.offs, "swiglu"))
+        gathered = sustained_ms(lambda: sm90.grouped_gemm_act_gathered(x, pm.slot, k, w, pm.offs, "swiglu"))
+        tma = sustained_ms(lambda: sm90.grouped_gemm_act_h(pm.xp, w, pm.offs, "swiglu"))
     counts = pm.counts.float()
     flops = 2.0 * cfg[0] * cfg[4] * 2 * cfg[2] * cfg[1]
     return {"cfg": list(cfg), "routing": routing, "gathered_ms": gathered, "tma_ms": tma,
