@@ -80,6 +80,16 @@ _WGRAD_STATIC = Mutation(
     "the TMA wgrad deals its heaviest-first list in static snake rounds instead of taking each next tile "
     "from a device counter",
 )
+_WGRAD_CLUSTER_TWO = Mutation(
+    "ablate.wgrad_cluster_two", LIMITS,
+    "GEMM_WGRAD_CLUSTER_M: Final[int] = 1\n", "GEMM_WGRAD_CLUSTER_M: Final[int] = 2\n",
+    "the TMA wgrad in clusters of two CTAs on adjacent M tiles of one work item, each x box multicast to "
+    "both (half the x box reads from L2), CTA 0 handing each dynamic item to the other through shared memory",
+)
+_WGRAD_CLUSTER_FOUR = replace(
+    _WGRAD_CLUSTER_TWO, id="ablate.wgrad_cluster_four", replacement="GEMM_WGRAD_CLUSTER_M: Final[int] = 4\n",
+    description="the same in clusters of four (a quarter of the x box reads; fewer where M tiles do not fill "
+    "them)")
 _WGRAD_DEFERRED = Mutation(
     "ablate.wgrad_deferred", LIMITS,
     "GEMM_WGRAD_DEFERRED: Final[bool] = False\n", "GEMM_WGRAD_DEFERRED: Final[bool] = True\n",
@@ -162,6 +172,8 @@ ABLATIONS: tuple[Mutation, ...] = (
     _NO_PINGPONG,
     _WGRAD_STATIC,
     _WGRAD_DEFERRED,
+    _WGRAD_CLUSTER_TWO,
+    _WGRAD_CLUSTER_FOUR,
     _FWD_STORED_FIRST,
     Mutation(
         "ablate.cluster_one", LIMITS,
@@ -342,6 +354,7 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     replace(_GATHER_CLUSTER_N1, id="ablate.layer_gather_cluster_n1"),
     replace(_GATHER_CLUSTER_N4, id="ablate.layer_gather_cluster_n4"),
     replace(_WGRAD_STATIC, id="ablate.layer_wgrad_static"),
+    replace(_WGRAD_CLUSTER_TWO, id="ablate.layer_wgrad_cluster_two"),
     replace(_PINGPONG, id="ablate.layer_pingpong"),
     replace(_GATHER_ROWS_EVICT_FIRST, id="ablate.layer_gather_rows_evict_first"),
     replace(_TMA_A_EVICT_FIRST, id="ablate.layer_a_evict_first"),

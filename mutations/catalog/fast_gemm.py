@@ -8,6 +8,7 @@ FILE = "nmoe/fast/kernels/sm90/grouped_gemm.py"
 EPILOGUE = "nmoe/fast/kernels/sm90/epilogue.py"
 TILES = "nmoe/fast/kernels/sm90/tiles.py"
 WGRAD = "nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py"
+TILEQUEUE = "nmoe/fast/kernels/sm90/tilequeue.py"
 PLAN = "nmoe/fast/kernels/sm90/gatherplan.py"
 GATHER = "nmoe/fast/kernels/sm90/grouped_gemm_gather.py"
 TESTS = "tests/test_fast_gemm.py"
@@ -292,10 +293,23 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("moe_layer",), device="gpu",
     ),
     sep_mutation(
-        "gemm.fast_wgrad_grab_skips", WGRAD,
+        "gemm.fast_wgrad_grab_skips", TILEQUEUE,
         "t = Int32(cute.arch.atomic_add(ptr, Int32(1), sem=\"acq_rel\", scope=\"gpu\"))",
         "t = Int32(cute.arch.atomic_add(ptr, Int32(2), sem=\"acq_rel\", scope=\"gpu\"))",
         "the dynamic wgrad's tile counter steps by two: every other tile of the list is never computed",
         "tests/test_fast_wgrad_dynamic.py", ("grouped_gemm_wgrad",), device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_wgrad_cluster_rank_dropped", WGRAD,
+        "        m_tile = m_unit * u.cm + rank\n", "        m_tile = m_unit * u.cm\n",
+        "every CTA of a wgrad cluster takes its work item's first M tile: the others are never computed",
+        "tests/test_fast_wgrad_cluster.py", ("grouped_gemm_wgrad",), device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_wgrad_cluster_x_same_half", WGRAD,
+        "    t_sb, t_gb = cpasync.tma_partition(tma_atom_b, rank, cute.make_layout(u.cm), s_b_flat,",
+        "    t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(u.cm), s_b_flat,",
+        "every CTA of a wgrad cluster multicasts the first half of the x box: the second never arrives",
+        "tests/test_fast_wgrad_cluster.py", ("grouped_gemm_wgrad",), device="gpu",
     ),
 )

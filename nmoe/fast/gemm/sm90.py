@@ -33,6 +33,7 @@ from nmoe.fast.limits import (
     GEMM_GATHER_PINGPONG,
     GEMM_PINGPONG_BN,
     GEMM_PINGPONG_MAX_K,
+    GEMM_WGRAD_CLUSTER_M,
     GEMM_WGRAD_DEFERRED,
     GEMM_WGRAD_DYNAMIC,
 )
@@ -54,8 +55,8 @@ GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_gather", "grouped_gemm_gath
                     km.compile_args_gather(n, k, bn, act, w_k_major, pingpong, cn, keep_h, deferred),
                 (ARCH,), "nmoe.fast.gemm.grouped_gemm_act_gathered")
 WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad",
-               lambda km, n, k, bn, ld, gs=0, dynamic=False, accumulate=False, deferred=False:
-                   km.compile_args(n, k, bn, ld, gs, dynamic, accumulate, deferred),
+               lambda km, n, k, bn, ld, gs=0, dynamic=False, accumulate=False, deferred=False, cm=1:
+                   km.compile_args(n, k, bn, ld, gs, dynamic, accumulate, deferred, cm),
                (ARCH,),
                "nmoe.fast.gemm.grouped_gemm_wgrad")
 WGRAD_GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad_gather",
@@ -68,13 +69,23 @@ def pick_bn(n: int) -> int:
     return 256 if n % 256 == 0 else 128
 
 
+def whole_clusters(widest: int, tiles: int) -> int:
+    """The widest power of two up to `widest` whose clusters `tiles` fill (1: none); a schedule's choice,
+    like its tile width, with the same bits."""
+    c = widest
+    while c > 1 and tiles % c:
+        c //= 2
+    return c
+
+
 def gather_cluster_n(n: int, bn: int, pingpong: bool) -> int:
-    """The gathering kernel's N cluster: the widest power of two up to GEMM_GATHER_CLUSTER_N whose clusters
-    its cooperative N tiles fill (1: none); the schedule's choice, like its tile width, with the same bits."""
-    cn = 1 if pingpong else GEMM_GATHER_CLUSTER_N
-    while cn > 1 and -(-n // bn) % cn:
-        cn //= 2
-    return cn
+    """The gathering kernel's N cluster over its cooperative N tiles (ping-pong: none)."""
+    return whole_clusters(1 if pingpong else GEMM_GATHER_CLUSTER_N, -(-n // bn))
+
+
+def wgrad_cluster(n: int) -> int:
+    """The TMA-fed wgrad's M cluster over dw's n / GEMM_BM M tiles."""
+    return whole_clusters(GEMM_WGRAD_CLUSTER_M, -(-n // GEMM_BM))
 
 
 def _check(op: str, a: Tensor, w: Tensor, offs: Tensor, a_name: str, red_dim: int) -> None:
@@ -242,18 +253,20 @@ def _prepare_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw_shape: tuple[int, ...
     if m == 0:
         return device, None, not accumulate, (m, 0, 0), None
     bn = _pick_bn("grouped_gemm_wgrad", k, bn)
-    n_ctas, split = _wgrad_grid(device, m, n, k, bn, n_groups, GEMM_WGRAD_DYNAMIC)
+    cm = wgrad_cluster(n)
+    n_ctas, split = _wgrad_grid(device, m, n, k, bn, n_groups, GEMM_WGRAD_DYNAMIC, cm)
     launch = WGRAD.launcher(arch, n=n, k=k, bn=bn, ld=ld or k, gs=gs or n, dynamic=split.dynamic,
-                            accumulate=accumulate, deferred=GEMM_WGRAD_DEFERRED)
+                            accumulate=accumulate, deferred=GEMM_WGRAD_DEFERRED, cm=cm)
     return device, launch, False, (m, n_groups, n_ctas), split
 
 
 def _wgrad_grid(device: int, m: int, n: int, k: int, bn: int, n_groups: int,
-                dynamic: bool = False) -> tuple[int, WgradSplit]:
-    """(CTAs, row split) of a wgrad over m rows: a CTA per SM, fewer only when there are fewer tiles."""
+                dynamic: bool = False, cm: int = 1) -> tuple[int, WgradSplit]:
+    """(CTAs, row split) of a wgrad over m rows: a CTA per SM, fewer only when there are fewer tiles; whole
+    clusters of cm (its M tiles fill them, so there are at least cm tiles)."""
     sms = runtime.sm_count(device)
     split = wgrad_split(m, n, k, bn, n_groups, sms, dynamic)
-    return min(sms, n_groups * -(-n // GEMM_BM) * -(-k // bn) + split.ws_tiles), split
+    return min(sms, n_groups * -(-n // GEMM_BM) * -(-k // bn) + split.ws_tiles) // cm * cm, split
 
 
 def _check_wgrad(dy: Tensor, x: Tensor, offs: Tensor) -> None:
@@ -277,7 +290,8 @@ _PLANS: dict[tuple[Any, ...], _Plan] = {}
 def _plan(op: str, a: Tensor, w: Tensor, offs: Tensor, a_name: str, w_name: str,
           activation: str = "") -> _Plan:
     """The memoised plan of this layout, or the full checks (raising as they always did) and a new plan."""
-    key = (op, activation, GEMM_WGRAD_DYNAMIC, GEMM_WGRAD_DEFERRED, GEMM_FWD_DEFERRED, *_layout(a, w, offs))
+    key = (op, activation, GEMM_WGRAD_DYNAMIC, GEMM_WGRAD_DEFERRED, GEMM_WGRAD_CLUSTER_M, GEMM_FWD_DEFERRED,
+           *_layout(a, w, offs))
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
@@ -631,6 +645,11 @@ _EXPECT_WGRAD = (*_EXPECT_SM90, r"\bfence\.proxy\.async\.shared::cta\b", r"\bfen
 _TMA_STORE = r"\bcp\.async\.bulk\.tensor\.2d\.global\.shared::cta\.tile\b"
 _TMA_REDUCE_ADD = r"\bcp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add\.tile\b"
 _EXPECT_WGRAD_ACC = (*_EXPECT_WGRAD, _TMA_REDUCE_ADD, r"\bld\.global\.v4\.b32\b", r"\bcvt\.rn\.bf16x2\.f32\b")
+# A wgrad cluster multicasts each x box; when dynamic, CTA 0 stores each work item into every CTA's ring
+# (st.async, counted as tx bytes on that CTA's mbarrier) and the readers free the slot on CTA 0.
+_WGRAD_CLUSTER = (_CLUSTER[0].replace("3d", "2d"), *_CLUSTER[1:])
+_HANDOFF = (r"\bst\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.b32\b",
+            r"\bmbarrier\.arrive\.expect_tx\.shared::cluster\.b64\b")
 
 
 # The fused epilogue must round like the standalone activations: canonical NaN selects, no ftz arithmetic
@@ -742,6 +761,14 @@ KERNELS: tuple[KernelSpec, ...] = (
     KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_cols_accumulate_n256",
                compile=WGRAD.compiler(n=2048, k=1024, bn=256, ld=4096, accumulate=True),
                expect={"sm_90a": _EXPECT_WGRAD_ACC}, forbid={"sm_90a": (*_FORBID_SM90, _TMA_STORE)}),
+    KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_cluster2_dynamic_n256",
+               compile=WGRAD.compiler(n=2048, k=4096, bn=256, ld=4096, dynamic=True, cm=2),
+               expect={"sm_90a": (*_EXPECT_WGRAD, *_WGRAD_CLUSTER, *_HANDOFF)},
+               forbid={"sm_90a": _FORBID_SM90}),
+    KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_cluster2_n256",
+               compile=WGRAD.compiler(n=2048, k=4096, bn=256, ld=4096, cm=2),
+               expect={"sm_90a": (*_EXPECT_WGRAD, *_WGRAD_CLUSTER)},
+               forbid={"sm_90a": (*_FORBID_SM90, _HANDOFF[0])}),
     KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_rows_n256",
                compile=WGRAD.compiler(n=1024, k=1024, bn=256, ld=1024, gs=4096),
                expect={"sm_90a": _EXPECT_WGRAD}, forbid={"sm_90a": _FORBID_SM90}),

@@ -18,7 +18,6 @@ from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 from cutlass.cutlass_dsl.cutlass import max as dsl_max
 from cutlass.cutlass_dsl.cutlass import min as dsl_min
-from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from nmoe.fast.kernels.sm90.epilogue import (
@@ -32,11 +31,27 @@ from nmoe.fast.kernels.sm90.epilogue import (
 from nmoe.fast.kernels.sm90.gatherplan import gather_lag, gather_lanes, own_row, source_lane
 from nmoe.fast.kernels.sm90.grouped_gemm import (
     _issue_mmas,
+    b_tma,
+    cluster_dims,
+    copy_b,
     cta_setup,
     cta_start,
     mma_fragments,
 )
 from nmoe.fast.kernels.sm90.grouped_gemm_gather import arm_stage
+from nmoe.fast.kernels.sm90.tilequeue import (
+    QUEUE_DEPTH,
+    ClusterQueue,
+    TileQueue,
+    cluster_queue,
+    drain_queue,
+    grab_tile,
+    pass_tile,
+    publish_tile,
+    read_tile,
+    take_tile,
+    tile_queue,
+)
 from nmoe.fast.kernels.sm90.tiles import (
     CONSUMER_REGS,
     CONSUMER_THREADS,
@@ -56,7 +71,6 @@ from nmoe.fast.limits import GEMM_BM as BM
 from nmoe.fast.limits import GEMM_MAX_GROUPS as MAX_GROUPS
 
 MASK_BARRIER_ID = 2
-QUEUE_DEPTH = 4
 PACK = 1 << 16
 LOG_GROUPS = MAX_GROUPS.bit_length() - 1
 assert 1 << LOG_GROUPS == MAX_GROUPS, "the unit search halves a power-of-two table"
@@ -83,7 +97,8 @@ def _at(table: cute.Tensor, i: Any) -> Int32:
 
 class Units(NamedTuple):
     """A CTA's view of the wgrad's work: the offs and the two rank tables in shared memory, the flag a
-    split's counter result is broadcast through, the chunk size, the tile grid and the unit tiles' count."""
+    split's counter result is broadcast through, the chunk size, the tile grid, the CTAs of a cluster (side
+    by side along M, one work item) and the count of work items: a unit's tiles, cm to an item."""
 
     s_offs: cute.Tensor
     by_rank: cute.Tensor
@@ -94,12 +109,14 @@ class Units(NamedTuple):
     split_rows: Int32
     tiles_per_group: int
     tiles_n: int
+    cm: int
     total: Int32
 
 
 @cute.jit
 def plan_units(s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, thresh: Int32, split_rows: Int32,
-               tidx: Int32, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int]) -> Units:
+               tidx: Int32, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
+               cm: Constexpr[int] = 1) -> Units:
     """Rank tables of the work units: by_rank[r] = e + PACK * S for the group with the r-th most rows (ties by
     index), cut into S chunks of split_rows rows when it has more than `thresh`; starts[r] = its first unit +
     PACK * its first workspace slice. Heaviest first, so the longest reductions start first."""
@@ -134,8 +151,8 @@ def plan_units(s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, thresh: Int3
     cute.arch.sync_threads()
     tiles_n = (k + bn - 1) // bn
     tiles_per_group = ((n + BM - 1) // BM) * tiles_n
-    total = (_at(starts, n_groups) % PACK) * tiles_per_group
-    return Units(s_offs, by_rank, starts, flag, n_groups, m_rows, split_rows, tiles_per_group, tiles_n,
+    total = (_at(starts, n_groups) % PACK) * (tiles_per_group // cm)
+    return Units(s_offs, by_rank, starts, flag, n_groups, m_rows, split_rows, tiles_per_group, tiles_n, cm,
                  cast(Int32, total))
 
 
@@ -165,74 +182,28 @@ def dealt_tile(i: Int32, bidx: Int32, n_ctas: Int32, total: Int32) -> Int32:
     return cast(Int32, t)
 
 
-class TileQueue(NamedTuple):
-    """A dynamic wgrad's tile hand-off: the producer warp takes the next tile index from a device counter
-    and passes it through `slots` (a QUEUE_DEPTH ring under `pipe`) to the consumers; None when static."""
-
-    pipe: pipeline.PipelineAsync
-    slots: cute.Tensor
-
-
-def tile_queue() -> TileQueue:
-    """The ring of tile indices in shared memory: warp 0 of the producers fills it, both consumer
-    warpgroups drain it (every thread arrives)."""
-    smem = SmemAllocator()
-    barriers = smem.allocate_array(Int64, QUEUE_DEPTH * 2, byte_alignment=8)
-    slots = smem.allocate_tensor(Int32, cute.make_layout(QUEUE_DEPTH), 16)
-    pipe = pipeline.PipelineAsync.create(
-        barrier_storage=barriers, num_stages=QUEUE_DEPTH,
-        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS))
-    return TileQueue(pipe, slots)
-
-
-@cute.jit
-def grab_tile(m_count: cute.Tensor, at: Int32, lane: Int32) -> Int32:
-    """The next tile of the heaviest-first list for this CTA: one device-scope fetch-and-add by lane 0 of the
-    calling warp, shuffled to the others. Which CTA takes a tile never changes its bits."""
-    t = Int32(0)
-    if lane == 0:
-        ptr = (m_count.iterator + at).llvm_ptr
-        t = Int32(cute.arch.atomic_add(ptr, Int32(1), sem="acq_rel", scope="gpu"))
-    out: Int32 = cute.arch.shuffle_sync(t, 0)
-    return out
-
-
-@cute.jit
-def pass_tile(q: TileQueue, state: Any, t: Int32, lane: Int32) -> Any:
-    q.pipe.producer_acquire(state)
-    if lane == 0:
-        q.slots[state.index] = t
-    q.pipe.producer_commit(state)
-    state.advance()
-    return state
-
-
-@cute.jit
-def take_tile(q: TileQueue, state: Any) -> tuple[Int32, Any]:
-    q.pipe.consumer_wait(state)
-    t = cast(Int32, q.slots[state.index])
-    q.pipe.consumer_release(state)
-    state.advance()
-    return t, state
-
-
-def next_tile(q: TileQueue | None, state: Any, rnd: Int32, bidx: Int32, n_ctas: Int32,
-              total: Int32) -> tuple[Int32, Any]:
-    """The consumers' tile of round rnd: dealt in snake order, or the one the producer hands over."""
+def next_tile(q: TileQueue | ClusterQueue | None, state: Any, rnd: Int32, bidx: Int32, n_ctas: Int32,
+              total: Int32, lane: Int32, cm: int = 1) -> tuple[Int32, Any]:
+    """The consumers' work item of round rnd: dealt to the clusters in snake order, or the one the producer
+    (CTA 0's in a cluster) hands over."""
     if q is None:
-        return dealt_tile(rnd, bidx, n_ctas, total), state
-    t, state = take_tile(q, state)
+        return dealt_tile(rnd, bidx // cm, n_ctas // cm, total), state
+    if isinstance(q, ClusterQueue):
+        t, state = read_tile(q, state, lane)
+    else:
+        t, state = take_tile(q, state)
     return cast(Int32, t), state
 
 
 @cute.jit
-def _wgrad_tile(u: Units, t: Int32) -> tuple[Int32, Int32, Int32, Int32, Int32, Int32, Int32, Int32]:
-    """Tile t: (group, m tile, n tile, first row, end row, the group's chunk count S, this chunk's index,
-    the group's first workspace slice); S = 1: the whole group."""
+def _wgrad_tile(u: Units, t: Int32, rank: Int32 | int = 0
+                ) -> tuple[Int32, Int32, Int32, Int32, Int32, Int32, Int32, Int32]:
+    """CTA `rank`'s tile of work item t: (group, m tile, n tile, first row, end row, the group's chunk count
+    S, this chunk's index, the group's first workspace slice); S = 1: the whole group."""
     by_rank, starts = u.by_rank, u.starts
-    v = t // u.tiles_per_group
-    local = t - v * u.tiles_per_group
+    items = u.tiles_per_group // u.cm
+    v = t // items
+    local = t - v * items
     r = Int32(0)
     for b in range_constexpr(LOG_GROUPS):
         step = 1 << (LOG_GROUPS - 1 - b)
@@ -245,8 +216,11 @@ def _wgrad_tile(u: Units, t: Int32) -> tuple[Int32, Int32, Int32, Int32, Int32, 
     if splits > 1:
         start = start + part * u.split_rows
         end = dsl_min(end, start + u.split_rows)
-    m_tile = local // u.tiles_n
-    return (cast(Int32, e), m_tile, local - m_tile * u.tiles_n, start, end, cast(Int32, splits),
+    m_unit = local // u.tiles_n
+    m_tile = m_unit
+    if const_expr(u.cm > 1):
+        m_tile = m_unit * u.cm + rank
+    return (cast(Int32, e), m_tile, local - m_unit * u.tiles_n, start, end, cast(Int32, splits),
             cast(Int32, part), cast(Int32, _at(starts, r) // PACK))
 
 
@@ -307,11 +281,13 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                   tma_atom_d: cute.CopyAtom, tma_d: cute.Tensor, m_d: cute.Tensor, tidx: Int32,
                   warp_idx: Int32, bidx: Int32, n_ctas: Int32, n: Constexpr[int], k: Constexpr[int],
                   bn: Constexpr[int], stages: Constexpr[int], gs: Constexpr[int], q: Any = None,
-                  accumulate: Constexpr[bool] = False, deferred: Constexpr[bool] = False) -> None:
+                  accumulate: Constexpr[bool] = False, deferred: Constexpr[bool] = False,
+                  rank: Int32 | int = 0) -> None:
     """The two consumer warpgroups of the wgrad: masked K boxes into wgmma, then the fwd's epilogue into
     dw's rows, group e's n from row e * gs (a split group's chunk first through its workspace slice and
-    counter); deferred: the tile's bf16 subtiles leave under the next tile's wgmmas (`Pending`). Tiles in
-    snake rounds, or, with a TileQueue q, as the producer hands them over."""
+    counter); deferred: the tile's bf16 subtiles leave under the next tile's wgmmas (`Pending`). Work items
+    in snake rounds, or, with a queue q, as the producer hands them over; CTA `rank` of the cluster takes
+    its item's rank-th M tile."""
     cute.arch.setmaxregister_increase(CONSUMER_REGS)
     ctid = tidx - WG_THREADS
     t_ra, t_rb, acc_shape = mma_fragments(tiled_mma, s_a, s_b, warp_idx, bn)
@@ -330,9 +306,10 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     subs = bn // EPI_N
     p_row0, p_tile, p_end, p_on = Int32(0), Int32(0), Int32(0), Int32(0)
     rnd = Int32(0)
-    t, qstate = next_tile(q, qstate, rnd, bidx, n_ctas, u.total)
+    lane = tidx % 32
+    t, qstate = next_tile(q, qstate, rnd, bidx, n_ctas, u.total, lane, u.cm)
     while t < u.total:
-        e, m_tile, n_tile, start, end, splits, part, first_slice = _wgrad_tile(u, t)
+        e, m_tile, n_tile, start, end, splits, part, first_slice = _wgrad_tile(u, t, rank)
         k_tiles = (end - start + BK - 1) // BK
         acc.fill(0.0)
         if k_tiles > 0:
@@ -375,7 +352,7 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                 store_tile(epi, tma_d, m_d, m_d, e * gs + m_tile * BM, n_tile, e * gs + n, k, bn, "none",
                            accumulate=accumulate)
         rnd = rnd + 1
-        t, qstate = next_tile(q, qstate, rnd, bidx, n_ctas, u.total)
+        t, qstate = next_tile(q, qstate, rnd, bidx, n_ctas, u.total, lane, u.cm)
     if const_expr(deferred):
         emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(subs))
     drain_stores()
@@ -384,23 +361,52 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
 @cute.jit
 def _load_tile(mainloop: pipeline.PipelineTmaAsync, state: Any, u: Units, t: Int32,
                tma_atom_a: cute.CopyAtom, m_a: cute.Tensor, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
-               s_a_flat: cute.Tensor, s_b_flat: cute.Tensor, bn: Constexpr[int]) -> Any:
-    """The producer warp's TMA loads of every K box of tile t, both operands onto each stage's barrier; the
-    advanced state is returned, as a loop carries only names it assigns or calls methods on."""
-    _, m_tile, n_tile, start, end, _, _, _ = _wgrad_tile(u, t)
+               s_a_flat: cute.Tensor, s_b_flat: cute.Tensor, bn: Constexpr[int], rank: Int32 | int = 0
+               ) -> Any:
+    """The producer warp's TMA loads of every K box of work item t, both operands onto each stage's barrier
+    (in a cluster: its own dy box and its 1/cm of the x box, multicast to the cluster); the advanced state is
+    returned, as a loop carries only names it assigns or calls methods on."""
+    _, m_tile, n_tile, start, end, _, _, _ = _wgrad_tile(u, t, rank)
     g_a = cute.local_tile(cute.domain_offset((0, start), m_a), (BM, BK), (m_tile, None))
     g_b = cute.local_tile(cute.domain_offset((0, start), m_b), (bn, BK), (n_tile, None))
     t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1), s_a_flat,
                                        cute.group_modes(g_a, 0, 2))
-    t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1), s_b_flat,
+    t_sb, t_gb = cpasync.tma_partition(tma_atom_b, rank, cute.make_layout(u.cm), s_b_flat,
                                        cute.group_modes(g_b, 0, 2))
     for kt in range((end - start + BK - 1) // BK):
         mainloop.producer_acquire(state)
         bar = mainloop.producer_get_barrier(state)
         cute.copy(tma_atom_a, t_ga[(None, kt)], t_sa[(None, state.index)], tma_bar_ptr=bar)
-        cute.copy(tma_atom_b, t_gb[(None, kt)], t_sb[(None, state.index)], tma_bar_ptr=bar)
+        copy_b(tma_atom_b, t_gb[(None, kt)], t_sb[(None, state.index)], bar, u.cm)
         mainloop.producer_commit(state)
         state.advance()
+    return state
+
+
+@cute.jit
+def _produce_clustered(mainloop: pipeline.PipelineTmaAsync, state: Any, q: ClusterQueue, u: Units,
+                       m_count: cute.Tensor, at: Int32, rank: Int32, lane: Int32, tma_atom_a: cute.CopyAtom,
+                       m_a: cute.Tensor, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor, s_a_flat: cute.Tensor,
+                       s_b_flat: cute.Tensor, bn: Constexpr[int]) -> Any:
+    """A dynamic cluster's producer warps: CTA 0's takes each work item from the counter and stores it into
+    every CTA's ring, the others read it there; all load their share of it."""
+    if rank == 0:
+        qstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, QUEUE_DEPTH)
+        t = grab_tile(m_count, at, lane)
+        qstate = publish_tile(q, qstate, t, lane, u.cm)
+        while t < u.total:
+            state = _load_tile(mainloop, state, u, t, tma_atom_a, m_a, tma_atom_b, m_b, s_a_flat, s_b_flat,
+                               bn, rank)
+            t = grab_tile(m_count, at, lane)
+            qstate = publish_tile(q, qstate, t, lane, u.cm)
+        drain_queue(q, qstate)
+    else:
+        rstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QUEUE_DEPTH)
+        t, rstate = read_tile(q, rstate, lane)
+        while t < u.total:
+            state = _load_tile(mainloop, state, u, t, tma_atom_a, m_a, tma_atom_b, m_b, s_a_flat, s_b_flat,
+                               bn, rank)
+            t, rstate = read_tile(q, rstate, lane)
     return state
 
 
@@ -413,15 +419,20 @@ def grouped_wgrad_kernel(
     tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
     d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
     stages: Constexpr[int], gs: Constexpr[int], dynamic: Constexpr[bool], accumulate: Constexpr[bool],
-    deferred: Constexpr[bool],
+    deferred: Constexpr[bool], cm: Constexpr[int],
 ) -> None:
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b, tma_atom_d))
+    q: Any = None
+    rank: Int32 | int = 0
+    if const_expr(cm > 1):
+        rank = bidx % cm
+        if const_expr(dynamic):
+            q = cluster_queue(tidx, cm)
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
-                                                stages, tables=3)
-    q = None
-    if const_expr(dynamic):
+                                                stages, tables=3, cm=cm)
+    if const_expr(dynamic and cm == 1):
         q = tile_queue()
-    u = plan_units(s_offs, n_groups, m_rows, thresh, split_rows, tidx, n, k, bn)
+    u = plan_units(s_offs, n_groups, m_rows, thresh, split_rows, tidx, n, k, bn, cm)
     s_a_flat = cute.group_modes(s_a, 0, 2)
     s_b_flat = cute.group_modes(s_b, 0, 2)
 
@@ -429,7 +440,11 @@ def grouped_wgrad_kernel(
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         if warp_idx == 0:
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-            if const_expr(dynamic):
+            if const_expr(dynamic and cm > 1):
+                state = _produce_clustered(mainloop, state, q, u, m_count, n_groups * u.tiles_per_group,
+                                           rank, tidx % 32, tma_atom_a, m_a, tma_atom_b, m_b, s_a_flat,
+                                           s_b_flat, bn)
+            elif const_expr(dynamic):
                 lane = tidx % 32
                 qstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, QUEUE_DEPTH)
                 at = n_groups * u.tiles_per_group
@@ -441,15 +456,15 @@ def grouped_wgrad_kernel(
                     t = grab_tile(m_count, at, lane)
                     qstate = pass_tile(q, qstate, t, lane)
             else:
-                for rnd in range(n_rounds(u.total, n_ctas)):
-                    t = snake_tile(rnd, bidx, n_ctas)
+                for rnd in range(n_rounds(u.total, n_ctas // cm)):
+                    t = snake_tile(rnd, bidx // cm, n_ctas // cm)
                     if t < u.total:
                         state = _load_tile(mainloop, state, u, t, tma_atom_a, m_a, tma_atom_b, m_b,
-                                           s_a_flat, s_b_flat, bn)
+                                           s_a_flat, s_b_flat, bn, rank)
             mainloop.producer_tail(state)
     else:
         consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, u, m_ws, m_count, tma_atom_d, tma_d, m_d, tidx,
-                      warp_idx, bidx, n_ctas, n, k, bn, stages, gs, q, accumulate, deferred)
+                      warp_idx, bidx, n_ctas, n, k, bn, stages, gs, q, accumulate, deferred, rank)
 
 
 def _mn_major_setup(bn: int, stages: int) -> tuple[cute.TiledMma, cute.ComposedLayout, cute.ComposedLayout,
@@ -493,11 +508,12 @@ def grouped_wgrad_host(
     pdy: Pointer, px: Pointer, pdw: Pointer, poffs: Pointer, pws: Pointer, pcount: Pointer, m_rows: Int32,
     n_groups: Int32, n_ctas: Int32, thresh: Int32, split_rows: Int32, ws_tiles: Int32, stream: cuda.CUstream,
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], ld: Constexpr[int], gs: Constexpr[int],
-    dynamic: Constexpr[bool], accumulate: Constexpr[bool], deferred: Constexpr[bool],
+    dynamic: Constexpr[bool], accumulate: Constexpr[bool], deferred: Constexpr[bool], cm: Constexpr[int],
 ) -> None:
     """dw[E, n, k] (rows ld apart, groups gs rows apart): per group dy[rows, n]^T @ x[rows, k], stored or
     (accumulate) added to dw; MN-major operand views. A group of more than thresh rows splits into
-    split_rows chunks (fp32 partials in pws, counters pcount, zeroed)."""
+    split_rows chunks (fp32 partials in pws, counters pcount, zeroed). cm > 1: clusters of cm CTAs on M tiles
+    side by side, each x box multicast to them."""
     stages = stages_for(bn)
     m_ws, m_count = _split_tensors(pws, pcount, ws_tiles, n_groups, n, k, bn)
     m_dyt = cute.make_tensor(pdy, cute.make_layout((n, m_rows), stride=(1, n)))
@@ -508,13 +524,13 @@ def grouped_wgrad_host(
     tiled_mma, a_layout, b_layout, d_layout = _mn_major_setup(bn, stages)
     tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
         cpasync.CopyBulkTensorTileG2SOp(), m_dyt, cute.slice_(a_layout, (None, None, 0)), (BM, BK))
-    tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
-        cpasync.CopyBulkTensorTileG2SOp(), m_xt, cute.slice_(b_layout, (None, None, 0)), (bn, BK))
+    tma_atom_b, tma_b = b_tma(m_xt, b_layout, bn, cm)
     grouped_wgrad_kernel(
         tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, m_dw, m_offs, m_ws, m_count, m_rows,
         n_groups, thresh, split_rows, tiled_mma, a_layout, b_layout, d_layout, n, k, bn, stages, gs, dynamic,
-        accumulate, deferred,
-    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
+        accumulate, deferred, cm,
+    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(cm), min_blocks_per_mp=1,
+             stream=stream)
 
 
 @cute.jit
@@ -691,19 +707,28 @@ def grouped_wgrad_gather_host(
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
 
 
+def check_cluster(n: int, cm: int) -> None:
+    """A cluster's CTAs take an item's cm M tiles together, so the M tiles must fill whole items."""
+    if cm not in (1, 2, 4) or (n + BM - 1) // BM % cm:
+        raise ValueError(f"wgrad cluster of {cm} CTAs over {(n + BM - 1) // BM} M tiles of {BM} rows (dw's "
+                         f"{n}): clusters of 1, 2 or 4 whose M tiles fill whole clusters; use cm=1")
+
+
 def pointer(dtype: Any, address: int, align: int = 16) -> Any:
     return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
 
 
 def compile_args(n: int, k: int, bn: int, ld: int, gs: int = 0, dynamic: bool = False,
-                 accumulate: bool = False, deferred: bool = False) -> tuple[Any, tuple[Any, ...]]:
+                 accumulate: bool = False, deferred: bool = False,
+                 cm: int = 1) -> tuple[Any, tuple[Any, ...]]:
     if gs and gs < n:
         raise ValueError(f"wgrad group row stride {gs} < its rows {n}: groups would overlap")
+    check_cluster(n, cm)
     gs = gs or n
     ptrs = (pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(Int32, 0, 4),
             pointer(Float32, 0), pointer(Int32, 0, 4))
     return grouped_wgrad_host, (*ptrs, *(Int32(0) for _ in range(6)), cuda.CUstream(0), n, k, bn, ld, gs,
-                                dynamic, accumulate, deferred)
+                                dynamic, accumulate, deferred, cm)
 
 
 def compile_args_gather(n: int, k: int, bn: int, side: str) -> tuple[Any, tuple[Any, ...]]:
