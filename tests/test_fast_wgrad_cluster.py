@@ -14,16 +14,17 @@ from typing import Any
 import pytest
 import torch
 from fastcompile import assert_rows_ok, compile_rows
-from test_fast_gemm import cumsum, offs_of
+from test_fast_wgrad_dynamic import run_chunks, run_wgrad
 from test_fast_wgrad_schedule import SKEWED
 
 from nmoe.fast.gemm import sm90 as gemm
+from nmoe.fast.gemm import sm90_specs
 from nmoe.fast.limits import GEMM_BM
 
 gpu = pytest.mark.gpu
 
 DYNAMIC, STATIC = "grouped_gemm_wgrad_cluster2_dynamic_n256", "grouped_gemm_wgrad_cluster2_n256"
-N, K, BN = 512, 512, 128
+N = 512
 ROUTINGS = {"zipf": SKEWED, "uniform": [1024] * 16, "one": [0, 0, 7000, 3]}
 
 
@@ -59,11 +60,11 @@ def test_kernel_refuses_a_cluster_its_m_tiles_do_not_fill() -> None:
 
 @pytest.fixture(scope="module")
 def rows() -> dict[str, list[dict[str, Any]]]:
-    return compile_rows("nmoe.fast.gemm.sm90", (DYNAMIC, STATIC))
+    return compile_rows("nmoe.fast.gemm.sm90_specs", (DYNAMIC, STATIC))
 
 
 def _rules(name: str, kind: str) -> tuple[str, ...]:
-    spec = next(s for s in gemm.KERNELS if s.name == name)
+    spec = next(s for s in sm90_specs.KERNELS if s.name == name)
     out: tuple[str, ...] = getattr(spec, kind)["sm_90a"]
     return out
 
@@ -83,15 +84,7 @@ def test_cluster_kernels_multicast_and_hand_items_over(rows: dict[str, list[dict
 
 def _wgrad(counts: list[int], seed: int, monkeypatch: pytest.MonkeyPatch, cm: int,
            dynamic: bool = True) -> torch.Tensor:
-    monkeypatch.setattr(gemm, "GEMM_WGRAD_CLUSTER_M", cm)
-    monkeypatch.setattr(gemm, "GEMM_WGRAD_DYNAMIC", dynamic)
-    m = sum(counts) + 5
-    g = torch.Generator().manual_seed(seed)
-    dy = torch.randn(m, N, generator=g).to(torch.bfloat16).cuda()
-    x = torch.randn(m, K, generator=g).to(torch.bfloat16).cuda()
-    dw = torch.full((len(counts), N, K), float("nan"), dtype=torch.bfloat16, device="cuda")
-    gemm._launch_wgrad(dy, x, offs_of(cumsum(counts)), dw, BN)
-    torch.cuda.synchronize()
+    dw = run_wgrad(counts, seed, monkeypatch, N, GEMM_WGRAD_CLUSTER_M=cm, GEMM_WGRAD_DYNAMIC=dynamic)
     assert gemm.wgrad_cluster(N) == cm, "the case ran in clusters of cm"
     return dw
 
@@ -112,20 +105,9 @@ def test_cluster_equals_the_unclustered_wgrad(routing: str, cm: int, dynamic: bo
 @gpu
 def test_cluster_column_chunks_accumulate(monkeypatch: pytest.MonkeyPatch) -> None:
     """The layer's column-chunk wgrad (rows ld apart, added into dw) in clusters of two: bit for bit alone."""
-    m = sum(SKEWED) + 5
-    g = torch.Generator().manual_seed(42)
-    dy = torch.randn(m, N, generator=g).to(torch.bfloat16).cuda()
-    x = torch.randn(m, 2 * K, generator=g).to(torch.bfloat16).cuda()
-    base = torch.randn(len(SKEWED), N, 2 * K, generator=g).to(torch.bfloat16).cuda()
-    offs = offs_of(cumsum(SKEWED))
-    runs = []
-    for cm in (1, 2):
-        monkeypatch.setattr(gemm, "GEMM_WGRAD_CLUSTER_M", cm)
-        dw = base.clone()
-        gemm.grouped_gemm_wgrad_cols(dy, x[:, K:].contiguous(), offs, dw, K, accumulate=True)
-        gemm.grouped_gemm_wgrad_cols(dy, x[:, :K].contiguous(), offs, dw, 0, accumulate=True)
-        runs.append(dw)
-    assert torch.equal(runs[1].view(torch.int16), runs[0].view(torch.int16))
+    alone = run_chunks(42, monkeypatch, N, True, GEMM_WGRAD_CLUSTER_M=1)
+    clustered = run_chunks(42, monkeypatch, N, True, GEMM_WGRAD_CLUSTER_M=2)
+    assert torch.equal(clustered.view(torch.int16), alone.view(torch.int16))
 
 
 @gpu

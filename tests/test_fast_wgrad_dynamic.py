@@ -33,14 +33,37 @@ def test_dynamic_plan_allocates_its_counter_even_without_a_split() -> None:
     assert split.counters == len(SKEWED) * tpg and split.ws_tiles > 0
 
 
-def _wgrad(counts: list[int], seed: int, monkeypatch: pytest.MonkeyPatch, dynamic: bool) -> torch.Tensor:
-    monkeypatch.setattr(gemm, "GEMM_WGRAD_DYNAMIC", dynamic)
+def run_wgrad(counts: list[int], seed: int, monkeypatch: pytest.MonkeyPatch, n: int = N,
+              **flags: object) -> torch.Tensor:
+    """The wgrad of seeded dy [m, n] and x [m, K] into a NaN-filled dw, with gemm's `flags` set first."""
+    for name, value in flags.items():
+        monkeypatch.setattr(gemm, name, value)
     m = sum(counts) + 5
     g = torch.Generator().manual_seed(seed)
-    dy = torch.randn(m, N, generator=g).to(torch.bfloat16).cuda()
+    dy = torch.randn(m, n, generator=g).to(torch.bfloat16).cuda()
     x = torch.randn(m, K, generator=g).to(torch.bfloat16).cuda()
-    dw = torch.full((len(counts), N, K), float("nan"), dtype=torch.bfloat16, device="cuda")
+    dw = torch.full((len(counts), n, K), float("nan"), dtype=torch.bfloat16, device="cuda")
     gemm._launch_wgrad(dy, x, offs_of(cumsum(counts)), dw, BN)
+    torch.cuda.synchronize()
+    return dw
+
+
+def run_chunks(seed: int, monkeypatch: pytest.MonkeyPatch, n: int = N, accumulate: bool = False,
+               **flags: object) -> torch.Tensor:
+    """The layer's column-chunk wgrad: x's two K-wide column chunks into one dw (rows ld apart), stored into
+    NaNs or added to seeded values, with gemm's `flags` set first."""
+    for name, value in flags.items():
+        monkeypatch.setattr(gemm, name, value)
+    m = sum(SKEWED) + 5
+    g = torch.Generator().manual_seed(seed)
+    dy = torch.randn(m, n, generator=g).to(torch.bfloat16).cuda()
+    x = torch.randn(m, 2 * K, generator=g).to(torch.bfloat16).cuda()
+    dw = torch.randn(len(SKEWED), n, 2 * K, generator=g).to(torch.bfloat16).cuda()
+    if not accumulate:
+        dw.fill_(float("nan"))
+    offs = offs_of(cumsum(SKEWED))
+    gemm.grouped_gemm_wgrad_cols(dy, x[:, K:].contiguous(), offs, dw, K, accumulate=accumulate)
+    gemm.grouped_gemm_wgrad_cols(dy, x[:, :K].contiguous(), offs, dw, 0, accumulate=accumulate)
     torch.cuda.synchronize()
     return dw
 
@@ -48,8 +71,8 @@ def _wgrad(counts: list[int], seed: int, monkeypatch: pytest.MonkeyPatch, dynami
 @gpu
 @pytest.mark.parametrize("counts", [SKEWED, [1024] * 16, [0, 0, 7000, 3]], ids=["zipf", "uniform", "one"])
 def test_dynamic_schedule_equals_the_static_one(counts: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
-    static = _wgrad(counts, 31, monkeypatch, False)
-    dynamic = _wgrad(counts, 31, monkeypatch, True)
+    static = run_wgrad(counts, 31, monkeypatch, GEMM_WGRAD_DYNAMIC=False)
+    dynamic = run_wgrad(counts, 31, monkeypatch, GEMM_WGRAD_DYNAMIC=True)
     assert not bool(dynamic.isnan().any()), "a tile no CTA took stays NaN"
     assert torch.equal(dynamic.view(torch.int16), static.view(torch.int16))
 
@@ -57,19 +80,9 @@ def test_dynamic_schedule_equals_the_static_one(counts: list[int], monkeypatch: 
 @gpu
 def test_dynamic_schedule_column_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """The layer's column-chunk wgrad (rows ld apart, groups gs apart) under the dynamic schedule."""
-    m = sum(SKEWED) + 5
-    g = torch.Generator().manual_seed(32)
-    dy = torch.randn(m, N, generator=g).to(torch.bfloat16).cuda()
-    x = torch.randn(m, 2 * K, generator=g).to(torch.bfloat16).cuda()
-    offs = offs_of(cumsum(SKEWED))
-    runs = []
-    for dynamic in (False, True):
-        monkeypatch.setattr(gemm, "GEMM_WGRAD_DYNAMIC", dynamic)
-        dw = torch.full((len(SKEWED), N, 2 * K), float("nan"), dtype=torch.bfloat16, device="cuda")
-        gemm.grouped_gemm_wgrad_cols(dy, x[:, K:].contiguous(), offs, dw, K)
-        gemm.grouped_gemm_wgrad_cols(dy, x[:, :K].contiguous(), offs, dw, 0)
-        runs.append(dw)
-    assert torch.equal(runs[1].view(torch.int16), runs[0].view(torch.int16))
+    static = run_chunks(32, monkeypatch, GEMM_WGRAD_DYNAMIC=False)
+    dynamic = run_chunks(32, monkeypatch, GEMM_WGRAD_DYNAMIC=True)
+    assert torch.equal(dynamic.view(torch.int16), static.view(torch.int16))
 
 
 @gpu

@@ -1,0 +1,185 @@
+"""The compile contracts of the sm_90a grouped GEMMs: which instructions each representative kernel's PTX must
+hold and must not, checked without a GPU by nmoe.fast.compilecheck (CI) and by the parity report."""
+
+from __future__ import annotations
+
+from nmoe.fast.gemm.sm90 import DGRAD, FWD, GATHER, WGRAD, WGRAD_GATHER, pick_bn
+from nmoe.fast.limits import GEMM_PINGPONG_BN
+from nmoe.fast.runtime import KernelSpec
+
+# Hopper tensor-core MMA fed by the TMA engine; 128-bit epilogue stores; setmaxnreg for the producer/consumer
+# split; local memory would mean spilled accumulators.
+_STMATRIX, _ST_V4 = r"\bstmatrix\.sync", r"\bst\.global\.v4\.b32\b"
+_EXPECT_SM90 = (r"\.target sm_90a\b", r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16",
+                r"cp\.async\.bulk\.tensor", _ST_V4, r"\bsetmaxnreg\.inc", _STMATRIX)
+_FORBID_SM90 = (r"\b(ld|st)\.local\b", r"\bmma\.sync\b")
+# The TMA-fed fwd and dgrad run in clusters of GEMM_CLUSTER_M CTAs that share each B box by TMA multicast.
+_CLUSTER = (r"cp\.async\.bulk\.tensor\.3d\.shared::cluster\.global\.tile\.mbarrier::complete_tx::bytes"
+            r"\.multicast::cluster", r"\bbarrier\.cluster\.wait\b",
+            r"\bmbarrier\.arrive\.shared::cluster\.b64\b")
+
+
+# wgrad zeroes the rows of its last box that belong to the next group with ordinary 16-byte stores (scalar
+# ones cost the Zipf rows up to a fifth), which the tensor cores may read only after an async-proxy fence.
+# A split group's chunks publish fp32 partials, then count in with a device-scope acq_rel atomic.
+_EXPECT_WGRAD = (*_EXPECT_SM90, r"\bfence\.proxy\.async\.shared::cta\b", r"\bfence\.acq_rel\.gpu\b",
+                 r"\batom\.global\.acq_rel(\.gpu)?\.add\.u32\b",
+                 r"\bst\.shared\.v4\.b32\s+\[[^\]]+\],\s*\{0, 0, 0, 0\}")
+# An accumulating wgrad adds each full tile by TMA reduce-add and each cut one by loading dw's 16-byte chunk,
+# adding in fp32 and rounding once; a plain TMA store would overwrite the gradient it adds to, and a storing
+# wgrad must never reduce.
+_TMA_STORE = r"\bcp\.async\.bulk\.tensor\.2d\.global\.shared::cta\.tile\b"
+_TMA_REDUCE_ADD = r"\bcp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add\.tile\b"
+_EXPECT_WGRAD_ACC = (*_EXPECT_WGRAD, _TMA_REDUCE_ADD, r"\bld\.global\.v4\.b32\b", r"\bcvt\.rn\.bf16x2\.f32\b")
+# A wgrad cluster multicasts each x box; when dynamic, CTA 0 stores each work item into every CTA's ring
+# (st.async, counted as tx bytes on that CTA's mbarrier) and the readers free the slot on CTA 0.
+_WGRAD_CLUSTER = (_CLUSTER[0].replace("3d", "2d"), *_CLUSTER[1:])
+_HANDOFF = (r"\bst\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.b32\b",
+            r"\bmbarrier\.arrive\.expect_tx\.shared::cluster\.b64\b")
+
+
+# The fused epilogue must round like the standalone activations: canonical NaN selects, no ftz arithmetic
+# (libdevice expf's ex2.approx.ftz acts on a range-reduced argument and is exempt), IEEE division.
+_EXPECT_EPILOGUE = (*_EXPECT_SM90, r"\bsetp\.nan\.f32\b")
+_FORBID_EPILOGUE = (*_FORBID_SM90, r"\b(mul|add|sub|div|fma)(\.r[nzmp])?\.ftz\.f32\b",
+                    r"\bdiv\.(approx|full)(\.ftz)?\.f32\b")
+
+
+# The gathered up projection and dgrad: each A row by its own 2-D TMA box (1 x BK), its source row shuffled to
+# the issuing lane, onto the stage barrier B's TMA arrives on; no cp.async.
+_ROW_TMA = (r"\bcp\.async\.bulk\.tensor\.2d\.shared::cta\.global\b", r"\bshfl\.sync\.idx\.b32\b")
+_EXPECT_GATHER = (*_EXPECT_EPILOGUE, *_ROW_TMA)
+_NO_CP_ASYNC = (r"\bcp\.async\.(cg|ca)\.shared\.global\b",)
+
+
+# Ping-pong warpgroups hand the mainloop to each other by a named barrier's non-blocking arrive.
+_TURNS = (r"\bbar\.arrive\b",)
+
+
+# An N cluster's CTAs each multicast their share of A's rows to the cluster and release a stage to all of it.
+_ROW_MULTICAST = (r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.tile\.mbarrier::complete_tx::"
+                  r"bytes\.multicast::cluster", r"\bshfl\.sync\.idx\.b32\b", r"\bbarrier\.cluster\.wait\b",
+                  r"\bmbarrier\.arrive\.shared::cluster\.b64\b")
+_EXPECT_GATHER_CN = (*_EXPECT_EPILOGUE, *_ROW_MULTICAST)
+
+
+def _gather_spec(name: str, n: int, k: int, activation: str, pingpong: bool = False,
+                 cn: int = 1, keep_h: bool = True, deferred: bool = False) -> KernelSpec:
+    """keep_h False: h is never staged or stored, so no stmatrix and none of its 16-byte masked stores
+    (act(h) is staged by scalar stores and leaves in 8-byte chunks)."""
+    bn = GEMM_PINGPONG_BN if pingpong else pick_bn(n)
+    expect: tuple[str, ...] = (*(_EXPECT_GATHER if cn == 1 else _EXPECT_GATHER_CN),
+                               *(_TURNS if pingpong else ()))
+    forbid: tuple[str, ...] = (*_FORBID_EPILOGUE, *_NO_CP_ASYNC)
+    if not keep_h:
+        expect = tuple(rx for rx in expect if rx not in (_STMATRIX, _ST_V4))
+        forbid = (*forbid, _STMATRIX, _ST_V4)
+    return KernelSpec(op="grouped_gemm_act", name=name,
+                      compile=GATHER.compiler(n=n, k=k, bn=bn, act=activation, w_k_major=True,
+                                              pingpong=pingpong, cn=cn, keep_h=keep_h, deferred=deferred),
+                      expect={"sm_90a": expect}, forbid={"sm_90a": forbid})
+
+
+# The gathered wgrad: the token-major operand by 16-byte cp.async in commit groups; each thread waits for a
+# group, fences it from the generic into the async proxy the tensor cores read, then arrives.
+_EXPECT_WGRAD_GATHER = (*_EXPECT_WGRAD, r"\bcp\.async\.cg\.shared\.global\b", r"\bcp\.async\.commit_group\b",
+                        r"\bcp\.async\.wait_group\b", r"\bfence\.proxy\.async\.shared::cta\b")
+
+
+def _dgrad_gather_spec(name: str, n: int, k: int, cn: int = 1, deferred: bool = False) -> KernelSpec:
+    return KernelSpec(op="grouped_gemm_dgrad", name=name,
+                      compile=GATHER.compiler(n=n, k=k, bn=pick_bn(n), act="none", w_k_major=False, cn=cn,
+                                              deferred=deferred),
+                      expect={"sm_90a": (*_EXPECT_SM90, *(_ROW_TMA if cn == 1 else _ROW_MULTICAST))},
+                      forbid={"sm_90a": (*_FORBID_SM90, *_NO_CP_ASYNC)})
+
+
+def _wgrad_gather_spec(name: str, n: int, k: int, side: str) -> KernelSpec:
+    return KernelSpec(op="grouped_gemm_wgrad", name=name,
+                      compile=WGRAD_GATHER.compiler(n=n, k=k, bn=pick_bn(k), side=side),
+                      expect={"sm_90a": _EXPECT_WGRAD_GATHER}, forbid={"sm_90a": _FORBID_SM90})
+
+
+def _spec(name: str, n: int, k: int, bn: int, w_k_major: bool | None, activation: str = "none",
+          pingpong: bool = False, deferred: bool = False) -> KernelSpec:
+    expect = _EXPECT_WGRAD if w_k_major is None else (*_EXPECT_SM90, *_CLUSTER, *(_TURNS if pingpong else ()))
+    fused = activation != "none"
+    if w_k_major is None:
+        op, compile = "grouped_gemm_wgrad", WGRAD.compiler(n=n, k=k, bn=bn, ld=k)
+    elif not w_k_major:
+        op = "grouped_gemm_dgrad"
+        compile = DGRAD.compiler(n=n, k=k, bn=bn, pingpong=pingpong, deferred=deferred)
+    else:
+        op = "grouped_gemm_act" if fused else "grouped_gemm"
+        compile = FWD.compiler(n=n, k=k, bn=bn, act=activation, pingpong=pingpong, deferred=deferred)
+    return KernelSpec(
+        op=op,
+        name=name,
+        compile=compile,
+        expect={"sm_90a": (*_EXPECT_EPILOGUE, *_CLUSTER, *(_TURNS if pingpong else ())) if fused else expect},
+        forbid={"sm_90a": _FORBID_EPILOGUE if fused else _FORBID_SM90},
+    )
+
+
+# Representative classes: the up projection (N = 2I, K = H), the down projection, their dgrad and wgrad, and
+# the up projection with each fused activation at both tile widths; the ping-pong fwd, dgrad and fused forms.
+KERNELS: tuple[KernelSpec, ...] = (
+    _spec("grouped_gemm_fwd_n128", 2048, 4096, 128, True),
+    _spec("grouped_gemm_fwd_n256", 4096, 1024, 256, True),
+    _spec("grouped_gemm_dgrad_n128", 1024, 4096, 128, False),
+    _spec("grouped_gemm_wgrad_n256", 2048, 4096, 256, None),
+    _spec("grouped_gemm_fwd_deferred_n256", 2048, 4096, 256, True, deferred=True),
+    _spec("grouped_gemm_dgrad_deferred_n256", 1024, 4096, 256, False, deferred=True),
+    KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_dynamic_n256",
+               compile=WGRAD.compiler(n=2048, k=4096, bn=256, ld=4096, dynamic=True),
+               expect={"sm_90a": (*_EXPECT_WGRAD, r"\batom\.global\.acq_rel(\.gpu)?\.add\.u32\b",
+                                  r"\bshfl\.sync\.idx\.b32\b")},
+               forbid={"sm_90a": _FORBID_SM90}),
+    KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_deferred_n256",
+               compile=WGRAD.compiler(n=2048, k=4096, bn=256, ld=4096, dynamic=True, deferred=True),
+               expect={"sm_90a": _EXPECT_WGRAD}, forbid={"sm_90a": _FORBID_SM90}),
+    KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_cols_accumulate_deferred_n256",
+               compile=WGRAD.compiler(n=2048, k=1024, bn=256, ld=4096, accumulate=True, deferred=True),
+               expect={"sm_90a": _EXPECT_WGRAD_ACC}, forbid={"sm_90a": (*_FORBID_SM90, _TMA_STORE)}),
+    KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_cols_n256",
+               compile=WGRAD.compiler(n=2048, k=1024, bn=256, ld=4096), expect={"sm_90a": _EXPECT_WGRAD},
+               forbid={"sm_90a": (*_FORBID_SM90, _TMA_REDUCE_ADD)}),
+    KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_cols_accumulate_n256",
+               compile=WGRAD.compiler(n=2048, k=1024, bn=256, ld=4096, accumulate=True),
+               expect={"sm_90a": _EXPECT_WGRAD_ACC}, forbid={"sm_90a": (*_FORBID_SM90, _TMA_STORE)}),
+    KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_cluster2_dynamic_n256",
+               compile=WGRAD.compiler(n=2048, k=4096, bn=256, ld=4096, dynamic=True, cm=2),
+               expect={"sm_90a": (*_EXPECT_WGRAD, *_WGRAD_CLUSTER, *_HANDOFF)},
+               forbid={"sm_90a": _FORBID_SM90}),
+    KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_cluster2_n256",
+               compile=WGRAD.compiler(n=2048, k=4096, bn=256, ld=4096, cm=2),
+               expect={"sm_90a": (*_EXPECT_WGRAD, *_WGRAD_CLUSTER)},
+               forbid={"sm_90a": (*_FORBID_SM90, _HANDOFF[0])}),
+    KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_rows_n256",
+               compile=WGRAD.compiler(n=1024, k=1024, bn=256, ld=1024, gs=4096),
+               expect={"sm_90a": _EXPECT_WGRAD}, forbid={"sm_90a": _FORBID_SM90}),
+    _spec("grouped_gemm_act_swiglu_n128", 2048, 4096, 128, True, "swiglu"),
+    _spec("grouped_gemm_act_swiglu_n256", 4096, 1024, 256, True, "swiglu"),
+    _spec("grouped_gemm_act_relu2_n128", 1024, 4096, 128, True, "relu2"),
+    _spec("grouped_gemm_act_relu2_n256", 4096, 1024, 256, True, "relu2"),
+    _spec("grouped_gemm_fwd_pingpong", 4096, 1024, 128, True, pingpong=True),
+    _spec("grouped_gemm_dgrad_pingpong", 1024, 4096, 128, False, pingpong=True),
+    _spec("grouped_gemm_act_swiglu_pingpong", 2048, 4096, 128, True, "swiglu", pingpong=True),
+    _gather_spec("grouped_gemm_act_gathered_swiglu_n256", 2048, 4096, "swiglu"),
+    _gather_spec("grouped_gemm_act_gathered_swiglu_pingpong", 2048, 4096, "swiglu", pingpong=True),
+    _gather_spec("grouped_gemm_act_gathered_relu2_n128", 1152, 2048, "relu2"),
+    _wgrad_gather_spec("grouped_gemm_wgrad_gathered_x_n256", 2048, 4096, "b"),
+    _wgrad_gather_spec("grouped_gemm_wgrad_gathered_x_n128", 1024, 1152, "b"),
+    _wgrad_gather_spec("grouped_gemm_wgrad_gathered_dy_n128", 4096, 1152, "a"),
+    _dgrad_gather_spec("grouped_gemm_dgrad_gathered_n128", 1024, 4096),
+    _gather_spec("grouped_gemm_act_gathered_swiglu_cn2", 2048, 4096, "swiglu", cn=2),
+    _dgrad_gather_spec("grouped_gemm_dgrad_gathered_cn2", 1024, 4096, cn=2),
+    _gather_spec("grouped_gemm_act_gathered_swiglu_cn4", 2048, 4096, "swiglu", cn=4),
+    _gather_spec("grouped_gemm_act_gathered_swiglu_cn2_act_only", 2048, 4096, "swiglu", cn=2, keep_h=False),
+    _gather_spec("grouped_gemm_act_gathered_swiglu_cn2_deferred", 2048, 4096, "swiglu", cn=2, deferred=True),
+    _gather_spec("grouped_gemm_act_gathered_swiglu_cn2_act_only_deferred", 2048, 4096, "swiglu", cn=2,
+                 keep_h=False, deferred=True),
+    _gather_spec("grouped_gemm_act_gathered_relu2_n128_deferred", 1152, 2048, "relu2", deferred=True),
+    _dgrad_gather_spec("grouped_gemm_dgrad_gathered_cn2_deferred", 1024, 4096, cn=2, deferred=True),
+    _spec("grouped_gemm_act_swiglu_deferred_n256", 2048, 4096, 256, True, "swiglu", deferred=True),
+)
