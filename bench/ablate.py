@@ -420,6 +420,14 @@ FP8_ABLATIONS: tuple[Mutation, ...] = (
         "the fp8 fwd in clusters of two M tiles at every K, the up projections' long K included",
     ),
     Mutation(
+        "ablate.fp8_no_epilogue", "nmoe/fast/kernels/sm90/grouped_gemm_fp8.py",
+        "            store_tile(epi, tma_d, m_d, m_d, row0, n_tile, g_end, n, BN,",
+        "            if row0 < 0:\n"
+        "                store_tile(epi, tma_d, m_d, m_d, row0, n_tile, g_end, n, BN,",
+        "timing only: the fp8 fwd's tiles skip their epilogue (staging, barriers, stores): the most that "
+        "hiding it under the next tile's first K blocks could buy, most on the downs' four to eight blocks",
+    ),
+    Mutation(
         "ablate.fp8_two_subtiles", LIMITS,
         "GEMM_FP8_STAGED_TILE: Final[bool] = True\n", "GEMM_FP8_STAGED_TILE: Final[bool] = False\n",
         "the fp8 fwd stages two output subtiles (one operand stage more) instead of the whole tile, so its "
