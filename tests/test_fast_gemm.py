@@ -25,7 +25,7 @@ from nmoe.fast.arch import ArchError
 from nmoe.fast.gemm import grouped_gemm, grouped_gemm_act, grouped_gemm_dgrad, grouped_gemm_wgrad
 from nmoe.fast.gemm import sm90 as gemm
 from nmoe.fast.gemm.routing import require, tile_upper_bound
-from nmoe.fast.gemm.sm90_specs import KERNELS
+from nmoe.fast.gemm.sm90 import KERNELS
 from nmoe.fast.limits import GEMM_BN_CHOICES, GEMM_MAX_GROUPS
 from parity.compare import interval
 from parity.inputs import Inputs
@@ -210,7 +210,7 @@ def test_kernels_declare_sm90_only() -> None:
 
 @pytest.fixture(scope="module")
 def gemm_compile_rows() -> dict[str, list[dict[str, Any]]]:
-    return compile_rows("nmoe.fast.gemm.sm90_specs")
+    return compile_rows("nmoe.fast.gemm.sm90")
 
 
 def test_sm90a_kernels_compile_without_gpu(gemm_compile_rows: dict[str, list[dict[str, Any]]]) -> None:

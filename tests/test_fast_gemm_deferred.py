@@ -26,7 +26,6 @@ from test_fast_wgrad_schedule import SKEWED
 
 from nmoe.checkout import tree_pythonpath
 from nmoe.fast.gemm import sm90 as gemm
-from nmoe.fast.gemm import sm90_specs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -197,10 +196,10 @@ def test_sep_gemm_fast_gather_deferred_act_chunk_misplaced(monkeypatch: pytest.M
 _PROBE = r"""
 import json
 from nmoe.fast import runtime
-from nmoe.fast.gemm import sm90_specs
+from nmoe.fast.gemm import sm90
 runtime.import_cutlass("sm_90a")
 out = {"ex2": None, "ptx": {}}
-for spec in sm90_specs.KERNELS:
+for spec in sm90.KERNELS:
     if "deferred" not in spec.name:
         continue
     ptx = out["ptx"][spec.name] = spec.compile("sm_90a")
@@ -244,7 +243,7 @@ def test_deferred_kernels_keep_their_wgmmas_pipelined(probe: dict[str, object]) 
     runs = cast(dict[str, dict[str, Any]] | None, probe["ptxas"])
     if runs is None:
         pytest.skip("ptxas not installed: the deferred kernels' PTX was not assembled")
-    assert len(runs) == sum("deferred" in s.name for s in sm90_specs.KERNELS)
+    assert len(runs) == sum("deferred" in s.name for s in gemm.KERNELS)
     for name, run in runs.items():
         log = run["log"]
         assert run["rc"] == 0, (name, log)

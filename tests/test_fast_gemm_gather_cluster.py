@@ -11,7 +11,7 @@ from test_fast_gemm_gather import _ids
 from torch import Tensor
 
 from nmoe.fast.dispatch import permute
-from nmoe.fast.gemm import sm90, sm90_specs
+from nmoe.fast.gemm import sm90
 
 gpu = pytest.mark.gpu
 
@@ -59,11 +59,11 @@ def test_schedule_clusters_only_whole_cooperative_n_tiles(monkeypatch: pytest.Mo
 
 
 def test_n_cluster_kernels_are_compile_checked() -> None:
-    names = {s.name for s in sm90_specs.KERNELS if "_cn" in s.name}
+    names = {s.name for s in sm90.KERNELS if "_cn" in s.name}
     plain = {"grouped_gemm_act_gathered_swiglu_cn2", "grouped_gemm_dgrad_gathered_cn2",
              "grouped_gemm_act_gathered_swiglu_cn2_act_only"}
     assert names == {*plain, *(f"{n}_deferred" for n in plain), "grouped_gemm_act_gathered_swiglu_cn4"}
-    for s in sm90_specs.KERNELS:
+    for s in sm90.KERNELS:
         if "_cn" in s.name:
             assert any("multicast::cluster" in rx for rx in s.expect["sm_90a"])
 

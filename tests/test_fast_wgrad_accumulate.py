@@ -15,7 +15,7 @@ from fastcompile import assert_rows_ok, compile_rows
 from test_fast_gemm import cumsum, offs_of
 from test_fast_wgrad_schedule import SKEWED
 
-from nmoe.fast.gemm import grouped_gemm_wgrad, sm90_specs
+from nmoe.fast.gemm import grouped_gemm_wgrad
 from nmoe.fast.gemm import sm90 as gemm
 
 gpu = pytest.mark.gpu
@@ -25,11 +25,11 @@ STORE = "grouped_gemm_wgrad_cols_n256"
 
 @pytest.fixture(scope="module")
 def rows() -> dict[str, list[dict[str, Any]]]:
-    return compile_rows("nmoe.fast.gemm.sm90_specs", (ACC, STORE))
+    return compile_rows("nmoe.fast.gemm.sm90", (ACC, STORE))
 
 
 def _spec(name: str) -> Any:
-    return next(k for k in sm90_specs.KERNELS if k.name == name)
+    return next(k for k in gemm.KERNELS if k.name == name)
 
 
 def _check_rules(rows: dict[str, list[dict[str, Any]]]) -> None:

@@ -18,7 +18,6 @@ from test_fast_wgrad_dynamic import run_chunks, run_wgrad
 from test_fast_wgrad_schedule import SKEWED
 
 from nmoe.fast.gemm import sm90 as gemm
-from nmoe.fast.gemm import sm90_specs
 from nmoe.fast.limits import GEMM_BM
 
 gpu = pytest.mark.gpu
@@ -60,11 +59,11 @@ def test_kernel_refuses_a_cluster_its_m_tiles_do_not_fill() -> None:
 
 @pytest.fixture(scope="module")
 def rows() -> dict[str, list[dict[str, Any]]]:
-    return compile_rows("nmoe.fast.gemm.sm90_specs", (DYNAMIC, STATIC))
+    return compile_rows("nmoe.fast.gemm.sm90", (DYNAMIC, STATIC))
 
 
 def _rules(name: str, kind: str) -> tuple[str, ...]:
-    spec = next(s for s in sm90_specs.KERNELS if s.name == name)
+    spec = next(s for s in gemm.KERNELS if s.name == name)
     out: tuple[str, ...] = getattr(spec, kind)["sm_90a"]
     return out
 

@@ -5,7 +5,7 @@ FAST_MODULES: tuple[str, ...] = (
     "nmoe.fast.combine",
     "nmoe.fast.router",
     "nmoe.fast.dispatch",
-    "nmoe.fast.gemm.sm90_specs",
+    "nmoe.fast.gemm.sm90",
     "nmoe.fast.gemm.sm90_fp8",
     "nmoe.fast.gemm.sm100",
     "nmoe.fast.formats",

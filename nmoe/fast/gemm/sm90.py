@@ -20,6 +20,8 @@ from nmoe.fast.gemm.routing import (
     fwd_ctas,
     require,
 )
+from nmoe.fast.gemm.sm90_kernels import ARCH, DGRAD, FWD, GATHER, WGRAD, WGRAD_GATHER, pick_bn
+from nmoe.fast.gemm.sm90_kernels import KERNELS as KERNELS
 from nmoe.fast.limits import (
     GEMM_ALIGN,
     GEMM_BK,
@@ -37,36 +39,8 @@ from nmoe.fast.limits import (
     GEMM_WGRAD_DEFERRED,
     GEMM_WGRAD_DYNAMIC,
 )
-from nmoe.fast.op import Kernel, Launcher, fast_op, remember, save_inputs
+from nmoe.fast.op import Launcher, fast_op, remember, save_inputs
 from nmoe.fast.runtime import tma_aligned
-
-ARCH = "sm_90a"
-_FWD_MODULE = "nmoe.fast.kernels.sm90.grouped_gemm"
-FWD = Kernel(_FWD_MODULE, "grouped_gemm_fwd",
-             lambda km, n, k, bn, act, pingpong=False, deferred=False: km.compile_args(n, k, bn, True, act,
-                                                                                      pingpong, deferred),
-             (ARCH,), "nmoe.fast.gemm.grouped_gemm")
-DGRAD = Kernel(_FWD_MODULE, "grouped_gemm_dgrad",
-               lambda km, n, k, bn, pingpong=False, deferred=False: km.compile_args(n, k, bn, False, "none",
-                                                                                   pingpong, deferred),
-               (ARCH,), "nmoe.fast.gemm.grouped_gemm_dgrad")
-GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_gather", "grouped_gemm_gather",
-                lambda km, n, k, bn, act, w_k_major, pingpong=False, cn=1, keep_h=True, deferred=False:
-                    km.compile_args_gather(n, k, bn, act, w_k_major, pingpong, cn, keep_h, deferred),
-                (ARCH,), "nmoe.fast.gemm.grouped_gemm_act_gathered")
-WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad",
-               lambda km, n, k, bn, ld, gs=0, dynamic=False, accumulate=False, deferred=False, cm=1:
-                   km.compile_args(n, k, bn, ld, gs, dynamic, accumulate, deferred, cm),
-               (ARCH,),
-               "nmoe.fast.gemm.grouped_gemm_wgrad")
-WGRAD_GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad_gather",
-                      lambda km, n, k, bn, side: km.compile_args_gather(n, k, bn, side), (ARCH,),
-                      "nmoe.fast.gemm.grouped_gemm_wgrad_gathered")
-
-
-def pick_bn(n: int) -> int:
-    """Wide N tiles halve the A re-reads; they need N to fill them."""
-    return 256 if n % 256 == 0 else 128
 
 
 def whole_clusters(widest: int, tiles: int) -> int:

@@ -1,11 +1,41 @@
-"""The compile contracts of the sm_90a grouped GEMMs: which instructions each representative kernel's PTX must
-hold and must not, checked without a GPU by nmoe.fast.compilecheck (CI) and by the parity report."""
+"""The sm_90a bf16 grouped GEMMs' kernel declarations and compile contracts: which instructions each
+representative kernel's PTX must hold and must not, checked without a GPU by nmoe.fast.compilecheck (CI) and
+the parity report; the glue (nmoe.fast.gemm.sm90) launches the kernels and re-exports KERNELS."""
 
 from __future__ import annotations
 
-from nmoe.fast.gemm.sm90 import DGRAD, FWD, GATHER, WGRAD, WGRAD_GATHER, pick_bn
 from nmoe.fast.limits import GEMM_PINGPONG_BN
+from nmoe.fast.op import Kernel
 from nmoe.fast.runtime import KernelSpec
+
+ARCH = "sm_90a"
+_FWD_MODULE = "nmoe.fast.kernels.sm90.grouped_gemm"
+FWD = Kernel(_FWD_MODULE, "grouped_gemm_fwd",
+             lambda km, n, k, bn, act, pingpong=False, deferred=False: km.compile_args(n, k, bn, True, act,
+                                                                                      pingpong, deferred),
+             (ARCH,), "nmoe.fast.gemm.grouped_gemm")
+DGRAD = Kernel(_FWD_MODULE, "grouped_gemm_dgrad",
+               lambda km, n, k, bn, pingpong=False, deferred=False: km.compile_args(n, k, bn, False, "none",
+                                                                                   pingpong, deferred),
+               (ARCH,), "nmoe.fast.gemm.grouped_gemm_dgrad")
+GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_gather", "grouped_gemm_gather",
+                lambda km, n, k, bn, act, w_k_major, pingpong=False, cn=1, keep_h=True, deferred=False:
+                    km.compile_args_gather(n, k, bn, act, w_k_major, pingpong, cn, keep_h, deferred),
+                (ARCH,), "nmoe.fast.gemm.grouped_gemm_act_gathered")
+WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad",
+               lambda km, n, k, bn, ld, gs=0, dynamic=False, accumulate=False, deferred=False, cm=1:
+                   km.compile_args(n, k, bn, ld, gs, dynamic, accumulate, deferred, cm),
+               (ARCH,),
+               "nmoe.fast.gemm.grouped_gemm_wgrad")
+WGRAD_GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad_gather",
+                      lambda km, n, k, bn, side: km.compile_args_gather(n, k, bn, side), (ARCH,),
+                      "nmoe.fast.gemm.grouped_gemm_wgrad_gathered")
+
+
+def pick_bn(n: int) -> int:
+    """Wide N tiles halve the A re-reads; they need N to fill them."""
+    return 256 if n % 256 == 0 else 128
+
 
 # Hopper tensor-core MMA fed by the TMA engine; 128-bit epilogue stores; setmaxnreg for the producer/consumer
 # split; local memory would mean spilled accumulators.
