@@ -20,11 +20,13 @@ from torchbase import LAYER_ALIGN, LAYER_CONFIGS, layer_inputs
 
 from nmoe.fast.dispatch import permute
 from nmoe.fast.gemm import sm90
+from nmoe.fast.limits import GEMM_BM
 from nmoe.fast.router import router_logits, router_topk
 
-ROUTINGS = ("uniform", "zipf", "blocked", "strided", "shuffled")
-"""Router routings, then balanced ones (T*K/E rows per expert): blocked gives each expert contiguous tokens
-and a token's K experts adjacent ids; strided every (T/R)-th token; shuffled a random token set per expert."""
+ROUTINGS = ("uniform", "zipf", "blocked", "strided", "shuffled", "spread")
+"""Router routings, then balanced ones (T*K/E rows per expert, whole M tiles): blocked gives each expert
+contiguous tokens and a token's K experts adjacent ids; strided every (T/R)-th token; shuffled a random token
+set per expert; spread, shuffled's, but a token's K experts E/K ids apart, so no two run close in time."""
 
 
 def routed(cfg: tuple[int, ...], routing: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -42,12 +44,17 @@ def routed(cfg: tuple[int, ...], routing: str) -> tuple[Tensor, Tensor, Tensor]:
     tok = torch.arange(t, device="cuda")[:, None]
     if routing == "strided":
         block = tok % (t // rows)
-    elif routing == "shuffled":
+    elif routing in ("shuffled", "spread"):
         block = torch.randperm(t, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
         block = block[:, None] // rows
     else:
         block = tok // rows
-    return x.detach(), p.w13.detach(), (block * k + torch.arange(k, device="cuda")[None, :]) % e
+    slots = torch.arange(k, device="cuda")[None, :]
+    if routing == "spread":
+        if e % k:
+            raise ValueError(f"spread routing needs K | E, got E={e}, K={k}")
+        return x.detach(), p.w13.detach(), block + slots * (e // k)
+    return x.detach(), p.w13.detach(), (block * k + slots) % e
 
 
 def row(cfg: tuple[int, ...], routing: str) -> dict[str, Any]:
@@ -61,7 +68,9 @@ def row(cfg: tuple[int, ...], routing: str) -> dict[str, Any]:
     flops = 2.0 * cfg[0] * cfg[4] * 2 * cfg[2] * cfg[1]
     return {"cfg": list(cfg), "routing": routing, "gathered_ms": gathered, "tma_ms": tma,
             "gathered_tflops": flops / gathered / 1e9, "tma_tflops": flops / tma / 1e9,
-            "max_over_mean": float(counts.max() / counts.mean())}
+            "max_over_mean": float(counts.max() / counts.mean()),
+            "m_tiles": int(((pm.counts + GEMM_BM - 1) // GEMM_BM).sum()),
+            "full_m_tiles": cfg[0] * k // GEMM_BM}
 
 
 def main(argv: list[str] | None = None) -> int:
