@@ -28,7 +28,7 @@ TILES = "nmoe/fast/kernels/sm90/tiles.py"
 GLUE = "nmoe/fast/gemm/sm90.py"
 LIMITS = "nmoe/fast/limits.py"
 _BN128 = Mutation(
-    "ablate.bn128", GLUE,
+    "ablate.bn128", "nmoe/fast/gemm/sm90_kernels.py",
     "    return 256 if n % 256 == 0 else 128",
     "    return 128",
     "N tile 128 everywhere (deeper pipeline, more A re-reads)",
