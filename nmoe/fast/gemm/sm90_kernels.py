@@ -43,10 +43,18 @@ _STMATRIX, _ST_V4 = r"\bstmatrix\.sync", r"\bst\.global\.v4\.b32\b"
 _EXPECT_SM90 = (r"\.target sm_90a\b", r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16",
                 r"cp\.async\.bulk\.tensor", _ST_V4, r"\bsetmaxnreg\.inc", _STMATRIX)
 _FORBID_SM90 = (r"\b(ld|st)\.local\b", r"\bmma\.sync\b")
-# The TMA-fed fwd and dgrad run in clusters of GEMM_CLUSTER_M CTAs that share each B box by TMA multicast.
-_CLUSTER = (r"cp\.async\.bulk\.tensor\.3d\.shared::cluster\.global\.tile\.mbarrier::complete_tx::bytes"
-            r"\.multicast::cluster", r"\bbarrier\.cluster\.wait\b",
+
+
+def _multicast(dims: int) -> tuple[str, ...]:
+    """A cluster sharing a dims-D TMA box: the multicast load, the cluster barrier, the remote stage
+    release."""
+    return (rf"cp\.async\.bulk\.tensor\.{dims}d\.shared::cluster\.global\.tile\.mbarrier::complete_tx::"
+            r"bytes\.multicast::cluster", r"\bbarrier\.cluster\.wait\b",
             r"\bmbarrier\.arrive\.shared::cluster\.b64\b")
+
+
+# The TMA-fed fwd and dgrad run in clusters of GEMM_CLUSTER_M CTAs that share each B box by TMA multicast.
+_CLUSTER = _multicast(3)
 
 
 # wgrad zeroes the rows of its last box that belong to the next group with ordinary 16-byte stores (scalar
@@ -63,7 +71,7 @@ _TMA_REDUCE_ADD = r"\bcp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.
 _EXPECT_WGRAD_ACC = (*_EXPECT_WGRAD, _TMA_REDUCE_ADD, r"\bld\.global\.v4\.b32\b", r"\bcvt\.rn\.bf16x2\.f32\b")
 # A wgrad cluster multicasts each x box; when dynamic, CTA 0 stores each work item into every CTA's ring
 # (st.async, counted as tx bytes on that CTA's mbarrier) and the readers free the slot on CTA 0.
-_WGRAD_CLUSTER = (_CLUSTER[0].replace("3d", "2d"), *_CLUSTER[1:])
+_WGRAD_CLUSTER = _multicast(2)
 _HANDOFF = (r"\bst\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.b32\b",
             r"\bmbarrier\.arrive\.expect_tx\.shared::cluster\.b64\b")
 
@@ -87,9 +95,7 @@ _TURNS = (r"\bbar\.arrive\b",)
 
 
 # An N cluster's CTAs each multicast their share of A's rows to the cluster and release a stage to all of it.
-_ROW_MULTICAST = (r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.tile\.mbarrier::complete_tx::"
-                  r"bytes\.multicast::cluster", r"\bshfl\.sync\.idx\.b32\b", r"\bbarrier\.cluster\.wait\b",
-                  r"\bmbarrier\.arrive\.shared::cluster\.b64\b")
+_ROW_MULTICAST = (*_multicast(2), r"\bshfl\.sync\.idx\.b32\b")
 _EXPECT_GATHER_CN = (*_EXPECT_EPILOGUE, *_ROW_MULTICAST)
 
 

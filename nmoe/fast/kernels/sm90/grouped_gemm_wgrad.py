@@ -46,10 +46,8 @@ from nmoe.fast.kernels.sm90.tilequeue import (
     cluster_queue,
     drain_queue,
     grab_tile,
-    pass_tile,
-    publish_tile,
-    read_tile,
-    take_tile,
+    hand_tile,
+    take_next,
     tile_queue,
 )
 from nmoe.fast.kernels.sm90.tiles import (
@@ -188,11 +186,7 @@ def next_tile(q: TileQueue | ClusterQueue | None, state: Any, rnd: Int32, bidx: 
     (CTA 0's in a cluster) hands over."""
     if q is None:
         return dealt_tile(rnd, bidx // cm, n_ctas // cm, total), state
-    if isinstance(q, ClusterQueue):
-        t, state = read_tile(q, state, lane)
-    else:
-        t, state = take_tile(q, state)
-    return cast(Int32, t), state
+    return take_next(q, state, lane)
 
 
 @cute.jit
@@ -384,29 +378,31 @@ def _load_tile(mainloop: pipeline.PipelineTmaAsync, state: Any, u: Units, t: Int
 
 
 @cute.jit
-def _produce_clustered(mainloop: pipeline.PipelineTmaAsync, state: Any, q: ClusterQueue, u: Units,
-                       m_count: cute.Tensor, at: Int32, rank: Int32, lane: Int32, tma_atom_a: cute.CopyAtom,
-                       m_a: cute.Tensor, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor, s_a_flat: cute.Tensor,
-                       s_b_flat: cute.Tensor, bn: Constexpr[int]) -> Any:
-    """A dynamic cluster's producer warps: CTA 0's takes each work item from the counter and stores it into
-    every CTA's ring, the others read it there; all load their share of it."""
+def _produce_dynamic(mainloop: pipeline.PipelineTmaAsync, state: Any, q: TileQueue | ClusterQueue, u: Units,
+                     m_count: cute.Tensor, at: Int32, rank: Int32 | int, lane: Int32,
+                     tma_atom_a: cute.CopyAtom, m_a: cute.Tensor, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
+                     s_a_flat: cute.Tensor, s_b_flat: cute.Tensor, bn: Constexpr[int]) -> Any:
+    """A dynamic producer warp: alone, or CTA 0's in a cluster, it takes each work item from the counter and
+    hands it over (a cluster's ring drained before exit); the other CTAs' read it from their ring. All load
+    their share of each item."""
     if rank == 0:
         qstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, QUEUE_DEPTH)
         t = grab_tile(m_count, at, lane)
-        qstate = publish_tile(q, qstate, t, lane, u.cm)
+        qstate = hand_tile(q, qstate, t, lane, u.cm)
         while t < u.total:
             state = _load_tile(mainloop, state, u, t, tma_atom_a, m_a, tma_atom_b, m_b, s_a_flat, s_b_flat,
                                bn, rank)
             t = grab_tile(m_count, at, lane)
-            qstate = publish_tile(q, qstate, t, lane, u.cm)
-        drain_queue(q, qstate)
+            qstate = hand_tile(q, qstate, t, lane, u.cm)
+        if const_expr(u.cm > 1):
+            drain_queue(q, qstate)
     else:
         rstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QUEUE_DEPTH)
-        t, rstate = read_tile(q, rstate, lane)
+        t, rstate = take_next(q, rstate, lane)
         while t < u.total:
             state = _load_tile(mainloop, state, u, t, tma_atom_a, m_a, tma_atom_b, m_b, s_a_flat, s_b_flat,
                                bn, rank)
-            t, rstate = read_tile(q, rstate, lane)
+            t, rstate = take_next(q, rstate, lane)
     return state
 
 
@@ -440,21 +436,9 @@ def grouped_wgrad_kernel(
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         if warp_idx == 0:
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-            if const_expr(dynamic and cm > 1):
-                state = _produce_clustered(mainloop, state, q, u, m_count, n_groups * u.tiles_per_group,
-                                           rank, tidx % 32, tma_atom_a, m_a, tma_atom_b, m_b, s_a_flat,
-                                           s_b_flat, bn)
-            elif const_expr(dynamic):
-                lane = tidx % 32
-                qstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, QUEUE_DEPTH)
-                at = n_groups * u.tiles_per_group
-                t = grab_tile(m_count, at, lane)
-                qstate = pass_tile(q, qstate, t, lane)
-                while t < u.total:
-                    state = _load_tile(mainloop, state, u, t, tma_atom_a, m_a, tma_atom_b, m_b, s_a_flat,
-                                       s_b_flat, bn)
-                    t = grab_tile(m_count, at, lane)
-                    qstate = pass_tile(q, qstate, t, lane)
+            if const_expr(dynamic):
+                state = _produce_dynamic(mainloop, state, q, u, m_count, n_groups * u.tiles_per_group, rank,
+                                         tidx % 32, tma_atom_a, m_a, tma_atom_b, m_b, s_a_flat, s_b_flat, bn)
             else:
                 for rnd in range(n_rounds(u.total, n_ctas // cm)):
                     t = snake_tile(rnd, bidx // cm, n_ctas // cm)

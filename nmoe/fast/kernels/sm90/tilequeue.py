@@ -134,3 +134,18 @@ def drain_queue(q: ClusterQueue, state: Any) -> None:
     for _ in range(QUEUE_DEPTH):
         cute.arch.mbarrier_wait(q.empty.iterator + state.index, state.phase)
         state.advance()
+
+
+def hand_tile(q: TileQueue | ClusterQueue, state: Any, t: Int32, lane: Int32, cm: int) -> Any:
+    """The filling producer warp hands item t over: to its CTA's consumers, or to every CTA of its cluster."""
+    if isinstance(q, ClusterQueue):
+        return publish_tile(q, state, t, lane, cm)
+    return pass_tile(q, state, t, lane)
+
+
+def take_next(q: TileQueue | ClusterQueue, state: Any, lane: Int32) -> tuple[Int32, Any]:
+    """A reading warp's next item from its CTA's ring."""
+    if isinstance(q, ClusterQueue):
+        return cast(tuple[Int32, Any], read_tile(q, state, lane))
+    return cast(tuple[Int32, Any], take_tile(q, state))
+
