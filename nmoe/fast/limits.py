@@ -48,9 +48,9 @@ N tiles at once (as GEMM_GATHER_ROWS_EVICT_FIRST below)."""
 GEMM_B_EVICT_LAST: Final[bool] = False
 """The TMA-fed fwd/dgrad's B TMAs mark the expert's weights last to leave L2 (as GEMM_GATHER_B_EVICT_LAST)."""
 GEMM_GATHER_ROWS_EVICT_FIRST: Final[bool] = False
-"""The gathering fwd/dgrad's row TMAs mark their rows first to leave L2: a row is read by its M tile's N tiles
-at once, then not before another expert's tile, while the expert's B boxes are read again by each of its M
-tiles (H200 ncu at c3, uniform routing: 12.7 GB of DRAM reads at 34% L2 hits, 4.1-4.4 GB at 71% balanced)."""
+"""The gathering fwd/dgrad's row TMAs mark their rows first to leave L2: a row serves its M tile's N tiles at
+once, while each of the expert's M tiles reads its B boxes again (H200 ncu at c3: 12.7 GB of DRAM reads at
+34% L2 hits under router-uniform routing, 4.1-4.4 GB at 71% under Zipf and the blocked synthetic one)."""
 GEMM_GATHER_B_EVICT_LAST: Final[bool] = False
 """The gathering fwd/dgrad's B TMAs mark the expert's weights last to leave L2, for the same reason."""
 GEMM_WGRAD_DYNAMIC: Final[bool] = True
