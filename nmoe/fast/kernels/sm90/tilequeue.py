@@ -9,6 +9,7 @@ from typing import Any, NamedTuple, cast
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Int32, Int64
+from cutlass.base_dsl.ast_helpers import const_expr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.memory import SmemAllocator
 
@@ -138,14 +139,14 @@ def drain_queue(q: ClusterQueue, state: Any) -> None:
 
 def hand_tile(q: TileQueue | ClusterQueue, state: Any, t: Int32, lane: Int32, cm: int) -> Any:
     """The filling producer warp hands item t over: to its CTA's consumers, or to every CTA of its cluster."""
-    if isinstance(q, ClusterQueue):
+    if const_expr(isinstance(q, ClusterQueue)):
         return publish_tile(q, state, t, lane, cm)
     return pass_tile(q, state, t, lane)
 
 
 def take_next(q: TileQueue | ClusterQueue, state: Any, lane: Int32) -> tuple[Int32, Any]:
     """A reading warp's next item from its CTA's ring."""
-    if isinstance(q, ClusterQueue):
+    if const_expr(isinstance(q, ClusterQueue)):
         return cast(tuple[Int32, Any], read_tile(q, state, lane))
     return cast(tuple[Int32, Any], take_tile(q, state))
 
