@@ -90,6 +90,13 @@ _WGRAD_CLUSTER_FOUR = replace(
     _WGRAD_CLUSTER_TWO, id="ablate.wgrad_cluster_four", replacement="GEMM_WGRAD_CLUSTER_M: Final[int] = 4\n",
     description="the same in clusters of four (a quarter of the x box reads; fewer where M tiles do not fill "
     "them)")
+_DEAD_ROWS_MMA = Mutation(
+    "ablate.dead_rows_mma", KERNEL,
+    "            if e < n_groups and row0 + wg_row < g_end and const_expr(k_tiles > 0):\n",
+    "            if e < n_groups and const_expr(k_tiles > 0):\n",
+    "fwd/dgrad warpgroups whose rows of a tile all lie past its group's end (a ragged group's last tile, a "
+    "cluster's tile past the end) still issue their wgmmas, on rows never stored: what skipping them buys",
+)
 _WGRAD_DEFERRED = Mutation(
     "ablate.wgrad_deferred", LIMITS,
     "GEMM_WGRAD_DEFERRED: Final[bool] = False\n", "GEMM_WGRAD_DEFERRED: Final[bool] = True\n",
@@ -173,6 +180,7 @@ ABLATIONS: tuple[Mutation, ...] = (
     _WGRAD_STATIC,
     _WGRAD_DEFERRED,
     _WGRAD_CLUSTER_TWO,
+    _DEAD_ROWS_MMA,
     _WGRAD_CLUSTER_FOUR,
     _FWD_STORED_FIRST,
     Mutation(
@@ -355,6 +363,7 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     replace(_GATHER_CLUSTER_N4, id="ablate.layer_gather_cluster_n4"),
     replace(_WGRAD_STATIC, id="ablate.layer_wgrad_static"),
     replace(_WGRAD_CLUSTER_TWO, id="ablate.layer_wgrad_cluster_two"),
+    replace(_DEAD_ROWS_MMA, id="ablate.layer_dead_rows_mma"),
     replace(_PINGPONG, id="ablate.layer_pingpong"),
     replace(_GATHER_ROWS_EVICT_FIRST, id="ablate.layer_gather_rows_evict_first"),
     replace(_TMA_A_EVICT_FIRST, id="ablate.layer_a_evict_first"),

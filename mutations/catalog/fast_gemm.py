@@ -293,6 +293,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("moe_layer",), device="gpu",
     ),
     sep_mutation(
+        "gemm.fast_dead_rows_off_by_one", FILE,
+        "            if e < n_groups and row0 + wg_row < g_end and const_expr(k_tiles > 0):\n",
+        "            if e < n_groups and row0 + wg_row + 1 < g_end and const_expr(k_tiles > 0):\n",
+        "a warpgroup whose rows of a tile hold one live row counts it dead: that row skips its wgmmas and "
+        "leaves as zero", "tests/test_fast_gemm_dead_rows.py", ("grouped_gemm",), device="gpu",
+    ),
+    sep_mutation(
         "gemm.fast_wgrad_grab_skips", TILEQUEUE,
         "t = Int32(cute.arch.atomic_add(ptr, Int32(1), sem=\"acq_rel\", scope=\"gpu\"))",
         "t = Int32(cute.arch.atomic_add(ptr, Int32(2), sem=\"acq_rel\", scope=\"gpu\"))",

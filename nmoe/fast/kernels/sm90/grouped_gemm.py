@@ -307,6 +307,7 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     subs = bn // EPI_N
     p_row0, p_tile, p_end, p_on = Int32(0), Int32(0), Int32(0), Int32(0)
     turn = Int32(0)
+    wg_row = wg % tile_wgs(pingpong) * (BM // tile_wgs(pingpong))
     while e <= n_groups:
         mine = True
         if const_expr(pingpong):
@@ -316,7 +317,7 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
             if turn > 0 and const_expr(pingpong):
                 other_done.arrive_and_wait()
             acc.fill(0.0)
-            if e < n_groups and const_expr(k_tiles > 0):
+            if e < n_groups and row0 + wg_row < g_end and const_expr(k_tiles > 0):
                 mainloop.consumer_wait(read)
                 _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
                 if const_expr(deferred):
@@ -336,8 +337,15 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                 warpgroup.wait_group(0)
                 mainloop.consumer_release(release)
                 release.advance()
-            elif const_expr(deferred):
-                emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(subs))
+            else:
+                if e < n_groups and const_expr(k_tiles > 0):
+                    for _kt in range(k_tiles):
+                        mainloop.consumer_wait(read)
+                        mainloop.consumer_release(release)
+                        read.advance()
+                        release.advance()
+                if const_expr(deferred):
+                    emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(subs))
             if const_expr(pingpong):
                 nxt = _seek(s_offs, n_groups, m_rows, t + n_ctas, e, g_start, g_end, before, here,
                             units_n, cm)[0]
