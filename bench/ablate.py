@@ -97,6 +97,11 @@ _DEAD_ROWS_MMA = Mutation(
     "fwd/dgrad warpgroups whose rows of a tile all lie past its group's end (a ragged group's last tile, a "
     "cluster's tile past the end) still issue their wgmmas, on rows never stored: what skipping them buys",
 )
+_PINGPONG_FULL_TAIL = Mutation(
+    "ablate.pingpong_full_tail", KERNEL,
+    "                    if g_end - row0 <= BM // 2:\n", "                    if g_end - row0 <= 0:\n",
+    "a ping-pong tile whose live rows fit its first 64 still issues the wgmmas of all 128 rows",
+)
 _WGRAD_DEFERRED = Mutation(
     "ablate.wgrad_deferred", LIMITS,
     "GEMM_WGRAD_DEFERRED: Final[bool] = False\n", "GEMM_WGRAD_DEFERRED: Final[bool] = True\n",
@@ -181,6 +186,7 @@ ABLATIONS: tuple[Mutation, ...] = (
     _WGRAD_DEFERRED,
     _WGRAD_CLUSTER_TWO,
     _DEAD_ROWS_MMA,
+    _PINGPONG_FULL_TAIL,
     _WGRAD_CLUSTER_FOUR,
     _FWD_STORED_FIRST,
     Mutation(
@@ -251,8 +257,8 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ablate.gather_no_mma", KERNEL,
-        "    for kb in range_constexpr(K_BLOCKS):\n        cute.gemm(",
-        "    for kb in range_constexpr(0):\n        cute.gemm(",
+        "    for kb in range_constexpr(K_BLOCKS):\n        a = t_ra[",
+        "    for kb in range_constexpr(0):\n        a = t_ra[",
         "timing only: the consumers issue no wgmma (every kernel, gathered or not), so each variant runs at "
         "its producer's pace: whether loading A, not the MMAs, sets the gathered kernels' time",
     ),
@@ -364,6 +370,7 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     replace(_WGRAD_STATIC, id="ablate.layer_wgrad_static"),
     replace(_WGRAD_CLUSTER_TWO, id="ablate.layer_wgrad_cluster_two"),
     replace(_DEAD_ROWS_MMA, id="ablate.layer_dead_rows_mma"),
+    replace(_PINGPONG_FULL_TAIL, id="ablate.layer_pingpong_full_tail"),
     replace(_PINGPONG, id="ablate.layer_pingpong"),
     replace(_GATHER_ROWS_EVICT_FIRST, id="ablate.layer_gather_rows_evict_first"),
     replace(_TMA_A_EVICT_FIRST, id="ablate.layer_a_evict_first"),

@@ -1,8 +1,9 @@
 """Dead rows: a consumer warpgroup whose rows of a tile all lie past its group's end (a ragged group's last
-tile, a cluster's tile past the end) waits for and frees each stage but issues no wgmma. Rows never mix in a
-wgmma, so every live row keeps its bits; the contract is the float64 bound on every row, the lone live row
-of a warpgroup included (a group of 128 j + 1 rows: the first warpgroup's or ping-pong's only row; 128 j + 65:
-the cooperative second warpgroup's only row)."""
+tile, a cluster's tile past the end) waits for and frees each stage but issues no wgmma, and a ping-pong tile
+whose live rows fit its first 64 issues only their wgmmas. Rows never mix in a wgmma, so every live row keeps
+its bits; the contract is the float64 bound on every row, the lone live rows at each edge included (a group
+of 128 j + 1 rows: row 0 of its last tile; 128 j + 65: row 64, the cooperative second warpgroup's only row
+and the first past a ping-pong half)."""
 
 from __future__ import annotations
 
@@ -35,12 +36,11 @@ def test_the_counts_give_each_warpgroup_a_lone_row() -> None:
     assert lone_rows(COUNTS, GEMM_BM // 2) == [64, 258]
 
 
-def _case(pingpong: bool) -> None:
+def _case(pingpong: bool, lone: list[int]) -> None:
     m = sum(COUNTS) + 7
     x, w = make(m, N, K, len(COUNTS), seed=23)
     ends = cumsum(COUNTS)
     ref, mag = oracle(x, lambda e: w[e].t(), ends, N)
-    lone = lone_rows(COUNTS, 0) + ([] if pingpong else lone_rows(COUNTS, GEMM_BM // 2))
     mutated = ref.clone()
     mutated[lone] = 0.0
     assert violates(mutated, ref, mag, K), "a lone row left at zero breaks the bound"
@@ -53,4 +53,11 @@ def _case(pingpong: bool) -> None:
 @gpu
 @pytest.mark.parametrize("pingpong", [False, True], ids=["cooperative", "pingpong"])
 def test_sep_gemm_fast_dead_rows_off_by_one(pingpong: bool) -> None:
-    _case(pingpong)
+    """Off by one, a warpgroup whose rows hold one live row counts them dead."""
+    _case(pingpong, lone_rows(COUNTS, 0) + ([] if pingpong else lone_rows(COUNTS, GEMM_BM // 2)))
+
+
+@gpu
+def test_sep_gemm_fast_pingpong_half_off_by_one() -> None:
+    """Off by one, a ping-pong tile of 65 live rows takes the first half's wgmmas alone."""
+    _case(True, lone_rows(COUNTS, GEMM_BM // 2))

@@ -28,9 +28,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "gemm.fast_accumulate_bf16", FILE,
-        "                    warpgroup.wait_group(1)\n",
-        "                    warpgroup.wait_group(0)\n"
-        "                    acc.store(acc.load().to(BFloat16).to(Float32))\n",
+        "        warpgroup.wait_group(1)\n",
+        "        warpgroup.wait_group(0)\n"
+        "        acc.store(acc.load().to(BFloat16).to(Float32))\n",
         "accumulator rounded to bf16 after every K tile", TESTS, ("grouped_gemm",), device="gpu",
     ),
     sep_mutation(
@@ -116,17 +116,17 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "gemm.fast_fwd_deferred_subtile_skipped", FILE,
-        "                        emit_held(held, p_row0, p_tile, p_end, p_on, _kt, _kt + 1)\n",
-        "                        emit_held(held, p_row0, p_tile, p_end, p_on, _kt + 1, _kt + 2)\n",
+        "            emit_held(held, p_row0, p_tile, p_end, p_on, _kt, _kt + 1)\n",
+        "            emit_held(held, p_row0, p_tile, p_end, p_on, _kt + 1, _kt + 2)\n",
         "the deferred fwd/dgrad epilogue sends subtile kt + 1 under K box kt: subtile 1 of a held tile never "
         "leaves", "tests/test_fast_gemm_deferred.py", ("grouped_gemm", "grouped_gemm_dgrad"), device="gpu",
     ),
     Mutation(
         "gemm.fast_deferred_tile_end_wait_one", FILE,
-        "                    emit_held(held, p_row0, p_tile, p_end, p_on, Int32(k_tiles), Int32(subs))\n"
-        "                warpgroup.wait_group(0)\n",
-        "                    emit_held(held, p_row0, p_tile, p_end, p_on, Int32(k_tiles), Int32(subs))\n"
-        "                warpgroup.wait_group(1)\n",
+        "        emit_held(held, p_row0, p_tile, p_end, p_on, Int32(k_tiles), Int32(subs))\n"
+        "    warpgroup.wait_group(0)\n",
+        "        emit_held(held, p_row0, p_tile, p_end, p_on, Int32(k_tiles), Int32(subs))\n"
+        "    warpgroup.wait_group(1)\n",
         "a tile's last K box is left in flight when its accumulator is held: ptxas must inject the wait "
         "itself (C7517), and the schedule is no longer the one written",
         tests=("tests/test_fast_gemm_deferred.py::test_deferred_kernels_keep_their_wgmmas_pipelined",),
@@ -298,6 +298,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            if e < n_groups and row0 + wg_row + 1 < g_end and const_expr(k_tiles > 0):\n",
         "a warpgroup whose rows of a tile hold one live row counts it dead: that row skips its wgmmas and "
         "leaves as zero", "tests/test_fast_gemm_dead_rows.py", ("grouped_gemm",), device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_pingpong_half_off_by_one", FILE,
+        "                    if g_end - row0 <= BM // 2:\n",
+        "                    if g_end - row0 <= BM // 2 + 1:\n",
+        "a ping-pong tile with 65 live rows takes the first-half wgmmas alone: its row 64 leaves as zero",
+        "tests/test_fast_gemm_dead_rows.py", ("grouped_gemm",), device="gpu",
     ),
     sep_mutation(
         "gemm.fast_wgrad_grab_skips", TILEQUEUE,

@@ -260,12 +260,53 @@ def tma_hints(cm: int, policy: int) -> dict[str, Any]:
 
 
 @cute.jit
+def _first_half(t: cute.Tensor) -> cute.Tensor:
+    """The first of a (V, 2, ...) tensor's two M modes, as a (V, 1, ...) view of the same storage."""
+    shape: Any = t.shape
+    layout = cute.make_layout((shape[0], 1, *shape[2:]), stride=t.stride)
+    half: cute.Tensor = cute.make_tensor(t.iterator, layout)
+    return half
+
+
+@cute.jit
 def _issue_mmas(tiled_mma: cute.TiledMma, acc: cute.Tensor, t_ra: cute.Tensor, t_rb: cute.Tensor,
-                stage: Int32) -> None:
+                stage: Int32, half: Constexpr[bool] = False) -> None:
+    """One K box's wgmmas; half: a ping-pong tile's first 64 rows only (its others lie past the group)."""
     warpgroup.fence()
+    d = _first_half(acc) if const_expr(half) else acc
     for kb in range_constexpr(K_BLOCKS):
-        cute.gemm(tiled_mma, acc, t_ra[(None, None, kb, stage)], t_rb[(None, None, kb, stage)], acc)
+        a = t_ra[(None, None, kb, stage)]
+        cute.gemm(tiled_mma, d, _first_half(a) if const_expr(half) else a, t_rb[(None, None, kb, stage)], d)
     warpgroup.commit_group()
+
+
+@cute.jit
+def _k_loop(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma, acc: cute.Tensor,
+            t_ra: cute.Tensor, t_rb: cute.Tensor, read: Any, release: Any, held: Any, p_row0: Int32,
+            p_tile: Int32, p_end: Int32, p_on: Int32, k_tiles: Constexpr[int], subs: Constexpr[int],
+            deferred: Constexpr[bool], half: Constexpr[bool] = False) -> tuple[Any, Any]:
+    """A tile's mainloop: each K box's wgmmas, the box before it freed once they retire (deferred: one held
+    subtile leaves under each box); returns the advanced (read, release) states."""
+    mainloop.consumer_wait(read)
+    _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index, half)
+    if const_expr(deferred):
+        emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(1))
+    read.advance()
+    for _kt in range(1, k_tiles):
+        mainloop.consumer_wait(read)
+        _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index, half)
+        if const_expr(deferred):
+            emit_held(held, p_row0, p_tile, p_end, p_on, _kt, _kt + 1)
+        warpgroup.wait_group(1)
+        mainloop.consumer_release(release)
+        release.advance()
+        read.advance()
+    if const_expr(deferred):
+        emit_held(held, p_row0, p_tile, p_end, p_on, Int32(k_tiles), Int32(subs))
+    warpgroup.wait_group(0)
+    mainloop.consumer_release(release)
+    release.advance()
+    return read, release
 
 
 @cute.jit
@@ -318,25 +359,16 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                 other_done.arrive_and_wait()
             acc.fill(0.0)
             if e < n_groups and row0 + wg_row < g_end and const_expr(k_tiles > 0):
-                mainloop.consumer_wait(read)
-                _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
-                if const_expr(deferred):
-                    emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(1))
-                read.advance()
-                for _kt in range(1, k_tiles):
-                    mainloop.consumer_wait(read)
-                    _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
-                    if const_expr(deferred):
-                        emit_held(held, p_row0, p_tile, p_end, p_on, _kt, _kt + 1)
-                    warpgroup.wait_group(1)
-                    mainloop.consumer_release(release)
-                    release.advance()
-                    read.advance()
-                if const_expr(deferred):
-                    emit_held(held, p_row0, p_tile, p_end, p_on, Int32(k_tiles), Int32(subs))
-                warpgroup.wait_group(0)
-                mainloop.consumer_release(release)
-                release.advance()
+                if const_expr(pingpong):
+                    if g_end - row0 <= BM // 2:
+                        read, release = _k_loop(mainloop, tiled_mma, acc, t_ra, t_rb, read, release, held,
+                                                p_row0, p_tile, p_end, p_on, k_tiles, subs, deferred, True)
+                    else:
+                        read, release = _k_loop(mainloop, tiled_mma, acc, t_ra, t_rb, read, release, held,
+                                                p_row0, p_tile, p_end, p_on, k_tiles, subs, deferred)
+                else:
+                    read, release = _k_loop(mainloop, tiled_mma, acc, t_ra, t_rb, read, release, held,
+                                            p_row0, p_tile, p_end, p_on, k_tiles, subs, deferred)
             else:
                 if e < n_groups and const_expr(k_tiles > 0):
                     for _kt in range(k_tiles):
