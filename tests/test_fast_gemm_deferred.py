@@ -88,11 +88,9 @@ def test_deferred_epilogue_accumulates_column_chunks(monkeypatch: pytest.MonkeyP
     assert torch.equal(deferred.view(torch.int16), plain.view(torch.int16))
 
 
-@gpu
-def test_sep_gemm_fast_wgrad_deferred_subtile_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Box kt sending subtile kt + 1 instead of kt: subtile 1 of a held tile never leaves when the CTA's next
-    tile has two or more K boxes (256 tiles over at most 132 CTAs, groups of 2-5 boxes), so NaN stays where
-    the plain epilogue writes numbers."""
+def _wgrad_every_subtile_leaves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Subtile 1 of a held wgrad tile leaves when the CTA's next tile has two or more K boxes (256 tiles over
+    at most 132 CTAs, groups of 2-5 boxes): no NaN stays where the plain epilogue writes numbers."""
     counts = [300, 200, 0, 129]
     m = sum(counts)
     g = torch.Generator().manual_seed(43)
@@ -148,10 +146,12 @@ def test_deferred_fwd_equals_the_plain_one(case: str, op: str, n: int, k: int, b
 
 
 @gpu
-def test_sep_gemm_fast_fwd_deferred_subtile_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Box kt sending subtile kt + 1: subtile 1 of every held tile never leaves (32 K boxes a tile, 512 tiles
-    over at most 132 CTAs), so NaN stays where the plain epilogue writes numbers."""
+def test_sep_gemm_fast_deferred_subtile_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Box kt sending subtile kt + 1 (one K loop serves the fwd, dgrad and wgrad): subtile 1 of every held
+    tile never leaves (fwd: 32 K boxes a tile, 512 tiles over at most 132 CTAs), so NaN stays where the
+    plain epilogue writes numbers."""
     test_deferred_fwd_equals_the_plain_one("uniform", "grouped_gemm", 1024, 2048, 256, monkeypatch)
+    _wgrad_every_subtile_leaves(monkeypatch)
 
 
 @gpu

@@ -115,11 +115,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "group's rows reach dw", TESTS, ("grouped_gemm_wgrad",), device="gpu",
     ),
     sep_mutation(
-        "gemm.fast_fwd_deferred_subtile_skipped", FILE,
+        "gemm.fast_deferred_subtile_skipped", FILE,
         "            emit_held(held, p_row0, p_tile, p_end, p_on, _kt, _kt + 1)\n",
         "            emit_held(held, p_row0, p_tile, p_end, p_on, _kt + 1, _kt + 2)\n",
-        "the deferred fwd/dgrad epilogue sends subtile kt + 1 under K box kt: subtile 1 of a held tile never "
-        "leaves", "tests/test_fast_gemm_deferred.py", ("grouped_gemm", "grouped_gemm_dgrad"), device="gpu",
+        "the deferred epilogue (fwd, dgrad and wgrad share the K loop) sends subtile kt + 1 under K box kt: "
+        "subtile 1 of a held tile never leaves", "tests/test_fast_gemm_deferred.py",
+        ("grouped_gemm", "grouped_gemm_dgrad", "grouped_gemm_wgrad"), device="gpu",
     ),
     Mutation(
         "gemm.fast_deferred_tile_end_wait_one", FILE,
@@ -145,14 +146,6 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a held subtile's act(h) chunks are all staged at the subtile's first outputs: its other outputs "
         "leave with what an earlier subtile staged there", "tests/test_fast_gemm_deferred.py",
         ("grouped_gemm_act",), device="gpu",
-    ),
-    sep_mutation(
-        "gemm.fast_wgrad_deferred_subtile_skipped", WGRAD,
-        "                    emit_held(held, p_row0, p_tile, p_end, p_on, kt, kt + 1)\n",
-        "                    emit_held(held, p_row0, p_tile, p_end, p_on, kt + 1, kt + 2)\n",
-        "the deferred wgrad epilogue sends subtile kt + 1 under K box kt: subtile 1 of a tile followed by "
-        "one of two or more boxes never leaves", "tests/test_fast_gemm_deferred.py", ("grouped_gemm_wgrad",),
-        device="gpu",
     ),
     sep_mutation(
         "gemm.fast_wgrad_order_ties_collide", WGRAD,

@@ -4,6 +4,7 @@ syncs the host. Import only after nmoe.fast.runtime.import_cutlass("sm_90a")."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import cuda.bindings.driver as cuda
@@ -283,17 +284,21 @@ def _issue_mmas(tiled_mma: cute.TiledMma, acc: cute.Tensor, t_ra: cute.Tensor, t
 @cute.jit
 def _k_loop(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma, acc: cute.Tensor,
             t_ra: cute.Tensor, t_rb: cute.Tensor, read: Any, release: Any, held: Any, p_row0: Int32,
-            p_tile: Int32, p_end: Int32, p_on: Int32, k_tiles: Constexpr[int], subs: Constexpr[int],
-            deferred: Constexpr[bool], half: Constexpr[bool] = False) -> tuple[Any, Any]:
+            p_tile: Int32, p_end: Int32, p_on: Int32, k_tiles: Int32 | int, subs: Constexpr[int],
+            deferred: Constexpr[bool], half: Constexpr[bool] = False,
+            landed: Callable[[Int32, Any], None] = lambda stage, kt: None) -> tuple[Any, Any]:
     """A tile's mainloop: each K box's wgmmas, the box before it freed once they retire (deferred: one held
-    subtile leaves under each box); returns the advanced (read, release) states."""
+    subtile leaves under each box; landed(stage, kt): a step before box kt's wgmmas); returns the advanced
+    (read, release) states."""
     mainloop.consumer_wait(read)
+    landed(read.index, Int32(0))
     _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index, half)
     if const_expr(deferred):
         emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(1))
     read.advance()
     for _kt in range(1, k_tiles):
         mainloop.consumer_wait(read)
+        landed(read.index, _kt)
         _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index, half)
         if const_expr(deferred):
             emit_held(held, p_row0, p_tile, p_end, p_on, _kt, _kt + 1)

@@ -4,6 +4,7 @@ heaviest group first, dealt to the CTAs in snake order. Import only after runtim
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
 import cuda.bindings.driver as cuda
@@ -30,7 +31,7 @@ from nmoe.fast.kernels.sm90.epilogue import (
 )
 from nmoe.fast.kernels.sm90.gatherplan import gather_lag, gather_lanes, own_row, source_lane
 from nmoe.fast.kernels.sm90.grouped_gemm import (
-    _issue_mmas,
+    _k_loop,
     b_tma,
     cluster_dims,
     copy_b,
@@ -258,6 +259,12 @@ def _zero_rows(s: cute.Tensor, stage: Int32, valid: Int32, rows: Constexpr[int],
                          cute.make_layout(VEC)).store(zeros)
 
 
+def _tail_mask(s_a: cute.Tensor, s_b: cute.Tensor, rows: Int32, bn: int, ctid: Int32,
+               bar: pipeline.NamedBarrier) -> Callable[[Int32, Any], None]:
+    """The K loop's step before box kt: _mask_tail of the rows the tile has left."""
+    return lambda stage, kt: _mask_tail(s_a, s_b, stage, rows - kt * BK, bn, ctid, bar)
+
+
 @cute.jit
 def _mask_tail(s_a: cute.Tensor, s_b: cute.Tensor, stage: Int32, valid: Int32, bn: Constexpr[int],
                ctid: Int32, bar: pipeline.NamedBarrier) -> None:
@@ -307,27 +314,9 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
         k_tiles = (end - start + BK - 1) // BK
         acc.fill(0.0)
         if k_tiles > 0:
-            mainloop.consumer_wait(read)
-            _mask_tail(s_a, s_b, read.index, end - start, bn, ctid, mask_bar)
-            _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
-            if const_expr(deferred):
-                emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(1))
-            read.advance()
-            for kt in range(1, k_tiles):
-                mainloop.consumer_wait(read)
-                _mask_tail(s_a, s_b, read.index, end - start - kt * BK, bn, ctid, mask_bar)
-                _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index)
-                if const_expr(deferred):
-                    emit_held(held, p_row0, p_tile, p_end, p_on, kt, kt + 1)
-                warpgroup.wait_group(1)
-                mainloop.consumer_release(release)
-                release.advance()
-                read.advance()
-            if const_expr(deferred):
-                emit_held(held, p_row0, p_tile, p_end, p_on, k_tiles, Int32(subs))
-            warpgroup.wait_group(0)
-            mainloop.consumer_release(release)
-            release.advance()
+            read, release = _k_loop(mainloop, tiled_mma, acc, t_ra, t_rb, read, release, held, p_row0, p_tile,
+                                    p_end, p_on, k_tiles, subs, deferred,
+                                    landed=_tail_mask(s_a, s_b, end - start, bn, ctid, mask_bar))
         elif const_expr(deferred):
             emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(subs))
         if const_expr(deferred):
