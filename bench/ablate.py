@@ -99,7 +99,8 @@ _DEAD_ROWS_MMA = Mutation(
 )
 _PINGPONG_FULL_TAIL = Mutation(
     "ablate.pingpong_full_tail", KERNEL,
-    "                    if g_end - row0 <= BM // 2:\n", "                    if g_end - row0 <= 0:\n",
+    "                if const_expr(pingpong) and g_end - row0 <= BM // 2:\n",
+    "                if const_expr(pingpong) and g_end - row0 <= 0:\n",
     "a ping-pong tile whose live rows fit its first 64 still issues the wgmmas of all 128 rows",
 )
 _WGRAD_DEFERRED = Mutation(

@@ -294,8 +294,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "gemm.fast_pingpong_half_off_by_one", FILE,
-        "                    if g_end - row0 <= BM // 2:\n",
-        "                    if g_end - row0 <= BM // 2 + 1:\n",
+        "                if const_expr(pingpong) and g_end - row0 <= BM // 2:\n",
+        "                if const_expr(pingpong) and g_end - row0 <= BM // 2 + 1:\n",
         "a ping-pong tile with 65 live rows takes the first-half wgmmas alone: its row 64 leaves as zero",
         "tests/test_fast_gemm_dead_rows.py", ("grouped_gemm",), device="gpu",
     ),

@@ -364,13 +364,9 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                 other_done.arrive_and_wait()
             acc.fill(0.0)
             if e < n_groups and row0 + wg_row < g_end and const_expr(k_tiles > 0):
-                if const_expr(pingpong):
-                    if g_end - row0 <= BM // 2:
-                        read, release = _k_loop(mainloop, tiled_mma, acc, t_ra, t_rb, read, release, held,
-                                                p_row0, p_tile, p_end, p_on, k_tiles, subs, deferred, True)
-                    else:
-                        read, release = _k_loop(mainloop, tiled_mma, acc, t_ra, t_rb, read, release, held,
-                                                p_row0, p_tile, p_end, p_on, k_tiles, subs, deferred)
+                if const_expr(pingpong) and g_end - row0 <= BM // 2:
+                    read, release = _k_loop(mainloop, tiled_mma, acc, t_ra, t_rb, read, release, held,
+                                            p_row0, p_tile, p_end, p_on, k_tiles, subs, deferred, True)
                 else:
                     read, release = _k_loop(mainloop, tiled_mma, acc, t_ra, t_rb, read, release, held,
                                             p_row0, p_tile, p_end, p_on, k_tiles, subs, deferred)

@@ -149,4 +149,3 @@ def take_next(q: TileQueue | ClusterQueue, state: Any, lane: Int32) -> tuple[Int
     if const_expr(isinstance(q, ClusterQueue)):
         return cast(tuple[Int32, Any], read_tile(q, state, lane))
     return cast(tuple[Int32, Any], take_tile(q, state))
-
