@@ -125,9 +125,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "gemm.fast_deferred_tile_end_wait_one", FILE,
         "        emit_held(held, p_row0, p_tile, p_end, p_on, Int32(k_tiles), Int32(subs))\n"
-        "    warpgroup.wait_group(0)\n",
+        "    if const_expr(issue):\n        warpgroup.wait_group(0)\n",
         "        emit_held(held, p_row0, p_tile, p_end, p_on, Int32(k_tiles), Int32(subs))\n"
-        "    warpgroup.wait_group(1)\n",
+        "    if const_expr(issue):\n        warpgroup.wait_group(1)\n",
         "a tile's last K box is left in flight when its accumulator is held: ptxas must inject the wait "
         "itself (C7517), and the schedule is no longer the one written",
         tests=("tests/test_fast_gemm_deferred.py::test_deferred_kernels_keep_their_wgmmas_pipelined",),
@@ -291,6 +291,16 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            if e < n_groups and row0 + wg_row + 1 < g_end and const_expr(k_tiles > 0):\n",
         "a warpgroup whose rows of a tile hold one live row counts it dead: that row skips its wgmmas and "
         "leaves as zero", "tests/test_fast_gemm_dead_rows.py", ("grouped_gemm",), device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_dead_rows_emit_at_once", FILE,
+        "p_row0, p_tile, p_end, p_on, k_tiles, subs, deferred, issue=False)\n",
+        "p_row0, p_tile, p_end, p_on, k_tiles, subs, False, issue=False)\n"
+        "                if const_expr(deferred):\n"
+        "                    emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(subs))\n",
+        "a dead warpgroup sends its held subtiles all at once, after its stages: its partner waits on the "
+        "epilogue barrier under a stage the dead one must free first, and the launch never returns",
+        "tests/test_fast_gemm_dead_rows.py", ("grouped_gemm",), device="gpu",
     ),
     sep_mutation(
         "gemm.fast_pingpong_half_off_by_one", FILE,

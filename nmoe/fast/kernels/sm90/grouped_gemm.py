@@ -285,30 +285,34 @@ def _issue_mmas(tiled_mma: cute.TiledMma, acc: cute.Tensor, t_ra: cute.Tensor, t
 def _k_loop(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma, acc: cute.Tensor,
             t_ra: cute.Tensor, t_rb: cute.Tensor, read: Any, release: Any, held: Any, p_row0: Int32,
             p_tile: Int32, p_end: Int32, p_on: Int32, k_tiles: Int32 | int, subs: Constexpr[int],
-            deferred: Constexpr[bool], half: Constexpr[bool] = False,
+            deferred: Constexpr[bool], half: Constexpr[bool] = False, issue: Constexpr[bool] = True,
             landed: Callable[[Int32, Any], None] = lambda stage, kt: None) -> tuple[Any, Any]:
-    """A tile's mainloop: each K box's wgmmas, the box before it freed once they retire (deferred: one held
-    subtile leaves under each box; landed(stage, kt): a step before box kt's wgmmas); returns the advanced
-    (read, release) states."""
+    """A tile's mainloop: each K box's wgmmas (none if not issue: dead rows), the box before it freed once
+    they retire (deferred: one held subtile leaves under each box, in step with the partner warpgroup's
+    epilogue barrier; landed(stage, kt): a step before box kt's wgmmas); returns (read, release) advanced."""
     mainloop.consumer_wait(read)
     landed(read.index, Int32(0))
-    _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index, half)
+    if const_expr(issue):
+        _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index, half)
     if const_expr(deferred):
         emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(1))
     read.advance()
     for _kt in range(1, k_tiles):
         mainloop.consumer_wait(read)
         landed(read.index, _kt)
-        _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index, half)
+        if const_expr(issue):
+            _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index, half)
         if const_expr(deferred):
             emit_held(held, p_row0, p_tile, p_end, p_on, _kt, _kt + 1)
-        warpgroup.wait_group(1)
+        if const_expr(issue):
+            warpgroup.wait_group(1)
         mainloop.consumer_release(release)
         release.advance()
         read.advance()
     if const_expr(deferred):
         emit_held(held, p_row0, p_tile, p_end, p_on, Int32(k_tiles), Int32(subs))
-    warpgroup.wait_group(0)
+    if const_expr(issue):
+        warpgroup.wait_group(0)
     mainloop.consumer_release(release)
     release.advance()
     return read, release
@@ -370,15 +374,11 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                 else:
                     read, release = _k_loop(mainloop, tiled_mma, acc, t_ra, t_rb, read, release, held,
                                             p_row0, p_tile, p_end, p_on, k_tiles, subs, deferred)
-            else:
-                if e < n_groups and const_expr(k_tiles > 0):
-                    for _kt in range(k_tiles):
-                        mainloop.consumer_wait(read)
-                        mainloop.consumer_release(release)
-                        read.advance()
-                        release.advance()
-                if const_expr(deferred):
-                    emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(subs))
+            elif e < n_groups and const_expr(k_tiles > 0):
+                read, release = _k_loop(mainloop, tiled_mma, acc, t_ra, t_rb, read, release, held,
+                                        p_row0, p_tile, p_end, p_on, k_tiles, subs, deferred, issue=False)
+            elif const_expr(deferred):
+                emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(subs))
             if const_expr(pingpong):
                 nxt = _seek(s_offs, n_groups, m_rows, t + n_ctas, e, g_start, g_end, before, here,
                             units_n, cm)[0]
