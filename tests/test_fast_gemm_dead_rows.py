@@ -92,7 +92,7 @@ sm90._launch("test", x, w, offs, y, True, 128, pingpong=False)
 torch.cuda.synchronize()
 print("RETURNED")
 """
-HANG_S = 240
+HANG_S = 120
 
 
 @gpu
