@@ -12,6 +12,7 @@ TILEQUEUE = "nmoe/fast/kernels/sm90/tilequeue.py"
 PLAN = "nmoe/fast/kernels/sm90/gatherplan.py"
 GATHER = "nmoe/fast/kernels/sm90/grouped_gemm_gather.py"
 TESTS = "tests/test_fast_gemm.py"
+ACT_TESTS = "tests/test_fast_gemm_act.py"
 GATHER_TESTS = "tests/test_fast_gemm_gather.py"
 CLUSTER_TESTS = "tests/test_fast_gemm_gather_cluster.py"
 SCHEDULE_TESTS = "tests/test_fast_wgrad_schedule.py"
@@ -75,14 +76,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        hf.store(h.to(Float32))\n",
         "        for v in range_constexpr(total):\n            hf[v] = r_ha[v ^ 1].to(Float32)\n",
         "the fused swiglu epilogue takes silu of the up column and multiplies the gate (gate/up swapped)",
-        TESTS, ("grouped_gemm_act",), device="gpu",
+        ACT_TESTS, ("grouped_gemm_act",), device="gpu",
     ),
     sep_mutation(
         "gemm.fast_act_staged_wrong_buffer", EPILOGUE,
         "        s_bits[(coord[0], coord[1] // ratio, buf)] = ",
         "        s_bits[(coord[0], coord[1] // ratio, (buf + 1) % EPI_BUFS)] = ",
         "the fused epilogue stages act(h) in the other buffer than its TMA store reads, so each full tile's "
-        "act subtile leaves with its neighbour's values", TESTS, ("grouped_gemm_act",), device="gpu",
+        "act subtile leaves with its neighbour's values", ACT_TESTS, ("grouped_gemm_act",), device="gpu",
     ),
     sep_mutation(
         "gemm.fast_wgrad_accumulate_stores", TILES,
