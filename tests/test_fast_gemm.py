@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
+from nmoe.checkout import tree_pythonpath
 from nmoe.fast import op, runtime
 from nmoe.fast.arch import ArchError
 from nmoe.fast.gemm import grouped_gemm, grouped_gemm_act, grouped_gemm_dgrad, grouped_gemm_wgrad
@@ -35,6 +36,11 @@ gpu = pytest.mark.gpu
 # ---------------------------------------------------------------------------------------------------------
 # Oracle: per-group float64 products (exact for bf16 inputs up to the K-term sum) and the contract bound.
 # ---------------------------------------------------------------------------------------------------------
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment with the checkout first on PYTHONPATH (tree_pythonpath), for a child."""
+    return {**os.environ, "PYTHONPATH": tree_pythonpath(ROOT, os.environ.get("PYTHONPATH"))}
 
 
 def ends_to_ranges(ends: Sequence[int]) -> list[tuple[int, int]]:
@@ -340,8 +346,7 @@ cute.compile(main)
 def test_epilogue_pairing_check_rejects_misaligned_output_chunks(tmp_path: Path) -> None:
     """The trace-time pairing proof accepts the real store copies and rejects a transposed output copy."""
     (tmp_path / "broken_pairing.py").write_text(_BROKEN_PAIRING)
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path}
+    env = child_env()
     env.pop("CUTE_DSL_ARCH", None)
     proc = subprocess.run([sys.executable, "broken_pairing.py"], cwd=tmp_path, env=env, text=True,
                           capture_output=True, timeout=600)

@@ -9,16 +9,13 @@ must leave box by box, in step with its partner's epilogue barrier, or the two w
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from test_fast_gemm import assert_bound, cumsum, make, offs_of, oracle, violates
+from test_fast_gemm import ROOT, assert_bound, child_env, count_tiles, cumsum, make, offs_of, oracle, violates
 
-from nmoe.checkout import tree_pythonpath
 from nmoe.fast.gemm import sm90 as gemm
 from nmoe.fast.kernels.sm90.tiles import stages_for
 from nmoe.fast.limits import GEMM_BK, GEMM_BM, GEMM_CLUSTER_M
@@ -46,9 +43,9 @@ def test_the_counts_give_each_warpgroup_a_lone_row() -> None:
 
 
 def test_every_cta_runs_several_tiles_over_more_k_boxes_than_stages() -> None:
-    clusters = 132 // GEMM_CLUSTER_M
-    units = sum(-(-c // (GEMM_CLUSTER_M * GEMM_BM)) for c in COUNTS) * (N // 128)
-    assert units >= 2 * clusters
+    h200_clusters = 132 // GEMM_CLUSTER_M
+    units = count_tiles(cumsum(COUNTS), sum(COUNTS) + 7, N, 128, GEMM_CLUSTER_M)
+    assert units >= 2 * h200_clusters
     assert stages_for(128) < K // GEMM_BK
 
 
@@ -100,11 +97,9 @@ def test_sep_gemm_fast_dead_rows_emit_at_once() -> None:
     """A cooperative launch whose dead warpgroups follow held tiles returns (in a child process, so a hang
     fails the test instead of holding the GPU): the held subtiles leave box by box on both warpgroups."""
     assert gemm.GEMM_FWD_DEFERRED, "the held tiles are the deferred epilogue's"
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": tree_pythonpath(root, os.environ.get("PYTHONPATH"))}
     try:
         out = subprocess.run([sys.executable, "-c", _HELD_THEN_DEAD], capture_output=True, text=True,
-                             timeout=HANG_S, cwd=root, env=env)
+                             timeout=HANG_S, cwd=ROOT, env=child_env())
     except subprocess.TimeoutExpired:
         pytest.fail(f"the launch had not returned after {HANG_S} s: the warpgroups wait on each other")
     assert out.returncode == 0, out.stderr[-3000:]

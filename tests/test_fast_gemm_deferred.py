@@ -8,26 +8,21 @@ the gathering ones with and without h, and the last tile of each CTA."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any, cast
 
 import pytest
 import torch
 from fastcompile import assemble
-from test_fast_gemm import cumsum, into_nan, offs_of, zipf_counts
+from test_fast_gemm import ROOT, child_env, cumsum, into_nan, offs_of, zipf_counts
 from test_fast_gemm_gather_cluster import CASES as GATHER_CASES
 from test_fast_gemm_gather_cluster import Case as GatherCase
 from test_fast_gemm_gather_cluster import _case as gather_case
 from test_fast_wgrad_schedule import SKEWED
 
-from nmoe.checkout import tree_pythonpath
 from nmoe.fast.gemm import sm90 as gemm
-
-ROOT = Path(__file__).resolve().parents[1]
 
 gpu = pytest.mark.gpu
 CASES = {"zipf": SKEWED, "uniform": [1024] * 16, "one": [0, 0, 7000, 3], "short": [70, 1, 130, 0, 64],
@@ -217,7 +212,7 @@ print(json.dumps(out))
 def probe() -> dict[str, object]:
     """The deferred kernels' PTX facts, compiled for sm_90a in a fresh process, and ptxas's log of each where
     some install has ptxas (fastcompile.tool)."""
-    env = {**os.environ, "PYTHONPATH": tree_pythonpath(ROOT, os.environ.get("PYTHONPATH"))}
+    env = child_env()
     env.pop("CUTE_DSL_ARCH", None)
     out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=900,
                          cwd=ROOT, env=env)

@@ -4,7 +4,6 @@ other's MMAs): every output bit equal to the cooperative 128 x 128 tile's, whose
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -13,14 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_fast_gemm import ROOT, child_env
 from torch import Tensor
 
-from nmoe.checkout import tree_pythonpath
 from nmoe.fast.dispatch import permute
 from nmoe.fast.gemm import sm90
 
 gpu = pytest.mark.gpu
-ROOT = Path(__file__).resolve().parents[1]
 
 # (rows, N, K, group sizes): even and uneven unit counts per CTA, empty and one-row groups, rows past the
 # last end, ragged N and K (two K boxes, so the two warpgroups' epilogues overlap), many groups.
@@ -32,11 +30,6 @@ CASES = [
     (6000, 256, 256, [40] * 140 + [400]),
 ]
 IDS = [f"M{c[0]}N{c[1]}K{c[2]}G{len(c[3])}" for c in CASES]
-
-
-def _child_env() -> dict[str, str]:
-    """This process's environment with the repository first on PYTHONPATH (the DSL's path kept)."""
-    return {**os.environ, "PYTHONPATH": tree_pythonpath(ROOT, os.environ.get("PYTHONPATH"))}
 
 
 def _ends(counts: Sequence[int]) -> Tensor:
@@ -119,7 +112,7 @@ def test_pingpong_staging_order_is_not_the_flat_order(tmp_path: Path) -> None:
     """)
     (tmp_path / "order.py").write_text(script)
     out = subprocess.run([sys.executable, str(tmp_path / "order.py")], capture_output=True, text=True,
-                         timeout=600, cwd=ROOT, env=_child_env())
+                         timeout=600, cwd=ROOT, env=child_env())
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["FLAT", "128", "PERMUTED", "128"], out.stdout
 
@@ -215,7 +208,7 @@ def test_sep_gemm_fast_pingpong_turns_dropped() -> None:
     assert kernels.stages_for(128, "none", True) < 1024 // 64, "a unit's K boxes outnumber the stages"
     try:
         out = subprocess.run([sys.executable, "-c", _TURNS_RUN], capture_output=True, text=True, timeout=120,
-                             cwd=ROOT, env=_child_env())
+                             cwd=ROOT, env=child_env())
     except subprocess.TimeoutExpired:
         pytest.fail("the ping-pong launch hung")
     assert out.returncode == 0, out.stderr[-2000:]
