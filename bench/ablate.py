@@ -664,11 +664,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="gemm set: comma-separated passes to time (default: fwd,dgrad,wgrad)")
     p.add_argument("--routings", default="uniform",
                    help=f"gemm set: comma-separated group sizings of {ROUTINGS} (default: uniform)")
+    p.add_argument("--jobs", type=int, default=0,
+                   help="variants compiling at once (default: all). The layer set runs each layer as it "
+                   "compiles, about 15 GiB of GPU memory apiece at its largest config: 4 fit an 80 GB card")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if bad := sorted(set(args.routings.split(",")) - set(ROUTINGS)):
         p.error(f"--routings {bad} unknown; use some of {ROUTINGS}")
+    if args.jobs < 0:
+        p.error(f"--jobs {args.jobs}: give a positive count, or 0 for all variants at once")
     if args.child:
         child(args.compile_only, args.set, args.passes.split(","), args.routings.split(","))
         return 0
@@ -686,9 +691,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             path = copy / edit.file
             path.write_text(apply(path.read_text(encoding="utf-8"), edit), encoding="utf-8")
         copies[name] = copy
-    compiling = [(n, _run(c, True, args.set, args.passes, args.routings)) for n, c in copies.items()]
-    failed = {n: out for n, proc in compiling
-              if (out := proc.communicate()[0]) and proc.returncode}
+    failed: dict[str, str] = {}
+    names = list(copies)
+    jobs = args.jobs or len(names)
+    for wave in (names[i:i + jobs] for i in range(0, len(names), jobs)):
+        compiling = [(n, _run(copies[n], True, args.set, args.passes, args.routings)) for n in wave]
+        failed |= {n: out for n, proc in compiling if (out := proc.communicate()[0]) and proc.returncode}
     rows: dict[str, Any] = {}
     for name, copy in copies.items():
         if name in failed:

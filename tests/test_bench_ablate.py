@@ -44,3 +44,31 @@ def test_unknown_routing_is_refused_before_any_copy(capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit):
         main(["--routings", "uniform,zipf9"])
     assert "zipf9" in capsys.readouterr().err
+
+
+def test_compiles_run_in_waves_of_jobs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """--jobs bounds the compile children alive at once (each layer-set child holds a layer's GPU memory)."""
+    import bench.ablate as ab
+
+    alive: list[int] = []
+    live = [0]
+
+    class Child:
+        def __init__(self, compile_only: bool) -> None:
+            self.compile_only, self.returncode = compile_only, 0
+            live[0] += compile_only
+            alive.append(live[0])
+
+        def communicate(self) -> tuple[str, None]:
+            live[0] -= self.compile_only
+            row = '{"shape": "s", "ms": 1.0, "tflops": 1.0, "bn": 0}'
+            return ("" if self.compile_only else row, None)
+
+    monkeypatch.setattr(ab, "copy_tree", lambda src, dst: ab.shutil.copytree(src / "nmoe", dst / "nmoe"))
+    monkeypatch.setattr(ab.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
+    monkeypatch.setattr(ab, "_run", lambda copy, compile_only, *a: Child(compile_only))
+    only = ",".join(v[0].id for v in variants_of("layer")[:5])
+    assert ab.main(["--set", "layer", "--only", only, "--jobs", "3"]) == 0
+    assert max(alive) == 3 and len(alive) == 2 * 7
+    with pytest.raises(SystemExit):
+        ab.main(["--jobs", "-1"])
