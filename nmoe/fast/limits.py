@@ -59,8 +59,8 @@ skewed routing's heavy tiles then spread like a greedy schedule) when True, else
 (H200, MoE layer fwd+bwd: Zipf 1.01-1.03x, uniform 0.99-1.00x over static)."""
 GEMM_WGRAD_CLUSTER_M: Final[int] = 1
 """CTAs of an sm_90a TMA-fed wgrad cluster (up to this, where dw's M tiles fill them): one work item's M tiles
-side by side, each x box multicast to them, CTA 0 handing each dynamic item to the rest. 1 until measured
-(H200 ncu, c1 up wgrad: L2 throughput 71% against 55% for dense mm of equal FLOPs)."""
+side by side, each x box multicast to them, CTA 0 handing each dynamic item to the rest (H200 ncu, c1 up
+wgrad: L2 71% busy, dense mm 55%). Off: H100 per wgrad two 0.97-1.08x, four 0.88-1.06x; layer 0.98-1.02x."""
 GEMM_WGRAD_DEFERRED: Final[bool] = False
 """sm_90a TMA-fed wgrad: a tile's bf16 result waits in registers and leaves one subtile per K box of the next
 tile, under its wgmmas, instead of before them (without any epilogue the wgrad ran 1.06-1.18x on the H200).
