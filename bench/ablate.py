@@ -103,6 +103,12 @@ _PINGPONG_FULL_TAIL = Mutation(
     "                if const_expr(pingpong) and g_end - row0 <= 0:\n",
     "a ping-pong tile whose live rows fit its first 64 still issues the wgmmas of all 128 rows",
 )
+_WGRAD_PINGPONG = Mutation(
+    "ablate.wgrad_pingpong", LIMITS,
+    "GEMM_WGRAD_PINGPONG: Final[bool] = False\n", "GEMM_WGRAD_PINGPONG: Final[bool] = True\n",
+    "the TMA wgrad in ping-pong: each consumer warpgroup a whole 128 x 128 tile of dw, its epilogue under "
+    "the other's wgmmas, against the cooperative 128 x 256 tile (a third more operand loads)",
+)
 _WGRAD_DEFERRED = Mutation(
     "ablate.wgrad_deferred", LIMITS,
     "GEMM_WGRAD_DEFERRED: Final[bool] = False\n", "GEMM_WGRAD_DEFERRED: Final[bool] = True\n",
@@ -143,15 +149,15 @@ ABLATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ablate.wgrad_no_epilogue", "nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py",
-        "        if write == 1:\n            if const_expr(deferred):",
-        "        if write == 2:\n            if const_expr(deferred):",
+        "            if write == 1:\n                if const_expr(deferred):",
+        "            if write == 2:\n                if const_expr(deferred):",
         "timing only: the TMA wgrad's tiles skip their whole epilogue (staging, barriers, stores): the most "
         "that overlapping it with the next tile's MMAs could buy",
     ),
     Mutation(
         "ablate.wgrad_no_tail_mask", "nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py",
-        "    if valid < BK:\n        _zero_rows(s_a, stage, valid, BM, ctid)\n",
-        "    if valid < 0:\n        _zero_rows(s_a, stage, valid, BM, ctid)\n",
+        "    if valid < BK:\n        _zero_rows(s_a, stage, valid, BM, tid, threads)\n",
+        "    if valid < 0:\n        _zero_rows(s_a, stage, valid, BM, tid, threads)\n",
         "timing only: a group's last K box keeps the next group's rows instead of zeroing them (16-byte "
         "shared stores, a proxy fence and a barrier per tile): what the tail mask costs, most under Zipf "
         "routing, where nearly every group ends inside a box",
@@ -185,6 +191,7 @@ ABLATIONS: tuple[Mutation, ...] = (
     _NO_PINGPONG,
     _WGRAD_STATIC,
     _WGRAD_DEFERRED,
+    _WGRAD_PINGPONG,
     _WGRAD_CLUSTER_TWO,
     _DEAD_ROWS_MMA,
     _PINGPONG_FULL_TAIL,
@@ -370,6 +377,7 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     replace(_GATHER_CLUSTER_N4, id="ablate.layer_gather_cluster_n4"),
     replace(_WGRAD_STATIC, id="ablate.layer_wgrad_static"),
     replace(_WGRAD_CLUSTER_TWO, id="ablate.layer_wgrad_cluster_two"),
+    replace(_WGRAD_PINGPONG, id="ablate.layer_wgrad_pingpong"),
     replace(_DEAD_ROWS_MMA, id="ablate.layer_dead_rows_mma"),
     replace(_PINGPONG_FULL_TAIL, id="ablate.layer_pingpong_full_tail"),
     replace(_PINGPONG, id="ablate.layer_pingpong"),
@@ -624,7 +632,7 @@ def _layer_rows(compile_only: bool) -> list[dict[str, Any]]:
 
 def child(compile_only: bool, which: str, passes: Sequence[str] = PASSES,
           routings: Sequence[str] = ("uniform",)) -> None:
-    from nmoe.fast.gemm.sm90 import pick_bn, schedule
+    from nmoe.fast.gemm.sm90 import schedule, wgrad_schedule
 
     timed = {"layer": lambda: _layer_rows(compile_only), "fp8": lambda: _fp8_rows(compile_only),
              "gather": lambda: [r for shape in SHAPES for r in _gather_rows(*shape, compile_only)]}
@@ -638,8 +646,8 @@ def child(compile_only: bool, which: str, passes: Sequence[str] = PASSES,
             if not compile_only:
                 width = n if pass_ == "fwd" else k
                 named = pass_ if routing == "uniform" else f"{pass_} {routing}"
-                row = {"shape": f"{named} {label}", "ms": ms, "tflops": 2.0 * m * n * k / ms / 1e9,
-                       "bn": pick_bn(k) if pass_ == "wgrad" else schedule(pass_, width, n + k - width)[0]}
+                bn = wgrad_schedule(k)[0] if pass_ == "wgrad" else schedule(pass_, width, n + k - width)[0]
+                row = {"shape": f"{named} {label}", "ms": ms, "tflops": 2.0 * m * n * k / ms / 1e9, "bn": bn}
                 print(json.dumps(row), flush=True)
 
 

@@ -61,6 +61,10 @@ GEMM_WGRAD_CLUSTER_M: Final[int] = 1
 """CTAs of an sm_90a TMA-fed wgrad cluster (up to this, where dw's M tiles fill them): one work item's M tiles
 side by side, each x box multicast to them, CTA 0 handing each dynamic item to the rest (H200 ncu, c1 up
 wgrad: L2 71% busy, dense mm 55%). Off: H100 per wgrad two 0.97-1.08x, four 0.88-1.06x; layer 0.98-1.02x."""
+GEMM_WGRAD_PINGPONG: Final[bool] = False
+"""sm_90a TMA-fed wgrad in ping-pong: each consumer warpgroup a whole BM x GEMM_PINGPONG_BN tile of dw, its
+epilogue under the other's mainloop, at a third more operand loads than 128 x 256 (alone, no deferred
+epilogue). Off until measured: with no epilogue at all the wgrad ran 1.06-1.18x (H200)."""
 GEMM_WGRAD_DEFERRED: Final[bool] = False
 """sm_90a TMA-fed wgrad: a tile's bf16 result waits in registers and leaves one subtile per K box of the next
 tile, under its wgmmas, instead of before them (without any epilogue the wgrad ran 1.06-1.18x on the H200).

@@ -23,8 +23,8 @@ GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_gather", "grouped_gemm_gath
                     km.compile_args_gather(n, k, bn, act, w_k_major, pingpong, cn, keep_h, deferred),
                 (ARCH,), "nmoe.fast.gemm.grouped_gemm_act_gathered")
 WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad",
-               lambda km, n, k, bn, ld, gs=0, dynamic=False, accumulate=False, deferred=False, cm=1:
-                   km.compile_args(n, k, bn, ld, gs, dynamic, accumulate, deferred, cm),
+               lambda km, n, k, bn, ld, gs=0, dynamic=False, accumulate=False, deferred=False, cm=1,
+               pingpong=False: km.compile_args(n, k, bn, ld, gs, dynamic, accumulate, deferred, cm, pingpong),
                (ARCH,),
                "nmoe.fast.gemm.grouped_gemm_wgrad")
 WGRAD_GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad_gather",
@@ -191,6 +191,13 @@ KERNELS: tuple[KernelSpec, ...] = (
                compile=WGRAD.compiler(n=2048, k=4096, bn=256, ld=4096, cm=2),
                expect={"sm_90a": (*_EXPECT_WGRAD, *_WGRAD_CLUSTER)},
                forbid={"sm_90a": (*_FORBID_SM90, _HANDOFF[0])}),
+    KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_pingpong_dynamic_n128",
+               compile=WGRAD.compiler(n=2048, k=4096, bn=128, ld=4096, dynamic=True, pingpong=True),
+               expect={"sm_90a": (*_EXPECT_WGRAD, *_TURNS)}, forbid={"sm_90a": _FORBID_SM90}),
+    KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_pingpong_cols_accumulate_n128",
+               compile=WGRAD.compiler(n=2048, k=1024, bn=128, ld=4096, accumulate=True, pingpong=True),
+               expect={"sm_90a": (*_EXPECT_WGRAD_ACC, *_TURNS)},
+               forbid={"sm_90a": (*_FORBID_SM90, _TMA_STORE)}),
     KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_rows_n256",
                compile=WGRAD.compiler(n=1024, k=1024, bn=256, ld=1024, gs=4096),
                expect={"sm_90a": _EXPECT_WGRAD}, forbid={"sm_90a": _FORBID_SM90}),
