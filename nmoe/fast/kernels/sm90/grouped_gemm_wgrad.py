@@ -102,9 +102,9 @@ def _at(table: cute.Tensor, i: Any) -> Int32:
 
 
 class Units(NamedTuple):
-    """A CTA's view of the wgrad's work: the offs and the two rank tables in shared memory, the flag a
-    split's counter result is broadcast through, the chunk size, the tile grid, the CTAs of a cluster (side
-    by side along M, one work item) and the count of work items: a unit's tiles, cm to an item."""
+    """A CTA's view of the wgrad's work: offs and the rank tables in shared memory, a split's broadcast flag
+    per tile the CTA works on at once, the chunk size, the tile grid, the CTAs of a cluster (side by side
+    along M, one work item) and the count of work items: a unit's tiles, cm to an item."""
 
     s_offs: cute.Tensor
     by_rank: cute.Tensor
@@ -129,7 +129,7 @@ def plan_units(s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, thresh: Int3
     base = cast(Any, s_offs.iterator)
     by_rank = cute.make_tensor(base + MAX_GROUPS, cute.make_layout(MAX_GROUPS))
     starts = cute.make_tensor(base + 2 * MAX_GROUPS, cute.make_layout(MAX_GROUPS + 1))
-    flag = cute.make_tensor(base + 3 * MAX_GROUPS + 4, cute.make_layout(1))
+    flag = cute.make_tensor(base + 3 * MAX_GROUPS + 4, cute.make_layout(CONSUMER_WGS))
     for i in range(tidx, n_groups, THREADS):
         start, end = _group_rows(s_offs, i, m_rows)
         rank = Int32(0)
