@@ -294,12 +294,9 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                   bn: Constexpr[int], stages: Constexpr[int], gs: Constexpr[int], q: Any = None,
                   accumulate: Constexpr[bool] = False, deferred: Constexpr[bool] = False,
                   rank: Int32 | int = 0, pingpong: Constexpr[bool] = False) -> None:
-    """The two consumer warpgroups of the wgrad: masked K boxes into wgmma, then the fwd's epilogue into
-    dw's rows, group e's n from row e * gs (a split group's chunk first through its workspace slice and
-    counter); deferred: the tile's bf16 subtiles leave under the next tile's wgmmas (`Pending`). Work items
-    in snake rounds, or, with a queue q, as the producer hands them over; CTA `rank` of the cluster takes
-    its item's rank-th M tile. Ping-pong: warpgroup wg takes items wg, wg + 2, ... whole and steps its ring
-    cursor over the other's boxes; their mainloops take turns (ORDER_BARRIER_ID), epilogues overlap them."""
+    """The wgrad's consumers: masked K boxes into wgmma, the fwd's epilogue into dw from row e * gs (splits
+    via the workspace; deferred: under the next tile's wgmmas), items dealt or handed over, CTA `rank` on the
+    item's rank-th M tile. Ping-pong: each warpgroup every other item whole, turns on ORDER_BARRIER_ID."""
     cute.arch.setmaxregister_increase(CONSUMER_REGS)
     ctid = tidx - WG_THREADS
     wg = warp_idx // 4 - 1
