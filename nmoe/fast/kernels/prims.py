@@ -83,6 +83,14 @@ def pinned(x: Any, *, loc: Any = None, ip: Any = None) -> Int32:
                                  "=r,r", has_side_effects=True, loc=loc, ip=ip))
 
 
+@dsl_user_op
+def pinned_zero(*, loc: Any = None, ip: Any = None) -> Float32:
+    """+0.0 from an empty volatile asm: opaque, so the compiler cannot rematerialise it at its use (a zeroed
+    accumulator is then set before the wgmma fence, not between wgmmas, where ptxas injects waits)."""
+    return Float32(llvm.inline_asm(Float32.mlir_type, [], "mov.b32 $0, 0;", "=f", has_side_effects=True,
+                                   loc=loc, ip=ip))
+
+
 def sel(c: Any, a: Any, b: Any) -> Int32:
     return Int32(select_(c, Int32(a), Int32(b)))
 
