@@ -21,7 +21,6 @@ from cutlass.cutlass_dsl.cutlass import max as dsl_max
 from cutlass.cutlass_dsl.cutlass import min as dsl_min
 from cutlass.tensor_utils import LayoutEnum
 
-from nmoe.fast.kernels.prims import pinned_zero
 from nmoe.fast.kernels.sm90.epilogue import (
     drain_stores,
     emit_held,
@@ -39,6 +38,7 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     cta_setup,
     cta_start,
     mma_fragments,
+    zero_acc,
 )
 from nmoe.fast.kernels.sm90.grouped_gemm_gather import arm_stage
 from nmoe.fast.kernels.sm90.tilequeue import (
@@ -335,11 +335,7 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
         if mine:
             if rnd > 0 and const_expr(pingpong):
                 other_done.arrive_and_wait()
-            if const_expr(pingpong):
-                for v in range_constexpr(cute.size(acc)):
-                    acc[v] = pinned_zero()
-            else:
-                acc.fill(0.0)
+            zero_acc(acc, pingpong)
             if k_tiles > 0:
                 read, release = _k_loop(mainloop, tiled_mma, acc, t_ra, t_rb, read, release, held, p_row0,
                                         p_tile, p_end, p_on, k_tiles, subs, deferred,
