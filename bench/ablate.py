@@ -97,6 +97,13 @@ _DEAD_ROWS_MMA = Mutation(
     "fwd/dgrad warpgroups whose rows of a tile all lie past its group's end (a ragged group's last tile, a "
     "cluster's tile past the end) still issue their wgmmas, on rows never stored: what skipping them buys",
 )
+_PINGPONG_ACC_FILL = Mutation(
+    "ablate.pingpong_acc_fill", KERNEL, "            zero_acc(acc, pingpong)\n",
+    "            zero_acc(acc, False)\n",
+    "ping-pong fwd/dgrad tiles zero their accumulator with plain constants, which the compiler "
+    "rematerialises between the first box's wgmmas (ptxas injects warpgroup.arrive there): what the opaque "
+    "zeros buy",
+)
 _PINGPONG_FULL_TAIL = Mutation(
     "ablate.pingpong_full_tail", KERNEL,
     "                if const_expr(pingpong) and g_end - row0 <= BM // 2:\n",
@@ -195,6 +202,7 @@ ABLATIONS: tuple[Mutation, ...] = (
     _WGRAD_CLUSTER_TWO,
     _DEAD_ROWS_MMA,
     _PINGPONG_FULL_TAIL,
+    _PINGPONG_ACC_FILL,
     _WGRAD_CLUSTER_FOUR,
     _FWD_STORED_FIRST,
     Mutation(
@@ -380,6 +388,7 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     replace(_WGRAD_PINGPONG, id="ablate.layer_wgrad_pingpong"),
     replace(_DEAD_ROWS_MMA, id="ablate.layer_dead_rows_mma"),
     replace(_PINGPONG_FULL_TAIL, id="ablate.layer_pingpong_full_tail"),
+    replace(_PINGPONG_ACC_FILL, id="ablate.layer_pingpong_acc_fill"),
     replace(_PINGPONG, id="ablate.layer_pingpong"),
     replace(_GATHER_ROWS_EVICT_FIRST, id="ablate.layer_gather_rows_evict_first"),
     replace(_TMA_A_EVICT_FIRST, id="ablate.layer_a_evict_first"),
