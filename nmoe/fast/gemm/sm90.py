@@ -33,6 +33,7 @@ from nmoe.fast.limits import (
     GEMM_GATHER_CLUSTER_N,
     GEMM_GATHER_DEFERRED,
     GEMM_GATHER_PINGPONG,
+    GEMM_GATHER_PREFETCH,
     GEMM_PINGPONG_BN,
     GEMM_PINGPONG_MAX_K,
     GEMM_WGRAD_CLUSTER_M,
@@ -465,7 +466,8 @@ def _gathered_gemm(op: str, src: Tensor, src_name: str, slot: Tensor, w: Tensor,
     cn = gather_cluster_n(n, bn, pp)
     n_ctas = fwd_ctas(device, m, n, w.shape[0], bn, GEMM_GATHER_CLUSTER_M, cn)
     launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act=activation, w_k_major=w_k_major, pingpong=pp, cn=cn,
-                             keep_h=keep_h, deferred=GEMM_GATHER_DEFERRED and not pp)
+                             keep_h=keep_h, deferred=GEMM_GATHER_DEFERRED and not pp,
+                             prefetch=GEMM_GATHER_PREFETCH)
     h_ptr = h.data_ptr() if keep_h else a.data_ptr()
     launch(device, src.data_ptr(), slot.contiguous().data_ptr(), w.data_ptr(), h_ptr, a.data_ptr(),
            offs.contiguous().data_ptr(), top_k, src.shape[0], m, w.shape[0], n_ctas)

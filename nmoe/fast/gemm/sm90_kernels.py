@@ -19,8 +19,9 @@ DGRAD = Kernel(_FWD_MODULE, "grouped_gemm_dgrad",
                                                                                    pingpong, deferred),
                (ARCH,), "nmoe.fast.gemm.grouped_gemm_dgrad")
 GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_gather", "grouped_gemm_gather",
-                lambda km, n, k, bn, act, w_k_major, pingpong=False, cn=1, keep_h=True, deferred=False:
-                    km.compile_args_gather(n, k, bn, act, w_k_major, pingpong, cn, keep_h, deferred),
+                lambda km, n, k, bn, act, w_k_major, pingpong=False, cn=1, keep_h=True, deferred=False,
+                prefetch=0: km.compile_args_gather(n, k, bn, act, w_k_major, pingpong, cn, keep_h, deferred,
+                                                   prefetch),
                 (ARCH,), "nmoe.fast.gemm.grouped_gemm_act_gathered")
 WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad",
                lambda km, n, k, bn, ld, gs=0, dynamic=False, accumulate=False, deferred=False, cm=1,
@@ -99,20 +100,25 @@ _ROW_MULTICAST = (*_multicast(2), r"\bshfl\.sync\.idx\.b32\b")
 _EXPECT_GATHER_CN = (*_EXPECT_EPILOGUE, *_ROW_MULTICAST)
 
 
+# A gathering producer may bring each row's next K boxes into L2 in one bulk prefetch (GEMM_GATHER_PREFETCH).
+_PREFETCH = r"\bcp\.async\.bulk\.prefetch\.L2\.global\b"
+
+
 def _gather_spec(name: str, n: int, k: int, activation: str, pingpong: bool = False,
-                 cn: int = 1, keep_h: bool = True, deferred: bool = False) -> KernelSpec:
+                 cn: int = 1, keep_h: bool = True, deferred: bool = False, prefetch: int = 0) -> KernelSpec:
     """keep_h False: h is never staged or stored, so no stmatrix and none of its 16-byte masked stores
-    (act(h) is staged by scalar stores and leaves in 8-byte chunks)."""
+    (act(h) is staged by scalar stores and leaves in 8-byte chunks); prefetch: rows prefetched into L2."""
     bn = GEMM_PINGPONG_BN if pingpong else pick_bn(n)
     expect: tuple[str, ...] = (*(_EXPECT_GATHER if cn == 1 else _EXPECT_GATHER_CN),
-                               *(_TURNS if pingpong else ()))
-    forbid: tuple[str, ...] = (*_FORBID_EPILOGUE, *_NO_CP_ASYNC)
+                               *(_TURNS if pingpong else ()), *((_PREFETCH,) if prefetch else ()))
+    forbid: tuple[str, ...] = (*_FORBID_EPILOGUE, *_NO_CP_ASYNC, *(() if prefetch else (_PREFETCH,)))
     if not keep_h:
         expect = tuple(rx for rx in expect if rx not in (_STMATRIX, _ST_V4))
         forbid = (*forbid, _STMATRIX, _ST_V4)
     return KernelSpec(op="grouped_gemm_act", name=name,
                       compile=GATHER.compiler(n=n, k=k, bn=bn, act=activation, w_k_major=True,
-                                              pingpong=pingpong, cn=cn, keep_h=keep_h, deferred=deferred),
+                                              pingpong=pingpong, cn=cn, keep_h=keep_h, deferred=deferred,
+                                              prefetch=prefetch),
                       expect={"sm_90a": expect}, forbid={"sm_90a": forbid})
 
 
@@ -219,6 +225,7 @@ KERNELS: tuple[KernelSpec, ...] = (
     _dgrad_gather_spec("grouped_gemm_dgrad_gathered_cn2", 1024, 4096, cn=2),
     _gather_spec("grouped_gemm_act_gathered_swiglu_cn4", 2048, 4096, "swiglu", cn=4),
     _gather_spec("grouped_gemm_act_gathered_swiglu_cn2_act_only", 2048, 4096, "swiglu", cn=2, keep_h=False),
+    _gather_spec("grouped_gemm_act_gathered_swiglu_cn2_prefetch8", 2048, 4096, "swiglu", cn=2, prefetch=8),
     _gather_spec("grouped_gemm_act_gathered_swiglu_cn2_deferred", 2048, 4096, "swiglu", cn=2, deferred=True),
     _gather_spec("grouped_gemm_act_gathered_swiglu_cn2_act_only_deferred", 2048, 4096, "swiglu", cn=2,
                  keep_h=False, deferred=True),
