@@ -65,6 +65,9 @@ _GATHER_PREFETCH = Mutation(
     "the gathering fwd/dgrad bring each row's next 8 K boxes (1 KB at bf16) into L2 in one bulk prefetch "
     "every 8 boxes, so DRAM serves a row in bursts instead of one 128-byte row TMA at a time",
 )
+_GATHER_PREFETCH16 = replace(_GATHER_PREFETCH, id="ablate.gather_prefetch16",
+                             replacement="GEMM_GATHER_PREFETCH: Final[int] = 16\n",
+                             description="the same, 16 boxes (2 KB)")
 _GATHER_B_EVICT_LAST = Mutation(
     "ablate.gather_b_evict_last", LIMITS,
     "GEMM_GATHER_B_EVICT_LAST: Final[bool] = False\n", "GEMM_GATHER_B_EVICT_LAST: Final[bool] = True\n",
@@ -325,8 +328,7 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     _GATHER_PREFETCH,
     replace(_GATHER_PREFETCH, id="ablate.gather_prefetch4",
             replacement="GEMM_GATHER_PREFETCH: Final[int] = 4\n", description="the same, 4 boxes (512 B)"),
-    replace(_GATHER_PREFETCH, id="ablate.gather_prefetch16",
-            replacement="GEMM_GATHER_PREFETCH: Final[int] = 16\n", description="the same, 16 boxes (2 KB)"),
+    _GATHER_PREFETCH16,
     Mutation(
         "ablate.gather_pingpong", LIMITS,
         "GEMM_GATHER_PINGPONG: Final[bool] = False\n", "GEMM_GATHER_PINGPONG: Final[bool] = True\n",
@@ -406,8 +408,7 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     replace(_TMA_B_EVICT_LAST, id="ablate.layer_b_evict_last"),
     replace(_GATHER_B_EVICT_LAST, id="ablate.layer_gather_b_evict_last"),
     replace(_GATHER_PREFETCH, id="ablate.layer_gather_prefetch8"),
-    replace(_GATHER_PREFETCH, id="ablate.layer_gather_prefetch16",
-            replacement="GEMM_GATHER_PREFETCH: Final[int] = 16\n", description="the same, 16 boxes (2 KB)"),
+    replace(_GATHER_PREFETCH16, id="ablate.layer_gather_prefetch16"),
 )
 # Ablations of more than one edit, applied in order; the first names the variant and says what it measures.
 _EVICT_BOTH = (replace(_GATHER_ROWS_EVICT_FIRST, id="ablate.gather_evict_both",

@@ -242,7 +242,7 @@ def _prepare_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw_shape: tuple[int, ...
     if m == 0:
         return device, None, not accumulate, (m, 0, 0), None
     bn, pingpong = wgrad_schedule(k, bn)
-    cm = 1 if pingpong else wgrad_cluster(n)
+    cm = wgrad_cluster(n)
     n_ctas, split = _wgrad_grid(device, m, n, k, bn, n_groups, GEMM_WGRAD_DYNAMIC, cm)
     launch = WGRAD.launcher(arch, n=n, k=k, bn=bn, ld=ld or k, gs=gs or n, dynamic=split.dynamic,
                             accumulate=accumulate, deferred=GEMM_WGRAD_DEFERRED, cm=cm, pingpong=pingpong)

@@ -84,14 +84,6 @@ def pinned(x: Any, *, loc: Any = None, ip: Any = None) -> Int32:
 
 
 @dsl_user_op
-def pinned_zero(*, loc: Any = None, ip: Any = None) -> Float32:
-    """+0.0 from an empty volatile asm: opaque, so the compiler cannot rematerialise it at its use (a zeroed
-    accumulator is then set before the wgmma fence, not between wgmmas, where ptxas injects waits)."""
-    return Float32(llvm.inline_asm(Float32.mlir_type, [], "mov.b32 $0, 0;", "=f", has_side_effects=True,
-                                   loc=loc, ip=ip))
-
-
-@dsl_user_op
 def prefetch_l2(address: Any, nbytes: Any, *, loc: Any = None, ip: Any = None) -> None:
     """Bring nbytes (a multiple of 16) of global memory from a 16-byte aligned address into L2, no copy."""
     args = [Int64(address).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)]

@@ -22,7 +22,7 @@ from cutlass.cutlass_dsl.cutlass import min as dsl_min
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from nmoe.fast.kernels.prims import pinned_zero
+from nmoe.fast.kernels.prims import i2f, pinned
 from nmoe.fast.kernels.sm90.epilogue import (
     act_by_tma,
     drain_stores,
@@ -283,12 +283,12 @@ def _issue_mmas(tiled_mma: cute.TiledMma, acc: cute.Tensor, t_ra: cute.Tensor, t
 
 
 @cute.jit
-def zero_acc(acc: Any, pinned: Constexpr[bool]) -> None:
-    """acc = +0; pinned (a ping-pong tile's two M halves): zeros from an opaque asm, set here instead of being
+def zero_acc(acc: Any, opaque: Constexpr[bool]) -> None:
+    """acc = +0; opaque (a ping-pong tile's two M halves): zeros through prims.pinned, set here, not
     rematerialised between the first box's wgmmas, where ptxas injects warpgroup.arrive (C7519) and waits."""
-    if const_expr(pinned):
+    if const_expr(opaque):
         for v in range_constexpr(cute.size(acc)):
-            acc[v] = pinned_zero()
+            acc[v] = i2f(pinned(0))
     else:
         acc.fill(0.0)
 
