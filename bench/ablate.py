@@ -59,15 +59,6 @@ _GATHER_ROWS_EVICT_FIRST = Mutation(
     "the gathering fwd/dgrad's row TMAs evict their rows from L2 first, so the expert's weights, which each "
     "of its M tiles reads again, stay",
 )
-_GATHER_PREFETCH = Mutation(
-    "ablate.gather_prefetch8", LIMITS, "GEMM_GATHER_PREFETCH: Final[int] = 0\n",
-    "GEMM_GATHER_PREFETCH: Final[int] = 8\n",
-    "the gathering fwd/dgrad bring each row's next 8 K boxes (1 KB at bf16) into L2 in one bulk prefetch "
-    "every 8 boxes, so DRAM serves a row in bursts instead of one 128-byte row TMA at a time",
-)
-_GATHER_PREFETCH16 = replace(_GATHER_PREFETCH, id="ablate.gather_prefetch16",
-                             replacement="GEMM_GATHER_PREFETCH: Final[int] = 16\n",
-                             description="the same, 16 boxes (2 KB)")
 _GATHER_B_EVICT_LAST = Mutation(
     "ablate.gather_b_evict_last", LIMITS,
     "GEMM_GATHER_B_EVICT_LAST: Final[bool] = False\n", "GEMM_GATHER_B_EVICT_LAST: Final[bool] = True\n",
@@ -106,24 +97,11 @@ _DEAD_ROWS_MMA = Mutation(
     "fwd/dgrad warpgroups whose rows of a tile all lie past its group's end (a ragged group's last tile, a "
     "cluster's tile past the end) still issue their wgmmas, on rows never stored: what skipping them buys",
 )
-_PINGPONG_ACC_FILL = Mutation(
-    "ablate.pingpong_acc_fill", KERNEL, "            zero_acc(acc, pingpong)\n",
-    "            zero_acc(acc, False)\n",
-    "ping-pong fwd/dgrad tiles zero their accumulator with plain constants, which the compiler "
-    "rematerialises between the first box's wgmmas (ptxas injects warpgroup.arrive there): what the opaque "
-    "zeros buy",
-)
 _PINGPONG_FULL_TAIL = Mutation(
     "ablate.pingpong_full_tail", KERNEL,
     "                if const_expr(pingpong) and g_end - row0 <= BM // 2:\n",
     "                if const_expr(pingpong) and g_end - row0 <= 0:\n",
     "a ping-pong tile whose live rows fit its first 64 still issues the wgmmas of all 128 rows",
-)
-_WGRAD_PINGPONG = Mutation(
-    "ablate.wgrad_pingpong", LIMITS,
-    "GEMM_WGRAD_PINGPONG: Final[bool] = False\n", "GEMM_WGRAD_PINGPONG: Final[bool] = True\n",
-    "the TMA wgrad in ping-pong: each consumer warpgroup a whole 128 x 128 tile of dw, its epilogue under "
-    "the other's wgmmas, against the cooperative 128 x 256 tile (a third more operand loads)",
 )
 _WGRAD_DEFERRED = Mutation(
     "ablate.wgrad_deferred", LIMITS,
@@ -165,15 +143,15 @@ ABLATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ablate.wgrad_no_epilogue", "nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py",
-        "            if write == 1:\n                if const_expr(deferred):",
-        "            if write == 2:\n                if const_expr(deferred):",
+        "        if write == 1:\n            if const_expr(deferred):",
+        "        if write == 2:\n            if const_expr(deferred):",
         "timing only: the TMA wgrad's tiles skip their whole epilogue (staging, barriers, stores): the most "
         "that overlapping it with the next tile's MMAs could buy",
     ),
     Mutation(
         "ablate.wgrad_no_tail_mask", "nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py",
-        "    if valid < BK:\n        _zero_rows(s_a, stage, valid, BM, tid, threads)\n",
-        "    if valid < 0:\n        _zero_rows(s_a, stage, valid, BM, tid, threads)\n",
+        "    if valid < BK:\n        _zero_rows(s_a, stage, valid, BM, ctid)\n",
+        "    if valid < 0:\n        _zero_rows(s_a, stage, valid, BM, ctid)\n",
         "timing only: a group's last K box keeps the next group's rows instead of zeroing them (16-byte "
         "shared stores, a proxy fence and a barrier per tile): what the tail mask costs, most under Zipf "
         "routing, where nearly every group ends inside a box",
@@ -207,11 +185,9 @@ ABLATIONS: tuple[Mutation, ...] = (
     _NO_PINGPONG,
     _WGRAD_STATIC,
     _WGRAD_DEFERRED,
-    _WGRAD_PINGPONG,
     _WGRAD_CLUSTER_TWO,
     _DEAD_ROWS_MMA,
     _PINGPONG_FULL_TAIL,
-    _PINGPONG_ACC_FILL,
     _WGRAD_CLUSTER_FOUR,
     _FWD_STORED_FIRST,
     Mutation(
@@ -325,10 +301,6 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     _GATHER_CLUSTER_N4,
     _GATHER_ROWS_EVICT_FIRST,
     _GATHER_B_EVICT_LAST,
-    _GATHER_PREFETCH,
-    replace(_GATHER_PREFETCH, id="ablate.gather_prefetch4",
-            replacement="GEMM_GATHER_PREFETCH: Final[int] = 4\n", description="the same, 4 boxes (512 B)"),
-    _GATHER_PREFETCH16,
     Mutation(
         "ablate.gather_pingpong", LIMITS,
         "GEMM_GATHER_PINGPONG: Final[bool] = False\n", "GEMM_GATHER_PINGPONG: Final[bool] = True\n",
@@ -398,17 +370,13 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     replace(_GATHER_CLUSTER_N4, id="ablate.layer_gather_cluster_n4"),
     replace(_WGRAD_STATIC, id="ablate.layer_wgrad_static"),
     replace(_WGRAD_CLUSTER_TWO, id="ablate.layer_wgrad_cluster_two"),
-    replace(_WGRAD_PINGPONG, id="ablate.layer_wgrad_pingpong"),
     replace(_DEAD_ROWS_MMA, id="ablate.layer_dead_rows_mma"),
     replace(_PINGPONG_FULL_TAIL, id="ablate.layer_pingpong_full_tail"),
-    replace(_PINGPONG_ACC_FILL, id="ablate.layer_pingpong_acc_fill"),
     replace(_PINGPONG, id="ablate.layer_pingpong"),
     replace(_GATHER_ROWS_EVICT_FIRST, id="ablate.layer_gather_rows_evict_first"),
     replace(_TMA_A_EVICT_FIRST, id="ablate.layer_a_evict_first"),
     replace(_TMA_B_EVICT_LAST, id="ablate.layer_b_evict_last"),
     replace(_GATHER_B_EVICT_LAST, id="ablate.layer_gather_b_evict_last"),
-    replace(_GATHER_PREFETCH, id="ablate.layer_gather_prefetch8"),
-    replace(_GATHER_PREFETCH16, id="ablate.layer_gather_prefetch16"),
 )
 # Ablations of more than one edit, applied in order; the first names the variant and says what it measures.
 _EVICT_BOTH = (replace(_GATHER_ROWS_EVICT_FIRST, id="ablate.gather_evict_both",
@@ -656,7 +624,7 @@ def _layer_rows(compile_only: bool) -> list[dict[str, Any]]:
 
 def child(compile_only: bool, which: str, passes: Sequence[str] = PASSES,
           routings: Sequence[str] = ("uniform",)) -> None:
-    from nmoe.fast.gemm.sm90 import schedule, wgrad_schedule
+    from nmoe.fast.gemm.sm90 import pick_bn, schedule
 
     timed = {"layer": lambda: _layer_rows(compile_only), "fp8": lambda: _fp8_rows(compile_only),
              "gather": lambda: [r for shape in SHAPES for r in _gather_rows(*shape, compile_only)]}
@@ -670,8 +638,8 @@ def child(compile_only: bool, which: str, passes: Sequence[str] = PASSES,
             if not compile_only:
                 width = n if pass_ == "fwd" else k
                 named = pass_ if routing == "uniform" else f"{pass_} {routing}"
-                bn = wgrad_schedule(k)[0] if pass_ == "wgrad" else schedule(pass_, width, n + k - width)[0]
-                row = {"shape": f"{named} {label}", "ms": ms, "tflops": 2.0 * m * n * k / ms / 1e9, "bn": bn}
+                row = {"shape": f"{named} {label}", "ms": ms, "tflops": 2.0 * m * n * k / ms / 1e9,
+                       "bn": pick_bn(k) if pass_ == "wgrad" else schedule(pass_, width, n + k - width)[0]}
                 print(json.dumps(row), flush=True)
 
 

@@ -62,8 +62,7 @@ def test_n_cluster_kernels_are_compile_checked() -> None:
     names = {s.name for s in sm90.KERNELS if "_cn" in s.name}
     plain = {"grouped_gemm_act_gathered_swiglu_cn2", "grouped_gemm_dgrad_gathered_cn2",
              "grouped_gemm_act_gathered_swiglu_cn2_act_only"}
-    assert names == {*plain, *(f"{n}_deferred" for n in plain), "grouped_gemm_act_gathered_swiglu_cn4",
-                     "grouped_gemm_act_gathered_swiglu_cn2_prefetch8"}
+    assert names == {*plain, *(f"{n}_deferred" for n in plain), "grouped_gemm_act_gathered_swiglu_cn4"}
     for s in sm90.KERNELS:
         if "_cn" in s.name:
             assert any("multicast::cluster" in rx for rx in s.expect["sm_90a"])
@@ -109,15 +108,3 @@ def test_sep_gemm_fast_gather_cluster_same_n_tile(monkeypatch: pytest.MonkeyPatc
     odd = want.view(want.shape[0], -1, 256)[:, 1::2]
     assert bool(odd.abs().sum() > 0), "the odd N tiles hold nonzero values"
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-
-
-@gpu
-@pytest.mark.parametrize("prefetch", [1, 8])
-@pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}K{c[1]}H{c[2]}N{c[3]}E{c[4]}-{c[6]}" for c in CASES])
-def test_row_prefetch_changes_no_bits(case: Case, prefetch: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prefetching gathered rows into L2 (GEMM_GATHER_PREFETCH) moves no data: h, act(h) and the gathered
-    dgrad keep every bit, with K tails (a last prefetch shorter than its boxes) and pad rows (skipped)."""
-    plain = _runs(case, monkeypatch, 2)
-    monkeypatch.setattr(sm90, "GEMM_GATHER_PREFETCH", prefetch)
-    for got, want in zip(_runs(case, monkeypatch, 2), plain, strict=True):
-        assert torch.equal(got.view(torch.int16), want.view(torch.int16))

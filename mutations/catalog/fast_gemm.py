@@ -169,8 +169,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "gemm.fast_wgrad_split_order_reversed", WGRAD,
-        "acc[v] = acc[v] + m_ws[(v, tid, (first_slice + c) * slice_stride + local)]",
-        "acc[v] = acc[v] + m_ws[(v, tid, (first_slice + splits - 1 - c) * slice_stride + local)]",
+        "acc[v] = acc[v] + m_ws[(v, ctid, (first_slice + c) * slice_stride + local)]",
+        "acc[v] = acc[v] + m_ws[(v, ctid, (first_slice + splits - 1 - c) * slice_stride + local)]",
         "a split group's chunk partials are summed last chunk first (still deterministic, other bits)",
         SCHEDULE_TESTS, ("grouped_gemm_wgrad",), device="gpu",
     ),
@@ -322,13 +322,6 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        m_tile = m_unit * u.cm + rank\n", "        m_tile = m_unit * u.cm\n",
         "every CTA of a wgrad cluster takes its work item's first M tile: the others are never computed",
         "tests/test_fast_wgrad_cluster.py", ("grouped_gemm_wgrad",), device="gpu",
-    ),
-    sep_mutation(
-        "gemm.fast_wgrad_pingpong_tid_unshifted", WGRAD,
-        "    tid = ctid - own * WG_THREADS\n", "    tid = ctid\n",
-        "ping-pong wgrad warpgroup 1 numbers its threads from 128: its tail mask skips the first 128 chunks "
-        "and its split chunks never see their flag",
-        "tests/test_fast_wgrad_pingpong.py", ("grouped_gemm_wgrad",), device="gpu",
     ),
     sep_mutation(
         "gemm.fast_wgrad_cluster_x_same_half", WGRAD,

@@ -53,10 +53,6 @@ once, while each of the expert's M tiles reads its B boxes again (H200 ncu at c3
 34% L2 hits under router-uniform routing, 4.1-4.4 GB at 71% under Zipf and the blocked synthetic one)."""
 GEMM_GATHER_B_EVICT_LAST: Final[bool] = False
 """The gathering fwd/dgrad's B TMAs mark the expert's weights last to leave L2, for the same reason."""
-GEMM_GATHER_PREFETCH: Final[int] = 0
-"""K boxes of each gathered row the gathering fwd/dgrad prefetch into L2 in one contiguous request (0: none),
-so DRAM serves a row's next boxes as one burst instead of one 128-byte row TMA each (H200, c1 up: 8.22 ms
-gathered, 6.76 TMA-fed under router-uniform routing, 7.92 against 7.55 with expert-contiguous tokens)."""
 GEMM_WGRAD_DYNAMIC: Final[bool] = True
 """sm_90a TMA-fed wgrad: each CTA takes its next tile of the heaviest-first list from a device counter (a
 skewed routing's heavy tiles then spread like a greedy schedule) when True, else in static snake rounds
@@ -65,10 +61,6 @@ GEMM_WGRAD_CLUSTER_M: Final[int] = 1
 """CTAs of an sm_90a TMA-fed wgrad cluster (up to this, where dw's M tiles fill them): one work item's M tiles
 side by side, each x box multicast to them, CTA 0 handing each dynamic item to the rest (H200 ncu, c1 up
 wgrad: L2 71% busy, dense mm 55%). Off: H100 per wgrad two 0.97-1.08x, four 0.88-1.06x; layer 0.98-1.02x."""
-GEMM_WGRAD_PINGPONG: Final[bool] = False
-"""sm_90a TMA-fed wgrad in ping-pong: each consumer warpgroup a whole BM x GEMM_PINGPONG_BN tile of dw, its
-epilogue under the other's mainloop, at a third more operand loads than 128 x 256 (alone, no deferred
-epilogue). Off until measured: with no epilogue at all the wgrad ran 1.06-1.18x (H200)."""
 GEMM_WGRAD_DEFERRED: Final[bool] = False
 """sm_90a TMA-fed wgrad: a tile's bf16 result waits in registers and leaves one subtile per K box of the next
 tile, under its wgmmas, instead of before them (without any epilogue the wgrad ran 1.06-1.18x on the H200).

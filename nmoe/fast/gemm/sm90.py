@@ -33,13 +33,11 @@ from nmoe.fast.limits import (
     GEMM_GATHER_CLUSTER_N,
     GEMM_GATHER_DEFERRED,
     GEMM_GATHER_PINGPONG,
-    GEMM_GATHER_PREFETCH,
     GEMM_PINGPONG_BN,
     GEMM_PINGPONG_MAX_K,
     GEMM_WGRAD_CLUSTER_M,
     GEMM_WGRAD_DEFERRED,
     GEMM_WGRAD_DYNAMIC,
-    GEMM_WGRAD_PINGPONG,
 )
 from nmoe.fast.op import Launcher, fast_op, remember, save_inputs
 from nmoe.fast.runtime import tma_aligned
@@ -62,19 +60,6 @@ def gather_cluster_n(n: int, bn: int, pingpong: bool) -> int:
 def wgrad_cluster(n: int) -> int:
     """The TMA-fed wgrad's M cluster over dw's n / GEMM_BM M tiles."""
     return whole_clusters(GEMM_WGRAD_CLUSTER_M, -(-n // GEMM_BM))
-
-
-def wgrad_schedule(k: int, bn: int | None = None) -> tuple[int, bool]:
-    """(N tile, ping-pong) of a TMA-fed wgrad of k dw columns: GEMM_WGRAD_PINGPONG's GEMM_PINGPONG_BN-wide
-    tiles unless another width is asked for, else pick_bn(k)."""
-    if GEMM_WGRAD_PINGPONG and bn in (None, GEMM_PINGPONG_BN):
-        if GEMM_WGRAD_CLUSTER_M > 1 or GEMM_WGRAD_DEFERRED:
-            raise ValueError(f"GEMM_WGRAD_PINGPONG with GEMM_WGRAD_CLUSTER_M={GEMM_WGRAD_CLUSTER_M} and "
-                             f"GEMM_WGRAD_DEFERRED={GEMM_WGRAD_DEFERRED}: a ping-pong wgrad runs alone, "
-                             "its epilogue already overlapped; set the cluster to 1 and deferred off, or "
-                             "ping-pong off")
-        return GEMM_PINGPONG_BN, True
-    return _pick_bn("grouped_gemm_wgrad", k, bn), False
 
 
 def _check(op: str, a: Tensor, w: Tensor, offs: Tensor, a_name: str, red_dim: int) -> None:
@@ -241,11 +226,11 @@ def _prepare_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw_shape: tuple[int, ...
         return device, None, False, (m, 0, 0), None
     if m == 0:
         return device, None, not accumulate, (m, 0, 0), None
-    bn, pingpong = wgrad_schedule(k, bn)
+    bn = _pick_bn("grouped_gemm_wgrad", k, bn)
     cm = wgrad_cluster(n)
     n_ctas, split = _wgrad_grid(device, m, n, k, bn, n_groups, GEMM_WGRAD_DYNAMIC, cm)
     launch = WGRAD.launcher(arch, n=n, k=k, bn=bn, ld=ld or k, gs=gs or n, dynamic=split.dynamic,
-                            accumulate=accumulate, deferred=GEMM_WGRAD_DEFERRED, cm=cm, pingpong=pingpong)
+                            accumulate=accumulate, deferred=GEMM_WGRAD_DEFERRED, cm=cm)
     return device, launch, False, (m, n_groups, n_ctas), split
 
 
@@ -279,8 +264,8 @@ _PLANS: dict[tuple[Any, ...], _Plan] = {}
 def _plan(op: str, a: Tensor, w: Tensor, offs: Tensor, a_name: str, w_name: str,
           activation: str = "") -> _Plan:
     """The memoised plan of this layout, or the full checks (raising as they always did) and a new plan."""
-    key = (op, activation, GEMM_WGRAD_DYNAMIC, GEMM_WGRAD_DEFERRED, GEMM_WGRAD_CLUSTER_M, GEMM_WGRAD_PINGPONG,
-           GEMM_FWD_DEFERRED, *_layout(a, w, offs))
+    key = (op, activation, GEMM_WGRAD_DYNAMIC, GEMM_WGRAD_DEFERRED, GEMM_WGRAD_CLUSTER_M, GEMM_FWD_DEFERRED,
+           *_layout(a, w, offs))
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
@@ -466,8 +451,7 @@ def _gathered_gemm(op: str, src: Tensor, src_name: str, slot: Tensor, w: Tensor,
     cn = gather_cluster_n(n, bn, pp)
     n_ctas = fwd_ctas(device, m, n, w.shape[0], bn, GEMM_GATHER_CLUSTER_M, cn)
     launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act=activation, w_k_major=w_k_major, pingpong=pp, cn=cn,
-                             keep_h=keep_h, deferred=GEMM_GATHER_DEFERRED and not pp,
-                             prefetch=GEMM_GATHER_PREFETCH)
+                             keep_h=keep_h, deferred=GEMM_GATHER_DEFERRED and not pp)
     h_ptr = h.data_ptr() if keep_h else a.data_ptr()
     launch(device, src.data_ptr(), slot.contiguous().data_ptr(), w.data_ptr(), h_ptr, a.data_ptr(),
            offs.contiguous().data_ptr(), top_k, src.shape[0], m, w.shape[0], n_ctas)

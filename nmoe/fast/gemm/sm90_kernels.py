@@ -19,13 +19,12 @@ DGRAD = Kernel(_FWD_MODULE, "grouped_gemm_dgrad",
                                                                                    pingpong, deferred),
                (ARCH,), "nmoe.fast.gemm.grouped_gemm_dgrad")
 GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_gather", "grouped_gemm_gather",
-                lambda km, n, k, bn, act, w_k_major, pingpong=False, cn=1, keep_h=True, deferred=False,
-                prefetch=0: km.compile_args_gather(n, k, bn, act, w_k_major, pingpong, cn, keep_h, deferred,
-                                                   prefetch),
+                lambda km, n, k, bn, act, w_k_major, pingpong=False, cn=1, keep_h=True, deferred=False:
+                    km.compile_args_gather(n, k, bn, act, w_k_major, pingpong, cn, keep_h, deferred),
                 (ARCH,), "nmoe.fast.gemm.grouped_gemm_act_gathered")
 WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad",
-               lambda km, n, k, bn, ld, gs=0, dynamic=False, accumulate=False, deferred=False, cm=1,
-               pingpong=False: km.compile_args(n, k, bn, ld, gs, dynamic, accumulate, deferred, cm, pingpong),
+               lambda km, n, k, bn, ld, gs=0, dynamic=False, accumulate=False, deferred=False, cm=1:
+                   km.compile_args(n, k, bn, ld, gs, dynamic, accumulate, deferred, cm),
                (ARCH,),
                "nmoe.fast.gemm.grouped_gemm_wgrad")
 WGRAD_GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad_gather",
@@ -100,25 +99,20 @@ _ROW_MULTICAST = (*_multicast(2), r"\bshfl\.sync\.idx\.b32\b")
 _EXPECT_GATHER_CN = (*_EXPECT_EPILOGUE, *_ROW_MULTICAST)
 
 
-# A gathering producer may bring each row's next K boxes into L2 in one bulk prefetch (GEMM_GATHER_PREFETCH).
-_PREFETCH = r"\bcp\.async\.bulk\.prefetch\.L2\.global\b"
-
-
 def _gather_spec(name: str, n: int, k: int, activation: str, pingpong: bool = False,
-                 cn: int = 1, keep_h: bool = True, deferred: bool = False, prefetch: int = 0) -> KernelSpec:
+                 cn: int = 1, keep_h: bool = True, deferred: bool = False) -> KernelSpec:
     """keep_h False: h is never staged or stored, so no stmatrix and none of its 16-byte masked stores
-    (act(h) is staged by scalar stores and leaves in 8-byte chunks); prefetch: rows prefetched into L2."""
+    (act(h) is staged by scalar stores and leaves in 8-byte chunks)."""
     bn = GEMM_PINGPONG_BN if pingpong else pick_bn(n)
     expect: tuple[str, ...] = (*(_EXPECT_GATHER if cn == 1 else _EXPECT_GATHER_CN),
-                               *(_TURNS if pingpong else ()), *((_PREFETCH,) if prefetch else ()))
-    forbid: tuple[str, ...] = (*_FORBID_EPILOGUE, *_NO_CP_ASYNC, *(() if prefetch else (_PREFETCH,)))
+                               *(_TURNS if pingpong else ()))
+    forbid: tuple[str, ...] = (*_FORBID_EPILOGUE, *_NO_CP_ASYNC)
     if not keep_h:
         expect = tuple(rx for rx in expect if rx not in (_STMATRIX, _ST_V4))
         forbid = (*forbid, _STMATRIX, _ST_V4)
     return KernelSpec(op="grouped_gemm_act", name=name,
                       compile=GATHER.compiler(n=n, k=k, bn=bn, act=activation, w_k_major=True,
-                                              pingpong=pingpong, cn=cn, keep_h=keep_h, deferred=deferred,
-                                              prefetch=prefetch),
+                                              pingpong=pingpong, cn=cn, keep_h=keep_h, deferred=deferred),
                       expect={"sm_90a": expect}, forbid={"sm_90a": forbid})
 
 
@@ -197,13 +191,6 @@ KERNELS: tuple[KernelSpec, ...] = (
                compile=WGRAD.compiler(n=2048, k=4096, bn=256, ld=4096, cm=2),
                expect={"sm_90a": (*_EXPECT_WGRAD, *_WGRAD_CLUSTER)},
                forbid={"sm_90a": (*_FORBID_SM90, _HANDOFF[0])}),
-    KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_pingpong_dynamic_n128",
-               compile=WGRAD.compiler(n=2048, k=4096, bn=128, ld=4096, dynamic=True, pingpong=True),
-               expect={"sm_90a": (*_EXPECT_WGRAD, *_TURNS)}, forbid={"sm_90a": _FORBID_SM90}),
-    KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_pingpong_cols_accumulate_n128",
-               compile=WGRAD.compiler(n=2048, k=1024, bn=128, ld=4096, accumulate=True, pingpong=True),
-               expect={"sm_90a": (*_EXPECT_WGRAD_ACC, *_TURNS)},
-               forbid={"sm_90a": (*_FORBID_SM90, _TMA_STORE)}),
     KernelSpec(op="grouped_gemm_wgrad", name="grouped_gemm_wgrad_rows_n256",
                compile=WGRAD.compiler(n=1024, k=1024, bn=256, ld=1024, gs=4096),
                expect={"sm_90a": _EXPECT_WGRAD}, forbid={"sm_90a": _FORBID_SM90}),
@@ -225,7 +212,6 @@ KERNELS: tuple[KernelSpec, ...] = (
     _dgrad_gather_spec("grouped_gemm_dgrad_gathered_cn2", 1024, 4096, cn=2),
     _gather_spec("grouped_gemm_act_gathered_swiglu_cn4", 2048, 4096, "swiglu", cn=4),
     _gather_spec("grouped_gemm_act_gathered_swiglu_cn2_act_only", 2048, 4096, "swiglu", cn=2, keep_h=False),
-    _gather_spec("grouped_gemm_act_gathered_swiglu_cn2_prefetch8", 2048, 4096, "swiglu", cn=2, prefetch=8),
     _gather_spec("grouped_gemm_act_gathered_swiglu_cn2_deferred", 2048, 4096, "swiglu", cn=2, deferred=True),
     _gather_spec("grouped_gemm_act_gathered_swiglu_cn2_act_only_deferred", 2048, 4096, "swiglu", cn=2,
                  keep_h=False, deferred=True),

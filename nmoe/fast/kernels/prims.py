@@ -83,14 +83,6 @@ def pinned(x: Any, *, loc: Any = None, ip: Any = None) -> Int32:
                                  "=r,r", has_side_effects=True, loc=loc, ip=ip))
 
 
-@dsl_user_op
-def prefetch_l2(address: Any, nbytes: Any, *, loc: Any = None, ip: Any = None) -> None:
-    """Bring nbytes (a multiple of 16) of global memory from a 16-byte aligned address into L2, no copy."""
-    args = [Int64(address).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)]
-    llvm.inline_asm(None, args, "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", has_side_effects=True,
-                    loc=loc, ip=ip)
-
-
 def sel(c: Any, a: Any, b: Any) -> Int32:
     return Int32(select_(c, Int32(a), Int32(b)))
 

@@ -22,7 +22,6 @@ from cutlass.cutlass_dsl.cutlass import min as dsl_min
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from nmoe.fast.kernels.prims import i2f, pinned
 from nmoe.fast.kernels.sm90.epilogue import (
     act_by_tma,
     drain_stores,
@@ -283,17 +282,6 @@ def _issue_mmas(tiled_mma: cute.TiledMma, acc: cute.Tensor, t_ra: cute.Tensor, t
 
 
 @cute.jit
-def zero_acc(acc: Any, opaque: Constexpr[bool]) -> None:
-    """acc = +0; opaque (a ping-pong tile's two M halves): zeros through prims.pinned, set here, not
-    rematerialised between the first box's wgmmas, where ptxas injects warpgroup.arrive (C7519) and waits."""
-    if const_expr(opaque):
-        for v in range_constexpr(cute.size(acc)):
-            acc[v] = i2f(pinned(0))
-    else:
-        acc.fill(0.0)
-
-
-@cute.jit
 def _k_loop(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma, acc: cute.Tensor,
             t_ra: cute.Tensor, t_rb: cute.Tensor, read: Any, release: Any, held: Any, p_row0: Int32,
             p_tile: Int32, p_end: Int32, p_on: Int32, k_tiles: Int32 | int, subs: Constexpr[int],
@@ -378,7 +366,7 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
             n_tile, row0 = unit_tile(t, before, g_start, units_n, cm, cn, rank)
             if turn > 0 and const_expr(pingpong):
                 other_done.arrive_and_wait()
-            zero_acc(acc, pingpong)
+            acc.fill(0.0)
             if e < n_groups and row0 + wg_row < g_end and const_expr(k_tiles > 0):
                 if const_expr(pingpong) and g_end - row0 <= BM // 2:
                     read, release = _k_loop(mainloop, tiled_mma, acc, t_ra, t_rb, read, release, held,

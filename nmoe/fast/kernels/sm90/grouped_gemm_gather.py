@@ -15,9 +15,7 @@ from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.typing import Pointer
-from cutlass.cutlass_dsl.cutlass import min as dsl_min
 
-from nmoe.fast.kernels.prims import prefetch_l2
 from nmoe.fast.kernels.sm90.grouped_gemm import (
     EVICT_FIRST,
     EVICT_LAST,
@@ -114,15 +112,12 @@ def produce_rows(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom,
                  s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, t: Int32, n_ctas: Int32,
                  warp_idx: Int32, ptid: Int32, n_tiles_n: Constexpr[int], k_tiles: Constexpr[int],
                  bn: Constexpr[int], stages: Constexpr[int], cm: Constexpr[int] = 1,
-                 rank: Int32 | int = 0, cn: Constexpr[int] = 1, x_addr: Int64 | int = 0,
-                 k: Constexpr[int] = 0, prefetch: Constexpr[int] = 0) -> None:
+                 rank: Int32 | int = 0, cn: Constexpr[int] = 1) -> None:
     """The producer warpgroup with A gathered: warp 0 arms each stage for A and B and TMA-loads B; warp w
     loads its BM / (4 cn) tile rows by one row TMA each onto the same barrier, each source row looked up
     once per tile by its row's lane and shuffled to the issuing lane. cn > 1: CTA `rank` of an N cluster
-    loads rows [rank, rank + 1) * BM / cn for every CTA of the cluster (multicast); each loads its own B.
-    prefetch > 0: every prefetch-th box, each row's lane brings its next prefetch boxes (of k) into L2."""
+    loads rows [rank, rank + 1) * BM / cn for every CTA of the cluster (multicast); each loads its own B."""
     per_warp = BM // 4 // cn
-    every = max(prefetch, 1)
     s_b_flat = cute.group_modes(s_b, 0, 2)
     a_base = cast(Pointer, s_a.iterator).toint()
     lane = ptid % 32
@@ -143,9 +138,6 @@ def produce_rows(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom,
             t_sb, t_gb = cpasync.tma_partition(tma_atom_b, b_rank, cute.make_layout(cm), s_b_flat,
                                                cute.group_modes(g_b, 0, 2))
             for kt in range(k_tiles):
-                if kt % every == 0 and lane < per_warp and src < src_rows and const_expr(prefetch > 0):
-                    prefetch_l2(x_addr + Int64(src) * (k * 2) + kt * (BK * 2),
-                                dsl_min(prefetch * BK, k - kt * BK) * 2)
                 arm_stage(mainloop, state, warp_idx, tma_atom_b, t_gb[(None, kt)],
                           t_sb[(None, state.index)], cm, GATHER_B_POLICY)
                 bar = mainloop.producer_get_barrier(state)
@@ -169,7 +161,6 @@ def grouped_gemm_gather_kernel(
     a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout,
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
     pingpong: Constexpr[bool], cn: Constexpr[int], keep_h: Constexpr[bool], deferred: Constexpr[bool],
-    x_addr: Int64, prefetch: Constexpr[int],
 ) -> None:
     tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, s_act, mainloop = fwd_cta_begin(
         (tma_atom_b, row_atom, tma_atom_d, tma_atom_act), m_offs, n_groups, a_layout, b_layout, d_layout,
@@ -180,7 +171,7 @@ def grouped_gemm_gather_kernel(
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         produce_rows(mainloop, tma_atom_b, m_b, row_atom, tma_x, row_layout(a_layout), m_slot, top_k,
                      src_rows, s_a, a_layout.outer, s_b, s_offs, n_groups, m_rows, unit, n_units, warp_idx,
-                     tidx, n_tiles_n, k_tiles, bn, stages, GATHER_CLUSTER_M, rank, cn, x_addr, k, prefetch)
+                     tidx, n_tiles_n, k_tiles, bn, stages, GATHER_CLUSTER_M, rank, cn)
     else:
         consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, s_act,
                       tma_atom_act, tma_act, n_groups,
@@ -194,7 +185,6 @@ def grouped_gemm_gather_host(
     top_k: Int32, src_rows: Int32, m_rows: Int32, n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream,
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], w_k_major: Constexpr[bool], act: Constexpr[str],
     pingpong: Constexpr[bool], cn: Constexpr[int], keep_h: Constexpr[bool], deferred: Constexpr[bool],
-    prefetch: Constexpr[int],
 ) -> None:
     """y[p, n] = x[slot[p] // top_k] @ B_e^T for permuted row p of group e (x [src_rows, k]; B_e = w[e]
     K-major [E, n, k], else w[e]^T of w [E, k, n]: the dgrad), zero rows where slot[p] = -1; with act !=
@@ -212,14 +202,13 @@ def grouped_gemm_gather_host(
         tma_atom_b, tma_b, row_atom, tma_x, tma_atom_d, tma_d, m_y, m_a, tma_atom_act, tma_act, m_offs,
         m_slot, top_k, src_rows, m_rows, n_groups, tiled_mma, a_layout, b_layout,
         epi_smem_layout(epi_sets(pingpong)), n, k, bn, stages, act, pingpong, cn, keep_h, deferred,
-        Int64(px.toint()), prefetch,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(GATHER_CLUSTER_M * cn),
              min_blocks_per_mp=1, stream=stream)
 
 
 def compile_args_gather(n: int, k: int, bn: int, act: str = "none", w_k_major: bool = True,
                         pingpong: bool = False, cn: int = 1, keep_h: bool = True,
-                        deferred: bool = False, prefetch: int = 0) -> tuple[Any, tuple[Any, ...]]:
+                        deferred: bool = False) -> tuple[Any, tuple[Any, ...]]:
     if cn > 1 and (n_tiles_n_of(n, bn) % cn or GATHER_CLUSTER_M > 1 or BM // 4 % cn):
         raise ValueError(f"gathered grouped GEMM N cluster of {cn}: needs N tiles ({n_tiles_n_of(n, bn)} "
                          f"of {bn}) in whole clusters, no M cluster (GEMM_GATHER_CLUSTER_M = "
@@ -232,9 +221,7 @@ def compile_args_gather(n: int, k: int, bn: int, act: str = "none", w_k_major: b
                          "act 'none' it would store nothing")
     ptrs = (pointer(BFloat16, 0), pointer(Int64, 0, 8), *(pointer(BFloat16, 0) for _ in range(3)),
             pointer(Int32, 0, 4))
-    if prefetch < 0:
-        raise ValueError(f"gathered grouped GEMM row prefetch of {prefetch} K boxes: 0 (none) or more")
     check_schedule(bn, pingpong)
     check_deferred(deferred, pingpong)
     return grouped_gemm_gather_host, (*ptrs, *(Int32(0) for _ in range(5)), cuda.CUstream(0), n, k, bn,
-                                      w_k_major, act, pingpong, cn, keep_h, deferred, prefetch)
+                                      w_k_major, act, pingpong, cn, keep_h, deferred)

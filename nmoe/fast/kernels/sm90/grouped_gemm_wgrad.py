@@ -38,7 +38,6 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     cta_setup,
     cta_start,
     mma_fragments,
-    zero_acc,
 )
 from nmoe.fast.kernels.sm90.grouped_gemm_gather import arm_stage
 from nmoe.fast.kernels.sm90.tilequeue import (
@@ -54,38 +53,31 @@ from nmoe.fast.kernels.sm90.tilequeue import (
 )
 from nmoe.fast.kernels.sm90.tiles import (
     CONSUMER_REGS,
+    CONSUMER_THREADS,
     CONSUMER_WGS,
     EPI_N,
     EPI_SMEM_BYTES,
-    ORDER_BARRIER_ID,
     PRODUCER_REGS,
     THREADS,
     VEC,
     WG_THREADS,
-    epi_sets,
     epi_smem_layout,
     epi_tma,
     pipeline_stages,
-    tile_wgs,
 )
 from nmoe.fast.limits import GEMM_BK as BK
 from nmoe.fast.limits import GEMM_BM as BM
 from nmoe.fast.limits import GEMM_MAX_GROUPS as MAX_GROUPS
-from nmoe.fast.limits import GEMM_PINGPONG_BN as PINGPONG_BN
 
 MASK_BARRIER_ID = 2
-"""The tail mask's named barrier: one for both cooperative warpgroups; ping-pong ones each take one past the
-ids of their epilogue and turn barriers."""
-PINGPONG_MASK_BARRIER_ID = ORDER_BARRIER_ID + CONSUMER_WGS
 PACK = 1 << 16
 LOG_GROUPS = MAX_GROUPS.bit_length() - 1
 assert 1 << LOG_GROUPS == MAX_GROUPS, "the unit search halves a power-of-two table"
 
 
-def stages_for(bn: int, pingpong: bool = False) -> int:
-    """Operand stages beside the fwd's output subtiles (a set per ping-pong warpgroup) and the wgrad's two
-    unit tables."""
-    return pipeline_stages((BM + bn) * BK * 2, epi_sets(pingpong) * EPI_SMEM_BYTES + (2 * MAX_GROUPS + 8) * 4)
+def stages_for(bn: int) -> int:
+    """Operand stages beside the fwd's output subtiles and the wgrad's two unit tables."""
+    return pipeline_stages((BM + bn) * BK * 2, EPI_SMEM_BYTES + (2 * MAX_GROUPS + 8) * 4)
 
 
 @cute.jit
@@ -103,9 +95,9 @@ def _at(table: cute.Tensor, i: Any) -> Int32:
 
 
 class Units(NamedTuple):
-    """A CTA's view of the wgrad's work: offs and the rank tables in shared memory, a split's broadcast flag
-    per tile the CTA works on at once, the chunk size, the tile grid, the CTAs of a cluster (side by side
-    along M, one work item) and the count of work items: a unit's tiles, cm to an item."""
+    """A CTA's view of the wgrad's work: the offs and the two rank tables in shared memory, the flag a
+    split's counter result is broadcast through, the chunk size, the tile grid, the CTAs of a cluster (side
+    by side along M, one work item) and the count of work items: a unit's tiles, cm to an item."""
 
     s_offs: cute.Tensor
     by_rank: cute.Tensor
@@ -130,7 +122,7 @@ def plan_units(s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, thresh: Int3
     base = cast(Any, s_offs.iterator)
     by_rank = cute.make_tensor(base + MAX_GROUPS, cute.make_layout(MAX_GROUPS))
     starts = cute.make_tensor(base + 2 * MAX_GROUPS, cute.make_layout(MAX_GROUPS + 1))
-    flag = cute.make_tensor(base + 3 * MAX_GROUPS + 4, cute.make_layout(CONSUMER_WGS))
+    flag = cute.make_tensor(base + 3 * MAX_GROUPS + 4, cute.make_layout(1))
     for i in range(tidx, n_groups, THREADS):
         start, end = _group_rows(s_offs, i, m_rows)
         rank = Int32(0)
@@ -230,38 +222,36 @@ def _wgrad_tile(u: Units, t: Int32, rank: Int32 | int = 0
 @cute.jit
 def _split_partial(acc: Any, m_ws: Any, m_count: cute.Tensor, flag: cute.Tensor,
                    counter: Int32, first_slice: Int32, part: Int32, splits: Int32, slice_stride: Int32,
-                   local: Int32, tid: Int32, bar: pipeline.NamedBarrier, own: Int32 | int = 0) -> Int32:
+                   local: Int32, ctid: Int32, bar: pipeline.NamedBarrier) -> Int32:
     """A chunk's fp32 partial goes to its workspace slice; the CTA that finishes a tile's last chunk (a
-    device-scope counter) sums the slices in chunk order, so the bits never depend on which CTA is last. tid:
-    the thread's index among its tile's; flag[own]: its tile's broadcast slot."""
+    device-scope counter) sums the slices in chunk order, so the bits never depend on which CTA is last."""
     for v in range_constexpr(cute.size(acc)):
-        m_ws[(v, tid, (first_slice + part) * slice_stride + local)] = acc[v]
+        m_ws[(v, ctid, (first_slice + part) * slice_stride + local)] = acc[v]
     cute.arch.fence_acq_rel_gpu()
     bar.arrive_and_wait()
-    if tid == 0:
-        flag[own] = cute.arch.atomic_add((m_count.iterator + counter).llvm_ptr, Int32(1), sem="acq_rel",
-                                         scope="gpu")
+    if ctid == 0:
+        flag[0] = cute.arch.atomic_add((m_count.iterator + counter).llvm_ptr, Int32(1), sem="acq_rel",
+                                       scope="gpu")
     bar.arrive_and_wait()
     last = Int32(0)
-    if flag[own] == splits - 1:
+    if flag[0] == splits - 1:
         last = Int32(1)
         cute.arch.fence_acq_rel_gpu()
         acc.fill(0.0)
         for c in range(splits):
             for v in range_constexpr(cute.size(acc)):
-                acc[v] = acc[v] + m_ws[(v, tid, (first_slice + c) * slice_stride + local)]
+                acc[v] = acc[v] + m_ws[(v, ctid, (first_slice + c) * slice_stride + local)]
     return last
 
 
 @cute.jit
-def _zero_rows(s: cute.Tensor, stage: Int32, valid: Int32, rows: Constexpr[int], tid: Int32,
-               threads: Constexpr[int]) -> None:
+def _zero_rows(s: cute.Tensor, stage: Int32, valid: Int32, rows: Constexpr[int], ctid: Int32) -> None:
     """Zero s[i, r, stage] for r >= valid by 16-byte stores (scalar ones made the mask the Zipf wgrad's
-    largest cost), thread tid of `threads`; unswizzled offsets suffice (the swizzle permutes within a row)."""
+    largest cost); unswizzled offsets suffice, as the swizzle only permutes the chunks within one row r."""
     base = cast(Pointer, s.iterator).toint()
     per_row = rows // VEC
     zeros = cute.full((VEC,), 0.0, BFloat16)
-    for idx in range(tid, per_row * (BK - valid), threads):
+    for idx in range(ctid, per_row * (BK - valid), CONSUMER_THREADS):
         r = valid + idx // per_row
         c = (idx - (idx // per_row) * per_row) * VEC
         at = base + cast(Int32, s.layout((c, r, stage))) * 2
@@ -269,20 +259,19 @@ def _zero_rows(s: cute.Tensor, stage: Int32, valid: Int32, rows: Constexpr[int],
                          cute.make_layout(VEC)).store(zeros)
 
 
-def _tail_mask(s_a: cute.Tensor, s_b: cute.Tensor, rows: Int32, bn: int, tid: Int32,
-               bar: pipeline.NamedBarrier, threads: int) -> Callable[[Int32, Any], None]:
+def _tail_mask(s_a: cute.Tensor, s_b: cute.Tensor, rows: Int32, bn: int, ctid: Int32,
+               bar: pipeline.NamedBarrier) -> Callable[[Int32, Any], None]:
     """The K loop's step before box kt: _mask_tail of the rows the tile has left."""
-    return lambda stage, kt: _mask_tail(s_a, s_b, stage, rows - kt * BK, bn, tid, bar, threads)
+    return lambda stage, kt: _mask_tail(s_a, s_b, stage, rows - kt * BK, bn, ctid, bar)
 
 
 @cute.jit
 def _mask_tail(s_a: cute.Tensor, s_b: cute.Tensor, stage: Int32, valid: Int32, bn: Constexpr[int],
-               tid: Int32, bar: pipeline.NamedBarrier, threads: Constexpr[int]) -> None:
-    """A box that runs past the group's last row holds the next expert's rows: the tile's `threads` zero
-    them before the MMA."""
+               ctid: Int32, bar: pipeline.NamedBarrier) -> None:
+    """A box that runs past the group's last row holds the next expert's rows: zero them before the MMA."""
     if valid < BK:
-        _zero_rows(s_a, stage, valid, BM, tid, threads)
-        _zero_rows(s_b, stage, valid, bn, tid, threads)
+        _zero_rows(s_a, stage, valid, BM, ctid)
+        _zero_rows(s_b, stage, valid, bn, ctid)
         cute.arch.fence_proxy("async.shared", space="cta")
         bar.arrive_and_wait()
 
@@ -294,24 +283,19 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                   warp_idx: Int32, bidx: Int32, n_ctas: Int32, n: Constexpr[int], k: Constexpr[int],
                   bn: Constexpr[int], stages: Constexpr[int], gs: Constexpr[int], q: Any = None,
                   accumulate: Constexpr[bool] = False, deferred: Constexpr[bool] = False,
-                  rank: Int32 | int = 0, pingpong: Constexpr[bool] = False) -> None:
-    """The wgrad's consumers: masked K boxes into wgmma, the fwd's epilogue into dw from row e * gs (splits
-    via the workspace; deferred: under the next tile's wgmmas), items dealt or handed over, CTA `rank` on the
-    item's rank-th M tile. Ping-pong: each warpgroup every other item whole, turns on ORDER_BARRIER_ID."""
+                  rank: Int32 | int = 0) -> None:
+    """The two consumer warpgroups of the wgrad: masked K boxes into wgmma, then the fwd's epilogue into
+    dw's rows, group e's n from row e * gs (a split group's chunk first through its workspace slice and
+    counter); deferred: the tile's bf16 subtiles leave under the next tile's wgmmas (`Pending`). Work items
+    in snake rounds, or, with a queue q, as the producer hands them over; CTA `rank` of the cluster takes
+    its item's rank-th M tile."""
     cute.arch.setmaxregister_increase(CONSUMER_REGS)
     ctid = tidx - WG_THREADS
-    wg = warp_idx // 4 - 1
-    threads = tile_wgs(pingpong) * WG_THREADS
-    own = wg if const_expr(pingpong) else 0
-    tid = ctid - own * WG_THREADS
-    t_ra, t_rb, acc_shape = mma_fragments(tiled_mma, s_a, s_b, warp_idx, bn, pingpong)
+    t_ra, t_rb, acc_shape = mma_fragments(tiled_mma, s_a, s_b, warp_idx, bn)
     acc = cute.make_rmem_tensor(acc_shape, Float32)
 
-    epi = epilogue_copies(tiled_mma, acc, s_d, ctid, tma_atom_d, pingpong=pingpong)
-    mask_id = PINGPONG_MASK_BARRIER_ID + wg if const_expr(pingpong) else MASK_BARRIER_ID
-    mask_bar = pipeline.NamedBarrier(barrier_id=mask_id, num_threads=threads)
-    mine_done = pipeline.NamedBarrier(barrier_id=ORDER_BARRIER_ID + wg, num_threads=2 * WG_THREADS)
-    other_done = pipeline.NamedBarrier(barrier_id=ORDER_BARRIER_ID + 1 - wg, num_threads=2 * WG_THREADS)
+    epi = epilogue_copies(tiled_mma, acc, s_d, ctid, tma_atom_d)
+    mask_bar = pipeline.NamedBarrier(barrier_id=MASK_BARRIER_ID, num_threads=CONSUMER_THREADS)
 
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
     read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
@@ -328,52 +312,33 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     while t < u.total:
         e, m_tile, n_tile, start, end, splits, part, first_slice = _wgrad_tile(u, t, rank)
         k_tiles = (end - start + BK - 1) // BK
-        t_next = t
-        mine = True
-        if const_expr(pingpong):
-            mine = rnd % 2 == wg
-        if mine:
-            if rnd > 0 and const_expr(pingpong):
-                other_done.arrive_and_wait()
-            zero_acc(acc, pingpong)
-            if k_tiles > 0:
-                read, release = _k_loop(mainloop, tiled_mma, acc, t_ra, t_rb, read, release, held, p_row0,
-                                        p_tile, p_end, p_on, k_tiles, subs, deferred,
-                                        landed=_tail_mask(s_a, s_b, end - start, bn, tid, mask_bar, threads))
-            elif const_expr(deferred):
-                emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(subs))
-            if const_expr(deferred):
-                p_on = Int32(0)
-            if const_expr(pingpong):
-                t_next, qstate = next_tile(q, qstate, rnd + 1, bidx, n_ctas, u.total, lane, u.cm)
-                if t_next < u.total:
-                    mine_done.arrive()
+        acc.fill(0.0)
+        if k_tiles > 0:
+            read, release = _k_loop(mainloop, tiled_mma, acc, t_ra, t_rb, read, release, held, p_row0, p_tile,
+                                    p_end, p_on, k_tiles, subs, deferred,
+                                    landed=_tail_mask(s_a, s_b, end - start, bn, ctid, mask_bar))
+        elif const_expr(deferred):
+            emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(subs))
+        if const_expr(deferred):
+            p_on = Int32(0)
 
-            local = m_tile * u.tiles_n + n_tile
-            write = Int32(1)
-            if splits > 1:
-                write = _split_partial(acc, m_ws, m_count, u.flag, e * u.tiles_per_group + local,
-                                       first_slice, part, splits, u.tiles_per_group, local, tid, epi.bar, own)
-            if write == 1:
-                if const_expr(deferred):
-                    hold(held)
-                    p_row0, p_tile, p_end, p_on = e * gs + m_tile * BM, n_tile, e * gs + n, Int32(1)
-                else:
-                    store_tile(epi, tma_d, m_d, m_d, e * gs + m_tile * BM, n_tile, e * gs + n, k, bn, "none",
-                               accumulate=accumulate)
-        else:
-            read.advance(k_tiles)
-            release.advance(k_tiles)
-        if const_expr(pingpong):
-            if rnd % 2 != wg:
-                t_next, qstate = next_tile(q, qstate, rnd + 1, bidx, n_ctas, u.total, lane, u.cm)
-        else:
-            t_next, qstate = next_tile(q, qstate, rnd + 1, bidx, n_ctas, u.total, lane, u.cm)
+        local = m_tile * u.tiles_n + n_tile
+        write = Int32(1)
+        if splits > 1:
+            write = _split_partial(acc, m_ws, m_count, u.flag, e * u.tiles_per_group + local, first_slice,
+                                   part, splits, u.tiles_per_group, local, ctid, epi.bar)
+        if write == 1:
+            if const_expr(deferred):
+                hold(held)
+                p_row0, p_tile, p_end, p_on = e * gs + m_tile * BM, n_tile, e * gs + n, Int32(1)
+            else:
+                store_tile(epi, tma_d, m_d, m_d, e * gs + m_tile * BM, n_tile, e * gs + n, k, bn, "none",
+                           accumulate=accumulate)
         rnd = rnd + 1
-        t = t_next
+        t, qstate = next_tile(q, qstate, rnd, bidx, n_ctas, u.total, lane, u.cm)
     if const_expr(deferred):
         emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(subs))
-    drain_stores(epi.store_warp)
+    drain_stores()
 
 
 @cute.jit
@@ -439,7 +404,7 @@ def grouped_wgrad_kernel(
     tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
     d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
     stages: Constexpr[int], gs: Constexpr[int], dynamic: Constexpr[bool], accumulate: Constexpr[bool],
-    deferred: Constexpr[bool], cm: Constexpr[int], pingpong: Constexpr[bool],
+    deferred: Constexpr[bool], cm: Constexpr[int],
 ) -> None:
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b, tma_atom_d))
     q: Any = None
@@ -449,7 +414,7 @@ def grouped_wgrad_kernel(
         if const_expr(dynamic):
             q = cluster_queue(tidx, cm)
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
-                                                stages, tables=3, cm=cm, wgs=tile_wgs(pingpong))
+                                                stages, tables=3, cm=cm)
     if const_expr(dynamic and cm == 1):
         q = tile_queue()
     u = plan_units(s_offs, n_groups, m_rows, thresh, split_rows, tidx, n, k, bn, cm)
@@ -472,22 +437,22 @@ def grouped_wgrad_kernel(
             mainloop.producer_tail(state)
     else:
         consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, u, m_ws, m_count, tma_atom_d, tma_d, m_d, tidx,
-                      warp_idx, bidx, n_ctas, n, k, bn, stages, gs, q, accumulate, deferred, rank, pingpong)
+                      warp_idx, bidx, n_ctas, n, k, bn, stages, gs, q, accumulate, deferred, rank)
 
 
-def _mn_major_setup(bn: int, stages: int, pingpong: bool = False
-                    ) -> tuple[cute.TiledMma, cute.ComposedLayout, cute.ComposedLayout, cute.ComposedLayout]:
+def _mn_major_setup(bn: int, stages: int) -> tuple[cute.TiledMma, cute.ComposedLayout, cute.ComposedLayout,
+                                                    cute.ComposedLayout]:
     """The wgrad's MMA and shared layouts: both operands MN-major (rows are the reduction), the output
-    through the fwd's subtiles (a set per ping-pong warpgroup)."""
+    through the fwd's subtiles."""
     mn_major = LayoutEnum.COL_MAJOR
     tile = (BM, bn, BK)
     tiled_mma = sm90_utils.make_trivial_tiled_mma(
         BFloat16, BFloat16, mn_major.sm90_mma_major_mode(), mn_major.sm90_mma_major_mode(), Float32,
-        (tile_wgs(pingpong), 1, 1), tiler_mn=(64, bn),
+        (CONSUMER_WGS, 1, 1), tiler_mn=(64, bn),
     )
     a_layout = sm90_utils.make_smem_layout_a(mn_major, tile, BFloat16, stages)
     b_layout = sm90_utils.make_smem_layout_b(mn_major, tile, BFloat16, stages)
-    return tiled_mma, a_layout, b_layout, epi_smem_layout(epi_sets(pingpong))
+    return tiled_mma, a_layout, b_layout, epi_smem_layout()
 
 
 def _dw_out(pdw: Pointer, n_groups: Int32, n: int, k: int, ld: int, gs: int,
@@ -501,13 +466,12 @@ def _dw_out(pdw: Pointer, n_groups: Int32, n: int, k: int, ld: int, gs: int,
 
 
 def _split_tensors(pws: Pointer, pcount: Pointer, ws_tiles: Int32, n_groups: Int32, n: int, k: int,
-                   bn: int, pingpong: bool = False) -> tuple[cute.Tensor, cute.Tensor]:
-    """The split's fp32 workspace, [value, thread of the tile, slice] (a warp's stores coalesce), and its
+                   bn: int) -> tuple[cute.Tensor, cute.Tensor]:
+    """The split's fp32 workspace, [value, consumer thread, slice] (a warp's stores coalesce), and its
     per-tile counters."""
-    threads = tile_wgs(pingpong) * WG_THREADS
-    per = BM * bn // threads
-    m_ws = cute.make_tensor(pws, cute.make_layout((per, threads, ws_tiles),
-                                                  stride=(threads, 1, per * threads)))
+    per = BM * bn // CONSUMER_THREADS
+    m_ws = cute.make_tensor(pws, cute.make_layout((per, CONSUMER_THREADS, ws_tiles),
+                                                  stride=(CONSUMER_THREADS, 1, per * CONSUMER_THREADS)))
     tiles = ((n + BM - 1) // BM) * ((k + bn - 1) // bn)
     return m_ws, cute.make_tensor(pcount, cute.make_layout(n_groups * tiles + 1))
 
@@ -518,27 +482,26 @@ def grouped_wgrad_host(
     n_groups: Int32, n_ctas: Int32, thresh: Int32, split_rows: Int32, ws_tiles: Int32, stream: cuda.CUstream,
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], ld: Constexpr[int], gs: Constexpr[int],
     dynamic: Constexpr[bool], accumulate: Constexpr[bool], deferred: Constexpr[bool], cm: Constexpr[int],
-    pingpong: Constexpr[bool],
 ) -> None:
     """dw[E, n, k] (rows ld apart, groups gs rows apart): per group dy[rows, n]^T @ x[rows, k], stored or
     (accumulate) added to dw; MN-major operand views. A group of more than thresh rows splits into
     split_rows chunks (fp32 partials in pws, counters pcount, zeroed). cm > 1: clusters of cm CTAs on M tiles
-    side by side, each x box multicast to them. pingpong: each consumer warpgroup a whole tile."""
-    stages = stages_for(bn, pingpong)
-    m_ws, m_count = _split_tensors(pws, pcount, ws_tiles, n_groups, n, k, bn, pingpong)
+    side by side, each x box multicast to them."""
+    stages = stages_for(bn)
+    m_ws, m_count = _split_tensors(pws, pcount, ws_tiles, n_groups, n, k, bn)
     m_dyt = cute.make_tensor(pdy, cute.make_layout((n, m_rows), stride=(1, n)))
     m_xt = cute.make_tensor(px, cute.make_layout((k, m_rows), stride=(1, k)))
     m_dw, tma_atom_d, tma_d = _dw_out(pdw, n_groups, n, k, ld, gs, accumulate)
     m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
 
-    tiled_mma, a_layout, b_layout, d_layout = _mn_major_setup(bn, stages, pingpong)
+    tiled_mma, a_layout, b_layout, d_layout = _mn_major_setup(bn, stages)
     tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
         cpasync.CopyBulkTensorTileG2SOp(), m_dyt, cute.slice_(a_layout, (None, None, 0)), (BM, BK))
     tma_atom_b, tma_b = b_tma(m_xt, b_layout, bn, cm)
     grouped_wgrad_kernel(
         tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, m_dw, m_offs, m_ws, m_count, m_rows,
         n_groups, thresh, split_rows, tiled_mma, a_layout, b_layout, d_layout, n, k, bn, stages, gs, dynamic,
-        accumulate, deferred, cm, pingpong,
+        accumulate, deferred, cm,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(cm), min_blocks_per_mp=1,
              stream=stream)
 
@@ -728,28 +691,17 @@ def pointer(dtype: Any, address: int, align: int = 16) -> Any:
     return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
 
 
-def check_pingpong(bn: int, cm: int, deferred: bool) -> None:
-    """A ping-pong wgrad tile is one warpgroup's BM x PINGPONG_BN accumulator; its epilogue already runs under
-    the other's mainloop, and its warpgroups take turns within a CTA, not a cluster."""
-    if bn != PINGPONG_BN or cm != 1 or deferred:
-        raise ValueError(f"ping-pong wgrad with bn={bn}, cm={cm}, deferred={deferred}: it takes "
-                         f"bn={PINGPONG_BN}, cm=1 and no deferred epilogue; turn GEMM_WGRAD_PINGPONG off "
-                         "to use the others")
-
-
 def compile_args(n: int, k: int, bn: int, ld: int, gs: int = 0, dynamic: bool = False,
                  accumulate: bool = False, deferred: bool = False,
-                 cm: int = 1, pingpong: bool = False) -> tuple[Any, tuple[Any, ...]]:
+                 cm: int = 1) -> tuple[Any, tuple[Any, ...]]:
     if gs and gs < n:
         raise ValueError(f"wgrad group row stride {gs} < its rows {n}: groups would overlap")
     check_cluster(n, cm)
-    if pingpong:
-        check_pingpong(bn, cm, deferred)
     gs = gs or n
     ptrs = (pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(BFloat16, 0), pointer(Int32, 0, 4),
             pointer(Float32, 0), pointer(Int32, 0, 4))
     return grouped_wgrad_host, (*ptrs, *(Int32(0) for _ in range(6)), cuda.CUstream(0), n, k, bn, ld, gs,
-                                dynamic, accumulate, deferred, cm, pingpong)
+                                dynamic, accumulate, deferred, cm)
 
 
 def compile_args_gather(n: int, k: int, bn: int, side: str) -> tuple[Any, tuple[Any, ...]]:
