@@ -438,9 +438,12 @@ FP8_ABLATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ablate.fp8_no_epilogue", "nmoe/fast/kernels/sm90/grouped_gemm_fp8.py",
-        "            store_tile(epi, tma_d, m_d, m_d, row0, n_tile, g_end, n, BN,",
+        "            if const_expr(at_once):\n"
+        "                store_tile_at_once(epi, tma_d, m_d, row0, n_tile, g_end, n, BN)\n"
+        "            else:\n",
         "            if row0 < 0:\n"
-        "                store_tile(epi, tma_d, m_d, m_d, row0, n_tile, g_end, n, BN,",
+        "                store_tile_at_once(epi, tma_d, m_d, row0, n_tile, g_end, n, BN)\n"
+        "            if row0 < 0:\n",
         "timing only: the fp8 fwd's tiles skip their epilogue (staging, barriers, stores): the most that "
         "hiding it under the next tile's first K blocks could buy, most on the downs' four to eight blocks",
     ),
@@ -449,6 +452,12 @@ FP8_ABLATIONS: tuple[Mutation, ...] = (
         "GEMM_FP8_STAGED_TILE: Final[bool] = True\n", "GEMM_FP8_STAGED_TILE: Final[bool] = False\n",
         "the fp8 fwd stages two output subtiles (one operand stage more) instead of the whole tile, so its "
         "consumers wait on the tile's stores before the next tile's MMAs",
+    ),
+    Mutation(
+        "ablate.fp8_tile_at_once", LIMITS,
+        "GEMM_FP8_TILE_AT_ONCE: Final[bool] = False\n", "GEMM_FP8_TILE_AT_ONCE: Final[bool] = True\n",
+        "the fp8 fwd's staged tile leaves at once: every subtile staged, one barrier, their TMA stores in "
+        "one group (two consumer barriers a tile instead of eight)",
     ),
 )
 SETS: dict[str, tuple[Mutation, ...]] = {"gemm": ABLATIONS, "gather": GATHER_ABLATIONS,

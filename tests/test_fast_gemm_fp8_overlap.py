@@ -39,12 +39,13 @@ def test_consumer_promotes_each_block_under_the_next_blocks_mmas(probe: dict[str
     epilogue (an unrolled K loop: ptxas serializes the wgmmas of a rolled one)."""
     issue = [["ld.global.b8", 3], ["mbarrier.try_wait", 1], ["wgmma.fence", 1], ["wgmma.mma_async", 4]]
     step = [*issue, ["wgmma.wait_group.sync.aligned 1", 1], ["fma.rn.f32", 64]]
-    tail = [["wgmma.wait_group.sync.aligned 0", 1], ["fma.rn.f32", 64], ["stmatrix", 8]]
     names = [n for n in probe["ops"] if "overlap" in n]
-    assert len(names) == 5, names
+    assert len(names) == 6, names
     for name in names:
         ops = probe["ops"][name]
         consumer = ops[[op for op, _ in ops].index("setmaxnreg.inc") + 1:]
+        stmatrix = 16 if "at_once" in name else 8
+        tail = [["wgmma.wait_group.sync.aligned 0", 1], ["fma.rn.f32", 64], ["stmatrix", stmatrix]]
         body = issue + step * (_k_blocks(name) - 1) + tail
         assert consumer[: len(body)] == body, (name, consumer[: len(body) + 2])
 
@@ -120,6 +121,42 @@ def test_staged_tile_equals_two_subtiles(k: int, monkeypatch: pytest.MonkeyPatch
     staged = case.run()
     torch.cuda.synchronize()
     assert torch.equal(staged.view(torch.int16), plain.view(torch.int16))
+
+
+def test_tile_at_once_needs_the_staged_tile(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_TILE_AT_ONCE", True)
+    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_STAGED_TILE", False)
+    with pytest.raises(ValueError, match="set GEMM_FP8_STAGED_TILE too"):
+        gemm_fp8.store_schedule()
+    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_STAGED_TILE", True)
+    assert gemm_fp8.store_schedule() == (True, True)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("k", [256, 512, 4096])
+def test_tile_at_once_equals_per_subtile_stores(k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GEMM_FP8_TILE_AT_ONCE moves only when a staged tile's stores are issued: the same bits, cut tiles
+    (group ends, the last rows) and clusters included."""
+    counts = [0, 1, 300, 0, 129, 2, 700, 0, 64]
+    case = make(sum(counts) + 5, 384, k, cumsum(counts), seed=k + 2)
+    plain = case.run()
+    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_TILE_AT_ONCE", True)
+    at_once = case.run()
+    torch.cuda.synchronize()
+    assert torch.equal(at_once.view(torch.int16), plain.view(torch.int16))
+
+
+@gpu
+@sm90
+def test_sep_gemm_fast_fp8_tile_at_once_first_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: a full tile leaving at once sends its first subtile's buffer to every subtile's columns."""
+    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_TILE_AT_ONCE", True)
+    case = make(256, 256, 512, cumsum([128, 128]), seed=25)
+    subtiles = case.formula().view(case.m, -1, BLK // EPI_N, EPI_N)
+    first = subtiles[:, :, :1].expand_as(subtiles).reshape(case.m, case.n)
+    ref, mag = _separates(case, first)
+    assert_contract(case.run(), ref, mag, case.k)
 
 
 @gpu

@@ -36,8 +36,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "gemm.fast_pingpong_acc_order_flat", EPILOGUE,
-        "                epi.r_f[v] = epi.t_rs_acc[epi.order[sub * size_sub + v]]",
-        "                epi.r_f[v] = epi.t_rs_acc[sub * size_sub + v]",
+        "        epi.r_f[v] = epi.t_rs_acc[epi.order[sub * size_sub + v]]",
+        "        epi.r_f[v] = epi.t_rs_acc[sub * size_sub + v]",
         "the epilogue stages the retiled accumulator in its flat order, as if it listed the subtiles one "
         "after another (true of the cooperative tile, not of a ping-pong warpgroup's two 64-row halves)",
         "tests/test_fast_gemm_pingpong.py", ("grouped_gemm",), device="gpu",

@@ -59,6 +59,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "values or an earlier tile's", OVERLAP_TESTS, CONTRACTS, device="gpu",
     ),
     sep_mutation(
+        "gemm.fast_fp8_tile_at_once_first_buffer", "nmoe/fast/kernels/sm90/epilogue.py",
+        "views.b_sd[(None, epi.buf0 + whole)]", "views.b_sd[(None, epi.buf0)]",
+        "a staged tile leaving at once sends its first subtile's buffer to every subtile's columns",
+        OVERLAP_TESTS, CONTRACTS, device="gpu",
+    ),
+    sep_mutation(
         "gemm.fast_fp8_cluster_b_slice_dropped", "nmoe/fast/kernels/sm90/grouped_gemm.py",
         "            t_sb, t_gb = cpasync.tma_partition(tma_atom_b, rank, cute.make_layout(cm), s_b_flat,\n",
         "            t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(cm), s_b_flat,\n",

@@ -80,6 +80,10 @@ accumulators, K loop unrolled) when True, else each block's MMAs are waited befo
 GEMM_FP8_STAGED_TILE: Final[bool] = True
 """sm_90a fp8 fwd: stage a whole 128 x 128 output tile (one operand stage less), so its stores drain under
 the next tile's MMAs, when True, else two subtiles (H200: down projections 1.047-1.053x, up 0.99-1.00x)."""
+GEMM_FP8_TILE_AT_ONCE: Final[bool] = False
+"""sm_90a fp8 fwd with a staged tile: all its subtiles staged, then one barrier and their TMA stores, two
+consumer barriers a tile instead of two a subtile. Off until measured (H100: with no epilogue at all the fp8
+fwd ran 1.01-1.63x, the short-K downs most)."""
 GEMM_FP8_CLUSTER_M: Final[int] = 2
 """sm_90a fp8 fwd at K <= GEMM_FP8_CLUSTER_MAX_K: CTAs per M cluster, each loading 1/this of the B box for all
 (multicast); 1: CTAs alone."""

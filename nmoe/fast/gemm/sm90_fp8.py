@@ -14,6 +14,7 @@ from nmoe.fast.limits import (
     GEMM_FP8_CLUSTER_MAX_K,
     GEMM_FP8_OVERLAP,
     GEMM_FP8_STAGED_TILE,
+    GEMM_FP8_TILE_AT_ONCE,
 )
 from nmoe.fast.op import Kernel, fast_op
 from nmoe.fast.runtime import KernelSpec, tma_aligned
@@ -24,7 +25,8 @@ K_BLOCK = MXFP8_BLOCK_SM90
 _CODES = (torch.uint8, torch.float8_e4m3fn)
 _SCALES = (torch.uint8, torch.float8_e8m0fnu)
 FP8 = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_fp8", "grouped_gemm_fp8_sm90",
-             lambda km, n, k, overlap=False, staged=False, cm=1: km.compile_args(n, k, overlap, staged, cm),
+             lambda km, n, k, overlap=False, staged=False, cm=1, at_once=False:
+             km.compile_args(n, k, overlap, staged, cm, at_once),
              (ARCH,),
              "nmoe.fast.gemm.grouped_gemm_fp8")
 
@@ -50,6 +52,14 @@ def _check(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor,
     return a, sa, b, sb
 
 
+def store_schedule() -> tuple[bool, bool]:
+    """(staged, at_once) from the limits, or a ValueError: a tile leaves at once only when staged whole."""
+    if GEMM_FP8_TILE_AT_ONCE and not GEMM_FP8_STAGED_TILE:
+        raise ValueError("grouped_gemm_fp8: GEMM_FP8_TILE_AT_ONCE stores a whole staged tile at once; set "
+                         "GEMM_FP8_STAGED_TILE too, or turn GEMM_FP8_TILE_AT_ONCE off")
+    return GEMM_FP8_STAGED_TILE, GEMM_FP8_TILE_AT_ONCE
+
+
 def _launch(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, offs: Tensor, y: Tensor) -> None:
     """y[M, N] = per-group dequant(xq) @ dequant(wq[e])^T from byte views of the operands."""
     device, arch = runtime.device_arch(xq, xs, wq, ws, offs, y)
@@ -63,7 +73,8 @@ def _launch(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, offs: Tensor, y: Ten
     check_offs_on_host("grouped_gemm_fp8", offs, m)
     cm = GEMM_FP8_CLUSTER_M if k <= GEMM_FP8_CLUSTER_MAX_K else 1
     n_ctas = fwd_ctas(device, m, n, n_groups, BN, cm)
-    launch = FP8.launcher(arch, n=n, k=k, overlap=GEMM_FP8_OVERLAP, staged=GEMM_FP8_STAGED_TILE, cm=cm)
+    staged, at_once = store_schedule()
+    launch = FP8.launcher(arch, n=n, k=k, overlap=GEMM_FP8_OVERLAP, staged=staged, cm=cm, at_once=at_once)
     launch(device, xq.data_ptr(), wq.data_ptr(), xs.data_ptr(), ws.data_ptr(), y.data_ptr(), offs.data_ptr(),
            m, n_groups, n_ctas)
 
@@ -112,16 +123,22 @@ _EXPECT_OVERLAP = (*_EXPECT, r"wgmma\.wait_group\.sync\.aligned\s+1;")
 _STAGED = r"\bcp\.async\.bulk\.wait_group\.read\s+3\b"
 
 
+# A tile leaving at once: two subtiles' TMA stores with no commit between them (one group per tile).
+_AT_ONCE = (r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta[^\n]*\n[^\n]*\n\s*"
+            r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta")
+
+
 # A cluster's CTAs each load 1/cm of a B box for all of them.
 _MULTICAST = (r"multicast::cluster", r"\bbarrier\.cluster\.wait\b")
 
 
-def _spec(name: str, n: int, k: int, overlap: bool = False, staged: bool = False, cm: int = 1) -> KernelSpec:
-    expect = (*(_EXPECT_OVERLAP if overlap else _EXPECT), *((_STAGED,) if staged else ()),
-              *(_MULTICAST if cm > 1 else ()))
+def _spec(name: str, n: int, k: int, overlap: bool = False, staged: bool = False, cm: int = 1,
+          at_once: bool = False) -> KernelSpec:
+    expect = (*(_EXPECT_OVERLAP if overlap else _EXPECT), *((_STAGED,) if staged and not at_once else ()),
+              *(_MULTICAST if cm > 1 else ()), *((_AT_ONCE,) if at_once else ()))
     return KernelSpec(op="grouped_gemm_fp8", name=name,
-                      compile=FP8.compiler(n=n, k=k, overlap=overlap, staged=staged, cm=cm),
-                      expect={ARCH: expect}, forbid={ARCH: _FORBID})
+                      compile=FP8.compiler(n=n, k=k, overlap=overlap, staged=staged, cm=cm, at_once=at_once),
+                      expect={ARCH: expect}, forbid={ARCH: (*_FORBID, *(() if at_once else (_AT_ONCE,)))})
 
 
 # Representative classes: the up projection (N = 2I, K = H) and the down projection (N = H, K = I); the
@@ -134,4 +151,5 @@ KERNELS: tuple[KernelSpec, ...] = (
     _spec("grouped_gemm_fp8_sm90_odd_overlap", 2048, 384, True),
     _spec("grouped_gemm_fp8_sm90_down_overlap_staged", 4096, 1024, True, True),
     _spec("grouped_gemm_fp8_sm90_down_overlap_cluster2", 4096, 1024, True, True, 2),
+    _spec("grouped_gemm_fp8_sm90_short_overlap_cluster2_at_once", 4096, 256, True, True, 2, True),
 )

@@ -1,6 +1,6 @@
 """The sm_90a grouped GEMMs' epilogue: fp32 accumulator -> bf16 (and act(h)) staged in shared subtiles ->
-TMA or masked stores, stored at once (store_tile) or held in registers and sent under later MMAs (Pending).
-Import only after runtime.import_cutlass("sm_90a")."""
+TMA or masked stores, stored at once (store_tile, store_tile_at_once) or held in registers and sent under
+later MMAs (Pending). Import only after runtime.import_cutlass("sm_90a")."""
 
 from __future__ import annotations
 
@@ -224,6 +224,15 @@ def tile_views(epi: Epilogue, tma_d: cute.Tensor, row0: Int32, n_tile: Int32, ro
 
 
 @cute.jit
+def _subtile_bf16(epi: Epilogue, sub: Constexpr[int]) -> None:
+    """Subtile sub's accumulator values, in staging order, rounded once to bf16 into epi.r_d."""
+    size_sub = cute.size(epi.r_f)
+    for v in range_constexpr(size_sub):
+        epi.r_f[v] = epi.t_rs_acc[epi.order[sub * size_sub + v]]
+    epi.r_d.store(epi.r_f.load().to(BFloat16))
+
+
+@cute.jit
 def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.Tensor, row0: Int32,
                n_tile: Int32, row_end: Int32, n: Constexpr[int], bn: Constexpr[int],
                act: Constexpr[str], tma_act: Any = None, accumulate: Constexpr[bool] = False,
@@ -241,9 +250,7 @@ def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.
         if const_expr(act != "none" and sub % batch == 0):
             r_ha, r_bits = _act_tile(epi, sub * size_sub, batch * size_sub, act)
         if const_expr(act == "none"):
-            for v in range_constexpr(size_sub):
-                epi.r_f[v] = epi.t_rs_acc[epi.order[sub * size_sub + v]]
-            epi.r_d.store(epi.r_f.load().to(BFloat16))
+            _subtile_bf16(epi, sub)
         else:
             if const_expr(keep_h):
                 for v in range_constexpr(size_sub):
@@ -251,6 +258,29 @@ def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.
             _stage_act(epi, r_bits, sub % batch * (size_sub // EPILOGUES[act]), buf, act)
         emit_subtile(epi, views, epi.r_d, m_d, m_act, row0, n_tile, sub, buf, n, bn, act, accumulate, bufs,
                      keep_h)
+
+
+@cute.jit
+def store_tile_at_once(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, row0: Int32, n_tile: Int32,
+                       row_end: Int32, n: Constexpr[int], bn: Constexpr[int]) -> None:
+    """A tile staged whole (a buffer per subtile): all subtiles staged, one barrier, then their TMA stores,
+    two consumer barriers a tile instead of two a subtile; cut tiles leave by store_tile's masked stores."""
+    views = tile_views(epi, tma_d, row0, n_tile, row_end, n, bn, "none")
+    if views.store_warp:
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+    epi.bar.arrive_and_wait()
+    if views.tma_ok:
+        for sub in range_constexpr(bn // EPI_N):
+            _subtile_bf16(epi, sub)
+            cute.copy(epi.r2s, epi.r_d, epi.t_rs_d[(None, None, None, epi.buf0 + sub)])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        epi.bar.arrive_and_wait()
+        if views.store_warp:
+            for whole in range_constexpr(bn // EPI_N):
+                cute.copy(epi.tma_atom, views.b_sd[(None, epi.buf0 + whole)], views.b_gd[(None, (0, whole))])
+            cute.arch.cp_async_bulk_commit_group()
+    else:
+        store_tile(epi, tma_d, m_d, m_d, row0, n_tile, row_end, n, bn, "none", bufs=bn // EPI_N)
 
 
 @cute.jit

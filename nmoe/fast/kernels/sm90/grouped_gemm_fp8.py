@@ -25,6 +25,7 @@ from nmoe.fast.kernels.sm90.epilogue import (
     drain_stores,
     epilogue_copies,
     store_tile,
+    store_tile_at_once,
 )
 from nmoe.fast.kernels.sm90.grouped_gemm import (
     _seek,
@@ -184,7 +185,7 @@ def grouped_gemm_fp8_kernel(
     m_offs: cute.Tensor, m_rows: Int32,
     n_groups: Int32, tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
     d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], stages: Constexpr[int],
-    overlap: Constexpr[bool], staged: Constexpr[bool], cm: Constexpr[int],
+    overlap: Constexpr[bool], staged: Constexpr[bool], cm: Constexpr[int], at_once: Constexpr[bool],
 ) -> None:
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b, tma_atom_d))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, Float8E4M3FN, a_layout, b_layout, d_layout,
@@ -237,7 +238,11 @@ def grouped_gemm_fp8_kernel(
                         read.advance()
                         s_lo, s_hi = _block_scales(b_lo, b_hi, b_w)
                         _promote(acc, blk, s_lo, s_hi)
-            store_tile(epi, tma_d, m_d, m_d, row0, n_tile, g_end, n, BN, "none", bufs=epi_bufs(BN, staged))
+            if const_expr(at_once):
+                store_tile_at_once(epi, tma_d, m_d, row0, n_tile, g_end, n, BN)
+            else:
+                store_tile(epi, tma_d, m_d, m_d, row0, n_tile, g_end, n, BN, "none",
+                           bufs=epi_bufs(BN, staged))
             t = t + n_units
             e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,
                                                     before, here, n_tiles_n, cm)
@@ -248,11 +253,12 @@ def grouped_gemm_fp8_kernel(
 def grouped_gemm_fp8_host(
     px: Pointer, pw: Pointer, pxs: Pointer, pws: Pointer, py: Pointer, poffs: Pointer, m_rows: Int32,
     n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream, n: Constexpr[int], k: Constexpr[int],
-    overlap: Constexpr[bool], staged: Constexpr[bool], cm: Constexpr[int],
+    overlap: Constexpr[bool], staged: Constexpr[bool], cm: Constexpr[int], at_once: Constexpr[bool],
 ) -> None:
     """y[M, n] = per-group dequant(xq)[M, k] @ dequant(wq[e])^T; codes K-major, scales row-major bytes;
     staged: a whole output tile waits in shared memory (epi_bufs); cm > 1: clusters of cm M tiles share
-    each B box, every CTA loading 1/cm of it for all."""
+    each B box, every CTA loading 1/cm of it for all; at_once (staged only): store_tile_at_once."""
+    assert staged or not at_once, "a tile leaves at once only from a whole staged tile"
     stages = stages_for(staged)
     kb = k // BK
     m_x = cute.make_tensor(px, cute.make_layout((m_rows, k), stride=(k, 1)))
@@ -274,14 +280,14 @@ def grouped_gemm_fp8_host(
     grouped_gemm_fp8_kernel(
         tma_atom_a, tma_a, tma_atom_b, tma_b, m_xs, m_ws, *epi_tma(m_y), m_y, m_offs, m_rows, n_groups,
         tiled_mma, a_layout, b_layout, epi_smem_layout(bufs=epi_bufs(BN, staged)), n, k, stages, overlap,
-        staged, cm,
+        staged, cm, at_once,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(cm), min_blocks_per_mp=1,
              stream=stream)
 
 
-def compile_args(n: int, k: int, overlap: bool = False, staged: bool = False,
-                 cm: int = 1) -> tuple[Any, tuple[Any, ...]]:
+def compile_args(n: int, k: int, overlap: bool = False, staged: bool = False, cm: int = 1,
+                 at_once: bool = False) -> tuple[Any, tuple[Any, ...]]:
     ptrs = (pointer(Float8E4M3FN, 0), pointer(Float8E4M3FN, 0), pointer(Uint8, 0, 1), pointer(Uint8, 0, 1),
             pointer(BFloat16, 0), pointer(Int32, 0, 4))
     return grouped_gemm_fp8_host, (*ptrs, Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k, overlap,
-                                   staged, cm)
+                                   staged, cm, at_once)
