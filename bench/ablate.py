@@ -438,12 +438,9 @@ FP8_ABLATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ablate.fp8_no_epilogue", "nmoe/fast/kernels/sm90/grouped_gemm_fp8.py",
-        "            if const_expr(at_once):\n"
-        "                store_tile_at_once(epi, tma_d, m_d, row0, n_tile, g_end, n, BN)\n"
-        "            else:\n",
+        "            _store(epi, half,",
         "            if row0 < 0:\n"
-        "                store_tile_at_once(epi, tma_d, m_d, row0, n_tile, g_end, n, BN)\n"
-        "            if row0 < 0:\n",
+        "                _store(epi, half,",
         "timing only: the fp8 fwd's tiles skip their epilogue (staging, barriers, stores): the most that "
         "hiding it under the next tile's first K blocks could buy, most on the downs' four to eight blocks",
     ),
@@ -452,6 +449,12 @@ FP8_ABLATIONS: tuple[Mutation, ...] = (
         "GEMM_FP8_STAGED_TILE: Final[bool] = True\n", "GEMM_FP8_STAGED_TILE: Final[bool] = False\n",
         "the fp8 fwd stages two output subtiles (one operand stage more) instead of the whole tile, so its "
         "consumers wait on the tile's stores before the next tile's MMAs",
+    ),
+    Mutation(
+        "ablate.fp8_stagger", LIMITS,
+        "GEMM_FP8_STAGGER: Final[bool] = False\n", "GEMM_FP8_STAGGER: Final[bool] = True\n",
+        "the fp8 fwd's consumer warpgroups each store their own rows of a staged tile on a barrier of their "
+        "own, warpgroup 1 a K block behind, so one's epilogue runs under the other's wgmmas",
     ),
     Mutation(
         "ablate.fp8_tile_at_once", LIMITS,

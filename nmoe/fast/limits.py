@@ -84,6 +84,10 @@ GEMM_FP8_TILE_AT_ONCE: Final[bool] = False
 """sm_90a fp8 fwd with a staged tile: all its subtiles staged, then one barrier and their TMA stores, two
 consumer barriers a tile instead of two a subtile. Off until measured (H100: with no epilogue at all the fp8
 fwd ran 1.01-1.63x, the short-K downs most)."""
+GEMM_FP8_STAGGER: Final[bool] = False
+"""sm_90a fp8 fwd: each consumer warpgroup stores its own rows of a staged tile at once, on a barrier of its
+own (tiles cut by a group end straight from registers), and warpgroup 1 starts a K block behind, so one's
+epilogue runs under the other's wgmmas with no second B load (ping-pong's cost). Off until measured."""
 GEMM_FP8_CLUSTER_M: Final[int] = 2
 """sm_90a fp8 fwd at K <= GEMM_FP8_CLUSTER_MAX_K: CTAs per M cluster, each loading 1/this of the B box for all
 (multicast); 1: CTAs alone."""
