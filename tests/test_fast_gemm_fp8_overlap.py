@@ -145,6 +145,16 @@ def test_store_schedule_takes_each_flag_alone(flag: str, monkeypatch: pytest.Mon
     assert gemm_fp8.store_schedule() == (True, flag == "GEMM_FP8_TILE_AT_ONCE", flag == "GEMM_FP8_STAGGER")
 
 
+def _flag_off_and_on(case: Case, flag: str, monkeypatch: pytest.MonkeyPatch) -> tuple[Tensor, Tensor]:
+    """The overlapped schedule's output with a store flag off, then on."""
+    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_OVERLAP", True)
+    plain = case.run()
+    monkeypatch.setattr(gemm_fp8, flag, True)
+    flagged = case.run()
+    torch.cuda.synchronize()
+    return plain, flagged
+
+
 @gpu
 @sm90
 @pytest.mark.parametrize("flag", ["GEMM_FP8_TILE_AT_ONCE", "GEMM_FP8_STAGGER"])
@@ -154,24 +164,15 @@ def test_tile_at_once_equals_per_subtile_stores(k: int, flag: str, monkeypatch: 
     issued: the same bits, cut tiles (group ends, the last rows), clusters and odd K block counts included."""
     counts = [0, 1, 300, 0, 129, 2, 700, 0, 64]
     case = make(sum(counts) + 5, 384, k, cumsum(counts), seed=k + 2)
-    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_OVERLAP", True)
-    plain = case.run()
-    monkeypatch.setattr(gemm_fp8, flag, True)
-    at_once = case.run()
-    torch.cuda.synchronize()
-    assert torch.equal(at_once.view(torch.int16), plain.view(torch.int16))
+    plain, flagged = _flag_off_and_on(case, flag, monkeypatch)
+    assert torch.equal(flagged.view(torch.int16), plain.view(torch.int16))
 
 
 @gpu
 @sm90
 def test_staggered_warpgroups_equal_the_shared_epilogue_under_skew(monkeypatch: pytest.MonkeyPatch) -> None:
-    counts = zipf_counts(6000, 64)
-    case = make(6000, 512, 512, cumsum(counts), seed=26)
-    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_OVERLAP", True)
-    plain = case.run()
-    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_STAGGER", True)
-    staggered = case.run()
-    torch.cuda.synchronize()
+    case = make(6000, 512, 512, cumsum(zipf_counts(6000, 64)), seed=26)
+    plain, staggered = _flag_off_and_on(case, "GEMM_FP8_STAGGER", monkeypatch)
     assert torch.equal(staggered.view(torch.int16), plain.view(torch.int16))
 
 
