@@ -60,7 +60,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "gemm.fast_fp8_tile_at_once_first_buffer", "nmoe/fast/kernels/sm90/epilogue.py",
-        "views.b_sd[(None, epi.buf0 + whole)]", "views.b_sd[(None, epi.buf0)]",
+        "b_sd[(None, epi.buf0 + whole)]", "b_sd[(None, epi.buf0)]",
         "a staged tile leaving at once sends its first subtile's buffer to every subtile's columns",
         OVERLAP_TESTS, CONTRACTS, device="gpu",
     ),

@@ -151,11 +151,12 @@ _MULTICAST = (r"multicast::cluster", r"\bbarrier\.cluster\.wait\b")
 
 def _spec(name: str, n: int, k: int, overlap: bool = False, staged: bool = False, cm: int = 1,
           at_once: bool = False, stagger: bool = False) -> KernelSpec:
-    expect = (*(_EXPECT_OVERLAP if overlap else _EXPECT), *((_STAGED,) if staged and not at_once else ()),
-              *(_MULTICAST if cm > 1 else ()), *((_AT_ONCE,) if at_once else ()))
-    forbid = (*_FORBID, *(() if at_once or stagger else (_AT_ONCE,)))
+    once = at_once or stagger
+    expect = (*(_EXPECT_OVERLAP if overlap else _EXPECT), *((_STAGED,) if staged and not once else ()),
+              *(_MULTICAST if cm > 1 else ()), *((_AT_ONCE,) if once else ()))
+    forbid = (*_FORBID, *(() if once else (_AT_ONCE,)))
     if stagger:
-        expect = (*(rx for rx in expect if rx not in (_ST_V4, _STAGED)), _AT_ONCE, *_STAGGER)
+        expect = (*(rx for rx in expect if rx != _ST_V4), *_STAGGER)
         forbid = (*forbid, _ST_V4, _SHARED_EPI_BAR)
     return KernelSpec(op="grouped_gemm_fp8", name=name,
                       compile=FP8.compiler(n=n, k=k, overlap=overlap, staged=staged, cm=cm, at_once=at_once,

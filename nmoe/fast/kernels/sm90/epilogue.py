@@ -84,11 +84,22 @@ def epilogue_copies(tiled_mma: cute.TiledMma, acc: cute.Tensor, s_d: cute.Tensor
         r2s, thr_r2s.partition_D(s_d), r2s.retile(acc), cute.make_rmem_tensor(d_shape, Float32),
         cute.make_rmem_tensor(d_shape, BFloat16), s2g_atom, thr_s2g, t_s_sd,
         thr_s2g.partition_D(cute.make_identity_tensor((BM, EPI_N))),
-        pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID + wg, num_threads=threads), s_d, tma_atom,
+        epi_barrier(wg, threads), s_d, tma_atom,
         thr_r2s.partition_S(cute.make_identity_tensor((BM, EPI_N))), s_act, act_atom,
         None if act == "none" else thr_act.partition_S(s_act), thr_act, act_tma_atom,
-        wg * EPI_BUFS, STORE_WARP + wg * (WG_THREADS // 32), acc_order(tiled_mma, r2s, acc.shape, threads),
+        wg * EPI_BUFS, store_warp_of(wg), acc_order(tiled_mma, r2s, acc.shape, threads),
     )
+
+
+def epi_barrier(wg: Int32, threads: int) -> pipeline.NamedBarrier:
+    """Warpgroup wg's epilogue barrier (all consumers' when shared: wg 0, CONSUMER_THREADS)."""
+    return pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID + wg, num_threads=threads)
+
+
+def store_warp_of(wg: Int32) -> Int32:
+    """The warp that issues warpgroup wg's TMA stores: its first."""
+    warp: Int32 = STORE_WARP + wg * (WG_THREADS // 32)
+    return warp
 
 
 def acc_order(tiled_mma: cute.TiledMma, r2s: cute.TiledCopy, acc_shape: Any, threads: int) -> tuple[int, ...]:
@@ -262,6 +273,22 @@ def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.
 
 
 @cute.jit
+def _send_whole(epi: Epilogue, bar: pipeline.NamedBarrier, storing: Any, tma_atom: cute.CopyAtom,
+                b_sd: cute.Tensor, b_gd: cute.Tensor, bn: Constexpr[int]) -> None:
+    """Every subtile of a whole staged tile (the rows of bar's threads) into its own buffer, one barrier, then
+    the storing warp's TMA stores as one bulk group."""
+    for sub in range_constexpr(bn // EPI_N):
+        _subtile_bf16(epi, sub)
+        cute.copy(epi.r2s, epi.r_d, epi.t_rs_d[(None, None, None, epi.buf0 + sub)])
+    cute.arch.fence_proxy("async.shared", space="cta")
+    bar.arrive_and_wait()
+    if storing:
+        for whole in range_constexpr(bn // EPI_N):
+            cute.copy(tma_atom, b_sd[(None, epi.buf0 + whole)], b_gd[(None, (0, whole))])
+        cute.arch.cp_async_bulk_commit_group()
+
+
+@cute.jit
 def store_tile_at_once(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, row0: Int32, n_tile: Int32,
                        row_end: Int32, n: Constexpr[int], bn: Constexpr[int]) -> None:
     """A tile staged whole (a buffer per subtile): all subtiles staged, one barrier, then their TMA stores,
@@ -271,15 +298,7 @@ def store_tile_at_once(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, row0
         cute.arch.cp_async_bulk_wait_group(0, read=True)
     epi.bar.arrive_and_wait()
     if views.tma_ok:
-        for sub in range_constexpr(bn // EPI_N):
-            _subtile_bf16(epi, sub)
-            cute.copy(epi.r2s, epi.r_d, epi.t_rs_d[(None, None, None, epi.buf0 + sub)])
-        cute.arch.fence_proxy("async.shared", space="cta")
-        epi.bar.arrive_and_wait()
-        if views.store_warp:
-            for whole in range_constexpr(bn // EPI_N):
-                cute.copy(epi.tma_atom, views.b_sd[(None, epi.buf0 + whole)], views.b_gd[(None, (0, whole))])
-            cute.arch.cp_async_bulk_commit_group()
+        _send_whole(epi, epi.bar, views.store_warp, epi.tma_atom, views.b_sd, views.b_gd, bn)
     else:
         store_tile(epi, tma_d, m_d, m_d, row0, n_tile, row_end, n, bn, "none", bufs=bn // EPI_N)
 
@@ -295,8 +314,7 @@ class HalfTile(NamedTuple):
 
 def half_tile(ctid: Int32) -> HalfTile:
     wg = ctid // WG_THREADS
-    return HalfTile(pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID + wg, num_threads=WG_THREADS),
-                    STORE_WARP + wg * (WG_THREADS // 32), wg)
+    return HalfTile(epi_barrier(wg, WG_THREADS), store_warp_of(wg), wg)
 
 
 @cute.jit
@@ -309,24 +327,16 @@ def store_half_at_once(epi: Epilogue, half: HalfTile, tma_atom: cute.CopyAtom, t
     rows = BM // CONSUMER_WGS
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     if row_end - row0 >= BM:
-        if warp_idx == half.store_warp:
+        storing = warp_idx == half.store_warp
+        if storing:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         half.bar.arrive_and_wait()
-        for sub in range_constexpr(bn // EPI_N):
-            _subtile_bf16(epi, sub)
-            cute.copy(epi.r2s, epi.r_d, epi.t_rs_d[(None, None, None, epi.buf0 + sub)])
-        cute.arch.fence_proxy("async.shared", space="cta")
-        half.bar.arrive_and_wait()
-        if warp_idx == half.store_warp:
-            g_half = cute.local_tile(cute.domain_offset((row0 + half.wg * rows, 0), tma_half), (rows, bn),
-                                     (0, n_tile))
-            s_half = cute.flat_divide(epi.s_d, (rows, EPI_N))[(None, None, half.wg, 0, None)]
-            b_sd, b_gd = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1),
-                                               cute.group_modes(s_half, 0, 2),
-                                               cute.zipped_divide(g_half, (rows, EPI_N)))
-            for sub in range_constexpr(bn // EPI_N):
-                cute.copy(tma_atom, b_sd[(None, epi.buf0 + sub)], b_gd[(None, (0, sub))])
-            cute.arch.cp_async_bulk_commit_group()
+        g_half = cute.local_tile(cute.domain_offset((row0 + half.wg * rows, 0), tma_half), (rows, bn),
+                                 (0, n_tile))
+        s_half = cute.flat_divide(epi.s_d, (rows, EPI_N))[(None, None, half.wg, 0, None)]
+        b_sd, b_gd = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(s_half, 0, 2),
+                                           cute.zipped_divide(g_half, (rows, EPI_N)))
+        _send_whole(epi, half.bar, storing, tma_atom, b_sd, b_gd, bn)
     else:
         pair = cute.make_rmem_tensor((2,), Float32)
         bits = cute.make_rmem_tensor((2,), BFloat16)
