@@ -1,6 +1,7 @@
-"""Expert parallelism end to end on the GPU: the fast model with its routed experts sharded over W ranks (W
-processes sharing one GPU, one RDEP exchange for every MoE layer) gives one process's loss and gradients on
-the same global batch; `nmoe train` under torchrun on two GPUs logs one GPU's losses."""
+"""Expert parallelism end to end on the GPU: the fast model with its routed experts (bf16 or fp8) sharded over
+W ranks (W processes sharing one GPU, one RDEP exchange for every MoE layer) gives one process's loss and
+gradients on the same global batch; train() over RDEP resumes and runs graphed steps bit for bit like its
+unbroken eager run; `nmoe train` under torchrun on two GPUs logs one GPU's losses."""
 
 # Bounds: the EP layer's output equals the one-process layer's bit for bit (tests/test_fast_rdep.py); what
 # differs is the batch split (per-rank CE means averaged, dense GEMMs of half the rows, gradient sums over
@@ -27,9 +28,10 @@ gpu = pytest.mark.gpu
 LOSS_REL, GRAD_REL = 2.0**-10, 2.0**-6
 
 
-def _cfg() -> ModelConfig:
+def _cfg(dtype: str = "bf16") -> ModelConfig:
     return load_config(REPO / "configs" / "tiny-gpu.toml", env={}, overrides=[
-        "--model.tokenizer=none", "--model.vocab_size=4096", "--model.n_layers=3"]).model
+        "--model.tokenizer=none", "--model.vocab_size=4096", "--model.n_layers=3",
+        f"--model.expert_dtype={dtype}"]).model
 
 
 def _rel(a: Tensor, b: Tensor) -> float:
@@ -92,13 +94,13 @@ def ep_model_job(group: Any, cfg: ModelConfig, tokens: Tensor) -> dict[str, Any]
 
 
 @gpu
-@pytest.mark.parametrize("w", [2, 4], ids=["W2", "W4"])
-def test_ep_model_matches_one_process_on_the_same_batch(w: int) -> None:
+@pytest.mark.parametrize(("w", "dtype"), [(2, "bf16"), (4, "bf16"), (2, "fp8")], ids=["W2", "W4", "W2_fp8"])
+def test_ep_model_matches_one_process_on_the_same_batch(w: int, dtype: str) -> None:
     from nmoe.fast.model import ep_shape
     from nmoe.fast.rdep import spmd as ranks
     from parity import spmd
 
-    cfg = _cfg()
+    cfg = _cfg(dtype)
     b, s = 2, 128
     tokens = torch.randint(0, cfg.vocab_size, (w * b, s + 1), generator=torch.Generator().manual_seed(3))
     shape = ep_shape(cfg, b * s, w, float(w), 60.0)
@@ -151,20 +153,28 @@ def test_torchrun_two_gpus_expert_parallel_logs_one_gpus_losses(tmp_path: Path) 
         assert abs(a - b) <= 2.0**-8 * a, f"step {step}: one GPU {a}, two GPUs {b}"
 
 
-def _ep_train_cfg(tmp: Path, data: Path, name: str, steps: int) -> Any:
+EP_STEPS = 6
+
+
+def _ep_train_cfg(tmp: Path, data: Path, name: str, steps: int, *extra: str) -> Any:
     tokens = 2 * 2 * 256
     return load_config(REPO / "configs" / "tiny-gpu.toml", env={}, overrides=[
         f"--data.dataset_dir={data}", f"--checkpoint.dir={tmp / name / 'ckpt'}", "--train.log_every=2",
         f"--metrics.db_path={tmp / name / 'experiments.sqlite'}", f"--metrics.dir={tmp / name / 'metrics'}",
         "--checkpoint.every_steps=0", "--data.seq_len=256", "--data.batch_size=2",
         "--train.expert_parallel=true",
-        f"--schedule.warmup_tokens={4 * tokens}", f"--schedule.total_tokens={steps * tokens}",
+        f"--schedule.warmup_tokens={4 * tokens}", f"--schedule.total_tokens={steps * tokens}", *extra,
     ])
 
 
-def ep_train_job(group: Any, tmp: Path, data: Path) -> dict[str, Any]:
-    """train() itself over 2 ranks with experts sharded (data + expert parallel): 6 unbroken steps, and 3
-    steps, a checkpoint, then 3 more from it in a fresh model; losses, weights and router biases."""
+Run = tuple[str, int, tuple[str, ...]]
+"""(name, steps to stop after, config overrides) of one train() call; runs of one name continue its
+checkpoints, so a second run of a name resumes the first."""
+
+
+def ep_train_job(group: Any, tmp: Path, data: Path, runs: tuple[Run, ...]) -> dict[str, Any]:
+    """train() itself over 2 ranks with experts sharded (data + expert parallel), each run in a fresh model:
+    every name's losses, run after run, and its weights and router biases after its last run."""
     import torch.distributed as dist
 
     from nmoe.fast.model import Model, ep_shape
@@ -179,42 +189,65 @@ def ep_train_job(group: Any, tmp: Path, data: Path) -> dict[str, Any]:
     slots = RdepGroup(slot_shape(group.shape), rank, dev, all_gather_bytes)
     try:
         ex = Exchange(group, slots)
-        runs: dict[str, Any] = {}
-        for name, stop in (("full", 6), ("split", 3), ("split", 6)):
-            cfg = _ep_train_cfg(tmp, data, name, 6)
+        losses: dict[str, list[float]] = {}
+        states: dict[str, dict[str, Tensor]] = {}
+        for name, stop, extra in runs:
+            cfg = _ep_train_cfg(tmp, data, name, EP_STEPS, *extra)
             t = cfg.train
             assert ep_shape(cfg.model, 2 * 256, world, t.ep_capacity, t.ep_timeout_s) == group.shape
             model = Model(cfg.model, seed=cfg.train.seed, device=dev, shard=ExpertShard(rank, world))
             model.attach_exchange(ex)
             res = train(cfg, model, steps=optim_steps(cfg), device=dev, max_steps=stop, rank=rank,
                         world=world, progress=False)
-            runs.setdefault(name, []).append(res.losses)
-            runs[f"{name}_state"] = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+            losses[name] = losses.get(name, []) + res.losses
+            states[name] = {k: v.detach().cpu() for k, v in model.state_dict().items()}
             dist.barrier()
-        return {"full": runs["full"][0], "split": runs["split"][0] + runs["split"][1],
-                "same": sorted(k for k, v in runs["full_state"].items()
-                                if torch.equal(v, runs["split_state"][k])),
-                "keys": sorted(runs["full_state"])}
+        return {"losses": losses, "states": states}
     finally:
         dist.barrier()
         slots.close()
 
 
-@gpu
-def test_ep_training_over_two_ranks_resumes_bitwise(tmp_path: Path) -> None:
+def _ep_train(tmp: Path, runs: tuple[Run, ...]) -> list[dict[str, Any]]:
     from nmoe.data import prep
     from nmoe.fast.model import ep_shape
     from nmoe.fast.rdep import spmd as ranks
     from parity import spmd
 
-    data = tmp_path / "data"
+    data = tmp / "data"
     assert prep.main(["--out", str(data), "--workers", "1", "--no-progress"]) == 0
-    cfg = _ep_train_cfg(tmp_path, data, "probe", 6)
+    cfg = _ep_train_cfg(tmp, data, "probe", EP_STEPS)
     shape = ep_shape(cfg.model, 2 * 256, 2, cfg.train.ep_capacity, cfg.train.ep_timeout_s)
-    outs = spmd.pool(2).run(ranks.Job(ep_train_job, shape, ((tmp_path, data), (tmp_path, data))))
+    outs: list[dict[str, Any]] = spmd.pool(2).run(ranks.Job(ep_train_job, shape, ((tmp, data, runs),) * 2))
+    return outs
+
+
+def _differ(a: dict[str, Tensor], b: dict[str, Tensor]) -> list[str]:
+    return sorted(k for k, v in a.items() if not torch.equal(v, b[k]))
+
+
+@gpu
+def test_ep_training_over_two_ranks_resumes_bitwise(tmp_path: Path) -> None:
+    """6 unbroken steps, and 3 steps, a checkpoint, then 3 more from it in a fresh model."""
+    outs = _ep_train(tmp_path, (("full", 6, ()), ("split", 3, ()), ("split", 6, ())))
     for r, o in enumerate(outs):
-        print(f"rank {r}: unbroken {o['full']}, resumed {o['split']}")
-        assert len(o["full"]) == 6 and o["full"][-1] < o["full"][0], f"rank {r}: loss does not fall"
-        assert o["split"] == o["full"], f"rank {r}: the resumed run's losses differ from the unbroken run's"
-        assert o["same"] == o["keys"], f"rank {r}: differ after resume: {set(o['keys']) - set(o['same'])}"
-    assert outs[0]["full"] == outs[1]["full"], "the ranks log different (not global) losses"
+        full, split = o["losses"]["full"], o["losses"]["split"]
+        print(f"rank {r}: unbroken {full}, resumed {split}")
+        assert len(full) == 6 and full[-1] < full[0], f"rank {r}: loss does not fall"
+        assert split == full, f"rank {r}: the resumed run's losses differ from the unbroken run's"
+        bad = _differ(o["states"]["full"], o["states"]["split"])
+        assert not bad, f"rank {r}: differ after resume: {bad}"
+    assert outs[0]["losses"]["full"] == outs[1]["losses"]["full"], "a rank logs its own, not the global loss"
+
+
+@gpu
+def test_graphed_ep_training_matches_eager_bitwise(tmp_path: Path) -> None:
+    """train.cuda_graph over RDEP (step 1 eager, then one capture and replays) logs the eager run's losses
+    and ends on its weights, bit for bit."""
+    outs = _ep_train(tmp_path, (("eager", EP_STEPS, ()), ("graph", EP_STEPS, ("--train.cuda_graph=true",))))
+    for r, o in enumerate(outs):
+        eager, graph = o["losses"]["eager"], o["losses"]["graph"]
+        print(f"rank {r}: eager {eager}, graphed {graph}")
+        assert len(eager) == EP_STEPS and graph == eager, f"rank {r}: graphed losses differ"
+        bad = _differ(o["states"]["eager"], o["states"]["graph"])
+        assert not bad, f"rank {r}: weights differ after graphed steps: {bad}"

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import Tensor
 
+import nmoe.fast.experts as fx
 import nmoe.fast.moe as fm
 from nmoe.accumulate import adding_to_grads
 from nmoe.config import ModelConfig
@@ -69,6 +70,15 @@ def _rows_bwd(dz: Tensor, h: Tensor, w: Tensor, activation: str) -> tuple[Tensor
     return aw, dot.view(-1)
 
 
+SPEC_ACT = {"swiglu": (ra.swiglu, ra.swiglu_bwd), "relu2": (ra.relu2, ra.relu2_bwd)}
+EXPERT_SUBS: dict[str, Any] = {
+    "grouped_gemm": rg.grouped_gemm, "grouped_gemm_dgrad": rg.grouped_gemm_dgrad,
+    "grouped_gemm_wgrad": rg.grouped_gemm_wgrad, "grouped_gemm_fp8": rg.grouped_gemm_fp8,
+    "quantize_mxfp8": rf.quantize_mxfp8, "quantize_mxfp8_weight": rf.quantize_mxfp8_weight,
+}
+"""nmoe.fast.experts' kernels, the spec's ops in their place."""
+
+
 @pytest.fixture
 def spec_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     subs: dict[str, Any] = {
@@ -76,15 +86,14 @@ def spec_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
         "spread_rows": lambda x, slot, row_of: _gathered_rows(x, slot, row_of.shape[1]),
         "combine": rc.combine, "combine_bwd": rc.combine_bwd, "combine_gather": rc.combine_gather,
         "expert_rows_bwd": _rows_bwd,
-        "grouped_gemm": rg.grouped_gemm, "grouped_gemm_dgrad": rg.grouped_gemm_dgrad,
-        "grouped_gemm_wgrad": rg.grouped_gemm_wgrad, "grouped_gemm_fp8": rg.grouped_gemm_fp8,
-        "quantize_mxfp8": rf.quantize_mxfp8, "quantize_mxfp8_weight": rf.quantize_mxfp8_weight,
+        "grouped_gemm_dgrad": rg.grouped_gemm_dgrad, "grouped_gemm_wgrad": rg.grouped_gemm_wgrad,
         "router_logits": rr.router_logits, "router_topk": rr.router_topk, "expert_counts": rr.expert_counts,
-        "_check_fast": lambda x, cfg: None,
-        "_ACT": {"swiglu": (ra.swiglu, ra.swiglu_bwd), "relu2": (ra.relu2, ra.relu2_bwd)},
+        "_check_fast": lambda x, cfg: None, "BY_NAME": SPEC_ACT,
     }
     for name, fn in subs.items():
         monkeypatch.setattr(fm, name, fn)
+    for name, fn in EXPERT_SUBS.items():
+        monkeypatch.setattr(fx, name, fn)
     monkeypatch.setattr(sm90, "grouped_gemm_act_h", _act_h)
     monkeypatch.setattr(sm90, "grouped_gemm_act_gathered", _act_gathered)
     monkeypatch.setattr(sm90, "grouped_gemm_wgrad_gathered", _wgrad_gathered)

@@ -717,15 +717,16 @@ def _moe_layer_ep_rank(group: Any, slots: Any, xs: list[Tensor], p: Any, cfg: An
     return got
 
 
-def _moe_ep_case(w: int) -> tuple[list[Tensor], Any, Any, list[Tensor], Any]:
-    """Router inputs on a grid where fp32 logit sums are exact, so every rank routes as the one process."""
+def _moe_ep_case(w: int, dtype: str = "bf16") -> tuple[list[Tensor], Any, Any, list[Tensor], Any]:
+    """Router inputs on a grid where fp32 logit sums are exact, so every rank routes as the one process;
+    fp8 experts take whole 128 x 128 weight blocks."""
     from nmoe.config import ModelConfig
     from nmoe.layout import MoEParams
 
-    t, d, e, k, i = 64, 128, 4 * w, 2, 64
+    t, d, e, k, i = 64, 128, 4 * w, 2, 64 if dtype == "bf16" else 128
     cfg = ModelConfig(tokenizer="none", vocab_size=64, dim=d, moe_inter_dim=i, n_routed_experts=e,
                       n_activated_experts=k, n_shared_experts=1, route_scale=2.5, permute_align=8,
-                      activation="swiglu", score_func="sigmoid")
+                      activation="swiglu", score_func="sigmoid", expert_dtype=dtype)
     g = torch.Generator().manual_seed(21)
     xs = [(torch.round(torch.randn(t, d, generator=g) * 32).clamp(-127, 127) / 32).to(torch.bfloat16)
           for _ in range(w)]
@@ -753,9 +754,11 @@ def _moe_ep_outcomes(w: int, xs: list[Tensor], p: Any, cfg: Any, douts: list[Ten
 
 
 @gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("w", [2, 4], ids=["W2", "W4"])
-def test_moe_layer_over_rdep_matches_one_process(w: int) -> None:
-    for r, o in enumerate(_moe_ep_outcomes(w, *_moe_ep_case(w))):
+def test_moe_layer_over_rdep_matches_one_process(w: int, dtype: str) -> None:
+    """fp8 experts too: rows are quantized per row at their owner as one process quantizes them."""
+    for r, o in enumerate(_moe_ep_outcomes(w, *_moe_ep_case(w, dtype))):
         assert o["ids_equal"] and o["weights_bitwise"], f"rank {r}: routing differs from one process"
         assert o["out_bitwise"], f"rank {r}: out differs from one process"
         for name, err in o.items():

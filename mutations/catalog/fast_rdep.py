@@ -36,11 +36,25 @@ MUTATIONS: tuple[Mutation, ...] = (
         TESTS, ("rdep_dispatch",), device="gpu",
     ),
     sep_mutation(
+        "rdep.fast_return_buffer_by_device_count", FILE,
+        "Int64(buf) * Int64(n_slots) + slot,", "(Int64(epoch[E_RETURN]) + 1) % 2 * Int64(n_slots) + slot,",
+        "a return picks its buffer by the device's call count, not the host's: a CUDA graph replayed "
+        "after an odd count of eager returns writes the buffer its captured reads do not see",
+        "tests/test_fast_ep_layer.py", ("rdep_return",), device="gpu",
+    ),
+    sep_mutation(
         "moe.fast_ep_shared_dropped", "nmoe/fast/moe.py",
-        "out = ep_routed(x, weights, ids, up, p.w2, cfg.activation, cfg.route_scale, shared, ex)",
-        "out = ep_routed(x, weights, ids, up, p.w2, cfg.activation, cfg.route_scale, None, ex)",
+        "out = ep_routed(x, weights, ids, up, p.w2, cfg.activation, cfg.route_scale, shared, ex,",
+        "out = ep_routed(x, weights, ids, up, p.w2, cfg.activation, cfg.route_scale, None, ex,",
         "expert-parallel layer leaves the shared expert out of its combine", TESTS, ("moe_layer",),
         device="gpu",
+    ),
+    sep_mutation(
+        "moe.fast_ep_fp8_down_unquantized", "nmoe/fast/rdep/ep.py",
+        "        y = fp8_experts(BY_NAME[activation][0](h), w2, offs)\n",
+        "        y = grouped_gemm(BY_NAME[activation][0](h), w2, offs)\n",
+        "the expert-parallel fp8 layer runs its down projection on the bf16 weights and activations",
+        "tests/test_fast_ep_layer.py", ("moe_layer",), device="gpu",
     ),
     sep_mutation(
         "moe.ep_return_latest_order", "nmoe/fast/rdep/ep.py",

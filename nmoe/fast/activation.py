@@ -6,6 +6,7 @@ CUDA graphs capture it as one op. Kernels are compiled per (arch, dtype, vector 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -128,6 +129,10 @@ def _spec(kernel: Kernel, dtype_name: str) -> KernelSpec:
 
 swiglu = _swiglu.swiglu
 swiglu_bwd = _swiglu.swiglu_bwd
+
+BY_NAME: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor], Tensor]]] = {
+    "swiglu": (swiglu, swiglu_bwd), "relu2": (relu2, relu2_bwd)}
+"""(act, act_bwd) of each expert activation, by its config name."""
 
 KERNELS: tuple[KernelSpec, ...] = (
     *(_spec(kernel, dtype_name)

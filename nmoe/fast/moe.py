@@ -48,23 +48,22 @@ from torch.autograd.function import FunctionCtx
 from nmoe.accumulate import adding
 from nmoe.config import ModelConfig
 from nmoe.fast import runtime
-from nmoe.fast.activation import relu2, relu2_bwd, swiglu, swiglu_bwd
+from nmoe.fast.activation import BY_NAME
 from nmoe.fast.arch import ArchNotImplemented
 from nmoe.fast.combine import combine, combine_bwd, combine_gather, expert_rows_bwd
 from nmoe.fast.dispatch import permute, spread_rows, unpermute
-from nmoe.fast.formats import quantize_mxfp8, quantize_mxfp8_weight
-from nmoe.fast.gemm import grouped_gemm, grouped_gemm_dgrad, grouped_gemm_fp8, grouped_gemm_wgrad, sm90
+from nmoe.fast.experts import expert_gemm
+from nmoe.fast.gemm import grouped_gemm_dgrad, grouped_gemm_wgrad, sm90
 from nmoe.fast.gemm.routing import offs_built_on_device
 from nmoe.fast.rdep.ep import Exchange, ep_routed
 from nmoe.fast.router import expert_counts, logits_grads, router_logits, router_topk
-from nmoe.layout import FP8_ACT_BLOCK, MoEParams, MoERouting, check_moe_params
+from nmoe.layout import MoEParams, MoERouting, check_moe_params
 
 __all__ = ["MoEParams", "MoERouting", "moe_layer"]
 
 ARCH = "sm_90a"
 EXPERT_DTYPES = ("bf16", "fp8")
 
-_ACT = {"swiglu": (swiglu, swiglu_bwd), "relu2": (relu2, relu2_bwd)}
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -79,20 +78,12 @@ def _sync_free(fn: F) -> F:
     return run  # type: ignore[return-value]
 
 
-def _gemm(x: Tensor, w: Tensor, offs: Tensor, dtype: str) -> Tensor:
-    if dtype == "bf16":
-        return grouped_gemm(x, w, offs)
-    xq, xs = quantize_mxfp8(x, FP8_ACT_BLOCK)
-    wq, ws = quantize_mxfp8_weight(w)
-    return grouped_gemm_fp8(xq, xs, wq, ws, offs)
-
-
 def _up(x: Tensor, w: Tensor, offs: Tensor, activation: str, dtype: str) -> tuple[Tensor, Tensor]:
     """(a, h): bf16 from the fused up-projection kernel, fp8 as act(fp8 GEMM) like the spec."""
     if dtype == "bf16":
         return sm90.grouped_gemm_act_h(x, w, offs, activation)
-    h = _gemm(x, w, offs, dtype)
-    return _ACT[activation][0](h), h
+    h = expert_gemm(x, w, offs, dtype)
+    return BY_NAME[activation][0](h), h
 
 
 def _slot_weights(weights: Tensor, slot: Tensor) -> Tensor:
@@ -209,7 +200,7 @@ class _Routed(torch.autograd.Function):
         kept_h = h if grad else None
         offs, slot = p.offs, p.slot
         del p, h
-        yp = _gemm(a, w2, offs, cfg.expert_dtype)
+        yp = expert_gemm(a, w2, offs, cfg.expert_dtype)
         del a
         row_of = _rows_of_slots(slot, t, k)
         fp8_y = []
@@ -253,7 +244,7 @@ class _Routed(torch.autograd.Function):
             aw, dot = expert_rows_bwd(dz, h, wrow, cfg.activation)
             del dz
         elif need_w2:
-            aw = combine(_ACT[cfg.activation][0](h)[:, None], wrow[:, None], 1.0)
+            aw = combine(BY_NAME[cfg.activation][0](h)[:, None], wrow[:, None], 1.0)
         dweights = dw2 = dw_up = dx = None
         if need_w and fp8_y:
             dweights = combine_bwd(dout, fp8_y[0], weights, cfg.route_scale)[1]
@@ -294,13 +285,13 @@ def _shared_fwd(x: Tensor, w_up: Tensor, w2: Tensor, activation: str,
     """(out, h, offs) of the shared MLP as one-group grouped GEMMs (so it rounds like an expert)."""
     offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
     a, h = _up(x, w_up[None], offs, activation, dtype)
-    return _gemm(a, w2[None], offs, dtype), h, offs
+    return expert_gemm(a, w2[None], offs, dtype), h, offs
 
 
 def _shared_bwd(dout: Tensor, x: Tensor, w_up: Tensor, w2: Tensor, h: Tensor, offs: Tensor, activation: str,
                 need: tuple[bool, bool, bool]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """(dx, dw_up, dw2) of _shared_fwd, each where `need` (x, w_up, w2) asks for it."""
-    act, act_bwd = _ACT[activation]
+    act, act_bwd = BY_NAME[activation]
     need_x, need_up, need_w2 = need
     dw2 = grouped_gemm_wgrad(dout, act(h), offs)[0] if need_w2 else None
     if not (need_x or need_up):
@@ -349,9 +340,6 @@ def _check_ep(x: Tensor, cfg: ModelConfig, ex: Exchange) -> None:
         raise ValueError(f"moe_layer: the exchange is shaped for (experts, tokens, top_k, hidden, dtype) = "
                          f"{got}, this call needs {want}; build the model's Exchange from the config "
                          "and the batch (nmoe.fast.model.ep_shape)")
-    if cfg.expert_dtype != "bf16":
-        raise ArchNotImplemented(f"moe_layer: expert parallelism runs bf16 experts only (expert_dtype "
-                                 f"{cfg.expert_dtype!r}): the fp8 quantize-on-dispatch path is not written")
 
 
 def moe_layer(x: Tensor, p: MoEParams, cfg: ModelConfig,
@@ -378,5 +366,6 @@ def moe_layer(x: Tensor, p: MoEParams, cfg: ModelConfig,
             assert p.shared_w2 is not None
             shared = _apply(_Shared, x, shared_up, p.shared_w2, cfg.activation, cfg.expert_dtype)
         with offs_built_on_device():
-            out = ep_routed(x, weights, ids, up, p.w2, cfg.activation, cfg.route_scale, shared, ex)
+            out = ep_routed(x, weights, ids, up, p.w2, cfg.activation, cfg.route_scale, shared, ex,
+                            cfg.expert_dtype)
     return out, MoERouting(weights=weights, ids=ids, counts=expert_counts(ids, e))

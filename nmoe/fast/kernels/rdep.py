@@ -9,6 +9,9 @@ Import only after nmoe.fast.runtime.import_cutlass(arch): the DSL fixes its targ
 # Counts and returned rows alternate by call parity: a peer's rows for call n+2 wait on this rank's post
 # of call n+1, which its stream makes only after what it queued to read call n's. (A return writes
 # without awaiting anyone, so one buffer would let a peer's next return overwrite rows not yet read.)
+# The counts' parity is the device's dispatch count; the returned rows' is the host's return count, passed
+# in, since the host hands out a view of that buffer: a captured CUDA graph then replays the buffers it
+# captured, whatever ran between replays.
 # Flags are st.release.sys after a fence and polled with ld.acquire.sys: peers may sit on another GPU or
 # in another process on this one. A poll that outlasts limit_ns writes the status word (mapped host
 # memory, readable after the trap) and traps.
@@ -268,17 +271,16 @@ def sync_kernel(ppeers: Pointer, pepoch: Pointer, world: Int32, me: Int32, off_f
 @cute.kernel
 def return_rows_kernel(py: Pointer, pnrecv: Pointer, prow: Pointer, ppeers: Pointer, pepoch: Pointer,
                        n_slots: Int32, world: Int32, capacity: Int32, row_vecs: Int32, off_out: Int64,
-                       status: Int64, vec: Constexpr[int], unit: Constexpr[str]) -> None:
+                       status: Int64, buf: Int32, vec: Constexpr[int], unit: Constexpr[str]) -> None:
     """Warp p sends received row p's output to its source's slot row_id % (T*K) (source row_id // (T*K)),
-    in the source's return buffer of this call's parity. row_id and n_recv come from the dispatch being
-    answered: the window's own, or a copy kept while other dispatches reused the window."""
+    in the source's return buffer `buf` (the call's parity, every rank's alike). row_id and n_recv come from
+    the dispatch being answered: the window's own, or a copy kept while other dispatches reused the window."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     lane = Int32(tidx) % LANES
     p = Int32(bidx) * ROW_WARPS + Int32(tidx) // LANES
     n_recv = cute.make_tensor(pnrecv, cute.make_layout(1))
     epoch = cute.make_tensor(pepoch, cute.make_layout(EPOCH_WORDS))
-    par = (Int64(epoch[E_RETURN]) + 1) % 2  # sync_kernel counts this call after the rows move
     if p < Int32(n_recv[0]):
         peers = cute.make_tensor(ppeers, cute.make_layout(world))
         rows = cute.make_tensor(prow, cute.make_layout(capacity))
@@ -297,7 +299,7 @@ def return_rows_kernel(py: Pointer, pnrecv: Pointer, prow: Pointer, ppeers: Poin
         dptr = cute.make_ptr(ut, Int64(peers[src_rank]) + off_out, cute.AddressSpace.gmem,
                              assumed_align=vec * ut.width // 8)
         dst = _row_views(dptr, Int64(2) * Int64(n_slots), row_units, vec)
-        _copy_row(src, dst, Int64(p), par * Int64(n_slots) + slot, row_vecs, lane)
+        _copy_row(src, dst, Int64(p), Int64(buf) * Int64(n_slots) + slot, row_vecs, lane)
 
 
 def _blocks(n: Int32, per: int) -> Int32:
@@ -327,10 +329,10 @@ def dispatch_host(px: Pointer, pids: Pointer, pslot: Pointer, pcounts: Pointer, 
 @cute.jit
 def return_host(py: Pointer, pnrecv: Pointer, prow: Pointer, ppeers: Pointer, pepoch: Pointer, n_slots: Int32,
                 world: Int32, me: Int32, capacity: Int32, row_vecs: Int32, off_out: Int64, off_flag: Int64,
-                limit_ns: Int64, status: Int64, stream: cuda.CUstream, vec: Constexpr[int],
+                limit_ns: Int64, status: Int64, buf: Int32, stream: cuda.CUstream, vec: Constexpr[int],
                 unit: Constexpr[str]) -> None:
     return_rows_kernel(py, pnrecv, prow, ppeers, pepoch, n_slots, world, capacity, row_vecs, off_out, status,
-                       vec, unit).launch(
+                       buf, vec, unit).launch(
         grid=[_blocks(capacity, ROW_WARPS), 1, 1], block=[ROW_WARPS * LANES, 1, 1], stream=stream)
     sync_kernel(ppeers, pepoch, world, me, off_flag, limit_ns, status, FLAG_RETURN).launch(
         grid=[1, 1, 1], block=[LANES, 1, 1], stream=stream)
@@ -359,4 +361,4 @@ def return_args(unit: str, vec: int) -> tuple[Any, tuple[Any, ...]]:
             pointer(Int64, 0, 8))
     ints = tuple(Int32(0) for _ in range(5))
     longs = tuple(Int64(0) for _ in range(4))
-    return return_host, (*ptrs, *ints, *longs, cuda.CUstream(0), vec, unit)
+    return return_host, (*ptrs, *ints, *longs, Int32(0), cuda.CUstream(0), vec, unit)

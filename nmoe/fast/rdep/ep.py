@@ -14,7 +14,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from nmoe.fast.activation import BY_NAME
 from nmoe.fast.combine import combine
+from nmoe.fast.experts import fp8_experts
 from nmoe.fast.gemm import grouped_gemm, grouped_gemm_act
 from nmoe.fast.rdep.group import RdepGroup, RdepShape, rdep_dispatch, rdep_return
 from nmoe.fast.rdep.window import Exchange as HandleExchange
@@ -95,11 +97,18 @@ def ep_return(y_recv: Tensor, ids: Tensor, ex: Exchange) -> Tensor:
 
 
 def ep_routed(x: Tensor, weights: Tensor, ids: Tensor, w_up: Tensor, w2: Tensor, activation: str,
-              routed_scale: float, shared: Tensor | None, ex: Exchange) -> Tensor:
+              routed_scale: float, shared: Tensor | None, ex: Exchange, dtype: str = "bf16") -> Tensor:
     """The routed half of moe_layer with experts sharded over ranks: this rank's tokens x [T,D] and router
     output (weights, ids) [T,K]; its experts w_up [n_local, N, D], w2 [n_local, D, I]. Each received row
-    meets the same kernels as in one process, so out and the expert gradients match it row for row."""
+    meets the same kernels as in one process, so out and the expert gradients match it row for row. fp8
+    experts: bf16 rows travel and are quantized at their owner (per row, as one process quantizes them),
+    since the straight-through wgrad needs the bf16 rows there."""
     rows, counts, _ = ep_dispatch(x, ids, ex)
     offs = torch.cumsum(counts, 0).to(torch.int32)
-    y = grouped_gemm(grouped_gemm_act(rows, w_up, offs, activation), w2, offs)
+    if dtype == "bf16":
+        a = grouped_gemm_act(rows, w_up, offs, activation)
+        y = grouped_gemm(a, w2, offs)
+    else:
+        h = fp8_experts(rows, w_up, offs)
+        y = fp8_experts(BY_NAME[activation][0](h), w2, offs)
     return combine(ep_return(y, ids, ex), weights, routed_scale, shared)

@@ -144,7 +144,9 @@ class RdepGroup:
         self.local_eid = torch.full((s.capacity,), -1, dtype=torch.int64, device=device)
         self.no_x = torch.empty(s.tokens, 0, dtype=s.dtype, device=device)
         self.limit_ns = int(s.timeout_s * 1e9)
-        self.returns = 0  # host count of rdep_return calls: its parity names the return buffer
+        # Host count of rdep_return calls: its parity names the buffer the kernel writes and the caller gets,
+        # so a CUDA graph replays the buffers it captured.
+        self.returns = 0
 
     def check(self) -> None:
         """Raise the first error a kernel reported; a plain host read, no sync. The trainer calls it where
@@ -225,11 +227,12 @@ def rdep_return(group: RdepGroup, y: Tensor, sent: Sent | None = None) -> Tensor
     lay = group.layout
     unit, vec, row_vecs = _unit(s.row_bytes, yc.data_ptr())
     launch = RETURN.launcher(group.arch, unit=unit, vec=vec)
+    group.returns += 1
+    buf = group.returns % 2
     launch(group.device.index, yc.data_ptr(), n_recv.data_ptr(), rows.data_ptr(), group.peers.data_ptr(),
            group.epoch.data_ptr(), s.tokens * s.top_k, s.world, group.rank, s.capacity, row_vecs, lay.out,
-           lay.flag, group.limit_ns, group.status.device)
-    group.returns += 1
-    return group.outs[group.returns % 2]
+           lay.flag, group.limit_ns, group.status.device, buf)
+    return group.outs[buf]
 
 
 # printf stages its arguments with st.local, so only ld.local (a spill read back) is forbidden.
