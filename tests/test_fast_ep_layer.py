@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_fast_rdep import _bits, _moe_ep_case, _moe_ep_outcomes, _need, _routes, _with_slots
+from test_fast_moe_glue import EXPERT_SUBS, SPEC_ACT
+from test_fast_rdep import _bits, _moe_ep_case, _moe_ep_outcomes, _need, _OneRank, _routes, _with_slots
 from torch import Tensor
 
 from nmoe.fast import rdep as fast
@@ -124,3 +125,79 @@ def test_sep_moe_fast_ep_fp8_down_unquantized() -> None:
     assert not torch.equal(dequantize_mxfp8_weight(*quantize_mxfp8_weight(w2)), w2)
     outs = _moe_ep_outcomes(2, xs, p, cfg, douts, shape)
     assert all(o["out_bitwise"] for o in outs)
+
+
+# ------------------------------------------------------------------ fp8 experts' glue on CPU
+
+
+class _SpecSwiglu(torch.autograd.Function):
+    """The spec's swiglu with its spec backward, as the fast op carries its own."""
+
+    @staticmethod
+    def forward(ctx: Any, h: Tensor) -> Tensor:
+        ctx.save_for_backward(h)
+        out: Tensor = SPEC_ACT["swiglu"][0](h)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, da: Tensor) -> Tensor:
+        (h,) = ctx.saved_tensors
+        dh: Tensor = SPEC_ACT["swiglu"][1](da.contiguous(), h)
+        return dh
+
+
+def _fp8_glue(monkeypatch: pytest.MonkeyPatch) -> tuple[list[Tensor], list[Tensor]]:
+    """ep_routed with fp8 experts on CPU, the spec's ops standing in for the kernels and a one-rank stand-in
+    for RDEP (one expert, rows in slot order), against the spec's fp8 experts on the same rows: (out and
+    the gradients of x, weights, w_up, w2) of each."""
+    import nmoe.fast.experts as fx
+    from nmoe.fast.rdep import ep
+    from nmoe.reference import moe as rm
+
+    t, k, d, i = 4, 2, 128, 128
+    for name, fn in EXPERT_SUBS.items():
+        monkeypatch.setattr(fx, name, fn)
+    monkeypatch.setattr(ep, "BY_NAME", {"swiglu": (_SpecSwiglu.apply, SPEC_ACT["swiglu"][1])})
+    def combine(y: Tensor, w: Tensor, scale: float, shared: Tensor | None) -> Tensor:
+        out: Tensor = rm._apply(rm._Combine, y, w, scale, shared)
+        return out
+
+    monkeypatch.setattr(ep, "combine", combine)
+    monkeypatch.setattr(ep, "rdep_dispatch", lambda g, x, ids: g.dispatch(g, x, ids))
+    monkeypatch.setattr(ep, "rdep_return", lambda g, y, sent=None: g.ret(g, y, sent))
+    ex = ep.Exchange(_OneRank(t, k), _OneRank(t * k, 1))  # type: ignore[arg-type]
+    g = torch.Generator().manual_seed(41)
+
+    def leaves() -> list[Tensor]:
+        g.manual_seed(41)
+        return [torch.randn(t, d, generator=g).to(torch.bfloat16).requires_grad_(),
+                (torch.rand(t, k, generator=g) + 0.1).requires_grad_(),
+                (torch.randn(1, 2 * i, d, generator=g) / d**0.5).to(torch.bfloat16).requires_grad_(),
+                (torch.randn(1, d, i, generator=g) / i**0.5).to(torch.bfloat16).requires_grad_()]
+
+    dout = torch.randn(t, d, generator=torch.Generator().manual_seed(42)).to(torch.bfloat16)
+    x, w, up, w2 = mine = leaves()
+    out = ep.ep_routed(x, w, torch.zeros(t, k, dtype=torch.int64), up, w2, "swiglu", 2.5, None, ex, "fp8")
+    x, w, up, w2 = spec = leaves()
+    y = rm.ffn(x.repeat_interleave(k, 0), up[0], w2[0], "swiglu", "fp8")
+    want = combine(y.view(t, k, d), w, 2.5, None)
+    return ([out, *torch.autograd.grad(out, mine, dout)], [want, *torch.autograd.grad(want, spec, dout)])
+
+
+def test_ep_routed_fp8_glue_matches_the_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out, the router weights' and the experts' gradients bit for bit (the same spec ops in the same order:
+    the straight-through bf16 dgrad/wgrad of the unquantized rows and weights); dx within a bf16 rounding
+    (the dispatch's backward sums a token's K rows in fp32, autograd's repeat in bf16)."""
+    (out, dx, dw, dup, dw2), (want, wdx, wdw, wup, wdw2) = _fp8_glue(monkeypatch)
+    assert torch.equal(_bits(out), _bits(want))
+    for name, a, b in (("weights", dw, wdw), ("w_up", dup, wup), ("w2", dw2, wdw2)):
+        assert torch.equal(_bits(a), _bits(b)), f"d{name}"
+    assert float((dx.double() - wdx.double()).abs().max()) <= 2.0**-7 * float(wdx.double().abs().max())
+
+
+def test_sep_moe_fast_experts_fp8_weight_grad_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spec's expert weight gradients are far from zero here, so an fp8 GEMM whose backward gives its
+    weight none cannot match them."""
+    (_, _, _, dup, dw2), (_, _, _, wup, wdw2) = _fp8_glue(monkeypatch)
+    assert float(wup.abs().max()) > 0.01 and float(wdw2.abs().max()) > 0.01
+    assert torch.equal(_bits(dup), _bits(wup)) and torch.equal(_bits(dw2), _bits(wdw2))

@@ -10,6 +10,12 @@ TESTS = "tests/test_fast_moe_glue.py"
 
 MUTATIONS: tuple[Mutation, ...] = (
     sep_mutation(
+        "moe.fast_experts_fp8_weight_grad_dropped", "nmoe/fast/experts.py",
+        "        return dx, dw, None\n", "        return dx, None, None\n",
+        "the straight-through fp8 expert GEMM gives its weights no gradient", "tests/test_fast_ep_layer.py",
+        ("moe_layer",),
+    ),
+    sep_mutation(
         "moe.fast_dweights_scale_dropped", FILE,
         "dweights = _to_slots(dot * scale, slot, t, k)",
         "dweights = _to_slots(dot, slot, t, k)",
