@@ -242,13 +242,15 @@ class DataConfig(_Section):
 
 @dataclass(frozen=True)
 class TrainConfig(_Section):
-    """dtype bf16 only (fp8/nvfp4 come from expert_dtype); fp32 masters; AdamW moments fp32 or bf16 (stored
-    rounded, half the bytes per step); model = "reference" (the CPU spec) only by name, the fast path never
-    falls back; cuda_graph: forward and backward replay as one CUDA graph after the first, eager step;
-    grad_accum: microbatches of data.batch_size sequences per optimizer step, gradients summed, then averaged
-    in the step; ce_chunk: tokens per chunk of the loss head (fp32 logits of ce_chunk x vocab at a time).
-    expert_parallel: routed experts sharded over all ranks, rows moved by RDEP; a rank receives at most
-    ep_capacity x its own tokens x top-k rows, more raises."""
+    """The [train] section: precision, how a step runs (CUDA graph, accumulation, loss chunking) and expert
+    parallelism; model = "reference" picks the CPU spec by name only, as the fast path never falls back."""
+    # dtype is bf16 only: fp8/nvfp4 come from expert_dtype. Masters are fp32; AdamW moments are fp32 or
+    # bf16 (stored rounded, halving the bytes each step moves). cuda_graph: forward and backward replay as
+    # one CUDA graph after the first step, which runs eagerly. grad_accum: microbatches of data.batch_size
+    # sequences per optimizer step, their gradients summed, then averaged in the step. ce_chunk: tokens per
+    # chunk of the loss head, so only ce_chunk x vocab fp32 logits exist at a time. expert_parallel: routed
+    # experts are sharded over all ranks and rows move by RDEP; a rank receives at most ep_capacity x its
+    # own tokens x top-k rows, and more raises.
 
     SECTION: ClassVar[str] = "train"
 

@@ -98,11 +98,10 @@ def check_mla_params(p: MLAParams, dim: int, n_heads: int, d_nope: int, d_rope: 
 
 @dataclass(frozen=True)
 class MoEParams:
-    """One MoE layer's tensors. Expert/shared weights bf16; router_w any float dtype; router_bias fp32.
-
-    Up projection: w13 [E,2I,D] (rows interleaved gate/up) for swiglu, w1 [E,I,D] for relu2; set exactly one.
-    Shared experts form one MLP of width n_shared*I: shared_w13 [2SI,D] or shared_w1 [SI,D], shared_w2 [D,SI].
-    """
+    """One MoE layer's tensors. Expert/shared weights bf16; router_w any float dtype; router_bias fp32."""
+    # Up projection: w13 [E,2I,D] (rows interleaved gate/up) for swiglu, w1 [E,I,D] for relu2; set exactly
+    # one. Shared experts form one MLP of width n_shared*I: shared_w13 [2SI,D] or shared_w1 [SI,D],
+    # shared_w2 [D,SI].
 
     router_w: Tensor
     router_bias: Tensor
@@ -175,11 +174,9 @@ def check_moe_params(x: Tensor, p: MoEParams, cfg: ModelConfig,
 
 @dataclass(frozen=True)
 class ModelOps:
-    """The functions one path calls, each with the spec op's signature; the rest of the model is shared.
-
-    dense_ffn(x, w13, w2) is the dense SwiGLU MLP; check_tokens(tokens, embed, vocab_size) is the path's own
-    input check after the shared ones (the spec checks id range on the host, the fast path the device).
-    """
+    """The functions one path calls, each with the spec op's signature; the rest of the model is shared."""
+    # dense_ffn(x, w13, w2) is the dense SwiGLU MLP; check_tokens(tokens, embed, vocab_size) is the path's own
+    # input check after the shared ones (the spec checks id range on the host, the fast path the device).
 
     mla_attention: Callable[[Tensor, MLAParams, Tensor, Tensor, int, int, int, int, float, float], Tensor]
     rmsnorm: Callable[[Tensor, Tensor, float], Tensor]

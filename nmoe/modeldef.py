@@ -156,11 +156,9 @@ def add_norm(ops: ModelOps, h: Tensor, f: Tensor | None, w: Tensor, eps: float) 
 
 
 class Model(nn.Module):
-    """forward(tokens [B,S]) -> fp32 logits [B,S,V]; with targets [B,S] -> fp32 mean CE over kept tokens.
-
-    Masters in `dtype` on `device`, cast to bf16 once per forward; on meta only shapes are built. `shard`:
-    the routed experts this rank holds under expert parallelism (None: all of them).
-    """
+    """forward(tokens [B,S]) -> fp32 logits [B,S,V]; with targets [B,S] -> fp32 mean CE over kept tokens."""
+    # Masters live in `dtype` on `device`, cast to bf16 once per forward; on meta only shapes are built.
+    # `shard`: the routed experts this rank holds under expert parallelism (None: all of them).
 
     def __init__(self, cfg: ModelConfig, ops: ModelOps, seed: int, ce_chunk: int, ignore_index: int,
                  device: torch.device, dtype: torch.dtype, shard: ExpertShard | None = None) -> None:

@@ -67,10 +67,12 @@ def _closure(modules: set[str]) -> set[str]:
 
 
 def op_sources(op: str, repo: Path) -> tuple[str, ...]:
-    """Repo-relative source files of `op`: the import closure of its fast glue and reference modules (those
-    the registry names, those defining its functions and KernelSpecs), the compile-cache graph of every
-    kernel module another glue module in that closure declares (a layer built from other ops depends on
-    their kernels), and its parity family file."""
+    """Repo-relative source files of `op` (import closure, its kernels' compile-cache graph, its parity family
+    file), found from the code so staleness checks and `nmoe prove` see every file that can change it."""
+    # The import closure starts from its fast glue and reference modules: those the registry names and those
+    # defining its functions and KernelSpecs. The compile-cache graph of every kernel module that another glue
+    # module in that closure declares is included too, because a layer built from other ops depends on their
+    # kernels.
     from nmoe.fast.op import source_files
     from parity.registry import FAMILIES, REGISTRY, resolve_fast, resolve_reference
 

@@ -117,11 +117,12 @@ def _held_grad(w: Tensor) -> Tensor | None:
 
 def _chunked_wgrad(dy: Tensor, x: Tensor, slot: Tensor, row_of: Tensor, offs: Tensor, tokens: str,
                    width: int, w: Tensor) -> Tensor | None:
-    """dy^T @ x per expert where the `tokens` side ("x": the up projection's x, "dy": the down projection's
-    dout) is token-major: `width` of its columns at a time (whole 128-wide tiles) are copied into permuted
-    order (the forward's routing, columns read in place) for the TMA-fed wgrad (gathering rows by index as
-    the wgrad loads measured 2.0-3.5x slower than copy + TMA wgrad on the up projection). None when it was
-    added into w's held .grad in place (_held_grad), autograd's share then being nothing."""
+    """dy^T @ x per expert when the `tokens` side is token-major: `width` of its columns at a time are copied
+    into permuted order for the TMA-fed wgrad, which beats gathering its rows by index as the wgrad loads."""
+    # The `tokens` side is "x" (the up projection's x) or "dy" (the down projection's dout); chunks are whole
+    # 128-wide tiles, permuted by the forward's routing with their columns read in place. Gathering rows in
+    # the wgrad measured 2.0-3.5x slower than copy + TMA wgrad on the up projection. Returns None when the
+    # wgrad was added into w's held .grad in place (_held_grad), autograd's share then being nothing.
     src, other = (x, dy) if tokens == "x" else (dy, x)
     into = _held_grad(w)
     dw = other.new_empty(offs.shape[0], dy.shape[1], x.shape[1]) if into is None else into

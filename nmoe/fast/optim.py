@@ -110,9 +110,8 @@ def muon_step(p: Tensor, g: Tensor, buf: Tensor, lr: float, momentum: float, wei
               nesterov: bool = True, ns_steps: int = 5, grad_scale: Tensor | None = None,
               p_low: Tensor | None = None) -> None:
     """The spec's Muon step in place on fp32 p and buf, matrices over the last two dims (g times grad_scale
-    when given); p_low, a bf16 param over this master, gets the new p rounded once.
-
-    buf = mu*buf + g; u = g + mu*buf (nesterov) or buf; p *= 1 - lr*wd; p -= lr*muon_scale*NS5(u)."""
+    when given); p_low, a bf16 param over this master, gets the new p rounded once."""
+    # buf = mu*buf + g; u = g + mu*buf (nesterov) or buf; p *= 1 - lr*wd; p -= lr*muon_scale*NS5(u).
     _check_master("muon_step", p, buf)
     if p.dim() < 2:
         raise ValueError(f"muon_step: param shape {tuple(p.shape)} is not a matrix; step it with adamw_step")

@@ -222,11 +222,9 @@ def default_cache_dir() -> Path | None:
 
 
 class KernelCache:
-    """Compiled kernels in memory, plus exported objects on disk so a new process skips the compile.
-
-    CuTeDSL 4.8.1 exports a compiled function (host launcher + cubin) with export_to_c(dir, name, prefix)
-    as one .o, and cutlass.cute.runtime.load_module(path) links it back in-process without a compiler.
-    """
+    """Compiled kernels in memory, plus exported objects on disk so a new process skips the compile."""
+    # CuTeDSL 4.8.1 exports a compiled function (host launcher + cubin) with export_to_c(dir, name, prefix) as
+    # one .o, and cutlass.cute.runtime.load_module(path) links it back in-process without a compiler.
 
     def __init__(self, directory: Path | None) -> None:
         self.directory = directory

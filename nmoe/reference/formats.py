@@ -240,11 +240,10 @@ def nvfp4_tensor_scale(x: Tensor) -> Tensor:
 
 
 def quantize_nvfp4(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """NVFP4 along the last dim: packed e2m1 [..., K//2], e4m3 block scales [..., K//16], fp32 tensor scale.
-
-    fp32 op order: g = amax/2688; s_b = e4m3((amax_b/6)/g); codes = e2m1(x/(s_b*g)). Where s_b*g is 0 the
-    codes are 0; a block holding NaN/±Inf gets scale 0x7F (NaN) and codes 0, so it dequantizes to NaN.
-    """
+    """NVFP4 along the last dim: packed e2m1 [..., K//2], e4m3 block scales [..., K//16] and one fp32
+    tensor scale."""
+    # fp32 op order: g = amax/2688; s_b = e4m3((amax_b/6)/g); codes = e2m1(x/(s_b*g)). Where s_b*g is 0 the
+    # codes are 0; a block holding NaN/±Inf gets scale 0x7F (NaN) and codes 0, so it dequantizes to NaN.
     xf = _f32(x, "quantize_nvfp4")
     k = xf.shape[-1]
     _check_block(k, NVFP4_BLOCK, "quantize_nvfp4")

@@ -24,11 +24,9 @@ def _check_apply(x: Tensor, cos: Tensor, sin: Tensor) -> None:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) by angle; cos/sin [S, D/2] broadcast against x[..., S, D/2].
-
-    Math in fp32 (fp64 for fp64 inputs): y0 = x0*c - x1*s, y1 = x0*s + x1*c; rounded once to x.dtype,
-    every NaN canonical (docs/spec-corners.md).
-    """
+    """Rotate pairs (x[2i], x[2i+1]) by angle; cos/sin [S, D/2] broadcast against x[..., S, D/2]."""
+    # Math in fp32 (fp64 for fp64 inputs): y0 = x0*c - x1*s, y1 = x0*s + x1*c; rounded once to x.dtype,
+    # every NaN canonical (docs/spec-corners.md).
     _check_apply(x, cos, sin)
     acc = torch.promote_types(torch.promote_types(x.dtype, torch.float32), cos.dtype)
     xf = x.to(acc)

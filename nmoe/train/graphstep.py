@@ -30,10 +30,10 @@ class _Captured:
 
 
 class GraphedStep:
-    """Capture loss_fn(model, inputs, targets) and its backward at the given batch shape; call() replays.
-    accumulate: a second graph, in the first's memory pool, adds a microbatch's gradients to the buffers the
-    first writes (gradient accumulation, captured inside adding_to_grads); extra(): a tensor each graph
-    computes after its backward."""
+    """Capture loss_fn(model, inputs, targets) and its backward at the given batch shape; call() replays."""
+    # accumulate: a second graph, in the first's memory pool, adds a microbatch's gradients to the buffers the
+    # first writes (gradient accumulation, captured inside adding_to_grads). extra(): a tensor each graph
+    # computes after its backward.
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor, *,
                  accumulate: bool = False, extra: Callable[[], Tensor] | None = None) -> None:

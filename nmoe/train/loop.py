@@ -157,10 +157,8 @@ def train(
     progress: bool = True,
 ) -> TrainResult:
     """Train until schedule.total_tokens (or `max_steps` total steps), resuming from checkpoint.dir/latest.
-
-    Always leaves a checkpoint of the last step done; SIGTERM/SIGINT stop cleanly at a step boundary.
-    `steps` holds the optimizer's AdamW/Muon step functions (the fast path's, or the spec's on a CPU).
-    """
+    Always leaves a checkpoint of the last step done; SIGTERM/SIGINT stop cleanly at a step boundary."""
+    # `steps` holds the optimizer's AdamW/Muon step functions (the fast path's, or the spec's on a CPU).
     dev = torch.device(device if device is not None else cfg.train.device)
     _seed_all(cfg.train.seed + rank)
     model.to(dev)

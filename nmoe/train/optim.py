@@ -86,10 +86,10 @@ class OptimSteps:
 
 
 class TrainOptimizer(torch.optim.Optimizer):
-    """AdamW / Muon per group ("algo"); state is created eagerly so checkpoints load into it in place. An fp32
-    param is its own master; a bf16 param (train.param_dtype = "bf16": no cast in the forward, bf16 grads)
-    gets an fp32 master in its state, which the step updates and then rounds into the param. AdamW's moments
-    are `moments` (train.optim_state_dtype)."""
+    """AdamW / Muon per group ("algo"); state is created eagerly so checkpoints load into it in place."""
+    # An fp32 param is its own master; a bf16 param (train.param_dtype = "bf16": no cast in the forward, bf16
+    # grads) gets an fp32 master in its state, which the step updates and then rounds into the param. AdamW's
+    # moments are stored as `moments` (train.optim_state_dtype).
 
     def __init__(self, groups: list[dict[str, Any]], cfg: OptimConfig, steps: OptimSteps,
                  moments: torch.dtype = torch.float32) -> None:

@@ -96,10 +96,11 @@ def schedule(op: str, n: int, k: int, bn: int | None = None, pingpong: bool | No
 
 @dataclass(frozen=True)
 class WgradSplit:
-    """The wgrad's row split, from shapes alone (no routing value reaches the host): a group of more than
-    `thresh` rows (a CTA's average share of the work) is cut into `rows`-row chunks whose fp32 partials fill
-    at most `ws_tiles` workspace tiles of `tile_floats` (none: nothing splits) and are summed in chunk order;
-    one counter per group tile counts its finished chunks, then (`dynamic`) one counts the tiles taken."""
+    """The wgrad's row split, planned from shapes alone so that no routing value has to reach the host."""
+    # A group of more than `thresh` rows (a CTA's average share of the work) is cut into `rows`-row chunks.
+    # Their fp32 partials fill at most `ws_tiles` workspace tiles of `tile_floats` each (none: nothing splits)
+    # and are summed in chunk order, a fixed order whatever the timing. One counter per group tile counts its
+    # finished chunks; then, with `dynamic`, one more counts the tiles taken.
 
     thresh: int
     rows: int
@@ -578,10 +579,11 @@ _wgrad_cols_op = fast_op("grouped_gemm_wgrad_cols", _wgrad_cols_impl, _wgrad_col
 
 def grouped_gemm_wgrad_cols(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int,
                             row0: int = 0, accumulate: bool = False) -> None:
-    """dw[e, row0 : row0 + N, col0 : col0 + K] = dy[rows of e]^T @ x[rows of e], bit for bit
-    grouped_gemm_wgrad(dy, x, offs) stored into that block of a larger dw: a wide wgrad taken a few x
-    columns (or dy columns) at a time, in place. accumulate: added to the block instead, bit for bit a bf16
-    add of that wgrad (gradient accumulation without a second gradient in memory)."""
+    """grouped_gemm_wgrad(dy, x, offs) stored bit for bit into one block of a larger dw, so that a wide wgrad
+    can be taken a few x columns (or dy columns) at a time, in place."""
+    # The block is dw[e, row0 : row0 + N, col0 : col0 + K] = dy[rows of e]^T @ x[rows of e]. accumulate: the
+    # wgrad is added to the block instead, bit for bit a bf16 add of it, which gives gradient accumulation
+    # without a second gradient in memory.
     _wgrad_cols_op(dy, x, offs, dw, col0, row0, accumulate)
 
 

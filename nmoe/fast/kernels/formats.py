@@ -44,11 +44,9 @@ F32_QUIET_BIT = 0x00400000
 
 
 def rne_code(a: Int32, mbits: int, min_normal: int, magic: float, magic_bits: int) -> Int32:
-    """Magnitude code of the non-negative fp32 bits `a` (already clamped to the format max), RNE.
-
-    Normal range: round the fp32 mantissa to `mbits` bits on the integer pattern (the carry bumps the
-    exponent); subnormal range: one exact add of a power of two whose ulp is the format's subnormal step.
-    """
+    """Magnitude code of the non-negative fp32 bits `a` (already clamped to the format max), RNE."""
+    # Normal range: round the fp32 mantissa to `mbits` bits on the integer pattern (the carry bumps the
+    # exponent); subnormal range: one exact add of a power of two whose ulp is the format's subnormal step.
     drop = 23 - mbits
     half = (1 << (drop - 1)) - 1
     rebias = (126 + ((min_normal >> 23) - 127)) << mbits
@@ -101,10 +99,11 @@ def e8m0_scale_bits(b: Int32) -> Int32:
 
 
 def mx_byte(amax: Int32) -> Int32:
-    """ceil(log2(amax/448)) as the spec reads it off s = fp32(amax/448), clamped to [1, 254]; 255 if not
-    finite. No division: with amax = M * 2^E, fp32(amax/448) is a power of two iff M == 1.75 and has
-    exponent E-8 for M >= 1.75, else E-9; so byte = biased(amax) - 8 + (mantissa > 1.75's). The
-    equivalence was checked for every finite non-negative fp32 amax (2^31 - 2^23 values)."""
+    """The MX scale byte ceil(log2(amax/448)) exactly as the spec reads it off s = fp32(amax/448), clamped to
+    [1, 254], 255 if not finite, found from amax's bits without a division."""
+    # With amax = M * 2^E, fp32(amax/448) is a power of two iff M == 1.75, and it has exponent E-8 for
+    # M >= 1.75, else E-9; so byte = biased(amax) - 8 + (mantissa > 1.75's). The equivalence was checked for
+    # every finite non-negative fp32 amax (2^31 - 2^23 values).
     byte = (amax >> 23) - 8 + sel((amax & 0x7FFFFF) > F32_MANT_1_75, 1, 0)
     byte = cutlass_max(cutlass_min(byte, 254), 1)
     return sel(amax < F32_INF, byte, 255)

@@ -210,10 +210,12 @@ def add_rmsnorm_fwd_host(px: Pointer, pa: Pointer, pw: Pointer, ps: Pointer, py:
 def _bwd_rows(pdy: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw: Pointer, pds: Pointer | None,
               rows: Int64, eps: Float32, d: Constexpr[int], vec: Constexpr[int], nper: Constexpr[int],
               threads: Constexpr[int], pitch: Constexpr[int]) -> None:
-    """Rows bidx, bidx + grid, ...: dx = r*(g - x*(r*r)*mean(g*x)), g = dy*w, plus mds's row where given
-    (add_rmsnorm's stream gradient); dw partials of dy*(x*r) sit in shared memory (freeing registers for the
-    resident-CTA target), then go to row bidx of pdw. The next row's x and dy load before this row's
-    reductions, hiding their latency behind barriers and math."""
+    """RMSNorm backward over rows bidx, bidx + grid, ...: each row's dx, and this CTA's dw partials written to
+    row bidx of pdw."""
+    # dx = r*(g - x*(r*r)*mean(g*x)) with g = dy*w, plus mds's row where given (add_rmsnorm's stream
+    # gradient). The dw partials of dy*(x*r) sit in shared memory, freeing registers for the resident-CTA
+    # target. The next row's x and dy load before this row's reductions, hiding their latency behind
+    # barriers and math.
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     gdim, _, _ = cute.arch.grid_dim()

@@ -98,11 +98,11 @@ def ep_return(y_recv: Tensor, ids: Tensor, ex: Exchange) -> Tensor:
 
 def ep_routed(x: Tensor, weights: Tensor, ids: Tensor, w_up: Tensor, w2: Tensor, activation: str,
               routed_scale: float, shared: Tensor | None, ex: Exchange, dtype: str = "bf16") -> Tensor:
-    """The routed half of moe_layer with experts sharded over ranks: this rank's tokens x [T,D] and router
-    output (weights, ids) [T,K]; its experts w_up [n_local, N, D], w2 [n_local, D, I]. Each received row
-    meets the same kernels as in one process, so out and the expert gradients match it row for row. fp8
-    experts: bf16 rows travel and are quantized at their owner (per row, as one process quantizes them),
-    since the straight-through wgrad needs the bf16 rows there."""
+    """The routed half of moe_layer with experts sharded over ranks; each received row meets the same kernels
+    as in one process, so out and the expert gradients match it row for row."""
+    # Inputs: this rank's tokens x [T,D] and router output (weights, ids) [T,K]; its experts w_up
+    # [n_local, N, D], w2 [n_local, D, I]. fp8 experts: bf16 rows travel and are quantized at their owner
+    # (per row, as one process quantizes them), since the straight-through wgrad needs the bf16 rows there.
     rows, counts, _ = ep_dispatch(x, ids, ex)
     offs = torch.cumsum(counts, 0).to(torch.int32)
     if dtype == "bf16":

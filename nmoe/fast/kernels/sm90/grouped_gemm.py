@@ -175,9 +175,10 @@ def cta_setup(m_offs: cute.Tensor, n_groups: Int32, ab_dtype: Constexpr[Any], a_
               wgs: Constexpr[int] = CONSUMER_WGS,
               ) -> tuple[cute.Tensor, cute.Tensor, cute.Tensor, cute.Tensor, pipeline.PipelineTmaAsync]:
     """A CTA's shared memory (mbarriers, offs + tables - 1 tables, operand ring, output staging) and TMA
-    pipeline (cm > 1: B multicast over the cluster, a stage freed by all its consumers, wgs warpgroups in
-    each CTA; init publishes offs). by_tma: the TMA operands; with one gathered, a stage also waits for one
-    arrival per gathering thread."""
+    pipeline; init publishes offs."""
+    # cm > 1: B is multicast over the cluster and a stage is freed by all its consumers, wgs warpgroups in
+    # each CTA. by_tma names the TMA-loaded operands; with one of them gathered instead, a stage also waits
+    # for one arrival per gathering thread.
     tidx, _, _ = cute.arch.thread_idx()
     smem = SmemAllocator()
     barriers = smem.allocate_array(Int64, stages * 2, byte_alignment=8)
@@ -330,10 +331,11 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                   cn: Constexpr[int] = 1, keep_h: Constexpr[bool] = True,
                   deferred: Constexpr[bool] = False) -> None:
     """The two consumer warpgroups: wgmma over each tile's K boxes, then the epilogue (none for a cluster's
-    tile past its group's end, which only keeps the shared B stages flowing). Ping-pong: warpgroup wg takes
-    the CTA's units wg, wg + 2, ... and steps its ring cursor over the other's stages; the mainloops take
-    turns unit by unit (ORDER_BARRIER_ID). cn > 1: units of cn N tiles (unit_tile). deferred (cooperative):
-    a tile's bf16 subtiles (and act(h) of them) leave under the next tile's wgmmas (`Pending`)."""
+    tile past its group's end, which only keeps the shared B stages flowing)."""
+    # Ping-pong: warpgroup wg takes the CTA's units wg, wg + 2, ... and steps its ring cursor over the other's
+    # stages; the mainloops take turns unit by unit (ORDER_BARRIER_ID). cn > 1: units of cn N tiles
+    # (unit_tile). deferred (cooperative): a tile's bf16 subtiles (and act(h) of them) leave under the next
+    # tile's wgmmas (`Pending`).
     check_deferred(deferred, pingpong)
     cute.arch.setmaxregister_increase(CONSUMER_REGS)
     ctid = tidx - WG_THREADS

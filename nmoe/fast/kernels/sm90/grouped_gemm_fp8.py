@@ -294,10 +294,12 @@ def grouped_gemm_fp8_host(
     overlap: Constexpr[bool], staged: Constexpr[bool], cm: Constexpr[int], at_once: Constexpr[bool],
     stagger: Constexpr[bool],
 ) -> None:
-    """y[M, n] = per-group dequant(xq)[M, k] @ dequant(wq[e])^T; codes K-major, scales row-major bytes;
-    staged: a whole output tile waits in shared memory (epi_bufs); cm > 1: clusters of cm M tiles share
-    each B box, every CTA loading 1/cm of it for all; at_once (staged): store_tile_at_once; stagger (staged,
-    overlap): each warpgroup stores its own rows (store_half_at_once), warpgroup 1 a K block behind."""
+    """Host launcher of y[M, n] = per-group dequant(xq)[M, k] @ dequant(wq[e])^T; codes K-major, scales
+    row-major bytes; the Constexpr flags pick the epilogue's staging and the B-sharing cluster shape."""
+    # staged: a whole output tile waits in shared memory (epi_bufs). cm > 1: clusters of cm M tiles share
+    # each B box, every CTA loading 1/cm of it for all. at_once (staged only): store_tile_at_once. stagger
+    # (staged and overlap only): each warpgroup stores its own rows (store_half_at_once), warpgroup 1 a K
+    # block behind.
     assert staged or not (at_once or stagger), "a tile leaves at once only from a whole staged tile"
     assert overlap or not stagger, "the staggered warpgroups run the overlapped schedule"
     stages = stages_for(staged)

@@ -113,10 +113,11 @@ def produce_rows(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom,
                  warp_idx: Int32, ptid: Int32, n_tiles_n: Constexpr[int], k_tiles: Constexpr[int],
                  bn: Constexpr[int], stages: Constexpr[int], cm: Constexpr[int] = 1,
                  rank: Int32 | int = 0, cn: Constexpr[int] = 1) -> None:
-    """The producer warpgroup with A gathered: warp 0 arms each stage for A and B and TMA-loads B; warp w
-    loads its BM / (4 cn) tile rows by one row TMA each onto the same barrier, each source row looked up
-    once per tile by its row's lane and shuffled to the issuing lane. cn > 1: CTA `rank` of an N cluster
-    loads rows [rank, rank + 1) * BM / cn for every CTA of the cluster (multicast); each loads its own B."""
+    """The producer warpgroup with A gathered: warp 0 arms each stage for A and B and TMA-loads B, and each
+    warp loads its share of A's tile rows by one row TMA each, so A is never copied into permuted order."""
+    # Warp w loads its BM / (4 cn) tile rows onto the same barrier; each source row is looked up once per tile
+    # by its row's lane and shuffled to the issuing lane. cn > 1: CTA `rank` of an N cluster loads rows
+    # [rank, rank + 1) * BM / cn for every CTA of the cluster (multicast); each CTA loads its own B.
     per_warp = BM // 4 // cn
     s_b_flat = cute.group_modes(s_b, 0, 2)
     a_base = cast(Pointer, s_a.iterator).toint()
@@ -186,11 +187,12 @@ def grouped_gemm_gather_host(
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], w_k_major: Constexpr[bool], act: Constexpr[str],
     pingpong: Constexpr[bool], cn: Constexpr[int], keep_h: Constexpr[bool], deferred: Constexpr[bool],
 ) -> None:
-    """y[p, n] = x[slot[p] // top_k] @ B_e^T for permuted row p of group e (x [src_rows, k]; B_e = w[e]
-    K-major [E, n, k], else w[e]^T of w [E, k, n]: the dgrad), zero rows where slot[p] = -1; with act !=
-    "none" also a = act(y), and y is not stored unless keep_h. The permuted copy of x is never written.
-    cn > 1: clusters of cn CTAs on one M tile's cn N tiles, each gathering 1/cn of A's rows for all.
-    deferred: each tile's epilogue leaves under the next tile's wgmmas (grouped_gemm's Pending)."""
+    """y[p, n] = x[slot[p] // top_k] @ B_e^T for permuted row p of group e, zero rows where slot[p] = -1; x's
+    rows are gathered as they load, so the permuted copy of x is never written."""
+    # x is [src_rows, k]; B_e = w[e] for K-major w [E, n, k], else w[e]^T of w [E, k, n] (the dgrad). With
+    # act != "none" it also writes a = act(y), and y is not stored unless keep_h. cn > 1: clusters of cn CTAs
+    # on one M tile's cn N tiles, each gathering 1/cn of A's rows for all. deferred: each tile's epilogue
+    # leaves under the next tile's wgmmas (grouped_gemm's Pending).
     stages = stages_for(bn, act, pingpong)
     (m_y, m_a, m_offs, tiled_mma, a_layout, b_layout, tma_atom_b, tma_b, tma_atom_d, tma_d, tma_atom_act,
      tma_act) = _gemm_setup(

@@ -284,11 +284,11 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                   bn: Constexpr[int], stages: Constexpr[int], gs: Constexpr[int], q: Any = None,
                   accumulate: Constexpr[bool] = False, deferred: Constexpr[bool] = False,
                   rank: Int32 | int = 0) -> None:
-    """The two consumer warpgroups of the wgrad: masked K boxes into wgmma, then the fwd's epilogue into
-    dw's rows, group e's n from row e * gs (a split group's chunk first through its workspace slice and
-    counter); deferred: the tile's bf16 subtiles leave under the next tile's wgmmas (`Pending`). Work items
-    in snake rounds, or, with a queue q, as the producer hands them over; CTA `rank` of the cluster takes
-    its item's rank-th M tile."""
+    """The two consumer warpgroups of the wgrad: masked K boxes into wgmma, then the fwd's epilogue into dw's
+    rows, group e's n from row e * gs."""
+    # A split group's chunk goes first through its workspace slice and counter. deferred: the tile's bf16
+    # subtiles leave under the next tile's wgmmas (`Pending`). Work items come in snake rounds or, with a
+    # queue q, as the producer hands them over; CTA `rank` of the cluster takes its item's rank-th M tile.
     cute.arch.setmaxregister_increase(CONSUMER_REGS)
     ctid = tidx - WG_THREADS
     t_ra, t_rb, acc_shape = mma_fragments(tiled_mma, s_a, s_b, warp_idx, bn)
@@ -483,10 +483,10 @@ def grouped_wgrad_host(
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], ld: Constexpr[int], gs: Constexpr[int],
     dynamic: Constexpr[bool], accumulate: Constexpr[bool], deferred: Constexpr[bool], cm: Constexpr[int],
 ) -> None:
-    """dw[E, n, k] (rows ld apart, groups gs rows apart): per group dy[rows, n]^T @ x[rows, k], stored or
-    (accumulate) added to dw; MN-major operand views. A group of more than thresh rows splits into
-    split_rows chunks (fp32 partials in pws, counters pcount, zeroed). cm > 1: clusters of cm CTAs on M tiles
-    side by side, each x box multicast to them."""
+    """dw[E, n, k] = per group dy[rows, n]^T @ x[rows, k], stored or (accumulate) added to dw, from MN-major
+    operand views; dw's rows are ld apart and its groups gs rows apart."""
+    # A group of more than thresh rows splits into split_rows chunks: fp32 partials in pws, counters in pcount
+    # (zeroed). cm > 1: clusters of cm CTAs on M tiles side by side, each x box multicast to them.
     stages = stages_for(bn)
     m_ws, m_count = _split_tensors(pws, pcount, ws_tiles, n_groups, n, k, bn)
     m_dyt = cute.make_tensor(pdy, cute.make_layout((n, m_rows), stride=(1, n)))
