@@ -201,3 +201,50 @@ def test_sep_moe_fast_experts_fp8_weight_grad_dropped(monkeypatch: pytest.Monkey
     (_, _, _, dup, dw2), (_, _, _, wup, wdw2) = _fp8_glue(monkeypatch)
     assert float(wup.abs().max()) > 0.01 and float(wdw2.abs().max()) > 0.01
     assert torch.equal(_bits(dup), _bits(wup)) and torch.equal(_bits(dw2), _bits(wdw2))
+
+
+# ------------------------------------------------------------------ the return buffer, named by the host
+
+
+class _Words:
+    device = 0
+
+    def read(self) -> tuple[int, ...]:
+        return (0, 0, 0, 0)
+
+
+def _cpu_group() -> Any:
+    """An RdepGroup's host state on CPU (no windows): what rdep_return reads before it launches."""
+    from nmoe.fast.rdep.group import Layout, RdepGroup
+
+    shape = fast.RdepShape(world=2, n_experts=4, tokens=3, top_k=2, hidden=8, dtype=torch.bfloat16,
+                           capacity=12)
+    g = object.__new__(RdepGroup)
+    g.shape, g.rank, g.device, g.arch, g.layout = shape, 0, torch.device("cpu"), "sm_90a", Layout.of(shape)
+    g.status, g.returns, g.limit_ns = _Words(), 0, 1
+    g.recv_row = torch.zeros(12, dtype=torch.int64)
+    g.local = torch.zeros(2, dtype=torch.int32)
+    g.peers, g.epoch = torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
+    g.outs = torch.zeros(2, 3, 2, 8, dtype=torch.bfloat16)
+    return g
+
+
+def test_sep_rdep_return_view_other_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rdep_return hands its caller the very buffer it names to the kernel (the last launch argument),
+    alternating call by call: a CUDA graph replays both. The two buffers are distinct memory, so a view of
+    the other one cannot pass."""
+    import nmoe.fast.rdep.group as grp
+
+    told: list[int] = []
+
+    class _Kernel:
+        def launcher(self, arch: str, **spec: Any) -> Any:
+            return lambda device, *values: told.append(int(values[-1]))
+
+    monkeypatch.setattr(grp, "RETURN", _Kernel())
+    g = _cpu_group()
+    assert g.outs[0].data_ptr() != g.outs[1].data_ptr()
+    y = torch.zeros(12, 8, dtype=torch.bfloat16)
+    got = [grp.rdep_return(g, y) for _ in range(3)]
+    assert told == [1, 0, 1]
+    assert [t.data_ptr() for t in got] == [g.outs[b].data_ptr() for b in told]

@@ -1,6 +1,6 @@
 """rdep.fast_* and moe.fast_ep_*: defects in the CuTeDSL RDEP kernels (nmoe/fast/kernels/rdep.py) and in the
-expert-parallel branch of the fast MoE layer (nmoe/fast/moe.py), GPU host only; moe.ep_*: defects in the
-differentiable exchange (nmoe/fast/rdep/ep.py), killed on a CPU with a one-rank stand-in for RDEP."""
+expert-parallel layer (nmoe/fast/moe.py, nmoe/fast/rdep/ep.py), GPU host only; moe.ep_* and rdep.return_*:
+defects in the exchange's host glue (ep.py, group.py), killed on a CPU with stand-ins for RDEP."""
 
 from __future__ import annotations
 
@@ -41,6 +41,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a return picks its buffer by the device's call count, not the host's: a CUDA graph replayed "
         "after an odd count of eager returns writes the buffer its captured reads do not see",
         "tests/test_fast_ep_layer.py", ("rdep_return",), device="gpu",
+    ),
+    sep_mutation(
+        "rdep.return_view_other_buffer", "nmoe/fast/rdep/group.py",
+        "    return group.outs[buf]\n", "    return group.outs[1 - buf]\n",
+        "rdep_return hands its caller the other buffer than the one it names to the kernel",
+        "tests/test_fast_ep_layer.py", ("rdep_return",),
     ),
     sep_mutation(
         "moe.fast_ep_shared_dropped", "nmoe/fast/moe.py",
