@@ -298,6 +298,10 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "IEEE division costs",
     ),
     _GATHER_DEFERRED,
+    replace(_MASKED_STORES, id="ablate.gather_lsu_stores",
+            description="every tile's h and act(h) leave by per-thread 16-byte stores (the LSU) instead of "
+            "TMA: whether the epilogue's TMA stores queue on the SM's TMA unit with the gathered rows' many "
+            "one-row TMAs"),
     _GATHER_CLUSTER_N1,
     _GATHER_CLUSTER_N4,
     _GATHER_ROWS_EVICT_FIRST,
@@ -400,7 +404,11 @@ GATHER_COMPOUNDS: tuple[tuple[Mutation, ...], ...] = (
 
 
 COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {
-    "gather": GATHER_COMPOUNDS,
+    "gather": (*GATHER_COMPOUNDS,
+               (replace(_GATHER_DEFERRED, id="ablate.gather_deferred_lsu_stores",
+                        description="the gathering kernels hold each tile's h in registers and send "
+                        "one subtile, with act(h), under each K box of the next tile by per-thread stores"),
+                replace(_MASKED_STORES, id="ablate.gather_deferred_lsu_stores_b"))),
     "layer": ((replace(_GATHER_CLUSTER_TWO, id="ablate.layer_gather_cluster_m2",
                        description="the gathering fwd/dgrad in M clusters of two sharing each B box "
                        "by multicast (two M tiles read each weight box once, in step), not N clusters"),
