@@ -460,6 +460,9 @@ FP8_ABLATIONS: tuple[Mutation, ...] = (
         "timing only: the fp8 fwd's tiles skip their epilogue (staging, barriers, stores): the most that "
         "hiding it under the next tile's first K blocks could buy, most on the downs' four to eight blocks",
     ),
+    replace(_MASKED_STORES, id="ablate.fp8_lsu_stores",
+            description="the fp8 fwd's tiles leave by per-thread 16-byte stores instead of TMA: whether its "
+            "stores queue on the SM's TMA unit ahead of the short-K downs' operand loads"),
     Mutation(
         "ablate.fp8_two_subtiles", LIMITS,
         "GEMM_FP8_STAGED_TILE: Final[bool] = True\n", "GEMM_FP8_STAGED_TILE: Final[bool] = False\n",
