@@ -373,6 +373,9 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     replace(_NO_PINGPONG, id="ablate.layer_no_pingpong"),
     replace(_GATHER_CLUSTER_N1, id="ablate.layer_gather_cluster_n1"),
     replace(_GATHER_CLUSTER_N4, id="ablate.layer_gather_cluster_n4"),
+    replace(_MASKED_STORES, id="ablate.layer_lsu_stores",
+            description="every grouped GEMM's full tiles leave by per-thread stores instead of TMA, timed as "
+            "the layer"),
     replace(_WGRAD_STATIC, id="ablate.layer_wgrad_static"),
     replace(_WGRAD_CLUSTER_TWO, id="ablate.layer_wgrad_cluster_two"),
     replace(_DEAD_ROWS_MMA, id="ablate.layer_dead_rows_mma"),
