@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 import torch
-from test_fast_moe_glue import EXPERT_SUBS, SPEC_ACT
+from test_fast_moe_glue import EXPERT_SUBS
 from test_fast_rdep import _bits, _moe_ep_case, _moe_ep_outcomes, _need, _OneRank, _routes, _with_slots
 from torch import Tensor
 
 from nmoe.fast import rdep as fast
+from nmoe.reference.moe import ACTIVATIONS
 from parity import spmd
 
 gpu = pytest.mark.gpu
@@ -136,13 +137,13 @@ class _SpecSwiglu(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, h: Tensor) -> Tensor:
         ctx.save_for_backward(h)
-        out: Tensor = SPEC_ACT["swiglu"][0](h)
+        out: Tensor = ACTIVATIONS["swiglu"][0](h)
         return out
 
     @staticmethod
     def backward(ctx: Any, da: Tensor) -> Tensor:
         (h,) = ctx.saved_tensors
-        dh: Tensor = SPEC_ACT["swiglu"][1](da.contiguous(), h)
+        dh: Tensor = ACTIVATIONS["swiglu"][1](da.contiguous(), h)
         return dh
 
 
@@ -157,7 +158,7 @@ def _fp8_glue(monkeypatch: pytest.MonkeyPatch) -> tuple[list[Tensor], list[Tenso
     t, k, d, i = 4, 2, 128, 128
     for name, fn in EXPERT_SUBS.items():
         monkeypatch.setattr(fx, name, fn)
-    monkeypatch.setattr(ep, "BY_NAME", {"swiglu": (_SpecSwiglu.apply, SPEC_ACT["swiglu"][1])})
+    monkeypatch.setattr(ep, "BY_NAME", {"swiglu": (_SpecSwiglu.apply, ACTIVATIONS["swiglu"][1])})
     def combine(y: Tensor, w: Tensor, scale: float, shared: Tensor | None) -> Tensor:
         out: Tensor = rm._apply(rm._Combine, y, w, scale, shared)
         return out

@@ -15,13 +15,12 @@ from nmoe.accumulate import adding_to_grads
 from nmoe.config import ModelConfig
 from nmoe.fast.gemm import sm90
 from nmoe.layout import MoEParams
-from nmoe.reference import activation as ra
 from nmoe.reference import combine as rc
 from nmoe.reference import dispatch as rd
 from nmoe.reference import formats as rf
 from nmoe.reference import gemm as rg
 from nmoe.reference import router as rr
-from nmoe.reference.moe import moe_layer
+from nmoe.reference.moe import ACTIVATIONS, moe_layer
 
 T, E, K = 24, 8, 3
 DIMS = {"bf16": (32, 16), "fp8": (128, 128)}
@@ -62,7 +61,7 @@ def _act_gathered(x: Tensor, slot: Tensor, top_k: int, w: Tensor, offs: Tensor,
 
 def _rows_bwd(dz: Tensor, h: Tensor, w: Tensor, activation: str) -> tuple[Tensor, Tensor]:
     """expert_rows_bwd's definition from the spec's ops: h becomes dh in place."""
-    act, act_bwd = {"swiglu": (ra.swiglu, ra.swiglu_bwd), "relu2": (ra.relu2, ra.relu2_bwd)}[activation]
+    act, act_bwd = ACTIVATIONS[activation]
     a = act(h)
     dzw, dot = rc.combine_bwd(dz, a[:, None], w[:, None], 1.0)[:2]
     aw = rc.combine(a[:, None], w[:, None], 1.0)
@@ -70,7 +69,6 @@ def _rows_bwd(dz: Tensor, h: Tensor, w: Tensor, activation: str) -> tuple[Tensor
     return aw, dot.view(-1)
 
 
-SPEC_ACT = {"swiglu": (ra.swiglu, ra.swiglu_bwd), "relu2": (ra.relu2, ra.relu2_bwd)}
 EXPERT_SUBS: dict[str, Any] = {
     "grouped_gemm": rg.grouped_gemm, "grouped_gemm_dgrad": rg.grouped_gemm_dgrad,
     "grouped_gemm_wgrad": rg.grouped_gemm_wgrad, "grouped_gemm_fp8": rg.grouped_gemm_fp8,
@@ -88,7 +86,7 @@ def spec_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
         "expert_rows_bwd": _rows_bwd,
         "grouped_gemm_dgrad": rg.grouped_gemm_dgrad, "grouped_gemm_wgrad": rg.grouped_gemm_wgrad,
         "router_logits": rr.router_logits, "router_topk": rr.router_topk, "expert_counts": rr.expert_counts,
-        "_check_fast": lambda x, cfg: None, "BY_NAME": SPEC_ACT,
+        "_check_fast": lambda x, cfg: None, "BY_NAME": ACTIVATIONS,
     }
     for name, fn in subs.items():
         monkeypatch.setattr(fm, name, fn)
