@@ -227,11 +227,11 @@ def rdep_return(group: RdepGroup, y: Tensor, sent: Sent | None = None) -> Tensor
     lay = group.layout
     unit, vec, row_vecs = _unit(s.row_bytes, yc.data_ptr())
     launch = RETURN.launcher(group.arch, unit=unit, vec=vec)
-    group.returns += 1
-    buf = group.returns % 2
+    buf = (group.returns + 1) % 2
     launch(group.device.index, yc.data_ptr(), n_recv.data_ptr(), rows.data_ptr(), group.peers.data_ptr(),
            group.epoch.data_ptr(), s.tokens * s.top_k, s.world, group.rank, s.capacity, row_vecs, lay.out,
            lay.flag, group.limit_ns, group.status.device, buf)
+    group.returns += 1
     return group.outs[buf]
 
 
