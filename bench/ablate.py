@@ -406,6 +406,12 @@ GATHER_COMPOUNDS: tuple[tuple[Mutation, ...], ...] = (
 )
 
 
+_FP8_PER_SUBTILE = Mutation(
+    "ablate.fp8_per_subtile_stores", LIMITS,
+    "GEMM_FP8_TILE_AT_ONCE: Final[bool] = True\n", "GEMM_FP8_TILE_AT_ONCE: Final[bool] = False\n",
+    "the fp8 fwd's staged tile leaves subtile by subtile, a barrier pair and a TMA store group each (eight "
+    "consumer barriers a tile instead of two)",
+)
 COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {
     "gather": (*GATHER_COMPOUNDS,
                (replace(_GATHER_DEFERRED, id="ablate.gather_deferred_lsu_stores",
@@ -433,6 +439,12 @@ COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {
                       "per-thread 16-byte stores (the LSU), not by TMA: whether its stores slow the wgrad by "
                       "queueing on the TMA unit ahead of the operand loads"),
               replace(_MASKED_STORES, id="ablate.wgrad_deferred_lsu_stores_b")),),
+    "fp8": ((Mutation(
+        "ablate.fp8_two_subtiles", LIMITS,
+        "GEMM_FP8_STAGED_TILE: Final[bool] = True\n", "GEMM_FP8_STAGED_TILE: Final[bool] = False\n",
+        "the fp8 fwd stages two output subtiles (one operand stage more) instead of the whole tile, so its "
+        "consumers wait on the tile's stores before the next tile's MMAs",
+    ), replace(_FP8_PER_SUBTILE, id="ablate.fp8_two_subtiles_b")),),
 }
 """Ablations of several edits, named by their first."""
 
@@ -457,33 +469,16 @@ FP8_ABLATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ablate.fp8_no_epilogue", "nmoe/fast/kernels/sm90/grouped_gemm_fp8.py",
-        "            _store(epi, half,",
+        "            _store(epi, tma_d,",
         "            if row0 < 0:\n"
-        "                _store(epi, half,",
+        "                _store(epi, tma_d,",
         "timing only: the fp8 fwd's tiles skip their epilogue (staging, barriers, stores): the most that "
         "hiding it under the next tile's first K blocks could buy, most on the downs' four to eight blocks",
     ),
     replace(_MASKED_STORES, id="ablate.fp8_lsu_stores",
             description="the fp8 fwd's tiles leave by per-thread 16-byte stores instead of TMA: whether its "
             "stores queue on the SM's TMA unit ahead of the short-K downs' operand loads"),
-    Mutation(
-        "ablate.fp8_two_subtiles", LIMITS,
-        "GEMM_FP8_STAGED_TILE: Final[bool] = True\n", "GEMM_FP8_STAGED_TILE: Final[bool] = False\n",
-        "the fp8 fwd stages two output subtiles (one operand stage more) instead of the whole tile, so its "
-        "consumers wait on the tile's stores before the next tile's MMAs",
-    ),
-    Mutation(
-        "ablate.fp8_stagger", LIMITS,
-        "GEMM_FP8_STAGGER: Final[bool] = False\n", "GEMM_FP8_STAGGER: Final[bool] = True\n",
-        "the fp8 fwd's consumer warpgroups each store their own rows of a staged tile on a barrier of their "
-        "own, warpgroup 1 a K block behind, so one's epilogue runs under the other's wgmmas",
-    ),
-    Mutation(
-        "ablate.fp8_tile_at_once", LIMITS,
-        "GEMM_FP8_TILE_AT_ONCE: Final[bool] = False\n", "GEMM_FP8_TILE_AT_ONCE: Final[bool] = True\n",
-        "the fp8 fwd's staged tile leaves at once: every subtile staged, one barrier, their TMA stores in "
-        "one group (two consumer barriers a tile instead of eight)",
-    ),
+    _FP8_PER_SUBTILE,
 )
 SETS: dict[str, tuple[Mutation, ...]] = {"gemm": ABLATIONS, "gather": GATHER_ABLATIONS,
                                          "layer": LAYER_ABLATIONS, "fp8": FP8_ABLATIONS}

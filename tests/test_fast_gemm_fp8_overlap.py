@@ -40,7 +40,7 @@ def test_consumer_promotes_each_block_under_the_next_blocks_mmas(probe: dict[str
     issue = [["ld.global.b8", 3], ["mbarrier.try_wait", 1], ["wgmma.fence", 1], ["wgmma.mma_async", 4]]
     step = [*issue, ["wgmma.wait_group.sync.aligned 1", 1], ["fma.rn.f32", 64]]
     names = [n for n in probe["ops"] if "overlap" in n]
-    assert len(names) == 7, names
+    assert len(names) == 6, names
     for name in names:
         ops = probe["ops"][name]
         consumer = ops[[op for op, _ in ops].index("setmaxnreg.inc") + 1:]
@@ -115,6 +115,7 @@ def test_staged_tile_equals_two_subtiles(k: int, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(gemm_fp8, "GEMM_FP8_OVERLAP", True)
     counts = [0, 1, 300, 0, 129, 2, 700, 0, 64]
     case = make(sum(counts) + 5, 384, k, cumsum(counts), seed=k + 1)
+    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_TILE_AT_ONCE", False)
     monkeypatch.setattr(gemm_fp8, "GEMM_FP8_STAGED_TILE", False)
     plain = case.run()
     monkeypatch.setattr(gemm_fp8, "GEMM_FP8_STAGED_TILE", True)
@@ -123,81 +124,35 @@ def test_staged_tile_equals_two_subtiles(k: int, monkeypatch: pytest.MonkeyPatch
     assert torch.equal(staged.view(torch.int16), plain.view(torch.int16))
 
 
-@pytest.mark.parametrize(("flags", "match"), [
-    ({"GEMM_FP8_TILE_AT_ONCE": True, "GEMM_FP8_STAGED_TILE": False}, "set GEMM_FP8_STAGED_TILE too"),
-    ({"GEMM_FP8_STAGGER": True, "GEMM_FP8_STAGED_TILE": False}, "set GEMM_FP8_STAGED_TILE too"),
-    ({"GEMM_FP8_STAGGER": True, "GEMM_FP8_OVERLAP": False}, "set GEMM_FP8_OVERLAP too"),
-    ({"GEMM_FP8_STAGGER": True, "GEMM_FP8_TILE_AT_ONCE": True}, "turn GEMM_FP8_TILE_AT_ONCE off"),
-])
-def test_store_schedule_refuses_flags_that_cannot_hold(flags: dict[str, bool], match: str,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    for name, value in flags.items():
-        monkeypatch.setattr(gemm_fp8, name, value)
-    with pytest.raises(ValueError, match=match):
+def test_store_schedule_refuses_a_tile_at_once_that_is_not_staged(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_TILE_AT_ONCE", True)
+    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_STAGED_TILE", False)
+    with pytest.raises(ValueError, match="set GEMM_FP8_STAGED_TILE too"):
         gemm_fp8.store_schedule()
 
 
-@pytest.mark.parametrize("flag", ["GEMM_FP8_TILE_AT_ONCE", "GEMM_FP8_STAGGER"])
-def test_store_schedule_takes_each_flag_alone(flag: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("at_once", [False, True])
+def test_store_schedule_reads_the_flags(at_once: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gemm_fp8, "GEMM_FP8_STAGED_TILE", True)
-    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_OVERLAP", True)
-    monkeypatch.setattr(gemm_fp8, flag, True)
-    assert gemm_fp8.store_schedule() == (True, flag == "GEMM_FP8_TILE_AT_ONCE", flag == "GEMM_FP8_STAGGER")
-
-
-def _flag_off_and_on(case: Case, flag: str, monkeypatch: pytest.MonkeyPatch) -> tuple[Tensor, Tensor]:
-    """The overlapped schedule's output with a store flag off, then on."""
-    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_OVERLAP", True)
-    plain = case.run()
-    monkeypatch.setattr(gemm_fp8, flag, True)
-    flagged = case.run()
-    torch.cuda.synchronize()
-    return plain, flagged
+    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_TILE_AT_ONCE", at_once)
+    assert gemm_fp8.store_schedule() == (True, at_once)
 
 
 @gpu
 @sm90
-@pytest.mark.parametrize("flag", ["GEMM_FP8_TILE_AT_ONCE", "GEMM_FP8_STAGGER"])
 @pytest.mark.parametrize("k", [256, 384, 512, 4096])
-def test_tile_at_once_equals_per_subtile_stores(k: int, flag: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """GEMM_FP8_TILE_AT_ONCE and GEMM_FP8_STAGGER move only when and by whom a staged tile's stores are
-    issued: the same bits, cut tiles (group ends, the last rows), clusters and odd K block counts included."""
+def test_tile_at_once_equals_per_subtile_stores(k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GEMM_FP8_TILE_AT_ONCE moves only when a staged tile's stores are issued: the same bits, cut tiles
+    (group ends, the last rows), clusters and odd K block counts included."""
     counts = [0, 1, 300, 0, 129, 2, 700, 0, 64]
     case = make(sum(counts) + 5, 384, k, cumsum(counts), seed=k + 2)
-    plain, flagged = _flag_off_and_on(case, flag, monkeypatch)
-    assert torch.equal(flagged.view(torch.int16), plain.view(torch.int16))
-
-
-@gpu
-@sm90
-def test_staggered_warpgroups_equal_the_shared_epilogue_under_skew(monkeypatch: pytest.MonkeyPatch) -> None:
-    case = make(6000, 512, 512, cumsum(zipf_counts(6000, 64)), seed=26)
-    plain, staggered = _flag_off_and_on(case, "GEMM_FP8_STAGGER", monkeypatch)
-    assert torch.equal(staggered.view(torch.int16), plain.view(torch.int16))
-
-
-@gpu
-@sm90
-def test_sep_gemm_fast_fp8_stagger_halves_swapped(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mutant: each staggered warpgroup's TMA store lands on the other's rows of a full tile."""
-    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_STAGGER", True)
-    case = make(256, 256, 512, cumsum([128, 128]), seed=27)
-    halves = case.formula().view(2, 2, BLK // 2, case.n)
-    ref, mag = _separates(case, halves.flip(1).reshape(case.m, case.n))
-    assert_contract(case.run(), ref, mag, case.k)
-
-
-@gpu
-@sm90
-def test_sep_gemm_fast_fp8_stagger_cut_pair_swapped(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mutant: a staggered warpgroup stores a cut tile's two adjacent columns each in the other's place
-    (rows 128-199 here: the 2-row and 70-row tiles at the two group ends)."""
-    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_STAGGER", True)
-    case = make(200, 256, 512, cumsum([130, 70]), seed=28)
-    swapped = case.formula().clone()
-    swapped[128:] = swapped[128:].view(72, -1, 2).flip(2).reshape(72, case.n)
-    ref, mag = _separates(case, swapped)
-    assert_contract(case.run(), ref, mag, case.k)
+    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_OVERLAP", True)
+    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_TILE_AT_ONCE", False)
+    plain = case.run()
+    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_TILE_AT_ONCE", True)
+    at_once = case.run()
+    torch.cuda.synchronize()
+    assert torch.equal(at_once.view(torch.int16), plain.view(torch.int16))
 
 
 @gpu
@@ -218,6 +173,7 @@ def test_sep_gemm_fast_fp8_staged_store_next_buffer(monkeypatch: pytest.MonkeyPa
     """Mutant: each full tile's subtile store reads the next subtile's buffer, so it leaves with that
     subtile's values or an earlier tile's; the next subtile's values break the bound on this data."""
     monkeypatch.setattr(gemm_fp8, "GEMM_FP8_STAGED_TILE", True)
+    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_TILE_AT_ONCE", False)
     case = make(256, 256, 512, cumsum([128, 128]), seed=24)
     f = case.formula()
     nxt = f.view(case.m, -1, BLK // EPI_N, EPI_N).roll(-1, dims=2).reshape(case.m, case.n)

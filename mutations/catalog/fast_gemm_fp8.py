@@ -65,19 +65,6 @@ MUTATIONS: tuple[Mutation, ...] = (
         OVERLAP_TESTS, CONTRACTS, device="gpu",
     ),
     sep_mutation(
-        "gemm.fast_fp8_stagger_halves_swapped", "nmoe/fast/kernels/sm90/epilogue.py",
-        "(row0 + half.wg * rows, 0)", "(row0 + (1 - half.wg) * rows, 0)",
-        "each staggered warpgroup's TMA store lands on the other warpgroup's rows of a full tile",
-        OVERLAP_TESTS, CONTRACTS, device="gpu",
-    ),
-    sep_mutation(
-        "gemm.fast_fp8_stagger_cut_pair_swapped", "nmoe/fast/kernels/sm90/epilogue.py",
-        "            pair[0], pair[1] = acc[v], acc[v + 1]\n",
-        "            pair[0], pair[1] = acc[v + 1], acc[v]\n",
-        "a staggered warpgroup stores a cut tile's two adjacent columns each in the other's place",
-        OVERLAP_TESTS, CONTRACTS, device="gpu",
-    ),
-    sep_mutation(
         "gemm.fast_fp8_cluster_b_slice_dropped", "nmoe/fast/kernels/sm90/grouped_gemm.py",
         "            t_sb, t_gb = cpasync.tma_partition(tma_atom_b, rank, cute.make_layout(cm), s_b_flat,\n",
         "            t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(cm), s_b_flat,\n",

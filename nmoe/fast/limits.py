@@ -60,7 +60,8 @@ skewed routing's heavy tiles then spread like a greedy schedule) when True, else
 GEMM_WGRAD_CLUSTER_M: Final[int] = 1
 """CTAs of an sm_90a TMA-fed wgrad cluster (up to this, where dw's M tiles fill them): one work item's M tiles
 side by side, each x box multicast to them, CTA 0 handing each dynamic item to the rest (H200 ncu, c1 up
-wgrad: L2 71% busy, dense mm 55%). Off: H100 per wgrad two 0.97-1.08x, four 0.88-1.06x; layer 0.98-1.02x."""
+wgrad: L2 71% busy, dense mm 55%). Off: H100 per wgrad two 0.97-1.08x, four 0.88-1.06x; layer 0.98-1.02x;
+H200 per wgrad two 0.98-1.06x (median 1.03), its layer not yet measured."""
 GEMM_WGRAD_DEFERRED: Final[bool] = False
 """sm_90a TMA-fed wgrad: a tile's bf16 result waits in registers and leaves one subtile per K box of the next
 tile, under its wgmmas, instead of before them (without any epilogue the wgrad ran 1.06-1.18x on the H200).
@@ -80,14 +81,11 @@ accumulators, K loop unrolled) when True, else each block's MMAs are waited befo
 GEMM_FP8_STAGED_TILE: Final[bool] = True
 """sm_90a fp8 fwd: stage a whole 128 x 128 output tile (one operand stage less), so its stores drain under
 the next tile's MMAs, when True, else two subtiles (H200: down projections 1.047-1.053x, up 0.99-1.00x)."""
-GEMM_FP8_TILE_AT_ONCE: Final[bool] = False
+GEMM_FP8_TILE_AT_ONCE: Final[bool] = True
 """sm_90a fp8 fwd with a staged tile: all its subtiles staged, then one barrier and their TMA stores, two
-consumer barriers a tile instead of two a subtile. Off until measured (H100: with no epilogue at all the fp8
-fwd ran 1.01-1.63x, the short-K downs most)."""
-GEMM_FP8_STAGGER: Final[bool] = False
-"""sm_90a fp8 fwd: each consumer warpgroup stores its own rows of a staged tile at once, on a barrier of its
-own (tiles cut by a group end straight from registers), and warpgroup 1 starts a K block behind, so one's
-epilogue runs under the other's wgmmas with no second B load (ping-pong's cost). Off until measured."""
+consumer barriers a tile instead of two a subtile (H200: downs 1.02-1.13x, ups 0.94-1.01x, against the
+two baseline runs' mean). Staggering the warpgroups' stores a K block apart instead lost (downs 0.86-1.09x,
+Zipf downs 0.86-0.97x) and was removed; with no epilogue at all the downs ran 1.18-1.62x."""
 GEMM_FP8_CLUSTER_M: Final[int] = 2
 """sm_90a fp8 fwd at K <= GEMM_FP8_CLUSTER_MAX_K: CTAs per M cluster, each loading 1/this of the B box for all
 (multicast); 1: CTAs alone."""

@@ -14,7 +14,6 @@ from nmoe.fast.limits import (
     GEMM_FP8_CLUSTER_MAX_K,
     GEMM_FP8_OVERLAP,
     GEMM_FP8_STAGED_TILE,
-    GEMM_FP8_STAGGER,
     GEMM_FP8_TILE_AT_ONCE,
 )
 from nmoe.fast.op import Kernel, fast_op
@@ -26,8 +25,8 @@ K_BLOCK = MXFP8_BLOCK_SM90
 _CODES = (torch.uint8, torch.float8_e4m3fn)
 _SCALES = (torch.uint8, torch.float8_e8m0fnu)
 FP8 = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_fp8", "grouped_gemm_fp8_sm90",
-             lambda km, n, k, overlap=False, staged=False, cm=1, at_once=False, stagger=False:
-             km.compile_args(n, k, overlap, staged, cm, at_once, stagger),
+             lambda km, n, k, overlap=False, staged=False, cm=1, at_once=False:
+             km.compile_args(n, k, overlap, staged, cm, at_once),
              (ARCH,),
              "nmoe.fast.gemm.grouped_gemm_fp8")
 
@@ -53,18 +52,12 @@ def _check(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor,
     return a, sa, b, sb
 
 
-def store_schedule() -> tuple[bool, bool, bool]:
-    """(staged, at_once, stagger) from the limits, or a ValueError naming the flag to change."""
-    op = "grouped_gemm_fp8"
-    if (GEMM_FP8_TILE_AT_ONCE or GEMM_FP8_STAGGER) and not GEMM_FP8_STAGED_TILE:
-        raise ValueError(f"{op}: GEMM_FP8_TILE_AT_ONCE and GEMM_FP8_STAGGER store a whole staged tile at "
-                         "once; set GEMM_FP8_STAGED_TILE too, or turn them off")
-    if GEMM_FP8_STAGGER and not GEMM_FP8_OVERLAP:
-        raise ValueError(f"{op}: GEMM_FP8_STAGGER runs the overlapped schedule; set GEMM_FP8_OVERLAP too")
-    if GEMM_FP8_STAGGER and GEMM_FP8_TILE_AT_ONCE:
-        raise ValueError(f"{op}: GEMM_FP8_STAGGER already stores each warpgroup's rows at once; turn "
-                         "GEMM_FP8_TILE_AT_ONCE off")
-    return GEMM_FP8_STAGED_TILE, GEMM_FP8_TILE_AT_ONCE, GEMM_FP8_STAGGER
+def store_schedule() -> tuple[bool, bool]:
+    """(staged, at_once) from the limits, or a ValueError: a tile leaves at once only when staged whole."""
+    if GEMM_FP8_TILE_AT_ONCE and not GEMM_FP8_STAGED_TILE:
+        raise ValueError("grouped_gemm_fp8: GEMM_FP8_TILE_AT_ONCE stores a whole staged tile at once; set "
+                         "GEMM_FP8_STAGED_TILE too, or turn GEMM_FP8_TILE_AT_ONCE off")
+    return GEMM_FP8_STAGED_TILE, GEMM_FP8_TILE_AT_ONCE
 
 
 def _launch(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, offs: Tensor, y: Tensor) -> None:
@@ -80,9 +73,8 @@ def _launch(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, offs: Tensor, y: Ten
     check_offs_on_host("grouped_gemm_fp8", offs, m)
     cm = GEMM_FP8_CLUSTER_M if k <= GEMM_FP8_CLUSTER_MAX_K else 1
     n_ctas = fwd_ctas(device, m, n, n_groups, BN, cm)
-    staged, at_once, stagger = store_schedule()
-    launch = FP8.launcher(arch, n=n, k=k, overlap=GEMM_FP8_OVERLAP, staged=staged, cm=cm, at_once=at_once,
-                          stagger=stagger)
+    staged, at_once = store_schedule()
+    launch = FP8.launcher(arch, n=n, k=k, overlap=GEMM_FP8_OVERLAP, staged=staged, cm=cm, at_once=at_once)
     launch(device, xq.data_ptr(), wq.data_ptr(), xs.data_ptr(), ws.data_ptr(), y.data_ptr(), offs.data_ptr(),
            m, n_groups, n_ctas)
 
@@ -117,10 +109,9 @@ def grouped_gemm_fp8(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, offs: Tenso
 # e4m3 wgmma (k32) fed by TMA; one wgmma batch waited per scale block and promoted with fp32 FMAs; setmaxnreg
 # for the producer/consumer split; stmatrix + 128-bit stores in the epilogue. Local memory = spilled
 # accumulators; a bf16 wgmma or mma.sync would mean the wrong kernel.
-_ST_V4 = r"\bst\.global\.v4\.b32\b"
 _EXPECT = (r"\.target sm_90a\b", r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3",
            r"cp\.async\.bulk\.tensor", r"wgmma\.wait_group\.sync\.aligned\s+0;", r"\bfma\.rn\.f32\b",
-           r"\bsetmaxnreg\.inc", r"\bstmatrix\.sync", _ST_V4)
+           r"\bsetmaxnreg\.inc", r"\bstmatrix\.sync", r"\bst\.global\.v4\.b32\b")
 _FORBID = (r"\b(ld|st)\.local\b", r"\bmma\.sync\b", r"wgmma\.mma_async\S*\.bf16")
 
 
@@ -137,31 +128,17 @@ _AT_ONCE = (r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta[^\n]*\n[^\n]*\n\s
             r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta")
 
 
-# Staggered warpgroups: warpgroup 1 waits once on warpgroup 0's arrive (named barrier 3, both of them); each
-# then syncs its epilogue on a 128-thread barrier of its own, never the shared one, and stores a cut tile's
-# values from registers.
-_STAGGER = (r"\bbar\.arrive\s+3,\s*256;", r"\bbar\.sync\s+3,\s*256;", r"\bbar\.sync\s+%r\d+,\s*128;",
-            r"\bst\.global\.b16\b")
-_SHARED_EPI_BAR = r"\bbar\.sync\s+1,\s*256;"
-
-
 # A cluster's CTAs each load 1/cm of a B box for all of them.
 _MULTICAST = (r"multicast::cluster", r"\bbarrier\.cluster\.wait\b")
 
 
 def _spec(name: str, n: int, k: int, overlap: bool = False, staged: bool = False, cm: int = 1,
-          at_once: bool = False, stagger: bool = False) -> KernelSpec:
-    once = at_once or stagger
-    expect = (*(_EXPECT_OVERLAP if overlap else _EXPECT), *((_STAGED,) if staged and not once else ()),
-              *(_MULTICAST if cm > 1 else ()), *((_AT_ONCE,) if once else ()))
-    forbid = (*_FORBID, *(() if once else (_AT_ONCE,)))
-    if stagger:
-        expect = (*(rx for rx in expect if rx != _ST_V4), *_STAGGER)
-        forbid = (*forbid, _ST_V4, _SHARED_EPI_BAR)
+          at_once: bool = False) -> KernelSpec:
+    expect = (*(_EXPECT_OVERLAP if overlap else _EXPECT), *((_STAGED,) if staged and not at_once else ()),
+              *(_MULTICAST if cm > 1 else ()), *((_AT_ONCE,) if at_once else ()))
     return KernelSpec(op="grouped_gemm_fp8", name=name,
-                      compile=FP8.compiler(n=n, k=k, overlap=overlap, staged=staged, cm=cm, at_once=at_once,
-                                           stagger=stagger),
-                      expect={ARCH: expect}, forbid={ARCH: forbid})
+                      compile=FP8.compiler(n=n, k=k, overlap=overlap, staged=staged, cm=cm, at_once=at_once),
+                      expect={ARCH: expect}, forbid={ARCH: (*_FORBID, *(() if at_once else (_AT_ONCE,)))})
 
 
 # Representative classes: the up projection (N = 2I, K = H) and the down projection (N = H, K = I); the
@@ -175,5 +152,4 @@ KERNELS: tuple[KernelSpec, ...] = (
     _spec("grouped_gemm_fp8_sm90_down_overlap_staged", 4096, 1024, True, True),
     _spec("grouped_gemm_fp8_sm90_down_overlap_cluster2", 4096, 1024, True, True, 2),
     _spec("grouped_gemm_fp8_sm90_short_overlap_cluster2_at_once", 4096, 256, True, True, 2, True),
-    _spec("grouped_gemm_fp8_sm90_short_overlap_cluster2_stagger", 4096, 256, True, True, 2, stagger=True),
 )

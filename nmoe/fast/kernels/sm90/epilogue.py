@@ -18,7 +18,6 @@ from nmoe.fast.kernels.prims import out_bits, pinned
 from nmoe.fast.kernels.sm90.tiles import (
     ACT_VALUES,
     CONSUMER_THREADS,
-    CONSUMER_WGS,
     EPI_BARRIER_ID,
     EPI_BUFS,
     EPI_N,
@@ -301,52 +300,6 @@ def store_tile_at_once(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, row0
         _send_whole(epi, epi.bar, views.store_warp, epi.tma_atom, views.b_sd, views.b_gd, bn)
     else:
         store_tile(epi, tma_d, m_d, m_d, row0, n_tile, row_end, n, bn, "none", bufs=bn // EPI_N)
-
-
-class HalfTile(NamedTuple):
-    """A cooperative warpgroup's own output path for its BM / CONSUMER_WGS rows of each tile: its barrier,
-    its storing warp and its index."""
-
-    bar: pipeline.NamedBarrier
-    store_warp: Int32
-    wg: Int32
-
-
-def half_tile(ctid: Int32) -> HalfTile:
-    wg = ctid // WG_THREADS
-    return HalfTile(epi_barrier(wg, WG_THREADS), store_warp_of(wg), wg)
-
-
-@cute.jit
-def store_half_at_once(epi: Epilogue, half: HalfTile, tma_atom: cute.CopyAtom, tma_half: cute.Tensor,
-                       m_d: cute.Tensor, t_c: cute.Tensor, acc: cute.Tensor, row0: Int32, n_tile: Int32,
-                       row_end: Int32, bn: Constexpr[int]) -> None:
-    """This warpgroup's rows of a tile (whole bn-wide tiles only), sharing no barrier with the other, so
-    one's epilogue can run under the other's wgmmas: a full tile staged whole, then a BM / 2-row TMA store
-    per subtile; a tile cut by a group end by masked scalar stores straight from the accumulator."""
-    rows = BM // CONSUMER_WGS
-    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    if row_end - row0 >= BM:
-        storing = warp_idx == half.store_warp
-        if storing:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        half.bar.arrive_and_wait()
-        g_half = cute.local_tile(cute.domain_offset((row0 + half.wg * rows, 0), tma_half), (rows, bn),
-                                 (0, n_tile))
-        s_half = cute.flat_divide(epi.s_d, (rows, EPI_N))[(None, None, half.wg, 0, None)]
-        b_sd, b_gd = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(s_half, 0, 2),
-                                           cute.zipped_divide(g_half, (rows, EPI_N)))
-        _send_whole(epi, half.bar, storing, tma_atom, b_sd, b_gd, bn)
-    else:
-        pair = cute.make_rmem_tensor((2,), Float32)
-        bits = cute.make_rmem_tensor((2,), BFloat16)
-        for v in range_constexpr(0, cute.size(acc), 2):
-            pair[0], pair[1] = acc[v], acc[v + 1]
-            bits.store(pair.load().to(BFloat16))
-            rc: Any = t_c[v]
-            if row0 + rc[0] < row_end:
-                m_d[(row0 + rc[0], n_tile * bn + rc[1])] = bits[0]
-                m_d[(row0 + rc[0], n_tile * bn + rc[1] + 1)] = bits[1]
 
 
 @cute.jit

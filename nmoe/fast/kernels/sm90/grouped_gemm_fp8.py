@@ -24,8 +24,6 @@ from nmoe.fast.kernels.prims import i2f, sel
 from nmoe.fast.kernels.sm90.epilogue import (
     drain_stores,
     epilogue_copies,
-    half_tile,
-    store_half_at_once,
     store_tile,
     store_tile_at_once,
 )
@@ -44,11 +42,8 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
 )
 from nmoe.fast.kernels.sm90.tiles import (
     CONSUMER_REGS,
-    CONSUMER_THREADS,
     CONSUMER_WGS,
-    ORDER_BARRIER_ID,
     PRODUCER_REGS,
-    STORE_WARP,
     THREADS,
     WG_THREADS,
     epi_bufs,
@@ -160,31 +155,17 @@ def _overlap_step(mainloop: pipeline.PipelineTmaAsync, read: Any, release: Any, 
 
 
 @cute.jit
-def _lag_sync(lag: pipeline.NamedBarrier, on: Int32, wait: Constexpr[bool]) -> None:
-    """Where on is 1: warpgroup 1 waits (wait) until warpgroup 0 arrives (not wait), so their epilogues
-    stay apart by about one K block from the first tile on."""
-    if on == 1:
-        if const_expr(wait):
-            lag.arrive_and_wait()
-        else:
-            lag.arrive()
-
-
-@cute.jit
 def _k_overlapped(mainloop: pipeline.PipelineTmaAsync, read: Any, release: Any, tiled_mma: cute.TiledMma,
                   acc: cute.Tensor, bufs: tuple[cute.Tensor, cute.Tensor], t_ra: cute.Tensor,
                   t_rb: cute.Tensor, m_xs: cute.Tensor, m_ws: cute.Tensor, row_lo: Int32, row_hi: Int32,
-                  n_tile: Int32, e: Int32, k_tiles: Constexpr[int], lag: Any = None,
-                  lead: Int32 | int = 0) -> tuple[Any, Any, cute.TiledMma]:
+                  n_tile: Int32, e: Int32, k_tiles: Constexpr[int]) -> tuple[Any, Any, cute.TiledMma]:
     """A tile's K blocks with each promotion under the next block's MMAs, block kt in bufs[kt % 2]; the loop
     is unrolled (rolled, ptxas serializes the wgmmas). Promotions keep K order, so every bit equals the
-    serial schedule's; lead 1: arrive on `lag` once block 0 is issued. Returns the states it advanced."""
+    serial schedule's. Returns the states it advanced."""
     b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo, row_hi, n_tile, Int32(0), e)
     mainloop.consumer_wait(read)
     tiled_mma = _issue_block(tiled_mma, bufs[0], t_ra, t_rb, read.index)
     read.advance()
-    if const_expr(lag is not None):
-        _lag_sync(lag, Int32(lead), False)
     s_lo, s_hi = _block_scales(b_lo, b_hi, b_w)
     for kt in range_constexpr(1, k_tiles):
         read, release, tiled_mma, s_lo, s_hi = _overlap_step(
@@ -198,13 +179,10 @@ def _k_overlapped(mainloop: pipeline.PipelineTmaAsync, read: Any, release: Any, 
 
 
 @cute.jit
-def _store(epi: Any, half: Any, tma_atom_d: cute.CopyAtom, tma_d: cute.Tensor, m_d: cute.Tensor,
-           t_c: cute.Tensor, acc: cute.Tensor, row0: Int32, n_tile: Int32, g_end: Int32, n: Constexpr[int],
-           staged: Constexpr[bool], at_once: Constexpr[bool], stagger: Constexpr[bool]) -> None:
+def _store(epi: Any, tma_d: cute.Tensor, m_d: cute.Tensor, row0: Int32, n_tile: Int32, g_end: Int32,
+           n: Constexpr[int], staged: Constexpr[bool], at_once: Constexpr[bool]) -> None:
     """A finished tile's epilogue, as the kernel's flags choose it."""
-    if const_expr(stagger):
-        store_half_at_once(epi, half, tma_atom_d, tma_d, m_d, t_c, acc, row0, n_tile, g_end, BN)
-    elif const_expr(at_once):
+    if const_expr(at_once):
         store_tile_at_once(epi, tma_d, m_d, row0, n_tile, g_end, n, BN)
     else:
         store_tile(epi, tma_d, m_d, m_d, row0, n_tile, g_end, n, BN, "none", bufs=epi_bufs(BN, staged))
@@ -218,7 +196,6 @@ def grouped_gemm_fp8_kernel(
     n_groups: Int32, tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
     d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], stages: Constexpr[int],
     overlap: Constexpr[bool], staged: Constexpr[bool], cm: Constexpr[int], at_once: Constexpr[bool],
-    stagger: Constexpr[bool],
 ) -> None:
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b, tma_atom_d))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, Float8E4M3FN, a_layout, b_layout, d_layout,
@@ -246,11 +223,6 @@ def grouped_gemm_fp8_kernel(
         # Tile coordinates (row, col) of this thread's accumulator values; its rows are those of (j, 0|1, c).
         t_c = tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor((BM, BN)))
         epi = epilogue_copies(tiled_mma, acc, s_d, ctid, tma_atom_d)
-        half = half_tile(ctid)
-        # stagger: warpgroup 1 starts its first tile once warpgroup 0 has issued that tile's first K block.
-        lag = pipeline.NamedBarrier(barrier_id=ORDER_BARRIER_ID, num_threads=CONSUMER_THREADS) if const_expr(
-            stagger) else None
-        first = Int32(1)
 
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
@@ -263,12 +235,10 @@ def grouped_gemm_fp8_kernel(
                 # Rows past the group are computed, then masked at the store; past M they read row M - 1.
                 row_lo = dsl_min(row0 + t_c[((0, 0, 0), 0, 0)][0], m_rows - 1)
                 row_hi = dsl_min(row0 + t_c[((0, 1, 0), 0, 0)][0], m_rows - 1)
-                if const_expr(stagger):
-                    _lag_sync(lag, first * half.wg, True)
                 if const_expr(overlap):
                     read, release, tiled_mma = _k_overlapped(
                         mainloop, read, release, tiled_mma, acc, (blk, blk2), t_ra, t_rb, m_xs, m_ws, row_lo,
-                        row_hi, n_tile, e, k_tiles, lag, first * (1 - half.wg))
+                        row_hi, n_tile, e, k_tiles)
                 else:
                     for kt in range(k_tiles):
                         b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo, row_hi, n_tile, kt, e)
@@ -278,13 +248,11 @@ def grouped_gemm_fp8_kernel(
                         read.advance()
                         s_lo, s_hi = _block_scales(b_lo, b_hi, b_w)
                         _promote(acc, blk, s_lo, s_hi)
-                first = Int32(0)
-            _store(epi, half, tma_atom_d, tma_d, m_d, t_c, acc, row0, n_tile, g_end, n, staged, at_once,
-                   stagger)
+            _store(epi, tma_d, m_d, row0, n_tile, g_end, n, staged, at_once)
             t = t + n_units
             e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,
                                                     before, here, n_tiles_n, cm)
-        drain_stores(half.store_warp if const_expr(stagger) else STORE_WARP)
+        drain_stores()
 
 
 @cute.jit
@@ -292,16 +260,12 @@ def grouped_gemm_fp8_host(
     px: Pointer, pw: Pointer, pxs: Pointer, pws: Pointer, py: Pointer, poffs: Pointer, m_rows: Int32,
     n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream, n: Constexpr[int], k: Constexpr[int],
     overlap: Constexpr[bool], staged: Constexpr[bool], cm: Constexpr[int], at_once: Constexpr[bool],
-    stagger: Constexpr[bool],
 ) -> None:
     """Host launcher of y[M, n] = per-group dequant(xq)[M, k] @ dequant(wq[e])^T; codes K-major, scales
     row-major bytes; the Constexpr flags pick the epilogue's staging and the B-sharing cluster shape."""
     # staged: a whole output tile waits in shared memory (epi_bufs). cm > 1: clusters of cm M tiles share
-    # each B box, every CTA loading 1/cm of it for all. at_once (staged only): store_tile_at_once. stagger
-    # (staged and overlap only): each warpgroup stores its own rows (store_half_at_once), warpgroup 1 a K
-    # block behind.
-    assert staged or not (at_once or stagger), "a tile leaves at once only from a whole staged tile"
-    assert overlap or not stagger, "the staggered warpgroups run the overlapped schedule"
+    # each B box, every CTA loading 1/cm of it for all. at_once (staged only): store_tile_at_once.
+    assert staged or not at_once, "a tile leaves at once only from a whole staged tile"
     stages = stages_for(staged)
     kb = k // BK
     m_x = cute.make_tensor(px, cute.make_layout((m_rows, k), stride=(k, 1)))
@@ -321,17 +285,16 @@ def grouped_gemm_fp8_host(
         cpasync.CopyBulkTensorTileG2SOp(), m_x, cute.slice_(a_layout, (None, None, 0)), (BM, BK))
     tma_atom_b, tma_b = b_tma(m_w, b_layout, BN, cm, BK)
     grouped_gemm_fp8_kernel(
-        tma_atom_a, tma_a, tma_atom_b, tma_b, m_xs, m_ws,
-        *epi_tma(m_y, rows=BM // (CONSUMER_WGS if stagger else 1)), m_y, m_offs, m_rows, n_groups,
+        tma_atom_a, tma_a, tma_atom_b, tma_b, m_xs, m_ws, *epi_tma(m_y), m_y, m_offs, m_rows, n_groups,
         tiled_mma, a_layout, b_layout, epi_smem_layout(bufs=epi_bufs(BN, staged)), n, k, stages, overlap,
-        staged, cm, at_once, stagger,
+        staged, cm, at_once,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(cm), min_blocks_per_mp=1,
              stream=stream)
 
 
 def compile_args(n: int, k: int, overlap: bool = False, staged: bool = False, cm: int = 1,
-                 at_once: bool = False, stagger: bool = False) -> tuple[Any, tuple[Any, ...]]:
+                 at_once: bool = False) -> tuple[Any, tuple[Any, ...]]:
     ptrs = (pointer(Float8E4M3FN, 0), pointer(Float8E4M3FN, 0), pointer(Uint8, 0, 1), pointer(Uint8, 0, 1),
             pointer(BFloat16, 0), pointer(Int32, 0, 4))
     return grouped_gemm_fp8_host, (*ptrs, Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k, overlap,
-                                   staged, cm, at_once, stagger)
+                                   staged, cm, at_once)

@@ -96,24 +96,24 @@ def act_smem_layout(act: str, sets: int = 1) -> cute.Layout:
     return layout
 
 
-def epi_smem_layout(sets: int = 1, bufs: int = EPI_BUFS, rows: int = BM) -> cute.ComposedLayout:
-    layout: cute.ComposedLayout = sm90_utils.make_smem_layout_epi(BFloat16, LayoutEnum.ROW_MAJOR,
-                                                                  (rows, EPI_N), bufs * sets)
+def epi_smem_layout(sets: int = 1, bufs: int = EPI_BUFS) -> cute.ComposedLayout:
+    layout: cute.ComposedLayout = sm90_utils.make_smem_layout_epi(BFloat16, LayoutEnum.ROW_MAJOR, (BM, EPI_N),
+                                                                  bufs * sets)
     return layout
 
 
-def epi_tma(m_y: cute.Tensor, act: str = "none", accumulate: bool = False,
-            rows: int = BM) -> tuple[cute.CopyAtom, cute.Tensor]:
+def epi_tma(m_y: cute.Tensor, act: str = "none",
+            accumulate: bool = False) -> tuple[cute.CopyAtom, cute.Tensor]:
     """TMA store of one output subtile (of h, or with act given of act(h)); full tiles leave this way,
     asynchronously, tiles cut by a group end or the last N columns through masked per-thread stores.
-    accumulate: a TMA reduce-add instead, y = bf16(y + subtile); rows < BM: one warpgroup's rows of it."""
+    accumulate: a TMA reduce-add instead, y = bf16(y + subtile), what a bf16 add of the two would give."""
     if act == "none":
-        layout: Any = cute.slice_(epi_smem_layout(rows=rows), (None, None, 0))
+        layout: Any = cute.slice_(epi_smem_layout(), (None, None, 0))
         cols = EPI_N
     else:
         layout, cols = cute.slice_(act_smem_layout(act), (None, None, 0)), act_cols(act)
     op = cpasync.CopyReduceBulkTensorTileS2GOp() if accumulate else cpasync.CopyBulkTensorTileS2GOp()
-    atom, tensor = cpasync.make_tiled_tma_atom(op, m_y, layout, (rows, cols))
+    atom, tensor = cpasync.make_tiled_tma_atom(op, m_y, layout, (BM, cols))
     return atom, tensor
 
 
