@@ -444,7 +444,16 @@ COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {
         "GEMM_FP8_STAGED_TILE: Final[bool] = True\n", "GEMM_FP8_STAGED_TILE: Final[bool] = False\n",
         "the fp8 fwd stages two output subtiles (one operand stage more) instead of the whole tile, so its "
         "consumers wait on the tile's stores before the next tile's MMAs",
-    ), replace(_FP8_PER_SUBTILE, id="ablate.fp8_two_subtiles_b")),),
+    ), replace(_FP8_PER_SUBTILE, id="ablate.fp8_two_subtiles_b")),
+            (Mutation(
+                "ablate.fp8_deferred", LIMITS,
+                "GEMM_FP8_DEFERRED: Final[bool] = False\n", "GEMM_FP8_DEFERRED: Final[bool] = True\n",
+                "the fp8 fwd holds each finished tile's bf16 subtiles in registers and sends one under each "
+                "K block of the CTA's next tile (nothing staged, the widest consumer register split)",
+            ), replace(_FP8_PER_SUBTILE, id="ablate.fp8_deferred_b"),
+             replace(_FP8_PER_SUBTILE, id="ablate.fp8_deferred_c",
+                     anchor="GEMM_FP8_STAGED_TILE: Final[bool] = True\n",
+                     replacement="GEMM_FP8_STAGED_TILE: Final[bool] = False\n"))),
 }
 """Ablations of several edits, named by their first."""
 
@@ -469,9 +478,9 @@ FP8_ABLATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ablate.fp8_no_epilogue", "nmoe/fast/kernels/sm90/grouped_gemm_fp8.py",
-        "            _store(epi, tma_d,",
-        "            if row0 < 0:\n"
         "                _store(epi, tma_d,",
+        "                if row0 < 0:\n"
+        "                    _store(epi, tma_d,",
         "timing only: the fp8 fwd's tiles skip their epilogue (staging, barriers, stores): the most that "
         "hiding it under the next tile's first K blocks could buy, most on the downs' four to eight blocks",
     ),

@@ -65,6 +65,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         OVERLAP_TESTS, CONTRACTS, device="gpu",
     ),
     sep_mutation(
+        "gemm.fast_fp8_deferred_subtile_skipped", "nmoe/fast/kernels/sm90/grouped_gemm_fp8.py",
+        "    _emit(pend, kt, kt + 1)\n", "    _emit(pend, kt + 1, kt + 2)\n",
+        "the deferred fp8 fwd sends held subtile kt + 1 under K block kt: subtile 1 of a tile held into the "
+        "CTA's next tile never leaves", OVERLAP_TESTS, CONTRACTS, device="gpu",
+    ),
+    sep_mutation(
         "gemm.fast_fp8_cluster_b_slice_dropped", "nmoe/fast/kernels/sm90/grouped_gemm.py",
         "            t_sb, t_gb = cpasync.tma_partition(tma_atom_b, rank, cute.make_layout(cm), s_b_flat,\n",
         "            t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(cm), s_b_flat,\n",
