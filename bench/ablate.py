@@ -86,6 +86,13 @@ _WGRAD_CLUSTER_TWO = Mutation(
     "the TMA wgrad in clusters of two CTAs on adjacent M tiles of one work item, each x box multicast to "
     "both (half the x box reads from L2), CTA 0 handing each dynamic item to the other through shared memory",
 )
+_WGRAD_STORE_EVICT_FIRST = Mutation(
+    "ablate.wgrad_store_evict_first", LIMITS,
+    "GEMM_WGRAD_STORE_EVICT_FIRST: Final[bool] = False\n",
+    "GEMM_WGRAD_STORE_EVICT_FIRST: Final[bool] = True\n",
+    "the TMA wgrad's dw stores mark their lines first to leave L2: whether E bf16 outputs (the dense "
+    "roofline writes one) evict the operand boxes other CTAs re-read",
+)
 _WGRAD_CLUSTER_FOUR = replace(
     _WGRAD_CLUSTER_TWO, id="ablate.wgrad_cluster_four", replacement="GEMM_WGRAD_CLUSTER_M: Final[int] = 4\n",
     description="the same in clusters of four (a quarter of the x box reads; fewer where M tiles do not fill "
@@ -187,6 +194,7 @@ ABLATIONS: tuple[Mutation, ...] = (
     _WGRAD_STATIC,
     _WGRAD_DEFERRED,
     _WGRAD_CLUSTER_TWO,
+    _WGRAD_STORE_EVICT_FIRST,
     _DEAD_ROWS_MMA,
     _PINGPONG_FULL_TAIL,
     _WGRAD_CLUSTER_FOUR,
@@ -378,6 +386,7 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
             "the layer"),
     replace(_WGRAD_STATIC, id="ablate.layer_wgrad_static"),
     replace(_WGRAD_CLUSTER_TWO, id="ablate.layer_wgrad_cluster_two"),
+    replace(_WGRAD_STORE_EVICT_FIRST, id="ablate.layer_wgrad_store_evict_first"),
     replace(_DEAD_ROWS_MMA, id="ablate.layer_dead_rows_mma"),
     replace(_PINGPONG_FULL_TAIL, id="ablate.layer_pingpong_full_tail"),
     replace(_PINGPONG, id="ablate.layer_pingpong"),

@@ -52,9 +52,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "gemm.fast_fp8_staged_store_next_buffer", "nmoe/fast/kernels/sm90/epilogue.py",
-        "                cute.copy(epi.tma_atom, views.b_sd[(None, buf)], views.b_gd[(None, (0, sub))])\n",
+        "                cute.copy(epi.tma_atom, views.b_sd[(None, buf)], views.b_gd[(None, (0, sub))],\n",
         "                cute.copy(epi.tma_atom, views.b_sd[(None, epi.buf0 + (sub + 1) % bufs)], "
-        "views.b_gd[(None, (0, sub))])\n",
+        "views.b_gd[(None, (0, sub))],\n",
         "a staged tile's subtile store reads the next subtile's buffer, so it leaves with that subtile's "
         "values or an earlier tile's", OVERLAP_TESTS, CONTRACTS, device="gpu",
     ),

@@ -62,6 +62,9 @@ GEMM_WGRAD_CLUSTER_M: Final[int] = 1
 side by side, each x box multicast to them, CTA 0 handing each dynamic item to the rest (H200 ncu, c1 up
 wgrad: L2 71% busy, dense mm 55%). Off: H100 per wgrad two 0.97-1.08x, four 0.88-1.06x; layer 0.98-1.02x;
 H200 per wgrad two 0.98-1.06x (median 1.03), its layer not yet measured."""
+GEMM_WGRAD_STORE_EVICT_FIRST: Final[bool] = False
+"""sm_90a TMA-fed wgrad: dw's TMA stores mark their lines first to leave L2, so E outputs of bf16 (the
+dense roofline writes one) do not push out the operand boxes other CTAs re-read. Off until measured."""
 GEMM_WGRAD_DEFERRED: Final[bool] = False
 """sm_90a TMA-fed wgrad: a tile's bf16 result waits in registers and leaves one subtile per K box of the next
 tile, under its wgmmas, instead of before them (without any epilogue the wgrad ran 1.06-1.18x on the H200).
