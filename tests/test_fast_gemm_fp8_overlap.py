@@ -112,16 +112,22 @@ def test_sep_gemm_fast_fp8_overlap_tail_dropped(k: int, monkeypatch: pytest.Monk
 def test_staged_tile_equals_two_subtiles(k: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """GEMM_FP8_STAGED_TILE moves only where the output waits in shared memory: the same bits, cut tiles
     (group ends, the last columns) included."""
+    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_TILE_AT_ONCE", False)
+    _same_bits_either_way("GEMM_FP8_STAGED_TILE", k, k + 1, monkeypatch)
+
+
+def _same_bits_either_way(flag: str, k: int, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The overlapped fwd gives the same bits with a store flag off and on: cut tiles (group ends, the last
+    rows and columns) and clusters included."""
     monkeypatch.setattr(gemm_fp8, "GEMM_FP8_OVERLAP", True)
     counts = [0, 1, 300, 0, 129, 2, 700, 0, 64]
-    case = make(sum(counts) + 5, 384, k, cumsum(counts), seed=k + 1)
-    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_TILE_AT_ONCE", False)
-    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_STAGED_TILE", False)
-    plain = case.run()
-    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_STAGED_TILE", True)
-    staged = case.run()
+    case = make(sum(counts) + 5, 384, k, cumsum(counts), seed=seed)
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(gemm_fp8, flag, on)
+        outs.append(case.run())
     torch.cuda.synchronize()
-    assert torch.equal(staged.view(torch.int16), plain.view(torch.int16))
+    assert torch.equal(outs[1].view(torch.int16), outs[0].view(torch.int16))
 
 
 def test_store_schedule_refuses_a_tile_at_once_that_is_not_staged(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -144,15 +150,7 @@ def test_store_schedule_reads_the_flags(at_once: bool, monkeypatch: pytest.Monke
 def test_tile_at_once_equals_per_subtile_stores(k: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """GEMM_FP8_TILE_AT_ONCE moves only when a staged tile's stores are issued: the same bits, cut tiles
     (group ends, the last rows), clusters and odd K block counts included."""
-    counts = [0, 1, 300, 0, 129, 2, 700, 0, 64]
-    case = make(sum(counts) + 5, 384, k, cumsum(counts), seed=k + 2)
-    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_OVERLAP", True)
-    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_TILE_AT_ONCE", False)
-    plain = case.run()
-    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_TILE_AT_ONCE", True)
-    at_once = case.run()
-    torch.cuda.synchronize()
-    assert torch.equal(at_once.view(torch.int16), plain.view(torch.int16))
+    _same_bits_either_way("GEMM_FP8_TILE_AT_ONCE", k, k + 2, monkeypatch)
 
 
 @gpu
