@@ -238,9 +238,9 @@ def _deferred_matches(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("cm", [1, 2])
 @pytest.mark.parametrize("k", [128, 256, 384, 512, 1024, 4096])
 def test_deferred_epilogue_equals_the_staged_one(k: int, cm: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """GEMM_FP8_DEFERRED moves only when a tile's subtiles leave (one under each K block of the CTA's next
-    tile, the rest after it): the same bits, every row written; 1 to 32 K blocks under 4 subtiles, cut tiles,
-    M clusters, and more tiles than CTAs."""
+    """GEMM_FP8_DEFERRED moves only when a tile's subtiles leave (two under each of the CTA's next tile's
+    first K blocks, the rest after them): the same bits, every row written; 1 to 32 K blocks under 4
+    subtiles, cut tiles, M clusters, and more tiles than CTAs."""
     monkeypatch.setattr(gemm_fp8, "GEMM_FP8_CLUSTER_M", cm)
     counts = [0, 1, 300, 0, 129, 2, 700, 0, 64, 9000, 3]
     _deferred_matches(make(sum(counts) + 5, 384, k, cumsum(counts), seed=k + 3), monkeypatch)
@@ -267,7 +267,7 @@ def test_store_schedule_refuses_a_deferred_tile_beside_a_staged_one(monkeypatch:
 @gpu
 @sm90
 def test_sep_gemm_fast_fp8_deferred_subtile_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mutant: K block kt sends held subtile kt + 1, so subtile 1 of every tile a CTA holds into its next
-    tile never leaves (512 tiles over at most 132 CTAs): NaN stays where the staged epilogue writes."""
+    """Mutant: K block kt sends block kt + 1's held subtiles, so subtiles 2 and 3 of every tile a CTA
+    holds into its next tile never leave (512 tiles over at most 132 CTAs): NaN stays where staging writes."""
     counts = [4096] * 4
     _deferred_matches(make(sum(counts), 512, 512, cumsum(counts), seed=29), monkeypatch)

@@ -66,9 +66,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "gemm.fast_fp8_deferred_subtile_skipped", "nmoe/fast/kernels/sm90/grouped_gemm_fp8.py",
-        "    _emit(pend, kt, kt + 1)\n", "    _emit(pend, kt + 1, kt + 2)\n",
-        "the deferred fp8 fwd sends held subtile kt + 1 under K block kt: subtile 1 of a tile held into the "
-        "CTA's next tile never leaves", OVERLAP_TESTS, CONTRACTS, device="gpu",
+        "    _emit(pend, HELD_PER_BLOCK * kt, HELD_PER_BLOCK * (kt + 1))\n",
+        "    _emit(pend, HELD_PER_BLOCK * (kt + 1), HELD_PER_BLOCK * (kt + 2))\n",
+        "the deferred fp8 fwd sends K block kt + 1's held subtiles under block kt: subtiles 2 and 3 of a "
+        "tile held into the CTA's next tile never leave", OVERLAP_TESTS, CONTRACTS, device="gpu",
     ),
     sep_mutation(
         "gemm.fast_fp8_cluster_b_slice_dropped", "nmoe/fast/kernels/sm90/grouped_gemm.py",

@@ -91,7 +91,7 @@ two baseline runs' mean). Staggering the warpgroups' stores a K block apart inst
 Zipf downs 0.86-0.97x) and was removed; with no epilogue at all the downs ran 1.18-1.62x."""
 GEMM_FP8_DEFERRED: Final[bool] = False
 """sm_90a fp8 fwd (overlapped schedule, no staged tile): a tile's bf16 subtiles wait in registers and leave
-one under each K block of the CTA's next tile, so the downs' epilogue runs under wgmmas (as
+two under each of the CTA's next tile's first K blocks, so the downs' epilogue runs under wgmmas (as
 GEMM_FWD_DEFERRED does for bf16). Off until measured."""
 GEMM_FP8_CLUSTER_M: Final[int] = 2
 """sm_90a fp8 fwd at K <= GEMM_FP8_CLUSTER_MAX_K: CTAs per M cluster, each loading 1/this of the B box for all

@@ -64,6 +64,9 @@ from nmoe.fast.limits import GEMM_BM as BM
 BK = MXFP8_BLOCK_SM90
 BN = FP8_WEIGHT_BLOCK
 K_BLOCKS = BK // 32
+# Held subtiles a deferred tile sends under each K block: two, so its registers die after block 1 (one a block
+# left ptxas 40 / 260 bytes of spills at K = 512 / 1024 beside three accumulators; two leave 4 / 128).
+HELD_PER_BLOCK = 2
 
 
 def stages_for(staged: bool = False) -> int:
@@ -153,12 +156,12 @@ def _overlap_step(mainloop: pipeline.PipelineTmaAsync, read: Any, release: Any, 
                   t_ra: cute.Tensor, t_rb: cute.Tensor, m_xs: cute.Tensor, m_ws: cute.Tensor, row_lo: Int32,
                   row_hi: Int32, n_tile: Int32, kt: Int32, e: Int32,
                   pend: Any = None) -> tuple[Any, Any, cute.TiledMma, Any, Any]:
-    """Issue block kt into `into`, then (after the held subtile kt leaves, with pend) promote `prev` (block
-    kt - 1, scales s) while those wgmmas run and free its stage. Returns the states and block kt's scales."""
+    """Issue block kt into `into`, then (after block kt's held subtiles leave, with pend) promote `prev`
+    (block kt - 1, scales s) while those wgmmas run and free its stage. Returns the states and kt's scales."""
     b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo, row_hi, n_tile, kt, e)
     mainloop.consumer_wait(read)
     tiled_mma = _issue_block(tiled_mma, into, t_ra, t_rb, read.index)
-    _emit(pend, kt, kt + 1)
+    _emit(pend, HELD_PER_BLOCK * kt, HELD_PER_BLOCK * (kt + 1))
     read.advance()
     warpgroup.wait_group(1)
     _promote(acc, prev, s_lo, s_hi)
@@ -176,18 +179,18 @@ def _k_overlapped(mainloop: pipeline.PipelineTmaAsync, read: Any, release: Any, 
                   pend: Any = None) -> tuple[Any, Any, cute.TiledMma]:
     """A tile's K blocks with each promotion under the next block's MMAs, block kt in bufs[kt % 2]; the loop
     is unrolled (rolled, ptxas serializes the wgmmas). Promotions keep K order, so every bit equals the
-    serial schedule's; pend: the last tile's held subtiles leave one under each block. Returns the states."""
+    serial schedule's; pend: the last tile's held subtiles leave under the first blocks. Returns states."""
     b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo, row_hi, n_tile, Int32(0), e)
     mainloop.consumer_wait(read)
     tiled_mma = _issue_block(tiled_mma, bufs[0], t_ra, t_rb, read.index)
-    _emit(pend, 0, 1)
+    _emit(pend, 0, HELD_PER_BLOCK)
     read.advance()
     s_lo, s_hi = _block_scales(b_lo, b_hi, b_w)
     for kt in range_constexpr(1, k_tiles):
         read, release, tiled_mma, s_lo, s_hi = _overlap_step(
             mainloop, read, release, tiled_mma, acc, bufs[kt % 2], bufs[(kt - 1) % 2], s_lo, s_hi, t_ra, t_rb,
             m_xs, m_ws, row_lo, row_hi, n_tile, Int32(kt), e, pend)
-    _emit(pend, k_tiles, BN // EPI_N)
+    _emit(pend, HELD_PER_BLOCK * k_tiles, BN // EPI_N)
     warpgroup.wait_group(0)
     _promote(acc, bufs[(k_tiles - 1) % 2], s_lo, s_hi)
     mainloop.consumer_release(release)
