@@ -421,6 +421,27 @@ _FP8_PER_SUBTILE = Mutation(
     "the fp8 fwd's staged tile leaves subtile by subtile, a barrier pair and a TMA store group each (eight "
     "consumer barriers a tile instead of two)",
 )
+_FP8_DEFERRED = (Mutation(
+    "ablate.fp8_deferred", LIMITS,
+    "GEMM_FP8_DEFERRED: Final[bool] = False\n", "GEMM_FP8_DEFERRED: Final[bool] = True\n",
+    "the fp8 fwd holds each finished tile's bf16 subtiles in registers and sends two under each of the CTA's "
+    "next tile's first K blocks (nothing staged, the widest consumer register split)",
+), replace(_FP8_PER_SUBTILE, id="ablate.fp8_deferred_b"),
+    replace(_FP8_PER_SUBTILE, id="ablate.fp8_deferred_c", anchor="GEMM_FP8_STAGED_TILE: Final[bool] = True\n",
+            replacement="GEMM_FP8_STAGED_TILE: Final[bool] = False\n"))
+
+
+def _held_per_block(n: int) -> Mutation:
+    """fp8_deferred sending n held subtiles under each K block instead of two."""
+    return Mutation(
+        f"ablate.fp8_deferred_held_{n}", "nmoe/fast/kernels/sm90/grouped_gemm_fp8.py",
+        "HELD_PER_BLOCK = 2\n", f"HELD_PER_BLOCK = {n}\n",
+        f"fp8_deferred with {n} held subtile(s) under each K block: the epilogue spread over more blocks "
+        "against the held registers' lifetime (ptxas: 40 / 260 bytes of spills at K = 512 / 1024 with one, "
+        "4 / 32 with four)",
+    )
+
+
 COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {
     "gather": (*GATHER_COMPOUNDS,
                (replace(_GATHER_DEFERRED, id="ablate.gather_deferred_lsu_stores",
@@ -454,15 +475,9 @@ COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {
         "the fp8 fwd stages two output subtiles (one operand stage more) instead of the whole tile, so its "
         "consumers wait on the tile's stores before the next tile's MMAs",
     ), replace(_FP8_PER_SUBTILE, id="ablate.fp8_two_subtiles_b")),
-            (Mutation(
-                "ablate.fp8_deferred", LIMITS,
-                "GEMM_FP8_DEFERRED: Final[bool] = False\n", "GEMM_FP8_DEFERRED: Final[bool] = True\n",
-                "the fp8 fwd holds each finished tile's bf16 subtiles in registers and sends one under each "
-                "K block of the CTA's next tile (nothing staged, the widest consumer register split)",
-            ), replace(_FP8_PER_SUBTILE, id="ablate.fp8_deferred_b"),
-             replace(_FP8_PER_SUBTILE, id="ablate.fp8_deferred_c",
-                     anchor="GEMM_FP8_STAGED_TILE: Final[bool] = True\n",
-                     replacement="GEMM_FP8_STAGED_TILE: Final[bool] = False\n"))),
+            _FP8_DEFERRED,
+            (_held_per_block(1), *(replace(m, id=f"{m.id}_h1") for m in _FP8_DEFERRED)),
+            (_held_per_block(4), *(replace(m, id=f"{m.id}_h4") for m in _FP8_DEFERRED))),
 }
 """Ablations of several edits, named by their first."""
 
