@@ -597,10 +597,9 @@ def _fp8_rows(compile_only: bool) -> list[dict[str, Any]]:
 
 
 def _gather_rows(t: int, h: int, i: int, e: int, k: int, compile_only: bool) -> list[dict[str, Any]]:
-    """The up projection (act, swiglu) and its x-side wgrad, uniform routing: A read through slot from x's
-    token rows (gathered), through slot from permute's copy in row order (in_order: the same cp.async
-    path without the scattered rows), and by TMA from the copy (copied); and the down projection's dgrad
-    gathered from the layer's token-major output gradient."""
+    """The up projection (act, swiglu; h kept, or gathered act(h) alone as the forward with no backward) and
+    its x-side wgrad, uniform routing: A gathered through slot from x's token rows, from permute's copy in
+    row order (in_order), or by TMA from the copy (copied); and the down dgrad gathered from dout."""
     import torch
 
     from bench.conftest import capture, replay_median_ms
@@ -621,6 +620,8 @@ def _gather_rows(t: int, h: int, i: int, e: int, k: int, compile_only: bool) -> 
         "up_gathered": lambda: sm90.grouped_gemm_act_gathered(x, p.slot, k, w, p.offs, "swiglu"),
         "up_in_order": lambda: sm90.grouped_gemm_act_gathered(p.xp, in_order, k, w, p.offs, "swiglu"),
         "up_copied": lambda: sm90.grouped_gemm_act_h(p.xp, w, p.offs, "swiglu"),
+        "up_gathered_act_only": lambda: sm90.grouped_gemm_act_gathered(x, p.slot, k, w, p.offs, "swiglu",
+                                                                       keep_h=False),
         "wgrad_gathered": lambda: sm90.grouped_gemm_wgrad_gathered(dh, x, p.slot, k, p.offs),
         "wgrad_copied": lambda: sm90.grouped_gemm_wgrad(dh, p.xp, p.offs),
         "down_dgrad_gathered": lambda: sm90.grouped_gemm_dgrad_gathered(dy, p.slot, k, w_down, p.offs),
