@@ -421,14 +421,19 @@ _FP8_PER_SUBTILE = Mutation(
     "the fp8 fwd's staged tile leaves subtile by subtile, a barrier pair and a TMA store group each (eight "
     "consumer barriers a tile instead of two)",
 )
+_FP8_TWO_SUBTILES = Mutation(
+    "ablate.fp8_two_subtiles", LIMITS,
+    "GEMM_FP8_STAGED_TILE: Final[bool] = True\n", "GEMM_FP8_STAGED_TILE: Final[bool] = False\n",
+    "the fp8 fwd stages two output subtiles (one operand stage more) instead of the whole tile, so its "
+    "consumers wait on the tile's stores before the next tile's MMAs",
+)
 _FP8_DEFERRED = (Mutation(
     "ablate.fp8_deferred", LIMITS,
     "GEMM_FP8_DEFERRED: Final[bool] = False\n", "GEMM_FP8_DEFERRED: Final[bool] = True\n",
     "the fp8 fwd holds each finished tile's bf16 subtiles in registers and sends two under each of the CTA's "
     "next tile's first K blocks (nothing staged, the widest consumer register split)",
 ), replace(_FP8_PER_SUBTILE, id="ablate.fp8_deferred_b"),
-    replace(_FP8_PER_SUBTILE, id="ablate.fp8_deferred_c", anchor="GEMM_FP8_STAGED_TILE: Final[bool] = True\n",
-            replacement="GEMM_FP8_STAGED_TILE: Final[bool] = False\n"))
+    replace(_FP8_TWO_SUBTILES, id="ablate.fp8_deferred_c"))
 
 
 def _held_per_block(n: int) -> Mutation:
@@ -469,12 +474,7 @@ COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {
                       "per-thread 16-byte stores (the LSU), not by TMA: whether its stores slow the wgrad by "
                       "queueing on the TMA unit ahead of the operand loads"),
               replace(_MASKED_STORES, id="ablate.wgrad_deferred_lsu_stores_b")),),
-    "fp8": ((Mutation(
-        "ablate.fp8_two_subtiles", LIMITS,
-        "GEMM_FP8_STAGED_TILE: Final[bool] = True\n", "GEMM_FP8_STAGED_TILE: Final[bool] = False\n",
-        "the fp8 fwd stages two output subtiles (one operand stage more) instead of the whole tile, so its "
-        "consumers wait on the tile's stores before the next tile's MMAs",
-    ), replace(_FP8_PER_SUBTILE, id="ablate.fp8_two_subtiles_b")),
+    "fp8": ((_FP8_TWO_SUBTILES, replace(_FP8_PER_SUBTILE, id="ablate.fp8_two_subtiles_b")),
             _FP8_DEFERRED,
             (_held_per_block(1), *(replace(m, id=f"{m.id}_h1") for m in _FP8_DEFERRED)),
             (_held_per_block(4), *(replace(m, id=f"{m.id}_h4") for m in _FP8_DEFERRED))),

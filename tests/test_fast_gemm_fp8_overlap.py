@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_fast_gemm import cumsum, zipf_counts
+from test_fast_gemm import cumsum, into_nan, zipf_counts
 from test_fast_gemm_fp8 import BLK, Case, _separates, assert_contract, make, probe, sm90
 from torch import Tensor
 
@@ -217,12 +217,8 @@ def _nan_filled(case: Case, deferred: bool, monkeypatch: pytest.MonkeyPatch) -> 
     for flag, value in (("GEMM_FP8_OVERLAP", True), ("GEMM_FP8_DEFERRED", deferred),
                         ("GEMM_FP8_STAGED_TILE", not deferred), ("GEMM_FP8_TILE_AT_ONCE", not deferred)):
         monkeypatch.setattr(gemm_fp8, flag, value)
-    offs = case.offs()
-    a, sa, b, sb = gemm_fp8._check(case.xq, case.xs, case.wq, case.ws, offs)
-    y = torch.full((case.m, case.n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    gemm_fp8._launch(a, sa, b, sb, offs.contiguous(), y)
-    torch.cuda.synchronize()
-    return y
+    out: Tensor = into_nan([(case.m, case.n)], case.run)
+    return out
 
 
 def _deferred_matches(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:

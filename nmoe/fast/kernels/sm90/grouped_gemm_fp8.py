@@ -144,9 +144,10 @@ def _block_scales(b_lo: Int32, b_hi: Int32, b_w: Int32) -> tuple[Float32, Float3
 
 
 @cute.jit
-def _emit(pend: Any, lo: Int32 | int, hi: Int32 | int) -> None:
-    """The held tile's subtiles lo <= sub < hi leave (pend: (Pending, row0, n_tile, row_end, on) or None)."""
-    if const_expr(pend is not None):
+def _emit(pend: Any, lo: Constexpr[int], hi: Constexpr[int]) -> None:
+    """The held tile's subtiles lo <= sub < hi leave (pend: (Pending, row0, n_tile, row_end, on) or None);
+    a range past the tile's subtiles traces nothing."""
+    if const_expr(pend is not None and lo < BN // EPI_N):
         emit_held(pend[0], pend[1], pend[2], pend[3], pend[4], Int32(lo), Int32(hi))
 
 
@@ -154,11 +155,11 @@ def _emit(pend: Any, lo: Int32 | int, hi: Int32 | int) -> None:
 def _overlap_step(mainloop: pipeline.PipelineTmaAsync, read: Any, release: Any, tiled_mma: cute.TiledMma,
                   acc: cute.Tensor, into: cute.Tensor, prev: cute.Tensor, s_lo: Float32, s_hi: Float32,
                   t_ra: cute.Tensor, t_rb: cute.Tensor, m_xs: cute.Tensor, m_ws: cute.Tensor, row_lo: Int32,
-                  row_hi: Int32, n_tile: Int32, kt: Int32, e: Int32,
+                  row_hi: Int32, n_tile: Int32, kt: Constexpr[int], e: Int32,
                   pend: Any = None) -> tuple[Any, Any, cute.TiledMma, Any, Any]:
     """Issue block kt into `into`, then (after block kt's held subtiles leave, with pend) promote `prev`
     (block kt - 1, scales s) while those wgmmas run and free its stage. Returns the states and kt's scales."""
-    b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo, row_hi, n_tile, kt, e)
+    b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo, row_hi, n_tile, Int32(kt), e)
     mainloop.consumer_wait(read)
     tiled_mma = _issue_block(tiled_mma, into, t_ra, t_rb, read.index)
     _emit(pend, HELD_PER_BLOCK * kt, HELD_PER_BLOCK * (kt + 1))
@@ -189,7 +190,7 @@ def _k_overlapped(mainloop: pipeline.PipelineTmaAsync, read: Any, release: Any, 
     for kt in range_constexpr(1, k_tiles):
         read, release, tiled_mma, s_lo, s_hi = _overlap_step(
             mainloop, read, release, tiled_mma, acc, bufs[kt % 2], bufs[(kt - 1) % 2], s_lo, s_hi, t_ra, t_rb,
-            m_xs, m_ws, row_lo, row_hi, n_tile, Int32(kt), e, pend)
+            m_xs, m_ws, row_lo, row_hi, n_tile, kt, e, pend)
     _emit(pend, HELD_PER_BLOCK * k_tiles, BN // EPI_N)
     warpgroup.wait_group(0)
     _promote(acc, bufs[(k_tiles - 1) % 2], s_lo, s_hi)
@@ -300,8 +301,8 @@ def grouped_gemm_fp8_host(
     row-major bytes; the Constexpr flags pick the epilogue's staging and the B-sharing cluster shape."""
     # staged: a whole output tile waits in shared memory (epi_bufs). cm > 1: clusters of cm M tiles share
     # each B box, every CTA loading 1/cm of it for all. at_once (staged only): store_tile_at_once. deferred
-    # (overlap only, nothing staged): a tile's bf16 subtiles wait in registers and leave one under each K
-    # block of the CTA's next tile (Pending).
+    # (overlap only, nothing staged): a tile's bf16 subtiles wait in registers and leave HELD_PER_BLOCK under
+    # each of the CTA's next tile's first K blocks (Pending).
     assert staged or not at_once, "a tile leaves at once only from a whole staged tile"
     assert not deferred or (overlap and not staged), "a held tile leaves under the overlapped K blocks"
     stages = stages_for(staged)
