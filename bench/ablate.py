@@ -86,13 +86,6 @@ _WGRAD_CLUSTER_TWO = Mutation(
     "the TMA wgrad in clusters of two CTAs on adjacent M tiles of one work item, each x box multicast to "
     "both (half the x box reads from L2), CTA 0 handing each dynamic item to the other through shared memory",
 )
-_WGRAD_STORE_EVICT_FIRST = Mutation(
-    "ablate.wgrad_store_evict_first", LIMITS,
-    "GEMM_WGRAD_STORE_EVICT_FIRST: Final[bool] = False\n",
-    "GEMM_WGRAD_STORE_EVICT_FIRST: Final[bool] = True\n",
-    "the TMA wgrad's dw stores mark their lines first to leave L2: whether E bf16 outputs (the dense "
-    "roofline writes one) evict the operand boxes other CTAs re-read",
-)
 _WGRAD_CLUSTER_FOUR = replace(
     _WGRAD_CLUSTER_TWO, id="ablate.wgrad_cluster_four", replacement="GEMM_WGRAD_CLUSTER_M: Final[int] = 4\n",
     description="the same in clusters of four (a quarter of the x box reads; fewer where M tiles do not fill "
@@ -194,7 +187,6 @@ ABLATIONS: tuple[Mutation, ...] = (
     _WGRAD_STATIC,
     _WGRAD_DEFERRED,
     _WGRAD_CLUSTER_TWO,
-    _WGRAD_STORE_EVICT_FIRST,
     _DEAD_ROWS_MMA,
     _PINGPONG_FULL_TAIL,
     _WGRAD_CLUSTER_FOUR,
@@ -386,7 +378,6 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
             "the layer"),
     replace(_WGRAD_STATIC, id="ablate.layer_wgrad_static"),
     replace(_WGRAD_CLUSTER_TWO, id="ablate.layer_wgrad_cluster_two"),
-    replace(_WGRAD_STORE_EVICT_FIRST, id="ablate.layer_wgrad_store_evict_first"),
     replace(_DEAD_ROWS_MMA, id="ablate.layer_dead_rows_mma"),
     replace(_PINGPONG_FULL_TAIL, id="ablate.layer_pingpong_full_tail"),
     replace(_PINGPONG, id="ablate.layer_pingpong"),
@@ -427,25 +418,6 @@ _FP8_TWO_SUBTILES = Mutation(
     "the fp8 fwd stages two output subtiles (one operand stage more) instead of the whole tile, so its "
     "consumers wait on the tile's stores before the next tile's MMAs",
 )
-_FP8_DEFERRED = (Mutation(
-    "ablate.fp8_deferred", LIMITS,
-    "GEMM_FP8_DEFERRED: Final[bool] = False\n", "GEMM_FP8_DEFERRED: Final[bool] = True\n",
-    "the fp8 fwd holds each finished tile's bf16 subtiles in registers and sends two under each of the CTA's "
-    "next tile's first K blocks (nothing staged, the widest consumer register split)",
-), replace(_FP8_PER_SUBTILE, id="ablate.fp8_deferred_b"),
-    replace(_FP8_TWO_SUBTILES, id="ablate.fp8_deferred_c"))
-
-
-def _held_per_block(n: int) -> Mutation:
-    """fp8_deferred sending n held subtiles under each K block instead of two."""
-    return Mutation(
-        f"ablate.fp8_deferred_held_{n}", "nmoe/fast/kernels/sm90/grouped_gemm_fp8.py",
-        "HELD_PER_BLOCK = 2\n", f"HELD_PER_BLOCK = {n}\n",
-        f"fp8_deferred with {n} held subtile(s) under each K block: the epilogue spread over more blocks "
-        "against the held registers' lifetime (ptxas: 40 / 260 bytes of spills at K = 512 / 1024 with one, "
-        "4 / 32 with four)",
-    )
-
 
 COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {
     "gather": (*GATHER_COMPOUNDS,
@@ -474,10 +446,7 @@ COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {
                       "per-thread 16-byte stores (the LSU), not by TMA: whether its stores slow the wgrad by "
                       "queueing on the TMA unit ahead of the operand loads"),
               replace(_MASKED_STORES, id="ablate.wgrad_deferred_lsu_stores_b")),),
-    "fp8": ((_FP8_TWO_SUBTILES, replace(_FP8_PER_SUBTILE, id="ablate.fp8_two_subtiles_b")),
-            _FP8_DEFERRED,
-            (_held_per_block(1), *(replace(m, id=f"{m.id}_h1") for m in _FP8_DEFERRED)),
-            (_held_per_block(4), *(replace(m, id=f"{m.id}_h4") for m in _FP8_DEFERRED))),
+    "fp8": ((_FP8_TWO_SUBTILES, replace(_FP8_PER_SUBTILE, id="ablate.fp8_two_subtiles_b")),),
 }
 """Ablations of several edits, named by their first."""
 
@@ -502,9 +471,9 @@ FP8_ABLATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ablate.fp8_no_epilogue", "nmoe/fast/kernels/sm90/grouped_gemm_fp8.py",
+        "            _store(epi, tma_d,",
+        "            if row0 < 0:\n"
         "                _store(epi, tma_d,",
-        "                if row0 < 0:\n"
-        "                    _store(epi, tma_d,",
         "timing only: the fp8 fwd's tiles skip their epilogue (staging, barriers, stores): the most that "
         "hiding it under the next tile's first K blocks could buy, most on the downs' four to eight blocks",
     ),

@@ -246,22 +246,15 @@ def probe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return out
 
 
-# Spill bytes a deferred kernel may take: beside three accumulators and a held tile, ptxas parks one scalar of
-# the four-block K loop in local memory; the two-block one spills none.
-DEFERRED_SPILL = {"grouped_gemm_fp8_sm90_down_overlap_cluster2_deferred": 4}
-
-
 def test_sm90a_ptx_assembles_without_spills(probe: dict[str, Any]) -> None:
-    """Two 64x128 fp32 accumulators per consumer thread must stay in registers (232 after setmaxnreg; 240 for
-    the deferred kernels, whose spills are pinned), and ptxas must not inject a wgmma wait (C7517) or
-    serialize the wgmmas (C7514, C7518)."""
+    """Two 64x128 fp32 accumulators per consumer thread must stay in registers (232 after setmaxnreg), and
+    ptxas must neither inject a wgmma wait (C7517) nor serialize the wgmmas (C7514, C7518)."""
     if probe["ptxas"] is None:
         pytest.skip("ptxas not installed: PTX not assembled (the instruction checks above still ran)")
     assert set(probe["ptxas"]) == {s.name for s in KERNELS}
     for name, res in probe["ptxas"].items():
         assert res["rc"] == 0, (name, res["log"])
-        spill = DEFERRED_SPILL.get(name, 0)
-        assert f"{spill} bytes spill stores, {spill} bytes spill loads" in res["log"], (name, res["log"])
+        assert "0 bytes spill stores, 0 bytes spill loads" in res["log"], (name, res["log"])
         assert not re.search(r"C751[478]|serialized", res["log"]), (name, res["log"])
         regs = int(re.findall(r"Used (\d+) registers", res["log"])[-1])
         assert regs <= 232, (name, regs)

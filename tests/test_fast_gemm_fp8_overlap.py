@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_fast_gemm import cumsum, into_nan, zipf_counts
+from test_fast_gemm import cumsum, zipf_counts
 from test_fast_gemm_fp8 import BLK, Case, _separates, assert_contract, make, probe, sm90
 from torch import Tensor
 
@@ -39,7 +39,7 @@ def test_consumer_promotes_each_block_under_the_next_blocks_mmas(probe: dict[str
     epilogue (an unrolled K loop: ptxas serializes the wgmmas of a rolled one)."""
     issue = [["ld.global.b8", 3], ["mbarrier.try_wait", 1], ["wgmma.fence", 1], ["wgmma.mma_async", 4]]
     step = [*issue, ["wgmma.wait_group.sync.aligned 1", 1], ["fma.rn.f32", 64]]
-    names = [n for n in probe["ops"] if "overlap" in n and "deferred" not in n]
+    names = [n for n in probe["ops"] if "overlap" in n]
     assert len(names) == 6, names
     for name in names:
         ops = probe["ops"][name]
@@ -141,7 +141,7 @@ def test_store_schedule_refuses_a_tile_at_once_that_is_not_staged(monkeypatch: p
 def test_store_schedule_reads_the_flags(at_once: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gemm_fp8, "GEMM_FP8_STAGED_TILE", True)
     monkeypatch.setattr(gemm_fp8, "GEMM_FP8_TILE_AT_ONCE", at_once)
-    assert gemm_fp8.store_schedule() == (True, at_once, False)
+    assert gemm_fp8.store_schedule() == (True, at_once)
 
 
 @gpu
@@ -211,59 +211,3 @@ def test_cluster_two_equals_ctas_alone(counts: list[int], monkeypatch: pytest.Mo
     torch.cuda.synchronize()
     assert torch.equal(clustered.view(torch.int16), alone.view(torch.int16))
 
-
-def _nan_filled(case: Case, deferred: bool, monkeypatch: pytest.MonkeyPatch) -> Tensor:
-    """The overlapped fwd into a NaN-filled output, its tile held (deferred) or staged and sent at once."""
-    for flag, value in (("GEMM_FP8_OVERLAP", True), ("GEMM_FP8_DEFERRED", deferred),
-                        ("GEMM_FP8_STAGED_TILE", not deferred), ("GEMM_FP8_TILE_AT_ONCE", not deferred)):
-        monkeypatch.setattr(gemm_fp8, flag, value)
-    out: Tensor = into_nan([(case.m, case.n)], case.run)
-    return out
-
-
-def _deferred_matches(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
-    rows = case.ends[-1]
-    plain, held = (_nan_filled(case, d, monkeypatch)[:rows] for d in (False, True))
-    assert not bool(plain.isnan().any()), "the staged epilogue left NaN: the fill would not show"
-    assert not bool(held.isnan().any()), "a held subtile never left"
-    assert torch.equal(held.view(torch.int16), plain.view(torch.int16))
-
-
-@gpu
-@sm90
-@pytest.mark.parametrize("cm", [1, 2])
-@pytest.mark.parametrize("k", [128, 256, 384, 512, 1024, 4096])
-def test_deferred_epilogue_equals_the_staged_one(k: int, cm: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """GEMM_FP8_DEFERRED moves only when a tile's subtiles leave (two under each of the CTA's next tile's
-    first K blocks, the rest after them): the same bits, every row written; 1 to 32 K blocks under 4
-    subtiles, cut tiles, M clusters, and more tiles than CTAs."""
-    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_CLUSTER_M", cm)
-    counts = [0, 1, 300, 0, 129, 2, 700, 0, 64, 9000, 3]
-    _deferred_matches(make(sum(counts) + 5, 384, k, cumsum(counts), seed=k + 3), monkeypatch)
-
-
-@gpu
-@sm90
-def test_deferred_epilogue_equals_the_staged_one_under_skew(monkeypatch: pytest.MonkeyPatch) -> None:
-    _deferred_matches(make(6000, 512, 512, cumsum(zipf_counts(6000, 64)), seed=26), monkeypatch)
-
-
-def test_store_schedule_refuses_a_deferred_tile_beside_a_staged_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_DEFERRED", True)
-    with pytest.raises(ValueError, match="turn GEMM_FP8_STAGED_TILE and GEMM_FP8_TILE_AT_ONCE off"):
-        gemm_fp8.store_schedule()
-    for flag in ("GEMM_FP8_STAGED_TILE", "GEMM_FP8_TILE_AT_ONCE"):
-        monkeypatch.setattr(gemm_fp8, flag, False)
-    assert gemm_fp8.store_schedule() == (False, False, True)
-    monkeypatch.setattr(gemm_fp8, "GEMM_FP8_OVERLAP", False)
-    with pytest.raises(ValueError, match="GEMM_FP8_OVERLAP on"):
-        gemm_fp8.store_schedule()
-
-
-@gpu
-@sm90
-def test_sep_gemm_fast_fp8_deferred_subtile_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mutant: K block kt sends block kt + 1's held subtiles, so subtiles 2 and 3 of every tile a CTA
-    holds into its next tile never leave (512 tiles over at most 132 CTAs): NaN stays where staging writes."""
-    counts = [4096] * 4
-    _deferred_matches(make(sum(counts), 512, 512, cumsum(counts), seed=29), monkeypatch)

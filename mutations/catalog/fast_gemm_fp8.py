@@ -52,9 +52,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "gemm.fast_fp8_staged_store_next_buffer", "nmoe/fast/kernels/sm90/epilogue.py",
-        "                cute.copy(epi.tma_atom, views.b_sd[(None, buf)], views.b_gd[(None, (0, sub))],\n",
+        "                cute.copy(epi.tma_atom, views.b_sd[(None, buf)], views.b_gd[(None, (0, sub))])\n",
         "                cute.copy(epi.tma_atom, views.b_sd[(None, epi.buf0 + (sub + 1) % bufs)], "
-        "views.b_gd[(None, (0, sub))],\n",
+        "views.b_gd[(None, (0, sub))])\n",
         "a staged tile's subtile store reads the next subtile's buffer, so it leaves with that subtile's "
         "values or an earlier tile's", OVERLAP_TESTS, CONTRACTS, device="gpu",
     ),
@@ -63,13 +63,6 @@ MUTATIONS: tuple[Mutation, ...] = (
         "b_sd[(None, epi.buf0 + whole)]", "b_sd[(None, epi.buf0)]",
         "a staged tile leaving at once sends its first subtile's buffer to every subtile's columns",
         OVERLAP_TESTS, CONTRACTS, device="gpu",
-    ),
-    sep_mutation(
-        "gemm.fast_fp8_deferred_subtile_skipped", "nmoe/fast/kernels/sm90/grouped_gemm_fp8.py",
-        "    _emit(pend, HELD_PER_BLOCK * kt, HELD_PER_BLOCK * (kt + 1))\n",
-        "    _emit(pend, HELD_PER_BLOCK * (kt + 1), HELD_PER_BLOCK * (kt + 2))\n",
-        "the deferred fp8 fwd sends K block kt + 1's held subtiles under block kt: subtiles 2 and 3 of a "
-        "tile held into the CTA's next tile never leave", OVERLAP_TESTS, CONTRACTS, device="gpu",
     ),
     sep_mutation(
         "gemm.fast_fp8_cluster_b_slice_dropped", "nmoe/fast/kernels/sm90/grouped_gemm.py",

@@ -60,11 +60,8 @@ skewed routing's heavy tiles then spread like a greedy schedule) when True, else
 GEMM_WGRAD_CLUSTER_M: Final[int] = 1
 """CTAs of an sm_90a TMA-fed wgrad cluster (up to this, where dw's M tiles fill them): one work item's M tiles
 side by side, each x box multicast to them, CTA 0 handing each dynamic item to the rest (H200 ncu, c1 up
-wgrad: L2 71% busy, dense mm 55%). Off: H100 per wgrad two 0.97-1.08x, four 0.88-1.06x; layer 0.98-1.02x;
-H200 per wgrad two 0.98-1.06x (median 1.03), its layer not yet measured."""
-GEMM_WGRAD_STORE_EVICT_FIRST: Final[bool] = False
-"""sm_90a TMA-fed wgrad: dw's TMA stores mark their lines first to leave L2, so E outputs of bf16 (the
-dense roofline writes one) do not push out the operand boxes other CTAs re-read. Off until measured."""
+wgrad: L2 71% busy, dense mm 55%). Off: H100 per wgrad two 0.97-1.08x, four 0.88-1.06x; layer 0.98-1.02x
+(and 0.98-1.02x again at eda3506); H200 per wgrad two 0.98-1.06x (median 1.03)."""
 GEMM_WGRAD_DEFERRED: Final[bool] = False
 """sm_90a TMA-fed wgrad: a tile's bf16 result waits in registers and leaves one subtile per K box of the next
 tile, under its wgmmas, instead of before them (without any epilogue the wgrad ran 1.06-1.18x on the H200).
@@ -89,10 +86,6 @@ GEMM_FP8_TILE_AT_ONCE: Final[bool] = True
 consumer barriers a tile instead of two a subtile (H200: downs 1.02-1.13x, ups 0.94-1.01x, against the
 two baseline runs' mean). Staggering the warpgroups' stores a K block apart instead lost (downs 0.86-1.09x,
 Zipf downs 0.86-0.97x) and was removed; with no epilogue at all the downs ran 1.18-1.62x."""
-GEMM_FP8_DEFERRED: Final[bool] = False
-"""sm_90a fp8 fwd (overlapped schedule, no staged tile): a tile's bf16 subtiles wait in registers and leave
-two under each of the CTA's next tile's first K blocks, so the downs' epilogue runs under wgmmas (as
-GEMM_FWD_DEFERRED does for bf16). Off until measured."""
 GEMM_FP8_CLUSTER_M: Final[int] = 2
 """sm_90a fp8 fwd at K <= GEMM_FP8_CLUSTER_MAX_K: CTAs per M cluster, each loading 1/this of the B box for all
 (multicast); 1: CTAs alone."""

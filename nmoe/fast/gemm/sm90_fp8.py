@@ -12,7 +12,6 @@ from nmoe.fast.gemm.routing import as_bytes, check_offs_on_host, check_routing, 
 from nmoe.fast.limits import (
     GEMM_FP8_CLUSTER_M,
     GEMM_FP8_CLUSTER_MAX_K,
-    GEMM_FP8_DEFERRED,
     GEMM_FP8_OVERLAP,
     GEMM_FP8_STAGED_TILE,
     GEMM_FP8_TILE_AT_ONCE,
@@ -26,8 +25,8 @@ K_BLOCK = MXFP8_BLOCK_SM90
 _CODES = (torch.uint8, torch.float8_e4m3fn)
 _SCALES = (torch.uint8, torch.float8_e8m0fnu)
 FP8 = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_fp8", "grouped_gemm_fp8_sm90",
-             lambda km, n, k, overlap=False, staged=False, cm=1, at_once=False, deferred=False:
-             km.compile_args(n, k, overlap, staged, cm, at_once, deferred),
+             lambda km, n, k, overlap=False, staged=False, cm=1, at_once=False:
+             km.compile_args(n, k, overlap, staged, cm, at_once),
              (ARCH,),
              "nmoe.fast.gemm.grouped_gemm_fp8")
 
@@ -53,16 +52,12 @@ def _check(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor,
     return a, sa, b, sb
 
 
-def store_schedule() -> tuple[bool, bool, bool]:
-    """(staged, at_once, deferred) from the limits, or a ValueError naming the flags to change."""
+def store_schedule() -> tuple[bool, bool]:
+    """(staged, at_once) from the limits, or a ValueError: a tile leaves at once only when staged whole."""
     if GEMM_FP8_TILE_AT_ONCE and not GEMM_FP8_STAGED_TILE:
         raise ValueError("grouped_gemm_fp8: GEMM_FP8_TILE_AT_ONCE stores a whole staged tile at once; set "
                          "GEMM_FP8_STAGED_TILE too, or turn GEMM_FP8_TILE_AT_ONCE off")
-    if GEMM_FP8_DEFERRED and (GEMM_FP8_STAGED_TILE or not GEMM_FP8_OVERLAP):
-        raise ValueError("grouped_gemm_fp8: GEMM_FP8_DEFERRED holds a tile in registers and sends it under "
-                         "the overlapped schedule's K blocks; turn GEMM_FP8_STAGED_TILE and "
-                         "GEMM_FP8_TILE_AT_ONCE off and GEMM_FP8_OVERLAP on")
-    return GEMM_FP8_STAGED_TILE, GEMM_FP8_TILE_AT_ONCE, GEMM_FP8_DEFERRED
+    return GEMM_FP8_STAGED_TILE, GEMM_FP8_TILE_AT_ONCE
 
 
 def _launch(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, offs: Tensor, y: Tensor) -> None:
@@ -78,9 +73,8 @@ def _launch(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, offs: Tensor, y: Ten
     check_offs_on_host("grouped_gemm_fp8", offs, m)
     cm = GEMM_FP8_CLUSTER_M if k <= GEMM_FP8_CLUSTER_MAX_K else 1
     n_ctas = fwd_ctas(device, m, n, n_groups, BN, cm)
-    staged, at_once, deferred = store_schedule()
-    launch = FP8.launcher(arch, n=n, k=k, overlap=GEMM_FP8_OVERLAP, staged=staged, cm=cm, at_once=at_once,
-                          deferred=deferred)
+    staged, at_once = store_schedule()
+    launch = FP8.launcher(arch, n=n, k=k, overlap=GEMM_FP8_OVERLAP, staged=staged, cm=cm, at_once=at_once)
     launch(device, xq.data_ptr(), wq.data_ptr(), xs.data_ptr(), ws.data_ptr(), y.data_ptr(), offs.data_ptr(),
            m, n_groups, n_ctas)
 
@@ -134,24 +128,17 @@ _AT_ONCE = (r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta[^\n]*\n[^\n]*\n\s
             r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta")
 
 
-# A held tile's subtile staged under a K block's wgmmas: stmatrix after a commit, before the wait for it.
-_UNDER_MMA = r"wgmma\.commit_group\.sync\.aligned;(?:(?!wgmma\.wait_group)[\s\S])*?\bstmatrix\.sync"
-
-
 # A cluster's CTAs each load 1/cm of a B box for all of them.
 _MULTICAST = (r"multicast::cluster", r"\bbarrier\.cluster\.wait\b")
 
 
 def _spec(name: str, n: int, k: int, overlap: bool = False, staged: bool = False, cm: int = 1,
-          at_once: bool = False, deferred: bool = False) -> KernelSpec:
+          at_once: bool = False) -> KernelSpec:
     expect = (*(_EXPECT_OVERLAP if overlap else _EXPECT), *((_STAGED,) if staged and not at_once else ()),
-              *(_MULTICAST if cm > 1 else ()), *((_AT_ONCE,) if at_once else ()),
-              *((_UNDER_MMA,) if deferred else ()))
-    forbid = (*_FORBID, *(() if at_once else (_AT_ONCE,)), *(() if deferred else (_UNDER_MMA,)))
+              *(_MULTICAST if cm > 1 else ()), *((_AT_ONCE,) if at_once else ()))
     return KernelSpec(op="grouped_gemm_fp8", name=name,
-                      compile=FP8.compiler(n=n, k=k, overlap=overlap, staged=staged, cm=cm, at_once=at_once,
-                                           deferred=deferred),
-                      expect={ARCH: expect}, forbid={ARCH: forbid})
+                      compile=FP8.compiler(n=n, k=k, overlap=overlap, staged=staged, cm=cm, at_once=at_once),
+                      expect={ARCH: expect}, forbid={ARCH: (*_FORBID, *(() if at_once else (_AT_ONCE,)))})
 
 
 # Representative classes: the up projection (N = 2I, K = H) and the down projection (N = H, K = I); the
@@ -165,6 +152,4 @@ KERNELS: tuple[KernelSpec, ...] = (
     _spec("grouped_gemm_fp8_sm90_down_overlap_staged", 4096, 1024, True, True),
     _spec("grouped_gemm_fp8_sm90_down_overlap_cluster2", 4096, 1024, True, True, 2),
     _spec("grouped_gemm_fp8_sm90_short_overlap_cluster2_at_once", 4096, 256, True, True, 2, True),
-    _spec("grouped_gemm_fp8_sm90_down_overlap_cluster2_deferred", 4096, 512, True, False, 2, deferred=True),
-    _spec("grouped_gemm_fp8_sm90_short_overlap_deferred", 4096, 256, True, deferred=True),
 )

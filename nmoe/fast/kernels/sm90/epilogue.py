@@ -26,7 +26,6 @@ from nmoe.fast.kernels.sm90.tiles import (
     VEC,
     WG_THREADS,
     act_cols,
-    cache_hint,
     store_copy,
     tile_wgs,
 )
@@ -248,11 +247,10 @@ def _subtile_bf16(epi: Epilogue, sub: Constexpr[int]) -> None:
 def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.Tensor, row0: Int32,
                n_tile: Int32, row_end: Int32, n: Constexpr[int], bn: Constexpr[int],
                act: Constexpr[str], tma_act: Any = None, accumulate: Constexpr[bool] = False,
-               bufs: Constexpr[int] = EPI_BUFS, keep_h: Constexpr[bool] = True,
-               policy: Constexpr[int] = 0) -> None:
+               bufs: Constexpr[int] = EPI_BUFS, keep_h: Constexpr[bool] = True) -> None:
     """The tile's rows below row_end and columns below n, one EPI_N subtile at a time: registers -> bf16
-    smem subtile (and act(h) from the same bf16 registers -> its own subtile) -> TMA stores (full tiles, L2
-    policy `policy`) or masked 16-byte stores; accumulate: added to m_d; keep_h False: act(h) alone leaves."""
+    smem subtile (and act(h) from the same bf16 registers -> its own subtile) -> TMA stores (full tiles) or
+    masked 16-byte stores; accumulate: added to what m_d holds; keep_h False: act(h) alone leaves."""
     assert act == "none" or bufs == EPI_BUFS, f"act(h) is staged in {EPI_BUFS} subtiles, not {bufs}"
     assert keep_h or act != "none", "an epilogue without act(h) must store h"
     views = tile_views(epi, tma_d, row0, n_tile, row_end, n, bn, act, tma_act)
@@ -270,7 +268,7 @@ def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.
                     epi.r_d[v] = r_ha[sub % batch * size_sub + v]
             _stage_act(epi, r_bits, sub % batch * (size_sub // EPILOGUES[act]), buf, act)
         emit_subtile(epi, views, epi.r_d, m_d, m_act, row0, n_tile, sub, buf, n, bn, act, accumulate, bufs,
-                     keep_h, policy)
+                     keep_h)
 
 
 @cute.jit
@@ -308,8 +306,7 @@ def store_tile_at_once(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, row0
 def emit_subtile(epi: Epilogue, views: TileViews, r_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.Tensor,
                  row0: Int32, n_tile: Int32, sub: Constexpr[int], buf: Any, n: Constexpr[int],
                  bn: Constexpr[int], act: Constexpr[str], accumulate: Constexpr[bool] = False,
-                 bufs: Constexpr[int] = EPI_BUFS, keep_h: Constexpr[bool] = True,
-                 policy: Constexpr[int] = 0) -> None:
+                 bufs: Constexpr[int] = EPI_BUFS, keep_h: Constexpr[bool] = True) -> None:
     """Subtile sub of a tile, its bf16 values in r_d (act(h) already staged): into smem buffer buf, then out
     by TMA (full tiles) or by masked 16-byte stores."""
     if const_expr(keep_h):
@@ -323,8 +320,7 @@ def emit_subtile(epi: Epilogue, views: TileViews, r_d: cute.Tensor, m_d: cute.Te
     if views.tma_ok:
         if views.store_warp:
             if const_expr(keep_h):
-                cute.copy(epi.tma_atom, views.b_sd[(None, buf)], views.b_gd[(None, (0, sub))],
-                          **cache_hint(policy))
+                cute.copy(epi.tma_atom, views.b_sd[(None, buf)], views.b_gd[(None, (0, sub))])
             if const_expr(act_by_tma(n, act)):
                 cute.copy(epi.act_tma_atom, views.b_sa[(None, buf)], views.b_ga[(None, (0, sub))])
             cute.arch.cp_async_bulk_commit_group()
@@ -378,15 +374,14 @@ class Pending(NamedTuple):
     keep_h: bool
     m_act: Any
     tma_act: Any
-    policy: int
 
 
 def make_pending(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, cols: int, bn: int,
                  accumulate: bool = False, act: str = "none", keep_h: bool = True, m_act: Any = None,
-                 tma_act: Any = None, policy: int = 0) -> Pending:
+                 tma_act: Any = None) -> Pending:
     """Register subtiles for one held tile of an output cols wide (a fwd's n, a wgrad's k)."""
     return Pending(epi, [cute.make_rmem_tensor(epi.r_f.shape, BFloat16) for _ in range(bn // EPI_N)], tma_d,
-                   m_d, cols, bn, accumulate, act, keep_h, m_d if m_act is None else m_act, tma_act, policy)
+                   m_d, cols, bn, accumulate, act, keep_h, m_d if m_act is None else m_act, tma_act)
 
 
 @cute.jit
@@ -429,4 +424,4 @@ def emit_held(p: Pending, row0: Int32, n_tile: Int32, row_end: Int32, on: Int32,
                         _stage_act(p.epi, _act_bits(_pinned(part), HELD_ACT_VALUES, p.act), 0, buf, p.act,
                                    c // ratio, HELD_ACT_VALUES // ratio)
                 emit_subtile(p.epi, views, p.regs[sub], p.m_d, p.m_act, row0, n_tile, sub, buf, p.cols, p.bn,
-                             p.act, p.accumulate, EPI_BUFS, p.keep_h, p.policy)
+                             p.act, p.accumulate, EPI_BUFS, p.keep_h)

@@ -23,10 +23,7 @@ from nmoe.fast.kernels.formats import e8m0_value_bits
 from nmoe.fast.kernels.prims import i2f, sel
 from nmoe.fast.kernels.sm90.epilogue import (
     drain_stores,
-    emit_held,
     epilogue_copies,
-    hold,
-    make_pending,
     store_tile,
     store_tile_at_once,
 )
@@ -45,11 +42,8 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
 )
 from nmoe.fast.kernels.sm90.tiles import (
     CONSUMER_REGS,
-    CONSUMER_REGS_MAX,
     CONSUMER_WGS,
-    EPI_N,
     PRODUCER_REGS,
-    PRODUCER_REGS_MIN,
     THREADS,
     WG_THREADS,
     epi_bufs,
@@ -64,9 +58,6 @@ from nmoe.fast.limits import GEMM_BM as BM
 BK = MXFP8_BLOCK_SM90
 BN = FP8_WEIGHT_BLOCK
 K_BLOCKS = BK // 32
-# Held subtiles a deferred tile sends under each K block: two, so its registers die after block 1 (one a block
-# left ptxas 40 / 260 bytes of spills at K = 512 / 1024 beside three accumulators; two leave 4 / 128).
-HELD_PER_BLOCK = 2
 
 
 def stages_for(staged: bool = False) -> int:
@@ -144,25 +135,16 @@ def _block_scales(b_lo: Int32, b_hi: Int32, b_w: Int32) -> tuple[Float32, Float3
 
 
 @cute.jit
-def _emit(pend: Any, lo: Constexpr[int], hi: Constexpr[int]) -> None:
-    """The held tile's subtiles lo <= sub < hi leave (pend: (Pending, row0, n_tile, row_end, on) or None);
-    a range past the tile's subtiles traces nothing."""
-    if const_expr(pend is not None and lo < BN // EPI_N):
-        emit_held(pend[0], pend[1], pend[2], pend[3], pend[4], Int32(lo), Int32(hi))
-
-
-@cute.jit
 def _overlap_step(mainloop: pipeline.PipelineTmaAsync, read: Any, release: Any, tiled_mma: cute.TiledMma,
                   acc: cute.Tensor, into: cute.Tensor, prev: cute.Tensor, s_lo: Float32, s_hi: Float32,
                   t_ra: cute.Tensor, t_rb: cute.Tensor, m_xs: cute.Tensor, m_ws: cute.Tensor, row_lo: Int32,
-                  row_hi: Int32, n_tile: Int32, kt: Constexpr[int], e: Int32,
-                  pend: Any = None) -> tuple[Any, Any, cute.TiledMma, Any, Any]:
-    """Issue block kt into `into`, then (after block kt's held subtiles leave, with pend) promote `prev`
-    (block kt - 1, scales s) while those wgmmas run and free its stage. Returns the states and kt's scales."""
-    b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo, row_hi, n_tile, Int32(kt), e)
+                  row_hi: Int32, n_tile: Int32, kt: Int32,
+                  e: Int32) -> tuple[Any, Any, cute.TiledMma, Any, Any]:
+    """Issue block kt into `into`, then promote `prev` (block kt - 1, scales s) while those wgmmas run and
+    free its stage. Returns the states it advanced and block kt's scales."""
+    b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo, row_hi, n_tile, kt, e)
     mainloop.consumer_wait(read)
     tiled_mma = _issue_block(tiled_mma, into, t_ra, t_rb, read.index)
-    _emit(pend, HELD_PER_BLOCK * kt, HELD_PER_BLOCK * (kt + 1))
     read.advance()
     warpgroup.wait_group(1)
     _promote(acc, prev, s_lo, s_hi)
@@ -176,22 +158,19 @@ def _overlap_step(mainloop: pipeline.PipelineTmaAsync, read: Any, release: Any, 
 def _k_overlapped(mainloop: pipeline.PipelineTmaAsync, read: Any, release: Any, tiled_mma: cute.TiledMma,
                   acc: cute.Tensor, bufs: tuple[cute.Tensor, cute.Tensor], t_ra: cute.Tensor,
                   t_rb: cute.Tensor, m_xs: cute.Tensor, m_ws: cute.Tensor, row_lo: Int32, row_hi: Int32,
-                  n_tile: Int32, e: Int32, k_tiles: Constexpr[int],
-                  pend: Any = None) -> tuple[Any, Any, cute.TiledMma]:
+                  n_tile: Int32, e: Int32, k_tiles: Constexpr[int]) -> tuple[Any, Any, cute.TiledMma]:
     """A tile's K blocks with each promotion under the next block's MMAs, block kt in bufs[kt % 2]; the loop
     is unrolled (rolled, ptxas serializes the wgmmas). Promotions keep K order, so every bit equals the
-    serial schedule's; pend: the last tile's held subtiles leave under the first blocks. Returns states."""
+    serial schedule's. Returns the states it advanced."""
     b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo, row_hi, n_tile, Int32(0), e)
     mainloop.consumer_wait(read)
     tiled_mma = _issue_block(tiled_mma, bufs[0], t_ra, t_rb, read.index)
-    _emit(pend, 0, HELD_PER_BLOCK)
     read.advance()
     s_lo, s_hi = _block_scales(b_lo, b_hi, b_w)
     for kt in range_constexpr(1, k_tiles):
         read, release, tiled_mma, s_lo, s_hi = _overlap_step(
             mainloop, read, release, tiled_mma, acc, bufs[kt % 2], bufs[(kt - 1) % 2], s_lo, s_hi, t_ra, t_rb,
-            m_xs, m_ws, row_lo, row_hi, n_tile, kt, e, pend)
-    _emit(pend, HELD_PER_BLOCK * k_tiles, BN // EPI_N)
+            m_xs, m_ws, row_lo, row_hi, n_tile, Int32(kt), e)
     warpgroup.wait_group(0)
     _promote(acc, bufs[(k_tiles - 1) % 2], s_lo, s_hi)
     mainloop.consumer_release(release)
@@ -217,7 +196,6 @@ def grouped_gemm_fp8_kernel(
     n_groups: Int32, tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
     d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], stages: Constexpr[int],
     overlap: Constexpr[bool], staged: Constexpr[bool], cm: Constexpr[int], at_once: Constexpr[bool],
-    deferred: Constexpr[bool],
 ) -> None:
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b, tma_atom_d))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, Float8E4M3FN, a_layout, b_layout, d_layout,
@@ -228,12 +206,12 @@ def grouped_gemm_fp8_kernel(
     k_tiles = k // BK
 
     if warp_idx < 4:
-        cute.arch.setmaxregister_decrease(PRODUCER_REGS_MIN if const_expr(deferred) else PRODUCER_REGS)
+        cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         if warp_idx == 0:
             produce_tiles(mainloop, tma_atom_a, m_a, tma_atom_b, m_b, s_a, s_b, s_offs, n_groups, m_rows,
                           unit, n_units, n_tiles_n, k_tiles, BN, BK, stages, cm, rank)
     else:
-        cute.arch.setmaxregister_increase(CONSUMER_REGS_MAX if const_expr(deferred) else CONSUMER_REGS)
+        cute.arch.setmaxregister_increase(CONSUMER_REGS)
         ctid = tidx - WG_THREADS
         t_ra, t_rb, acc_shape = mma_fragments(tiled_mma, s_a, s_b, warp_idx, BN)
         assert acc_shape == ((2, 2, BN // 8), 1, 1), f"_promote assumes wgmma's m64 fragment, got {acc_shape}"
@@ -245,8 +223,6 @@ def grouped_gemm_fp8_kernel(
         # Tile coordinates (row, col) of this thread's accumulator values; its rows are those of (j, 0|1, c).
         t_c = tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor((BM, BN)))
         epi = epilogue_copies(tiled_mma, acc, s_d, ctid, tma_atom_d)
-        held = make_pending(epi, tma_d, m_d, n, BN) if const_expr(deferred) else None
-        p_row0, p_tile, p_end, p_on = Int32(0), Int32(0), Int32(0), Int32(0)
 
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
@@ -255,7 +231,6 @@ def grouped_gemm_fp8_kernel(
         while e <= n_groups:
             n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n, cm, rank)
             acc.fill(0.0)
-            pend = (held, p_row0, p_tile, p_end, p_on) if const_expr(deferred) else None
             if e < n_groups:
                 # Rows past the group are computed, then masked at the store; past M they read row M - 1.
                 row_lo = dsl_min(row0 + t_c[((0, 0, 0), 0, 0)][0], m_rows - 1)
@@ -263,7 +238,7 @@ def grouped_gemm_fp8_kernel(
                 if const_expr(overlap):
                     read, release, tiled_mma = _k_overlapped(
                         mainloop, read, release, tiled_mma, acc, (blk, blk2), t_ra, t_rb, m_xs, m_ws, row_lo,
-                        row_hi, n_tile, e, k_tiles, pend)
+                        row_hi, n_tile, e, k_tiles)
                 else:
                     for kt in range(k_tiles):
                         b_lo, b_hi, b_w = _block_bytes(m_xs, m_ws, row_lo, row_hi, n_tile, kt, e)
@@ -273,20 +248,10 @@ def grouped_gemm_fp8_kernel(
                         read.advance()
                         s_lo, s_hi = _block_scales(b_lo, b_hi, b_w)
                         _promote(acc, blk, s_lo, s_hi)
-            if const_expr(deferred):
-                if e < n_groups:
-                    hold(held)
-                    p_row0, p_tile, p_end, p_on = row0, n_tile, g_end, Int32(1)
-                else:
-                    _emit(pend, 0, BN // EPI_N)
-                    p_on = Int32(0)
-            else:
-                _store(epi, tma_d, m_d, row0, n_tile, g_end, n, staged, at_once)
+            _store(epi, tma_d, m_d, row0, n_tile, g_end, n, staged, at_once)
             t = t + n_units
             e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,
                                                     before, here, n_tiles_n, cm)
-        if const_expr(deferred):
-            _emit((held, p_row0, p_tile, p_end, p_on), 0, BN // EPI_N)
         drain_stores()
 
 
@@ -295,16 +260,12 @@ def grouped_gemm_fp8_host(
     px: Pointer, pw: Pointer, pxs: Pointer, pws: Pointer, py: Pointer, poffs: Pointer, m_rows: Int32,
     n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream, n: Constexpr[int], k: Constexpr[int],
     overlap: Constexpr[bool], staged: Constexpr[bool], cm: Constexpr[int], at_once: Constexpr[bool],
-    deferred: Constexpr[bool],
 ) -> None:
     """Host launcher of y[M, n] = per-group dequant(xq)[M, k] @ dequant(wq[e])^T; codes K-major, scales
     row-major bytes; the Constexpr flags pick the epilogue's staging and the B-sharing cluster shape."""
     # staged: a whole output tile waits in shared memory (epi_bufs). cm > 1: clusters of cm M tiles share
-    # each B box, every CTA loading 1/cm of it for all. at_once (staged only): store_tile_at_once. deferred
-    # (overlap only, nothing staged): a tile's bf16 subtiles wait in registers and leave HELD_PER_BLOCK under
-    # each of the CTA's next tile's first K blocks (Pending).
+    # each B box, every CTA loading 1/cm of it for all. at_once (staged only): store_tile_at_once.
     assert staged or not at_once, "a tile leaves at once only from a whole staged tile"
-    assert not deferred or (overlap and not staged), "a held tile leaves under the overlapped K blocks"
     stages = stages_for(staged)
     kb = k // BK
     m_x = cute.make_tensor(px, cute.make_layout((m_rows, k), stride=(k, 1)))
@@ -326,14 +287,14 @@ def grouped_gemm_fp8_host(
     grouped_gemm_fp8_kernel(
         tma_atom_a, tma_a, tma_atom_b, tma_b, m_xs, m_ws, *epi_tma(m_y), m_y, m_offs, m_rows, n_groups,
         tiled_mma, a_layout, b_layout, epi_smem_layout(bufs=epi_bufs(BN, staged)), n, k, stages, overlap,
-        staged, cm, at_once, deferred,
+        staged, cm, at_once,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(cm), min_blocks_per_mp=1,
              stream=stream)
 
 
 def compile_args(n: int, k: int, overlap: bool = False, staged: bool = False, cm: int = 1,
-                 at_once: bool = False, deferred: bool = False) -> tuple[Any, tuple[Any, ...]]:
+                 at_once: bool = False) -> tuple[Any, tuple[Any, ...]]:
     ptrs = (pointer(Float8E4M3FN, 0), pointer(Float8E4M3FN, 0), pointer(Uint8, 0, 1), pointer(Uint8, 0, 1),
             pointer(BFloat16, 0), pointer(Int32, 0, 4))
     return grouped_gemm_fp8_host, (*ptrs, Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k, overlap,
-                                   staged, cm, at_once, deferred)
+                                   staged, cm, at_once)

@@ -57,7 +57,6 @@ from nmoe.fast.kernels.sm90.tiles import (
     CONSUMER_WGS,
     EPI_N,
     EPI_SMEM_BYTES,
-    EVICT_FIRST,
     PRODUCER_REGS,
     THREADS,
     VEC,
@@ -69,10 +68,8 @@ from nmoe.fast.kernels.sm90.tiles import (
 from nmoe.fast.limits import GEMM_BK as BK
 from nmoe.fast.limits import GEMM_BM as BM
 from nmoe.fast.limits import GEMM_MAX_GROUPS as MAX_GROUPS
-from nmoe.fast.limits import GEMM_WGRAD_STORE_EVICT_FIRST as STORE_EVICT_FIRST
 
 MASK_BARRIER_ID = 2
-STORE_POLICY = EVICT_FIRST if STORE_EVICT_FIRST else 0
 PACK = 1 << 16
 LOG_GROUPS = MAX_GROUPS.bit_length() - 1
 assert 1 << LOG_GROUPS == MAX_GROUPS, "the unit search halves a power-of-two table"
@@ -306,7 +303,7 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     qstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QUEUE_DEPTH)
     held = None
     if const_expr(deferred):
-        held = make_pending(epi, tma_d, m_d, k, bn, accumulate, policy=STORE_POLICY)
+        held = make_pending(epi, tma_d, m_d, k, bn, accumulate)
     subs = bn // EPI_N
     p_row0, p_tile, p_end, p_on = Int32(0), Int32(0), Int32(0), Int32(0)
     rnd = Int32(0)
@@ -336,7 +333,7 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                 p_row0, p_tile, p_end, p_on = e * gs + m_tile * BM, n_tile, e * gs + n, Int32(1)
             else:
                 store_tile(epi, tma_d, m_d, m_d, e * gs + m_tile * BM, n_tile, e * gs + n, k, bn, "none",
-                           accumulate=accumulate, policy=STORE_POLICY)
+                           accumulate=accumulate)
         rnd = rnd + 1
         t, qstate = next_tile(q, qstate, rnd, bidx, n_ctas, u.total, lane, u.cm)
     if const_expr(deferred):

@@ -27,10 +27,6 @@ EVICT_FIRST, EVICT_LAST = 0x12F0000000000000, 0x14F0000000000000
 """The L2 cache policies a TMA copy takes for evict-first and evict-last (fractional, the whole box)."""
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
-# The widest consumer split of a 384-thread CTA's 64K registers, the producer at setmaxnreg's floor: for a
-# consumer holding a finished tile beside three accumulators (the deferred fp8 fwd).
-PRODUCER_REGS_MIN = 24
-CONSUMER_REGS_MAX = 240
 EPI_BARRIER_ID = 1
 # Ping-pong warpgroup wg arrives on ORDER_BARRIER_ID + wg when its unit's stages have all arrived, and the
 # other waits on it before its own: mbarrier waits match phases by parity only, so no warpgroup may wait on a
