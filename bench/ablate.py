@@ -568,7 +568,8 @@ def _fp8_rows(compile_only: bool) -> list[dict[str, Any]]:
 def _gather_rows(t: int, h: int, i: int, e: int, k: int, compile_only: bool) -> list[dict[str, Any]]:
     """The up projection (act, swiglu; h kept, or gathered act(h) alone as the forward with no backward) and
     its x-side wgrad, uniform routing: A gathered through slot from x's token rows, from permute's copy in
-    row order (in_order), or by TMA from the copy (copied); and the down dgrad gathered from dout."""
+    row order (in_order), or by TMA from the copy (copied; also on the gemm bench's operands); and the down
+    dgrad gathered from dout."""
     import torch
 
     from bench.conftest import capture, replay_median_ms
@@ -585,10 +586,15 @@ def _gather_rows(t: int, h: int, i: int, e: int, k: int, compile_only: bool) -> 
     dh = torch.randn(rows, 2 * i, device="cuda", dtype=torch.bfloat16, generator=gen)
     w_down = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16, generator=gen)
     dy = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen)
+    # The gemm bench's own act operands (rows split evenly, no pad rows, w at std h^-0.5) beside permute's.
+    even = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * (t * k // e)
+    x_even, w_scaled = torch.randn(t * k, h, device="cuda", dtype=torch.bfloat16, generator=gen), w * h**-0.5
     runs = {
         "up_gathered": lambda: sm90.grouped_gemm_act_gathered(x, p.slot, k, w, p.offs, "swiglu"),
         "up_in_order": lambda: sm90.grouped_gemm_act_gathered(p.xp, in_order, k, w, p.offs, "swiglu"),
         "up_copied": lambda: sm90.grouped_gemm_act_h(p.xp, w, p.offs, "swiglu"),
+        "up_copied_w_scaled": lambda: sm90.grouped_gemm_act_h(p.xp, w_scaled, p.offs, "swiglu"),
+        "up_copied_even": lambda: sm90.grouped_gemm_act_h(x_even, w_scaled, even, "swiglu"),
         "up_gathered_act_only": lambda: sm90.grouped_gemm_act_gathered(x, p.slot, k, w, p.offs, "swiglu",
                                                                        keep_h=False),
         "wgrad_gathered": lambda: sm90.grouped_gemm_wgrad_gathered(dh, x, p.slot, k, p.offs),
@@ -602,9 +608,10 @@ def _gather_rows(t: int, h: int, i: int, e: int, k: int, compile_only: bool) -> 
         if not compile_only:
             ms = replay_median_ms(capture(fn))
             width = i if name.startswith("down") else 2 * i
-            bn = sm90.schedule("up", width, h, gathered=name != "up_copied")[0]
+            bn = sm90.schedule("up", width, h, gathered=not name.startswith("up_copied"))[0]
+            m = t * k if name.endswith("_even") else rows
             out.append({"shape": f"{name} T={t} H={h} I={i} E={e}", "ms": ms,
-                        "tflops": 2.0 * rows * width * h / ms / 1e9, "bn": bn})
+                        "tflops": 2.0 * m * width * h / ms / 1e9, "bn": bn})
     return out
 
 
