@@ -587,7 +587,7 @@ def _gather_rows(t: int, h: int, i: int, e: int, k: int, compile_only: bool) -> 
     w_down = (torch.randn(e, h, i, device="cuda", generator=gen) * i**-0.5).to(torch.bfloat16)
     dy = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen)
     # The gemm bench's own act operands: rows split evenly, no pad rows.
-    even = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * (t * k // e)
+    even = _offs(t * k, e)
     x_even = torch.randn(t * k, h, device="cuda", dtype=torch.bfloat16, generator=gen)
     runs = {
         "up_gathered": lambda: sm90.grouped_gemm_act_gathered(x, p.slot, k, w, p.offs, "swiglu"),

@@ -36,15 +36,12 @@ from nmoe.fast.kernels.sm90.tiles import (
     CONSUMER_WGS,
     EPI_N,
     EPILOGUES,
-    EVICT_FIRST,
-    EVICT_LAST,
     K_BLOCKS,
     ORDER_BARRIER_ID,
     PRODUCER_REGS,
     THREADS,
     WG_THREADS,
     act_smem_layout,
-    cache_hint,
     check_pairing,
     epi_sets,
     epi_smem_layout,
@@ -60,6 +57,8 @@ from nmoe.fast.limits import GEMM_CLUSTER_M as CLUSTER_M
 from nmoe.fast.limits import GEMM_MAX_GROUPS as MAX_GROUPS
 from nmoe.fast.limits import GEMM_PINGPONG_BN as PINGPONG_BN
 
+EVICT_FIRST, EVICT_LAST = 0x12F0000000000000, 0x14F0000000000000
+"""The L2 cache policies a TMA load takes for evict-first and evict-last (fractional, the whole box)."""
 A_POLICY = EVICT_FIRST if A_EVICT_FIRST else 0
 B_POLICY = EVICT_LAST if B_EVICT_LAST else 0
 
@@ -257,7 +256,8 @@ def tma_hints(cm: int, policy: int) -> dict[str, Any]:
     hints: dict[str, Any] = {}
     if cm > 1:
         hints["mcast_mask"] = Int16((1 << cm) - 1)
-    hints.update(cache_hint(policy))
+    if policy != 0:
+        hints["cache_policy"] = Int64(policy)
     return hints
 
 

@@ -17,6 +17,8 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.typing import Pointer
 
 from nmoe.fast.kernels.sm90.grouped_gemm import (
+    EVICT_FIRST,
+    EVICT_LAST,
     _gemm_setup,
     _seek,
     check_deferred,
@@ -34,8 +36,6 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
 )
 from nmoe.fast.kernels.sm90.tiles import (
     EPILOGUES,
-    EVICT_FIRST,
-    EVICT_LAST,
     PRODUCER_REGS,
     THREADS,
     epi_sets,

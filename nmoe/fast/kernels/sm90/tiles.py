@@ -8,7 +8,7 @@ from typing import Any, NoReturn
 
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Int64
+from cutlass import BFloat16
 from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import LayoutEnum
 
@@ -23,8 +23,6 @@ WG_THREADS = PRODUCER_THREADS
 CONSUMER_WGS = 2
 CONSUMER_THREADS = CONSUMER_WGS * WG_THREADS
 THREADS = WG_THREADS + CONSUMER_THREADS
-EVICT_FIRST, EVICT_LAST = 0x12F0000000000000, 0x14F0000000000000
-"""The L2 cache policies a TMA copy takes for evict-first and evict-last (fractional, the whole box)."""
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 EPI_BARRIER_ID = 1
@@ -162,8 +160,3 @@ def check_pairing(bn: int, act: str, threads: int = CONSUMER_THREADS) -> None:
                 for p in range(ratio):
                     if tuple(h0.layout((ratio * v + p, i, j))) != (r, ratio * c + p):
                         fail(f"output offset {(r, c)} would read h offset {h0.layout((ratio * v + p, i, j))}")
-
-
-def cache_hint(policy: int) -> dict[str, Any]:
-    """A TMA copy's L2 cache policy operand, none for policy 0."""
-    return {"cache_policy": Int64(policy)} if policy else {}
