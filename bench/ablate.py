@@ -304,9 +304,6 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
             "one-row TMAs"),
     _GATHER_CLUSTER_N1,
     _GATHER_CLUSTER_N4,
-    replace(_GATHER_CLUSTER_TWO, id="ablate.gather_cluster_2x2",
-            description="the gathering fwd/dgrad in 2 x 2 clusters: each A row multicast to the M tile's two "
-            "N tiles and each B box to the N tile's two M tiles, halving B's L2 reads beside A's"),
     _GATHER_ROWS_EVICT_FIRST,
     _GATHER_B_EVICT_LAST,
     Mutation(
@@ -376,8 +373,6 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     replace(_NO_PINGPONG, id="ablate.layer_no_pingpong"),
     replace(_GATHER_CLUSTER_N1, id="ablate.layer_gather_cluster_n1"),
     replace(_GATHER_CLUSTER_N4, id="ablate.layer_gather_cluster_n4"),
-    replace(_GATHER_CLUSTER_TWO, id="ablate.layer_gather_cluster_2x2",
-            description="the layer's gathering fwd/dgrad in 2 x 2 clusters (B shared along M, A along N)"),
     replace(_MASKED_STORES, id="ablate.layer_lsu_stores",
             description="every grouped GEMM's full tiles leave by per-thread stores instead of TMA, timed as "
             "the layer"),
@@ -396,7 +391,7 @@ _EVICT_BOTH = (replace(_GATHER_ROWS_EVICT_FIRST, id="ablate.gather_evict_both",
                        description="gather_rows_evict_first and gather_b_evict_last together"),
                replace(_GATHER_B_EVICT_LAST, id="ablate.gather_evict_both_b"))
 _CLUSTER_TWO_UNCLUSTERED_N = replace(_GATHER_CLUSTER_N1, id="ablate.gather_cluster_two_n1")
-"""With _GATHER_CLUSTER_TWO: the M cluster alone, without the default N cluster."""
+"""An M cluster of the gathering kernel excludes an N cluster (compile_args_gather refuses both)."""
 GATHER_COMPOUNDS: tuple[tuple[Mutation, ...], ...] = (
     _EVICT_BOTH,
     (_GATHER_CLUSTER_TWO, _CLUSTER_TWO_UNCLUSTERED_N),

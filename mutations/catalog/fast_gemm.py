@@ -274,25 +274,17 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "gemm.fast_gather_cluster_rows_same_half", GATHER,
-        "        first = first + rank_n * (BM // cn)\n",
-        "        first = first + 0 * rank_n * (BM // cn)\n",
+        "        first = first + rank * (BM // cn)\n",
+        "        first = first + 0 * rank * (BM // cn)\n",
         "both CTAs of a gathering N cluster multicast the first half of A's rows: the byte count completes, "
         "the second half of every tile is never loaded", CLUSTER_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
         "gemm.fast_gather_cluster_same_n_tile", FILE,
-        "        n_tile = n_unit * cn + rank_n\n",
+        "        n_tile = n_unit * cn + rank\n",
         "        n_tile = n_unit * cn\n",
         "both CTAs of a gathering N cluster compute and store the unit's first N tile", CLUSTER_TESTS,
         ("moe_layer",), device="gpu",
-    ),
-    sep_mutation(
-        "gemm.fast_gather_cluster_b_mask_same_m", FILE,
-        "    return Int16(Int32(same_m) << rank_m), Int16(Int32((1 << cm) - 1) << (rank_n * cm))\n",
-        "    return Int16(Int32(same_m) << rank_m), Int16(Int32(same_m) << rank_m)\n",
-        "a 2 x 2 gathering cluster multicasts each CTA's half of B to the CTAs on its M tile instead of its "
-        "N tile: every stage's byte count completes, half of each CTA's B box comes from the other N tile",
-        CLUSTER_TESTS, ("grouped_gemm_act",), device="gpu",
     ),
     sep_mutation(
         "gemm.fast_dead_rows_off_by_one", FILE,

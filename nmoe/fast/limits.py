@@ -36,9 +36,9 @@ GEMM_CLUSTER_M: Final[int] = 2
 """CTAs of an sm_90a TMA-fed fwd/dgrad cluster: they take M tiles side by side and share each B box by TMA
 multicast, so B's L2 reads are cut by this factor."""
 GEMM_GATHER_CLUSTER_M: Final[int] = 1
-"""The same for the fwd/dgrad that gather A row by row, beside GEMM_GATHER_CLUSTER_N (cm x cn clusters:
-A's rows multicast along N, B along M). M clusters alone gained nothing on the H200 (row TMA: 0.96-1.00x;
-cp.async rows 1.1-1.5x slower) nor in the H100's MoE layer (0.94-1.04x against N clusters); 2 x 2: not run."""
+"""The same for the fwd/dgrad that gather A row by row: alone, since clustered (2) they gain nothing on the
+H200 (row TMA: 0.96-1.00x; with cp.async rows they ran 1.1-1.5x slower), and 2 x 2 with the N cluster lost
+0.60-0.95x on the H100's gathered ups (7e6d5b3, removed)."""
 GEMM_GATHER_CLUSTER_N: Final[int] = 2
 """CTAs of an N cluster of the gathering fwd/dgrad (cooperative, where the N tiles fill whole clusters): each
 gathers 1/this of A's rows for one M tile's adjacent N tiles by multicast row TMA, half the row TMAs per CTA

@@ -450,10 +450,9 @@ def _gathered_gemm(op: str, src: Tensor, src_name: str, slot: Tensor, w: Tensor,
     check_offs_on_host(op, offs, m)
     bn, pp = schedule(op, n, k, gathered=True)
     cn = gather_cluster_n(n, bn, pp)
-    cm = GEMM_GATHER_CLUSTER_M
-    n_ctas = fwd_ctas(device, m, n, w.shape[0], bn, cm, cn)
+    n_ctas = fwd_ctas(device, m, n, w.shape[0], bn, GEMM_GATHER_CLUSTER_M, cn)
     launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act=activation, w_k_major=w_k_major, pingpong=pp, cn=cn,
-                             keep_h=keep_h, deferred=GEMM_GATHER_DEFERRED and not pp, cm=cm)
+                             keep_h=keep_h, deferred=GEMM_GATHER_DEFERRED and not pp)
     h_ptr = h.data_ptr() if keep_h else a.data_ptr()
     launch(device, src.data_ptr(), slot.contiguous().data_ptr(), w.data_ptr(), h_ptr, a.data_ptr(),
            offs.contiguous().data_ptr(), top_k, src.shape[0], m, w.shape[0], n_ctas)

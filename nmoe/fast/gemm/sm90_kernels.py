@@ -19,8 +19,8 @@ DGRAD = Kernel(_FWD_MODULE, "grouped_gemm_dgrad",
                                                                                    pingpong, deferred),
                (ARCH,), "nmoe.fast.gemm.grouped_gemm_dgrad")
 GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_gather", "grouped_gemm_gather",
-                lambda km, n, k, bn, act, w_k_major, pingpong=False, cn=1, keep_h=True, deferred=False, cm=1:
-                    km.compile_args_gather(n, k, bn, act, w_k_major, pingpong, cn, keep_h, deferred, cm),
+                lambda km, n, k, bn, act, w_k_major, pingpong=False, cn=1, keep_h=True, deferred=False:
+                    km.compile_args_gather(n, k, bn, act, w_k_major, pingpong, cn, keep_h, deferred),
                 (ARCH,), "nmoe.fast.gemm.grouped_gemm_act_gathered")
 WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad",
                lambda km, n, k, bn, ld, gs=0, dynamic=False, accumulate=False, deferred=False, cm=1:
@@ -100,20 +100,19 @@ _EXPECT_GATHER_CN = (*_EXPECT_EPILOGUE, *_ROW_MULTICAST)
 
 
 def _gather_spec(name: str, n: int, k: int, activation: str, pingpong: bool = False,
-                 cn: int = 1, keep_h: bool = True, deferred: bool = False, cm: int = 1) -> KernelSpec:
+                 cn: int = 1, keep_h: bool = True, deferred: bool = False) -> KernelSpec:
     """keep_h False: h is never staged or stored, so no stmatrix and none of its 16-byte masked stores
-    (act(h) is staged by scalar stores and leaves in 8-byte chunks). cm > 1: B multicast along M too."""
+    (act(h) is staged by scalar stores and leaves in 8-byte chunks)."""
     bn = GEMM_PINGPONG_BN if pingpong else pick_bn(n)
     expect: tuple[str, ...] = (*(_EXPECT_GATHER if cn == 1 else _EXPECT_GATHER_CN),
-                               *(_TURNS if pingpong else ()), *(_CLUSTER if cm > 1 else ()))
+                               *(_TURNS if pingpong else ()))
     forbid: tuple[str, ...] = (*_FORBID_EPILOGUE, *_NO_CP_ASYNC)
     if not keep_h:
         expect = tuple(rx for rx in expect if rx not in (_STMATRIX, _ST_V4))
         forbid = (*forbid, _STMATRIX, _ST_V4)
     return KernelSpec(op="grouped_gemm_act", name=name,
                       compile=GATHER.compiler(n=n, k=k, bn=bn, act=activation, w_k_major=True,
-                                              pingpong=pingpong, cn=cn, keep_h=keep_h, deferred=deferred,
-                                              cm=cm),
+                                              pingpong=pingpong, cn=cn, keep_h=keep_h, deferred=deferred),
                       expect={"sm_90a": expect}, forbid={"sm_90a": forbid})
 
 
@@ -123,13 +122,11 @@ _EXPECT_WGRAD_GATHER = (*_EXPECT_WGRAD, r"\bcp\.async\.cg\.shared\.global\b", r"
                         r"\bcp\.async\.wait_group\b", r"\bfence\.proxy\.async\.shared::cta\b")
 
 
-def _dgrad_gather_spec(name: str, n: int, k: int, cn: int = 1, deferred: bool = False,
-                       cm: int = 1) -> KernelSpec:
+def _dgrad_gather_spec(name: str, n: int, k: int, cn: int = 1, deferred: bool = False) -> KernelSpec:
     return KernelSpec(op="grouped_gemm_dgrad", name=name,
                       compile=GATHER.compiler(n=n, k=k, bn=pick_bn(n), act="none", w_k_major=False, cn=cn,
-                                              deferred=deferred, cm=cm),
-                      expect={"sm_90a": (*_EXPECT_SM90, *(_ROW_TMA if cn == 1 else _ROW_MULTICAST),
-                                         *(_CLUSTER if cm > 1 else ()))},
+                                              deferred=deferred),
+                      expect={"sm_90a": (*_EXPECT_SM90, *(_ROW_TMA if cn == 1 else _ROW_MULTICAST))},
                       forbid={"sm_90a": (*_FORBID_SM90, *_NO_CP_ASYNC)})
 
 
@@ -220,7 +217,5 @@ KERNELS: tuple[KernelSpec, ...] = (
                  keep_h=False, deferred=True),
     _gather_spec("grouped_gemm_act_gathered_relu2_n128_deferred", 1152, 2048, "relu2", deferred=True),
     _dgrad_gather_spec("grouped_gemm_dgrad_gathered_cn2_deferred", 1024, 4096, cn=2, deferred=True),
-    _gather_spec("grouped_gemm_act_gathered_swiglu_cm2_cn2", 1024, 4096, "swiglu", cn=2, cm=2),
-    _dgrad_gather_spec("grouped_gemm_dgrad_gathered_cm2_cn2", 1024, 4096, cn=2, cm=2),
     _spec("grouped_gemm_act_swiglu_deferred_n256", 2048, 4096, 256, True, "swiglu", deferred=True),
 )

@@ -82,34 +82,18 @@ def _tile_at(t: Int32, before: Int32, g_start: Int32, n_tiles_n: Constexpr[int],
     return local - m_unit * n_tiles_n, g_start + (m_unit * cm + rank) * BM
 
 
-def cluster_coords(rank: Int32 | int, cm: int, cn: int) -> tuple[Int32 | int, Int32 | int]:
-    """(M, N) place of CTA `rank` in a cluster of cm x cn CTAs, rank = m + cm n: the order of the operand
-    pipeline's cta_layout_vmnk, whose consumers free a stage on the CTAs of their M tile and N tile."""
-    if cn == 1:
-        return rank, 0
-    if cm == 1:
-        return 0, rank
-    return rank % cm, rank // cm
-
-
-def cluster_masks(rank: Int32 | int, cm: int, cn: int) -> tuple[Int16, Int16]:
-    """Multicast masks of a cm x cn cluster's CTA `rank`: (A's, to the cn CTAs on its M tile; B's, to the cm
-    CTAs on its N tile)."""
-    rank_m, rank_n = cluster_coords(rank, cm, cn)
-    same_m = sum(1 << (cm * j) for j in range(cn))
-    return Int16(Int32(same_m) << rank_m), Int16(Int32((1 << cm) - 1) << (rank_n * cm))
-
-
 @cute.jit
 def unit_tile(t: Int32, before: Int32, g_start: Int32, units_n: Constexpr[int], cm: Constexpr[int],
               cn: Constexpr[int], rank: Int32 | int) -> tuple[Int32, Int32]:
     """(n tile, first row) of CTA `rank`'s tile in unit t, a unit being cm M tiles by cn N tiles (units_n per
-    M unit): a cluster's CTAs side by side along M (cm > 1, sharing B) and along N (cn > 1, sharing A)."""
-    rank_m, rank_n = cluster_coords(rank, cm, cn)
+    M unit): a cluster's CTAs side by side along M (cm > 1, sharing B) or along N (cn > 1, sharing A)."""
+    rank_m = rank
+    if const_expr(cn > 1):
+        rank_m = 0
     n_unit, row0 = _tile_at(t, before, g_start, units_n, cm, rank_m)
     n_tile = n_unit
     if const_expr(cn > 1):
-        n_tile = n_unit * cn + rank_n
+        n_tile = n_unit * cn + rank
     return n_tile, row0
 
 
@@ -188,15 +172,13 @@ def act_staging(s_d: cute.Tensor, act: Constexpr[str], sets: Constexpr[int] = 1)
 def cta_setup(m_offs: cute.Tensor, n_groups: Int32, ab_dtype: Constexpr[Any], a_layout: cute.ComposedLayout,
               b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout, stages: Constexpr[int],
               by_tma: Constexpr[str] = "ab", tables: Constexpr[int] = 1, cm: Constexpr[int] = 1,
-              wgs: Constexpr[int] = CONSUMER_WGS, cn: Constexpr[int] = 1,
+              wgs: Constexpr[int] = CONSUMER_WGS,
               ) -> tuple[cute.Tensor, cute.Tensor, cute.Tensor, cute.Tensor, pipeline.PipelineTmaAsync]:
     """A CTA's shared memory (mbarriers, offs + tables - 1 tables, operand ring, output staging) and TMA
     pipeline; init publishes offs."""
     # cm > 1: B is multicast over the cluster and a stage is freed by all its consumers, wgs warpgroups in
-    # each CTA. cm x cn (both > 1): A is multicast along N and B along M, so a stage is freed by the consumers
-    # of the CTAs on its M tile and on its N tile (cluster_coords; a one-way cluster lies along M, every CTA
-    # freeing the stage on all). by_tma names the TMA-loaded operands; with one of them gathered instead, a
-    # stage also waits for one arrival per gathering thread.
+    # each CTA. by_tma names the TMA-loaded operands; with one of them gathered instead, a stage also waits
+    # for one arrival per gathering thread.
     tidx, _, _ = cute.arch.thread_idx()
     smem = SmemAllocator()
     barriers = smem.allocate_array(Int64, stages * 2, byte_alignment=8)
@@ -214,12 +196,12 @@ def cta_setup(m_offs: cute.Tensor, n_groups: Int32, ab_dtype: Constexpr[Any], a_
         num_stages=stages,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 if const_expr(by_tma == "ab")
                                                  else 1 + WG_THREADS),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, wgs * 4 * (cm + cn - 1)),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, wgs * 4 * cm),
         tx_count=tx_bytes,
-        cta_layout_vmnk=cute.make_layout((1, cm, cn, 1) if cm > 1 and cn > 1 else (1, cm * cn, 1, 1)),
-        defer_sync=cm * cn > 1,
+        cta_layout_vmnk=cute.make_layout((1, cm, 1, 1)),
+        defer_sync=cm > 1,
     )
-    if const_expr(cm * cn > 1):
+    if const_expr(cm > 1):
         cute.arch.mbarrier_init_fence()
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
@@ -263,18 +245,17 @@ def produce_tiles(mainloop: pipeline.PipelineTmaAsync, tma_atom_a: cute.CopyAtom
 
 @cute.jit
 def copy_b(atom: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, bar: Any, cm: Constexpr[int],
-           policy: Constexpr[int] = 0, mask: Int16 | None = None) -> None:
-    """One TMA load of this CTA's share of a B box, multicast to all cm CTAs of its cluster when cm > 1 (or to
-    those in `mask`); policy: an L2 cache policy (0: none)."""
-    cute.copy(atom, src, dst, tma_bar_ptr=bar, **tma_hints(cm, policy, mask))
+           policy: Constexpr[int] = 0) -> None:
+    """One TMA load of this CTA's share of a B box, multicast to all cm CTAs of its cluster when cm > 1;
+    policy: an L2 cache policy (0: none)."""
+    cute.copy(atom, src, dst, tma_bar_ptr=bar, **tma_hints(cm, policy))
 
 
-def tma_hints(cm: int, policy: int, mask: Int16 | None = None) -> dict[str, Any]:
-    """A TMA load's optional operands: the multicast mask over a cluster of cm CTAs (all, unless `mask` names
-    them), the L2 cache policy."""
+def tma_hints(cm: int, policy: int) -> dict[str, Any]:
+    """A TMA load's optional operands: the multicast mask over a cluster of cm CTAs, the L2 cache policy."""
     hints: dict[str, Any] = {}
     if cm > 1:
-        hints["mcast_mask"] = Int16((1 << cm) - 1) if mask is None else mask
+        hints["mcast_mask"] = Int16((1 << cm) - 1)
     if policy != 0:
         hints["cache_policy"] = Int64(policy)
     return hints
@@ -437,13 +418,13 @@ def n_k_tiles(k: int) -> int:
 def fwd_cta_begin(tma_atoms: tuple[cute.CopyAtom, ...], m_offs: cute.Tensor, n_groups: Int32,
                   a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout,
                   stages: Constexpr[int], by_tma: Constexpr[str], cm: Constexpr[int], act: Constexpr[str],
-                  pingpong: Constexpr[bool] = False, cn: Constexpr[int] = 1) -> tuple[Any, ...]:
+                  pingpong: Constexpr[bool] = False) -> tuple[Any, ...]:
     """What a fwd/dgrad CTA sets up before its warps split: (thread, warp, first unit, unit stride, cluster
-    rank, offs table, A / B / output / act(h) shared tensors, operand pipeline); clusters of cm x cn CTAs."""
+    rank, offs table, A / B / output / act(h) shared tensors, operand pipeline)."""
     tidx, bidx, n_ctas, warp_idx = cta_start(tma_atoms)
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
-                                                stages, by_tma, cm=cm, wgs=tile_wgs(pingpong), cn=cn)
-    unit, n_units, rank = cluster_units(bidx, n_ctas, cm * cn)
+                                                stages, by_tma, cm=cm, wgs=tile_wgs(pingpong))
+    unit, n_units, rank = cluster_units(bidx, n_ctas, cm)
     s_act = act_staging(s_d, act, epi_sets(pingpong))
     return tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, s_act, mainloop
 

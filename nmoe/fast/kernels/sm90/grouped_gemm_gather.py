@@ -10,7 +10,7 @@ from typing import Any, cast
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import BFloat16, Int16, Int32, Int64
+from cutlass import BFloat16, Int32, Int64
 from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.nvgpu import cpasync
@@ -23,9 +23,7 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     _seek,
     check_deferred,
     check_schedule,
-    cluster_coords,
     cluster_dims,
-    cluster_masks,
     consume_tiles,
     copy_b,
     first_unit,
@@ -47,6 +45,7 @@ from nmoe.fast.kernels.sm90.tiles import (
 from nmoe.fast.limits import GEMM_BK as BK
 from nmoe.fast.limits import GEMM_BM as BM
 from nmoe.fast.limits import GEMM_GATHER_B_EVICT_LAST as GATHER_B_EVICT_LAST
+from nmoe.fast.limits import GEMM_GATHER_CLUSTER_M as GATHER_CLUSTER_M
 from nmoe.fast.limits import GEMM_GATHER_ROWS_EVICT_FIRST as ROWS_EVICT_FIRST
 
 ROW_POLICY = EVICT_FIRST if ROWS_EVICT_FIRST else 0
@@ -55,13 +54,12 @@ GATHER_B_POLICY = EVICT_LAST if GATHER_B_EVICT_LAST else 0
 
 @cute.jit
 def arm_stage(mainloop: pipeline.PipelineTmaAsync, state: Any, warp_idx: Int32, tma_atom: cute.CopyAtom,
-              src: cute.Tensor, dst: cute.Tensor, cm: Constexpr[int] = 1, policy: Constexpr[int] = 0,
-              mask: Int16 | None = None) -> None:
+              src: cute.Tensor, dst: cute.Tensor, cm: Constexpr[int] = 1, policy: Constexpr[int] = 0) -> None:
     """A gathering producer's stage: every thread waits for it to be free; warp 0 arms its barrier and
-    TMA-loads the operand that is not gathered (its 1/cm share, multicast over the cluster or to `mask`)."""
+    TMA-loads the operand that is not gathered (its 1/cm share, multicast over the cluster)."""
     if warp_idx == 0:
         mainloop.producer_acquire(state)
-        copy_b(tma_atom, src, dst, mainloop.producer_get_barrier(state), cm, policy, mask)
+        copy_b(tma_atom, src, dst, mainloop.producer_get_barrier(state), cm, policy)
     else:
         mainloop.sync_object_empty.wait(state.index, state.phase)
 
@@ -97,15 +95,14 @@ def _source_row(m_slot: cute.Tensor, row: Int32, g_end: Int32, top_k: Int32, src
 
 @cute.jit
 def _copy_row(atom: cute.CopyAtom, tma_x: cute.Tensor, src: Int32, kt: Int32, dst: Int32,
-              a_row: cute.ComposedLayout, bar: Any, cn: Constexpr[int] = 1,
-              mask: Int16 | None = None) -> None:
+              a_row: cute.ComposedLayout, bar: Any, cn: Constexpr[int] = 1) -> None:
     """TMA of source row src's K box kt into the A row whose 128-byte line starts at shared byte dst (cn > 1:
-    at the same line of every CTA of the N cluster, or of those in `mask`, onto each one's barrier)."""
+    at the same line of every CTA of the N cluster, onto each one's barrier at bar's offset)."""
     s_row = cute.make_tensor(cute.make_ptr(BFloat16, dst, cute.AddressSpace.smem, assumed_align=128), a_row)
     g_row = cute.local_tile(tma_x, (1, BK), (src, kt))
     t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_row, 0, 2),
                                      cute.group_modes(g_row, 0, 2))
-    cute.copy(atom, t_g, t_s, tma_bar_ptr=bar, **tma_hints(cn, ROW_POLICY, mask))
+    cute.copy(atom, t_g, t_s, tma_bar_ptr=bar, **tma_hints(cn, ROW_POLICY))
 
 
 @cute.jit
@@ -119,21 +116,19 @@ def produce_rows(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom,
     """The producer warpgroup with A gathered: warp 0 arms each stage for A and B and TMA-loads B, and each
     warp loads its share of A's tile rows by one row TMA each, so A is never copied into permuted order."""
     # Warp w loads its BM / (4 cn) tile rows onto the same barrier; each source row is looked up once per tile
-    # by its row's lane and shuffled to the issuing lane. cn > 1: the CTA at N place r of its cluster loads
-    # rows [r, r + 1) * BM / cn for every CTA on its M tile (multicast); cm > 1: its 1/cm of B for every CTA
-    # on its N tile.
+    # by its row's lane and shuffled to the issuing lane. cn > 1: CTA `rank` of an N cluster loads rows
+    # [rank, rank + 1) * BM / cn for every CTA of the cluster (multicast); each CTA loads its own B.
     per_warp = BM // 4 // cn
     s_b_flat = cute.group_modes(s_b, 0, 2)
     a_base = cast(Pointer, s_a.iterator).toint()
     lane = ptid % 32
     first = (ptid // 32) * per_warp
-    b_rank, rank_n = cluster_coords(rank, cm, cn)
     if const_expr(cn > 1):
-        first = first + rank_n * (BM // cn)
-    a_mask, b_mask = None, None
-    if const_expr(cm > 1 and cn > 1):
-        a_mask, b_mask = cluster_masks(rank, cm, cn)
+        first = first + rank * (BM // cn)
     units_n = n_tiles_n // cn
+    b_rank = rank
+    if const_expr(cn > 1):
+        b_rank = 0
     e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, units_n, cm)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     while e <= n_groups:
@@ -145,11 +140,11 @@ def produce_rows(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom,
                                                cute.group_modes(g_b, 0, 2))
             for kt in range(k_tiles):
                 arm_stage(mainloop, state, warp_idx, tma_atom_b, t_gb[(None, kt)],
-                          t_sb[(None, state.index)], cm, GATHER_B_POLICY, b_mask)
+                          t_sb[(None, state.index)], cm, GATHER_B_POLICY)
                 bar = mainloop.producer_get_barrier(state)
                 for i in range_constexpr(per_warp):
                     _copy_row(row_atom, tma_x, cute.arch.shuffle_sync(src, i), kt,
-                              a_base + a_outer((first + i, 0, state.index)) * 2, a_row, bar, cn, a_mask)
+                              a_base + a_outer((first + i, 0, state.index)) * 2, a_row, bar, cn)
                 state.advance()
         t = t + n_ctas
         e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
@@ -166,24 +161,23 @@ def grouped_gemm_gather_kernel(
     top_k: Int32, src_rows: Int32, m_rows: Int32, n_groups: Int32, tiled_mma: cute.TiledMma,
     a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout,
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
-    pingpong: Constexpr[bool], cm: Constexpr[int], cn: Constexpr[int], keep_h: Constexpr[bool],
-    deferred: Constexpr[bool],
+    pingpong: Constexpr[bool], cn: Constexpr[int], keep_h: Constexpr[bool], deferred: Constexpr[bool],
 ) -> None:
     tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, s_act, mainloop = fwd_cta_begin(
         (tma_atom_b, row_atom, tma_atom_d, tma_atom_act), m_offs, n_groups, a_layout, b_layout, d_layout,
-        stages, "ab", cm, act, pingpong, cn)
+        stages, "ab", GATHER_CLUSTER_M * cn, act, pingpong)
     n_tiles_n = n_tiles_n_of(n, bn)
     k_tiles = n_k_tiles(k)
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         produce_rows(mainloop, tma_atom_b, m_b, row_atom, tma_x, row_layout(a_layout), m_slot, top_k,
                      src_rows, s_a, a_layout.outer, s_b, s_offs, n_groups, m_rows, unit, n_units, warp_idx,
-                     tidx, n_tiles_n, k_tiles, bn, stages, cm, rank, cn)
+                     tidx, n_tiles_n, k_tiles, bn, stages, GATHER_CLUSTER_M, rank, cn)
     else:
         consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, s_act,
                       tma_atom_act, tma_act, n_groups,
                       m_rows, tidx, warp_idx, n_units, unit, n, bn, k_tiles,
-                      stages, act, cm, rank, pingpong, cn, keep_h, deferred)
+                      stages, act, GATHER_CLUSTER_M, rank, pingpong, cn, keep_h, deferred)
 
 
 @cute.jit
@@ -191,40 +185,36 @@ def grouped_gemm_gather_host(
     px: Pointer, pslot: Pointer, pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer,
     top_k: Int32, src_rows: Int32, m_rows: Int32, n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream,
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], w_k_major: Constexpr[bool], act: Constexpr[str],
-    pingpong: Constexpr[bool], cm: Constexpr[int], cn: Constexpr[int], keep_h: Constexpr[bool],
-    deferred: Constexpr[bool],
+    pingpong: Constexpr[bool], cn: Constexpr[int], keep_h: Constexpr[bool], deferred: Constexpr[bool],
 ) -> None:
     """y[p, n] = x[slot[p] // top_k] @ B_e^T for permuted row p of group e, zero rows where slot[p] = -1; x's
     rows are gathered as they load, so the permuted copy of x is never written."""
     # x is [src_rows, k]; B_e = w[e] for K-major w [E, n, k], else w[e]^T of w [E, k, n] (the dgrad). With
     # act != "none" it also writes a = act(y), and y is not stored unless keep_h. cn > 1: clusters of cn CTAs
-    # on one M tile's cn N tiles, each gathering 1/cn of A's rows for all; cm > 1: cm M tiles side by side,
-    # each CTA loading 1/cm of B for all (both: cm x cn clusters). deferred: each tile's epilogue
+    # on one M tile's cn N tiles, each gathering 1/cn of A's rows for all. deferred: each tile's epilogue
     # leaves under the next tile's wgmmas (grouped_gemm's Pending).
     stages = stages_for(bn, act, pingpong)
     (m_y, m_a, m_offs, tiled_mma, a_layout, b_layout, tma_atom_b, tma_b, tma_atom_d, tma_d, tma_atom_act,
      tma_act) = _gemm_setup(
-        pw, py, pa, poffs, m_rows, n_groups, n, k, bn, stages, w_k_major, act, cm, pingpong)
+        pw, py, pa, poffs, m_rows, n_groups, n, k, bn, stages, w_k_major, act, GATHER_CLUSTER_M, pingpong)
     m_slot = cute.make_tensor(pslot, cute.make_layout(m_rows))
     m_x = cute.make_tensor(px, cute.make_layout((src_rows, k), stride=(k, 1)))
     row_atom, tma_x = row_tma(m_x, a_layout, cn)
     grouped_gemm_gather_kernel(
         tma_atom_b, tma_b, row_atom, tma_x, tma_atom_d, tma_d, m_y, m_a, tma_atom_act, tma_act, m_offs,
         m_slot, top_k, src_rows, m_rows, n_groups, tiled_mma, a_layout, b_layout,
-        epi_smem_layout(epi_sets(pingpong)), n, k, bn, stages, act, pingpong, cm, cn, keep_h, deferred,
-    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(cm * cn),
+        epi_smem_layout(epi_sets(pingpong)), n, k, bn, stages, act, pingpong, cn, keep_h, deferred,
+    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(GATHER_CLUSTER_M * cn),
              min_blocks_per_mp=1, stream=stream)
 
 
 def compile_args_gather(n: int, k: int, bn: int, act: str = "none", w_k_major: bool = True,
                         pingpong: bool = False, cn: int = 1, keep_h: bool = True,
-                        deferred: bool = False, cm: int = 1) -> tuple[Any, tuple[Any, ...]]:
-    if cn > 1 and (n_tiles_n_of(n, bn) % cn or BM // 4 % cn):
+                        deferred: bool = False) -> tuple[Any, tuple[Any, ...]]:
+    if cn > 1 and (n_tiles_n_of(n, bn) % cn or GATHER_CLUSTER_M > 1 or BM // 4 % cn):
         raise ValueError(f"gathered grouped GEMM N cluster of {cn}: needs N tiles ({n_tiles_n_of(n, bn)} "
-                         f"of {bn}) in whole clusters and {BM // 4} rows per producer warp divisible by it")
-    if cm not in (1, 2, 4) or cm * cn > 8:
-        raise ValueError(f"gathered grouped GEMM cluster of {cm} x {cn} CTAs: M clusters of 1, 2 or 4, at "
-                         "most 8 CTAs in all (the portable cluster size)")
+                         f"of {bn}) in whole clusters, no M cluster (GEMM_GATHER_CLUSTER_M = "
+                         f"{GATHER_CLUSTER_M}) and {BM // 4} rows per producer warp divisible by it")
     if act not in EPILOGUES or (act != "none" and not w_k_major):
         raise ValueError(f"gathered grouped GEMM epilogue {act!r} (w_k_major={w_k_major}) unsupported; the "
                          f"fwd takes one of {sorted(EPILOGUES)}, the dgrad only 'none'")
@@ -236,4 +226,4 @@ def compile_args_gather(n: int, k: int, bn: int, act: str = "none", w_k_major: b
     check_schedule(bn, pingpong)
     check_deferred(deferred, pingpong)
     return grouped_gemm_gather_host, (*ptrs, *(Int32(0) for _ in range(5)), cuda.CUstream(0), n, k, bn,
-                                      w_k_major, act, pingpong, cm, cn, keep_h, deferred)
+                                      w_k_major, act, pingpong, cn, keep_h, deferred)
