@@ -1,6 +1,7 @@
 """Where the gathering up projection loses to the TMA-fed one: `python bench/gatherprobe.py --out FILE` times
 both (swiglu, h kept; conftest's sustained_ms) on the layer rows under router routings and synthetic balanced
-ones; `--one ROUTING CONFIG` runs one gathered call, `--wgrad`/`--dense` a c1 up wgrad or its mm (for ncu)."""
+ones; `--one ROUTING CONFIG` runs one gathered call (`--tma`: the TMA-fed one on permute's copy),
+`--wgrad`/`--dense` a c1 up wgrad or its mm (for ncu)."""
 
 from __future__ import annotations
 
@@ -79,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--one", nargs=2, metavar=("ROUTING", "CONFIG"))
     ap.add_argument("--wgrad", action="store_true")
     ap.add_argument("--dense", action="store_true")
+    ap.add_argument("--tma", action="store_true",
+                    help="with --one: the TMA-fed up projection on permute's copy")
     ap.add_argument("--routings", default=",".join(ROUTINGS), help="comma-separated: " + " ".join(ROUTINGS))
     args = ap.parse_args(argv)
     if args.one:
@@ -87,7 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():
             pm = permute(x, ids, cfg[3], LAYER_ALIGN)
             for _ in range(3):
-                sm90.grouped_gemm_act_gathered(x, pm.slot, ids.shape[1], w, pm.offs, "swiglu")
+                if args.tma:
+                    sm90.grouped_gemm_act_h(pm.xp, w, pm.offs, "swiglu")
+                else:
+                    sm90.grouped_gemm_act_gathered(x, pm.slot, ids.shape[1], w, pm.offs, "swiglu")
     elif args.wgrad or args.dense:
         t, h, i, e, k = LAYER_CONFIGS[0]
         g = torch.Generator(device="cuda").manual_seed(1)
