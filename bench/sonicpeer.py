@@ -104,18 +104,41 @@ def _row(cfg: tuple[int, ...], routing: str, pass_: str) -> dict[str, Any]:
                     "sample, as our rows' ms; breakdown: one profiled call's kernels, as our rows'"}
 
 
+def merge(parts: list[Path], out: Path) -> int:
+    """One results file from the per-config processes' files; they must agree on what ran where."""
+    docs = [json.loads(p.read_text()) for p in parts]
+    same = ("peer", "version", "torch", "gpu")
+    for p, d in zip(parts[1:], docs[1:], strict=True):
+        if any(d[k] != docs[0][k] for k in same):
+            raise SystemExit(f"sonicpeer --merge: {p} ran {[d[k] for k in same]}, {parts[0]} "
+                             f"{[docs[0][k] for k in same]}; merge only one peer's runs on one GPU")
+    rows = [r for d in docs for r in d["rows"]]
+    keys = [r["key"] for r in rows]
+    if len(set(keys)) != len(keys):
+        raise SystemExit(f"sonicpeer --merge: a row appears twice in {[str(p) for p in parts]}")
+    out.write_text(json.dumps({**{k: docs[0][k] for k in same}, "rows": rows}, indent=1, allow_nan=False)
+                   + "\n")
+    print(f"sonicpeer: wrote {out}: {len(rows)} rows from {len(parts)} files")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="sonicpeer", description=__doc__)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--configs", type=int, default=len(LAYER_CONFIGS),
-                    help="time the first N layer configs (SonicMoE's three come first; each compiles for "
-                    "minutes)")
+    ap.add_argument("--config", type=int, action="append", choices=range(len(LAYER_CONFIGS)),
+                    help="time layer config I (repeatable; default: all, SonicMoE's three first); each "
+                    "compiles for minutes, so one process per config can compile them side by side")
     ap.add_argument("--go", type=Path, help="compile every row first, then time only once this file exists "
                     "(so the minutes of compilation can overlap other work and the timing cannot)")
+    ap.add_argument("--merge", type=Path, nargs="+", help="write these results' rows (one process per "
+                    "--config, same peer and GPU) into --out as one file, timing nothing")
     args = ap.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
     import sonicmoe
 
-    cases = [(cfg, r, p) for cfg in LAYER_CONFIGS[:args.configs] for r in ROUTINGS for p in PASSES]
+    configs = [LAYER_CONFIGS[i] for i in args.config] if args.config else LAYER_CONFIGS
+    cases = [(cfg, r, p) for cfg in configs for r in ROUTINGS for p in PASSES]
     t0 = time.monotonic()
     if args.go is not None:
         for cfg, r, p in cases:

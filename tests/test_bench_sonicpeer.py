@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.sonicpeer import find_row, row_key, vs_peer
+import pytest
+
+from bench.sonicpeer import find_row, main, row_key, vs_peer
 
 
 def test_peer_rows_are_found_by_name_and_shape(tmp_path: Path) -> None:
@@ -31,3 +33,26 @@ def test_vs_peer_compares_like_with_like() -> None:
                   pass_="fwd")
     assert old["sustained"] is None and old["goal"]["met"] is None
     assert "goal" not in vs_peer(peer, ms=10.0, single_ms=10.0, mem_gib=1.0, goal=False, pass_="fwd")
+
+
+def test_per_config_results_merge_into_one_peer_file(tmp_path: Path) -> None:
+    """Processes split by --config write one file each; the bench reads one: every row lands, none twice,
+    and runs of another GPU or peer version are refused."""
+    head = {"peer": "sonicmoe", "version": "0.1", "torch": "2.11", "gpu": "H100"}
+    shapes = [{"T": 8, "H": 16, "I": 4, "E": 2, "K": 1}, {"T": 8, "H": 32, "I": 4, "E": 2, "K": 1}]
+    parts = []
+    for i, shape in enumerate(shapes):
+        rows = [{"key": row_key(f"moe_layer_{p}_uniform", shape), "ms": float(i + 1)}
+                for p in ("fwd", "fwd_bwd")]
+        parts.append(tmp_path / f"part{i}.json")
+        parts[-1].write_text(json.dumps({**head, "rows": rows}))
+    out = tmp_path / "peer.json"
+    assert main(["--out", str(out), "--merge", *map(str, parts)]) == 0
+    merged = json.loads(out.read_text())
+    assert {k: merged[k] for k in head} == head and len(merged["rows"]) == 4
+    assert find_row(out, "moe_layer_fwd_bwd_uniform", shapes[1]) == {"ms": 2.0}
+    with pytest.raises(SystemExit, match="twice"):
+        main(["--out", str(out), "--merge", str(parts[0]), str(parts[0])])
+    parts[1].write_text(json.dumps({**head, "gpu": "H200", "rows": []}))
+    with pytest.raises(SystemExit, match="one GPU"):
+        main(["--out", str(out), "--merge", *map(str, parts)])
