@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --one: the TMA-fed up projection on permute's copy")
     ap.add_argument("--routings", default=",".join(ROUTINGS), help="comma-separated: " + " ".join(ROUTINGS))
     args = ap.parse_args(argv)
+    if args.tma and not args.one:
+        ap.error("--tma picks the kernel --one runs; give --one ROUTING CONFIG")
     if args.one:
         cfg = LAYER_CONFIGS[int(args.one[1])]
         x, w, ids = routed(cfg, args.one[0])

@@ -23,6 +23,8 @@ WARMUP, REPS = 3, 10
 GOAL_VS_PEER = 1.1
 ROUTINGS = ("uniform", "zipf")
 PASSES = ("fwd", "fwd_bwd")
+_RUN = ("peer", "version", "torch", "gpu")
+"""What a results file says ran where, beside its rows."""
 
 
 def row_key(name: str, shape: dict[str, int]) -> str:
@@ -104,21 +106,23 @@ def _row(cfg: tuple[int, ...], routing: str, pass_: str) -> dict[str, Any]:
                     "sample, as our rows' ms; breakdown: one profiled call's kernels, as our rows'"}
 
 
+def _write(out: Path, doc: dict[str, Any]) -> None:
+    out.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    print(f"sonicpeer: wrote {out}: {len(doc['rows'])} rows")
+
+
 def merge(parts: list[Path], out: Path) -> int:
     """One results file from the per-config processes' files; they must agree on what ran where."""
     docs = [json.loads(p.read_text()) for p in parts]
-    same = ("peer", "version", "torch", "gpu")
     for p, d in zip(parts[1:], docs[1:], strict=True):
-        if any(d[k] != docs[0][k] for k in same):
-            raise SystemExit(f"sonicpeer --merge: {p} ran {[d[k] for k in same]}, {parts[0]} "
-                             f"{[docs[0][k] for k in same]}; merge only one peer's runs on one GPU")
+        if any(d[k] != docs[0][k] for k in _RUN):
+            raise SystemExit(f"sonicpeer --merge: {p} ran {[d[k] for k in _RUN]}, {parts[0]} "
+                             f"{[docs[0][k] for k in _RUN]}; merge only one peer's runs on one GPU")
     rows = [r for d in docs for r in d["rows"]]
     keys = [r["key"] for r in rows]
     if len(set(keys)) != len(keys):
         raise SystemExit(f"sonicpeer --merge: a row appears twice in {[str(p) for p in parts]}")
-    out.write_text(json.dumps({**{k: docs[0][k] for k in same}, "rows": rows}, indent=1, allow_nan=False)
-                   + "\n")
-    print(f"sonicpeer: wrote {out}: {len(rows)} rows from {len(parts)} files")
+    _write(out, {**{k: docs[0][k] for k in _RUN}, "rows": rows})
     return 0
 
 
@@ -154,10 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(_row(cfg, r, p))
         print(f"sonicpeer: {cfg} {r} {p} {rows[-1]['ms']:.3f} ms at {time.monotonic() - t0:.0f} s",
               flush=True)
-    doc = {"peer": "sonicmoe", "version": sonicmoe.__version__, "torch": torch.__version__,
-           "gpu": torch.cuda.get_device_name(), "rows": rows}
-    args.out.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
-    print(f"sonicpeer: wrote {args.out}: {len(rows)} rows")
+    run = ("sonicmoe", sonicmoe.__version__, torch.__version__, torch.cuda.get_device_name())
+    _write(args.out, {**dict(zip(_RUN, run, strict=True)), "rows": rows})
     return 0
 
 
