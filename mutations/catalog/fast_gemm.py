@@ -318,6 +318,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "tests/test_fast_wgrad_dynamic.py", ("grouped_gemm_wgrad",), device="gpu",
     ),
     sep_mutation(
+        "gemm.fast_gather_dynamic_counter_from_one", "nmoe/fast/gemm/sm90.py",
+        "    count = torch.zeros(1 if dynamic else 0, dtype=torch.int32, device=src.device)\n",
+        "    count = torch.ones(1 if dynamic else 0, dtype=torch.int32, device=src.device)\n",
+        "the gathering kernel's unit counter starts at 1: unit 0 (the first expert's first M tile) is never "
+        "computed", "tests/test_fast_gemm_gather_dynamic.py", ("moe_layer",), device="gpu",
+    ),
+    sep_mutation(
         "gemm.fast_wgrad_cluster_rank_dropped", WGRAD,
         "        m_tile = m_unit * u.cm + rank\n", "        m_tile = m_unit * u.cm\n",
         "every CTA of a wgrad cluster takes its work item's first M tile: the others are never computed",

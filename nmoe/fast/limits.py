@@ -75,6 +75,10 @@ GEMM_GATHER_DEFERRED: Final[bool] = False
 """The same for the fwd and dgrad that gather A row by row (the MoE layer's up projection with its fused
 activation, and its down projection's dgrad), cooperative at every K, so nothing else overlaps their
 epilogue. Off: H200 MoE layer fwd 1.00-1.01x, fwd+bwd 1.00-1.01x (ablate.layer_gather_deferred)."""
+GEMM_GATHER_DYNAMIC: Final[bool] = False
+"""The gathering fwd/dgrad take each unit (cooperative only) from a device counter, in order, as CTAs free
+up, instead of every SM-count-th: CTAs sharing an expert's B boxes then start together however far their
+static shares drifted (H100 ncu, c3 up under router-uniform routing: 15% L2 hits, 51% when fed by TMA)."""
 GEMM_FP8_OVERLAP: Final[bool] = True
 """sm_90a fp8 fwd: each K block's wgmmas stay in flight while the block before is promoted (two block
 accumulators, K loop unrolled) when True, else each block's MMAs are waited before its promotion

@@ -32,6 +32,7 @@ from nmoe.fast.limits import (
     GEMM_GATHER_CLUSTER_M,
     GEMM_GATHER_CLUSTER_N,
     GEMM_GATHER_DEFERRED,
+    GEMM_GATHER_DYNAMIC,
     GEMM_GATHER_PINGPONG,
     GEMM_PINGPONG_BN,
     GEMM_PINGPONG_MAX_K,
@@ -451,11 +452,14 @@ def _gathered_gemm(op: str, src: Tensor, src_name: str, slot: Tensor, w: Tensor,
     bn, pp = schedule(op, n, k, gathered=True)
     cn = gather_cluster_n(n, bn, pp)
     n_ctas = fwd_ctas(device, m, n, w.shape[0], bn, GEMM_GATHER_CLUSTER_M, cn)
+    dynamic = GEMM_GATHER_DYNAMIC and not pp
     launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act=activation, w_k_major=w_k_major, pingpong=pp, cn=cn,
-                             keep_h=keep_h, deferred=GEMM_GATHER_DEFERRED and not pp)
+                             keep_h=keep_h, deferred=GEMM_GATHER_DEFERRED and not pp, dynamic=dynamic)
     h_ptr = h.data_ptr() if keep_h else a.data_ptr()
+    count = torch.zeros(1 if dynamic else 0, dtype=torch.int32, device=src.device)
     launch(device, src.data_ptr(), slot.contiguous().data_ptr(), w.data_ptr(), h_ptr, a.data_ptr(),
-           offs.contiguous().data_ptr(), top_k, src.shape[0], m, w.shape[0], n_ctas)
+           offs.contiguous().data_ptr(), count.data_ptr() if dynamic else 0, top_k, src.shape[0], m,
+           w.shape[0], n_ctas)
     return h, a
 
 

@@ -19,8 +19,9 @@ DGRAD = Kernel(_FWD_MODULE, "grouped_gemm_dgrad",
                                                                                    pingpong, deferred),
                (ARCH,), "nmoe.fast.gemm.grouped_gemm_dgrad")
 GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_gather", "grouped_gemm_gather",
-                lambda km, n, k, bn, act, w_k_major, pingpong=False, cn=1, keep_h=True, deferred=False:
-                    km.compile_args_gather(n, k, bn, act, w_k_major, pingpong, cn, keep_h, deferred),
+                lambda km, n, k, bn, act, w_k_major, pingpong=False, cn=1, keep_h=True, deferred=False,
+                dynamic=False: km.compile_args_gather(n, k, bn, act, w_k_major, pingpong, cn, keep_h,
+                                                      deferred, dynamic),
                 (ARCH,), "nmoe.fast.gemm.grouped_gemm_act_gathered")
 WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad",
                lambda km, n, k, bn, ld, gs=0, dynamic=False, accumulate=False, deferred=False, cm=1:
@@ -99,20 +100,28 @@ _ROW_MULTICAST = (*_multicast(2), r"\bshfl\.sync\.idx\.b32\b")
 _EXPECT_GATHER_CN = (*_EXPECT_EPILOGUE, *_ROW_MULTICAST)
 
 
+# A dynamic schedule's units come from a device counter (acq_rel fetch-and-add, shuffled to the warp); in a
+# cluster CTA 0 hands each to every CTA (_HANDOFF).
+_GRAB = (r"\batom\.global\.acq_rel(\.gpu)?\.add\.u32\b", r"\bshfl\.sync\.idx\.b32\b")
+
+
 def _gather_spec(name: str, n: int, k: int, activation: str, pingpong: bool = False,
-                 cn: int = 1, keep_h: bool = True, deferred: bool = False) -> KernelSpec:
+                 cn: int = 1, keep_h: bool = True, deferred: bool = False,
+                 dynamic: bool = False) -> KernelSpec:
     """keep_h False: h is never staged or stored, so no stmatrix and none of its 16-byte masked stores
     (act(h) is staged by scalar stores and leaves in 8-byte chunks)."""
     bn = GEMM_PINGPONG_BN if pingpong else pick_bn(n)
+    handoff = (*_GRAB, *(_HANDOFF if cn > 1 else ())) if dynamic else ()
     expect: tuple[str, ...] = (*(_EXPECT_GATHER if cn == 1 else _EXPECT_GATHER_CN),
-                               *(_TURNS if pingpong else ()))
+                               *(_TURNS if pingpong else ()), *handoff)
     forbid: tuple[str, ...] = (*_FORBID_EPILOGUE, *_NO_CP_ASYNC)
     if not keep_h:
         expect = tuple(rx for rx in expect if rx not in (_STMATRIX, _ST_V4))
         forbid = (*forbid, _STMATRIX, _ST_V4)
     return KernelSpec(op="grouped_gemm_act", name=name,
                       compile=GATHER.compiler(n=n, k=k, bn=bn, act=activation, w_k_major=True,
-                                              pingpong=pingpong, cn=cn, keep_h=keep_h, deferred=deferred),
+                                              pingpong=pingpong, cn=cn, keep_h=keep_h, deferred=deferred,
+                                              dynamic=dynamic),
                       expect={"sm_90a": expect}, forbid={"sm_90a": forbid})
 
 
@@ -122,11 +131,14 @@ _EXPECT_WGRAD_GATHER = (*_EXPECT_WGRAD, r"\bcp\.async\.cg\.shared\.global\b", r"
                         r"\bcp\.async\.wait_group\b", r"\bfence\.proxy\.async\.shared::cta\b")
 
 
-def _dgrad_gather_spec(name: str, n: int, k: int, cn: int = 1, deferred: bool = False) -> KernelSpec:
+def _dgrad_gather_spec(name: str, n: int, k: int, cn: int = 1, deferred: bool = False,
+                       dynamic: bool = False) -> KernelSpec:
+    handoff = (*_GRAB, *(_HANDOFF if cn > 1 else ())) if dynamic else ()
     return KernelSpec(op="grouped_gemm_dgrad", name=name,
                       compile=GATHER.compiler(n=n, k=k, bn=pick_bn(n), act="none", w_k_major=False, cn=cn,
-                                              deferred=deferred),
-                      expect={"sm_90a": (*_EXPECT_SM90, *(_ROW_TMA if cn == 1 else _ROW_MULTICAST))},
+                                              deferred=deferred, dynamic=dynamic),
+                      expect={"sm_90a": (*_EXPECT_SM90, *(_ROW_TMA if cn == 1 else _ROW_MULTICAST),
+                                         *handoff)},
                       forbid={"sm_90a": (*_FORBID_SM90, *_NO_CP_ASYNC)})
 
 
@@ -217,5 +229,8 @@ KERNELS: tuple[KernelSpec, ...] = (
                  keep_h=False, deferred=True),
     _gather_spec("grouped_gemm_act_gathered_relu2_n128_deferred", 1152, 2048, "relu2", deferred=True),
     _dgrad_gather_spec("grouped_gemm_dgrad_gathered_cn2_deferred", 1024, 4096, cn=2, deferred=True),
+    _gather_spec("grouped_gemm_act_gathered_swiglu_cn2_dynamic", 1024, 4096, "swiglu", cn=2, dynamic=True),
+    _gather_spec("grouped_gemm_act_gathered_swiglu_n256_dynamic", 2048, 4096, "swiglu", dynamic=True),
+    _dgrad_gather_spec("grouped_gemm_dgrad_gathered_cn2_dynamic", 1024, 4096, cn=2, dynamic=True),
     _spec("grouped_gemm_act_swiglu_deferred_n256", 2048, 4096, 256, True, "swiglu", deferred=True),
 )

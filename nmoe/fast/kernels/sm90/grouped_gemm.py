@@ -31,6 +31,7 @@ from nmoe.fast.kernels.sm90.epilogue import (
     make_pending,
     store_tile,
 )
+from nmoe.fast.kernels.sm90.tilequeue import QUEUE_DEPTH, take_next
 from nmoe.fast.kernels.sm90.tiles import (
     CONSUMER_REGS,
     CONSUMER_WGS,
@@ -329,13 +330,14 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                   k_tiles: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
                   cm: Constexpr[int] = 1, rank: Int32 | int = 0, pingpong: Constexpr[bool] = False,
                   cn: Constexpr[int] = 1, keep_h: Constexpr[bool] = True,
-                  deferred: Constexpr[bool] = False) -> None:
+                  deferred: Constexpr[bool] = False, q: Any = None) -> None:
     """The two consumer warpgroups: wgmma over each tile's K boxes, then the epilogue (none for a cluster's
     tile past its group's end, which only keeps the shared B stages flowing)."""
     # Ping-pong: warpgroup wg takes the CTA's units wg, wg + 2, ... and steps its ring cursor over the other's
     # stages; the mainloops take turns unit by unit (ORDER_BARRIER_ID). cn > 1: units of cn N tiles
     # (unit_tile). deferred (cooperative): a tile's bf16 subtiles (and act(h) of them) leave under the next
-    # tile's wgmmas (`Pending`).
+    # tile's wgmmas (`Pending`). q (cooperative only): units arrive through a tile queue instead of t, t +
+    # n_ctas, ... (check_dynamic).
     check_deferred(deferred, pingpong)
     cute.arch.setmaxregister_increase(CONSUMER_REGS)
     ctid = tidx - WG_THREADS
@@ -349,6 +351,11 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     units_n = n_tiles_n_of(n, bn) // cn
+    dynamic = q is not None
+    check_dynamic(dynamic, pingpong)
+    qstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QUEUE_DEPTH)
+    if const_expr(dynamic):
+        t, qstate = take_next(q, qstate, tidx % 32)
     e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, units_n, cm)
     ordered = 2 * WG_THREADS
     mine_done = pipeline.NamedBarrier(barrier_id=ORDER_BARRIER_ID + wg, num_threads=ordered)
@@ -397,7 +404,10 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
             release.advance(k_tiles)
 
         turn = turn + 1
-        t = t + n_ctas
+        if const_expr(dynamic):
+            t, qstate = take_next(q, qstate, tidx % 32)
+        else:
+            t = t + n_ctas
         e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,
                                                 before, here, units_n, cm)
     if const_expr(deferred):
@@ -502,6 +512,13 @@ def check_deferred(deferred: bool, pingpong: bool) -> None:
         raise ValueError("grouped GEMM deferred epilogue: the cooperative schedule only, not ping-pong "
                          "(whose epilogue already runs under the other warpgroup's MMAs); launch it with "
                          "deferred=False")
+
+
+def check_dynamic(dynamic: bool, pingpong: bool) -> None:
+    """A dynamic schedule hands each unit to the whole CTA; ping-pong warpgroups take alternate units."""
+    if dynamic and pingpong:
+        raise ValueError("grouped GEMM dynamic schedule: the cooperative schedule only, not ping-pong (whose "
+                         "warpgroups take alternate units of a static order); launch it with dynamic=False")
 
 
 def cluster_dims(cm: int) -> list[int] | None:

@@ -22,6 +22,7 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     _gemm_setup,
     _seek,
     check_deferred,
+    check_dynamic,
     check_schedule,
     cluster_dims,
     consume_tiles,
@@ -33,6 +34,15 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     pointer,
     tma_hints,
     unit_tile,
+)
+from nmoe.fast.kernels.sm90.tilequeue import (
+    QUEUE_DEPTH,
+    cluster_queue,
+    drain_queue,
+    grab_tile,
+    hand_tile,
+    take_next,
+    tile_queue,
 )
 from nmoe.fast.kernels.sm90.tiles import (
     EPILOGUES,
@@ -106,13 +116,35 @@ def _copy_row(atom: cute.CopyAtom, tma_x: cute.Tensor, src: Int32, kt: Int32, ds
 
 
 @cute.jit
+def _next_unit(q: Any, m_count: cute.Tensor, fills: Any, qstate: Any, rstate: Any, lane: Int32,
+               cl: Constexpr[int]) -> tuple[Int32, Any, Any]:
+    """A producer warp's next unit of a dynamic schedule: the filling warp takes it from the counter and
+    hands it over, every other warp reads it from its ring."""
+    t = Int32(0)
+    if fills:
+        t = grab_tile(m_count, Int32(0), lane)
+        qstate = hand_tile(q, qstate, t, lane, cl)
+    else:
+        t, rstate = take_next(q, rstate, lane)
+    return t, qstate, rstate
+
+
+@cute.jit
+def _drain(q: Any, qstate: Any, fills: Any) -> None:
+    """The cluster's filling warp waits for every reader to free every slot before it exits."""
+    if fills:
+        drain_queue(q, qstate)
+
+
+@cute.jit
 def produce_rows(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
                  row_atom: cute.CopyAtom, tma_x: cute.Tensor, a_row: cute.ComposedLayout, m_slot: cute.Tensor,
                  top_k: Int32, src_rows: Int32, s_a: cute.Tensor, a_outer: cute.Layout, s_b: cute.Tensor,
                  s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, t: Int32, n_ctas: Int32,
                  warp_idx: Int32, ptid: Int32, n_tiles_n: Constexpr[int], k_tiles: Constexpr[int],
                  bn: Constexpr[int], stages: Constexpr[int], cm: Constexpr[int] = 1,
-                 rank: Int32 | int = 0, cn: Constexpr[int] = 1) -> None:
+                 rank: Int32 | int = 0, cn: Constexpr[int] = 1, q: Any = None,
+                 m_count: cute.Tensor | None = None) -> None:
     """The producer warpgroup with A gathered: warp 0 arms each stage for A and B and TMA-loads B, and each
     warp loads its share of A's tile rows by one row TMA each, so A is never copied into permuted order."""
     # Warp w loads its BM / (4 cn) tile rows onto the same barrier; each source row is looked up once per tile
@@ -125,10 +157,20 @@ def produce_rows(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom,
     first = (ptid // 32) * per_warp
     if const_expr(cn > 1):
         first = first + rank * (BM // cn)
+    # q: units from a device counter instead of t, t + n_ctas, ...: warp 0 of the cluster's CTA 0 takes each
+    # and hands it to every other reader (hand_tile); the others read it from their ring.
     units_n = n_tiles_n // cn
     b_rank = rank
     if const_expr(cn > 1):
         b_rank = 0
+    dynamic = q is not None
+    fills = warp_idx == 0
+    if const_expr(cm * cn > 1):
+        fills = (warp_idx == 0) & (rank == 0)
+    qstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, QUEUE_DEPTH)
+    rstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QUEUE_DEPTH)
+    if const_expr(dynamic):
+        t, qstate, rstate = _next_unit(q, m_count, fills, qstate, rstate, lane, cm * cn)
     e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, units_n, cm)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     while e <= n_groups:
@@ -146,9 +188,14 @@ def produce_rows(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom,
                     _copy_row(row_atom, tma_x, cute.arch.shuffle_sync(src, i), kt,
                               a_base + a_outer((first + i, 0, state.index)) * 2, a_row, bar, cn)
                 state.advance()
-        t = t + n_ctas
+        if const_expr(dynamic):
+            t, qstate, rstate = _next_unit(q, m_count, fills, qstate, rstate, lane, cm * cn)
+        else:
+            t = t + n_ctas
         e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
                                                 units_n, cm)
+    if const_expr(dynamic and cm * cn > 1):
+        _drain(q, qstate, fills)
     if warp_idx == 0:
         mainloop.producer_tail(state)
 
@@ -162,37 +209,46 @@ def grouped_gemm_gather_kernel(
     a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout,
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
     pingpong: Constexpr[bool], cn: Constexpr[int], keep_h: Constexpr[bool], deferred: Constexpr[bool],
+    m_count: cute.Tensor, dynamic: Constexpr[bool],
 ) -> None:
+    cl = GATHER_CLUSTER_M * cn
+    q: Any = None
+    if const_expr(dynamic and cl > 1):
+        q = cluster_queue(cute.arch.thread_idx()[0], cl, 4)
     tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, s_act, mainloop = fwd_cta_begin(
         (tma_atom_b, row_atom, tma_atom_d, tma_atom_act), m_offs, n_groups, a_layout, b_layout, d_layout,
-        stages, "ab", GATHER_CLUSTER_M * cn, act, pingpong)
+        stages, "ab", cl, act, pingpong)
+    if const_expr(dynamic and cl == 1):
+        q = tile_queue(4)
     n_tiles_n = n_tiles_n_of(n, bn)
     k_tiles = n_k_tiles(k)
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         produce_rows(mainloop, tma_atom_b, m_b, row_atom, tma_x, row_layout(a_layout), m_slot, top_k,
                      src_rows, s_a, a_layout.outer, s_b, s_offs, n_groups, m_rows, unit, n_units, warp_idx,
-                     tidx, n_tiles_n, k_tiles, bn, stages, GATHER_CLUSTER_M, rank, cn)
+                     tidx, n_tiles_n, k_tiles, bn, stages, GATHER_CLUSTER_M, rank, cn, q, m_count)
     else:
         consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, s_act,
                       tma_atom_act, tma_act, n_groups,
                       m_rows, tidx, warp_idx, n_units, unit, n, bn, k_tiles,
-                      stages, act, GATHER_CLUSTER_M, rank, pingpong, cn, keep_h, deferred)
+                      stages, act, GATHER_CLUSTER_M, rank, pingpong, cn, keep_h, deferred, q)
 
 
 @cute.jit
 def grouped_gemm_gather_host(
-    px: Pointer, pslot: Pointer, pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer,
+    px: Pointer, pslot: Pointer, pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer, pcount: Pointer,
     top_k: Int32, src_rows: Int32, m_rows: Int32, n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream,
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], w_k_major: Constexpr[bool], act: Constexpr[str],
     pingpong: Constexpr[bool], cn: Constexpr[int], keep_h: Constexpr[bool], deferred: Constexpr[bool],
+    dynamic: Constexpr[bool],
 ) -> None:
     """y[p, n] = x[slot[p] // top_k] @ B_e^T for permuted row p of group e, zero rows where slot[p] = -1; x's
     rows are gathered as they load, so the permuted copy of x is never written."""
     # x is [src_rows, k]; B_e = w[e] for K-major w [E, n, k], else w[e]^T of w [E, k, n] (the dgrad). With
     # act != "none" it also writes a = act(y), and y is not stored unless keep_h. cn > 1: clusters of cn CTAs
     # on one M tile's cn N tiles, each gathering 1/cn of A's rows for all. deferred: each tile's epilogue
-    # leaves under the next tile's wgmmas (grouped_gemm's Pending).
+    # leaves under the next tile's wgmmas (grouped_gemm's Pending). dynamic: units taken from the zeroed
+    # counter at pcount, in order, as CTAs free up, instead of every n_ctas-th.
     stages = stages_for(bn, act, pingpong)
     (m_y, m_a, m_offs, tiled_mma, a_layout, b_layout, tma_atom_b, tma_b, tma_atom_d, tma_d, tma_atom_act,
      tma_act) = _gemm_setup(
@@ -200,17 +256,19 @@ def grouped_gemm_gather_host(
     m_slot = cute.make_tensor(pslot, cute.make_layout(m_rows))
     m_x = cute.make_tensor(px, cute.make_layout((src_rows, k), stride=(k, 1)))
     row_atom, tma_x = row_tma(m_x, a_layout, cn)
+    m_count = cute.make_tensor(pcount, cute.make_layout(1))
     grouped_gemm_gather_kernel(
         tma_atom_b, tma_b, row_atom, tma_x, tma_atom_d, tma_d, m_y, m_a, tma_atom_act, tma_act, m_offs,
         m_slot, top_k, src_rows, m_rows, n_groups, tiled_mma, a_layout, b_layout,
-        epi_smem_layout(epi_sets(pingpong)), n, k, bn, stages, act, pingpong, cn, keep_h, deferred,
+        epi_smem_layout(epi_sets(pingpong)), n, k, bn, stages, act, pingpong, cn, keep_h, deferred, m_count,
+        dynamic,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(GATHER_CLUSTER_M * cn),
              min_blocks_per_mp=1, stream=stream)
 
 
 def compile_args_gather(n: int, k: int, bn: int, act: str = "none", w_k_major: bool = True,
                         pingpong: bool = False, cn: int = 1, keep_h: bool = True,
-                        deferred: bool = False) -> tuple[Any, tuple[Any, ...]]:
+                        deferred: bool = False, dynamic: bool = False) -> tuple[Any, tuple[Any, ...]]:
     if cn > 1 and (n_tiles_n_of(n, bn) % cn or GATHER_CLUSTER_M > 1 or BM // 4 % cn):
         raise ValueError(f"gathered grouped GEMM N cluster of {cn}: needs N tiles ({n_tiles_n_of(n, bn)} "
                          f"of {bn}) in whole clusters, no M cluster (GEMM_GATHER_CLUSTER_M = "
@@ -222,8 +280,9 @@ def compile_args_gather(n: int, k: int, bn: int, act: str = "none", w_k_major: b
         raise ValueError("gathered grouped GEMM without h (keep_h=False) needs an activation epilogue: with "
                          "act 'none' it would store nothing")
     ptrs = (pointer(BFloat16, 0), pointer(Int64, 0, 8), *(pointer(BFloat16, 0) for _ in range(3)),
-            pointer(Int32, 0, 4))
+            pointer(Int32, 0, 4), pointer(Int32, 0, 4))
     check_schedule(bn, pingpong)
     check_deferred(deferred, pingpong)
+    check_dynamic(dynamic, pingpong)
     return grouped_gemm_gather_host, (*ptrs, *(Int32(0) for _ in range(5)), cuda.CUstream(0), n, k, bn,
-                                      w_k_major, act, pingpong, cn, keep_h, deferred)
+                                      w_k_major, act, pingpong, cn, keep_h, deferred, dynamic)

@@ -1,5 +1,5 @@
-"""How a dynamic sm_90a wgrad's tile index reaches the warps that run it: one producer warp takes it from a
-device counter and hands it over through a shared ring, to its own CTA's consumers (TileQueue) or, in a
+"""How a dynamic sm_90a GEMM's tile index reaches the warps that run it: one producer warp takes it from a
+device counter and hands it over through a shared ring, to its own CTA's other readers (TileQueue) or, in a
 cluster, to every CTA's warps by DSMEM stores (ClusterQueue). Import only after runtime.import_cutlass."""
 
 from __future__ import annotations
@@ -20,23 +20,24 @@ SLOT_BYTES = 4
 
 
 class TileQueue(NamedTuple):
-    """A dynamic wgrad's tile hand-off: the producer warp takes the next tile index from a device counter
-    and passes it through `slots` (a QUEUE_DEPTH ring under `pipe`) to the consumers."""
+    """A dynamic kernel's tile hand-off: the producer warp takes the next tile index from a device counter
+    and passes it through `slots` (a QUEUE_DEPTH ring under `pipe`) to the consumers (and other producers)."""
 
     pipe: pipeline.PipelineAsync
     slots: cute.Tensor
 
 
-def tile_queue() -> TileQueue:
+def tile_queue(producer_warps: int = 1) -> TileQueue:
     """The ring of tile indices in shared memory: warp 0 of the producers fills it, both consumer
-    warpgroups drain it (every thread arrives)."""
+    warpgroups and producer warps 1 .. producer_warps - 1 drain it (every thread arrives)."""
     smem = SmemAllocator()
     barriers = smem.allocate_array(Int64, QUEUE_DEPTH * 2, byte_alignment=8)
     slots = smem.allocate_tensor(Int32, cute.make_layout(QUEUE_DEPTH), 16)
     pipe = pipeline.PipelineAsync.create(
         barrier_storage=barriers, num_stages=QUEUE_DEPTH,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS))
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                 CONSUMER_THREADS + 32 * (producer_warps - 1)))
     return TileQueue(pipe, slots)
 
 
@@ -81,14 +82,14 @@ class ClusterQueue(NamedTuple):
     slots: cute.Tensor
 
 
-def queue_readers(cm: int) -> int:
-    """Warps that read each slot: every consumer warp of the cluster and the producer warp of each CTA that
-    does not fill the ring."""
-    return cm * CONSUMER_WGS * 4 + cm - 1
+def queue_readers(cm: int, producer_warps: int = 1) -> int:
+    """Warps that read each slot: every consumer warp of the cluster and the producer_warps of each CTA
+    (CTA 0's filling warp aside)."""
+    return cm * (CONSUMER_WGS * 4 + producer_warps) - 1
 
 
 @cute.jit
-def cluster_queue(tidx: Int32, cm: Constexpr[int]) -> ClusterQueue:
+def cluster_queue(tidx: Int32, cm: Constexpr[int], producer_warps: Constexpr[int] = 1) -> ClusterQueue:
     """The ring's mbarriers, initialised by thread 0; the cluster's barrier sync after the operand pipeline's
     init publishes them before any CTA stores into another's."""
     smem = SmemAllocator()
@@ -98,7 +99,7 @@ def cluster_queue(tidx: Int32, cm: Constexpr[int]) -> ClusterQueue:
     if tidx == 0:
         for i in range(QUEUE_DEPTH):
             cute.arch.mbarrier_init(full.iterator + i, 1)
-            cute.arch.mbarrier_init(empty.iterator + i, queue_readers(cm))
+            cute.arch.mbarrier_init(empty.iterator + i, queue_readers(cm, producer_warps))
     return ClusterQueue(full, empty, slots)
 
 

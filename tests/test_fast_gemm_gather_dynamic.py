@@ -1,0 +1,91 @@
+"""The gathering fwd/dgrad's dynamic schedule (GEMM_GATHER_DYNAMIC): warp 0 of each CTA (of each cluster's
+CTA 0) takes the next unit from a device counter and hands it to the CTA's (cluster's) other producer and
+consumer warps through a shared ring. Which CTA computes a unit never changes its bits, so the contract is the
+static schedule's, bit for bit. The plumbing and the compile-checked kernels need no GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_fast_gemm_gather import CASES as GATHER_CASES
+from test_fast_gemm_gather import _ids
+from torch import Tensor
+
+from nmoe.fast.dispatch import permute
+from nmoe.fast.gemm import sm90
+
+gpu = pytest.mark.gpu
+
+# The gathering test's cases (K tails, skew, a mostly zero-filled tail at T = 5), then two with several units
+# per CTA so each ring wraps many times: N 1024 in clusters of two, N 256 (one N tile) alone.
+CASES = [*GATHER_CASES, (4096, 8, 512, 1024, 32, 8, "swiglu", "uniform"),
+         (4096, 8, 512, 256, 32, 8, "relu2", "skew")]
+Case = tuple[int, int, int, int, int, int, str, str]
+
+
+def _case(case: Case) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    t, k, hid, n, e, align, _, routing = case
+    g = torch.Generator().manual_seed(t * 13 + e)
+    x = torch.randn(t, hid, generator=g).to(torch.bfloat16).cuda()
+    w = (torch.randn(e, n, hid, generator=g) / hid**0.5).to(torch.bfloat16).cuda()
+    dy = torch.randn(t, n, generator=g).to(torch.bfloat16).cuda()
+    p = permute(x.new_empty(t, 0), _ids(t, k, e, routing, g).cuda(), e, align)
+    return x, w, dy, p.slot, p.offs
+
+
+def _runs(case: Case, monkeypatch: pytest.MonkeyPatch, dynamic: bool) -> list[Tensor]:
+    """h, act(h) and the gathered dgrad dy[slot // K] @ w under the named schedule, their outputs carved from
+    a freed NaN block so a unit no CTA computed cannot pass for one."""
+    monkeypatch.setattr(sm90, "GEMM_GATHER_DYNAMIC", dynamic)
+    x, w, dy, slot, offs = _case(case)
+    k, act = case[1], case[6]
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    poison = torch.full((1 << 26,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    del poison
+    a, h = sm90.grouped_gemm_act_gathered(x, slot, k, w, offs, act)
+    dx = sm90.grouped_gemm_dgrad_gathered(dy, slot, k, w, offs)
+    torch.cuda.synchronize()
+    return [h, a, dx]
+
+
+def test_dynamic_kernels_are_compile_checked() -> None:
+    """Both cluster shapes of the up projection and the clustered dgrad compile with the counter's
+    fetch-and-add; in clusters CTA 0 hands each unit over by st.async."""
+    names = {s.name: s for s in sm90.KERNELS if s.name.endswith("_dynamic") and "gathered" in s.name}
+    assert set(names) == {"grouped_gemm_act_gathered_swiglu_cn2_dynamic",
+                          "grouped_gemm_act_gathered_swiglu_n256_dynamic",
+                          "grouped_gemm_dgrad_gathered_cn2_dynamic"}
+    for name, spec in names.items():
+        expect = " ".join(spec.expect["sm_90a"])
+        assert "atom" in expect and ("st\\.async" in expect) == ("_cn2" in name)
+
+
+def test_dynamic_schedule_refuses_ping_pong() -> None:
+    from nmoe.fast.kernels.sm90.grouped_gemm import check_dynamic
+
+    check_dynamic(True, False)
+    check_dynamic(False, True)
+    with pytest.raises(ValueError, match="cooperative schedule only"):
+        check_dynamic(True, True)
+
+
+@gpu
+@pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}K{c[1]}H{c[2]}N{c[3]}E{c[4]}-{c[6]}" for c in CASES])
+def test_dynamic_schedule_equals_the_static_one(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    want = _runs(case, monkeypatch, False)
+    got = _runs(case, monkeypatch, True)
+    for name, g, w in zip(("h", "act(h)", "dgrad"), got, want, strict=True):
+        assert not bool(g.isnan().any()), f"{name}: a unit no CTA computed stays NaN"
+        assert torch.equal(g.view(torch.int16), w.view(torch.int16)), f"{name} differs when dynamic"
+
+
+@gpu
+def test_sep_gemm_fast_gather_dynamic_counter_from_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A counter that starts at 1 skips unit 0 (the first expert's first M tile, its first N tiles): its rows
+    are nonzero under the static schedule, so left unwritten they show."""
+    case = CASES[4]
+    want = _runs(case, monkeypatch, False)[0]
+    assert bool(want[:128, :256].abs().sum() > 0), "unit 0's tile holds nonzero values"
+    got = _runs(case, monkeypatch, True)[0]
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
