@@ -52,11 +52,11 @@ _GATHER_CLUSTER_N4 = Mutation(
     "N clusters of up to four CTAs where the N tiles fill them (two, else none): a quarter of a tile's A "
     "rows gathered per CTA",
 )
-_GATHER_DYNAMIC = Mutation(
-    "ablate.gather_dynamic", LIMITS,
-    "GEMM_GATHER_DYNAMIC: Final[bool] = False\n", "GEMM_GATHER_DYNAMIC: Final[bool] = True\n",
-    "the gathering fwd and dgrad take each unit from a device counter as CTAs free up instead of every "
-    "SM-count-th: CTAs sharing an expert's B boxes start together",
+_GATHER_STATIC = Mutation(
+    "ablate.gather_static", LIMITS,
+    "GEMM_GATHER_DYNAMIC: Final[bool] = True\n", "GEMM_GATHER_DYNAMIC: Final[bool] = False\n",
+    "the gathering fwd and dgrad take every SM-count-th unit instead of each next one from a device counter "
+    "as CTAs free up: CTAs sharing an expert's B boxes drift apart",
 )
 _GATHER_ROWS_EVICT_FIRST = Mutation(
     "ablate.gather_rows_evict_first", LIMITS,
@@ -312,7 +312,7 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     _GATHER_CLUSTER_N4,
     _GATHER_ROWS_EVICT_FIRST,
     _GATHER_B_EVICT_LAST,
-    _GATHER_DYNAMIC,
+    _GATHER_STATIC,
     Mutation(
         "ablate.gather_pingpong", LIMITS,
         "GEMM_GATHER_PINGPONG: Final[bool] = False\n", "GEMM_GATHER_PINGPONG: Final[bool] = True\n",
@@ -392,7 +392,7 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     replace(_TMA_A_EVICT_FIRST, id="ablate.layer_a_evict_first"),
     replace(_TMA_B_EVICT_LAST, id="ablate.layer_b_evict_last"),
     replace(_GATHER_B_EVICT_LAST, id="ablate.layer_gather_b_evict_last"),
-    replace(_GATHER_DYNAMIC, id="ablate.layer_gather_dynamic"),
+    replace(_GATHER_STATIC, id="ablate.layer_gather_static"),
 )
 # Ablations of more than one edit, applied in order; the first names the variant and says what it measures.
 _EVICT_BOTH = (replace(_GATHER_ROWS_EVICT_FIRST, id="ablate.gather_evict_both",
