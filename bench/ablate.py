@@ -58,6 +58,12 @@ _GATHER_STATIC = Mutation(
     "the gathering fwd and dgrad take every SM-count-th unit instead of each next one from a device counter "
     "as CTAs free up: CTAs sharing an expert's B boxes drift apart",
 )
+_FWD_DYNAMIC = Mutation(
+    "ablate.fwd_dynamic", LIMITS,
+    "GEMM_FWD_DYNAMIC: Final[bool] = False\n", "GEMM_FWD_DYNAMIC: Final[bool] = True\n",
+    "the TMA-fed fwd and dgrad (cooperative and ping-pong) take each unit from a device counter as CTAs free "
+    "up instead of every SM-count-th",
+)
 _GATHER_ROWS_EVICT_FIRST = Mutation(
     "ablate.gather_rows_evict_first", LIMITS,
     "GEMM_GATHER_ROWS_EVICT_FIRST: Final[bool] = False\n",
@@ -145,6 +151,7 @@ _NO_PINGPONG = Mutation(
     "the TMA-fed fwd and dgrad cooperative at every K: what ping-pong buys where K <= 1024",
 )
 ABLATIONS: tuple[Mutation, ...] = (
+    _FWD_DYNAMIC,
     _TMA_A_EVICT_FIRST,
     _TMA_B_EVICT_LAST,
     Mutation(
@@ -393,6 +400,7 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     replace(_TMA_B_EVICT_LAST, id="ablate.layer_b_evict_last"),
     replace(_GATHER_B_EVICT_LAST, id="ablate.layer_gather_b_evict_last"),
     replace(_GATHER_STATIC, id="ablate.layer_gather_static"),
+    replace(_FWD_DYNAMIC, id="ablate.layer_fwd_dynamic"),
 )
 # Ablations of more than one edit, applied in order; the first names the variant and says what it measures.
 _EVICT_BOTH = (replace(_GATHER_ROWS_EVICT_FIRST, id="ablate.gather_evict_both",

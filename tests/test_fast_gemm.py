@@ -199,6 +199,7 @@ def test_kernels_declare_sm90_only() -> None:
     assert gathered == {"grouped_gemm_act_gathered_swiglu_n256", "grouped_gemm_act_gathered_relu2_n128",
                         "grouped_gemm_act_gathered_relu2_n128_deferred",
                         "grouped_gemm_act_gathered_swiglu_pingpong",
+                        "grouped_gemm_act_gathered_swiglu_n256_dynamic",
                         "grouped_gemm_wgrad_gathered_x_n256", "grouped_gemm_wgrad_gathered_x_n128",
                         "grouped_gemm_wgrad_gathered_dy_n128", "grouped_gemm_dgrad_gathered_n128"}
     for spec in KERNELS:

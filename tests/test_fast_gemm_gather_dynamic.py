@@ -61,15 +61,6 @@ def test_dynamic_kernels_are_compile_checked() -> None:
         assert "atom" in expect and ("st\\.async" in expect) == ("_cn2" in name)
 
 
-def test_dynamic_schedule_refuses_ping_pong() -> None:
-    from nmoe.fast.kernels.sm90.grouped_gemm import check_dynamic
-
-    check_dynamic(True, False)
-    check_dynamic(False, True)
-    with pytest.raises(ValueError, match="cooperative schedule only"):
-        check_dynamic(True, True)
-
-
 @gpu
 @pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}K{c[1]}H{c[2]}N{c[3]}E{c[4]}-{c[6]}" for c in CASES])
 def test_dynamic_schedule_equals_the_static_one(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -325,6 +325,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "computed", "tests/test_fast_gemm_gather_dynamic.py", ("moe_layer",), device="gpu",
     ),
     sep_mutation(
+        "gemm.fast_fwd_dynamic_counter_from_one", "nmoe/fast/gemm/sm90.py",
+        "            count = torch.zeros(1 if self.dynamic else 0, dtype=torch.int32, device=a.device)\n",
+        "            count = torch.ones(1 if self.dynamic else 0, dtype=torch.int32, device=a.device)\n",
+        "the TMA-fed fwd/dgrad's unit counter starts at 1: unit 0 (the first group's first M tiles) is never "
+        "computed", "tests/test_fast_gemm_fwd_dynamic.py", ("grouped_gemm",), device="gpu",
+    ),
+    sep_mutation(
         "gemm.fast_wgrad_cluster_rank_dropped", WGRAD,
         "        m_tile = m_unit * u.cm + rank\n", "        m_tile = m_unit * u.cm\n",
         "every CTA of a wgrad cluster takes its work item's first M tile: the others are never computed",

@@ -72,15 +72,18 @@ GEMM_FWD_DEFERRED: Final[bool] = True
 """The same for the cooperative TMA-fed fwd and dgrad (K above the ping-pong's), act(h) of a fused activation
 computed from the held h as each subtile leaves (H200 ablate.fwd_stored_first: fwd 1.015-1.068x, dgrad
 1.00-1.04x over storing each tile before the next starts)."""
+GEMM_FWD_DYNAMIC: Final[bool] = False
+"""The TMA-fed fwd and dgrad (cooperative and ping-pong) take each unit from a device counter as CTAs free up,
+as the gathering ones do (GEMM_GATHER_DYNAMIC); off until measured."""
 GEMM_GATHER_DEFERRED: Final[bool] = False
 """The same for the fwd and dgrad that gather A row by row (the MoE layer's up projection with its fused
 activation, and its down projection's dgrad), cooperative at every K, so nothing else overlaps their
 epilogue. Off: H200 MoE layer fwd 1.00-1.01x, fwd+bwd 1.00-1.01x (ablate.layer_gather_deferred)."""
 GEMM_GATHER_DYNAMIC: Final[bool] = True
-"""The gathering fwd/dgrad take each unit (cooperative only) from a device counter, in order, as CTAs free
-up, instead of every SM-count-th, so CTAs sharing an expert's B boxes start together however far their static
-shares drifted. H100 ncu, c3 up under router-uniform routing: 3.98 ms, 5.4 GB of DRAM reads at 65% L2 hits
-against static 6.98 ms, 18.5 GB at 15% (ablate.gather_static, ablate.layer_gather_static)."""
+"""The gathering fwd/dgrad take each unit from a device counter, in order, as CTAs free up, instead of every
+SM-count-th, so CTAs sharing an expert's B boxes start together however far their static shares drifted.
+H100 ncu, c3 up under router-uniform routing: 3.98 ms, 5.4 GB of DRAM reads at 65% L2 hits against static
+6.98 ms, 18.5 GB at 15% (ablate.gather_static, ablate.layer_gather_static)."""
 GEMM_FP8_OVERLAP: Final[bool] = True
 """sm_90a fp8 fwd: each K block's wgmmas stay in flight while the block before is promoted (two block
 accumulators, K loop unrolled) when True, else each block's MMAs are waited before its promotion

@@ -29,6 +29,7 @@ from nmoe.fast.limits import (
     GEMM_BN_CHOICES,
     GEMM_CLUSTER_M,
     GEMM_FWD_DEFERRED,
+    GEMM_FWD_DYNAMIC,
     GEMM_GATHER_CLUSTER_M,
     GEMM_GATHER_CLUSTER_N,
     GEMM_GATHER_DEFERRED,
@@ -158,6 +159,7 @@ class _Plan:
     scalars: tuple[int, ...]
     act_ptr: bool
     split: WgradSplit | None = None
+    dynamic: bool = False
 
     def run(self, a: Tensor, w: Tensor, offs: Tensor, outs: tuple[Tensor, ...]) -> None:
         launch = self.launch
@@ -168,8 +170,9 @@ class _Plan:
             return
         check_offs_on_host(self.op, offs, self.scalars[0])
         if self.act_ptr:
+            count = torch.zeros(1 if self.dynamic else 0, dtype=torch.int32, device=a.device)
             launch(self.index, a.data_ptr(), w.data_ptr(), outs[0].data_ptr(), outs[-1].data_ptr(),
-                   offs.data_ptr(), *self.scalars)
+                   offs.data_ptr(), count.data_ptr() if self.dynamic else 0, *self.scalars)
         else:
             assert self.split is not None, "a wgrad plan carries its row split"
             _keep, (ws, counters, *split) = self.split.args(a.device)
@@ -193,9 +196,11 @@ def _prepare(op: str, a: Tensor, w: Tensor, offs: Tensor, n: int, w_k_major: boo
     n_ctas = fwd_ctas(device, m, n, w.shape[0], bn, GEMM_CLUSTER_M)
     deferred = GEMM_FWD_DEFERRED and not pp
     if w_k_major:
-        launch = FWD.launcher(arch, n=n, k=k, bn=bn, act=activation, pingpong=pp, deferred=deferred)
+        launch = FWD.launcher(arch, n=n, k=k, bn=bn, act=activation, pingpong=pp, deferred=deferred,
+                              dynamic=GEMM_FWD_DYNAMIC)
     else:
-        launch = DGRAD.launcher(arch, n=n, k=k, bn=bn, pingpong=pp, deferred=deferred)
+        launch = DGRAD.launcher(arch, n=n, k=k, bn=bn, pingpong=pp, deferred=deferred,
+                                dynamic=GEMM_FWD_DYNAMIC)
     return device, launch, False, (m, w.shape[0], n_ctas)
 
 
@@ -206,7 +211,8 @@ def _launch(op: str, a: Tensor, w: Tensor, offs: Tensor, out: Tensor, w_k_major:
     outs = (out,) if act_out is None else (out, act_out)
     device, launch, zero, scalars = _prepare(op, a, w, offs, out.shape[1], w_k_major, bn, activation, *outs,
                                              pingpong=pingpong)
-    _Plan(op, device, a.device, (), 0, True, True, launch, zero, scalars, True).run(a, w, offs, outs)
+    _Plan(op, device, a.device, (), 0, True, True, launch, zero, scalars, True,
+          dynamic=GEMM_FWD_DYNAMIC).run(a, w, offs, outs)
 
 
 def _launch_wgrad(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, bn: int | None = None) -> None:
@@ -267,6 +273,7 @@ def _plan(op: str, a: Tensor, w: Tensor, offs: Tensor, a_name: str, w_name: str,
           activation: str = "") -> _Plan:
     """The memoised plan of this layout, or the full checks (raising as they always did) and a new plan."""
     key = (op, activation, GEMM_WGRAD_DYNAMIC, GEMM_WGRAD_DEFERRED, GEMM_WGRAD_CLUSTER_M, GEMM_FWD_DEFERRED,
+           GEMM_FWD_DYNAMIC,
            *_layout(a, w, offs))
     plan = _PLANS.get(key)
     if plan is not None:
@@ -287,7 +294,7 @@ def _plan(op: str, a: Tensor, w: Tensor, offs: Tensor, a_name: str, w_name: str,
         index, launch, zero, scalars = _prepare(op, ca, cw, offs, shape[1], not dgrad, None,
                                                  activation or "none")
     plan = _Plan(op, index, a.device, shape, width, ca is a, cw is w, launch, zero, scalars,
-                 op != "grouped_gemm_wgrad", split)
+                 op != "grouped_gemm_wgrad", split, GEMM_FWD_DYNAMIC)
     return remember(_PLANS, key, plan)
 
 
@@ -452,7 +459,7 @@ def _gathered_gemm(op: str, src: Tensor, src_name: str, slot: Tensor, w: Tensor,
     bn, pp = schedule(op, n, k, gathered=True)
     cn = gather_cluster_n(n, bn, pp)
     n_ctas = fwd_ctas(device, m, n, w.shape[0], bn, GEMM_GATHER_CLUSTER_M, cn)
-    dynamic = GEMM_GATHER_DYNAMIC and not pp
+    dynamic = GEMM_GATHER_DYNAMIC
     launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act=activation, w_k_major=w_k_major, pingpong=pp, cn=cn,
                              keep_h=keep_h, deferred=GEMM_GATHER_DEFERRED and not pp, dynamic=dynamic)
     h_ptr = h.data_ptr() if keep_h else a.data_ptr()

@@ -11,12 +11,12 @@ from nmoe.fast.runtime import KernelSpec
 ARCH = "sm_90a"
 _FWD_MODULE = "nmoe.fast.kernels.sm90.grouped_gemm"
 FWD = Kernel(_FWD_MODULE, "grouped_gemm_fwd",
-             lambda km, n, k, bn, act, pingpong=False, deferred=False: km.compile_args(n, k, bn, True, act,
-                                                                                      pingpong, deferred),
+             lambda km, n, k, bn, act, pingpong=False, deferred=False, dynamic=False:
+                 km.compile_args(n, k, bn, True, act, pingpong, deferred, dynamic),
              (ARCH,), "nmoe.fast.gemm.grouped_gemm")
 DGRAD = Kernel(_FWD_MODULE, "grouped_gemm_dgrad",
-               lambda km, n, k, bn, pingpong=False, deferred=False: km.compile_args(n, k, bn, False, "none",
-                                                                                   pingpong, deferred),
+               lambda km, n, k, bn, pingpong=False, deferred=False, dynamic=False:
+                   km.compile_args(n, k, bn, False, "none", pingpong, deferred, dynamic),
                (ARCH,), "nmoe.fast.gemm.grouped_gemm_dgrad")
 GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_gather", "grouped_gemm_gather",
                 lambda km, n, k, bn, act, w_k_major, pingpong=False, cn=1, keep_h=True, deferred=False,
@@ -149,22 +149,24 @@ def _wgrad_gather_spec(name: str, n: int, k: int, side: str) -> KernelSpec:
 
 
 def _spec(name: str, n: int, k: int, bn: int, w_k_major: bool | None, activation: str = "none",
-          pingpong: bool = False, deferred: bool = False) -> KernelSpec:
-    expect = _EXPECT_WGRAD if w_k_major is None else (*_EXPECT_SM90, *_CLUSTER, *(_TURNS if pingpong else ()))
+          pingpong: bool = False, deferred: bool = False, dynamic: bool = False) -> KernelSpec:
+    extra = (*_CLUSTER, *(_TURNS if pingpong else ()), *((*_GRAB, *_HANDOFF) if dynamic else ()))
+    expect = _EXPECT_WGRAD if w_k_major is None else (*_EXPECT_SM90, *extra)
     fused = activation != "none"
     if w_k_major is None:
         op, compile = "grouped_gemm_wgrad", WGRAD.compiler(n=n, k=k, bn=bn, ld=k)
     elif not w_k_major:
         op = "grouped_gemm_dgrad"
-        compile = DGRAD.compiler(n=n, k=k, bn=bn, pingpong=pingpong, deferred=deferred)
+        compile = DGRAD.compiler(n=n, k=k, bn=bn, pingpong=pingpong, deferred=deferred, dynamic=dynamic)
     else:
         op = "grouped_gemm_act" if fused else "grouped_gemm"
-        compile = FWD.compiler(n=n, k=k, bn=bn, act=activation, pingpong=pingpong, deferred=deferred)
+        compile = FWD.compiler(n=n, k=k, bn=bn, act=activation, pingpong=pingpong, deferred=deferred,
+                               dynamic=dynamic)
     return KernelSpec(
         op=op,
         name=name,
         compile=compile,
-        expect={"sm_90a": (*_EXPECT_EPILOGUE, *_CLUSTER, *(_TURNS if pingpong else ())) if fused else expect},
+        expect={"sm_90a": (*_EXPECT_EPILOGUE, *extra) if fused else expect},
         forbid={"sm_90a": _FORBID_EPILOGUE if fused else _FORBID_SM90},
     )
 
@@ -233,4 +235,6 @@ KERNELS: tuple[KernelSpec, ...] = (
     _gather_spec("grouped_gemm_act_gathered_swiglu_n256_dynamic", 2048, 4096, "swiglu", dynamic=True),
     _dgrad_gather_spec("grouped_gemm_dgrad_gathered_cn2_dynamic", 1024, 4096, cn=2, dynamic=True),
     _spec("grouped_gemm_act_swiglu_deferred_n256", 2048, 4096, 256, True, "swiglu", deferred=True),
+    _spec("grouped_gemm_fwd_pingpong_dynamic", 4096, 1024, 128, True, pingpong=True, dynamic=True),
+    _spec("grouped_gemm_dgrad_deferred_dynamic_n256", 4096, 2048, 256, False, deferred=True, dynamic=True),
 )

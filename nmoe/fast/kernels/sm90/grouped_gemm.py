@@ -31,7 +31,14 @@ from nmoe.fast.kernels.sm90.epilogue import (
     make_pending,
     store_tile,
 )
-from nmoe.fast.kernels.sm90.tilequeue import QUEUE_DEPTH, take_next
+from nmoe.fast.kernels.sm90.tilequeue import (
+    QUEUE_DEPTH,
+    cluster_queue,
+    drain_filler,
+    next_unit,
+    take_next,
+    tile_queue,
+)
 from nmoe.fast.kernels.sm90.tiles import (
     CONSUMER_REGS,
     CONSUMER_WGS,
@@ -214,11 +221,19 @@ def produce_tiles(mainloop: pipeline.PipelineTmaAsync, tma_atom_a: cute.CopyAtom
                   tma_atom_b: cute.CopyAtom, m_b: cute.Tensor, s_a: cute.Tensor, s_b: cute.Tensor,
                   s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, t: Int32, n_ctas: Int32,
                   n_tiles_n: Constexpr[int], k_tiles: Constexpr[int], bn: Constexpr[int], bk: Constexpr[int],
-                  stages: Constexpr[int], cm: Constexpr[int] = 1, rank: Int32 | int = 0) -> None:
-    """The producer warp: TMA loads of every K box of this CTA's tiles (units t, t + n_ctas, ...) into the
-    ring; with cm > 1 it loads its 1/cm of the B tile, multicast to every CTA of the cluster."""
+                  stages: Constexpr[int], cm: Constexpr[int] = 1, rank: Int32 | int = 0, q: Any = None,
+                  m_count: cute.Tensor | None = None) -> None:
+    """The producer warp: TMA loads of every K box of this CTA's tiles (units t, t + n_ctas, ..., or with q
+    each next one from the counter at m_count) into the ring; with cm > 1 it loads its 1/cm of the B tile,
+    multicast to every CTA of the cluster."""
     s_a_flat = cute.group_modes(s_a, 0, 2)
     s_b_flat = cute.group_modes(s_b, 0, 2)
+    lane = cute.arch.lane_idx()
+    fills = rank == 0
+    qstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, QUEUE_DEPTH)
+    rstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QUEUE_DEPTH)
+    if const_expr(q is not None):
+        t, qstate, rstate = next_unit(q, m_count, fills, qstate, rstate, lane, cm)
     e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, n_tiles_n, cm)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     while e <= n_groups:
@@ -238,9 +253,14 @@ def produce_tiles(mainloop: pipeline.PipelineTmaAsync, tma_atom_a: cute.CopyAtom
                 copy_b(tma_atom_b, t_gb[(None, kt)], t_sb[(None, state.index)], bar, cm, B_POLICY)
                 mainloop.producer_commit(state)
                 state.advance()
-        t = t + n_ctas
+        if const_expr(q is not None):
+            t, qstate, rstate = next_unit(q, m_count, fills, qstate, rstate, lane, cm)
+        else:
+            t = t + n_ctas
         e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
                                                 n_tiles_n, cm)
+    if const_expr(q is not None and cm > 1):
+        drain_filler(q, qstate, fills)
     mainloop.producer_tail(state)
 
 
@@ -336,8 +356,9 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     # Ping-pong: warpgroup wg takes the CTA's units wg, wg + 2, ... and steps its ring cursor over the other's
     # stages; the mainloops take turns unit by unit (ORDER_BARRIER_ID). cn > 1: units of cn N tiles
     # (unit_tile). deferred (cooperative): a tile's bf16 subtiles (and act(h) of them) leave under the next
-    # tile's wgmmas (`Pending`). q (cooperative only): units arrive through a tile queue instead of t, t +
-    # n_ctas, ... (check_dynamic).
+    # tile's wgmmas (`Pending`). q: units arrive through a tile queue instead of t, t + n_ctas, ...; every
+    # warpgroup reads every slot, a ping-pong one the next as soon as its MMAs are issued (whether to hand the
+    # mainloop over), so that read waits only on the producer's loads of the unit just issued.
     check_deferred(deferred, pingpong)
     cute.arch.setmaxregister_increase(CONSUMER_REGS)
     ctid = tidx - WG_THREADS
@@ -352,10 +373,10 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     units_n = n_tiles_n_of(n, bn) // cn
     dynamic = q is not None
-    check_dynamic(dynamic, pingpong)
+    lane = tidx % 32
     qstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QUEUE_DEPTH)
     if const_expr(dynamic):
-        t, qstate = take_next(q, qstate, tidx % 32)
+        t, qstate = take_next(q, qstate, lane)
     e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, units_n, cm)
     ordered = 2 * WG_THREADS
     mine_done = pipeline.NamedBarrier(barrier_id=ORDER_BARRIER_ID + wg, num_threads=ordered)
@@ -389,8 +410,11 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
             elif const_expr(deferred):
                 emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(subs))
             if const_expr(pingpong):
-                nxt = _seek(s_offs, n_groups, m_rows, t + n_ctas, e, g_start, g_end, before, here,
-                            units_n, cm)[0]
+                t_next = t + n_ctas
+                if const_expr(dynamic):
+                    t, qstate = take_next(q, qstate, lane)
+                    t_next = t
+                nxt = _seek(s_offs, n_groups, m_rows, t_next, e, g_start, g_end, before, here, units_n, cm)[0]
                 if nxt <= n_groups:
                     mine_done.arrive()
 
@@ -403,11 +427,14 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
             read.advance(k_tiles)
             release.advance(k_tiles)
 
-        turn = turn + 1
-        if const_expr(dynamic):
-            t, qstate = take_next(q, qstate, tidx % 32)
+        if const_expr(dynamic and pingpong):
+            if turn % 2 != wg:
+                t, qstate = take_next(q, qstate, lane)
+        elif const_expr(dynamic):
+            t, qstate = take_next(q, qstate, lane)
         else:
             t = t + n_ctas
+        turn = turn + 1
         e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,
                                                 before, here, units_n, cm)
     if const_expr(deferred):
@@ -447,23 +474,28 @@ def grouped_gemm_kernel(
     m_rows: Int32, n_groups: Int32, tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout,
     b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int],
     bn: Constexpr[int], stages: Constexpr[int], act: Constexpr[str], pingpong: Constexpr[bool],
-    deferred: Constexpr[bool],
+    deferred: Constexpr[bool], m_count: cute.Tensor, dynamic: Constexpr[bool],
 ) -> None:
+    q: Any = None
+    if const_expr(dynamic and CLUSTER_M > 1):
+        q = cluster_queue(cute.arch.thread_idx()[0], CLUSTER_M)
     tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, s_act, mainloop = fwd_cta_begin(
         (tma_atom_a, tma_atom_b, tma_atom_d, tma_atom_act), m_offs, n_groups, a_layout, b_layout, d_layout,
         stages, "ab", CLUSTER_M, act, pingpong)
+    if const_expr(dynamic and CLUSTER_M == 1):
+        q = tile_queue()
     n_tiles_n = n_tiles_n_of(n, bn)
     k_tiles = n_k_tiles(k)
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         if warp_idx == 0:
             produce_tiles(mainloop, tma_atom_a, m_a, tma_atom_b, m_b, s_a, s_b, s_offs, n_groups, m_rows,
-                          unit, n_units, n_tiles_n, k_tiles, bn, BK, stages, CLUSTER_M, rank)
+                          unit, n_units, n_tiles_n, k_tiles, bn, BK, stages, CLUSTER_M, rank, q, m_count)
     else:
         consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, s_act,
                       tma_atom_act, tma_act, n_groups,
                       m_rows, tidx, warp_idx, n_units, unit, n, bn, k_tiles,
-                      stages, act, CLUSTER_M, rank, pingpong, deferred=deferred)
+                      stages, act, CLUSTER_M, rank, pingpong, deferred=deferred, q=q)
 
 
 def _gemm_setup(pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer, m_rows: Int32, n_groups: Int32, n: int,
@@ -514,13 +546,6 @@ def check_deferred(deferred: bool, pingpong: bool) -> None:
                          "deferred=False")
 
 
-def check_dynamic(dynamic: bool, pingpong: bool) -> None:
-    """A dynamic schedule hands each unit to the whole CTA; ping-pong warpgroups take alternate units."""
-    if dynamic and pingpong:
-        raise ValueError("grouped GEMM dynamic schedule: the cooperative schedule only, not ping-pong (whose "
-                         "warpgroups take alternate units of a static order); launch it with dynamic=False")
-
-
 def cluster_dims(cm: int) -> list[int] | None:
     """A launch's cluster shape: none at all for CTAs that run alone."""
     return [cm, 1, 1] if cm > 1 else None
@@ -537,12 +562,14 @@ def b_tma(m_w: cute.Tensor, b_layout: cute.ComposedLayout, bn: int, cm: int,
 
 @cute.jit
 def grouped_gemm_host(
-    px: Pointer, pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer, m_rows: Int32, n_groups: Int32,
-    n_ctas: Int32, stream: cuda.CUstream, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
-    w_k_major: Constexpr[bool], act: Constexpr[str], pingpong: Constexpr[bool], deferred: Constexpr[bool],
+    px: Pointer, pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer, pcount: Pointer, m_rows: Int32,
+    n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream, n: Constexpr[int], k: Constexpr[int],
+    bn: Constexpr[int], w_k_major: Constexpr[bool], act: Constexpr[str], pingpong: Constexpr[bool],
+    deferred: Constexpr[bool], dynamic: Constexpr[bool],
 ) -> None:
     """y[M, n] = per-group x[M, k] @ B_e^T, B_e [n, k] read from w (K-major w [E, n, k], else w [E, k, n]);
-    with act != "none" also a[M, n / ratio] = act(y) (pa is ignored for "none")."""
+    with act != "none" also a[M, n / ratio] = act(y) (pa is ignored for "none"); dynamic: units taken from
+    the zeroed counter at pcount."""
     stages = stages_for(bn, act, pingpong)
     (m_y, m_a, m_offs, tiled_mma, a_layout, b_layout, tma_atom_b, tma_b, tma_atom_d, tma_d, tma_atom_act,
      tma_act) = _gemm_setup(
@@ -554,7 +581,7 @@ def grouped_gemm_host(
         tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, m_y, m_a, tma_atom_act, tma_act, m_offs,
         m_rows, n_groups,
         tiled_mma, a_layout, b_layout, epi_smem_layout(epi_sets(pingpong)), n, k, bn, stages, act, pingpong,
-        deferred,
+        deferred, cute.make_tensor(pcount, cute.make_layout(1)), dynamic,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(CLUSTER_M), min_blocks_per_mp=1,
              stream=stream)
 
@@ -565,12 +592,12 @@ def pointer(dtype: Any, address: int, align: int = 16) -> Any:
 
 
 def compile_args(n: int, k: int, bn: int, w_k_major: bool, act: str = "none", pingpong: bool = False,
-                 deferred: bool = False) -> tuple[Any, tuple[Any, ...]]:
+                 deferred: bool = False, dynamic: bool = False) -> tuple[Any, tuple[Any, ...]]:
     if act not in EPILOGUES or (act != "none" and not w_k_major):
         raise ValueError(f"grouped GEMM epilogue {act!r} (w_k_major={w_k_major}) unsupported; the fwd takes "
                          f"one of {sorted(EPILOGUES)}, dgrad only 'none'")
     check_deferred(deferred, pingpong)
-    ptrs = (*(pointer(BFloat16, 0) for _ in range(4)), pointer(Int32, 0, 4))
+    ptrs = (*(pointer(BFloat16, 0) for _ in range(4)), pointer(Int32, 0, 4), pointer(Int32, 0, 4))
     check_schedule(bn, pingpong)
     return grouped_gemm_host, (*ptrs, Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k, bn, w_k_major,
-                               act, pingpong, deferred)
+                               act, pingpong, deferred, dynamic)

@@ -22,7 +22,6 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     _gemm_setup,
     _seek,
     check_deferred,
-    check_dynamic,
     check_schedule,
     cluster_dims,
     consume_tiles,
@@ -35,15 +34,7 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     tma_hints,
     unit_tile,
 )
-from nmoe.fast.kernels.sm90.tilequeue import (
-    QUEUE_DEPTH,
-    cluster_queue,
-    drain_queue,
-    grab_tile,
-    hand_tile,
-    take_next,
-    tile_queue,
-)
+from nmoe.fast.kernels.sm90.tilequeue import QUEUE_DEPTH, cluster_queue, drain_filler, next_unit, tile_queue
 from nmoe.fast.kernels.sm90.tiles import (
     EPILOGUES,
     PRODUCER_REGS,
@@ -116,27 +107,6 @@ def _copy_row(atom: cute.CopyAtom, tma_x: cute.Tensor, src: Int32, kt: Int32, ds
 
 
 @cute.jit
-def _next_unit(q: Any, m_count: cute.Tensor, fills: Any, qstate: Any, rstate: Any, lane: Int32,
-               cl: Constexpr[int]) -> tuple[Int32, Any, Any]:
-    """A producer warp's next unit of a dynamic schedule: the filling warp takes it from the counter and
-    hands it over, every other warp reads it from its ring."""
-    t = Int32(0)
-    if fills:
-        t = grab_tile(m_count, Int32(0), lane)
-        qstate = hand_tile(q, qstate, t, lane, cl)
-    else:
-        t, rstate = take_next(q, rstate, lane)
-    return t, qstate, rstate
-
-
-@cute.jit
-def _drain(q: Any, qstate: Any, fills: Any) -> None:
-    """The cluster's filling warp waits for every reader to free every slot before it exits."""
-    if fills:
-        drain_queue(q, qstate)
-
-
-@cute.jit
 def produce_rows(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
                  row_atom: cute.CopyAtom, tma_x: cute.Tensor, a_row: cute.ComposedLayout, m_slot: cute.Tensor,
                  top_k: Int32, src_rows: Int32, s_a: cute.Tensor, a_outer: cute.Layout, s_b: cute.Tensor,
@@ -170,7 +140,7 @@ def produce_rows(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom,
     qstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, QUEUE_DEPTH)
     rstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QUEUE_DEPTH)
     if const_expr(dynamic):
-        t, qstate, rstate = _next_unit(q, m_count, fills, qstate, rstate, lane, cm * cn)
+        t, qstate, rstate = next_unit(q, m_count, fills, qstate, rstate, lane, cm * cn)
     e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, units_n, cm)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     while e <= n_groups:
@@ -189,13 +159,13 @@ def produce_rows(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom,
                               a_base + a_outer((first + i, 0, state.index)) * 2, a_row, bar, cn)
                 state.advance()
         if const_expr(dynamic):
-            t, qstate, rstate = _next_unit(q, m_count, fills, qstate, rstate, lane, cm * cn)
+            t, qstate, rstate = next_unit(q, m_count, fills, qstate, rstate, lane, cm * cn)
         else:
             t = t + n_ctas
         e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
                                                 units_n, cm)
     if const_expr(dynamic and cm * cn > 1):
-        _drain(q, qstate, fills)
+        drain_filler(q, qstate, fills)
     if warp_idx == 0:
         mainloop.producer_tail(state)
 
@@ -283,6 +253,5 @@ def compile_args_gather(n: int, k: int, bn: int, act: str = "none", w_k_major: b
             pointer(Int32, 0, 4), pointer(Int32, 0, 4))
     check_schedule(bn, pingpong)
     check_deferred(deferred, pingpong)
-    check_dynamic(dynamic, pingpong)
     return grouped_gemm_gather_host, (*ptrs, *(Int32(0) for _ in range(5)), cuda.CUstream(0), n, k, bn,
                                       w_k_major, act, pingpong, cn, keep_h, deferred, dynamic)

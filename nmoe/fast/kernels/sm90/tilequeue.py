@@ -150,3 +150,24 @@ def take_next(q: TileQueue | ClusterQueue, state: Any, lane: Int32) -> tuple[Int
     if const_expr(isinstance(q, ClusterQueue)):
         return cast(tuple[Int32, Any], read_tile(q, state, lane))
     return cast(tuple[Int32, Any], take_tile(q, state))
+
+
+@cute.jit
+def next_unit(q: Any, m_count: cute.Tensor, fills: Any, qstate: Any, rstate: Any, lane: Int32,
+              cm: Constexpr[int]) -> tuple[Int32, Any, Any]:
+    """A producer warp's next unit of a dynamic schedule: the filling warp takes it from the counter and
+    hands it over, every other warp reads it from its ring."""
+    t = Int32(0)
+    if fills:
+        t = grab_tile(m_count, Int32(0), lane)
+        qstate = hand_tile(q, qstate, t, lane, cm)
+    else:
+        t, rstate = take_next(q, rstate, lane)
+    return t, qstate, rstate
+
+
+@cute.jit
+def drain_filler(q: Any, qstate: Any, fills: Any) -> None:
+    """A cluster's filling warp waits for every reader to free every slot before it exits."""
+    if fills:
+        drain_queue(q, qstate)
