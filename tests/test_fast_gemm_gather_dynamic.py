@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 from test_fast_gemm_gather import CASES as GATHER_CASES
-from test_fast_gemm_gather import _ids
+from test_fast_gemm_gather_cluster import Case, _case
 from torch import Tensor
 
-from nmoe.fast.dispatch import permute
 from nmoe.fast.gemm import sm90
 
 gpu = pytest.mark.gpu
@@ -20,17 +19,6 @@ gpu = pytest.mark.gpu
 # per CTA so each ring wraps many times: N 1024 in clusters of two, N 256 (one N tile) alone.
 CASES = [*GATHER_CASES, (4096, 8, 512, 1024, 32, 8, "swiglu", "uniform"),
          (4096, 8, 512, 256, 32, 8, "relu2", "skew")]
-Case = tuple[int, int, int, int, int, int, str, str]
-
-
-def _case(case: Case) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    t, k, hid, n, e, align, _, routing = case
-    g = torch.Generator().manual_seed(t * 13 + e)
-    x = torch.randn(t, hid, generator=g).to(torch.bfloat16).cuda()
-    w = (torch.randn(e, n, hid, generator=g) / hid**0.5).to(torch.bfloat16).cuda()
-    dy = torch.randn(t, n, generator=g).to(torch.bfloat16).cuda()
-    p = permute(x.new_empty(t, 0), _ids(t, k, e, routing, g).cuda(), e, align)
-    return x, w, dy, p.slot, p.offs
 
 
 def _runs(case: Case, monkeypatch: pytest.MonkeyPatch, dynamic: bool) -> list[Tensor]:
