@@ -24,7 +24,7 @@ import torch
 from nmoe.fast import op, runtime
 
 # Runtime values each launched kernel takes (the launcher adds the stream).
-LAUNCH_VALUES = {"grouped_gemm_fwd": 8, "grouped_gemm_dgrad": 8, "grouped_gemm_wgrad": 12, "relu2_fwd": 3,
+LAUNCH_VALUES = {"grouped_gemm_fwd": 9, "grouped_gemm_dgrad": 9, "grouped_gemm_wgrad": 12, "relu2_fwd": 3,
                  "relu2_bwd": 4}
 
 
