@@ -317,19 +317,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the dynamic wgrad's tile counter steps by two: every other tile of the list is never computed",
         "tests/test_fast_wgrad_dynamic.py", ("grouped_gemm_wgrad",), device="gpu",
     ),
-    sep_mutation(
-        "gemm.fast_gather_dynamic_counter_from_one", "nmoe/fast/gemm/sm90.py",
-        "    count = torch.zeros(1 if dynamic else 0, dtype=torch.int32, device=src.device)\n",
-        "    count = torch.ones(1 if dynamic else 0, dtype=torch.int32, device=src.device)\n",
-        "the gathering kernel's unit counter starts at 1: unit 0 (the first expert's first M tile) is never "
-        "computed", "tests/test_fast_gemm_gather_dynamic.py", ("moe_layer",), device="gpu",
-    ),
-    sep_mutation(
-        "gemm.fast_fwd_dynamic_counter_from_one", "nmoe/fast/gemm/sm90.py",
-        "            count = torch.zeros(1 if self.dynamic else 0, dtype=torch.int32, device=a.device)\n",
-        "            count = torch.ones(1 if self.dynamic else 0, dtype=torch.int32, device=a.device)\n",
-        "the TMA-fed fwd/dgrad's unit counter starts at 1: unit 0 (the first group's first M tiles) is never "
-        "computed", "tests/test_fast_gemm_fwd_dynamic.py", ("grouped_gemm",), device="gpu",
+    Mutation(
+        "gemm.fast_dynamic_counter_from_one", "nmoe/fast/gemm/sm90.py",
+        "    count = torch.zeros(1, dtype=torch.int32, device=device)\n",
+        "    count = torch.ones(1, dtype=torch.int32, device=device)\n",
+        "a dynamic fwd/dgrad's unit counter starts at 1: unit 0 (the first group's first M tile) is never "
+        "computed, gathering or TMA-fed",
+        tests=("tests/test_fast_gemm_gather_dynamic.py::test_sep_gemm_fast_gather_dynamic_counter_from_one",
+               "tests/test_fast_gemm_fwd_dynamic.py::test_sep_gemm_fast_fwd_dynamic_counter_from_one"),
+        device="gpu", contracts=("moe_layer", "grouped_gemm"),
     ),
     sep_mutation(
         "gemm.fast_wgrad_cluster_rank_dropped", WGRAD,

@@ -96,6 +96,15 @@ def schedule(op: str, n: int, k: int, bn: int | None = None, pingpong: bool | No
     return GEMM_PINGPONG_BN, True
 
 
+def unit_counter(dynamic: bool, device: torch.device) -> tuple[Tensor | None, int]:
+    """(buffer to keep alive over the launch, its address) of a dynamic fwd/dgrad's unit counter, zeroed per
+    launch so a replayed graph starts at unit 0; a static launch gets none (address 0)."""
+    if not dynamic:
+        return None, 0
+    count = torch.zeros(1, dtype=torch.int32, device=device)
+    return count, count.data_ptr()
+
+
 @dataclass(frozen=True)
 class WgradSplit:
     """The wgrad's row split, planned from shapes alone so that no routing value has to reach the host."""
@@ -170,9 +179,9 @@ class _Plan:
             return
         check_offs_on_host(self.op, offs, self.scalars[0])
         if self.act_ptr:
-            count = torch.zeros(1 if self.dynamic else 0, dtype=torch.int32, device=a.device)
+            _keep, count = unit_counter(self.dynamic, a.device)
             launch(self.index, a.data_ptr(), w.data_ptr(), outs[0].data_ptr(), outs[-1].data_ptr(),
-                   offs.data_ptr(), count.data_ptr() if self.dynamic else 0, *self.scalars)
+                   offs.data_ptr(), count, *self.scalars)
         else:
             assert self.split is not None, "a wgrad plan carries its row split"
             _keep, (ws, counters, *split) = self.split.args(a.device)
@@ -463,10 +472,9 @@ def _gathered_gemm(op: str, src: Tensor, src_name: str, slot: Tensor, w: Tensor,
     launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act=activation, w_k_major=w_k_major, pingpong=pp, cn=cn,
                              keep_h=keep_h, deferred=GEMM_GATHER_DEFERRED and not pp, dynamic=dynamic)
     h_ptr = h.data_ptr() if keep_h else a.data_ptr()
-    count = torch.zeros(1 if dynamic else 0, dtype=torch.int32, device=src.device)
+    _keep, count = unit_counter(dynamic, src.device)
     launch(device, src.data_ptr(), slot.contiguous().data_ptr(), w.data_ptr(), h_ptr, a.data_ptr(),
-           offs.contiguous().data_ptr(), count.data_ptr() if dynamic else 0, top_k, src.shape[0], m,
-           w.shape[0], n_ctas)
+           offs.contiguous().data_ptr(), count, top_k, src.shape[0], m, w.shape[0], n_ctas)
     return h, a
 
 

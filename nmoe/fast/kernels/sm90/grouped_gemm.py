@@ -455,15 +455,22 @@ def n_k_tiles(k: int) -> int:
 def fwd_cta_begin(tma_atoms: tuple[cute.CopyAtom, ...], m_offs: cute.Tensor, n_groups: Int32,
                   a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout,
                   stages: Constexpr[int], by_tma: Constexpr[str], cm: Constexpr[int], act: Constexpr[str],
-                  pingpong: Constexpr[bool] = False) -> tuple[Any, ...]:
+                  pingpong: Constexpr[bool] = False, queue_warps: Constexpr[int] = 0) -> tuple[Any, ...]:
     """What a fwd/dgrad CTA sets up before its warps split: (thread, warp, first unit, unit stride, cluster
-    rank, offs table, A / B / output / act(h) shared tensors, operand pipeline)."""
+    rank, offs table, A / B / output / act(h) shared tensors, operand pipeline, tile queue or None)."""
+    # queue_warps > 0: a dynamic schedule whose queue that many producer warps of each CTA also read; a
+    # cluster's queue is initialised before the operand pipeline's cluster sync publishes it.
+    q: Any = None
+    if const_expr(queue_warps > 0 and cm > 1):
+        q = cluster_queue(cute.arch.thread_idx()[0], cm, queue_warps)
     tidx, bidx, n_ctas, warp_idx = cta_start(tma_atoms)
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
                                                 stages, by_tma, cm=cm, wgs=tile_wgs(pingpong))
     unit, n_units, rank = cluster_units(bidx, n_ctas, cm)
     s_act = act_staging(s_d, act, epi_sets(pingpong))
-    return tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, s_act, mainloop
+    if const_expr(queue_warps > 0 and cm == 1):
+        q = tile_queue(queue_warps)
+    return tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, s_act, mainloop, q
 
 
 @cute.kernel
@@ -476,14 +483,9 @@ def grouped_gemm_kernel(
     bn: Constexpr[int], stages: Constexpr[int], act: Constexpr[str], pingpong: Constexpr[bool],
     deferred: Constexpr[bool], m_count: cute.Tensor, dynamic: Constexpr[bool],
 ) -> None:
-    q: Any = None
-    if const_expr(dynamic and CLUSTER_M > 1):
-        q = cluster_queue(cute.arch.thread_idx()[0], CLUSTER_M)
-    tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, s_act, mainloop = fwd_cta_begin(
+    tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, s_act, mainloop, q = fwd_cta_begin(
         (tma_atom_a, tma_atom_b, tma_atom_d, tma_atom_act), m_offs, n_groups, a_layout, b_layout, d_layout,
-        stages, "ab", CLUSTER_M, act, pingpong)
-    if const_expr(dynamic and CLUSTER_M == 1):
-        q = tile_queue()
+        stages, "ab", CLUSTER_M, act, pingpong, 1 if dynamic else 0)
     n_tiles_n = n_tiles_n_of(n, bn)
     k_tiles = n_k_tiles(k)
     if warp_idx < 4:

@@ -34,7 +34,7 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     tma_hints,
     unit_tile,
 )
-from nmoe.fast.kernels.sm90.tilequeue import QUEUE_DEPTH, cluster_queue, drain_filler, next_unit, tile_queue
+from nmoe.fast.kernels.sm90.tilequeue import QUEUE_DEPTH, drain_filler, next_unit
 from nmoe.fast.kernels.sm90.tiles import (
     EPILOGUES,
     PRODUCER_REGS,
@@ -134,9 +134,7 @@ def produce_rows(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom,
     if const_expr(cn > 1):
         b_rank = 0
     dynamic = q is not None
-    fills = warp_idx == 0
-    if const_expr(cm * cn > 1):
-        fills = (warp_idx == 0) & (rank == 0)
+    fills = (warp_idx == 0) & (rank == 0)
     qstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, QUEUE_DEPTH)
     rstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QUEUE_DEPTH)
     if const_expr(dynamic):
@@ -181,15 +179,9 @@ def grouped_gemm_gather_kernel(
     pingpong: Constexpr[bool], cn: Constexpr[int], keep_h: Constexpr[bool], deferred: Constexpr[bool],
     m_count: cute.Tensor, dynamic: Constexpr[bool],
 ) -> None:
-    cl = GATHER_CLUSTER_M * cn
-    q: Any = None
-    if const_expr(dynamic and cl > 1):
-        q = cluster_queue(cute.arch.thread_idx()[0], cl, 4)
-    tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, s_act, mainloop = fwd_cta_begin(
+    tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, s_act, mainloop, q = fwd_cta_begin(
         (tma_atom_b, row_atom, tma_atom_d, tma_atom_act), m_offs, n_groups, a_layout, b_layout, d_layout,
-        stages, "ab", cl, act, pingpong)
-    if const_expr(dynamic and cl == 1):
-        q = tile_queue(4)
+        stages, "ab", GATHER_CLUSTER_M * cn, act, pingpong, 4 if dynamic else 0)
     n_tiles_n = n_tiles_n_of(n, bn)
     k_tiles = n_k_tiles(k)
     if warp_idx < 4:
