@@ -179,7 +179,7 @@ class _Plan:
             return
         check_offs_on_host(self.op, offs, self.scalars[0])
         if self.act_ptr:
-            _keep, count = unit_counter(self.dynamic, a.device)
+            _counter, count = unit_counter(self.dynamic, a.device)
             launch(self.index, a.data_ptr(), w.data_ptr(), outs[0].data_ptr(), outs[-1].data_ptr(),
                    offs.data_ptr(), count, *self.scalars)
         else:
