@@ -64,6 +64,12 @@ _FWD_DYNAMIC = Mutation(
     "the TMA-fed fwd and dgrad (cooperative and ping-pong) take each unit from a device counter as CTAs free "
     "up instead of every SM-count-th",
 )
+_PINGPONG_BN192 = Mutation(
+    "ablate.pingpong_bn192", LIMITS,
+    "GEMM_PINGPONG_BN: Final[int] = 128\n", "GEMM_PINGPONG_BN: Final[int] = 192\n",
+    "ping-pong tiles 128 x 192 (a 192-register accumulator, four operand stages, 1.5x the MMAs per A read; "
+    "N = 4096 pads its last tile to 192) instead of 128 x 128",
+)
 _GATHER_ROWS_EVICT_FIRST = Mutation(
     "ablate.gather_rows_evict_first", LIMITS,
     "GEMM_GATHER_ROWS_EVICT_FIRST: Final[bool] = False\n",
@@ -152,6 +158,7 @@ _NO_PINGPONG = Mutation(
 )
 ABLATIONS: tuple[Mutation, ...] = (
     _FWD_DYNAMIC,
+    _PINGPONG_BN192,
     _TMA_A_EVICT_FIRST,
     _TMA_B_EVICT_LAST,
     Mutation(
@@ -401,6 +408,7 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     replace(_GATHER_B_EVICT_LAST, id="ablate.layer_gather_b_evict_last"),
     replace(_GATHER_STATIC, id="ablate.layer_gather_static"),
     replace(_FWD_DYNAMIC, id="ablate.layer_fwd_dynamic"),
+    replace(_PINGPONG_BN192, id="ablate.layer_pingpong_bn192"),
 )
 # Ablations of more than one edit, applied in order; the first names the variant and says what it measures.
 _EVICT_BOTH = (replace(_GATHER_ROWS_EVICT_FIRST, id="ablate.gather_evict_both",
