@@ -36,7 +36,7 @@ _BN128 = Mutation(
 _PINGPONG = Mutation(
     "ablate.pingpong", LIMITS,
     "GEMM_PINGPONG_MAX_K: Final[int] = 1024\n", "GEMM_PINGPONG_MAX_K: Final[int] = 1 << 30\n",
-    "the TMA-fed fwd and dgrad ping-pong at every K (each consumer warpgroup its own 128 x 128 tile, one's "
+    "the TMA-fed fwd and dgrad ping-pong at every K (each consumer warpgroup its own 128 x 192 tile, one's "
     "epilogue under the other's MMAs), against the default's cooperative 128 x bn tile above K = 1024",
 )
 _GATHER_CLUSTER_N1 = Mutation(
@@ -64,11 +64,10 @@ _FWD_DYNAMIC = Mutation(
     "the TMA-fed fwd and dgrad (cooperative and ping-pong) take each unit from a device counter as CTAs free "
     "up instead of every SM-count-th",
 )
-_PINGPONG_BN192 = Mutation(
-    "ablate.pingpong_bn192", LIMITS,
-    "GEMM_PINGPONG_BN: Final[int] = 128\n", "GEMM_PINGPONG_BN: Final[int] = 192\n",
-    "ping-pong tiles 128 x 192 (a 192-register accumulator, four operand stages, 1.5x the MMAs per A read; "
-    "N = 4096 pads its last tile to 192) instead of 128 x 128",
+_PINGPONG_BN128 = Mutation(
+    "ablate.pingpong_bn128", LIMITS,
+    "GEMM_PINGPONG_BN: Final[int] = 192\n", "GEMM_PINGPONG_BN: Final[int] = 128\n",
+    "ping-pong tiles 128 x 128 (five operand stages, two thirds of the MMAs per A read) instead of 128 x 192",
 )
 _GATHER_ROWS_EVICT_FIRST = Mutation(
     "ablate.gather_rows_evict_first", LIMITS,
@@ -158,7 +157,7 @@ _NO_PINGPONG = Mutation(
 )
 ABLATIONS: tuple[Mutation, ...] = (
     _FWD_DYNAMIC,
-    _PINGPONG_BN192,
+    _PINGPONG_BN128,
     _TMA_A_EVICT_FIRST,
     _TMA_B_EVICT_LAST,
     Mutation(
@@ -330,8 +329,8 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
         "ablate.gather_pingpong", LIMITS,
         "GEMM_GATHER_PINGPONG: Final[bool] = False\n", "GEMM_GATHER_PINGPONG: Final[bool] = True\n",
-        "the gathering fwd and dgrad ping-pong (128 x 128 tiles per warpgroup, each A row gathered twice as "
-        "often) against the cooperative 128 x 256 tile",
+        "the gathering fwd and dgrad ping-pong (a tile per warpgroup, 128 wide with the fused activation, 192 "
+        "without, so each A row is gathered more often) against the cooperative 128 x 256 tile",
     ),
     replace(_BN128, id="ablate.gather_bn128",
             description="every grouped GEMM in 128-wide N tiles: six operand stages instead of four, at "
@@ -408,7 +407,7 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     replace(_GATHER_B_EVICT_LAST, id="ablate.layer_gather_b_evict_last"),
     replace(_GATHER_STATIC, id="ablate.layer_gather_static"),
     replace(_FWD_DYNAMIC, id="ablate.layer_fwd_dynamic"),
-    replace(_PINGPONG_BN192, id="ablate.layer_pingpong_bn192"),
+    replace(_PINGPONG_BN128, id="ablate.layer_pingpong_bn128"),
 )
 # Ablations of more than one edit, applied in order; the first names the variant and says what it measures.
 _EVICT_BOTH = (replace(_GATHER_ROWS_EVICT_FIRST, id="ablate.gather_evict_both",

@@ -18,7 +18,7 @@ from test_fast_gemm import ROOT, assert_bound, child_env, count_tiles, cumsum, m
 
 from nmoe.fast.gemm import sm90 as gemm
 from nmoe.fast.kernels.sm90.tiles import stages_for
-from nmoe.fast.limits import GEMM_BK, GEMM_BM, GEMM_CLUSTER_M
+from nmoe.fast.limits import GEMM_BK, GEMM_BM, GEMM_CLUSTER_M, pingpong_bn
 
 gpu = pytest.mark.gpu
 
@@ -58,7 +58,8 @@ def _case(pingpong: bool, lone: list[int]) -> None:
     mutated[lone] = 0.0
     assert violates(mutated, ref, mag, K), "a lone row left at zero breaks the bound"
     y = torch.full((m, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-    gemm._launch("test", x, w, offs_of(ends), y, True, 128, pingpong=pingpong)
+    bn = pingpong_bn("none") if pingpong else 128
+    gemm._launch("test", x, w, offs_of(ends), y, True, bn, pingpong=pingpong)
     torch.cuda.synchronize()
     assert_bound(y, ref, mag, K)
 

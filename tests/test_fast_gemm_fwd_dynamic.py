@@ -13,17 +13,20 @@ from test_fast_gemm_pingpong import CASES, IDS, _ends, _inputs
 from torch import Tensor
 
 from nmoe.fast.gemm import sm90
+from nmoe.fast.limits import pingpong_bn
 
 gpu = pytest.mark.gpu
 
 
 def _run(a: Tensor, w: Tensor, offs: Tensor, width: int, w_k_major: bool, pingpong: bool, dynamic: bool,
          monkeypatch: pytest.MonkeyPatch, act: str = "none", act_width: int = 0) -> list[Tensor]:
-    """(out[, act out]) of one TMA-fed launch (128-wide tiles) into NaN-filled outputs."""
+    """(out[, act out]) of one TMA-fed launch (128-wide tiles, ping-pong's own width) into NaN-filled
+    outputs."""
     monkeypatch.setattr(sm90, "GEMM_FWD_DYNAMIC", dynamic)
     out = torch.full((a.shape[0], width), float("nan"), dtype=torch.bfloat16, device="cuda")
     act_out = torch.full((a.shape[0], act_width), float("nan"), dtype=torch.bfloat16, device="cuda")
-    sm90._launch("test", a, w, offs, out, w_k_major, 128, act_out=act_out if act != "none" else None,
+    bn = pingpong_bn(act) if pingpong else 128
+    sm90._launch("test", a, w, offs, out, w_k_major, bn, act_out=act_out if act != "none" else None,
                  activation=act, pingpong=pingpong)
     torch.cuda.synchronize()
     return [out, act_out] if act != "none" else [out]

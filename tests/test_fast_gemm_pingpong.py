@@ -1,6 +1,6 @@
-"""The ping-pong fwd/dgrad schedule (each consumer warpgroup its own 128 x 128 tile, epilogues under the
-other's MMAs): every output bit equal to the cooperative 128 x 128 tile's, whose bounds test_fast_gemm pins
-(the same wgmma shape and K order per element), on ragged, skewed and empty routings, fused and gathered."""
+"""The ping-pong fwd/dgrad schedule (each consumer warpgroup its own 128 x GEMM_PINGPONG_BN tile, epilogues
+under the other's MMAs): every output bit equal to the cooperative 128 x 128 tile's, whose bounds
+test_fast_gemm pins (the same K order per element), on ragged, skewed and empty routings, fused, gathered."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ from torch import Tensor
 
 from nmoe.fast.dispatch import permute
 from nmoe.fast.gemm import sm90
+from nmoe.fast.limits import pingpong_bn
 
 gpu = pytest.mark.gpu
+PP = pingpong_bn("none")
 
 # (rows, N, K, group sizes): even and uneven unit counts per CTA, empty and one-row groups, rows past the
 # last end, ragged N and K (two K boxes, so the two warpgroups' epilogues overlap), many groups.
@@ -45,12 +47,14 @@ def _inputs(m: int, n: int, k: int, groups: int, seed: int) -> tuple[Tensor, Ten
 
 def _both(a: Tensor, w: Tensor, offs: Tensor, width: int, w_k_major: bool, act: str = "none",
           act_width: int = 0) -> list[tuple[Tensor, ...]]:
-    """(out[, act out]) of the cooperative 128-wide and the ping-pong launch, outputs starting as NaN."""
+    """(out[, act out]) of the cooperative 128-wide and the ping-pong (pingpong_bn(act)-wide) launch, outputs
+    starting as NaN."""
     runs = []
     for pingpong in (False, True):
         out = torch.full((a.shape[0], width), float("nan"), dtype=torch.bfloat16, device="cuda")
         act_out = torch.full((a.shape[0], act_width), float("nan"), dtype=torch.bfloat16, device="cuda")
-        sm90._launch("test", a, w, offs, out, w_k_major, 128, act_out=act_out if act != "none" else None,
+        sm90._launch("test", a, w, offs, out, w_k_major, pingpong_bn(act) if pingpong else 128,
+                     act_out=act_out if act != "none" else None,
                      activation=act, pingpong=pingpong)
         runs.append((out, act_out) if act != "none" else (out,))
     return runs
@@ -63,13 +67,19 @@ def _same_bits(got: Sequence[Tensor], want: Sequence[Tensor]) -> None:
         assert torch.equal(g.view(torch.int16), w.view(torch.int16)), "ping-pong differs from cooperative"
 
 
-def test_schedule_pingpong_tiles_are_128_wide() -> None:
-    assert sm90.schedule("op", 4096, 4096, None, True) == (128, True)
+def test_schedule_pingpong_tiles_are_192_wide() -> None:
+    """128 with a fused activation, whose epilogue would spill at 192."""
+    assert PP == 192
+    assert sm90.schedule("op", 4096, 4096, None, True, act="swiglu") == (128, True)
+    assert sm90.schedule("op", 4096, 512, act="relu2") == (128, True)
+    with pytest.raises(ValueError, match="ping-pong tiles are 128 wide, not 192"):
+        sm90.schedule("op", 4096, 512, 192, True, act="swiglu")
+    assert sm90.schedule("op", 4096, 4096, None, True) == (192, True)
     assert sm90.schedule("op", 4096, 512, None, False) == (256, False)
     assert sm90.schedule("op", 4096, 512, 128, False) == (128, False)
-    with pytest.raises(ValueError, match="ping-pong tiles are 128 wide, not 256"):
+    with pytest.raises(ValueError, match="ping-pong tiles are 192 wide, not 256"):
         sm90.schedule("op", 4096, 512, 256, True)
-    default = (128, True) if sm90.GEMM_GATHER_PINGPONG else (256, False)
+    default = (192, True) if sm90.GEMM_GATHER_PINGPONG else (256, False)
     assert sm90.schedule("op", 4096, 512, gathered=True) == default
 
 
@@ -77,9 +87,10 @@ def test_schedule_pingpong_by_reduction_length() -> None:
     """TMA-fed fwd/dgrad: ping-pong up to GEMM_PINGPONG_MAX_K (the down projection's K = I, the up dgrad's
     K = 2I), cooperative above it (K = H), unless a width other than the ping-pong tile's is asked for."""
     cap = sm90.GEMM_PINGPONG_MAX_K
-    assert sm90.schedule("op", 4096, cap) == (128, True)
+    assert sm90.schedule("op", 4096, cap) == (PP, True)
     assert sm90.schedule("op", 4096, cap + 64) == (256, False)
-    assert sm90.schedule("op", 4096, cap, 128) == (128, True)
+    assert sm90.schedule("op", 4096, cap, PP) == (PP, True)
+    assert sm90.schedule("op", 4096, cap, 128) == (128, False)
     assert sm90.schedule("op", 4096, cap, 256) == (256, False)
 
 
@@ -95,11 +106,12 @@ def test_pingpong_staging_order_is_not_the_flat_order(tmp_path: Path) -> None:
         from cutlass.tensor_utils import LayoutEnum
         from nmoe.fast.kernels.sm90 import epilogue as ep
         from nmoe.fast.kernels.sm90 import tiles as g
+        from nmoe.fast.limits import GEMM_PINGPONG_BN
 
         @cute.jit
         def main():
             major = LayoutEnum.ROW_MAJOR.sm90_mma_major_mode()
-            for pingpong, bn in ((False, 256), (True, 128)):
+            for pingpong, bn in ((False, 256), (True, GEMM_PINGPONG_BN)):
                 mma = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, major, major, Float32,
                                                         (g.tile_wgs(pingpong), 1, 1), tiler_mn=(64, bn))
                 stm = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16)
@@ -114,7 +126,7 @@ def test_pingpong_staging_order_is_not_the_flat_order(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, str(tmp_path / "order.py")], capture_output=True, text=True,
                          timeout=600, cwd=ROOT, env=child_env())
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["FLAT", "128", "PERMUTED", "128"], out.stdout
+    assert out.stdout.split() == ["FLAT", "128", "PERMUTED", str(PP)], out.stdout
 
 
 @gpu
@@ -168,12 +180,12 @@ def test_sep_gemm_fast_pingpong_acc_order_flat() -> None:
     (test_pingpong_staging_order_is_not_the_flat_order); on exact data with every value of a tile distinct,
     any such move changes the output."""
     tile = 128
-    # x = I, so y = w[0] exactly: w's 128 x 128 values are distinct bf16 numbers (mantissa x binade).
+    # x = I, so y = w[0] exactly: w's PP x 128 values are distinct bf16 numbers (mantissa x binade).
     x = torch.eye(tile, dtype=torch.bfloat16, device="cuda")
-    vals = torch.tensor([(1 + (i % 128) / 128) * 2.0 ** (i // 128 - 64) for i in range(tile * tile)])
-    w = vals.reshape(1, tile, tile).to(torch.bfloat16).cuda()
-    assert torch.unique(w.float()).numel() == tile * tile, "every value of the tile is distinct"
-    (co,), (pp,) = _both(x, w, _ends([tile]), tile, True)
+    vals = torch.tensor([(1 + (i % 128) / 128) * 2.0 ** (i // 128 - 64) for i in range(PP * tile)])
+    w = vals.reshape(1, PP, tile).to(torch.bfloat16).cuda()
+    assert torch.unique(w.float()).numel() == PP * tile, "every value of the tile is distinct"
+    (co,), (pp,) = _both(x, w, _ends([tile]), PP, True)
     _same_bits((pp,), (co,))
     assert torch.equal(pp, w[0].t().contiguous()), "y = I @ w^T exactly"
 
@@ -188,7 +200,8 @@ offs = torch.arange(512, 4097, 512, dtype=torch.int32, device="cuda")
 ys = []
 for pingpong in (False, True):
     ys.append(torch.full((4096, 1024), float("nan"), dtype=torch.bfloat16, device="cuda"))
-    sm90._launch("test", x, w, offs, ys[-1], True, 128, pingpong=pingpong)
+    bn = sm90.pingpong_bn("none") if pingpong else 128
+    sm90._launch("test", x, w, offs, ys[-1], True, bn, pingpong=pingpong)
 torch.cuda.synchronize()
 print("SAME" if torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16)) else "DIFFERENT")
 """
@@ -202,10 +215,10 @@ def test_sep_gemm_fast_pingpong_turns_dropped() -> None:
     from nmoe.fast import runtime
 
     kernels = runtime.kernel_module("nmoe.fast.kernels.sm90.grouped_gemm", "sm_90a")
-    clusters = sm90.fwd_ctas(0, 4096, 1024, 8, 128, 2) // 2
-    units = 8 * (512 // 256) * (1024 // 128)
+    clusters = sm90.fwd_ctas(0, 4096, 1024, 8, PP, 2) // 2
+    units = 8 * (512 // 256) * -(-1024 // PP)
     assert units > clusters, "some CTA's second warpgroup has a unit of its own"
-    assert kernels.stages_for(128, "none", True) < 1024 // 64, "a unit's K boxes outnumber the stages"
+    assert kernels.stages_for(PP, "none", True) < 1024 // 64, "a unit's K boxes outnumber the stages"
     try:
         out = subprocess.run([sys.executable, "-c", _TURNS_RUN], capture_output=True, text=True, timeout=120,
                              cwd=ROOT, env=child_env())

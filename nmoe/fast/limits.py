@@ -23,15 +23,18 @@ GEMM_BK: Final[int] = 64
 """K box of the sm_90a grouped GEMMs (rows of the wgrad's reduction): its row splits are multiples of it."""
 GEMM_BN_CHOICES: Final[tuple[int, ...]] = (128, 256)
 GEMM_PINGPONG_MAX_K: Final[int] = 1024
-"""sm_90a TMA-fed fwd/dgrad: ping-pong (each consumer warpgroup its own BM x GEMM_PINGPONG_BN tile, one's
+"""sm_90a TMA-fed fwd/dgrad: ping-pong (each consumer warpgroup its own BM x pingpong_bn(act) tile, one's
 epilogue under the other's MMAs) up to this reduction K, cooperative (both on one BM x bn tile) above: the
 shorter K, the larger the epilogue's share (H200: 1.01-1.34x at K <= 1024, 0.92-1.02x above)."""
 GEMM_GATHER_PINGPONG: Final[bool] = False
 """Ping-pong for the fwd/dgrad that gather A row by row (any K), whose producer is their pace: a ping-pong
-tile is GEMM_PINGPONG_BN wide, so each A row is gathered twice as often as in a 256-wide cooperative one
-(H200: 0.61-0.99x)."""
-GEMM_PINGPONG_BN: Final[int] = 128
-"""N tile of a ping-pong warpgroup: the widest whose fp32 accumulator fits one warpgroup's registers."""
+tile is pingpong_bn(act) wide, so each A row is gathered more often than in a 256-wide cooperative one
+(H200, 128-wide: 0.61-0.99x)."""
+GEMM_PINGPONG_BN: Final[int] = 192
+"""N tile of a ping-pong warpgroup (a 192-register accumulator, no spills): 1.5x the MMAs per A box of 128
+(H100 downs 1.00-1.16x, layer fwd 1.04-1.06x at H = 4096, I = 1024; N = 4096 pads its last tile)."""
+GEMM_PINGPONG_ACT_BN: Final[int] = 128
+"""The same with a fused activation epilogue: at 192 ptxas spills 236 bytes in the swiglu one."""
 GEMM_CLUSTER_M: Final[int] = 2
 """CTAs of an sm_90a TMA-fed fwd/dgrad cluster: they take M tiles side by side and share each B box by TMA
 multicast, so B's L2 reads are cut by this factor."""
@@ -110,3 +113,8 @@ GEMM_ALIGN: Final[int] = 8
 SF_ROWS: Final[int] = 128
 SF_COLS: Final[int] = 4
 """sm_100a block-scaled MMA reads scales in atoms of SF_ROWS rows x SF_COLS K blocks."""
+
+
+def pingpong_bn(act: str) -> int:
+    """N tile of a ping-pong warpgroup whose epilogue applies `act` ("none": the plain GEMM)."""
+    return GEMM_PINGPONG_BN if act == "none" else GEMM_PINGPONG_ACT_BN

@@ -35,11 +35,11 @@ from nmoe.fast.limits import (
     GEMM_GATHER_DEFERRED,
     GEMM_GATHER_DYNAMIC,
     GEMM_GATHER_PINGPONG,
-    GEMM_PINGPONG_BN,
     GEMM_PINGPONG_MAX_K,
     GEMM_WGRAD_CLUSTER_M,
     GEMM_WGRAD_DEFERRED,
     GEMM_WGRAD_DYNAMIC,
+    pingpong_bn,
 )
 from nmoe.fast.op import Launcher, fast_op, remember, save_inputs
 from nmoe.fast.runtime import tma_aligned
@@ -81,19 +81,20 @@ def _pick_bn(op: str, width: int, bn: int | None) -> int:
 
 
 def schedule(op: str, n: int, k: int, bn: int | None = None, pingpong: bool | None = None,
-             gathered: bool = False) -> tuple[int, bool]:
+             gathered: bool = False, act: str = "none") -> tuple[int, bool]:
     """(N tile, ping-pong) of a fwd/dgrad launch of reduction k, unless asked: ping-pong for K up to
-    GEMM_PINGPONG_MAX_K (GEMM_GATHER_PINGPONG when gathered) in GEMM_PINGPONG_BN-wide tiles, unless another
+    GEMM_PINGPONG_MAX_K (GEMM_GATHER_PINGPONG when gathered) in pingpong_bn(act)-wide tiles, unless another
     width is asked for."""
+    wide = pingpong_bn(act)
     if pingpong is None:
         rule = GEMM_GATHER_PINGPONG if gathered else k <= GEMM_PINGPONG_MAX_K
-        pingpong = rule and bn in (None, GEMM_PINGPONG_BN)
+        pingpong = rule and bn in (None, wide)
     if not pingpong:
         return _pick_bn(op, n, bn), False
-    if bn not in (None, GEMM_PINGPONG_BN):
-        raise ValueError(f"{op}: ping-pong tiles are {GEMM_PINGPONG_BN} wide, not {bn}; pass bn=None or "
-                         f"{GEMM_PINGPONG_BN}, or the cooperative schedule for {bn}")
-    return GEMM_PINGPONG_BN, True
+    if bn not in (None, wide):
+        raise ValueError(f"{op}: ping-pong tiles are {wide} wide, not {bn}; pass bn=None or {wide}, or the "
+                         f"cooperative schedule for {bn}")
+    return wide, True
 
 
 def unit_counter(dynamic: bool, device: torch.device) -> tuple[Tensor | None, int]:
@@ -201,7 +202,7 @@ def _prepare(op: str, a: Tensor, w: Tensor, offs: Tensor, n: int, w_k_major: boo
         return device, None, False, (m, 0, 0)
     if k == 0 or w.shape[0] == 0:
         return device, None, True, (m, 0, 0)
-    bn, pp = schedule(op, n, k, bn, pingpong)
+    bn, pp = schedule(op, n, k, bn, pingpong, act=activation)
     n_ctas = fwd_ctas(device, m, n, w.shape[0], bn, GEMM_CLUSTER_M)
     deferred = GEMM_FWD_DEFERRED and not pp
     if w_k_major:
@@ -465,7 +466,7 @@ def _gathered_gemm(op: str, src: Tensor, src_name: str, slot: Tensor, w: Tensor,
     if k == 0 or w.shape[0] == 0:
         return h.zero_(), a.zero_()
     check_offs_on_host(op, offs, m)
-    bn, pp = schedule(op, n, k, gathered=True)
+    bn, pp = schedule(op, n, k, gathered=True, act=activation)
     cn = gather_cluster_n(n, bn, pp)
     n_ctas = fwd_ctas(device, m, n, w.shape[0], bn, GEMM_GATHER_CLUSTER_M, cn)
     dynamic = GEMM_GATHER_DYNAMIC

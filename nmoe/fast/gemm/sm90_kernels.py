@@ -4,7 +4,7 @@ the parity report; the glue (nmoe.fast.gemm.sm90) launches the kernels and re-ex
 
 from __future__ import annotations
 
-from nmoe.fast.limits import GEMM_PINGPONG_BN
+from nmoe.fast.limits import GEMM_PINGPONG_BN, pingpong_bn
 from nmoe.fast.op import Kernel
 from nmoe.fast.runtime import KernelSpec
 
@@ -110,7 +110,7 @@ def _gather_spec(name: str, n: int, k: int, activation: str, pingpong: bool = Fa
                  dynamic: bool = False) -> KernelSpec:
     """keep_h False: h is never staged or stored, so no stmatrix and none of its 16-byte masked stores
     (act(h) is staged by scalar stores and leaves in 8-byte chunks)."""
-    bn = GEMM_PINGPONG_BN if pingpong else pick_bn(n)
+    bn = pingpong_bn(activation) if pingpong else pick_bn(n)
     handoff = (*_GRAB, *(_HANDOFF if cn > 1 else ())) if dynamic else ()
     expect: tuple[str, ...] = (*(_EXPECT_GATHER if cn == 1 else _EXPECT_GATHER_CN),
                                *(_TURNS if pingpong else ()), *handoff)
@@ -212,9 +212,10 @@ KERNELS: tuple[KernelSpec, ...] = (
     _spec("grouped_gemm_act_swiglu_n256", 4096, 1024, 256, True, "swiglu"),
     _spec("grouped_gemm_act_relu2_n128", 1024, 4096, 128, True, "relu2"),
     _spec("grouped_gemm_act_relu2_n256", 4096, 1024, 256, True, "relu2"),
-    _spec("grouped_gemm_fwd_pingpong", 4096, 1024, 128, True, pingpong=True),
-    _spec("grouped_gemm_dgrad_pingpong", 1024, 4096, 128, False, pingpong=True),
-    _spec("grouped_gemm_act_swiglu_pingpong", 2048, 4096, 128, True, "swiglu", pingpong=True),
+    _spec("grouped_gemm_fwd_pingpong", 4096, 1024, GEMM_PINGPONG_BN, True, pingpong=True),
+    _spec("grouped_gemm_dgrad_pingpong", 1024, 4096, GEMM_PINGPONG_BN, False, pingpong=True),
+    _spec("grouped_gemm_act_swiglu_pingpong", 2048, 4096, pingpong_bn("swiglu"), True, "swiglu",
+          pingpong=True),
     _gather_spec("grouped_gemm_act_gathered_swiglu_n256", 2048, 4096, "swiglu"),
     _gather_spec("grouped_gemm_act_gathered_swiglu_pingpong", 2048, 4096, "swiglu", pingpong=True),
     _gather_spec("grouped_gemm_act_gathered_relu2_n128", 1152, 2048, "relu2"),
@@ -235,6 +236,7 @@ KERNELS: tuple[KernelSpec, ...] = (
     _gather_spec("grouped_gemm_act_gathered_swiglu_n256_dynamic", 2048, 4096, "swiglu", dynamic=True),
     _dgrad_gather_spec("grouped_gemm_dgrad_gathered_cn2_dynamic", 1024, 4096, cn=2, dynamic=True),
     _spec("grouped_gemm_act_swiglu_deferred_n256", 2048, 4096, 256, True, "swiglu", deferred=True),
-    _spec("grouped_gemm_fwd_pingpong_dynamic", 4096, 1024, 128, True, pingpong=True, dynamic=True),
+    _spec("grouped_gemm_fwd_pingpong_dynamic", 4096, 1024, GEMM_PINGPONG_BN, True, pingpong=True,
+          dynamic=True),
     _spec("grouped_gemm_dgrad_deferred_dynamic_n256", 4096, 2048, 256, False, deferred=True, dynamic=True),
 )

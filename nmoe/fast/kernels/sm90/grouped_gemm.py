@@ -63,7 +63,7 @@ from nmoe.fast.limits import GEMM_BK as BK
 from nmoe.fast.limits import GEMM_BM as BM
 from nmoe.fast.limits import GEMM_CLUSTER_M as CLUSTER_M
 from nmoe.fast.limits import GEMM_MAX_GROUPS as MAX_GROUPS
-from nmoe.fast.limits import GEMM_PINGPONG_BN as PINGPONG_BN
+from nmoe.fast.limits import pingpong_bn
 
 EVICT_FIRST, EVICT_LAST = 0x12F0000000000000, 0x14F0000000000000
 """The L2 cache policies a TMA load takes for evict-first and evict-last (fractional, the whole box)."""
@@ -505,7 +505,7 @@ def _gemm_setup(pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer, m_rows: I
                 pingpong: bool) -> tuple[Any, ...]:
     """What the TMA and the gathering fwd/dgrad hosts share: B (w, K-major or not) by TMA, y by TMA, the
     activation output, offs, the MMA (one warpgroup per tile with ping-pong) and the A / B shared layouts."""
-    check_schedule(bn, pingpong)
+    check_schedule(bn, pingpong, act)
     if const_expr(act != "none"):
         check_pairing(EPI_N, act, tile_wgs(pingpong) * WG_THREADS)
     if const_expr(w_k_major):
@@ -532,12 +532,12 @@ def _gemm_setup(pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer, m_rows: I
             tma_atom_act, tma_act)
 
 
-def check_schedule(bn: int, pingpong: bool) -> None:
-    """A ping-pong warpgroup holds a whole BM x bn fp32 accumulator: only PINGPONG_BN fits its registers."""
-    if pingpong and bn != PINGPONG_BN:
-        raise ValueError(f"ping-pong grouped GEMM tiles are {BM} x {PINGPONG_BN}, not {BM} x {bn}: one "
-                         "warpgroup's registers hold no wider accumulator; use bn=128 or the cooperative "
-                         "schedule")
+def check_schedule(bn: int, pingpong: bool, act: str) -> None:
+    """A ping-pong warpgroup holds a whole BM x bn fp32 accumulator beside its epilogue's registers: only
+    pingpong_bn(act) is compiled and measured."""
+    if pingpong and bn != pingpong_bn(act):
+        raise ValueError(f"ping-pong grouped GEMM tiles with epilogue {act!r} are {BM} x {pingpong_bn(act)}, "
+                         f"not {BM} x {bn}: use bn={pingpong_bn(act)} or the cooperative schedule")
 
 
 def check_deferred(deferred: bool, pingpong: bool) -> None:
@@ -600,6 +600,6 @@ def compile_args(n: int, k: int, bn: int, w_k_major: bool, act: str = "none", pi
                          f"one of {sorted(EPILOGUES)}, dgrad only 'none'")
     check_deferred(deferred, pingpong)
     ptrs = (*(pointer(BFloat16, 0) for _ in range(4)), pointer(Int32, 0, 4), pointer(Int32, 0, 4))
-    check_schedule(bn, pingpong)
+    check_schedule(bn, pingpong, act)
     return grouped_gemm_host, (*ptrs, Int32(0), Int32(0), Int32(0), cuda.CUstream(0), n, k, bn, w_k_major,
                                act, pingpong, deferred, dynamic)

@@ -243,7 +243,7 @@ def compile_args_gather(n: int, k: int, bn: int, act: str = "none", w_k_major: b
                          "act 'none' it would store nothing")
     ptrs = (pointer(BFloat16, 0), pointer(Int64, 0, 8), *(pointer(BFloat16, 0) for _ in range(3)),
             pointer(Int32, 0, 4), pointer(Int32, 0, 4))
-    check_schedule(bn, pingpong)
+    check_schedule(bn, pingpong, act)
     check_deferred(deferred, pingpong)
     return grouped_gemm_gather_host, (*ptrs, *(Int32(0) for _ in range(5)), cuda.CUstream(0), n, k, bn,
                                       w_k_major, act, pingpong, cn, keep_h, deferred, dynamic)

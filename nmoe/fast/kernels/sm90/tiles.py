@@ -45,7 +45,7 @@ ACT_VALUES = 32
 EPILOGUES: dict[str, int] = {"none": 1, **ACT_H_COLUMNS}
 
 
-# Ping-pong: each consumer warpgroup takes every other work unit, a whole BM x PINGPONG_BN tile, so one's
+# Ping-pong: each consumer warpgroup takes every other work unit, a whole BM x pingpong_bn(act) tile, so one's
 # epilogue runs under the other's mainloop (the shared stage ring already orders their mainloops); each keeps
 # its own output subtiles, barrier and storing warp. Cooperative: both split one BM x bn tile by rows.
 def tile_wgs(pingpong: bool) -> int:
