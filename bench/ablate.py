@@ -150,6 +150,12 @@ _FP8_SERIAL = Mutation(
     "the fp8 fwd waits for each K block's wgmmas before promoting it instead of promoting it under the next "
     "block's wgmmas (two block accumulators)",
 )
+_GATHER_PINGPONG = Mutation(
+    "ablate.gather_pingpong", LIMITS,
+    "GEMM_GATHER_PINGPONG: Final[bool] = False\n", "GEMM_GATHER_PINGPONG: Final[bool] = True\n",
+    "the gathering fwd and dgrad ping-pong (a tile per warpgroup, 128 wide with the fused activation, 192 "
+    "without, so each A row is gathered more often) against the cooperative 128 x 256 tile",
+)
 _NO_PINGPONG = Mutation(
     "ablate.no_pingpong", LIMITS,
     "GEMM_PINGPONG_MAX_K: Final[int] = 1024\n", "GEMM_PINGPONG_MAX_K: Final[int] = 0\n",
@@ -326,12 +332,7 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     _GATHER_ROWS_EVICT_FIRST,
     _GATHER_B_EVICT_LAST,
     _GATHER_STATIC,
-    Mutation(
-        "ablate.gather_pingpong", LIMITS,
-        "GEMM_GATHER_PINGPONG: Final[bool] = False\n", "GEMM_GATHER_PINGPONG: Final[bool] = True\n",
-        "the gathering fwd and dgrad ping-pong (a tile per warpgroup, 128 wide with the fused activation, 192 "
-        "without, so each A row is gathered more often) against the cooperative 128 x 256 tile",
-    ),
+    _GATHER_PINGPONG,
     replace(_BN128, id="ablate.gather_bn128",
             description="every grouped GEMM in 128-wide N tiles: six operand stages instead of four, at "
             "twice the re-reads of A: whether more stages in flight pace the gathering producer"),
@@ -408,6 +409,7 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     replace(_GATHER_STATIC, id="ablate.layer_gather_static"),
     replace(_FWD_DYNAMIC, id="ablate.layer_fwd_dynamic"),
     replace(_PINGPONG_BN128, id="ablate.layer_pingpong_bn128"),
+    replace(_GATHER_PINGPONG, id="ablate.layer_gather_pingpong"),
 )
 # Ablations of more than one edit, applied in order; the first names the variant and says what it measures.
 _EVICT_BOTH = (replace(_GATHER_ROWS_EVICT_FIRST, id="ablate.gather_evict_both",
