@@ -1,4 +1,4 @@
-"""The ping-pong fwd/dgrad schedule (each consumer warpgroup its own 128 x GEMM_PINGPONG_BN tile, epilogues
+"""The ping-pong fwd/dgrad schedule (each consumer warpgroup its own 128 x pingpong_bn(act) tile, epilogues
 under the other's MMAs): every output bit equal to the cooperative 128 x 128 tile's, whose bounds
 test_fast_gemm pins (the same K order per element), on ragged, skewed and empty routings, fused, gathered."""
 
@@ -106,12 +106,12 @@ def test_pingpong_staging_order_is_not_the_flat_order(tmp_path: Path) -> None:
         from cutlass.tensor_utils import LayoutEnum
         from nmoe.fast.kernels.sm90 import epilogue as ep
         from nmoe.fast.kernels.sm90 import tiles as g
-        from nmoe.fast.limits import GEMM_PINGPONG_BN
+        from nmoe.fast.limits import pingpong_bn
 
         @cute.jit
         def main():
             major = LayoutEnum.ROW_MAJOR.sm90_mma_major_mode()
-            for pingpong, bn in ((False, 256), (True, GEMM_PINGPONG_BN)):
+            for pingpong, bn in ((False, 256), (True, pingpong_bn("none"))):
                 mma = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, major, major, Float32,
                                                         (g.tile_wgs(pingpong), 1, 1), tiler_mn=(64, bn))
                 stm = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16)

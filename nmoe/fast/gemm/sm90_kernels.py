@@ -4,7 +4,7 @@ the parity report; the glue (nmoe.fast.gemm.sm90) launches the kernels and re-ex
 
 from __future__ import annotations
 
-from nmoe.fast.limits import GEMM_PINGPONG_BN, pingpong_bn
+from nmoe.fast.limits import pingpong_bn
 from nmoe.fast.op import Kernel
 from nmoe.fast.runtime import KernelSpec
 
@@ -212,8 +212,8 @@ KERNELS: tuple[KernelSpec, ...] = (
     _spec("grouped_gemm_act_swiglu_n256", 4096, 1024, 256, True, "swiglu"),
     _spec("grouped_gemm_act_relu2_n128", 1024, 4096, 128, True, "relu2"),
     _spec("grouped_gemm_act_relu2_n256", 4096, 1024, 256, True, "relu2"),
-    _spec("grouped_gemm_fwd_pingpong", 4096, 1024, GEMM_PINGPONG_BN, True, pingpong=True),
-    _spec("grouped_gemm_dgrad_pingpong", 1024, 4096, GEMM_PINGPONG_BN, False, pingpong=True),
+    _spec("grouped_gemm_fwd_pingpong", 4096, 1024, pingpong_bn("none"), True, pingpong=True),
+    _spec("grouped_gemm_dgrad_pingpong", 1024, 4096, pingpong_bn("none"), False, pingpong=True),
     _spec("grouped_gemm_act_swiglu_pingpong", 2048, 4096, pingpong_bn("swiglu"), True, "swiglu",
           pingpong=True),
     _gather_spec("grouped_gemm_act_gathered_swiglu_n256", 2048, 4096, "swiglu"),
@@ -236,7 +236,7 @@ KERNELS: tuple[KernelSpec, ...] = (
     _gather_spec("grouped_gemm_act_gathered_swiglu_n256_dynamic", 2048, 4096, "swiglu", dynamic=True),
     _dgrad_gather_spec("grouped_gemm_dgrad_gathered_cn2_dynamic", 1024, 4096, cn=2, dynamic=True),
     _spec("grouped_gemm_act_swiglu_deferred_n256", 2048, 4096, 256, True, "swiglu", deferred=True),
-    _spec("grouped_gemm_fwd_pingpong_dynamic", 4096, 1024, GEMM_PINGPONG_BN, True, pingpong=True,
+    _spec("grouped_gemm_fwd_pingpong_dynamic", 4096, 1024, pingpong_bn("none"), True, pingpong=True,
           dynamic=True),
     _spec("grouped_gemm_dgrad_deferred_dynamic_n256", 4096, 2048, 256, False, deferred=True, dynamic=True),
 )
