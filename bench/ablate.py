@@ -359,13 +359,12 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     replace(_GATHER_DEFERRED, id="ablate.layer_gather_deferred",
             description="the layer's gathering up projection (swiglu fused) and down-projection dgrad with "
             "the deferred epilogue"),
-    Mutation(
-        "ablate.layer_down_wgrad_gathered", MOE,
-        "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", h.shape[1], w2)\n",
-        "            dw2 = sm90.grouped_gemm_wgrad_gathered(dout, aw, slot, k, offs, side=\"dy\")\n",
-        "the down projection's wgrad reads dout's rows by index as it loads (cp.async) instead of the TMA "
-        "wgrad over permuted copies of dout's column chunks",
-    ),
+    *(Mutation(f"ablate.layer_down_wgrad_{what}", LIMITS, "GEMM_WGRAD_GATHER_DY_MAX_K: Final[int] = 256\n",
+               f"GEMM_WGRAD_GATHER_DY_MAX_K: Final[int] = {to}\n", "the down projection's wgrad " + how)
+      for what, to, how in (
+          ("copied", 0, "by TMA over permuted copies of dout's column chunks at every I, instead of reading "
+           "dout's rows by index as it loads (cp.async) at I <= 256"),
+          ("gathered", 1 << 30, "reads dout's rows by index at every I, not only at I <= 256"))),
     Mutation(
         "ablate.layer_align128", "bench/ablate.py",
         "    mc, p, x, leaves = layer_inputs(cfg, routing, LAYER_ALIGN)\n",
@@ -386,8 +385,8 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ablate.layer_down_chunks_a_wide", MOE,
-        "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", h.shape[1], w2)\n",
-        "            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, \"dy\", aw.shape[1], w2)\n",
+        "            dw2 = _expert_wgrad(dout, aw, slot, row_of, offs, \"dy\", h.shape[1], w2)\n",
+        "            dw2 = _expert_wgrad(dout, aw, slot, row_of, offs, \"dy\", aw.shape[1], w2)\n",
         "the down wgrad copies dout's columns in chunks as wide as a (I) instead of dh (2I for swiglu): "
         "twice the launches, each with a skewed routing's tail",
     ),

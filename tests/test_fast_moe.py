@@ -81,13 +81,19 @@ CASES = [("swiglu", 1, "bf16", "sigmoid"), ("relu2", 0, "bf16", "softmax"), ("sw
 
 
 @gpu
-@pytest.mark.parametrize(("activation", "shared", "dtype", "score", "align", "groups"),
-                         [(*c, 128, (1, 1)) for c in CASES] + [("relu2", 1, "bf16", "sigmoid", 8, (4, 2))])
-def test_moe_layer_values_and_grads(activation: str, shared: int, dtype: str, score: str, align: int,
-                                    groups: tuple[int, int]) -> None:
+@pytest.mark.parametrize(("activation", "shared", "dtype", "score", "align", "groups", "down_wgrad"),
+                         [(*c, 128, (1, 1), "gathered") for c in CASES]
+                         + [("relu2", 1, "bf16", "sigmoid", 8, (4, 2), "gathered"),
+                            ("swiglu", 1, "bf16", "sigmoid", 128, (1, 1), "copied")])
+def test_moe_layer_values_and_grads(monkeypatch: pytest.MonkeyPatch, activation: str, shared: int, dtype: str,
+                                    score: str, align: int, groups: tuple[int, int], down_wgrad: str) -> None:
     """Routing: the spec's top-k on the fast logits, bit for bit. Values and gradients: float64 autograd on
-    the fast routing (bf16), and the spec layer on CPU where its own logits route alike (fp8 needs that)."""
+    the fast routing (bf16), and the spec layer on CPU where its own logits route alike (fp8 needs that).
+    I = 128: the down wgrad gathers dout's rows; "copied" runs the TMA one on dout's copies, as at I > 256."""
     _sm90()
+    from nmoe.fast import limits
+    if down_wgrad == "copied":
+        monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_DY_MAX_K", 0)
     from nmoe.fast.moe import moe_layer
     from nmoe.fast.router import router_logits
     from nmoe.reference.router import router_topk
@@ -200,11 +206,16 @@ def test_moe_layer_eager_never_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @gpu
-def test_a_later_microbatch_adds_routed_wgrads_in_place_bit_for_bit() -> None:
+@pytest.mark.parametrize("down_wgrad", ["gathered", "copied"])
+def test_a_later_microbatch_adds_routed_wgrads_in_place_bit_for_bit(monkeypatch: pytest.MonkeyPatch,
+                                                                    down_wgrad: str) -> None:
     """Inside adding_to_grads the routed experts' wgrads are added into their held .grad by the wgrad
-    kernel's reduce-add: bit for bit autograd's bf16 add of the two microbatches' gradients, in the same
-    tensors; every other gradient as autograd adds it."""
+    kernels' reduce-add (the down one gathered from dout's rows, or on its copies): bit for bit autograd's
+    bf16 add of the two microbatches' gradients, in the same tensors; every other one as autograd adds it."""
     _sm90()
+    from nmoe.fast import limits
+    if down_wgrad == "copied":
+        monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_DY_MAX_K", 0)
     from nmoe.accumulate import adding_to_grads
     from nmoe.fast.moe import moe_layer
     cfg = _cfg("swiglu", 1, "bf16", "sigmoid")

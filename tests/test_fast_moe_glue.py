@@ -13,6 +13,7 @@ import nmoe.fast.experts as fx
 import nmoe.fast.moe as fm
 from nmoe.accumulate import adding_to_grads
 from nmoe.config import ModelConfig
+from nmoe.fast import limits
 from nmoe.fast.gemm import sm90
 from nmoe.layout import MoEParams
 from nmoe.reference import combine as rc
@@ -38,6 +39,11 @@ def _wgrad_gathered(dy: Tensor, x: Tensor, slot: Tensor, top_k: int, offs: Tenso
     if side == "dy":
         return rg.grouped_gemm_wgrad(_gathered_rows(dy, slot, top_k), x, offs)
     return rg.grouped_gemm_wgrad(dy, _gathered_rows(x, slot, top_k), offs)
+
+
+def _wgrad_gathered_add(dy: Tensor, x: Tensor, slot: Tensor, top_k: int, offs: Tensor, side: str,
+                        dw: Tensor) -> None:
+    dw.add_(_wgrad_gathered(dy, x, slot, top_k, offs, side))
 
 
 def _wgrad_cols(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int, row0: int = 0,
@@ -96,8 +102,16 @@ def spec_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sm90, "grouped_gemm_act_gathered", _act_gathered)
     monkeypatch.setattr(sm90, "grouped_gemm_wgrad_gathered", _wgrad_gathered)
     monkeypatch.setattr(sm90, "grouped_gemm_dgrad_gathered", _dgrad_gathered)
+    monkeypatch.setattr(sm90, "grouped_gemm_wgrad_gathered_add", _wgrad_gathered_add)
     monkeypatch.setattr(sm90, "grouped_gemm_wgrad_cols", _wgrad_cols)
     monkeypatch.setattr(sm90, "wgrad_cols", lambda k, n: 8)  # x's and dout's copies in several chunks
+    monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_DY_MAX_K", 0)  # dout copied, as at I > 256
+
+
+@pytest.fixture
+def gathered_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The down wgrad reads dout's rows by index, as at I <= 256 (INTER, the bound itself, here)."""
+    monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_DY_MAX_K", DIMS["bf16"][1])
 
 
 def _case(activation: str, shared: int, dtype: str, score: str, seed: int,
@@ -144,6 +158,57 @@ def test_glue_matches_spec(spec_kernels: None, activation: str, shared: int, dty
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         err = float((a.double() - b.double()).norm() / b.double().norm())
         assert err < 1e-2, f"grad {i}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("case", [("swiglu", 1, "bf16", "sigmoid"), ("relu2", 0, "bf16", "softmax")])
+def test_gathered_down_wgrad_matches_spec(spec_kernels: None, gathered_down: None,
+                                          monkeypatch: pytest.MonkeyPatch,
+                                          case: tuple[str, int, str, str]) -> None:
+    """At I <= GEMM_WGRAD_GATHER_DY_MAX_K the down wgrad reads dout's rows through slot (no copy of dout),
+    and every gradient still matches the spec's."""
+    sides: list[str] = []
+
+    def gathered(*args: Any, side: str = "x") -> Tensor:
+        sides.append(side)
+        return _wgrad_gathered(*args, side=side)
+
+    monkeypatch.setattr(sm90, "grouped_gemm_wgrad_gathered", gathered)
+    x, p, cfg = _case(*case, 3)
+    dout = torch.randn(T, DIMS["bf16"][0], generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    got_out, got = _grads(fm.moe_layer, x, p, cfg, dout)
+    want_out, want = _grads(moe_layer, x, p, cfg, dout)
+    assert sides == ["dy"]
+    assert torch.equal(got_out, want_out)
+    for a, b in zip(got, want, strict=True):
+        _close(a, b)
+
+
+@pytest.mark.parametrize(("tokens", "width", "want"), [("dy", 256, "gathered"), ("dy", 264, "cols"),
+                                                      ("x", 8, "cols")])
+def test_only_a_narrow_down_wgrad_gathers(monkeypatch: pytest.MonkeyPatch, tokens: str, width: int,
+                                          want: str) -> None:
+    """The shipped bound (256): dout's rows gathered up to I = 256, copied above it; x (the up wgrad's N side)
+    always copied."""
+    calls: list[str] = []
+    monkeypatch.setattr(sm90, "grouped_gemm_wgrad_gathered", lambda *a, **kw: calls.append("gathered"))
+    monkeypatch.setattr(sm90, "grouped_gemm_wgrad_cols", lambda *a, **kw: calls.append("cols"))
+    monkeypatch.setattr(fm, "spread_rows", lambda src, slot, row_of: src)
+    assert limits.GEMM_WGRAD_GATHER_DY_MAX_K == 256
+    rows, other = torch.zeros(4, 16, dtype=torch.bfloat16), torch.zeros(4, width, dtype=torch.bfloat16)
+    dy, x = (other, rows) if tokens == "x" else (rows, other)
+    slot, row_of = torch.arange(4), torch.arange(4).view(4, 1)
+    fm._expert_wgrad(dy, x, slot, row_of, torch.tensor([4]), tokens, 16, torch.zeros(1, 16, width))
+    assert calls and set(calls) == {want}
+
+
+def test_sep_moe_fast_gathered_down_rows_shifted(spec_kernels: None, gathered_down: None) -> None:
+    """The gathered down wgrad reading dout's previous token row: every token's dout row differs from its
+    neighbour's here, so dw2 moves."""
+    dout = torch.randn(T, DIMS["bf16"][0], generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    assert bool((dout != dout.roll(1, 0)).any(-1).all())
+    got, _ = _run(fm.moe_layer, SWIGLU_SHARED)
+    want, _ = _run(moe_layer, SWIGLU_SHARED)
+    _close(got["w2"], want["w2"])
 
 
 @pytest.mark.parametrize("frozen", [False, True], ids=["no_grad", "frozen_inputs"])
@@ -406,18 +471,31 @@ def test_h_is_freed_by_the_backward_and_a_second_backward_says_so(spec_kernels: 
         torch.autograd.backward(out, dout)
 
 
-def _two_microbatches(monkeypatch: pytest.MonkeyPatch) -> None:
+def _two_microbatches(monkeypatch: pytest.MonkeyPatch) -> set[str]:
     """A first backward() writes .grad (autograd takes the wgrad); a second inside adding_to_grads adds the
     routed experts' wgrads in place through the kernel's accumulate: bit for bit autograd's bf16 add of the
     two, in the same tensors, every other .grad as autograd adds it; torch.autograd.grad is untouched."""
     adds: list[bool] = []
+    kinds: set[str] = set()
 
     def cols(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int, row0: int = 0,
              accumulate: bool = False) -> None:
         adds.append(accumulate)
+        kinds.add("cols")
         _wgrad_cols(dy, x, offs, dw, col0, row0, accumulate)
 
+    def gathered(*args: Any, **kw: Any) -> Tensor:
+        adds.append(False)
+        return _wgrad_gathered(*args, **kw)
+
+    def gathered_add(*args: Any) -> None:
+        adds.append(True)
+        kinds.add("gathered")
+        _wgrad_gathered_add(*args)
+
     monkeypatch.setattr(sm90, "grouped_gemm_wgrad_cols", cols)
+    monkeypatch.setattr(sm90, "grouped_gemm_wgrad_gathered", gathered)
+    monkeypatch.setattr(sm90, "grouped_gemm_wgrad_gathered_add", gathered_add)
     x, p, cfg = _case(*SWIGLU_SHARED, 3)
     g = torch.Generator().manual_seed(11)
     douts = [torch.randn(T, DIMS["bf16"][0], generator=g).to(torch.bfloat16) for _ in range(2)]
@@ -438,11 +516,19 @@ def _two_microbatches(monkeypatch: pytest.MonkeyPatch) -> None:
     again = torch.autograd.grad(fm.moe_layer(x, p, cfg)[0], leaves, douts[0])
     assert not any(adds) and all(torch.equal(a, b) for a, b in zip(again, each[0], strict=True))
     assert all(t.grad is not None and torch.equal(t.grad, w) for t, w in zip(leaves, want, strict=True))
+    return kinds
 
 
 def test_later_microbatches_add_routed_wgrads_into_grad(spec_kernels: None,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    _two_microbatches(monkeypatch)
+    assert _two_microbatches(monkeypatch) == {"cols"}
+
+
+def test_sep_moe_fast_gathered_held_grad_returned_too(spec_kernels: None, gathered_down: None,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The down wgrad gathered from dout's rows and added into dw2's .grad: also handed to autograd, it
+    doubles that microbatch's share."""
+    assert _two_microbatches(monkeypatch) == {"cols", "gathered"}
 
 
 def test_sep_moe_fast_held_grad_returned_too(spec_kernels: None, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -95,6 +95,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ACC_TESTS, ("grouped_gemm_wgrad",),
     ),
     sep_mutation(
+        "gemm.fast_wgrad_gathered_add_stores", WGRAD,
+        "    m_dw, tma_atom_d, tma_d = _dw_out(pdw, n_groups, n, k, k, n, accumulate)\n",
+        "    m_dw, tma_atom_d, tma_d = _dw_out(pdw, n_groups, n, k, k, n)\n",
+        "the gathered wgrad adding into dw stores its full tiles by plain TMA, overwriting the gradient it "
+        "adds to",
+        ACC_TESTS, ("grouped_gemm_wgrad",),
+    ),
+    sep_mutation(
         "gemm.fast_wgrad_accumulate_cut_tile_stores", EPILOGUE,
         "                        _add_chunk(epi.t_s_sd[(None, i, j, buf)], t_s_gd[(None, i, j)])\n",
         "                        cute.copy(epi.s2g_atom, epi.t_s_sd[(None, i, j, buf)], "

@@ -73,6 +73,21 @@ MUTATIONS: tuple[Mutation, ...] = (
         "which adds them again", TESTS, ("moe_layer",),
     ),
     sep_mutation(
+        "moe.fast_gathered_held_grad_returned_too", FILE,
+        "        sm90.grouped_gemm_wgrad_gathered_add(dy, x, slot, row_of.shape[1], offs, \"dy\", into)\n"
+        "        return None\n",
+        "        sm90.grouped_gemm_wgrad_gathered_add(dy, x, slot, row_of.shape[1], offs, \"dy\", into)\n"
+        "        return into\n",
+        "the down wgrad gathered from dout's rows and added into .grad by the kernel is also handed to "
+        "autograd, which adds it again", TESTS, ("moe_layer",),
+    ),
+    sep_mutation(
+        "moe.fast_gathered_down_rows_shifted", FILE,
+        "return sm90.grouped_gemm_wgrad_gathered(dy, x, slot, row_of.shape[1], offs, side=\"dy\")",
+        "return sm90.grouped_gemm_wgrad_gathered(dy.roll(1, 0), x, slot, row_of.shape[1], offs, side=\"dy\")",
+        "the gathered down wgrad reads each slot's previous token's dout row", TESTS, ("moe_layer",),
+    ),
+    sep_mutation(
         "moe.fast_adding_flag_ignored", FILE,
         "    if (not adding() or not w.is_leaf", "    if (not w.is_leaf",
         "expert wgrads go into a held .grad even outside adding_to_grads: torch.autograd.grad gets None for "

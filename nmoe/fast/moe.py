@@ -16,7 +16,8 @@ Saved for the backward, per token (K slots, up width N = 2I swiglu or I relu2, E
                                             of x or dout kept, 2KH bytes per token each); the wgrads read
                                             transient permuted copies of column chunks of dout and of x
                                             (made once dx is reduced), each no larger than dh, spread on the
-                                            forward's routing
+                                            forward's routing; at I <= 256 the down wgrad reads dout's rows
+                                            by index instead (limits.GEMM_WGRAD_GATHER_DY_MAX_K)
   h [slots, N] bf16                        2KN bytes: the up-projection output; a = act(h) is recomputed
                                             (elementwise), redoing the up GEMM would cost a third of the fwd;
                                             the backward writes dh over h (no second [slots, N] buffer)
@@ -47,7 +48,7 @@ from torch.autograd.function import FunctionCtx
 
 from nmoe.accumulate import adding
 from nmoe.config import ModelConfig
-from nmoe.fast import runtime
+from nmoe.fast import limits, runtime
 from nmoe.fast.activation import BY_NAME
 from nmoe.fast.arch import ArchNotImplemented
 from nmoe.fast.combine import combine, combine_bwd, combine_gather, expert_rows_bwd
@@ -115,16 +116,22 @@ def _held_grad(w: Tensor) -> Tensor | None:
     return g
 
 
-def _chunked_wgrad(dy: Tensor, x: Tensor, slot: Tensor, row_of: Tensor, offs: Tensor, tokens: str,
-                   width: int, w: Tensor) -> Tensor | None:
-    """dy^T @ x per expert when the `tokens` side is token-major: `width` of its columns at a time are copied
-    into permuted order for the TMA-fed wgrad, which beats gathering its rows by index as the wgrad loads."""
+def _expert_wgrad(dy: Tensor, x: Tensor, slot: Tensor, row_of: Tensor, offs: Tensor, tokens: str,
+                  width: int, w: Tensor) -> Tensor | None:
+    """dy^T @ x per expert when the `tokens` side is token-major: read through slot by the gathering wgrad
+    (dout on M, I small) or copied `width` columns at a time into permuted order for the TMA-fed wgrad."""
     # The `tokens` side is "x" (the up projection's x) or "dy" (the down projection's dout); chunks are whole
-    # 128-wide tiles, permuted by the forward's routing with their columns read in place. Gathering rows in
-    # the wgrad measured 2.0-3.5x slower than copy + TMA wgrad on the up projection. Returns None when the
-    # wgrad was added into w's held .grad in place (_held_grad), autograd's share then being nothing.
-    src, other = (x, dy) if tokens == "x" else (dy, x)
+    # 128-wide tiles, permuted by the forward's routing with their columns read in place. Which one is faster
+    # is measured (GEMM_WGRAD_GATHER_DY_MAX_K); gathering x, on the wgrad's N side, ran 2.0-3.5x slower than
+    # copy + TMA. Returns None when the wgrad was added into w's held .grad in place (_held_grad), autograd's
+    # share then being nothing.
     into = _held_grad(w)
+    if tokens == "dy" and x.shape[1] <= limits.GEMM_WGRAD_GATHER_DY_MAX_K:
+        if into is None:
+            return sm90.grouped_gemm_wgrad_gathered(dy, x, slot, row_of.shape[1], offs, side="dy")
+        sm90.grouped_gemm_wgrad_gathered_add(dy, x, slot, row_of.shape[1], offs, "dy", into)
+        return None
+    src, other = (x, dy) if tokens == "x" else (dy, x)
     dw = other.new_empty(offs.shape[0], dy.shape[1], x.shape[1]) if into is None else into
     add = into is not None
     cols = sm90.wgrad_cols(src.shape[1], width)
@@ -254,7 +261,7 @@ class _Routed(torch.autograd.Function):
             dweights = _to_slots(dot * scale, slot, t, k)
         if need_w2:
             assert aw is not None
-            dw2 = _chunked_wgrad(dout, aw, slot, row_of, offs, "dy", h.shape[1], w2)
+            dw2 = _expert_wgrad(dout, aw, slot, row_of, offs, "dy", h.shape[1], w2)
         del aw
         dx_s = dw_up_s = dw2_s = None
         if s_up is not None:
@@ -273,7 +280,7 @@ class _Routed(torch.autograd.Function):
                 dx = combine_gather(dxp, row_of, ones, 1.0, dx_r)
                 del dxp
             if need_up:
-                dw_up = _chunked_wgrad(dh, x, slot, row_of, offs, "x", dh.shape[1], w_up)
+                dw_up = _expert_wgrad(dh, x, slot, row_of, offs, "x", dh.shape[1], w_up)
         return dx, dwr, None, dw_up, dw2, dw_up_s, dw2_s, None, None
 
 

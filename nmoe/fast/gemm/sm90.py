@@ -521,7 +521,9 @@ def grouped_gemm_dgrad_gathered(dy: Tensor, slot: Tensor, top_k: int, w: Tensor,
     return _dgrad_gathered_op(dy, slot, w, offs, top_k)
 
 
-def _wgrad_gathered_impl(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_k: int, side: str) -> Tensor:
+def _wgrad_gathered_run(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_k: int, side: str,
+                        dw: Tensor | None) -> Tensor:
+    """The gathered wgrad into a new dw, or added to `dw` in place (bit for bit a bf16 add of the wgrad)."""
     op = "grouped_gemm_wgrad_gathered"
     check_bf16(op, dy=dy, x=x)
     permuted = x if side == "dy" else dy
@@ -533,26 +535,35 @@ def _wgrad_gathered_impl(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_
                          f"{tuple(slot.shape)}, top_k={top_k}")
     check_routing(op, offs, None, slot.shape[0])
     check_aligned(op, "dy and x widths", ("N", dy.shape[1], GEMM_ALIGN), ("K", x.shape[1], GEMM_ALIGN))
-    device, arch = runtime.device_arch(dy, x, slot, offs)
+    m, n, k, e = slot.shape[0], dy.shape[1], x.shape[1], offs.shape[0]
+    if dw is not None and (dw.dtype != torch.bfloat16 or dw.shape != (e, n, k) or not dw.is_contiguous()
+                           or dw.data_ptr() % 16):
+        raise ValueError(f"{op}: the dw to add to must be a contiguous 16-byte aligned bf16 [{e}, {n}, {k}]; "
+                         f"got {dw.dtype} {tuple(dw.shape)}")
+    device, arch = runtime.device_arch(dy, x, slot, offs, *(() if dw is None else (dw,)))
     require(op, arch, ARCH)
     dy, x = tma_aligned(op, "dy", dy), tma_aligned(op, "x", x)
-    m, n, k, e = slot.shape[0], dy.shape[1], x.shape[1], offs.shape[0]
-    dw = torch.empty(e, n, k, dtype=torch.bfloat16, device=dy.device)
+    accumulate = dw is not None
+    out = torch.empty(e, n, k, dtype=torch.bfloat16, device=dy.device) if dw is None else dw
     if e * n * k == 0:
-        return dw
+        return out
     if m == 0:
-        return dw.zero_()
+        return out if accumulate else out.zero_()
     check_offs_on_host(op, offs, m)
     bn = pick_bn(k)
     n_ctas, split = _wgrad_grid(device, m, n, k, bn, e)
     kernel_side = "a" if side == "dy" else "b"
-    launch = WGRAD_GATHER.launcher(arch, n=n, k=k, bn=bn, side=kernel_side)
+    launch = WGRAD_GATHER.launcher(arch, n=n, k=k, bn=bn, side=kernel_side, accumulate=accumulate)
     tma_side, token_major = (x, dy) if side == "dy" else (dy, x)
     zero = _zero_chunk(op, dy.device).data_ptr()
     _keep, (ws, counters, *split_args) = split.args(dy.device)
     launch(device, tma_side.data_ptr(), token_major.data_ptr(), zero, slot.contiguous().data_ptr(),
-           dw.data_ptr(), offs.contiguous().data_ptr(), ws, counters, top_k, m, e, n_ctas, *split_args)
-    return dw
+           out.data_ptr(), offs.contiguous().data_ptr(), ws, counters, top_k, m, e, n_ctas, *split_args)
+    return out
+
+
+def _wgrad_gathered_impl(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_k: int, side: str) -> Tensor:
+    return _wgrad_gathered_run(dy, x, slot, offs, top_k, side, None)
 
 
 def _wgrad_gathered_fake(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_k: int, side: str) -> Tensor:
@@ -562,12 +573,33 @@ def _wgrad_gathered_fake(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_
 _wgrad_gathered_op = fast_op("grouped_gemm_wgrad_gathered", _wgrad_gathered_impl, _wgrad_gathered_fake)
 
 
+def _wgrad_gathered_add_impl(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_k: int, side: str,
+                             dw: Tensor) -> None:
+    _wgrad_gathered_run(dy, x, slot, offs, top_k, side, dw)
+
+
+def _wgrad_gathered_add_fake(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_k: int, side: str,
+                             dw: Tensor) -> None:
+    return None
+
+
+_wgrad_gathered_add_op = fast_op("grouped_gemm_wgrad_gathered_add", _wgrad_gathered_add_impl,
+                                 _wgrad_gathered_add_fake, mutates=("dw",))
+
+
 def grouped_gemm_wgrad_gathered(dy: Tensor, x: Tensor, slot: Tensor, top_k: int, offs: Tensor,
                                 side: str = "x") -> Tensor:
     """dw[e] = dy[rows of e]^T @ x[rows of e] where the `side` operand ("x" or "dy") is token-major and read
     through slot (row p is token slot[p] // top_k, zero where slot = -1): the MoE layer's weight gradients
     without permute's [R, width] copies."""
     return _wgrad_gathered_op(dy, x, slot, offs, top_k, side)
+
+
+def grouped_gemm_wgrad_gathered_add(dy: Tensor, x: Tensor, slot: Tensor, top_k: int, offs: Tensor, side: str,
+                                    dw: Tensor) -> None:
+    """grouped_gemm_wgrad_gathered added into dw in place, bit for bit a bf16 add of it: a later microbatch's
+    expert gradient with no second gradient in memory."""
+    _wgrad_gathered_add_op(dy, x, slot, offs, top_k, side, dw)
 
 
 def _wgrad_cols_impl(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int, row0: int = 0,

@@ -29,7 +29,9 @@ WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad"
                (ARCH,),
                "nmoe.fast.gemm.grouped_gemm_wgrad")
 WGRAD_GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad_gather",
-                      lambda km, n, k, bn, side: km.compile_args_gather(n, k, bn, side), (ARCH,),
+                      lambda km, n, k, bn, side, accumulate=False: km.compile_args_gather(n, k, bn, side,
+                                                                                          accumulate),
+                      (ARCH,),
                       "nmoe.fast.gemm.grouped_gemm_wgrad_gathered")
 
 
@@ -69,7 +71,8 @@ _EXPECT_WGRAD = (*_EXPECT_SM90, r"\bfence\.proxy\.async\.shared::cta\b", r"\bfen
 # wgrad must never reduce.
 _TMA_STORE = r"\bcp\.async\.bulk\.tensor\.2d\.global\.shared::cta\.tile\b"
 _TMA_REDUCE_ADD = r"\bcp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add\.tile\b"
-_EXPECT_WGRAD_ACC = (*_EXPECT_WGRAD, _TMA_REDUCE_ADD, r"\bld\.global\.v4\.b32\b", r"\bcvt\.rn\.bf16x2\.f32\b")
+_ADDS = (_TMA_REDUCE_ADD, r"\bld\.global\.v4\.b32\b", r"\bcvt\.rn\.bf16x2\.f32\b")
+_EXPECT_WGRAD_ACC = (*_EXPECT_WGRAD, *_ADDS)
 # A wgrad cluster multicasts each x box; when dynamic, CTA 0 stores each work item into every CTA's ring
 # (st.async, counted as tx bytes on that CTA's mbarrier) and the readers free the slot on CTA 0.
 _WGRAD_CLUSTER = _multicast(2)
@@ -142,10 +145,12 @@ def _dgrad_gather_spec(name: str, n: int, k: int, cn: int = 1, deferred: bool = 
                       forbid={"sm_90a": (*_FORBID_SM90, *_NO_CP_ASYNC)})
 
 
-def _wgrad_gather_spec(name: str, n: int, k: int, side: str) -> KernelSpec:
+def _wgrad_gather_spec(name: str, n: int, k: int, side: str, accumulate: bool = False) -> KernelSpec:
     return KernelSpec(op="grouped_gemm_wgrad", name=name,
-                      compile=WGRAD_GATHER.compiler(n=n, k=k, bn=pick_bn(k), side=side),
-                      expect={"sm_90a": _EXPECT_WGRAD_GATHER}, forbid={"sm_90a": _FORBID_SM90})
+                      compile=WGRAD_GATHER.compiler(n=n, k=k, bn=pick_bn(k), side=side,
+                                                    accumulate=accumulate),
+                      expect={"sm_90a": (*_EXPECT_WGRAD_GATHER, *(_ADDS if accumulate else ()))},
+                      forbid={"sm_90a": (*_FORBID_SM90, _TMA_STORE if accumulate else _TMA_REDUCE_ADD)})
 
 
 def _spec(name: str, n: int, k: int, bn: int, w_k_major: bool | None, activation: str = "none",
@@ -222,6 +227,7 @@ KERNELS: tuple[KernelSpec, ...] = (
     _wgrad_gather_spec("grouped_gemm_wgrad_gathered_x_n256", 2048, 4096, "b"),
     _wgrad_gather_spec("grouped_gemm_wgrad_gathered_x_n128", 1024, 1152, "b"),
     _wgrad_gather_spec("grouped_gemm_wgrad_gathered_dy_n128", 4096, 1152, "a"),
+    _wgrad_gather_spec("grouped_gemm_wgrad_gathered_dy_accumulate_n256", 1536, 256, "a", accumulate=True),
     _dgrad_gather_spec("grouped_gemm_dgrad_gathered_n128", 1024, 4096),
     _gather_spec("grouped_gemm_act_gathered_swiglu_cn2", 2048, 4096, "swiglu", cn=2),
     _dgrad_gather_spec("grouped_gemm_dgrad_gathered_cn2", 1024, 4096, cn=2),

@@ -629,7 +629,7 @@ def grouped_wgrad_gather_kernel(
     m_rows: Int32, n_groups: Int32, thresh: Int32, split_rows: Int32, tiled_mma: cute.TiledMma,
     a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout,
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
-    side: Constexpr[str], stages: Constexpr[int],
+    side: Constexpr[str], stages: Constexpr[int], accumulate: Constexpr[bool],
 ) -> None:
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom, tma_atom_d))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
@@ -645,7 +645,7 @@ def grouped_wgrad_gather_kernel(
                                    a_layout.outer, u, bidx, n_ctas, warp_idx, tidx, n, bn, side, stages)
     else:
         consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, u, m_ws, m_count, tma_atom_d, tma_d, m_d, tidx,
-                      warp_idx, bidx, n_ctas, n, k, bn, stages, n)
+                      warp_idx, bidx, n_ctas, n, k, bn, stages, n, accumulate=accumulate)
 
 
 @cute.jit
@@ -653,13 +653,13 @@ def grouped_wgrad_gather_host(
     pt: Pointer, psrc: Pointer, pzero: Pointer, pslot: Pointer, pdw: Pointer, poffs: Pointer, pws: Pointer,
     pcount: Pointer, top_k: Int32, m_rows: Int32, n_groups: Int32, n_ctas: Int32, thresh: Int32,
     split_rows: Int32, ws_tiles: Int32, stream: cuda.CUstream, n: Constexpr[int], k: Constexpr[int],
-    bn: Constexpr[int], side: Constexpr[str],
+    bn: Constexpr[int], side: Constexpr[str], accumulate: Constexpr[bool],
 ) -> None:
-    """dw[E, n, k] = per group dy[rows, n]^T @ x[rows, k] with one side read from token-major rows through
-    slot (zero rows where slot = -1): side "b", x[slot // top_k] (pt = dy [R, n]); side "a",
+    """dw[E, n, k] = (accumulate: dw +=) per group dy[rows, n]^T @ x[rows, k], one side read from token-major
+    rows through slot (zero rows where slot = -1): side "b", x[slot // top_k] (pt = dy [R, n]); side "a",
     dy[slot // top_k] (pt = x [R, k]). Neither side is permuted into a copy."""
     stages = stages_for(bn)
-    m_dw, tma_atom_d, tma_d = _dw_out(pdw, n_groups, n, k, k, n)
+    m_dw, tma_atom_d, tma_d = _dw_out(pdw, n_groups, n, k, k, n, accumulate)
     m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
     m_slot = cute.make_tensor(pslot, cute.make_layout(m_rows))
     m_ws, m_count = _split_tensors(pws, pcount, ws_tiles, n_groups, n, k, bn)
@@ -676,7 +676,7 @@ def grouped_wgrad_gather_host(
         tma_atom, tma_t, m_slot, Int64(psrc.toint()), Int64(pzero.toint()), top_k, tma_atom_d, tma_d, m_dw,
         m_offs, m_ws,
         m_count, m_rows, n_groups, thresh, split_rows, tiled_mma, a_layout, b_layout, d_layout, n, k, bn,
-        side, stages,
+        side, stages, accumulate,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
 
 
@@ -704,10 +704,11 @@ def compile_args(n: int, k: int, bn: int, ld: int, gs: int = 0, dynamic: bool = 
                                 dynamic, accumulate, deferred, cm)
 
 
-def compile_args_gather(n: int, k: int, bn: int, side: str) -> tuple[Any, tuple[Any, ...]]:
+def compile_args_gather(n: int, k: int, bn: int, side: str,
+                        accumulate: bool = False) -> tuple[Any, tuple[Any, ...]]:
     if side not in ("a", "b"):
         raise ValueError(f"gathered wgrad side {side!r}: 'a' (dy token-major) or 'b' (x token-major)")
     ptrs = (*(pointer(BFloat16, 0) for _ in range(3)), pointer(Int64, 0, 8), pointer(BFloat16, 0),
             pointer(Int32, 0, 4), pointer(Float32, 0), pointer(Int32, 0, 4))
     return grouped_wgrad_gather_host, (*ptrs, *(Int32(0) for _ in range(7)), cuda.CUstream(0), n, k, bn,
-                                       side)
+                                       side, accumulate)
