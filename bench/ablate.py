@@ -375,10 +375,10 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ablate.layer_up_copied", MOE,
-        "            p = permute(x.new_empty(t, 0), ids, e, align)\n"
+        "            p, row_of = permute_rows(x.new_empty(t, 0), ids, e, align)\n"
         "            a, h = sm90.grouped_gemm_act_gathered(x, p.slot, k, w_up, p.offs, cfg.activation, "
         "keep_h=grad)\n",
-        "            p = permute(x, ids, e, align)\n"
+        "            p, row_of = permute_rows(x, ids, e, align)\n"
         "            a, h = sm90.grouped_gemm_act_h(p.xp, w_up, p.offs, cfg.activation)\n",
         "the up projection from permute's [R, H] copy of x by TMA instead of gathering x's rows as it loads: "
         "what the fusion costs in time (its copy is transient, freed after the forward's up projection)",

@@ -78,7 +78,6 @@ def _portable_calls() -> None:
     """Each op front built for every arch, once per kernel variant its glue can pick."""
     from nmoe.fast import attention, combine, dispatch, formats, loss, norm, optim, rope, router
     from nmoe.fast.activation import relu2, swiglu
-    from nmoe.fast.moe import _rows_of_slots
 
     t, h, k, e = 16, 128, 2, 4
     x = torch.randn(t, h, dtype=BF, requires_grad=True)
@@ -95,14 +94,15 @@ def _portable_calls() -> None:
     weights, ids = router.router_topk(logits, torch.zeros(e), k, "softmax")
     router.router_topk(logits, torch.zeros(e), k, "sigmoid", 2, 1)
     router.expert_counts(ids, e)
-    perm = dispatch.permute(x.detach(), ids, e, 1)
+    perm, row_of = dispatch.permute_rows(x.detach(), ids, e, 1)
+    dispatch.permute(x.detach().new_empty(t, 0), ids, e, 1)
     yp = torch.randn(perm.xp.shape[0], h, dtype=BF)
     y = dispatch.unpermute(yp, perm.slot, t, k)
     combine.combine(y, weights, 1.5)
     combine.combine(y, weights, 1.5, torch.randn(t, h, dtype=BF))
     combine.combine_bwd(torch.randn(t, h, dtype=BF), y, weights, 1.5)
     combine.combine_gather(yp, perm.slot.view(t, k).to(torch.int32), weights, 1.5)
-    dispatch.spread_rows(x.detach(), perm.slot, _rows_of_slots(perm.slot, t, k))
+    dispatch.spread_rows(x.detach(), perm.slot, row_of)
     dispatch.embedding_bwd(x.detach(), ids[:, 0], e)
     rows = perm.xp.shape[0]
     combine.expert_rows_bwd(torch.randn(rows, h, dtype=BF), torch.randn(rows, 2 * h, dtype=BF),

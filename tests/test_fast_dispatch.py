@@ -188,6 +188,26 @@ def _rows_of(slot: Tensor, t: int, k: int) -> Tensor:
 
 
 @gpu
+@pytest.mark.parametrize(("t", "k", "e", "align", "h", "dtype", "idt", "kind"), CASES)
+def test_permute_rows_is_slots_inverse_and_routes_without_columns(t: int, k: int, e: int, align: int, h: int,
+                                                                  dtype: torch.dtype, idt: torch.dtype,
+                                                                  kind: str) -> None:
+    """row_of from the same launch is slot's inverse; x with no columns (the MoE layer's gathering path: no
+    row-copy launch) routes bit for bit as with them."""
+    ids = _routing(t, k, e, kind, seed=t + e).to(idt)
+    x = _x(t, h, dtype, seed=h)
+    want = ref.permute(x, ids, e, align)
+    got, row_of = fast.permute_rows(x.cuda(), ids.cuda(), e, align)
+    _assert_permuted(got, want)
+    assert row_of.dtype == torch.int32 and torch.equal(row_of.cpu(), _rows_of(want.slot, t, k))
+    bare, bare_rows = fast.permute_rows(x.cuda()[:, :0], ids.cuda(), e, align)
+    assert bare.xp.shape == (want.slot.numel(), 0)
+    for name in ("counts", "offs", "slot"):
+        assert torch.equal(getattr(bare, name).cpu(), getattr(want, name)), name
+    assert torch.equal(bare_rows.cpu(), row_of.cpu())
+
+
+@gpu
 @pytest.mark.parametrize(("h", "c0", "cols"), [(256, 64, 128), (96, 0, 96), (40, 8, 24), (2048, 1024, 1024)])
 def test_spread_rows_of_a_column_slice_equals_permute(h: int, c0: int, cols: int) -> None:
     """The row copy alone, on the routing permute built and on x's columns read in place (rows h apart),

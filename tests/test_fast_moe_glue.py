@@ -83,10 +83,20 @@ EXPERT_SUBS: dict[str, Any] = {
 """nmoe.fast.experts' kernels, the spec's ops in their place."""
 
 
+def _permute_rows(x: Tensor, ids: Tensor, n_experts: int, align: int) -> tuple[Any, Tensor]:
+    """The spec's permute and slot's inverse row_of [T,K] (int32), as the fast op's one launch gives both."""
+    p = rd.permute(x, ids, n_experts, align)
+    t, k = ids.shape
+    row_of = torch.zeros(t * k, dtype=torch.int32)
+    real = p.slot >= 0
+    row_of[p.slot[real]] = torch.arange(p.slot.numel(), dtype=torch.int32)[real]
+    return p, row_of.view(t, k)
+
+
 @pytest.fixture
 def spec_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     subs: dict[str, Any] = {
-        "permute": rd.permute, "unpermute": rd.unpermute,
+        "permute_rows": _permute_rows, "unpermute": rd.unpermute,
         "spread_rows": lambda x, slot, row_of: _gathered_rows(x, slot, row_of.shape[1]),
         "combine": rc.combine, "combine_bwd": rc.combine_bwd, "combine_gather": rc.combine_gather,
         "expert_rows_bwd": _rows_bwd,

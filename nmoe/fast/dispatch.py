@@ -22,8 +22,8 @@ from nmoe.layout import Permuted, check_embedding_grad, padded_rows
 
 _INT32_LIMIT = 2**31
 PERMUTE = Kernel("nmoe.fast.kernels.dispatch", "permute",
-                 lambda km, E, ids_bits, unit, vec, has_slots, has_rows: km.permute_args(
-                     E, ids_bits, unit, vec, has_slots, has_rows))
+                 lambda km, E, ids_bits, unit, vec, has_slots, has_rows, copies=True: km.permute_args(
+                     E, ids_bits, unit, vec, has_slots, has_rows, copies))
 SPREAD = Kernel("nmoe.fast.kernels.dispatch", "spread", lambda km, unit, vec: km.spread_args(unit, vec))
 UNPERMUTE = Kernel("nmoe.fast.kernels.dispatch", "unpermute",
                    lambda km, unit, vec, has_rows, has_slots: km.unpermute_args(
@@ -55,10 +55,10 @@ def _check_permute(x: Tensor, ids: Tensor, n_experts: int, align: int) -> None:
         raise ValueError(f"permute: align={align} must be >= 1")
 
 
-_Four = tuple[Tensor, Tensor, Tensor, Tensor]
+_Five = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
-def _permute_impl(x: Tensor, ids: Tensor, n_experts: int, align: int) -> _Four:
+def _permute_impl(x: Tensor, ids: Tensor, n_experts: int, align: int) -> _Five:
     device, arch = runtime.device_arch(x, ids)
     _check_permute(x, ids, n_experts, align)
     t, k = ids.shape
@@ -82,20 +82,22 @@ def _permute_impl(x: Tensor, ids: Tensor, n_experts: int, align: int) -> _Four:
     unit, vec, width = _copy_shape(row_bytes, xc.data_ptr(), xp.data_ptr())
     ids_bits = 64 if idc.dtype == torch.int64 else 32
     launch = PERMUTE.launcher(arch, E=n_experts, ids_bits=ids_bits, unit=unit, vec=vec, has_slots=n_slots > 0,
-                              has_rows=n_rows > 0)
+                              has_rows=n_rows > 0, copies=h > 0)
     launch(device, idc.data_ptr(), xc.data_ptr(), tile.data_ptr(), counts.data_ptr(), offs.data_ptr(),
            start.data_ptr(), slot.data_ptr(), row_of.data_ptr(), xp.data_ptr(), n_slots, n_tiles, t, n_rows,
            k, align, row_bytes // width)
-    return xp, counts, offs, slot
+    return xp, counts, offs, slot, row_of[:n_slots].view(t, k)
 
 
-def _permute_fake(x: Tensor, ids: Tensor, n_experts: int, align: int) -> _Four:
-    n_rows = padded_rows(ids.shape[0] * ids.shape[1], n_experts, align)
+def _permute_fake(x: Tensor, ids: Tensor, n_experts: int, align: int) -> _Five:
+    t, k = ids.shape
+    n_rows = padded_rows(t * k, n_experts, align)
     dev = x.device
     return (torch.empty(n_rows, x.shape[1], dtype=x.dtype, device=dev),
             torch.empty(n_experts, dtype=torch.int32, device=dev),
             torch.empty(n_experts, dtype=torch.int32, device=dev),
-            torch.empty(n_rows, dtype=torch.int64, device=dev))
+            torch.empty(n_rows, dtype=torch.int64, device=dev),
+            torch.empty(t, k, dtype=torch.int32, device=dev))
 
 
 def _spread_impl(x: Tensor, slot: Tensor, row_of: Tensor) -> Tensor:
@@ -196,8 +198,14 @@ _embedding_bwd_op = fast_op("embedding_bwd", _embedding_bwd_impl, _embedding_bwd
 
 def permute(x: Tensor, ids: Tensor, n_experts: int, align: int) -> Permuted:
     """Rows sorted by (expert, t, k); each expert segment padded to `align`; pad and tail rows are zero."""
-    xp, counts, offs, slot = _permute_op(x, ids, n_experts, align)
-    return Permuted(xp=xp, counts=counts, offs=offs, slot=slot)
+    return permute_rows(x, ids, n_experts, align)[0]
+
+
+def permute_rows(x: Tensor, ids: Tensor, n_experts: int, align: int) -> tuple[Permuted, Tensor]:
+    """permute, and int32 row_of [T,K]: the row holding each slot (slot's inverse), which the same launch
+    writes; spread_rows and combine_gather take it."""
+    xp, counts, offs, slot, row_of = _permute_op(x, ids, n_experts, align)
+    return Permuted(xp=xp, counts=counts, offs=offs, slot=slot), row_of
 
 
 def spread_rows(x: Tensor, slot: Tensor, row_of: Tensor) -> Tensor:
@@ -261,6 +269,11 @@ KERNELS: tuple[KernelSpec, ...] = (
            r"\bshfl\.sync\.up\.b32\b", r"\bbar\.sync\b", _LD128, _ST128)),
     _spec("permute", "permute_e256_b16", _permute_e256("i16", 1),
           (r"\bmatch\.any\.sync\.b32\b", r"\bld\.global(\.nc)?\.(b|u|s)16\b", r"\bst\.global\.(b|u|s)16\b")),
+    # The routing alone (x with no columns, as the MoE layer's gathering up projection asks): no row copies.
+    runtime.portable_spec("permute", "permute_e256_routing", PERMUTE.compiler(
+        E=256, ids_bits=64, unit="i32", vec=4, has_slots=True, has_rows=True, copies=False),
+        (r"\btrap;", r"\bmatch\.any\.sync\.b32\b", r"\bpopc\.b32\b"),
+        (r"\bld\.local\b", r"\batom\.global\.add\.u64\b", _LD128, _ST128)),
     _spec("unpermute", "unpermute_v128", UNPERMUTE.compiler(unit="i32", vec=4, has_rows=True, has_slots=True),
           (r"\batom\.global\.add\.u32\b", _LD128, _ST128)),
     runtime.portable_spec("permute", "spread_rows_v128", SPREAD.compiler(unit="i32", vec=4), (_LD128, _ST128),

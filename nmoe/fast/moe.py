@@ -52,7 +52,7 @@ from nmoe.fast import limits, runtime
 from nmoe.fast.activation import BY_NAME
 from nmoe.fast.arch import ArchNotImplemented
 from nmoe.fast.combine import combine, combine_bwd, combine_gather, expert_rows_bwd
-from nmoe.fast.dispatch import permute, spread_rows, unpermute
+from nmoe.fast.dispatch import permute_rows, spread_rows, unpermute
 from nmoe.fast.experts import expert_gemm
 from nmoe.fast.gemm import grouped_gemm_dgrad, grouped_gemm_wgrad, sm90
 from nmoe.fast.gemm.routing import offs_built_on_device
@@ -91,13 +91,6 @@ def _slot_weights(weights: Tensor, slot: Tensor) -> Tensor:
     """fp32 [R]: the router weight of each permuted row's slot, 0 on pad rows (slot -1)."""
     flat = torch.cat([weights.reshape(-1), weights.new_zeros(1)])
     return flat[torch.where(slot >= 0, slot, flat.numel() - 1)]
-
-
-def _rows_of_slots(slot: Tensor, t: int, k: int) -> Tensor:
-    """int32 [T,K]: the permuted row holding each slot (slot's inverse)."""
-    sink = torch.where(slot >= 0, slot, t * k)
-    rows = torch.arange(slot.shape[0], dtype=torch.int32, device=slot.device)
-    return rows.new_zeros(t * k + 1).index_copy_(0, sink, rows)[: t * k].view(t, k)
 
 
 def _to_slots(v: Tensor, slot: Tensor, t: int, k: int) -> Tensor:
@@ -200,17 +193,16 @@ class _Routed(torch.autograd.Function):
         t, k = ids.shape
         e, align = cfg.n_routed_experts, cfg.permute_align
         if cfg.expert_dtype == "bf16":
-            p = permute(x.new_empty(t, 0), ids, e, align)
+            p, row_of = permute_rows(x.new_empty(t, 0), ids, e, align)
             a, h = sm90.grouped_gemm_act_gathered(x, p.slot, k, w_up, p.offs, cfg.activation, keep_h=grad)
         else:
-            p = permute(x, ids, e, align)
+            p, row_of = permute_rows(x, ids, e, align)
             a, h = _up(p.xp, w_up, p.offs, cfg.activation, cfg.expert_dtype)
         kept_h = h if grad else None
         offs, slot = p.offs, p.slot
         del p, h
         yp = expert_gemm(a, w2, offs, cfg.expert_dtype)
         del a
-        row_of = _rows_of_slots(slot, t, k)
         fp8_y = []
         if cfg.expert_dtype == "fp8":
             fp8_y = [unpermute(yp, slot, t, k)]

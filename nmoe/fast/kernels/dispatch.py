@@ -337,7 +337,8 @@ def permute_host(pids: Pointer, px: Pointer, ptile: Pointer, pcounts: Pointer, p
                  pstart: Pointer, pslot: Pointer, prow: Pointer, pxp: Pointer, n_slots: Int32, n_tiles: Int32,
                  n_tokens: Int32, n_rows: Int32, top_k: Int32, align: Int32, row_vecs: Int32,
                  stream: cuda.CUstream, n_experts: Constexpr[int], vec: Constexpr[int],
-                 has_slots: Constexpr[bool], has_rows: Constexpr[bool]) -> None:
+                 has_slots: Constexpr[bool], has_rows: Constexpr[bool], copies: Constexpr[bool]) -> None:
+    """copies False (x has no columns): the routing alone, no row-copy launch over every row."""
     if const_expr(has_rows):
         fill_slot_kernel(pslot, n_rows).launch(
             grid=[_blocks(n_rows, THREADS), 1, 1], block=[THREADS, 1, 1], stream=stream)
@@ -349,7 +350,7 @@ def permute_host(pids: Pointer, px: Pointer, ptile: Pointer, pcounts: Pointer, p
     if const_expr(has_slots):
         rank_kernel(pids, ptile, pstart, pslot, prow, n_slots, n_tiles, n_rows, n_experts).launch(
             grid=[n_tiles, 1, 1], block=[THREADS, 1, 1], stream=stream)
-    if const_expr(has_rows):
+    if const_expr(has_rows and copies):
         spread_rows_kernel(px, pslot, prow, pxp, n_tokens, n_rows, top_k, row_vecs, row_vecs, vec).launch(
             grid=[_blocks(n_rows, ROW_WARPS), 1, 1], block=[ROW_WARPS * LANES, 1, 1], stream=stream)
 
@@ -424,14 +425,14 @@ def ids_type(ids_bits: int) -> Any:
 
 
 def permute_args(n_experts: int, ids_bits: int, unit: str, vec: int, has_slots: bool,
-                 has_rows: bool) -> tuple[Any, tuple[Any, ...]]:
+                 has_rows: bool, copies: bool = True) -> tuple[Any, tuple[Any, ...]]:
     ut = UNIT_TYPES[unit]
     align = vec * ut.width // 8
     ptrs = (pointer(ids_type(ids_bits), 0, ids_bits // 8), pointer(ut, 0, align), pointer(Int32, 0, 4),
             pointer(Int32, 0, 4), pointer(Int32, 0, 4), pointer(Int32, 0, 4), pointer(Int64, 0, 8),
             pointer(Int32, 0, 4), pointer(ut, 0, align))
     ints = tuple(Int32(0) for _ in range(7))
-    return permute_host, (*ptrs, *ints, cuda.CUstream(0), n_experts, vec, has_slots, has_rows)
+    return permute_host, (*ptrs, *ints, cuda.CUstream(0), n_experts, vec, has_slots, has_rows, copies)
 
 
 def spread_args(unit: str, vec: int) -> tuple[Any, tuple[Any, ...]]:
