@@ -449,7 +449,23 @@ COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {
                         description="the gathering kernels hold each tile's h in registers and send "
                         "one subtile, with act(h), under each K box of the next tile by per-thread stores"),
                 replace(_MASKED_STORES, id="ablate.gather_deferred_lsu_stores_b"))),
-    "layer": ((replace(_GATHER_CLUSTER_TWO, id="ablate.layer_gather_cluster_m2",
+    "layer": ((Mutation("ablate.layer_routing_before", "nmoe/fast/kernels/router.py",
+                        "    key = _order_key(v)\n", "    for off in (16, 8, 4, 2, 1):\n"
+                        "        ov, oi, os_ = _bfly(v, off), _bfly(i, off), _bfly(s, off)\n"
+                        "        take = _beats(ov, oi, v, i)\n"
+                        "        v, i, s = _sel_f(take, ov, v), sel(take, oi, i), _sel_f(take, os_, s)\n"
+                        "    return i, s\n    key = _order_key(v)\n",
+                        "the routing as before: each pick's warp argmax a 5-step butterfly of (value, id, "
+                        "score) shuffles, not two integer reductions; permute's row-copy kernel launched "
+                        "with no columns to copy; row_of rebuilt from slot by four torch kernels"),
+               Mutation("ablate.layer_routing_before_launch", "nmoe/fast/dispatch.py", "copies=h > 0)",
+                        "copies=True)", ""),
+               Mutation("ablate.layer_routing_before_rows", MOE, "        offs, slot = p.offs, p.slot\n",
+                        "        offs, slot = p.offs, p.slot\n        row_of = torch.zeros(t * k + 1, "
+                        "dtype=torch.int32, device=x.device).index_copy_(0, torch.where(slot >= 0, slot, "
+                        "t * k), torch.arange(slot.shape[0], dtype=torch.int32, device=x.device))"
+                        "[:t * k].view(t, k)\n", "")),
+              (replace(_GATHER_CLUSTER_TWO, id="ablate.layer_gather_cluster_m2",
                        description="the gathering fwd/dgrad in M clusters of two sharing each B box "
                        "by multicast (two M tiles read each weight box once, in step), not N clusters"),
                replace(_CLUSTER_TWO_UNCLUSTERED_N, id="ablate.layer_gather_cluster_m2_n1")),

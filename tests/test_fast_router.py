@@ -292,17 +292,28 @@ def test_ties_break_to_lower_id_in_experts_and_groups() -> None:
     assert gi.cpu().tolist() == [[0, 1, 2, 3]] * 3
 
 
-@gpu
-def test_sep_router_fast_tie_breaks_high() -> None:
+def _tied_top() -> None:
+    """Experts 3 and 35 (one lane's) and 40 (another lane's) tie on top: the lowest id goes first, both
+    within a lane (_beats) and across lanes (the warp's id reduction); highest first would pick 40, 35."""
     logits = torch.randn(16, 64, generator=torch.Generator().manual_seed(77))
-    logits[:, 40] = logits[:, 3] = 60.0
+    logits[:, 40] = logits[:, 35] = logits[:, 3] = 60.0
     bias = torch.zeros(64)
     correct = oracle_topk(logits, bias, 2, "sigmoid")[1]
     ids_desc = -np.arange(64)[None, :].repeat(16, 0)
     high_first = np.lexsort((ids_desc, -pinned_scores(logits, "sigmoid").numpy()))
     mutated = torch.from_numpy(high_first[:, :2].astype(np.int64))
-    assert correct[:, 0].eq(3).all() and mutated[:, 0].eq(40).all()
+    assert correct.eq(torch.tensor([3, 35])).all() and mutated.eq(torch.tensor([40, 35])).all()
     assert torch.equal(fast.router_topk(logits.cuda(), bias.cuda(), 2, "sigmoid")[1].cpu(), correct)
+
+
+@gpu
+def test_sep_router_fast_tie_breaks_high() -> None:
+    _tied_top()
+
+
+@gpu
+def test_sep_router_fast_redux_tie_high() -> None:
+    _tied_top()
 
 
 @gpu

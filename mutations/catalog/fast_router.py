@@ -18,6 +18,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "equal biased scores pick the higher expert id", TESTS, ("router_topk",), device="gpu",
     ),
     sep_mutation(
+        "router.fast_redux_tie_high", FILE,
+        'sel(key == top, i, INVALID_ID), "min")', 'sel(key == top, i, -1), "max")',
+        "lanes whose best values tie hand the pick to the higher expert id", TESTS, ("router_topk",),
+        device="gpu",
+    ),
+    sep_mutation(
         "router.fast_group_top1_only", FILE,
         "group_score.append(add_rn(t1, t2))", "group_score.append(t1)",
         "group score is the top-1 instead of the sum of the top-2 biased scores", TESTS, ("router_topk",),

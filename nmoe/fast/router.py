@@ -229,11 +229,13 @@ def expert_counts(ids: Tensor, n_experts: int) -> Tensor:
 
 # Bitwise needs every fp32 op rounded on its own: no fma (contracted or not), no approximate
 # ex2/rcp/div, no flush-to-zero, no mul.f32/add.f32 without .rn (ptxas may fuse those), no
-# NaN-dropping max/min, and no spills. printf stages its arguments with st.local, so only ld.local.
+# NaN-dropping max/min, and no spills. printf stages its arguments with st.local, so only ld.local. Each
+# pick's warp argmax is two integer reductions (the value's order key, then the lowest id holding it).
 _SCORE_FORBID = (r"\bfma\.", r"\bex2\.", r"\brcp\.approx", r"\bdiv\.(approx|full)", r"\.ftz\b",
                  r"\b(mul|add|sub)\.f32\b", r"\b(max|min)(\.[a-z0-9]+)*\.f32\b", r"\bld\.local\b")
 _SCORE_EXPECT = (r"\bmul\.rn\.f32\b", r"\badd\.rn\.f32\b", r"\bsub\.rn\.f32\b", r"\bdiv\.rn\.f32\b",
-                 r"\bcvt\.rzi\.s32\.f32\b", r"\bshfl\.sync\.bfly\.b32\b", r"\btrap;")
+                 r"\bcvt\.rzi\.s32\.f32\b", r"\bshfl\.sync\.bfly\.b32\b", r"\btrap;",
+                 r"\bredux\.sync\.max\.s32\b", r"\bredux\.sync\.min\.s32\b")
 
 
 def _topk_spec(name: str, e: int, k: int, score_func: str, n_groups: int, topk_groups: int) -> KernelSpec:

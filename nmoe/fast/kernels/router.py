@@ -18,7 +18,7 @@ from cutlass.cute.typing import Pointer
 from cutlass.cutlass_dsl.cutlass import min as dmin
 from cutlass.cutlass_dsl.cutlass import select_
 
-from nmoe.fast.kernels.prims import add_rn, canonical_nan, div_rn, i2f, mul_rn, sel, sub_rn, trap
+from nmoe.fast.kernels.prims import add_rn, canonical_nan, div_rn, f2i, i2f, mul_rn, sel, sub_rn, trap
 
 WARPS = 4
 LANES = 32
@@ -97,16 +97,21 @@ def _top2_merge(t1: Float32, t2: Float32) -> tuple[Float32, Float32]:
     return t1, t2
 
 
-def _warp_argmax(v: Float32, i: Int32, s: Float32) -> tuple[Float32, Int32, Float32]:
-    off = LANES // 2
-    while off > 0:
-        ov = _bfly(v, off)
-        oi = _bfly(i, off)
-        os_ = _bfly(s, off)
-        take = _beats(ov, oi, v, i)
-        v, i, s = _sel_f(take, ov, v), sel(take, oi, i), _sel_f(take, os_, s)
-        off //= 2
-    return v, i, s
+def _order_key(v: Float32) -> Int32:
+    """A signed int ordered as v is (v + 0.0 first, so -0 and +0 tie as their compare does): two warp
+    reductions then pick what a pairwise _beats tournament picks."""
+    b = f2i(add_rn(v, 0.0))
+    return sel(b >= 0, b, b ^ 0x7FFFFFFF)
+
+
+def _warp_argmax(v: Float32, i: Int32, s: Float32) -> tuple[Int32, Float32]:
+    """(id, score) of the warp's best (value, id): highest value (redux max of its key), then lowest id
+    (redux min), the score from the lane that holds that id."""
+    key = _order_key(v)
+    top = cute.arch.warp_redux_sync(key, "max")
+    best = cute.arch.warp_redux_sync(sel(key == top, i, INVALID_ID), "min")
+    score = cute.arch.shuffle_sync(s, best % LANES)
+    return best, _sel_f(best < INVALID_ID, score, 0.0)
 
 
 def _warp_max(v: Float32) -> Float32:
@@ -197,7 +202,7 @@ def _route_token(mlog: cute.Tensor, mbias: cute.Tensor, row: Int64, lane: Int32,
             bv = _sel_f(take, biased[j], bv)
             bi = sel(take, e, bi)
             bsc = _sel_f(take, scores[j], bsc)
-        bv, bi, bsc = _warp_argmax(bv, bi, bsc)
+        bi, bsc = _warp_argmax(bv, bi, bsc)
         mine = (bi % LANES) == lane
         taken = taken | sel(mine, Int32(1) << (bi // LANES), 0)
         picked_ids.append(bi)
@@ -206,11 +211,12 @@ def _route_token(mlog: cute.Tensor, mbias: cute.Tensor, row: Int64, lane: Int32,
     denom = picked[0]
     for kk in range(1, k):
         denom = add_rn(denom, picked[kk])
-    my_w = Float32(0.0)
+    mine_w = Float32(0.0)
     my_i = Int32(0)
     for kk in range(k):
-        my_w = _sel_f(lane == kk, div_rn(picked[kk], denom), my_w)
+        mine_w = _sel_f(lane == kk, picked[kk], mine_w)
         my_i = sel(lane == kk, picked_ids[kk], my_i)
+    my_w = div_rn(mine_w, denom)
     return _sel_f(_isnan(my_w), canonical_nan(), my_w), my_i
 
 
