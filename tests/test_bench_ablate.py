@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.ablate import COMPOUNDS, SETS, variants_of
+from bench.ablations import COMPOUNDS, SETS, variants_of
 from mutations.model import apply, check_anchors
 
 ROOT = Path(__file__).resolve().parents[1]
