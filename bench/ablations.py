@@ -246,6 +246,17 @@ _GATHER_CLUSTER_TWO = Mutation(
     "GEMM_GATHER_CLUSTER_M: Final[int] = 1\n", "GEMM_GATHER_CLUSTER_M: Final[int] = 2\n",
     "the gathering fwd/dgrad in 2-CTA clusters sharing each B box by multicast, like the TMA-fed ones",
 )
+_WGRAD_REGS = (
+    Mutation("ablate.gather_wgrad_regs_48", WGRAD_GATHER,
+             '        cute.arch.setmaxregister_decrease(PRODUCER_REGS)\n        if const_expr(side == "b"):',
+             '        cute.arch.setmaxregister_decrease(48)\n        if const_expr(side == "b"):',
+             "the gathered wgrad's producer warpgroup at 48 registers and every wgrad's consumers at 224 "
+             "(the pool is 384 x 168): at 40 ptxas spills 20-24 bytes in the gathering producer, at 48 / "
+             "224 nothing, and the TMA wgrads' consumers do not spill at 224"),
+    Mutation("ablate.gather_wgrad_regs_48_consumers", WGRAD_GATHER,
+             "    cute.arch.setmaxregister_increase(CONSUMER_REGS)\n",
+             "    cute.arch.setmaxregister_increase(224)\n", ""),
+)
 GATHER_ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
         "ablate.gather_no_fence", WGRAD_GATHER,
@@ -430,12 +441,13 @@ _FP8_TWO_SUBTILES = Mutation(
 )
 
 COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {
-    "gather": (*GATHER_COMPOUNDS,
+    "gather": (*GATHER_COMPOUNDS, _WGRAD_REGS,
                (replace(_GATHER_DEFERRED, id="ablate.gather_deferred_lsu_stores",
                         description="the gathering kernels hold each tile's h in registers and send "
                         "one subtile, with act(h), under each K box of the next tile by per-thread stores"),
                 replace(_MASKED_STORES, id="ablate.gather_deferred_lsu_stores_b"))),
-    "layer": ((Mutation("ablate.layer_routing_before", "nmoe/fast/kernels/router.py",
+    "layer": (tuple(replace(m, id=m.id.replace("gather_", "layer_")) for m in _WGRAD_REGS),
+              (Mutation("ablate.layer_routing_before", "nmoe/fast/kernels/router.py",
                         "    key = _order_key(v)\n", "    for off in (16, 8, 4, 2, 1):\n"
                         "        ov, oi, os_ = _bfly(v, off), _bfly(i, off), _bfly(s, off)\n"
                         "        take = _beats(ov, oi, v, i)\n"
