@@ -251,7 +251,7 @@ _WGRAD_REGS = (
              '        cute.arch.setmaxregister_decrease(PRODUCER_REGS)\n        if const_expr(side == "b"):',
              '        cute.arch.setmaxregister_decrease(48)\n        if const_expr(side == "b"):',
              "the gathered wgrad's producer warpgroup at 48 registers and every wgrad's consumers at 224 "
-             "(the pool is 384 x 168): at 40 ptxas spills 20-24 bytes in the gathering producer, at 48 / "
+             "(the pool is 384 x 168): at 40 ptxas spills 8-20 bytes in the gathering producers, at 48 / "
              "224 nothing, and the TMA wgrads' consumers do not spill at 224"),
     Mutation("ablate.gather_wgrad_regs_48_consumers", WGRAD_GATHER,
              "    cute.arch.setmaxregister_increase(CONSUMER_REGS)\n",
