@@ -277,6 +277,10 @@ def test_gathered_wgrad_refuses_bad_arguments() -> None:
         sm90.grouped_gemm_wgrad_gathered(dy, x, torch.zeros(256, dtype=torch.int64), 0, offs)
     with pytest.raises(ValueError, match="side 'both'"):
         sm90.grouped_gemm_wgrad_gathered(dy, x, torch.zeros(256, dtype=torch.int64), 2, offs, side="both")
+    for dw in (torch.zeros(2, 128, 32, dtype=torch.bfloat16), torch.zeros(2, 128, 64),
+               torch.zeros(2, 64, 128, dtype=torch.bfloat16).transpose(1, 2)):
+        with pytest.raises(ValueError, match=r"dw to add to must be a contiguous .* bf16 \[2, 128, 64\]"):
+            sm90.grouped_gemm_wgrad_gathered_add(dy, x, torch.zeros(256, dtype=torch.int64), 2, offs, "x", dw)
     w = torch.zeros(2, 128, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"need dy \[T, N\] and w \[E, N, K\]"):
         sm90.grouped_gemm_dgrad_gathered(x, torch.zeros(256, dtype=torch.int64), 2, w, offs)
