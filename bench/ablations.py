@@ -350,6 +350,13 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     ),
 )
 MOE = "nmoe/fast/moe.py"
+
+
+def _as_layer(m: Mutation) -> Mutation:
+    """A kernel ablation timed as the MoE layer: ablate.X becomes ablate.layer_X."""
+    return replace(m, id=m.id.replace("ablate.", "ablate.layer_", 1))
+
+
 LAYER_ABLATIONS: tuple[Mutation, ...] = (
     replace(_WGRAD_DEFERRED, id="ablate.layer_wgrad_deferred",
             description="the layer's wgrads (both column-chunked TMA wgrads) with the deferred epilogue"),
@@ -387,25 +394,13 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
         "the down wgrad copies dout's columns in chunks as wide as a (I) instead of dh (2I for swiglu): "
         "twice the launches, each with a skewed routing's tail",
     ),
-    replace(_NO_PINGPONG, id="ablate.layer_no_pingpong"),
-    replace(_GATHER_CLUSTER_N1, id="ablate.layer_gather_cluster_n1"),
-    replace(_GATHER_CLUSTER_N4, id="ablate.layer_gather_cluster_n4"),
+    *map(_as_layer, (_NO_PINGPONG, _GATHER_CLUSTER_N1, _GATHER_CLUSTER_N4)),
     replace(_MASKED_STORES, id="ablate.layer_lsu_stores",
             description="every grouped GEMM's full tiles leave by per-thread stores instead of TMA, timed as "
             "the layer"),
-    replace(_WGRAD_STATIC, id="ablate.layer_wgrad_static"),
-    replace(_WGRAD_CLUSTER_TWO, id="ablate.layer_wgrad_cluster_two"),
-    replace(_DEAD_ROWS_MMA, id="ablate.layer_dead_rows_mma"),
-    replace(_PINGPONG_FULL_TAIL, id="ablate.layer_pingpong_full_tail"),
-    replace(_PINGPONG, id="ablate.layer_pingpong"),
-    replace(_GATHER_ROWS_EVICT_FIRST, id="ablate.layer_gather_rows_evict_first"),
-    replace(_TMA_A_EVICT_FIRST, id="ablate.layer_a_evict_first"),
-    replace(_TMA_B_EVICT_LAST, id="ablate.layer_b_evict_last"),
-    replace(_GATHER_B_EVICT_LAST, id="ablate.layer_gather_b_evict_last"),
-    replace(_GATHER_STATIC, id="ablate.layer_gather_static"),
-    replace(_FWD_DYNAMIC, id="ablate.layer_fwd_dynamic"),
-    replace(_PINGPONG_BN128, id="ablate.layer_pingpong_bn128"),
-    replace(_GATHER_PINGPONG, id="ablate.layer_gather_pingpong"),
+    *map(_as_layer, (_WGRAD_STATIC, _WGRAD_CLUSTER_TWO, _DEAD_ROWS_MMA, _PINGPONG_FULL_TAIL, _PINGPONG,
+                     _GATHER_ROWS_EVICT_FIRST, _TMA_A_EVICT_FIRST, _TMA_B_EVICT_LAST, _GATHER_B_EVICT_LAST,
+                     _GATHER_STATIC, _FWD_DYNAMIC, _PINGPONG_BN128, _GATHER_PINGPONG)),
 )
 # Ablations of more than one edit, applied in order; the first names the variant and says what it measures.
 _EVICT_BOTH = (replace(_GATHER_ROWS_EVICT_FIRST, id="ablate.gather_evict_both",

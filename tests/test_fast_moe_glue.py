@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_fast_dispatch import _rows_of
 from torch import Tensor
 
 import nmoe.fast.experts as fx
@@ -86,11 +87,7 @@ EXPERT_SUBS: dict[str, Any] = {
 def _permute_rows(x: Tensor, ids: Tensor, n_experts: int, align: int) -> tuple[Any, Tensor]:
     """The spec's permute and slot's inverse row_of [T,K] (int32), as the fast op's one launch gives both."""
     p = rd.permute(x, ids, n_experts, align)
-    t, k = ids.shape
-    row_of = torch.zeros(t * k, dtype=torch.int32)
-    real = p.slot >= 0
-    row_of[p.slot[real]] = torch.arange(p.slot.numel(), dtype=torch.int32)[real]
-    return p, row_of.view(t, k)
+    return p, _rows_of(p.slot, *ids.shape)
 
 
 @pytest.fixture
