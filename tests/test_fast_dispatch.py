@@ -222,6 +222,18 @@ def test_spread_rows_of_a_column_slice_equals_permute(h: int, c0: int, cols: int
 
 
 @gpu
+def test_sep_dispatch_fast_row_of_next_row() -> None:
+    """The routing-only permute (no columns, no row-copy launch) hands back row_of = slot's inverse: its next
+    row differs for every slot."""
+    t, k, e, align = 300, 4, 16, 16
+    ids = _routing(t, k, e, "zipf", seed=9)
+    want = _rows_of(ref.permute(torch.zeros(t, 1), ids, e, align).slot, t, k)
+    assert bool((want + 1 != want).all())
+    _, row_of = fast.permute_rows(torch.zeros(t, 0).cuda(), ids.cuda(), e, align)
+    assert torch.equal(row_of.cpu(), want)
+
+
+@gpu
 def test_sep_dispatch_fast_spread_pitch_ignored() -> None:
     t, k, e, align, h = 300, 4, 16, 16, 256
     ids = _routing(t, k, e, "uniform", seed=7)

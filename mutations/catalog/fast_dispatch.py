@@ -30,6 +30,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "unpermute accepts a slot map in which a slot is missing", TESTS, ("unpermute",), device="gpu",
     ),
     sep_mutation(
+        "dispatch.fast_row_of_next_row", FILE,
+        "        mrow[s] = dest\n", "        mrow[s] = dest + 1\n",
+        "row_of names the row after the one that holds each slot (the routing-only permute copies no rows, "
+        "so only row_of shows it)", TESTS, ("permute",), device="gpu",
+    ),
+    sep_mutation(
         "dispatch.fast_spread_pitch_ignored", FILE,
         "            vals = _load_vecs(src, Int64(w), v0, row_vecs, src_vecs)\n",
         "            vals = _load_vecs(src, Int64(w), v0, row_vecs, row_vecs)\n",
