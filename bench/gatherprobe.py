@@ -1,7 +1,8 @@
 """Where the gathering up projection loses to the TMA-fed one: `python bench/gatherprobe.py --out FILE` times
 both (swiglu, h kept; conftest's sustained_ms) on the layer rows under router routings and synthetic balanced
 ones; `--one ROUTING CONFIG` runs one gathered call (`--tma`: the TMA-fed one on permute's copy),
-`--wgrad`/`--dense` a c1 up wgrad or its mm (for ncu)."""
+`--wgrad`/`--dense` a c1 up wgrad or its mm, `--wgrad-rows ROUTING CONFIG` the layer's up wgrad on
+router routing, x read through slot (`--tma`: on permute's copy), all for ncu."""
 
 from __future__ import annotations
 
@@ -79,13 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--one", nargs=2, metavar=("ROUTING", "CONFIG"))
     ap.add_argument("--wgrad", action="store_true")
+    ap.add_argument("--wgrad-rows", nargs=2, metavar=("ROUTING", "CONFIG"))
     ap.add_argument("--dense", action="store_true")
     ap.add_argument("--tma", action="store_true",
-                    help="with --one: the TMA-fed up projection on permute's copy")
+                    help="with --one or --wgrad-rows: the TMA-fed kernel on permute's copy")
     ap.add_argument("--routings", default=",".join(ROUTINGS), help="comma-separated: " + " ".join(ROUTINGS))
     args = ap.parse_args(argv)
-    if args.tma and not args.one:
-        ap.error("--tma picks the kernel --one runs; give --one ROUTING CONFIG")
+    if args.tma and not (args.one or args.wgrad_rows):
+        ap.error("--tma picks the kernel --one or --wgrad-rows runs; give one of them")
     if args.one:
         cfg = LAYER_CONFIGS[int(args.one[1])]
         x, w, ids = routed(cfg, args.one[0])
@@ -96,6 +98,18 @@ def main(argv: list[str] | None = None) -> int:
                     sm90.grouped_gemm_act_h(pm.xp, w, pm.offs, "swiglu")
                 else:
                     sm90.grouped_gemm_act_gathered(x, pm.slot, ids.shape[1], w, pm.offs, "swiglu")
+    elif args.wgrad_rows:
+        cfg = LAYER_CONFIGS[int(args.wgrad_rows[1])]
+        x, _, ids = routed(cfg, args.wgrad_rows[0])
+        with torch.no_grad():
+            pm = permute(x, ids, cfg[3], LAYER_ALIGN)
+            g = torch.Generator(device="cuda").manual_seed(2)
+            dh = torch.randn(pm.xp.shape[0], 2 * cfg[2], device="cuda", generator=g).to(torch.bfloat16)
+            for _ in range(3):
+                if args.tma:
+                    sm90.grouped_gemm_wgrad(dh, pm.xp, pm.offs)
+                else:
+                    sm90.grouped_gemm_wgrad_gathered(dh, x, pm.slot, ids.shape[1], pm.offs, side="x")
     elif args.wgrad or args.dense:
         t, h, i, e, k = LAYER_CONFIGS[0]
         g = torch.Generator(device="cuda").manual_seed(1)
