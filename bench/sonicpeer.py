@@ -1,6 +1,7 @@
 """SonicMoE on the MoE layer rows, in its own process (it pins another CuTeDSL): `python bench/sonicpeer.py
 --out FILE` with SonicMoE's site on PYTHONPATH; `nmoe bench` with NMOE_BENCH_PEER=FILE puts each row beside
-ours. Same weights, x, dout and routing as bench/test_bench_moe.py; the routing is given, not timed."""
+ours. Same weights, x, dout and routing as bench/test_bench_moe.py; the routing is given, not timed, and on
+uniform rows (router bias zero: its softmax top-k picks our sigmoid's experts) also its own router, timed."""
 
 from __future__ import annotations
 
@@ -55,9 +56,18 @@ def vs_peer(peer: dict[str, Any], ms: float, single_ms: float, mem_gib: float, g
     return out
 
 
-def _step(cfg: tuple[int, ...], routing: str, pass_: str) -> Callable[[], object]:
-    """SonicMoE's layer on the row's inputs and routing: its forward, or forward and backward."""
-    from sonicmoe import moe_general_routing_inputs
+def peer_name(routing: str, pass_: str, with_router: bool) -> str:
+    """The row name of a peer case; with_router rows route by the peer's own router (uniform only)."""
+    return f"moe_layer_{pass_}_{routing}" + ("_with_router" if with_router else "")
+
+
+def _step(cfg: tuple[int, ...], routing: str, pass_: str, with_router: bool) -> Callable[[], object]:
+    """SonicMoE's layer on the row's inputs, given the row's routing or (with_router) routing by its own
+    softmax top-k router, whose weight then gets a gradient as ours does: forward, or forward and backward."""
+    if with_router and routing != "uniform":
+        raise ValueError(f"sonicpeer: its router has no bias, so it can route only the uniform rows, not "
+                         f"{routing!r}")
+    from sonicmoe import moe_general_routing_inputs, moe_TC_softmax_topk_layer
     from sonicmoe.enums import ActivationType
 
     t, h, _, e, k = cfg
@@ -78,32 +88,43 @@ def _step(cfg: tuple[int, ...], routing: str, pass_: str) -> Callable[[], object
                                                        stream, ActivationType.SWIGLU, pass_ == "fwd")[0]
         return out
 
+    def routed() -> torch.Tensor:
+        out: torch.Tensor = moe_TC_softmax_topk_layer(x, p.router_w, w1, None, w2, None, k, stream,
+                                                      ActivationType.SWIGLU, pass_ == "fwd")[0]
+        return out
+
+    run, leaves = (routed, [x, p.router_w, p.w13, p.w2]) if with_router else (layer, [x, p.w13, p.w2])
+
     def step() -> object:
         if pass_ == "fwd":
             with torch.no_grad():
-                return layer()
-        return torch.autograd.grad(layer(), [x, p.w13, p.w2], dout)
+                return run()
+        return torch.autograd.grad(run(), leaves, dout)
 
     return step
 
 
-def _row(cfg: tuple[int, ...], routing: str, pass_: str) -> dict[str, Any]:
+def _row(cfg: tuple[int, ...], routing: str, pass_: str, with_router: bool) -> dict[str, Any]:
     from conftest import cuda_median_ms, peak_extra_bytes, sustained_ms  # bench/conftest.py, beside this
 
     t, h, i, e, k = cfg
-    step = _step(cfg, routing, pass_)
+    step = _step(cfg, routing, pass_, with_router)
     ms = cuda_median_ms(step, warmup=WARMUP, reps=REPS)
     held = sustained_ms(step)
     flops = (6.0 if pass_ == "fwd" else 18.0) * t * i * h * k
-    name = f"moe_layer_{pass_}_{routing}"
     shape = {"T": t, "H": h, "I": i, "E": e, "K": k}
-    return {"key": row_key(name, shape), "name": "sonicmoe", "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12,
+    how = ("moe_TC_softmax_topk_layer routing by its own router (router logits, top-k and their backward "
+           "timed)" if with_router else "moe_general_routing_inputs with the rows' routing given (router not "
+           "timed)")
+    return {"key": row_key(peer_name(routing, pass_, with_router), shape),
+            "name": "sonicmoe_with_router" if with_router else "sonicmoe", "ms": ms,
+            "tflops": flops / (ms * 1e-3) / 1e12,
             "sustained_ms": held, "sustained_tflops": flops / (held * 1e-3) / 1e12,
             "peak_extra_GiB": peak_extra_bytes(step) / 2**30, "timing": "eager",
             "breakdown": profile_step(lambda phase: step()),
-            "note": "moe_general_routing_inputs with the rows' routing given (router not timed); ms: median "
-                    f"of {REPS} warm calls, one per L2-flushed sample; sustained_ms: back-to-back calls per "
-                    "sample, as our rows' ms; breakdown: one profiled call's kernels, as our rows'"}
+            "note": f"{how}; ms: median of {REPS} warm calls, one per L2-flushed sample; sustained_ms: "
+                    "back-to-back calls per sample, as our rows' ms; breakdown: one profiled call's kernels, "
+                    "as our rows'"}
 
 
 def _write(out: Path, doc: dict[str, Any]) -> None:
@@ -142,22 +163,22 @@ def main(argv: list[str] | None = None) -> int:
     import sonicmoe
 
     configs = [LAYER_CONFIGS[i] for i in args.config] if args.config else LAYER_CONFIGS
-    cases = [(cfg, r, p) for cfg in configs for r in ROUTINGS for p in PASSES]
+    cases = [(cfg, r, p, own) for cfg in configs for r in ROUTINGS for p in PASSES
+             for own in ((False, True) if r == "uniform" else (False,))]
     t0 = time.monotonic()
     if args.go is not None:
-        for cfg, r, p in cases:
-            _step(cfg, r, p)()
+        for case in cases:
+            _step(*case)()
             torch.cuda.synchronize()
-            print(f"sonicpeer: compiled {cfg} {r} {p} at {time.monotonic() - t0:.0f} s", flush=True)
+            print(f"sonicpeer: compiled {case} at {time.monotonic() - t0:.0f} s", flush=True)
         torch.cuda.empty_cache()
         print("sonicpeer: compiled; waiting for", args.go, flush=True)
         while not args.go.exists():
             time.sleep(1)
     rows = []
-    for cfg, r, p in cases:
-        rows.append(_row(cfg, r, p))
-        print(f"sonicpeer: {cfg} {r} {p} {rows[-1]['ms']:.3f} ms at {time.monotonic() - t0:.0f} s",
-              flush=True)
+    for case in cases:
+        rows.append(_row(*case))
+        print(f"sonicpeer: {case} {rows[-1]['ms']:.3f} ms at {time.monotonic() - t0:.0f} s", flush=True)
     run = ("sonicmoe", sonicmoe.__version__, torch.__version__, torch.cuda.get_device_name())
     _write(args.out, {**dict(zip(_RUN, run, strict=True)), "rows": rows})
     return 0

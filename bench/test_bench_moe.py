@@ -39,7 +39,7 @@ from conftest import (
 )
 from sonicpeer import REPS as PEER_REPS
 from sonicpeer import WARMUP as PEER_WARMUP
-from sonicpeer import vs_peer
+from sonicpeer import peer_name, vs_peer
 from stepprofile import profile_step
 from torch import Tensor
 from torchbase import (
@@ -171,7 +171,8 @@ def test_bench_unpermute(benchmark: Any, cfg: tuple[int, ...]) -> None:
 
 
 def peer_row(name: str, shape: dict[str, int]) -> dict[str, Any] | None:
-    """SonicMoE's row for (name, shape) from the results NMOE_BENCH_PEER names, if it is set."""
+    """SonicMoE's row for (name, shape) from the results NMOE_BENCH_PEER names, if it is set (None also for a
+    with-router row a results file from before those rows lacks)."""
     from sonicpeer import find_row
 
     path = os.environ.get("NMOE_BENCH_PEER")
@@ -223,11 +224,15 @@ def test_bench_moe_layer(benchmark: Any, cfg: tuple[int, ...], routing: str, pas
     shape = dict(zip(("T", "H", "I", "E", "K"), cfg, strict=True))
     pick = None if torch_base["ms"] is None else ("torch_grouped_mm", float(torch_base["ms"]))
     row = record(f"moe_layer_{pass_}_{routing}", shape, ms, flops=flops, baseline=pick)
-    sonic = peer_row(f"moe_layer_{pass_}_{routing}", shape)
+    sonic = peer_row(peer_name(routing, pass_, False), shape)
+    own = peer_row(peer_name(routing, pass_, True), shape) if routing == "uniform" else None
     if sonic is not None:
         sonic["eager_ms_ratio"] = sonic["ms"] / eager_ms
         row["vs_sonicmoe"] = vs_peer(sonic, ms, single_ms, mem_fast / 2**30, cfg in LAYER_CONFIGS[:3], pass_)
-    row.update(routing=routing, max_over_mean_load=load, baselines=[torch_base] + ([sonic] if sonic else []),
+    if own is not None:
+        row["vs_sonicmoe_with_router"] = vs_peer(own, ms, single_ms, mem_fast / 2**30, False, pass_)
+    peers = [r for r in (sonic, own) if r is not None]
+    row.update(routing=routing, max_over_mean_load=load, baselines=[torch_base, *peers],
                peak_extra_GiB=mem_fast / 2**30, single_call_ms=single_ms, eager_ms=eager_ms,
                eager_host_ms=host_ms, host_frac_of_gpu=host_ms / ms,
                sonicmoe="in baselines (its eager_ms_ratio is its time over our eager time)" if sonic else

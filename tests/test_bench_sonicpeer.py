@@ -56,3 +56,14 @@ def test_per_config_results_merge_into_one_peer_file(tmp_path: Path) -> None:
     parts[1].write_text(json.dumps({**head, "gpu": "H200", "rows": []}))
     with pytest.raises(SystemExit, match="one GPU"):
         main(["--out", str(out), "--merge", *map(str, parts)])
+
+
+def test_with_router_rows_are_named_apart_and_uniform_only() -> None:
+    """The peer's own-router rows never stand in for its routing-given ones, and a routing its bias-free
+    router cannot make (Zipf's biased picks) is refused, not timed on other picks."""
+    from bench.sonicpeer import _step, peer_name
+
+    assert peer_name("uniform", "fwd", True) == "moe_layer_fwd_uniform_with_router"
+    assert peer_name("uniform", "fwd", False) == "moe_layer_fwd_uniform"
+    with pytest.raises(ValueError, match="uniform"):
+        _step((8, 16, 4, 2, 1), "zipf", "fwd", True)
