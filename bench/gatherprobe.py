@@ -2,7 +2,8 @@
 both (swiglu, h kept; conftest's sustained_ms) on the layer rows under router routings and synthetic balanced
 ones; `--one ROUTING CONFIG` runs one gathered call (`--tma`: the TMA-fed one on permute's copy),
 `--wgrad`/`--dense` a c1 up wgrad or its mm, `--wgrad-rows ROUTING CONFIG` the layer's up wgrad on
-router routing, x read through slot (`--tma`: on permute's copy), all for ncu."""
+router routing, x read through slot on the N side (`--x-on-m`: x^T @ dh, x on M; `--tma`: on permute's
+copy), all for ncu."""
 
 from __future__ import annotations
 
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--one", nargs=2, metavar=("ROUTING", "CONFIG"))
     ap.add_argument("--wgrad", action="store_true")
     ap.add_argument("--wgrad-rows", nargs=2, metavar=("ROUTING", "CONFIG"))
+    ap.add_argument("--x-on-m", action="store_true", help="with --wgrad-rows: x gathered as the M operand")
     ap.add_argument("--dense", action="store_true")
     ap.add_argument("--tma", action="store_true",
                     help="with --one or --wgrad-rows: the TMA-fed kernel on permute's copy")
@@ -108,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(3):
                 if args.tma:
                     sm90.grouped_gemm_wgrad(dh, pm.xp, pm.offs)
+                elif args.x_on_m:
+                    sm90.grouped_gemm_wgrad_gathered(x, dh, pm.slot, ids.shape[1], pm.offs, side="dy")
                 else:
                     sm90.grouped_gemm_wgrad_gathered(dh, x, pm.slot, ids.shape[1], pm.offs, side="x")
     elif args.wgrad or args.dense:
