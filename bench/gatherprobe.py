@@ -3,7 +3,7 @@ both (swiglu, h kept; conftest's sustained_ms) on the layer rows under router ro
 ones; `--one ROUTING CONFIG` runs one gathered call (`--tma`: the TMA-fed one on permute's copy),
 `--wgrad`/`--dense` a c1 up wgrad or its mm, `--wgrad-rows ROUTING CONFIG` the layer's up wgrad on
 router routing, x read through slot on the N side (`--x-on-m`: x^T @ dh, x on M; `--tma`: on permute's
-copy), all for ncu."""
+copy; the last of four calls inside the NVTX range "probe"), all for ncu."""
 
 from __future__ import annotations
 
@@ -107,13 +107,18 @@ def main(argv: list[str] | None = None) -> int:
             pm = permute(x, ids, cfg[3], LAYER_ALIGN)
             g = torch.Generator(device="cuda").manual_seed(2)
             dh = torch.randn(pm.xp.shape[0], 2 * cfg[2], device="cuda", generator=g).to(torch.bfloat16)
-            for _ in range(3):
+            for rep in range(4):
+                if rep == 3:
+                    torch.cuda.synchronize()
+                    torch.cuda.nvtx.range_push("probe")
                 if args.tma:
                     sm90.grouped_gemm_wgrad(dh, pm.xp, pm.offs)
                 elif args.x_on_m:
                     sm90.grouped_gemm_wgrad_gathered(x, dh, pm.slot, ids.shape[1], pm.offs, side="dy")
                 else:
                     sm90.grouped_gemm_wgrad_gathered(dh, x, pm.slot, ids.shape[1], pm.offs, side="x")
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_pop()
     elif args.wgrad or args.dense:
         t, h, i, e, k = LAYER_CONFIGS[0]
         g = torch.Generator(device="cuda").manual_seed(1)

@@ -127,6 +127,32 @@ def _row(cfg: tuple[int, ...], routing: str, pass_: str, with_router: bool) -> d
                     "as our rows'"}
 
 
+def wgrad_probe(cfg: tuple[int, ...]) -> None:
+    """SonicMoE's up-projection wgrad (x gathered on M, its own call) on the row's uniform routing: warm
+    calls, then one inside the NVTX range "probe", for ncu --nvtx --nvtx-include probe/."""
+    from sonicmoe.functional.backward import _up_projection_backward_weight
+
+    t, _, i, e, k = cfg
+    _, p, x, _ = layer_inputs(cfg, "uniform", LAYER_ALIGN)
+    with torch.no_grad():
+        _, ids = router_topk_torch(x.float() @ p.router_w.float().T, p.router_bias, k)
+    experts = ids.reshape(-1)
+    rows = (torch.argsort(experts, stable=True) // k).to(torch.int32)
+    offs = torch.zeros(e + 1, dtype=torch.int32, device="cuda")
+    offs[1:] = torch.bincount(experts, minlength=e).cumsum(0)
+    dh = torch.randn(t * k, 2 * i, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    dh = dh.to(torch.bfloat16)
+    dw1 = torch.empty_like(p.w13.detach().permute(1, 2, 0))
+    x = x.detach()
+    for _ in range(3):
+        _up_projection_backward_weight(x, dw1, dh, offs, rows, True)
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push("probe")
+    _up_projection_backward_weight(x, dw1, dh, offs, rows, True)
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_pop()
+
+
 def _write(out: Path, doc: dict[str, Any]) -> None:
     out.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
     print(f"sonicpeer: wrote {out}: {len(doc['rows'])} rows")
@@ -149,7 +175,7 @@ def merge(parts: list[Path], out: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="sonicpeer", description=__doc__)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path)
     ap.add_argument("--config", type=int, action="append", choices=range(len(LAYER_CONFIGS)),
                     help="time layer config I (repeatable; default: all, SonicMoE's three first); each "
                     "compiles for minutes, so one process per config can compile them side by side")
@@ -157,7 +183,14 @@ def main(argv: list[str] | None = None) -> int:
                     "(so the minutes of compilation can overlap other work and the timing cannot)")
     ap.add_argument("--merge", type=Path, nargs="+", help="write these results' rows (one process per "
                     "--config, same peer and GPU) into --out as one file, timing nothing")
+    ap.add_argument("--wgrad-probe", type=int, choices=range(len(LAYER_CONFIGS)), help="run SonicMoE's "
+                    "up-projection wgrad on config I under the NVTX range 'probe' (for ncu) and time nothing")
     args = ap.parse_args(argv)
+    if args.wgrad_probe is not None:
+        wgrad_probe(LAYER_CONFIGS[args.wgrad_probe])
+        return 0
+    if args.out is None:
+        ap.error("--out is required unless --wgrad-probe")
     if args.merge:
         return merge(args.merge, args.out)
     import sonicmoe
