@@ -17,8 +17,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "moe.fast_dweights_scale_dropped", FILE,
-        "dweights = _to_slots(dot * scale, slot, t, k)",
-        "dweights = _to_slots(dot, slot, t, k)",
+        "dweights = (dot * scale).index_select(0, row_of.view(-1)).view(t, k)",
+        "dweights = dot.index_select(0, row_of.view(-1)).view(t, k)",
         "router-weight gradient <a, dout @ W2> without route_scale", TESTS, ("moe_layer",),
     ),
     sep_mutation(

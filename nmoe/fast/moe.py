@@ -93,12 +93,6 @@ def _slot_weights(weights: Tensor, slot: Tensor) -> Tensor:
     return flat[torch.where(slot >= 0, slot, flat.numel() - 1)]
 
 
-def _to_slots(v: Tensor, slot: Tensor, t: int, k: int) -> Tensor:
-    """fp32 [T,K] from per-row values: slot order back, pad rows dropped."""
-    sink = torch.where(slot >= 0, slot, t * k)
-    return v.new_zeros(t * k + 1).index_copy_(0, sink, v)[: t * k].view(t, k)
-
-
 def _held_grad(w: Tensor) -> Tensor | None:
     """w's .grad to add the wgrad into, when nmoe.accumulate's adding_to_grads is on and w (a leaf) holds a
     bf16 one the kernel can address; else None, and autograd gets the wgrad as usual."""
@@ -250,7 +244,7 @@ class _Routed(torch.autograd.Function):
             dweights = combine_bwd(dout, fp8_y[0], weights, cfg.route_scale)[1]
         elif need_w:
             assert dot is not None
-            dweights = _to_slots(dot * scale, slot, t, k)
+            dweights = (dot * scale).index_select(0, row_of.view(-1)).view(t, k)
         if need_w2:
             assert aw is not None
             dw2 = _expert_wgrad(dout, aw, slot, row_of, offs, "dy", h.shape[1], w2)
