@@ -121,6 +121,17 @@ def capture(step: Callable[[], object]) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def nvtx_probe(fn: Callable[[], object], warm: int = 3) -> None:
+    """`warm` calls, then one alone inside the NVTX range "probe", for ncu --nvtx --nvtx-include probe/."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push("probe")  # type: ignore[no-untyped-call]
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_pop()  # type: ignore[no-untyped-call]
+
+
 def sustained_ms(fn: Callable[[], object], replays: int = REPLAYS, reps: int = REPS) -> float:
     """GPU ms per call of `replays` back-to-back calls per L2-flushed sample: the GPU runs under load as in
     training, where a lone call after a sync can run at clocks the 700 W cap does not sustain."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from conftest import sustained_ms
+from conftest import nvtx_probe, sustained_ms
 from torchbase import LAYER_ALIGN, LAYER_CONFIGS, layer_inputs
 
 from nmoe.fast.dispatch import permute
@@ -107,18 +108,14 @@ def main(argv: list[str] | None = None) -> int:
             pm = permute(x, ids, cfg[3], LAYER_ALIGN)
             g = torch.Generator(device="cuda").manual_seed(2)
             dh = torch.randn(pm.xp.shape[0], 2 * cfg[2], device="cuda", generator=g).to(torch.bfloat16)
-            for rep in range(4):
-                if rep == 3:
-                    torch.cuda.synchronize()
-                    torch.cuda.nvtx.range_push("probe")
-                if args.tma:
-                    sm90.grouped_gemm_wgrad(dh, pm.xp, pm.offs)
-                elif args.x_on_m:
-                    sm90.grouped_gemm_wgrad_gathered(x, dh, pm.slot, ids.shape[1], pm.offs, side="dy")
-                else:
-                    sm90.grouped_gemm_wgrad_gathered(dh, x, pm.slot, ids.shape[1], pm.offs, side="x")
-            torch.cuda.synchronize()
-            torch.cuda.nvtx.range_pop()
+            k = ids.shape[1]
+            if args.tma:
+                fn = partial(sm90.grouped_gemm_wgrad, dh, pm.xp, pm.offs)
+            elif args.x_on_m:
+                fn = partial(sm90.grouped_gemm_wgrad_gathered, x, dh, pm.slot, k, pm.offs, "dy")
+            else:
+                fn = partial(sm90.grouped_gemm_wgrad_gathered, dh, x, pm.slot, k, pm.offs, "x")
+            nvtx_probe(fn)
     elif args.wgrad or args.dense:
         t, h, i, e, k = LAYER_CONFIGS[0]
         g = torch.Generator(device="cuda").manual_seed(1)

@@ -10,6 +10,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -73,33 +74,31 @@ def _step(cfg: tuple[int, ...], routing: str, pass_: str, with_router: bool) -> 
     t, h, _, e, k = cfg
     _, p, x, _ = layer_inputs(cfg, routing, LAYER_ALIGN)
     assert p.w13 is not None
-    with torch.no_grad():
-        weights, ids = router_topk_torch(x.float() @ p.router_w.float().T, p.router_bias, k)
-    scores = weights.reshape(-1).contiguous()
-    tokens = torch.arange(t, device="cuda", dtype=torch.int32).repeat_interleave(k)
-    experts = ids.reshape(-1).to(torch.int32)
     w1, w2 = p.w13.permute(1, 2, 0), p.w2.permute(1, 2, 0)
     dout = torch.randn(t, h, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))
     dout = dout.to(torch.bfloat16).contiguous()
     stream = torch.cuda.current_stream().cuda_stream
-
-    def layer() -> torch.Tensor:
-        out: torch.Tensor = moe_general_routing_inputs(x, scores, tokens, experts, w1, None, w2, None, e,
-                                                       stream, ActivationType.SWIGLU, pass_ == "fwd")[0]
-        return out
-
-    def routed() -> torch.Tensor:
-        out: torch.Tensor = moe_TC_softmax_topk_layer(x, p.router_w, w1, None, w2, None, k, stream,
-                                                      ActivationType.SWIGLU, pass_ == "fwd")[0]
-        return out
-
-    run, leaves = (routed, [x, p.router_w, p.w13, p.w2]) if with_router else (layer, [x, p.w13, p.w2])
+    inference = pass_ == "fwd"
+    run: Callable[[], tuple[torch.Tensor, ...]]
+    if with_router:
+        leaves = [x, p.router_w, p.w13, p.w2]
+        run = partial(moe_TC_softmax_topk_layer, x, p.router_w, w1, None, w2, None, k, stream,
+                      ActivationType.SWIGLU, inference)
+    else:
+        with torch.no_grad():
+            weights, ids = router_topk_torch(x.float() @ p.router_w.float().T, p.router_bias, k)
+        scores = weights.reshape(-1).contiguous()
+        tokens = torch.arange(t, device="cuda", dtype=torch.int32).repeat_interleave(k)
+        experts = ids.reshape(-1).to(torch.int32)
+        leaves = [x, p.w13, p.w2]
+        run = partial(moe_general_routing_inputs, x, scores, tokens, experts, w1, None, w2, None, e, stream,
+                      ActivationType.SWIGLU, inference)
 
     def step() -> object:
         if pass_ == "fwd":
             with torch.no_grad():
-                return run()
-        return torch.autograd.grad(run(), leaves, dout)
+                return run()[0]
+        return torch.autograd.grad(run()[0], leaves, dout)
 
     return step
 
@@ -130,6 +129,7 @@ def _row(cfg: tuple[int, ...], routing: str, pass_: str, with_router: bool) -> d
 def wgrad_probe(cfg: tuple[int, ...]) -> None:
     """SonicMoE's up-projection wgrad (x gathered on M, its own call) on the row's uniform routing: warm
     calls, then one inside the NVTX range "probe", for ncu --nvtx --nvtx-include probe/."""
+    from conftest import nvtx_probe  # bench/conftest.py, beside this
     from sonicmoe.functional.backward import _up_projection_backward_weight
 
     t, _, i, e, k = cfg
@@ -144,13 +144,7 @@ def wgrad_probe(cfg: tuple[int, ...]) -> None:
     dh = dh.to(torch.bfloat16)
     dw1 = torch.empty_like(p.w13.detach().permute(1, 2, 0))
     x = x.detach()
-    for _ in range(3):
-        _up_projection_backward_weight(x, dw1, dh, offs, rows, True)
-    torch.cuda.synchronize()
-    torch.cuda.nvtx.range_push("probe")
-    _up_projection_backward_weight(x, dw1, dh, offs, rows, True)
-    torch.cuda.synchronize()
-    torch.cuda.nvtx.range_pop()
+    nvtx_probe(partial(_up_projection_backward_weight, x, dw1, dh, offs, rows, True))
 
 
 def _write(out: Path, doc: dict[str, Any]) -> None:
