@@ -257,14 +257,7 @@ _WGRAD_REGS = (
              "    cute.arch.setmaxregister_increase(CONSUMER_REGS)\n",
              "    cute.arch.setmaxregister_increase(224)\n", ""),
 )
-_INDEX_AHEAD = Mutation(
-    "ablate.gather_wgrad_index_ahead", LIMITS,
-    "GEMM_WGRAD_GATHER_INDEX_AHEAD: Final[int] = 1\n", "GEMM_WGRAD_GATHER_INDEX_AHEAD: Final[int] = 2\n",
-    "the gathered wgrad's producer loads its rows' slots two stages ahead, before it waits for the stage, "
-    "so no loop carry waits on the load (at 1 each stage waits on it: SASS, ncu at 304761d)",
-)
 GATHER_ABLATIONS: tuple[Mutation, ...] = (
-    _INDEX_AHEAD,
     Mutation(
         "ablate.gather_no_fence", WGRAD_GATHER,
         "        cute.arch.cp_async_wait_group(lag)\n"
@@ -401,7 +394,7 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
         "the down wgrad copies dout's columns in chunks as wide as a (I) instead of dh (2I for swiglu): "
         "twice the launches, each with a skewed routing's tail",
     ),
-    *map(_as_layer, (_NO_PINGPONG, _GATHER_CLUSTER_N1, _GATHER_CLUSTER_N4, _INDEX_AHEAD)),
+    *map(_as_layer, (_NO_PINGPONG, _GATHER_CLUSTER_N1, _GATHER_CLUSTER_N4)),
     replace(_MASKED_STORES, id="ablate.layer_lsu_stores",
             description="every grouped GEMM's full tiles leave by per-thread stores instead of TMA, timed as "
             "the layer"),

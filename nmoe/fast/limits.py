@@ -67,10 +67,6 @@ GEMM_WGRAD_GATHER_DY_MAX_K: Final[int] = 256
 rows by index as it loads when I is at most this, else the TMA wgrad reads permuted copies of dout's column
 chunks: the copy's 4RH bytes weigh more against 2RHI FLOPs the smaller I (H100 layer fwd+bwd, 002f283:
 1.07x at I = 256, 1.00x at 512, 0.97-0.98x at 1024; at 26d6355 the copies ran 0.93x at I = 256)."""
-GEMM_WGRAD_GATHER_INDEX_AHEAD: Final[int] = 1
-"""Stages ahead the gathered wgrad's producer loads its rows' slots: 1, after it waits for the stage's slot,
-or 2, before, its register then carried a whole stage. At 1 the loop carry waits on the load every stage
-(SASS); ncu (H100, 304761d) had x-on-M at 11.46 ms against SonicMoE's 7.19. 1 until 2 is measured."""
 GEMM_WGRAD_CLUSTER_M: Final[int] = 1
 """CTAs of an sm_90a TMA-fed wgrad cluster (up to this, where dw's M tiles fill them): one work item's M tiles
 side by side, each x box multicast to them, CTA 0 handing each dynamic item to the rest (H200 ncu, c1 up

@@ -68,7 +68,6 @@ from nmoe.fast.kernels.sm90.tiles import (
 from nmoe.fast.limits import GEMM_BK as BK
 from nmoe.fast.limits import GEMM_BM as BM
 from nmoe.fast.limits import GEMM_MAX_GROUPS as MAX_GROUPS
-from nmoe.fast.limits import GEMM_WGRAD_GATHER_INDEX_AHEAD as INDEX_AHEAD
 
 MASK_BARRIER_ID = 2
 PACK = 1 << 16
@@ -573,8 +572,8 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.C
                            n_ctas: Int32, warp_idx: Int32, ptid: Int32, width: Constexpr[int],
                            bn: Constexpr[int], side: Constexpr[str], stages: Constexpr[int]) -> None:
     """One operand from token-major rows (side "b": x, "a": dy), the other by TMA (warp 0): one lane per row
-    looks up its source INDEX_AHEAD stages ahead (slot // top_k; the zero chunk for pad rows and rows past
-    the group), shuffled to the lanes that cp.async its 16-byte chunks; each stage lands gather_lag later."""
+    looks up its source a stage ahead (slot // top_k; the zero chunk for pad rows and rows past the group),
+    shuffled to the lanes that cp.async its 16-byte chunks; each stage lands gather_lag stages later."""
     atom = chunk_atom()
     s_t_flat = cute.group_modes(s_t, 0, 2)
     g_base = cast(Pointer, s_g.iterator).toint()
@@ -585,7 +584,7 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.C
     mine = own_row(lane, ptid // 32, q)
     c = (lane % per_row) * VEC
     row_bytes = Int64(width * 2)
-    slot = cute.make_rmem_tensor(INDEX_AHEAD, Int64)
+    slot = cute.make_rmem_tensor(1, Int64)
     lag = gather_lag(stages)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     for rnd in range(n_rounds(u.total, n_ctas)):
@@ -600,15 +599,11 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.C
                 col = m_tile * BM + c
             t_st, t_gt = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), s_t_flat,
                                                cute.group_modes(g_t, 0, 2))
-            for i in range_constexpr(INDEX_AHEAD):
-                slot[i] = _slot_at(m_slot, start + i * BK + mine, end)
+            slot[0] = _slot_at(m_slot, start + mine, end)
             for kt in range((end - start + BK - 1) // BK):
-                if const_expr(INDEX_AHEAD == 2):
-                    ahead = _slot_at(m_slot, start + (kt + 2) * BK + mine, end)
                 arm_stage(mainloop, state, warp_idx, tma_atom, t_gt[(None, kt)], t_st[(None, state.index)])
                 s = slot[0]
-                if const_expr(INDEX_AHEAD == 1):
-                    slot[0] = _slot_at(m_slot, start + (kt + 1) * BK + mine, end)
+                slot[0] = _slot_at(m_slot, start + (kt + 1) * BK + mine, end)
                 src = zero_addr
                 if s >= Int64(0):
                     src = src_addr + s // Int64(top_k) * row_bytes
@@ -621,9 +616,6 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.C
                     copy_chunk(atom, g, g_base + swizzled(g_outer((c, rr, state.index)) * 2))
                 commit_stage(mainloop, state, lag, stages)
                 state.advance()
-                if const_expr(INDEX_AHEAD == 2):
-                    slot[0] = slot[1]
-                    slot[1] = ahead
     land_all(mainloop, state, lag, stages)
     if warp_idx == 0:
         mainloop.producer_tail(state)
@@ -714,9 +706,6 @@ def compile_args(n: int, k: int, bn: int, ld: int, gs: int = 0, dynamic: bool = 
 
 def compile_args_gather(n: int, k: int, bn: int, side: str,
                         accumulate: bool = False) -> tuple[Any, tuple[Any, ...]]:
-    if INDEX_AHEAD not in (1, 2):
-        raise ValueError(f"GEMM_WGRAD_GATHER_INDEX_AHEAD = {INDEX_AHEAD}: the gathered wgrad loads its "
-                         "slots 1 or 2 stages ahead")
     if side not in ("a", "b"):
         raise ValueError(f"gathered wgrad side {side!r}: 'a' (dy token-major) or 'b' (x token-major)")
     ptrs = (*(pointer(BFloat16, 0) for _ in range(3)), pointer(Int64, 0, 8), pointer(BFloat16, 0),
