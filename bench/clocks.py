@@ -1,6 +1,6 @@
-"""The H200's power cap in a timing: the MoE layer's fwd+bwd and a same-FLOP cuBLAS mm, one call after an idle
-pause and back-to-back, beside nvidia-smi's SM clock, power and throttle reasons.
-`python -m bench.clocks --out FILE.json [--config N] [--calls 60]` (N indexes torchbase.LAYER_CONFIGS)."""
+"""The power cap in a timing: the MoE layer's fwd+bwd and a same-FLOP mm (`--what up_wgrad`: its up wgrad,
+gathered and copy-fed) cold and back-to-back, beside nvidia-smi's SM clock, power and throttle reasons.
+`python -m bench.clocks --out F.json [--config N] [--calls 60] [--what ...]`; SonicMoE: sonicpeer --clocks."""
 
 from __future__ import annotations
 
@@ -79,23 +79,54 @@ def _probe(fn: Callable[[], object], flops: float,
     return row, spans
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.clocks", description=__doc__)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--config", type=int, default=0)
-    p.add_argument("--calls", type=int, default=60)
-    args = p.parse_args(argv)
-    sys.path.insert(0, str(ROOT / "bench"))
-    import torch
-    from conftest import capture
-    from torchbase import LAYER_CONFIGS, layer_inputs
+def clocked(steps: dict[str, Callable[[], object]], flops: float, calls: int,
+            log: Path) -> dict[str, Any]:
+    """_probe each step under nvidia-smi sampled into `log`; each row gains `clocks`, the median SM clock,
+    power and throttle reasons over its cold calls and over the later half of its back-to-back ones."""
+    rows: dict[str, Any] = {}
+    spans: dict[str, list[tuple[str, float, float]]] = {}
+    with log.open("w") as f:
+        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_QUERY}", "--format=csv,noheader,nounits",
+                                "-lms", str(SMI_PERIOD_MS)], stdout=f)
+        try:
+            for name, step in steps.items():
+                rows[name], spans[name] = _probe(step, flops, calls)
+        finally:
+            time.sleep(0.5)
+            smi.terminate()
+            smi.wait()
+    samples = parse_smi(log.read_text().splitlines())
+    for name, row in rows.items():
+        row["clocks"] = {kind: window(samples, [(t0, t1) for k_, t0, t1 in spans[name] if k_ == kind])
+                         for kind in ("cold", "sustained")}
+    return rows
 
-    from nmoe.fast.moe import moe_layer
+
+def write(out: Path, command: str, cfg: Sequence[int], flops: float, rows: dict[str, Any],
+          **extra: Any) -> None:
+    """The clocks document (provenance, shape, flops, rows) at `out`, and one line per row on stdout."""
     from nmoe.provenance import provenance
 
-    cfg = LAYER_CONFIGS[args.config]
+    doc = {"provenance": provenance(command), "shape": dict(zip(("T", "H", "I", "E", "K"), cfg, strict=True)),
+           "flops": flops, **extra, "idle_s": IDLE_S, "smi_period_ms": SMI_PERIOD_MS,
+           "note": "cold: one call after an idle pause; sustained: the median of the later half of "
+                   "back-to-back calls, clocks sampled over that half", "rows": rows}
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    for name, row in rows.items():
+        print(f"{name}: cold {row['cold_median_ms']:.2f} ms, sustained {row['sustained_median_ms']:.2f} ms "
+              f"(x{row['slowdown']:.3f}); clocks {row['clocks']}")
+
+
+def _layer_steps(cfg: Sequence[int]) -> tuple[float, dict[str, Callable[[], object]], dict[str, Any]]:
+    """The MoE layer's fwd+bwd and one cuBLAS mm of its FLOPs, each a captured graph's replay."""
+    import torch
+    from conftest import capture
+    from torchbase import layer_inputs
+
+    from nmoe.fast.moe import moe_layer
+
     t, h, i, _, k = cfg
-    mc, prm, x, leaves = layer_inputs(cfg, "uniform", 128)
+    mc, prm, x, leaves = layer_inputs(tuple(cfg), "uniform", 128)
     dout = torch.randn(t, h, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))
     dout = dout.to(torch.bfloat16)
     flops = 18.0 * t * i * h * k
@@ -106,32 +137,51 @@ def main(argv: Sequence[str] | None = None) -> int:
         "moe_layer_fwd_bwd": lambda: torch.autograd.grad(moe_layer(x, prm, mc)[0], leaves, dout),
         "cublas_mm_same_flops": lambda: a @ b,
     }
-    log = args.out.with_suffix(".smi.csv")
-    rows: dict[str, Any] = {}
-    spans: dict[str, list[tuple[str, float, float]]] = {}
-    with log.open("w") as f:
-        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_QUERY}", "--format=csv,noheader,nounits",
-                                "-lms", str(SMI_PERIOD_MS)], stdout=f)
-        try:
-            for name, step in steps.items():
-                rows[name], spans[name] = _probe(capture(step).replay, flops, args.calls)
-        finally:
-            time.sleep(0.5)
-            smi.terminate()
-            smi.wait()
-    samples = parse_smi(log.read_text().splitlines())
-    for name, row in rows.items():
-        row["clocks"] = {kind: window(samples, [(t0, t1) for k_, t0, t1 in spans[name] if k_ == kind])
-                         for kind in ("cold", "sustained")}
-    doc = {"provenance": provenance("python -m bench.clocks " + " ".join(argv or sys.argv[1:])),
-           "shape": dict(zip(("T", "H", "I", "E", "K"), cfg, strict=True)), "flops": flops,
-           "mm_shape": [a.shape[0], n, n], "idle_s": IDLE_S, "smi_period_ms": SMI_PERIOD_MS,
-           "note": "cold: one call after an idle pause; sustained: the median of the later half of "
-                   "back-to-back calls, clocks sampled over that half", "rows": rows}
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    for name, row in rows.items():
-        print(f"{name}: cold {row['cold_median_ms']:.2f} ms, sustained {row['sustained_median_ms']:.2f} ms "
-              f"(x{row['slowdown']:.3f}); clocks {row['clocks']}")
+    graphs = {name: capture(step).replay for name, step in steps.items()}
+    return flops, graphs, {"mm_shape": [a.shape[0], n, n], "timing": "cuda_graph"}
+
+
+def _up_wgrad_steps(cfg: Sequence[int]) -> tuple[float, dict[str, Callable[[], object]], dict[str, Any]]:
+    """The layer's up wgrad on router-uniform routing, as gatherprobe --wgrad-rows gives it to ncu: x read
+    through slot on M and on N, and TMA-fed on permute's copy."""
+    import torch
+    from conftest import capture
+    from gatherprobe import routed
+    from torchbase import LAYER_ALIGN
+
+    from nmoe.fast.dispatch import permute
+    from nmoe.fast.gemm import sm90
+
+    x, _, ids = routed(tuple(cfg), "uniform")
+    with torch.no_grad():
+        pm = permute(x, ids, cfg[3], LAYER_ALIGN)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    dh = torch.randn(pm.xp.shape[0], 2 * cfg[2], device="cuda", generator=g).to(torch.bfloat16)
+    k = ids.shape[1]
+    steps: dict[str, Callable[[], object]] = {
+        "up_wgrad_x_on_m": lambda: sm90.grouped_gemm_wgrad_gathered(x, dh, pm.slot, k, pm.offs, "dy"),
+        "up_wgrad_x_on_n": lambda: sm90.grouped_gemm_wgrad_gathered(dh, x, pm.slot, k, pm.offs, "x"),
+        "up_wgrad_tma_on_copy": lambda: sm90.grouped_gemm_wgrad(dh, pm.xp, pm.offs),
+    }
+    flops = 2.0 * pm.xp.shape[0] * 2 * cfg[2] * cfg[1]
+    graphs = {name: capture(step).replay for name, step in steps.items()}
+    return flops, graphs, {"align": LAYER_ALIGN, "timing": "cuda_graph"}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.clocks", description=__doc__)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--config", type=int, default=0)
+    p.add_argument("--calls", type=int, default=60)
+    p.add_argument("--what", choices=("layer", "up_wgrad"), default="layer")
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(ROOT / "bench"))
+    from torchbase import LAYER_CONFIGS
+
+    cfg = LAYER_CONFIGS[args.config]
+    flops, steps, extra = (_layer_steps if args.what == "layer" else _up_wgrad_steps)(cfg)
+    rows = clocked(steps, flops, args.calls, args.out.with_suffix(".smi.csv"))
+    write(args.out, "python -m bench.clocks " + " ".join(argv or sys.argv[1:]), cfg, flops, rows, **extra)
     return 0
 
 

@@ -147,6 +147,21 @@ def wgrad_probe(cfg: tuple[int, ...]) -> None:
     nvtx_probe(partial(_up_projection_backward_weight, x, dw1, dh, offs, rows, True))
 
 
+def clock_probe(cfg: tuple[int, ...], out: Path, calls: int, command: str) -> None:
+    """SonicMoE's fwd+bwd on the row's uniform routing (given) as bench.clocks times ours, but eager: cold
+    calls after idle pauses and back-to-back ones, beside nvidia-smi's SM clock, power and throttling."""
+    import sonicmoe
+    from clocks import clocked, write  # bench/clocks.py, beside this
+
+    t, h, i, _, k = cfg
+    step = _step(cfg, "uniform", "fwd_bwd", False)
+    step()
+    torch.cuda.synchronize()
+    flops = 18.0 * t * i * h * k
+    rows = clocked({"sonicmoe_fwd_bwd": step}, flops, calls, out.with_suffix(".smi.csv"))
+    write(out, command, cfg, flops, rows, peer=f"sonicmoe {sonicmoe.__version__}", timing="eager")
+
+
 def _write(out: Path, doc: dict[str, Any]) -> None:
     out.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
     print(f"sonicpeer: wrote {out}: {len(doc['rows'])} rows")
@@ -179,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
                     "--config, same peer and GPU) into --out as one file, timing nothing")
     ap.add_argument("--wgrad-probe", type=int, choices=range(len(LAYER_CONFIGS)), help="run SonicMoE's "
                     "up-projection wgrad on config I under the NVTX range 'probe' (for ncu) and time nothing")
+    ap.add_argument("--clocks", type=int, choices=range(len(LAYER_CONFIGS)), help="time SonicMoE's "
+                    "fwd+bwd on config I cold and back-to-back beside nvidia-smi's clocks, as python -m "
+                    "bench.clocks does ours, into --out")
+    ap.add_argument("--calls", type=int, default=60, help="with --clocks: back-to-back calls")
     args = ap.parse_args(argv)
     if args.wgrad_probe is not None:
         wgrad_probe(LAYER_CONFIGS[args.wgrad_probe])
@@ -187,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--out is required unless --wgrad-probe")
     if args.merge:
         return merge(args.merge, args.out)
+    if args.clocks is not None:
+        clock_probe(LAYER_CONFIGS[args.clocks], args.out, args.calls,
+                    "bench/sonicpeer.py " + " ".join(sys.argv[1:] if argv is None else argv))
+        return 0
     import sonicmoe
 
     configs = [LAYER_CONFIGS[i] for i in args.config] if args.config else LAYER_CONFIGS

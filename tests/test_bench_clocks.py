@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
+from pathlib import Path
 
+import pytest
 from benchmod import load_bench
 
 clocks = load_bench("clocks")
@@ -34,3 +37,16 @@ def test_window_takes_the_median_inside_its_spans() -> None:
     assert (both["samples"], both["sm_mhz"]) == (2, (1965 + 1500) / 2)
     assert clocks.window(rows, [(0.0, 1.0)]) == {"samples": 0, "sm_mhz": None, "power_w": None,
                                                  "throttle_reasons": []}
+
+
+def test_write_keeps_the_rows_and_says_how_they_were_timed(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """The document the layer's, the up wgrad's and SonicMoE's clock probes share: provenance, shape, rows."""
+    row = {"cold_median_ms": 2.0, "sustained_median_ms": 2.5, "slowdown": 1.25, "clocks": {}}
+    out = tmp_path / "c.json"
+    clocks.write(out, "python -m bench.clocks --what up_wgrad", (8, 16, 4, 2, 1), 1e9, {"a": row},
+                 timing="eager")
+    doc = json.loads(out.read_text())
+    assert doc["shape"] == {"T": 8, "H": 16, "I": 4, "E": 2, "K": 1} and doc["rows"] == {"a": row}
+    assert doc["timing"] == "eager" and doc["provenance"]["command"].endswith("--what up_wgrad")
+    assert "a: cold 2.00 ms, sustained 2.50 ms (x1.250)" in capsys.readouterr().out
