@@ -49,29 +49,31 @@ def categorize(kernel: str) -> str:
 
 
 def breakdown(kernels: Iterable[tuple[str, float]], phases: Mapping[str, float], step_ms: float,
-              top: int = 60) -> dict[str, Any]:
-    """kernels: (name, device ms) per launch; phases: device ms per phase. Shares are of the summed kernel
-    time; `busy` is that sum over the step's wall time (below 1: the GPU waited on the host)."""
+              top: int = 60, calls: int = 1) -> dict[str, Any]:
+    """kernels: (name, device ms) per launch over `calls` steps; phases: device ms per phase. Times are per
+    step; shares are of the summed kernel time, `busy` that sum over the wall time (below 1: host waits)."""
     per_name: dict[str, list[float]] = {}
     for name, ms in kernels:
-        per_name.setdefault(name, []).append(ms)
+        per_name.setdefault(name, []).append(ms / calls)
+    step_ms /= calls
     total = sum(sum(v) for v in per_name.values())
     cats: dict[str, dict[str, float]] = {}
     for name, times in per_name.items():
         c = cats.setdefault(categorize(name), {"ms": 0.0, "launches": 0})
         c["ms"] += sum(times)
-        c["launches"] += len(times)
+        c["launches"] += len(times) // calls
     for c in cats.values():
         c["share"] = c["ms"] / total if total else 0.0
     ranked = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:top]
     return {
+        "calls": calls,
         "step_ms": step_ms,
         "kernel_ms": total,
         "busy": total / step_ms if step_ms else 0.0,
-        "phases_ms": {p: phases.get(p, 0.0) for p in PHASES},
+        "phases_ms": {p: phases.get(p, 0.0) / calls for p in PHASES},
         "categories": dict(sorted(cats.items(), key=lambda kv: -kv[1]["ms"])),
-        "top_kernels": [{"name": n[:160], "category": categorize(n), "ms": sum(t), "launches": len(t)}
-                        for n, t in ranked],
+        "top_kernels": [{"name": n[:160], "category": categorize(n), "ms": sum(t),
+                         "launches": len(t) // calls} for n, t in ranked],
     }
 
 
@@ -85,9 +87,9 @@ def kernel_times(events: Iterable[Any]) -> list[tuple[str, float]]:
 
 
 def profile_step(step: Callable[[Callable[[str], AbstractContextManager[Any]]], None],
-                 sources: bool = False) -> dict[str, Any]:
-    """Run `step(phase)` once under torch.profiler, `phase(name)` marking each phase with CUDA events on the
-    current stream (the backward's kernels launch from autograd's thread, which profiler ranges miss).
+                 sources: bool = False, calls: int = 1) -> dict[str, Any]:
+    """Run `step(phase)` once under torch.profiler (it runs `calls` steps: times are per step), `phase(name)`
+    marking each phase with CUDA events on the current stream (autograd's thread escapes profiler ranges).
     sources: also record shapes and stacks, and list where the small kernels come from (op_sources)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -112,7 +114,7 @@ def profile_step(step: Callable[[Callable[[str], AbstractContextManager[Any]]], 
     phases: dict[str, float] = {}
     for name, begin, done in marks:
         phases[name] = phases.get(name, 0.0) + begin.elapsed_time(done)
-    out = breakdown(kernel_times(prof.events()), phases, start.elapsed_time(end))
+    out = breakdown(kernel_times(prof.events()), phases, start.elapsed_time(end), calls=calls)
     if sources:
         out["sources"] = op_rows(launch_records(prof.events()))
     return out

@@ -14,7 +14,8 @@ SonicMoE counts them, forward 6*T*I*H*K, forward+backward 18*T*I*H*K; extra peak
 allocation of one eager call above what was allocated before it (dout = randn). The baseline is the same
 layer from torch ops with torch._grouped_mm for the experts, timed in the same run. Every layer row also
 carries one profiled call's `breakdown` (bench/stepprofile.py): GPU time per kernel family and kernel, the
-first place to look when a row misses SonicMoE's.
+first place to look when a row misses SonicMoE's; and `breakdown_replayed`, the same per call over REPLAYS
+back-to-back replays of the timed graph, so a kernel that slows down under sustained load shows which one.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import (
+    REPLAYS,
     baseline,
     capture,
     cuda_median_ms,
@@ -239,6 +241,12 @@ def test_bench_moe_layer(benchmark: Any, cfg: tuple[int, ...], routing: str, pas
                "not run: SonicMoE runs in its own process (bench/sonicpeer.py); set NMOE_BENCH_PEER to its "
                "results", baseline_check=check or "ok")
     row["breakdown"] = profile_step(lambda phase: fast())
+
+    def replays(phase: Any) -> None:
+        for _ in range(REPLAYS):
+            graph.replay()
+
+    row["breakdown_replayed"] = profile_step(replays, calls=REPLAYS)
     benchmark.extra_info.update(row)
 
     def run() -> None:

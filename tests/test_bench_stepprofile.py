@@ -39,6 +39,16 @@ def test_breakdown_sums_shares_and_busy_time() -> None:
     assert [k["name"] for k in got["top_kernels"]] == ["nvjet_a", "flash_fwd"]
 
 
+def test_breakdown_over_several_calls_is_per_call() -> None:
+    """Two replays of a step profiled together: every time and launch count is one step's, not their sum."""
+    kernels = [("nvjet_a", 3.0), ("flash_fwd", 1.0), ("nvjet_a", 5.0), ("flash_fwd", 1.0)]
+    got = breakdown(kernels, {"forward": 4.0}, step_ms=12.0, calls=2)
+    assert (got["calls"], got["kernel_ms"], got["step_ms"], got["busy"]) == (2, 5.0, 6.0, 5.0 / 6.0)
+    assert got["categories"]["dense_gemm"] == {"ms": 4.0, "launches": 1, "share": 0.8}
+    assert got["top_kernels"][0] == {"name": "nvjet_a", "category": "dense_gemm", "ms": 4.0, "launches": 1}
+    assert got["phases_ms"]["forward"] == 2.0
+
+
 def test_kernel_times_leave_out_annotation_spans() -> None:
     from types import SimpleNamespace
 
