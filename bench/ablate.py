@@ -172,7 +172,7 @@ def _layer_rows(compile_only: bool) -> list[dict[str, Any]]:
     import torch
 
     from bench.conftest import capture, peak_extra_bytes, replay_median_ms
-    from bench.torchbase import LAYER_CONFIGS
+    from bench.torchbase import LAYER_CONFIGS, layer_flops
 
     out = []
     for cfg in LAYER_CONFIGS:
@@ -185,7 +185,7 @@ def _layer_rows(compile_only: bool) -> list[dict[str, Any]]:
                 if not compile_only:
                     mem = peak_extra_bytes(step) / 2**30
                     ms = replay_median_ms(capture(step))
-                    flops = (6.0 if pass_ == "fwd" else 18.0) * t * i * h * k
+                    flops = layer_flops(cfg, pass_)
                     out.append({"shape": f"{pass_} {routing} T={t} H={h} I={i} K={k}", "ms": ms,
                                 "tflops": flops / ms / 1e9, "bn": 0, "peak_extra_GiB": mem})
                 del step

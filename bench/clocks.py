@@ -121,15 +121,15 @@ def _layer_steps(cfg: Sequence[int]) -> tuple[float, dict[str, Callable[[], obje
     """The MoE layer's fwd+bwd and one cuBLAS mm of its FLOPs, each a captured graph's replay."""
     import torch
     from conftest import capture
-    from torchbase import layer_inputs
+    from torchbase import layer_flops, layer_inputs
 
     from nmoe.fast.moe import moe_layer
 
-    t, h, i, _, k = cfg
+    t, h = cfg[0], cfg[1]
     mc, prm, x, leaves = layer_inputs(tuple(cfg), "uniform", 128)
     dout = torch.randn(t, h, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))
     dout = dout.to(torch.bfloat16)
-    flops = 18.0 * t * i * h * k
+    flops = layer_flops(tuple(cfg), "fwd_bwd")
     n = 8192
     a = torch.randn(round(flops / (2 * n * n)), n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -142,29 +142,13 @@ def _layer_steps(cfg: Sequence[int]) -> tuple[float, dict[str, Callable[[], obje
 
 
 def _up_wgrad_steps(cfg: Sequence[int]) -> tuple[float, dict[str, Callable[[], object]], dict[str, Any]]:
-    """The layer's up wgrad on router-uniform routing, as gatherprobe --wgrad-rows gives it to ncu: x read
-    through slot on M and on N, and TMA-fed on permute's copy."""
-    import torch
+    """gatherprobe.wgrad_calls on router-uniform routing (the inputs it gives ncu), each a graph replay."""
     from conftest import capture
-    from gatherprobe import routed
+    from gatherprobe import wgrad_calls
     from torchbase import LAYER_ALIGN
 
-    from nmoe.fast.dispatch import permute
-    from nmoe.fast.gemm import sm90
-
-    x, _, ids = routed(tuple(cfg), "uniform")
-    with torch.no_grad():
-        pm = permute(x, ids, cfg[3], LAYER_ALIGN)
-    g = torch.Generator(device="cuda").manual_seed(2)
-    dh = torch.randn(pm.xp.shape[0], 2 * cfg[2], device="cuda", generator=g).to(torch.bfloat16)
-    k = ids.shape[1]
-    steps: dict[str, Callable[[], object]] = {
-        "up_wgrad_x_on_m": lambda: sm90.grouped_gemm_wgrad_gathered(x, dh, pm.slot, k, pm.offs, "dy"),
-        "up_wgrad_x_on_n": lambda: sm90.grouped_gemm_wgrad_gathered(dh, x, pm.slot, k, pm.offs, "x"),
-        "up_wgrad_tma_on_copy": lambda: sm90.grouped_gemm_wgrad(dh, pm.xp, pm.offs),
-    }
-    flops = 2.0 * pm.xp.shape[0] * 2 * cfg[2] * cfg[1]
-    graphs = {name: capture(step).replay for name, step in steps.items()}
+    calls, flops = wgrad_calls(tuple(cfg), "uniform")
+    graphs = {f"up_wgrad_{name}": capture(call).replay for name, call in calls.items()}
     return flops, graphs, {"align": LAYER_ALIGN, "timing": "cuda_graph"}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,23 @@ def row(cfg: tuple[int, ...], routing: str) -> dict[str, Any]:
             "full_m_tiles": cfg[0] * k // GEMM_BM}
 
 
+def wgrad_calls(cfg: tuple[int, ...], routing: str) -> tuple[dict[str, Callable[[], object]], float]:
+    """The layer's up wgrad dh^T @ x on the named routing (dh seeded randn over permute's rows): x read
+    through slot on M (x^T @ dh) and on N, and TMA-fed on permute's copy; with its FLOPs over those rows."""
+    x, _, ids = routed(cfg, routing)
+    with torch.no_grad():
+        pm = permute(x, ids, cfg[3], LAYER_ALIGN)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    dh = torch.randn(pm.xp.shape[0], 2 * cfg[2], device="cuda", generator=g).to(torch.bfloat16)
+    k = ids.shape[1]
+    calls: dict[str, Callable[[], object]] = {
+        "x_on_m": partial(sm90.grouped_gemm_wgrad_gathered, x, dh, pm.slot, k, pm.offs, "dy"),
+        "x_on_n": partial(sm90.grouped_gemm_wgrad_gathered, dh, x, pm.slot, k, pm.offs, "x"),
+        "tma_on_copy": partial(sm90.grouped_gemm_wgrad, dh, pm.xp, pm.offs),
+    }
+    return calls, 2.0 * pm.xp.shape[0] * 2 * cfg[2] * cfg[1]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="gatherprobe", description=__doc__)
     ap.add_argument("--out", type=Path)
@@ -102,20 +120,9 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     sm90.grouped_gemm_act_gathered(x, pm.slot, ids.shape[1], w, pm.offs, "swiglu")
     elif args.wgrad_rows:
-        cfg = LAYER_CONFIGS[int(args.wgrad_rows[1])]
-        x, _, ids = routed(cfg, args.wgrad_rows[0])
+        calls, _ = wgrad_calls(LAYER_CONFIGS[int(args.wgrad_rows[1])], args.wgrad_rows[0])
         with torch.no_grad():
-            pm = permute(x, ids, cfg[3], LAYER_ALIGN)
-            g = torch.Generator(device="cuda").manual_seed(2)
-            dh = torch.randn(pm.xp.shape[0], 2 * cfg[2], device="cuda", generator=g).to(torch.bfloat16)
-            k = ids.shape[1]
-            if args.tma:
-                fn = partial(sm90.grouped_gemm_wgrad, dh, pm.xp, pm.offs)
-            elif args.x_on_m:
-                fn = partial(sm90.grouped_gemm_wgrad_gathered, x, dh, pm.slot, k, pm.offs, "dy")
-            else:
-                fn = partial(sm90.grouped_gemm_wgrad_gathered, dh, x, pm.slot, k, pm.offs, "x")
-            nvtx_probe(fn)
+            nvtx_probe(calls["tma_on_copy" if args.tma else "x_on_m" if args.x_on_m else "x_on_n"])
     elif args.wgrad or args.dense:
         t, h, i, e, k = LAYER_CONFIGS[0]
         g = torch.Generator(device="cuda").manual_seed(1)

@@ -19,7 +19,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from stepprofile import profile_step
-from torchbase import LAYER_ALIGN, LAYER_CONFIGS, layer_inputs, router_topk_torch
+from torchbase import LAYER_ALIGN, LAYER_CONFIGS, layer_flops, layer_inputs, router_topk_torch
+
+from nmoe.layout import MoEParams
 
 WARMUP, REPS = 3, 10
 GOAL_VS_PEER = 1.1
@@ -62,6 +64,12 @@ def peer_name(routing: str, pass_: str, with_router: bool) -> str:
     return f"moe_layer_{pass_}_{routing}" + ("_with_router" if with_router else "")
 
 
+def _given_routing(x: torch.Tensor, p: MoEParams, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, ids) of a row's routing from its router weight and bias, as ours routes it (not timed)."""
+    with torch.no_grad():
+        return router_topk_torch(x.float() @ p.router_w.float().T, p.router_bias, k)
+
+
 def _step(cfg: tuple[int, ...], routing: str, pass_: str, with_router: bool) -> Callable[[], object]:
     """SonicMoE's layer on the row's inputs, given the row's routing or (with_router) routing by its own
     softmax top-k router, whose weight then gets a gradient as ours does: forward, or forward and backward."""
@@ -85,8 +93,7 @@ def _step(cfg: tuple[int, ...], routing: str, pass_: str, with_router: bool) -> 
         run = partial(moe_TC_softmax_topk_layer, x, p.router_w, w1, None, w2, None, k, stream,
                       ActivationType.SWIGLU, inference)
     else:
-        with torch.no_grad():
-            weights, ids = router_topk_torch(x.float() @ p.router_w.float().T, p.router_bias, k)
+        weights, ids = _given_routing(x, p, k)
         scores = weights.reshape(-1).contiguous()
         tokens = torch.arange(t, device="cuda", dtype=torch.int32).repeat_interleave(k)
         experts = ids.reshape(-1).to(torch.int32)
@@ -110,7 +117,7 @@ def _row(cfg: tuple[int, ...], routing: str, pass_: str, with_router: bool) -> d
     step = _step(cfg, routing, pass_, with_router)
     ms = cuda_median_ms(step, warmup=WARMUP, reps=REPS)
     held = sustained_ms(step)
-    flops = (6.0 if pass_ == "fwd" else 18.0) * t * i * h * k
+    flops = layer_flops(cfg, pass_)
     shape = {"T": t, "H": h, "I": i, "E": e, "K": k}
     how = ("moe_TC_softmax_topk_layer routing by its own router (router logits, top-k and their backward "
            "timed)" if with_router else "moe_general_routing_inputs with the rows' routing given (router not "
@@ -134,8 +141,7 @@ def wgrad_probe(cfg: tuple[int, ...]) -> None:
 
     t, _, i, e, k = cfg
     _, p, x, _ = layer_inputs(cfg, "uniform", LAYER_ALIGN)
-    with torch.no_grad():
-        _, ids = router_topk_torch(x.float() @ p.router_w.float().T, p.router_bias, k)
+    _, ids = _given_routing(x, p, k)
     experts = ids.reshape(-1)
     rows = (torch.argsort(experts, stable=True) // k).to(torch.int32)
     offs = torch.zeros(e + 1, dtype=torch.int32, device="cuda")
@@ -153,11 +159,10 @@ def clock_probe(cfg: tuple[int, ...], out: Path, calls: int, command: str) -> No
     import sonicmoe
     from clocks import clocked, write  # bench/clocks.py, beside this
 
-    t, h, i, _, k = cfg
     step = _step(cfg, "uniform", "fwd_bwd", False)
     step()
     torch.cuda.synchronize()
-    flops = 18.0 * t * i * h * k
+    flops = layer_flops(cfg, "fwd_bwd")
     rows = clocked({"sonicmoe_fwd_bwd": step}, flops, calls, out.with_suffix(".smi.csv"))
     write(out, command, cfg, flops, rows, peer=f"sonicmoe {sonicmoe.__version__}", timing="eager")
 

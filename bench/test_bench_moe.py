@@ -47,6 +47,7 @@ from torch import Tensor
 from torchbase import (
     LAYER_ALIGN,
     LAYER_CONFIGS,
+    layer_flops,
     layer_inputs,
     permute_torch,
     router_topk_torch,
@@ -186,7 +187,7 @@ def peer_row(name: str, shape: dict[str, int]) -> dict[str, Any] | None:
 @pytest.mark.parametrize("cfg", LAYER_CONFIGS, ids=lambda c: "T{}_H{}_I{}_E{}_K{}".format(*c))
 def test_bench_moe_layer(benchmark: Any, cfg: tuple[int, ...], routing: str, pass_: str) -> None:
     from nmoe.fast.moe import moe_layer
-    t, h, i, e, k = cfg
+    t, h, _, e, k = cfg
     mc, p, x, leaves = layer_inputs(cfg, routing, LAYER_ALIGN)
     dout = torch.randn(t, h, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))
     dout = dout.to(torch.bfloat16)
@@ -214,7 +215,7 @@ def test_bench_moe_layer(benchmark: Any, cfg: tuple[int, ...], routing: str, pas
     del out, r, got, want
     check = f"relative error {err:.3g} against the torch layer (> 2e-2)" if err > 2e-2 else ""
     mem_fast, mem_base = peak_extra_bytes(fast), peak_extra_bytes(base)
-    flops = (6.0 if pass_ == "fwd" else 18.0) * t * i * h * k
+    flops = layer_flops(cfg, pass_)
     graph = capture(fast)
     ms = replay_median_ms(graph)
     single_ms = cuda_median_ms(graph.replay, warmup=PEER_WARMUP, reps=PEER_REPS)
