@@ -288,14 +288,14 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ablate.gather_wgrad_no_copies", WGRAD_GATHER,
-        "                    copy_chunk(atom, g, g_base",
-        "                    if col < 0:\n                        copy_chunk(atom, g, g_base",
+        "                    copy_chunk(g, g_base",
+        "                    if col < 0:\n                        copy_chunk(g, g_base",
         "timing only: the gathered wgrad producer issues no cp.async (lookups, shuffles and the landing "
         "protocol stay)",
     ),
     Mutation(
         "ablate.gather_cache_all", WGRAD_GATHER,
-        "cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL)", "cpasync.CopyG2SOp(cpasync.LoadCacheMode.ALWAYS)",
+        "cp.async.cg.shared.global", "cp.async.ca.shared.global",
         "every gathering producer's cp.async allocates in L1 (.ca) instead of bypassing it (.cg): whether "
         "the bypass path limits the copies",
     ),

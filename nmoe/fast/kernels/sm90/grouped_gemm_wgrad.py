@@ -13,6 +13,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
+from cutlass._mlir.dialects import llvm
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.runtime import make_ptr
@@ -21,6 +22,7 @@ from cutlass.cutlass_dsl.cutlass import max as dsl_max
 from cutlass.cutlass_dsl.cutlass import min as dsl_min
 from cutlass.tensor_utils import LayoutEnum
 
+from nmoe.fast.kernels.prims import dsl_user_op
 from nmoe.fast.kernels.sm90.epilogue import (
     drain_stores,
     emit_held,
@@ -514,20 +516,14 @@ def swizzled(byte: Int32) -> Int32:
     return out
 
 
-@cute.jit
-def copy_chunk(atom: cute.CopyAtom, g: Int64, s_addr: Int32) -> None:
-    """One 16-byte cp.async from global byte address g to shared byte address s_addr."""
-    cute.copy(atom, cute.make_tensor(cute.make_ptr(BFloat16, g, cute.AddressSpace.gmem, assumed_align=16),
-                                     cute.make_layout(VEC)),
-              cute.make_tensor(cute.make_ptr(BFloat16, s_addr, cute.AddressSpace.smem, assumed_align=16),
-                               cute.make_layout(VEC)))
-
-
-def chunk_atom() -> cute.CopyAtom:
-    """16-byte cp.async that bypasses L1 (.cg): each gathered chunk is read once per stage."""
-    atom: cute.CopyAtom = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), BFloat16,
-                                              num_bits_per_copy=128)
-    return atom
+@dsl_user_op
+def copy_chunk(g: Int64, s_addr: Int32, src_bytes: Int32, *, loc: Any = None, ip: Any = None) -> None:
+    """16-byte cp.async.cg (bypassing L1: each gathered chunk is read once per stage) from global byte address
+    g to shared s_addr, reading src_bytes of it (16, or 0: zeros land and nothing is read)."""
+    operands = [Int32(s_addr).ir_value(loc=loc, ip=ip), Int64(g).ir_value(loc=loc, ip=ip),
+                Int32(src_bytes).ir_value(loc=loc, ip=ip)]
+    llvm.inline_asm(None, operands, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r",
+                    has_side_effects=True, loc=loc, ip=ip)
 
 
 @cute.jit
@@ -572,9 +568,8 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.C
                            n_ctas: Int32, warp_idx: Int32, ptid: Int32, width: Constexpr[int],
                            bn: Constexpr[int], side: Constexpr[str], stages: Constexpr[int]) -> None:
     """One operand from token-major rows (side "b": x, "a": dy), the other by TMA (warp 0): one lane per row
-    looks up its source a stage ahead (slot // top_k; the zero chunk for pad rows and rows past the group),
-    shuffled to the lanes that cp.async its 16-byte chunks; each stage lands gather_lag stages later."""
-    atom = chunk_atom()
+    looks up its source a stage ahead (slot // top_k), shuffled to the lanes that cp.async its 16-byte chunks;
+    pad rows and rows past the group land zero-filled, reading nothing; each stage lands gather_lag later."""
     s_t_flat = cute.group_modes(s_t, 0, 2)
     g_base = cast(Pointer, s_g.iterator).toint()
     box = bn if const_expr(side == "b") else BM
@@ -610,10 +605,12 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.C
                 for i in range_constexpr(n_chunks):
                     a = cute.arch.shuffle_sync(src, source_lane(i, lane, per_row, q))
                     g = zero_addr
+                    size = Int32(0)
                     if col < width and a != zero_addr:
                         g = a + Int64(col * 2)
+                        size = Int32(16)
                     rr = ptid // per_row + 4 * q * i
-                    copy_chunk(atom, g, g_base + swizzled(g_outer((c, rr, state.index)) * 2))
+                    copy_chunk(g, g_base + swizzled(g_outer((c, rr, state.index)) * 2), size)
                 commit_stage(mainloop, state, lag, stages)
                 state.advance()
     land_all(mainloop, state, lag, stages)
