@@ -12,8 +12,8 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32, Int64
-from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
 from cutlass._mlir.dialects import llvm
+from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.runtime import make_ptr
