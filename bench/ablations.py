@@ -241,6 +241,12 @@ _GATHER_NOINC = Mutation(
     "timing only (no proxy fence): each gathering thread's copies arrive on the stage's barrier when they "
     "land (cp.async.mbarrier.arrive.noinc), so no producer thread ever waits on its own copies",
 )
+_ZERO_CHUNK_READS = Mutation(
+    "ablate.gather_wgrad_zero_chunk_reads", WGRAD_GATHER,
+    "state.index)) * 2), size)", "state.index)) * 2), Int32(16))",
+    "the gathered wgrad's pad rows and rows past the group read the one 16-byte zero chunk (16 source "
+    "bytes) instead of landing zero-filled with none: what that one address costs the producer",
+)
 _GATHER_CLUSTER_TWO = Mutation(
     "ablate.gather_cluster_two", LIMITS,
     "GEMM_GATHER_CLUSTER_M: Final[int] = 1\n", "GEMM_GATHER_CLUSTER_M: Final[int] = 2\n",
@@ -293,6 +299,7 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "timing only: the gathered wgrad producer issues no cp.async (lookups, shuffles and the landing "
         "protocol stay)",
     ),
+    _ZERO_CHUNK_READS,
     Mutation(
         "ablate.gather_cache_all", WGRAD_GATHER,
         "cp.async.cg.shared.global", "cp.async.ca.shared.global",
@@ -458,6 +465,7 @@ COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {
                         "dtype=torch.int32, device=x.device).index_copy_(0, torch.where(slot >= 0, slot, "
                         "t * k), torch.arange(slot.shape[0], dtype=torch.int32, device=x.device))"
                         "[:t * k].view(t, k)\n", "")),
+              (replace(_ZERO_CHUNK_READS, id="ablate.layer_wgrad_zero_chunk_reads"),),
               (replace(_GATHER_CLUSTER_TWO, id="ablate.layer_gather_cluster_m2",
                        description="the gathering fwd/dgrad in M clusters of two sharing each B box "
                        "by multicast (two M tiles read each weight box once, in step), not N clusters"),

@@ -1,6 +1,6 @@
 """The power cap in a timing: the MoE layer's fwd+bwd and a same-FLOP mm (`--what up_wgrad`: its up wgrad,
-gathered and copy-fed) cold and back-to-back, beside nvidia-smi's SM clock, power and throttle reasons.
-`python -m bench.clocks --out F.json [--config N] [--calls 60] [--what ...]`; SonicMoE: sonicpeer --clocks."""
+gathered and copy-fed) cold and back-to-back, beside nvidia-smi's SM clock, power and throttle reasons. Usage:
+`python -m bench.clocks --out F.json [--config N] [--what W] [--routing R --align A]` (SonicMoE: sonicpeer)."""
 
 from __future__ import annotations
 
@@ -141,15 +141,16 @@ def _layer_steps(cfg: Sequence[int]) -> tuple[float, dict[str, Callable[[], obje
     return flops, graphs, {"mm_shape": [a.shape[0], n, n], "timing": "cuda_graph"}
 
 
-def _up_wgrad_steps(cfg: Sequence[int]) -> tuple[float, dict[str, Callable[[], object]], dict[str, Any]]:
-    """gatherprobe.wgrad_calls on router-uniform routing (the inputs it gives ncu), each a graph replay."""
+def _up_wgrad_steps(cfg: Sequence[int], routing: str,
+                    align: int) -> tuple[float, dict[str, Callable[[], object]], dict[str, Any]]:
+    """gatherprobe.wgrad_calls (router-uniform routing at the layer's align: the inputs it gives ncu), each a
+    graph replay."""
     from conftest import capture
     from gatherprobe import wgrad_calls
-    from torchbase import LAYER_ALIGN
 
-    calls, flops = wgrad_calls(tuple(cfg), "uniform")
+    calls, flops = wgrad_calls(tuple(cfg), routing, align)
     graphs = {f"up_wgrad_{name}": capture(call).replay for name, call in calls.items()}
-    return flops, graphs, {"align": LAYER_ALIGN, "timing": "cuda_graph"}
+    return flops, graphs, {"routing": routing, "align": align, "timing": "cuda_graph"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -158,12 +159,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--config", type=int, default=0)
     p.add_argument("--calls", type=int, default=60)
     p.add_argument("--what", choices=("layer", "up_wgrad"), default="layer")
+    p.add_argument("--routing", default="uniform", help="up_wgrad: a gatherprobe routing")
+    p.add_argument("--align", type=int, default=0, help="up_wgrad: permute's align (default: the layer's)")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT / "bench"))
-    from torchbase import LAYER_CONFIGS
+    from torchbase import LAYER_ALIGN, LAYER_CONFIGS
 
     cfg = LAYER_CONFIGS[args.config]
-    flops, steps, extra = (_layer_steps if args.what == "layer" else _up_wgrad_steps)(cfg)
+    if args.what == "layer":
+        flops, steps, extra = _layer_steps(cfg)
+    else:
+        flops, steps, extra = _up_wgrad_steps(cfg, args.routing, args.align or LAYER_ALIGN)
     rows = clocked(steps, flops, args.calls, args.out.with_suffix(".smi.csv"))
     write(args.out, "python -m bench.clocks " + " ".join(argv or sys.argv[1:]), cfg, flops, rows, **extra)
     return 0

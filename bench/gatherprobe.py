@@ -78,12 +78,13 @@ def row(cfg: tuple[int, ...], routing: str) -> dict[str, Any]:
             "full_m_tiles": cfg[0] * k // GEMM_BM}
 
 
-def wgrad_calls(cfg: tuple[int, ...], routing: str) -> tuple[dict[str, Callable[[], object]], float]:
+def wgrad_calls(cfg: tuple[int, ...], routing: str,
+                align: int = LAYER_ALIGN) -> tuple[dict[str, Callable[[], object]], float]:
     """The layer's up wgrad dh^T @ x on the named routing (dh seeded randn over permute's rows): x read
     through slot on M (x^T @ dh) and on N, and TMA-fed on permute's copy; with its FLOPs over those rows."""
     x, _, ids = routed(cfg, routing)
     with torch.no_grad():
-        pm = permute(x, ids, cfg[3], LAYER_ALIGN)
+        pm = permute(x, ids, cfg[3], align)
     g = torch.Generator(device="cuda").manual_seed(2)
     dh = torch.randn(pm.xp.shape[0], 2 * cfg[2], device="cuda", generator=g).to(torch.bfloat16)
     k = ids.shape[1]

@@ -429,8 +429,8 @@ _ZERO_CHUNKS: dict[torch.device, Tensor] = {}
 
 
 def _zero_chunk(op: str, device: torch.device) -> Tensor:
-    """16 zero bytes the gathering kernel copies for pad rows and columns past K, made once per device by an
-    eager call: made inside a CUDA graph capture, they would hold zeros only once the graph replays."""
+    """16 zero bytes whose address the gathered wgrad gives pad rows (they land zero-filled, reading none),
+    made once per device by an eager call: made inside a capture, they would be zeros only once it replays."""
     z = _ZERO_CHUNKS.get(device)
     if z is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
