@@ -1,6 +1,6 @@
 """The power cap in a timing: the MoE layer's fwd+bwd and a same-FLOP mm (`--what up_wgrad`: its up wgrad,
-gathered and copy-fed) cold and back-to-back, beside nvidia-smi's SM clock, power and throttle reasons. Usage:
-`python -m bench.clocks --out F.json [--config N] [--what W] [--routing R --align A]` (SonicMoE: sonicpeer)."""
+gathered and copy-fed) cold and back-to-back, beside nvidia-smi's SM clock, power and throttle reasons.
+`python -m bench.clocks --out F.json [--config N] [--what W] [--routing R --align A]`; SonicMoE: sonicpeer."""
 
 from __future__ import annotations
 
