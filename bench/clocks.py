@@ -121,12 +121,12 @@ def _layer_steps(cfg: Sequence[int]) -> tuple[float, dict[str, Callable[[], obje
     """The MoE layer's fwd+bwd and one cuBLAS mm of its FLOPs, each a captured graph's replay."""
     import torch
     from conftest import capture
-    from torchbase import layer_flops, layer_inputs
+    from torchbase import LAYER_ALIGN, layer_flops, layer_inputs
 
     from nmoe.fast.moe import moe_layer
 
     t, h = cfg[0], cfg[1]
-    mc, prm, x, leaves = layer_inputs(tuple(cfg), "uniform", 128)
+    mc, prm, x, leaves = layer_inputs(tuple(cfg), "uniform", LAYER_ALIGN)
     dout = torch.randn(t, h, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))
     dout = dout.to(torch.bfloat16)
     flops = layer_flops(tuple(cfg), "fwd_bwd")
@@ -138,7 +138,7 @@ def _layer_steps(cfg: Sequence[int]) -> tuple[float, dict[str, Callable[[], obje
         "cublas_mm_same_flops": lambda: a @ b,
     }
     graphs = {name: capture(step).replay for name, step in steps.items()}
-    return flops, graphs, {"mm_shape": [a.shape[0], n, n], "timing": "cuda_graph"}
+    return flops, graphs, {"mm_shape": [a.shape[0], n, n], "align": LAYER_ALIGN, "timing": "cuda_graph"}
 
 
 def _up_wgrad_steps(cfg: Sequence[int], routing: str,
