@@ -241,11 +241,18 @@ _GATHER_NOINC = Mutation(
     "timing only (no proxy fence): each gathering thread's copies arrive on the stage's barrier when they "
     "land (cp.async.mbarrier.arrive.noinc), so no producer thread ever waits on its own copies",
 )
-_ZERO_CHUNK_READS = Mutation(
-    "ablate.gather_wgrad_zero_chunk_reads", WGRAD_GATHER,
-    "state.index)) * 2), size)", "state.index)) * 2), Int32(16))",
-    "the gathered wgrad's pad rows and rows past the group read the one 16-byte zero chunk (16 source "
-    "bytes) instead of landing zero-filled with none: what that one address costs the producer",
+_OLD_PRODUCER = Mutation(
+    "ablate.gather_wgrad_old_producer", LIMITS,
+    "GEMM_WGRAD_GATHER_LEAN: Final[bool] = True\n", "GEMM_WGRAD_GATHER_LEAN: Final[bool] = False\n",
+    "the gathered wgrad's producer as before produce_wgrad_lean: 64-bit sources shuffled, selected and added "
+    "per chunk, each chunk's shared offset swizzled in the loop",
+)
+_ZERO_CHUNK_READS = (
+    replace(_OLD_PRODUCER, id="ablate.gather_wgrad_zero_chunk_reads",
+            description="the old producer whose pad rows and rows past the group read the one 16-byte zero "
+            "chunk (16 source bytes) instead of landing zero-filled with none: the producer as it was"),
+    Mutation("ablate.gather_wgrad_zero_chunk_reads_b", WGRAD_GATHER, "state.index)) * 2), size)",
+             "state.index)) * 2), Int32(16))", ""),
 )
 _GATHER_CLUSTER_TWO = Mutation(
     "ablate.gather_cluster_two", LIMITS,
@@ -294,12 +301,12 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ablate.gather_wgrad_no_copies", WGRAD_GATHER,
-        "                    copy_chunk(g, g_base",
-        "                    if col < 0:\n                        copy_chunk(g, g_base",
+        "                    copy_chunk(g, at[",
+        "                    if r < -1:\n                        copy_chunk(g, at[",
         "timing only: the gathered wgrad producer issues no cp.async (lookups, shuffles and the landing "
         "protocol stay)",
     ),
-    _ZERO_CHUNK_READS,
+    _OLD_PRODUCER,
     Mutation(
         "ablate.gather_cache_all", WGRAD_GATHER,
         "cp.async.cg.shared.global", "cp.async.ca.shared.global",
@@ -443,7 +450,7 @@ _FP8_TWO_SUBTILES = Mutation(
 )
 
 COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {
-    "gather": (*GATHER_COMPOUNDS, _WGRAD_REGS,
+    "gather": (*GATHER_COMPOUNDS, _WGRAD_REGS, _ZERO_CHUNK_READS,
                (replace(_GATHER_DEFERRED, id="ablate.gather_deferred_lsu_stores",
                         description="the gathering kernels hold each tile's h in registers and send "
                         "one subtile, with act(h), under each K box of the next tile by per-thread stores"),
@@ -465,7 +472,8 @@ COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {
                         "dtype=torch.int32, device=x.device).index_copy_(0, torch.where(slot >= 0, slot, "
                         "t * k), torch.arange(slot.shape[0], dtype=torch.int32, device=x.device))"
                         "[:t * k].view(t, k)\n", "")),
-              (replace(_ZERO_CHUNK_READS, id="ablate.layer_wgrad_zero_chunk_reads"),),
+              (replace(_OLD_PRODUCER, id="ablate.layer_wgrad_old_producer"),),
+              tuple(replace(m, id=m.id.replace("gather_", "layer_")) for m in _ZERO_CHUNK_READS),
               (replace(_GATHER_CLUSTER_TWO, id="ablate.layer_gather_cluster_m2",
                        description="the gathering fwd/dgrad in M clusters of two sharing each B box "
                        "by multicast (two M tiles read each weight box once, in step), not N clusters"),

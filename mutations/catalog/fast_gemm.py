@@ -256,16 +256,16 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "gemm.fast_wgrad_gather_row_off_by_one", WGRAD,
-        "                    src = src_addr + s // Int64(top_k) * row_bytes",
-        "                    src = src_addr + (s + Int64(1)) // Int64(top_k) * row_bytes",
+        "            t = Int32(Uint32(s) // Uint32(top_k))\n",
+        "            t = Int32(Uint32(s + 1) // Uint32(top_k))\n",
         "the gathered wgrad reads the row of slot + 1's token", GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
         "gemm.fast_wgrad_gather_pad_rows_read", WGRAD,
-        "        s = cast(Int64, m_slot[row])\n",
-        "        s = dsl_max(cast(Int64, m_slot[row]), Int64(0))\n",
-        "pad rows (slot -1) read token 0's row instead of the zero chunk", GATHER_TESTS, ("moe_layer",),
-        device="gpu",
+        "                    if r >= 0:\n                        size = live\n",
+        "                    size = live\n",
+        "pad rows (slot -1) and rows past the group read token 0's row instead of landing zeros",
+        GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
         "gemm.fast_wgrad_gather_lanes_unspread", PLAN,

@@ -67,6 +67,10 @@ GEMM_WGRAD_GATHER_DY_MAX_K: Final[int] = 256
 rows by index as it loads when I is at most this, else the TMA wgrad reads permuted copies of dout's column
 chunks: the copy's 4RH bytes weigh more against 2RHI FLOPs the smaller I (H100 layer fwd+bwd, 002f283:
 1.07x at I = 256, 1.00x at 512, 0.97-0.98x at 1024; at 26d6355 the copies ran 0.93x at I = 256)."""
+GEMM_WGRAD_GATHER_LEAN: Final[bool] = True
+"""The gathered wgrad's producer copies a chunk with a 32-bit token shuffle, one wide multiply-add and a
+constant shared offset (produce_wgrad_lean) instead of 64-bit shuffles, selects and a swizzle per chunk: under
+ncu (H100, c1 up wgrad x on M) the producer ran 1.58x SonicMoE's instructions, and time tracked that ratio."""
 GEMM_WGRAD_CLUSTER_M: Final[int] = 1
 """CTAs of an sm_90a TMA-fed wgrad cluster (up to this, where dw's M tiles fill them): one work item's M tiles
 side by side, each x box multicast to them, CTA 0 handing each dynamic item to the rest (H200 ncu, c1 up

@@ -553,12 +553,13 @@ def _wgrad_gathered_run(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_k
     bn = pick_bn(k)
     n_ctas, split = _wgrad_grid(device, m, n, k, bn, e)
     kernel_side = "a" if side == "dy" else "b"
-    launch = WGRAD_GATHER.launcher(arch, n=n, k=k, bn=bn, side=kernel_side, accumulate=accumulate)
+    launch = WGRAD_GATHER.launcher(arch, n=n, k=k, bn=bn, side=kernel_side, top_k=top_k,
+                                   accumulate=accumulate)
     tma_side, token_major = (x, dy) if side == "dy" else (dy, x)
     zero = _zero_chunk(op, dy.device).data_ptr()
     _keep, (ws, counters, *split_args) = split.args(dy.device)
     launch(device, tma_side.data_ptr(), token_major.data_ptr(), zero, slot.contiguous().data_ptr(),
-           out.data_ptr(), offs.contiguous().data_ptr(), ws, counters, top_k, m, e, n_ctas, *split_args)
+           out.data_ptr(), offs.contiguous().data_ptr(), ws, counters, m, e, n_ctas, *split_args)
     return out
 
 

@@ -29,8 +29,8 @@ WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad"
                (ARCH,),
                "nmoe.fast.gemm.grouped_gemm_wgrad")
 WGRAD_GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad_gather",
-                      lambda km, n, k, bn, side, accumulate=False: km.compile_args_gather(n, k, bn, side,
-                                                                                          accumulate),
+                      lambda km, n, k, bn, side, top_k, accumulate=False: km.compile_args_gather(
+                          n, k, bn, side, top_k, accumulate),
                       (ARCH,),
                       "nmoe.fast.gemm.grouped_gemm_wgrad_gathered")
 
@@ -147,7 +147,7 @@ def _dgrad_gather_spec(name: str, n: int, k: int, cn: int = 1, deferred: bool = 
 
 def _wgrad_gather_spec(name: str, n: int, k: int, side: str, accumulate: bool = False) -> KernelSpec:
     return KernelSpec(op="grouped_gemm_wgrad", name=name,
-                      compile=WGRAD_GATHER.compiler(n=n, k=k, bn=pick_bn(k), side=side,
+                      compile=WGRAD_GATHER.compiler(n=n, k=k, bn=pick_bn(k), side=side, top_k=8,
                                                     accumulate=accumulate),
                       expect={"sm_90a": (*_EXPECT_WGRAD_GATHER, *(_ADDS if accumulate else ()))},
                       forbid={"sm_90a": (*_FORBID_SM90, _TMA_STORE if accumulate else _TMA_REDUCE_ADD)})
