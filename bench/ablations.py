@@ -383,6 +383,9 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
           ("copied", 0, "by TMA over permuted copies of dout's column chunks at every I, instead of reading "
            "dout's rows by index as it loads (cp.async) at I <= 256"),
           ("gathered", 1 << 30, "reads dout's rows by index at every I, not only at I <= 256"))),
+    Mutation("ablate.layer_up_wgrad_gathered", LIMITS, "GEMM_WGRAD_GATHER_X: Final[bool] = False\n",
+             "GEMM_WGRAD_GATHER_X: Final[bool] = True\n",
+             "the up projection's wgrad reads x's rows by index as it loads (x on N), no copies of x"),
     Mutation(
         "ablate.layer_align128", "bench/ablate.py",
         "    mc, p, x, leaves = layer_inputs(cfg, routing, LAYER_ALIGN)\n",

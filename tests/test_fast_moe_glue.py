@@ -190,17 +190,39 @@ def test_gathered_down_wgrad_matches_spec(spec_kernels: None, gathered_down: Non
         _close(a, b)
 
 
+def test_gathered_up_wgrad_matches_spec(spec_kernels: None, gathered_down: None,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With GEMM_WGRAD_GATHER_X the up wgrad reads x's rows through slot too (no copy of x), after the down
+    wgrad, and every gradient still matches the spec's."""
+    sides: list[str] = []
+
+    def gathered(*args: Any, side: str = "x") -> Tensor:
+        sides.append(side)
+        return _wgrad_gathered(*args, side=side)
+
+    monkeypatch.setattr(sm90, "grouped_gemm_wgrad_gathered", gathered)
+    monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_X", True)
+    x, p, cfg = _case("swiglu", 1, "bf16", "sigmoid", 5)
+    dout = torch.randn(T, DIMS["bf16"][0], generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    got_out, got = _grads(fm.moe_layer, x, p, cfg, dout)
+    want_out, want = _grads(moe_layer, x, p, cfg, dout)
+    assert sides == ["dy", "x"]
+    assert torch.equal(got_out, want_out)
+    for a, b in zip(got, want, strict=True):
+        _close(a, b)
+
+
 @pytest.mark.parametrize(("tokens", "width", "want"), [("dy", 256, "gathered"), ("dy", 264, "cols"),
                                                       ("x", 8, "cols")])
 def test_only_a_narrow_down_wgrad_gathers(monkeypatch: pytest.MonkeyPatch, tokens: str, width: int,
                                           want: str) -> None:
-    """The shipped bound (256): dout's rows gathered up to I = 256, copied above it; x (the up wgrad's N side)
-    always copied."""
+    """The shipped bounds: dout's rows gathered up to I = 256, copied above it; x (the up wgrad's N side)
+    copied (GEMM_WGRAD_GATHER_X off)."""
     calls: list[str] = []
     monkeypatch.setattr(sm90, "grouped_gemm_wgrad_gathered", lambda *a, **kw: calls.append("gathered"))
     monkeypatch.setattr(sm90, "grouped_gemm_wgrad_cols", lambda *a, **kw: calls.append("cols"))
     monkeypatch.setattr(fm, "spread_rows", lambda src, slot, row_of: src)
-    assert limits.GEMM_WGRAD_GATHER_DY_MAX_K == 256
+    assert limits.GEMM_WGRAD_GATHER_DY_MAX_K == 256 and not limits.GEMM_WGRAD_GATHER_X
     rows, other = torch.zeros(4, 16, dtype=torch.bfloat16), torch.zeros(4, width, dtype=torch.bfloat16)
     dy, x = (other, rows) if tokens == "x" else (rows, other)
     slot, row_of = torch.arange(4), torch.arange(4).view(4, 1)
@@ -216,6 +238,17 @@ def test_sep_moe_fast_gathered_down_rows_shifted(spec_kernels: None, gathered_do
     got, _ = _run(fm.moe_layer, SWIGLU_SHARED)
     want, _ = _run(moe_layer, SWIGLU_SHARED)
     _close(got["w2"], want["w2"])
+
+
+def test_sep_moe_fast_gathered_up_wgrad_side_swapped(spec_kernels: None, gathered_down: None,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gathered up wgrad with its sides swapped reads dh's permuted rows by token and x as permuted
+    rows: x has T rows, the permuted rows T * K or more, so w13's gradient moves (or shapes cannot meet)."""
+    monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_X", True)
+    assert T * K > T
+    got, _ = _run(fm.moe_layer, SWIGLU_SHARED)
+    want, _ = _run(moe_layer, SWIGLU_SHARED)
+    _close(got["w13"], want["w13"])
 
 
 @pytest.mark.parametrize("frozen", [False, True], ids=["no_grad", "frozen_inputs"])

@@ -67,6 +67,10 @@ GEMM_WGRAD_GATHER_DY_MAX_K: Final[int] = 256
 rows by index as it loads when I is at most this, else the TMA wgrad reads permuted copies of dout's column
 chunks: the copy's 4RH bytes weigh more against 2RHI FLOPs the smaller I (H100 layer fwd+bwd, 002f283:
 1.07x at I = 256, 1.00x at 512, 0.97-0.98x at 1024; at 26d6355 the copies ran 0.93x at I = 256)."""
+GEMM_WGRAD_GATHER_X: Final[bool] = False
+"""The MoE layer's up wgrad reads x's rows by index as it loads (x on the wgrad's N side, dw in w's layout)
+instead of the TMA wgrad over permuted copies of x's column chunks: off until the lean producer is timed
+against the copies (2.0-3.5x slower with the old producer; ablate.layer_up_wgrad_gathered)."""
 GEMM_WGRAD_GATHER_LEAN: Final[bool] = True
 """The gathered wgrad's producer copies a chunk with a 32-bit token shuffle, one wide multiply-add and a
 constant shared offset (produce_wgrad_lean) instead of 64-bit shuffles, selects and a swizzle per chunk: under
