@@ -209,7 +209,7 @@ ABLATIONS: tuple[Mutation, ...] = (
         "B across a 2-CTA cluster buys",
     ),
 )
-WGRAD_GATHER = "nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py"
+WGRAD_GATHER = "nmoe/fast/kernels/sm90/grouped_wgrad_gather.py"
 # The gathering producers' landing (commit_stage and land_all), and the same two with each thread's copies
 # arriving on their stage's barrier by themselves.
 _LANDING = (
@@ -266,7 +266,7 @@ _WGRAD_REGS = (
              "the gathered wgrad's producer warpgroup at 48 registers and every wgrad's consumers at 224 "
              "(the pool is 384 x 168): at 40 ptxas spills 8-20 bytes in the gathering producers, at 48 / "
              "224 nothing, and the TMA wgrads' consumers do not spill at 224"),
-    Mutation("ablate.gather_wgrad_regs_48_consumers", WGRAD_GATHER,
+    Mutation("ablate.gather_wgrad_regs_48_consumers", "nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py",
              "    cute.arch.setmaxregister_increase(CONSUMER_REGS)\n",
              "    cute.arch.setmaxregister_increase(224)\n", ""),
 )

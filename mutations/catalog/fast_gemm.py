@@ -8,6 +8,7 @@ FILE = "nmoe/fast/kernels/sm90/grouped_gemm.py"
 EPILOGUE = "nmoe/fast/kernels/sm90/epilogue.py"
 TILES = "nmoe/fast/kernels/sm90/tiles.py"
 WGRAD = "nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py"
+WGRAD_GATHER = "nmoe/fast/kernels/sm90/grouped_wgrad_gather.py"
 TILEQUEUE = "nmoe/fast/kernels/sm90/tilequeue.py"
 PLAN = "nmoe/fast/kernels/sm90/gatherplan.py"
 GATHER = "nmoe/fast/kernels/sm90/grouped_gemm_gather.py"
@@ -95,9 +96,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         ACC_TESTS, ("grouped_gemm_wgrad",),
     ),
     sep_mutation(
-        "gemm.fast_wgrad_gathered_add_stores", WGRAD,
-        "    m_dw, tma_atom_d, tma_d = _dw_out(pdw, n_groups, n, k, k, n, accumulate)\n",
-        "    m_dw, tma_atom_d, tma_d = _dw_out(pdw, n_groups, n, k, k, n)\n",
+        "gemm.fast_wgrad_gathered_add_stores", WGRAD_GATHER,
+        "    m_dw, tma_atom_d, tma_d = dw_out(pdw, n_groups, n, k, k, n, accumulate)\n",
+        "    m_dw, tma_atom_d, tma_d = dw_out(pdw, n_groups, n, k, k, n)\n",
         "the gathered wgrad adding into dw stores its full tiles by plain TMA, overwriting the gradient it "
         "adds to",
         ACC_TESTS, ("grouped_gemm_wgrad",),
@@ -241,7 +242,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
-        "gemm.fast_gather_unswizzled", WGRAD,
+        "gemm.fast_gather_unswizzled", WGRAD_GATHER,
         "    out: Int32 = byte ^ (((byte >> 7) & 7) << 4)\n", "    out: Int32 = byte\n",
         "the gathered wgrad's chunks written without the 128-byte swizzle the tensor cores read",
         GATHER_TESTS, ("moe_layer",), device="gpu",
@@ -255,13 +256,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
-        "gemm.fast_wgrad_gather_row_off_by_one", WGRAD,
+        "gemm.fast_wgrad_gather_row_off_by_one", WGRAD_GATHER,
         "            t = Int32(Uint32(s) // Uint32(top_k))\n",
         "            t = Int32(Uint32(s + 1) // Uint32(top_k))\n",
         "the gathered wgrad reads the row of slot + 1's token", GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
-        "gemm.fast_wgrad_gather_pad_rows_read", WGRAD,
+        "gemm.fast_wgrad_gather_pad_rows_read", WGRAD_GATHER,
         "                    if r >= 0:\n                        size = live\n",
         "                    size = live\n",
         "pad rows (slot -1) and rows past the group read token 0's row instead of landing zeros",

@@ -28,7 +28,7 @@ WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad"
                    km.compile_args(n, k, bn, ld, gs, dynamic, accumulate, deferred, cm),
                (ARCH,),
                "nmoe.fast.gemm.grouped_gemm_wgrad")
-WGRAD_GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad_gather",
+WGRAD_GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_wgrad_gather", "grouped_gemm_wgrad_gather",
                       lambda km, n, k, bn, side, top_k, accumulate=False: km.compile_args_gather(
                           n, k, bn, side, top_k, accumulate),
                       (ARCH,),

@@ -11,8 +11,7 @@ import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int32, Int64, Uint32
-from cutlass._mlir.dialects import llvm
+from cutlass import BFloat16, Float32, Int32
 from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -22,7 +21,6 @@ from cutlass.cutlass_dsl.cutlass import max as dsl_max
 from cutlass.cutlass_dsl.cutlass import min as dsl_min
 from cutlass.tensor_utils import LayoutEnum
 
-from nmoe.fast.kernels.prims import dsl_user_op, sel
 from nmoe.fast.kernels.sm90.epilogue import (
     drain_stores,
     emit_held,
@@ -31,7 +29,6 @@ from nmoe.fast.kernels.sm90.epilogue import (
     make_pending,
     store_tile,
 )
-from nmoe.fast.kernels.sm90.gatherplan import gather_lag, gather_lanes, own_row, source_lane
 from nmoe.fast.kernels.sm90.grouped_gemm import (
     _k_loop,
     b_tma,
@@ -41,7 +38,6 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     cta_start,
     mma_fragments,
 )
-from nmoe.fast.kernels.sm90.grouped_gemm_gather import arm_stage
 from nmoe.fast.kernels.sm90.tilequeue import (
     QUEUE_DEPTH,
     ClusterQueue,
@@ -70,7 +66,6 @@ from nmoe.fast.kernels.sm90.tiles import (
 from nmoe.fast.limits import GEMM_BK as BK
 from nmoe.fast.limits import GEMM_BM as BM
 from nmoe.fast.limits import GEMM_MAX_GROUPS as MAX_GROUPS
-from nmoe.fast.limits import GEMM_WGRAD_GATHER_LEAN
 
 MASK_BARRIER_ID = 2
 PACK = 1 << 16
@@ -194,7 +189,7 @@ def next_tile(q: TileQueue | ClusterQueue | None, state: Any, rnd: Int32, bidx: 
 
 
 @cute.jit
-def _wgrad_tile(u: Units, t: Int32, rank: Int32 | int = 0
+def wgrad_tile(u: Units, t: Int32, rank: Int32 | int = 0
                 ) -> tuple[Int32, Int32, Int32, Int32, Int32, Int32, Int32, Int32]:
     """CTA `rank`'s tile of work item t: (group, m tile, n tile, first row, end row, the group's chunk count
     S, this chunk's index, the group's first workspace slice); S = 1: the whole group."""
@@ -313,7 +308,7 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     lane = tidx % 32
     t, qstate = next_tile(q, qstate, rnd, bidx, n_ctas, u.total, lane, u.cm)
     while t < u.total:
-        e, m_tile, n_tile, start, end, splits, part, first_slice = _wgrad_tile(u, t, rank)
+        e, m_tile, n_tile, start, end, splits, part, first_slice = wgrad_tile(u, t, rank)
         k_tiles = (end - start + BK - 1) // BK
         acc.fill(0.0)
         if k_tiles > 0:
@@ -352,7 +347,7 @@ def _load_tile(mainloop: pipeline.PipelineTmaAsync, state: Any, u: Units, t: Int
     """The producer warp's TMA loads of every K box of work item t, both operands onto each stage's barrier
     (in a cluster: its own dy box and its 1/cm of the x box, multicast to the cluster); the advanced state is
     returned, as a loop carries only names it assigns or calls methods on."""
-    _, m_tile, n_tile, start, end, _, _, _ = _wgrad_tile(u, t, rank)
+    _, m_tile, n_tile, start, end, _, _, _ = wgrad_tile(u, t, rank)
     g_a = cute.local_tile(cute.domain_offset((0, start), m_a), (BM, BK), (m_tile, None))
     g_b = cute.local_tile(cute.domain_offset((0, start), m_b), (bn, BK), (n_tile, None))
     t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1), s_a_flat,
@@ -443,7 +438,7 @@ def grouped_wgrad_kernel(
                       warp_idx, bidx, n_ctas, n, k, bn, stages, gs, q, accumulate, deferred, rank)
 
 
-def _mn_major_setup(bn: int, stages: int) -> tuple[cute.TiledMma, cute.ComposedLayout, cute.ComposedLayout,
+def mn_major_setup(bn: int, stages: int) -> tuple[cute.TiledMma, cute.ComposedLayout, cute.ComposedLayout,
                                                     cute.ComposedLayout]:
     """The wgrad's MMA and shared layouts: both operands MN-major (rows are the reduction), the output
     through the fwd's subtiles."""
@@ -458,7 +453,7 @@ def _mn_major_setup(bn: int, stages: int) -> tuple[cute.TiledMma, cute.ComposedL
     return tiled_mma, a_layout, b_layout, epi_smem_layout()
 
 
-def _dw_out(pdw: Pointer, n_groups: Int32, n: int, k: int, ld: int, gs: int,
+def dw_out(pdw: Pointer, n_groups: Int32, n: int, k: int, ld: int, gs: int,
             accumulate: bool = False) -> tuple[cute.Tensor, cute.CopyAtom, cute.Tensor]:
     """dw as the rows (ld apart: k columns of a wider dw) the fwd's epilogue stores (accumulate: adds to),
     group e's n rows from row e * gs (gs > n: n rows of a taller dw): a group's tiles never cross into the
@@ -468,7 +463,7 @@ def _dw_out(pdw: Pointer, n_groups: Int32, n: int, k: int, ld: int, gs: int,
     return m_d, atom, tma_d
 
 
-def _split_tensors(pws: Pointer, pcount: Pointer, ws_tiles: Int32, n_groups: Int32, n: int, k: int,
+def split_tensors(pws: Pointer, pcount: Pointer, ws_tiles: Int32, n_groups: Int32, n: int, k: int,
                    bn: int) -> tuple[cute.Tensor, cute.Tensor]:
     """The split's fp32 workspace, [value, consumer thread, slice] (a warp's stores coalesce), and its
     per-tile counters."""
@@ -491,13 +486,13 @@ def grouped_wgrad_host(
     # A group of more than thresh rows splits into split_rows chunks: fp32 partials in pws, counters in pcount
     # (zeroed). cm > 1: clusters of cm CTAs on M tiles side by side, each x box multicast to them.
     stages = stages_for(bn)
-    m_ws, m_count = _split_tensors(pws, pcount, ws_tiles, n_groups, n, k, bn)
+    m_ws, m_count = split_tensors(pws, pcount, ws_tiles, n_groups, n, k, bn)
     m_dyt = cute.make_tensor(pdy, cute.make_layout((n, m_rows), stride=(1, n)))
     m_xt = cute.make_tensor(px, cute.make_layout((k, m_rows), stride=(1, k)))
-    m_dw, tma_atom_d, tma_d = _dw_out(pdw, n_groups, n, k, ld, gs, accumulate)
+    m_dw, tma_atom_d, tma_d = dw_out(pdw, n_groups, n, k, ld, gs, accumulate)
     m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
 
-    tiled_mma, a_layout, b_layout, d_layout = _mn_major_setup(bn, stages)
+    tiled_mma, a_layout, b_layout, d_layout = mn_major_setup(bn, stages)
     tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
         cpasync.CopyBulkTensorTileG2SOp(), m_dyt, cute.slice_(a_layout, (None, None, 0)), (BM, BK))
     tma_atom_b, tma_b = b_tma(m_xt, b_layout, bn, cm)
@@ -507,272 +502,6 @@ def grouped_wgrad_host(
         accumulate, deferred, cm,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(cm), min_blocks_per_mp=1,
              stream=stream)
-
-
-SWIZZLE_PERIOD = 1024
-"""Bytes after which the 128-byte swizzle repeats: swizzled(a + j * SWIZZLE_PERIOD) = swizzled(a) + j * it."""
-
-
-@cute.jit
-def swizzled(byte: Int32) -> Int32:
-    """128-byte swizzle of a byte offset from a 1024-byte aligned base: 16-byte chunk ^= 128-byte row % 8
-    (what TMA writes and wgmma reads for these layouts)."""
-    out: Int32 = byte ^ (((byte >> 7) & 7) << 4)
-    return out
-
-
-@dsl_user_op
-def copy_chunk(g: Int64, s_addr: Int32, src_bytes: Int32, *, loc: Any = None, ip: Any = None) -> None:
-    """16-byte cp.async.cg (bypassing L1: each gathered chunk is read once per stage) from global byte address
-    g to shared s_addr, reading src_bytes of it (16, or 0: zeros land and nothing is read)."""
-    operands = [Int32(s_addr).ir_value(loc=loc, ip=ip), Int64(g).ir_value(loc=loc, ip=ip),
-                Int32(src_bytes).ir_value(loc=loc, ip=ip)]
-    llvm.inline_asm(None, operands, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r",
-                    has_side_effects=True, loc=loc, ip=ip)
-
-
-@cute.jit
-def _land(mainloop: pipeline.PipelineTmaAsync, index: Int32) -> None:
-    cute.arch.mbarrier_arrive(cast(pipeline.MbarrierArray, mainloop.sync_object_full).get_barrier(index))
-
-
-@cute.jit
-def commit_stage(mainloop: pipeline.PipelineTmaAsync, state: Any, lag: Constexpr[int],
-                 stages: Constexpr[int]) -> None:
-    """Commit this thread's copies of the stage `state` names; from stage `lag` on, land the stage issued
-    `lag` before it: wait for its copies, fence them into the async proxy wgmma reads through, arrive."""
-    cute.arch.cp_async_commit_group()
-    if state.count >= lag:
-        cute.arch.cp_async_wait_group(lag)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        _land(mainloop, (state.index + (stages - lag)) % stages)
-
-
-@cute.jit
-def land_all(mainloop: pipeline.PipelineTmaAsync, state: Any, lag: Constexpr[int],
-             stages: Constexpr[int]) -> None:
-    """After the producer's last stage (`state` past it): land the up to `lag` stages still in flight."""
-    cute.arch.cp_async_wait_group(0)
-    cute.arch.fence_proxy("async.shared", space="cta")
-    for i in range(dsl_min(state.count, lag)):
-        _land(mainloop, (state.index + (stages - 1) - i) % stages)
-
-
-@cute.jit
-def _slot_at(m_slot: cute.Tensor, row: Int32, end: Int32) -> Int64:
-    s = Int64(-1)
-    if row < end:
-        s = Int64(m_slot[row])
-    return s
-
-
-@cute.jit
-def _token_at(m_slot: cute.Tensor, row: Int32, end: Int32, top_k: Constexpr[int]) -> Int32:
-    """Permuted row `row`'s token, slot // top_k (slot < 2^31: its low word), or -1 for a pad row and a row
-    past the group's end."""
-    t = Int32(-1)
-    if row < end:
-        s = Int32(m_slot[row])
-        if s >= 0:
-            t = Int32(Uint32(s) // Uint32(top_k))
-    return t
-
-
-@cute.jit
-def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyAtom, m_t: cute.Tensor,
-                           m_slot: cute.Tensor, src_addr: Int64, zero_addr: Int64, top_k: Constexpr[int],
-                           s_t: cute.Tensor, s_g: cute.Tensor, g_outer: cute.Layout, u: Units, bidx: Int32,
-                           n_ctas: Int32, warp_idx: Int32, ptid: Int32, width: Constexpr[int],
-                           bn: Constexpr[int], side: Constexpr[str], stages: Constexpr[int]) -> None:
-    """One operand from token-major rows (side "b": x, "a": dy), the other by TMA (warp 0): one lane per row
-    looks up its source a stage ahead (slot // top_k), shuffled to the lanes that cp.async its 16-byte chunks;
-    pad rows and rows past the group land zero-filled, reading nothing; each stage lands gather_lag later."""
-    s_t_flat = cute.group_modes(s_t, 0, 2)
-    g_base = cast(Pointer, s_g.iterator).toint()
-    box = bn if const_expr(side == "b") else BM
-    per_row = box // VEC
-    q, _, n_chunks = gather_lanes(per_row)
-    lane = ptid % 32
-    mine = own_row(lane, ptid // 32, q)
-    c = (lane % per_row) * VEC
-    row_bytes = Int64(width * 2)
-    slot = cute.make_rmem_tensor(1, Int64)
-    lag = gather_lag(stages)
-    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-    for rnd in range(n_rounds(u.total, n_ctas)):
-        t = snake_tile(rnd, bidx, n_ctas)
-        if t < u.total:
-            _, m_tile, n_tile, start, end, _, _, _ = _wgrad_tile(u, t)
-            if const_expr(side == "b"):
-                g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (BM, BK), (m_tile, None))
-                col = n_tile * bn + c
-            else:
-                g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (bn, BK), (n_tile, None))
-                col = m_tile * BM + c
-            t_st, t_gt = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), s_t_flat,
-                                               cute.group_modes(g_t, 0, 2))
-            slot[0] = _slot_at(m_slot, start + mine, end)
-            for kt in range((end - start + BK - 1) // BK):
-                arm_stage(mainloop, state, warp_idx, tma_atom, t_gt[(None, kt)], t_st[(None, state.index)])
-                s = slot[0]
-                slot[0] = _slot_at(m_slot, start + (kt + 1) * BK + mine, end)
-                src = zero_addr
-                if s >= Int64(0):
-                    src = src_addr + s // Int64(top_k) * row_bytes
-                for i in range_constexpr(n_chunks):
-                    a = cute.arch.shuffle_sync(src, source_lane(i, lane, per_row, q))
-                    g = zero_addr
-                    size = Int32(0)
-                    if col < width and a != zero_addr:
-                        g = a + Int64(col * 2)
-                        size = Int32(16)
-                    rr = ptid // per_row + 4 * q * i
-                    copy_chunk(g, g_base + swizzled(g_outer((c, rr, state.index)) * 2), size)
-                commit_stage(mainloop, state, lag, stages)
-                state.advance()
-    land_all(mainloop, state, lag, stages)
-    if warp_idx == 0:
-        mainloop.producer_tail(state)
-
-
-@cute.jit
-def produce_wgrad_lean(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyAtom, m_t: cute.Tensor,
-                       m_slot: cute.Tensor, src_addr: Int64, top_k: Constexpr[int], s_t: cute.Tensor,
-                       s_g: cute.Tensor, g_outer: cute.Layout, u: Units, bidx: Int32, n_ctas: Int32,
-                       warp_idx: Int32, ptid: Int32, width: Constexpr[int], bn: Constexpr[int],
-                       side: Constexpr[str], stages: Constexpr[int]) -> None:
-    """produce_wgrad_gathered's copies in fewer instructions: a 32-bit token shuffled per chunk, its row's
-    address one wide multiply-add, its shared offset a constant plus one of a thread's few swizzled bases."""
-    # The gathered wgrad's producer is issue-bound: under ncu its time tracked its instruction count.
-    s_t_flat = cute.group_modes(s_t, 0, 2)
-    box = bn if const_expr(side == "b") else BM
-    per_row = box // VEC
-    q, _, n_chunks = gather_lanes(per_row)
-    lane = ptid % 32
-    mine = own_row(lane, ptid // 32, q)
-    c = (lane % per_row) * VEC
-    first = g_outer((c, ptid // per_row, 0)) * 2
-    steps = [static_bytes(g_outer((0, 4 * q * i, 0))) for i in range(n_chunks)]
-    s_base = cast(Pointer, s_g.iterator).toint()
-    at = {r: s_base + swizzled(first + r) for r in sorted({st % SWIZZLE_PERIOD for st in steps})}
-    stage_bytes = static_bytes(g_outer((0, 0, 1)), periods=True)
-    tok = cute.make_rmem_tensor(1, Int32)
-    lag = gather_lag(stages)
-    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-    for rnd in range(n_rounds(u.total, n_ctas)):
-        t = snake_tile(rnd, bidx, n_ctas)
-        if t < u.total:
-            _, m_tile, n_tile, start, end, _, _, _ = _wgrad_tile(u, t)
-            if const_expr(side == "b"):
-                g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (BM, BK), (m_tile, None))
-                col = n_tile * bn + c
-            else:
-                g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (bn, BK), (n_tile, None))
-                col = m_tile * BM + c
-            t_st, t_gt = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), s_t_flat,
-                                               cute.group_modes(g_t, 0, 2))
-            live = Int32(16)
-            if const_expr(width % box):
-                live = sel(col < width, 16, 0)
-            row0 = src_addr + Int64(col * 2)
-            tok[0] = _token_at(m_slot, start + mine, end, top_k)
-            for kt in range((end - start + BK - 1) // BK):
-                arm_stage(mainloop, state, warp_idx, tma_atom, t_gt[(None, kt)], t_st[(None, state.index)])
-                here = tok[0]
-                tok[0] = _token_at(m_slot, start + (kt + 1) * BK + mine, end, top_k)
-                s_stage = state.index * stage_bytes
-                for i in range_constexpr(n_chunks):
-                    r = cute.arch.shuffle_sync(here, source_lane(i, lane, per_row, q))
-                    size = Int32(0)
-                    if r >= 0:
-                        size = live
-                    g = row0 + Int64(Uint32(dsl_max(r, Int32(0)))) * Int64(width * 2)
-                    whole = steps[i] - steps[i] % SWIZZLE_PERIOD
-                    copy_chunk(g, at[steps[i] % SWIZZLE_PERIOD] + s_stage + whole, size)
-                commit_stage(mainloop, state, lag, stages)
-                state.advance()
-    land_all(mainloop, state, lag, stages)
-    if warp_idx == 0:
-        mainloop.producer_tail(state)
-
-
-def static_bytes(elems: Any, periods: bool = False) -> int:
-    """A layout offset that must be static, in bytes of bf16 (periods: whole SWIZZLE_PERIODs)."""
-    if not isinstance(elems, int) or (periods and elems * 2 % SWIZZLE_PERIOD):
-        raise ValueError(f"gathered wgrad: shared offset {elems!r} is not static (in whole swizzle periods)")
-    return elems * 2
-
-
-@cute.jit
-def _produce(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyAtom, m_t: cute.Tensor,
-             m_slot: cute.Tensor, src_addr: Int64, zero_addr: Int64, top_k: Constexpr[int], s_t: cute.Tensor,
-             s_g: cute.Tensor, g_outer: cute.Layout, u: Units, bidx: Int32, n_ctas: Int32, warp_idx: Int32,
-             ptid: Int32, width: Constexpr[int], bn: Constexpr[int], side: Constexpr[str],
-             stages: Constexpr[int]) -> None:
-    if const_expr(GEMM_WGRAD_GATHER_LEAN):
-        produce_wgrad_lean(mainloop, tma_atom, m_t, m_slot, src_addr, top_k, s_t, s_g, g_outer, u, bidx,
-                           n_ctas, warp_idx, ptid, width, bn, side, stages)
-    else:
-        produce_wgrad_gathered(mainloop, tma_atom, m_t, m_slot, src_addr, zero_addr, top_k, s_t, s_g,
-                               g_outer, u, bidx, n_ctas, warp_idx, ptid, width, bn, side, stages)
-
-@cute.kernel
-def grouped_wgrad_gather_kernel(
-    tma_atom: cute.CopyAtom, m_t: cute.Tensor, m_slot: cute.Tensor, src_addr: Int64, zero_addr: Int64,
-    tma_atom_d: cute.CopyAtom, tma_d: cute.Tensor, m_d: cute.Tensor, m_offs: cute.Tensor,
-    m_ws: cute.Tensor, m_count: cute.Tensor,
-    m_rows: Int32, n_groups: Int32, thresh: Int32, split_rows: Int32, tiled_mma: cute.TiledMma,
-    a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout,
-    n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], top_k: Constexpr[int],
-    side: Constexpr[str], stages: Constexpr[int], accumulate: Constexpr[bool],
-) -> None:
-    tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom, tma_atom_d))
-    s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
-                                                stages, "a" if const_expr(side == "b") else "b", 3)
-    u = plan_units(s_offs, n_groups, m_rows, thresh, split_rows, tidx, n, k, bn)
-    if warp_idx < 4:
-        cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-        if const_expr(side == "b"):
-            _produce(mainloop, tma_atom, m_t, m_slot, src_addr, zero_addr, top_k, s_a, s_b, b_layout.outer, u,
-                     bidx, n_ctas, warp_idx, tidx, k, bn, side, stages)
-        else:
-            _produce(mainloop, tma_atom, m_t, m_slot, src_addr, zero_addr, top_k, s_b, s_a, a_layout.outer, u,
-                     bidx, n_ctas, warp_idx, tidx, n, bn, side, stages)
-    else:
-        consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, u, m_ws, m_count, tma_atom_d, tma_d, m_d, tidx,
-                      warp_idx, bidx, n_ctas, n, k, bn, stages, n, accumulate=accumulate)
-
-
-@cute.jit
-def grouped_wgrad_gather_host(
-    pt: Pointer, psrc: Pointer, pzero: Pointer, pslot: Pointer, pdw: Pointer, poffs: Pointer, pws: Pointer,
-    pcount: Pointer, m_rows: Int32, n_groups: Int32, n_ctas: Int32, thresh: Int32,
-    split_rows: Int32, ws_tiles: Int32, stream: cuda.CUstream, n: Constexpr[int], k: Constexpr[int],
-    bn: Constexpr[int], side: Constexpr[str], top_k: Constexpr[int], accumulate: Constexpr[bool],
-) -> None:
-    """dw[E, n, k] = (accumulate: dw +=) per group dy[rows, n]^T @ x[rows, k], one side read from token-major
-    rows through slot (zero rows where slot = -1): side "b", x[slot // top_k] (pt = dy [R, n]); side "a",
-    dy[slot // top_k] (pt = x [R, k]). Neither side is permuted into a copy."""
-    stages = stages_for(bn)
-    m_dw, tma_atom_d, tma_d = _dw_out(pdw, n_groups, n, k, k, n, accumulate)
-    m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
-    m_slot = cute.make_tensor(cute.recast_ptr(pslot, dtype=Int32), cute.make_layout(m_rows, stride=2))
-    m_ws, m_count = _split_tensors(pws, pcount, ws_tiles, n_groups, n, k, bn)
-    tiled_mma, a_layout, b_layout, d_layout = _mn_major_setup(bn, stages)
-    if const_expr(side == "b"):
-        m_t = cute.make_tensor(pt, cute.make_layout((n, m_rows), stride=(1, n)))
-        tma_atom, tma_t = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), m_t, cute.slice_(a_layout, (None, None, 0)), (BM, BK))
-    else:
-        m_t = cute.make_tensor(pt, cute.make_layout((k, m_rows), stride=(1, k)))
-        tma_atom, tma_t = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), m_t, cute.slice_(b_layout, (None, None, 0)), (bn, BK))
-    grouped_wgrad_gather_kernel(
-        tma_atom, tma_t, m_slot, Int64(psrc.toint()), Int64(pzero.toint()), tma_atom_d, tma_d, m_dw,
-        m_offs, m_ws,
-        m_count, m_rows, n_groups, thresh, split_rows, tiled_mma, a_layout, b_layout, d_layout, n, k, bn,
-        top_k, side, stages, accumulate,
-    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
 
 
 def check_cluster(n: int, cm: int) -> None:
@@ -797,13 +526,3 @@ def compile_args(n: int, k: int, bn: int, ld: int, gs: int = 0, dynamic: bool = 
             pointer(Float32, 0), pointer(Int32, 0, 4))
     return grouped_wgrad_host, (*ptrs, *(Int32(0) for _ in range(6)), cuda.CUstream(0), n, k, bn, ld, gs,
                                 dynamic, accumulate, deferred, cm)
-
-
-def compile_args_gather(n: int, k: int, bn: int, side: str, top_k: int,
-                        accumulate: bool = False) -> tuple[Any, tuple[Any, ...]]:
-    if side not in ("a", "b"):
-        raise ValueError(f"gathered wgrad side {side!r}: 'a' (dy token-major) or 'b' (x token-major)")
-    ptrs = (*(pointer(BFloat16, 0) for _ in range(3)), pointer(Int64, 0, 8), pointer(BFloat16, 0),
-            pointer(Int32, 0, 4), pointer(Float32, 0), pointer(Int32, 0, 4))
-    return grouped_wgrad_gather_host, (*ptrs, *(Int32(0) for _ in range(6)), cuda.CUstream(0), n, k, bn,
-                                       side, top_k, accumulate)
