@@ -277,6 +277,9 @@ def test_gathered_wgrad_refuses_bad_arguments() -> None:
         sm90.grouped_gemm_wgrad_gathered(dy, x, torch.zeros(256, dtype=torch.int64), 0, offs)
     with pytest.raises(ValueError, match="side 'both'"):
         sm90.grouped_gemm_wgrad_gathered(dy, x, torch.zeros(256, dtype=torch.int64), 2, offs, side="both")
+    many = torch.zeros(1, 64, dtype=torch.bfloat16).expand(2**28, 64)
+    with pytest.raises(ValueError, match=r"T \* top_k must be at most 2\^31; got 268435456 \* 9"):
+        sm90.grouped_gemm_wgrad_gathered(dy, many, torch.zeros(256, dtype=torch.int64), 9, offs)
     for dw in (torch.zeros(2, 128, 32, dtype=torch.bfloat16), torch.zeros(2, 128, 64),
                torch.zeros(2, 64, 128, dtype=torch.bfloat16).transpose(1, 2)):
         with pytest.raises(ValueError, match=r"dw to add to must be a contiguous .* bf16 \[2, 128, 64\]"):

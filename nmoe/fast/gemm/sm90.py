@@ -535,6 +535,10 @@ def _wgrad_gathered_run(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_k
                          f"{tuple(slot.shape)}, top_k={top_k}")
     check_routing(op, offs, None, slot.shape[0])
     check_aligned(op, "dy and x widths", ("N", dy.shape[1], GEMM_ALIGN), ("K", x.shape[1], GEMM_ALIGN))
+    tokens = (dy if side == "dy" else x).shape[0]
+    if tokens * top_k > 2**31:
+        raise ValueError(f"{op}: the kernel reads slot's low 32 bits, so T * top_k must be at most 2^31; got "
+                         f"{tokens} * {top_k}: split the tokens into microbatches")
     m, n, k, e = slot.shape[0], dy.shape[1], x.shape[1], offs.shape[0]
     if dw is not None and (dw.dtype != torch.bfloat16 or dw.shape != (e, n, k) or not dw.is_contiguous()
                            or dw.data_ptr() % 16):
