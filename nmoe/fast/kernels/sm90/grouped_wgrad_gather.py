@@ -116,6 +116,23 @@ def _token_at(m_slot: cute.Tensor, row: Int32, end: Int32, top_k: Constexpr[int]
 
 
 @cute.jit
+def _gather_tile(u: Units, t: Int32, m_t: cute.Tensor, tma_atom: cute.CopyAtom, s_t_flat: cute.Tensor,
+                 c: Int32, bn: Constexpr[int], side: Constexpr[str]) -> tuple[Any, Any, Any, Any, Any]:
+    """Tile t's rows [start, end), the first gathered column of the thread at chunk column c, and the TMA
+    side's shared and global boxes."""
+    _, m_tile, n_tile, start, end, _, _, _ = wgrad_tile(u, t)
+    if const_expr(side == "b"):
+        g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (BM, BK), (m_tile, None))
+        col = n_tile * bn + c
+    else:
+        g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (bn, BK), (n_tile, None))
+        col = m_tile * BM + c
+    t_st, t_gt = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), s_t_flat,
+                                       cute.group_modes(g_t, 0, 2))
+    return start, end, col, t_st, t_gt
+
+
+@cute.jit
 def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyAtom, m_t: cute.Tensor,
                            m_slot: cute.Tensor, src_addr: Int64, zero_addr: Int64, top_k: Constexpr[int],
                            s_t: cute.Tensor, s_g: cute.Tensor, g_outer: cute.Layout, u: Units, bidx: Int32,
@@ -139,15 +156,7 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.C
     for rnd in range(n_rounds(u.total, n_ctas)):
         t = snake_tile(rnd, bidx, n_ctas)
         if t < u.total:
-            _, m_tile, n_tile, start, end, _, _, _ = wgrad_tile(u, t)
-            if const_expr(side == "b"):
-                g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (BM, BK), (m_tile, None))
-                col = n_tile * bn + c
-            else:
-                g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (bn, BK), (n_tile, None))
-                col = m_tile * BM + c
-            t_st, t_gt = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), s_t_flat,
-                                               cute.group_modes(g_t, 0, 2))
+            start, end, col, t_st, t_gt = _gather_tile(u, t, m_t, tma_atom, s_t_flat, c, bn, side)
             slot[0] = _slot_at(m_slot, start + mine, end)
             for kt in range((end - start + BK - 1) // BK):
                 arm_stage(mainloop, state, warp_idx, tma_atom, t_gt[(None, kt)], t_st[(None, state.index)])
@@ -200,15 +209,7 @@ def produce_wgrad_lean(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyA
     for rnd in range(n_rounds(u.total, n_ctas)):
         t = snake_tile(rnd, bidx, n_ctas)
         if t < u.total:
-            _, m_tile, n_tile, start, end, _, _, _ = wgrad_tile(u, t)
-            if const_expr(side == "b"):
-                g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (BM, BK), (m_tile, None))
-                col = n_tile * bn + c
-            else:
-                g_t = cute.local_tile(cute.domain_offset((0, start), m_t), (bn, BK), (n_tile, None))
-                col = m_tile * BM + c
-            t_st, t_gt = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), s_t_flat,
-                                               cute.group_modes(g_t, 0, 2))
+            start, end, col, t_st, t_gt = _gather_tile(u, t, m_t, tma_atom, s_t_flat, c, bn, side)
             live = Int32(16)
             if const_expr(width % box):
                 live = sel(col < width, 16, 0)
