@@ -217,7 +217,10 @@ _LANDING = (
     "    if state.count >= lag:\n"
     "        cute.arch.cp_async_wait_group(lag)\n"
     "        cute.arch.fence_proxy(\"async.shared\", space=\"cta\")\n"
-    "        _land(mainloop, (state.index + (stages - lag)) % stages)\n"
+    "        back = state.index - lag\n"
+    "        if back < 0:\n"
+    "            back = back + stages\n"
+    "        _land(mainloop, back)\n"
 )
 _NOINC = (
     "    cute.arch.cp_async_mbarrier_arrive_noinc(\n"

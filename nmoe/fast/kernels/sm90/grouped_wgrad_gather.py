@@ -82,7 +82,10 @@ def commit_stage(mainloop: pipeline.PipelineTmaAsync, state: Any, lag: Constexpr
     if state.count >= lag:
         cute.arch.cp_async_wait_group(lag)
         cute.arch.fence_proxy("async.shared", space="cta")
-        _land(mainloop, (state.index + (stages - lag)) % stages)
+        back = state.index - lag
+        if back < 0:
+            back = back + stages
+        _land(mainloop, back)
 
 
 @cute.jit
