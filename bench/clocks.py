@@ -143,8 +143,8 @@ def _layer_steps(cfg: Sequence[int]) -> tuple[float, dict[str, Callable[[], obje
 
 def _up_wgrad_steps(cfg: Sequence[int], routing: str,
                     align: int) -> tuple[float, dict[str, Callable[[], object]], dict[str, Any]]:
-    """gatherprobe.wgrad_calls (router-uniform routing at the layer's align: the inputs it gives ncu), each a
-    graph replay."""
+    """gatherprobe.wgrad_calls on the named routing and align (by default the inputs gatherprobe gives ncu),
+    each a graph replay."""
     from conftest import capture
     from gatherprobe import wgrad_calls
 

@@ -243,7 +243,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "gemm.fast_gather_unswizzled", WGRAD_GATHER,
-        "    out: Int32 = byte ^ (((byte >> 7) & 7) << 4)\n", "    out: Int32 = byte\n",
+        "    out: Any = byte ^ (((byte >> 7) & 7) << 4)\n", "    out: Any = byte\n",
         "the gathered wgrad's chunks written without the 128-byte swizzle the tensor cores read",
         GATHER_TESTS, ("moe_layer",), device="gpu",
     ),

@@ -50,11 +50,10 @@ SWIZZLE_PERIOD = 1024
 """Bytes after which the 128-byte swizzle repeats: swizzled(a + j * SWIZZLE_PERIOD) = swizzled(a) + j * it."""
 
 
-@cute.jit
-def swizzled(byte: Int32) -> Int32:
+def swizzled(byte: Any) -> Any:
     """128-byte swizzle of a byte offset from a 1024-byte aligned base: 16-byte chunk ^= 128-byte row % 8
-    (what TMA writes and wgmma reads for these layouts)."""
-    out: Int32 = byte ^ (((byte >> 7) & 7) << 4)
+    (what TMA writes and wgmma reads for these layouts); of a device Int32 or, while tracing, a Python int."""
+    out: Any = byte ^ (((byte >> 7) & 7) << 4)
     return out
 
 
@@ -200,12 +199,10 @@ def produce_wgrad_lean(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyA
     lane = ptid % 32
     mine = own_row(lane, ptid // 32, q)
     c = (lane % per_row) * VEC
+    steps, stage_bytes = chunk_offsets(g_outer, per_row, q, n_chunks, stages)
     first = g_outer((c, ptid // per_row, 0)) * 2
-    steps = [static_bytes(g_outer((0, 4 * q * i, 0))) for i in range(n_chunks)]
     s_base = cast(Pointer, s_g.iterator).toint()
     at = {r: s_base + swizzled(first + r) for r in sorted({st % SWIZZLE_PERIOD for st in steps})}
-    stage_bytes = static_bytes(g_outer((0, 0, 1)), periods=True)
-    check_offsets(g_outer, per_row, q, n_chunks, stages)
     tok = cute.make_rmem_tensor(1, Int32)
     lag = gather_lag(stages)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
@@ -238,30 +235,26 @@ def produce_wgrad_lean(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyA
         mainloop.producer_tail(state)
 
 
-def check_offsets(g_outer: Any, per_row: int, q: int, n_chunks: int, stages: int) -> None:
-    """Every producer thread's chunk offset as produce_wgrad_lean splits it (a thread's swizzled base plus
-    whole periods) equals the chunk's swizzled layout offset; checked while tracing."""
-    def swz(b: int) -> int:
-        return b ^ (((b >> 7) & 7) << 4)
-
+def chunk_offsets(g_outer: Any, per_row: int, q: int, n_chunks: int, stages: int) -> tuple[list[int], int]:
+    """(chunk i's byte step from a thread's first chunk, a stage's bytes), static; checked while tracing that
+    for every producer thread and stage, its swizzled base at the step's residue mod SWIZZLE_PERIOD plus the
+    step's and the stage's whole periods is the chunk's swizzled layout offset."""
+    offsets = [g_outer((0, 4 * q * i, 0)) for i in range(n_chunks)] + [g_outer((0, 0, 1))]
+    if not all(isinstance(o, int) for o in offsets) or offsets[-1] * 2 % SWIZZLE_PERIOD:
+        raise ValueError(f"gathered wgrad: shared offsets {offsets} are not static, or a stage is not whole "
+                         "swizzle periods")
+    steps, stage_bytes = [o * 2 for o in offsets[:-1]], offsets[-1] * 2
     for ptid in range(PRODUCER_THREADS):
         c, r0 = ptid % per_row * VEC, ptid // per_row
         first = g_outer((c, r0, 0)) * 2
-        for i in range(n_chunks):
-            step = g_outer((0, 4 * q * i, 0)) * 2
-            whole, res = step - step % SWIZZLE_PERIOD, step % SWIZZLE_PERIOD
+        for i, step in enumerate(steps):
+            res = step % SWIZZLE_PERIOD
             for st in (0, stages - 1):
-                want = swz(g_outer((c, r0 + 4 * q * i, st)) * 2)
-                if swz(first + res) + st * g_outer((0, 0, 1)) * 2 + whole != want:
+                want = swizzled(g_outer((c, r0 + 4 * q * i, st)) * 2)
+                if swizzled(first + res) + step - res + st * stage_bytes != want:
                     raise ValueError(f"gathered wgrad: thread {ptid} chunk {i} stage {st} lands at {want}, "
                                      "not at its base plus whole swizzle periods")
-
-
-def static_bytes(elems: Any, periods: bool = False) -> int:
-    """A layout offset that must be static, in bytes of bf16 (periods: whole SWIZZLE_PERIODs)."""
-    if not isinstance(elems, int) or (periods and elems * 2 % SWIZZLE_PERIOD):
-        raise ValueError(f"gathered wgrad: shared offset {elems!r} is not static (in whole swizzle periods)")
-    return elems * 2
+    return steps, stage_bytes
 
 
 @cute.jit
@@ -276,6 +269,7 @@ def _produce(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyAtom, m_t: 
     else:
         produce_wgrad_gathered(mainloop, tma_atom, m_t, m_slot, src_addr, zero_addr, top_k, s_t, s_g,
                                g_outer, u, bidx, n_ctas, warp_idx, ptid, width, bn, side, stages)
+
 
 @cute.kernel
 def grouped_wgrad_gather_kernel(
@@ -334,7 +328,6 @@ def grouped_wgrad_gather_host(
         m_count, m_rows, n_groups, thresh, split_rows, tiled_mma, a_layout, b_layout, d_layout, n, k, bn,
         top_k, side, stages, accumulate,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
-
 
 
 def compile_args_gather(n: int, k: int, bn: int, side: str, top_k: int,
