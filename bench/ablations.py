@@ -210,6 +210,7 @@ ABLATIONS: tuple[Mutation, ...] = (
     ),
 )
 WGRAD_GATHER = "nmoe/fast/kernels/sm90/grouped_wgrad_gather.py"
+CHUNKLOAD = "nmoe/fast/kernels/sm90/chunkload.py"
 # The gathering producers' landing (commit_stage and land_all), and the same two with each thread's copies
 # arriving on their stage's barrier by themselves.
 _LANDING = (
@@ -240,7 +241,7 @@ _LANDING += _LAND_ALL + (
 )
 _NOINC += _LAND_ALL + "    cute.arch.cp_async_commit_group()\n    cute.arch.cp_async_wait_group(0)\n"
 _GATHER_NOINC = Mutation(
-    "ablate.gather_noinc", WGRAD_GATHER, _LANDING, _NOINC,
+    "ablate.gather_noinc", CHUNKLOAD, _LANDING, _NOINC,
     "timing only (no proxy fence): each gathering thread's copies arrive on the stage's barrier when they "
     "land (cp.async.mbarrier.arrive.noinc), so no producer thread ever waits on its own copies",
 )
@@ -275,7 +276,7 @@ _WGRAD_REGS = (
 )
 GATHER_ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
-        "ablate.gather_no_fence", WGRAD_GATHER,
+        "ablate.gather_no_fence", CHUNKLOAD,
         "        cute.arch.cp_async_wait_group(lag)\n"
         "        cute.arch.fence_proxy(\"async.shared\", space=\"cta\")\n",
         "        cute.arch.cp_async_wait_group(lag)\n",
@@ -311,7 +312,7 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     ),
     _OLD_PRODUCER,
     Mutation(
-        "ablate.gather_cache_all", WGRAD_GATHER,
+        "ablate.gather_cache_all", CHUNKLOAD,
         "cp.async.cg.shared.global", "cp.async.ca.shared.global",
         "every gathering producer's cp.async allocates in L1 (.ca) instead of bypassing it (.cg): whether "
         "the bypass path limits the copies",

@@ -9,6 +9,7 @@ EPILOGUE = "nmoe/fast/kernels/sm90/epilogue.py"
 TILES = "nmoe/fast/kernels/sm90/tiles.py"
 WGRAD = "nmoe/fast/kernels/sm90/grouped_gemm_wgrad.py"
 WGRAD_GATHER = "nmoe/fast/kernels/sm90/grouped_wgrad_gather.py"
+CHUNKLOAD = "nmoe/fast/kernels/sm90/chunkload.py"
 TILEQUEUE = "nmoe/fast/kernels/sm90/tilequeue.py"
 PLAN = "nmoe/fast/kernels/sm90/gatherplan.py"
 GATHER = "nmoe/fast/kernels/sm90/grouped_gemm_gather.py"
@@ -242,7 +243,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
-        "gemm.fast_gather_unswizzled", WGRAD_GATHER,
+        "gemm.fast_gather_unswizzled", CHUNKLOAD,
         "    out: Any = byte ^ (((byte >> 7) & 7) << 4)\n", "    out: Any = byte\n",
         "the gathered wgrad's chunks written without the 128-byte swizzle the tensor cores read",
         GATHER_TESTS, ("moe_layer",), device="gpu",

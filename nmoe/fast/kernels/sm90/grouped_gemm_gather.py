@@ -1,7 +1,6 @@
 """sm_90a grouped GEMM whose A rows are gathered by index as they load (the up projection from token rows,
 the dgrad from dy rows) by one TMA box per row beside the B TMA, with the consumers and epilogue of
-grouped_gemm (arm_stage serves the gathered wgrad's producer too). Import after
-nmoe.fast.runtime.import_cutlass("sm_90a")."""
+grouped_gemm. Import after nmoe.fast.runtime.import_cutlass("sm_90a")."""
 
 from __future__ import annotations
 
@@ -16,6 +15,7 @@ from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.typing import Pointer
 
+from nmoe.fast.kernels.sm90.chunkload import arm_stage
 from nmoe.fast.kernels.sm90.grouped_gemm import (
     EVICT_FIRST,
     EVICT_LAST,
@@ -25,7 +25,6 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     check_schedule,
     cluster_dims,
     consume_tiles,
-    copy_b,
     first_unit,
     fwd_cta_begin,
     n_k_tiles,
@@ -51,18 +50,6 @@ from nmoe.fast.limits import GEMM_GATHER_ROWS_EVICT_FIRST as ROWS_EVICT_FIRST
 
 ROW_POLICY = EVICT_FIRST if ROWS_EVICT_FIRST else 0
 GATHER_B_POLICY = EVICT_LAST if GATHER_B_EVICT_LAST else 0
-
-
-@cute.jit
-def arm_stage(mainloop: pipeline.PipelineTmaAsync, state: Any, warp_idx: Int32, tma_atom: cute.CopyAtom,
-              src: cute.Tensor, dst: cute.Tensor, cm: Constexpr[int] = 1, policy: Constexpr[int] = 0) -> None:
-    """A gathering producer's stage: every thread waits for it to be free; warp 0 arms its barrier and
-    TMA-loads the operand that is not gathered (its 1/cm share, multicast over the cluster)."""
-    if warp_idx == 0:
-        mainloop.producer_acquire(state)
-        copy_b(tma_atom, src, dst, mainloop.producer_get_barrier(state), cm, policy)
-    else:
-        mainloop.sync_object_empty.wait(state.index, state.phase)
 
 
 def row_layout(a_layout: cute.ComposedLayout) -> cute.ComposedLayout:

@@ -1,0 +1,80 @@
+"""The gathering producers' 16-byte cp.async chunk loads into 128-byte-swizzled operand stages, and their
+landing on a TMA pipeline's full barriers beside the operand warp 0 loads by TMA. Import after
+nmoe.fast.runtime.import_cutlass("sm_90a")."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Int32, Int64
+from cutlass._mlir.dialects import llvm
+from cutlass.base_dsl.typing import Constexpr
+from cutlass.cutlass_dsl.cutlass import min as dsl_min
+
+from nmoe.fast.kernels.prims import dsl_user_op
+from nmoe.fast.kernels.sm90.grouped_gemm import copy_b
+
+
+@cute.jit
+def arm_stage(mainloop: pipeline.PipelineTmaAsync, state: Any, warp_idx: Int32, tma_atom: cute.CopyAtom,
+              src: cute.Tensor, dst: cute.Tensor, cm: Constexpr[int] = 1, policy: Constexpr[int] = 0) -> None:
+    """A gathering producer's stage: every thread waits for it to be free; warp 0 arms its barrier and
+    TMA-loads the operand that is not gathered (its 1/cm share, multicast over the cluster)."""
+    if warp_idx == 0:
+        mainloop.producer_acquire(state)
+        copy_b(tma_atom, src, dst, mainloop.producer_get_barrier(state), cm, policy)
+    else:
+        mainloop.sync_object_empty.wait(state.index, state.phase)
+
+
+SWIZZLE_PERIOD = 1024
+"""Bytes after which the 128-byte swizzle repeats: swizzled(a + j * SWIZZLE_PERIOD) = swizzled(a) + j * it."""
+
+
+def swizzled(byte: Any) -> Any:
+    """128-byte swizzle of a byte offset from a 1024-byte aligned base: 16-byte chunk ^= 128-byte row % 8
+    (what TMA writes and wgmma reads for these layouts); of a device Int32 or, while tracing, a Python int."""
+    out: Any = byte ^ (((byte >> 7) & 7) << 4)
+    return out
+
+
+@dsl_user_op
+def copy_chunk(g: Int64, s_addr: Int32, src_bytes: Int32, *, loc: Any = None, ip: Any = None) -> None:
+    """16-byte cp.async.cg (bypassing L1: each gathered chunk is read once per stage) from global byte address
+    g to shared s_addr, reading src_bytes of it (16, or 0: zeros land and nothing is read)."""
+    operands = [Int32(s_addr).ir_value(loc=loc, ip=ip), Int64(g).ir_value(loc=loc, ip=ip),
+                Int32(src_bytes).ir_value(loc=loc, ip=ip)]
+    llvm.inline_asm(None, operands, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r",
+                    has_side_effects=True, loc=loc, ip=ip)
+
+
+@cute.jit
+def _land(mainloop: pipeline.PipelineTmaAsync, index: Int32) -> None:
+    cute.arch.mbarrier_arrive(cast(pipeline.MbarrierArray, mainloop.sync_object_full).get_barrier(index))
+
+
+@cute.jit
+def commit_stage(mainloop: pipeline.PipelineTmaAsync, state: Any, lag: Constexpr[int],
+                 stages: Constexpr[int]) -> None:
+    """Commit this thread's copies of the stage `state` names; from stage `lag` on, land the stage issued
+    `lag` before it: wait for its copies, fence them into the async proxy wgmma reads through, arrive."""
+    cute.arch.cp_async_commit_group()
+    if state.count >= lag:
+        cute.arch.cp_async_wait_group(lag)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        back = state.index - lag
+        if back < 0:
+            back = back + stages
+        _land(mainloop, back)
+
+
+@cute.jit
+def land_all(mainloop: pipeline.PipelineTmaAsync, state: Any, lag: Constexpr[int],
+             stages: Constexpr[int]) -> None:
+    """After the producer's last stage (`state` past it): land the up to `lag` stages still in flight."""
+    cute.arch.cp_async_wait_group(0)
+    cute.arch.fence_proxy("async.shared", space="cta")
+    for i in range(dsl_min(state.count, lag)):
+        _land(mainloop, (state.index + (stages - 1) - i) % stages)
