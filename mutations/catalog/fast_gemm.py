@@ -17,6 +17,7 @@ TESTS = "tests/test_fast_gemm.py"
 ACT_TESTS = "tests/test_fast_gemm_act.py"
 GATHER_TESTS = "tests/test_fast_gemm_gather.py"
 CLUSTER_TESTS = "tests/test_fast_gemm_gather_cluster.py"
+COPIED_TESTS = "tests/test_fast_gemm_gather_copied.py"
 SCHEDULE_TESTS = "tests/test_fast_wgrad_schedule.py"
 ACC_TESTS = "tests/test_fast_wgrad_accumulate.py"
 
@@ -255,6 +256,25 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the row TMA's K extent runs a box past K, so the last box's columns past K are read from the next "
         "token's row instead of zero-filled",
         GATHER_TESTS, ("moe_layer",), device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_gather_copied_token_lane", GATHER,
+        "        t = cute.arch.shuffle_sync(tok, lane - lane % ROW_CHUNKS + i)\n",
+        "        t = cute.arch.shuffle_sync(tok, lane - lane % ROW_CHUNKS + (i + 1) % ROW_CHUNKS)\n",
+        "the copying producer's row p // 8 + 16 i takes the token looked up for row p // 8 + 16 (i + 1)",
+        COPIED_TESTS, ("moe_layer",), device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_gather_copied_pad_rows_read", GATHER,
+        "        sizes[i] = sel(t >= 0, 16, 0)\n", "        sizes[i] = Int32(16)\n",
+        "the copying producer reads pad rows and rows past the group as token 0's row instead of zeros",
+        COPIED_TESTS, ("moe_layer",), device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_gather_copied_k_tail_unmasked", GATHER,
+        "                        size = size & live\n", "                        size = size\n",
+        "the copying producer reads the last K box's columns past K (the next token's row) instead of zeros",
+        COPIED_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
         "gemm.fast_wgrad_gather_row_off_by_one", WGRAD_GATHER,

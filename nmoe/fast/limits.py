@@ -51,6 +51,10 @@ GEMM_A_EVICT_FIRST: Final[bool] = False
 N tiles at once (as GEMM_GATHER_ROWS_EVICT_FIRST below)."""
 GEMM_B_EVICT_LAST: Final[bool] = False
 """The TMA-fed fwd/dgrad's B TMAs mark the expert's weights last to leave L2 (as GEMM_GATHER_B_EVICT_LAST)."""
+GEMM_GATHER_CP_ASYNC: Final[bool] = False
+"""The gathering fwd/dgrad copy A's rows by 16-byte cp.async (each thread 8 fixed rows of a tile, looked up
+once per tile: one copy instruction a chunk), unclustered, instead of one TMA per 128-byte row, which sets
+their pace at H = 4096 (ablate.gather_no_mma). Off until measured (ablate.gather_cp_async)."""
 GEMM_GATHER_ROWS_EVICT_FIRST: Final[bool] = False
 """The gathering fwd/dgrad's row TMAs mark their rows first to leave L2: a row serves its M tile's N tiles at
 once, while each of the expert's M tiles reads its B boxes again (H200 ncu at c3: 12.7 GB of DRAM reads at

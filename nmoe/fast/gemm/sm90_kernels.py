@@ -20,8 +20,8 @@ DGRAD = Kernel(_FWD_MODULE, "grouped_gemm_dgrad",
                (ARCH,), "nmoe.fast.gemm.grouped_gemm_dgrad")
 GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_gather", "grouped_gemm_gather",
                 lambda km, n, k, bn, act, w_k_major, pingpong=False, cn=1, keep_h=True, deferred=False,
-                dynamic=False: km.compile_args_gather(n, k, bn, act, w_k_major, pingpong, cn, keep_h,
-                                                      deferred, dynamic),
+                dynamic=False, cp_async=False: km.compile_args_gather(n, k, bn, act, w_k_major, pingpong, cn,
+                                                                      keep_h, deferred, dynamic, cp_async),
                 (ARCH,), "nmoe.fast.gemm.grouped_gemm_act_gathered")
 WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad",
                lambda km, n, k, bn, ld, gs=0, dynamic=False, accumulate=False, deferred=False, cm=1:
@@ -90,7 +90,6 @@ _FORBID_EPILOGUE = (*_FORBID_SM90, r"\b(mul|add|sub|div|fma)(\.r[nzmp])?\.ftz\.f
 # The gathered up projection and dgrad: each A row by its own 2-D TMA box (1 x BK), its source row shuffled to
 # the issuing lane, onto the stage barrier B's TMA arrives on; no cp.async.
 _ROW_TMA = (r"\bcp\.async\.bulk\.tensor\.2d\.shared::cta\.global\b", r"\bshfl\.sync\.idx\.b32\b")
-_EXPECT_GATHER = (*_EXPECT_EPILOGUE, *_ROW_TMA)
 _NO_CP_ASYNC = (r"\bcp\.async\.(cg|ca)\.shared\.global\b",)
 
 
@@ -100,7 +99,6 @@ _TURNS = (r"\bbar\.arrive\b",)
 
 # An N cluster's CTAs each multicast their share of A's rows to the cluster and release a stage to all of it.
 _ROW_MULTICAST = (*_multicast(2), r"\bshfl\.sync\.idx\.b32\b")
-_EXPECT_GATHER_CN = (*_EXPECT_EPILOGUE, *_ROW_MULTICAST)
 
 
 # A dynamic schedule's units come from a device counter (acq_rel fetch-and-add, shuffled to the warp); in a
@@ -108,23 +106,37 @@ _EXPECT_GATHER_CN = (*_EXPECT_EPILOGUE, *_ROW_MULTICAST)
 _GRAB = (r"\batom\.global\.acq_rel(\.gpu)?\.add\.u32\b", r"\bshfl\.sync\.idx\.b32\b")
 
 
+# With cp_async, A's rows arrive by 16-byte cp.async in commit groups, landed as the gathered wgrad's are, and
+# no row TMA is issued (B's TMA box is 3-D).
+_COPIED_ROWS = (r"\bcp\.async\.cg\.shared\.global\b", r"\bcp\.async\.commit_group\b",
+                r"\bcp\.async\.wait_group\b", r"\bfence\.proxy\.async\.shared::cta\b")
+_NO_ROW_TMA = (_ROW_TMA[0],)
+
+
+def _rows(cn: int, cp_async: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(expected, forbidden) PTX of how a gathering fwd/dgrad loads A's rows."""
+    if cp_async:
+        return _COPIED_ROWS, _NO_ROW_TMA
+    return (_ROW_TMA if cn == 1 else _ROW_MULTICAST), _NO_CP_ASYNC
+
+
 def _gather_spec(name: str, n: int, k: int, activation: str, pingpong: bool = False,
                  cn: int = 1, keep_h: bool = True, deferred: bool = False,
-                 dynamic: bool = False) -> KernelSpec:
+                 dynamic: bool = False, cp_async: bool = False) -> KernelSpec:
     """keep_h False: h is never staged or stored, so no stmatrix and none of its 16-byte masked stores
     (act(h) is staged by scalar stores and leaves in 8-byte chunks)."""
     bn = pingpong_bn(activation) if pingpong else pick_bn(n)
     handoff = (*_GRAB, *(_HANDOFF if cn > 1 else ())) if dynamic else ()
-    expect: tuple[str, ...] = (*(_EXPECT_GATHER if cn == 1 else _EXPECT_GATHER_CN),
-                               *(_TURNS if pingpong else ()), *handoff)
-    forbid: tuple[str, ...] = (*_FORBID_EPILOGUE, *_NO_CP_ASYNC)
+    rows, no_rows = _rows(cn, cp_async)
+    expect: tuple[str, ...] = (*_EXPECT_EPILOGUE, *rows, *(_TURNS if pingpong else ()), *handoff)
+    forbid: tuple[str, ...] = (*_FORBID_EPILOGUE, *no_rows)
     if not keep_h:
         expect = tuple(rx for rx in expect if rx not in (_STMATRIX, _ST_V4))
         forbid = (*forbid, _STMATRIX, _ST_V4)
     return KernelSpec(op="grouped_gemm_act", name=name,
                       compile=GATHER.compiler(n=n, k=k, bn=bn, act=activation, w_k_major=True,
                                               pingpong=pingpong, cn=cn, keep_h=keep_h, deferred=deferred,
-                                              dynamic=dynamic),
+                                              dynamic=dynamic, cp_async=cp_async),
                       expect={"sm_90a": expect}, forbid={"sm_90a": forbid})
 
 
@@ -135,14 +147,14 @@ _EXPECT_WGRAD_GATHER = (*_EXPECT_WGRAD, r"\bcp\.async\.cg\.shared\.global\b", r"
 
 
 def _dgrad_gather_spec(name: str, n: int, k: int, cn: int = 1, deferred: bool = False,
-                       dynamic: bool = False) -> KernelSpec:
+                       dynamic: bool = False, cp_async: bool = False) -> KernelSpec:
     handoff = (*_GRAB, *(_HANDOFF if cn > 1 else ())) if dynamic else ()
+    rows, no_rows = _rows(cn, cp_async)
     return KernelSpec(op="grouped_gemm_dgrad", name=name,
                       compile=GATHER.compiler(n=n, k=k, bn=pick_bn(n), act="none", w_k_major=False, cn=cn,
-                                              deferred=deferred, dynamic=dynamic),
-                      expect={"sm_90a": (*_EXPECT_SM90, *(_ROW_TMA if cn == 1 else _ROW_MULTICAST),
-                                         *handoff)},
-                      forbid={"sm_90a": (*_FORBID_SM90, *_NO_CP_ASYNC)})
+                                              deferred=deferred, dynamic=dynamic, cp_async=cp_async),
+                      expect={"sm_90a": (*_EXPECT_SM90, *rows, *handoff)},
+                      forbid={"sm_90a": (*_FORBID_SM90, *no_rows)})
 
 
 def _wgrad_gather_spec(name: str, n: int, k: int, side: str, accumulate: bool = False) -> KernelSpec:
@@ -241,6 +253,10 @@ KERNELS: tuple[KernelSpec, ...] = (
     _gather_spec("grouped_gemm_act_gathered_swiglu_cn2_dynamic", 1024, 4096, "swiglu", cn=2, dynamic=True),
     _gather_spec("grouped_gemm_act_gathered_swiglu_n256_dynamic", 2048, 4096, "swiglu", dynamic=True),
     _dgrad_gather_spec("grouped_gemm_dgrad_gathered_cn2_dynamic", 1024, 4096, cn=2, dynamic=True),
+    _gather_spec("grouped_gemm_act_gathered_swiglu_n256_copied", 2048, 4096, "swiglu", dynamic=True,
+                 cp_async=True),
+    _gather_spec("grouped_gemm_act_gathered_relu2_n128_copied_k288", 1152, 288, "relu2", cp_async=True),
+    _dgrad_gather_spec("grouped_gemm_dgrad_gathered_n256_copied", 1024, 4096, dynamic=True, cp_async=True),
     _spec("grouped_gemm_act_swiglu_deferred_n256", 2048, 4096, 256, True, "swiglu", deferred=True),
     _spec("grouped_gemm_fwd_pingpong_dynamic", 4096, 1024, pingpong_bn("none"), True, pingpong=True,
           dynamic=True),

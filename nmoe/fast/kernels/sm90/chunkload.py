@@ -14,7 +14,9 @@ from cutlass.base_dsl.typing import Constexpr
 from cutlass.cutlass_dsl.cutlass import min as dsl_min
 
 from nmoe.fast.kernels.prims import dsl_user_op
+from nmoe.fast.kernels.sm90.gatherplan import PRODUCER_THREADS
 from nmoe.fast.kernels.sm90.grouped_gemm import copy_b
+from nmoe.fast.kernels.sm90.tiles import VEC
 
 
 @cute.jit
@@ -78,3 +80,25 @@ def land_all(mainloop: pipeline.PipelineTmaAsync, state: Any, lag: Constexpr[int
     cute.arch.fence_proxy("async.shared", space="cta")
     for i in range(dsl_min(state.count, lag)):
         _land(mainloop, (state.index + (stages - 1) - i) % stages)
+
+
+def chunk_offsets(g_outer: Any, per_row: int, q: int, n_chunks: int, stages: int) -> tuple[list[int], int]:
+    """(chunk i's byte step from a thread's first chunk, a stage's bytes) of g_outer(column, row, stage),
+    static; checked while tracing: for every producer thread and stage, its swizzled base at the step's
+    residue mod SWIZZLE_PERIOD plus whole periods of step and stage is the chunk's swizzled offset."""
+    offsets = [g_outer((0, 4 * q * i, 0)) for i in range(n_chunks)] + [g_outer((0, 0, 1))]
+    if not all(isinstance(o, int) for o in offsets) or offsets[-1] * 2 % SWIZZLE_PERIOD:
+        raise ValueError(f"gathering producer: shared offsets {offsets} are not static, or a stage is not "
+                         "whole swizzle periods")
+    steps, stage_bytes = [o * 2 for o in offsets[:-1]], offsets[-1] * 2
+    for ptid in range(PRODUCER_THREADS):
+        c, r0 = ptid % per_row * VEC, ptid // per_row
+        first = g_outer((c, r0, 0)) * 2
+        for i, step in enumerate(steps):
+            res = step % SWIZZLE_PERIOD
+            for st in (0, stages - 1):
+                want = swizzled(g_outer((c, r0 + 4 * q * i, st)) * 2)
+                if swizzled(first + res) + step - res + st * stage_bytes != want:
+                    raise ValueError(f"gathering producer: thread {ptid} chunk {i} stage {st} lands at "
+                                     f"{want}, not at its base plus whole swizzle periods")
+    return steps, stage_bytes

@@ -9,13 +9,24 @@ from typing import Any, cast
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import BFloat16, Int32, Int64
+from cutlass import BFloat16, Int32, Int64, Uint32
 from cutlass.base_dsl.ast_helpers import const_expr, range_constexpr
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.typing import Pointer
+from cutlass.cutlass_dsl.cutlass import max as dsl_max
 
-from nmoe.fast.kernels.sm90.chunkload import arm_stage
+from nmoe.fast.kernels.prims import sel
+from nmoe.fast.kernels.sm90.chunkload import (
+    SWIZZLE_PERIOD,
+    arm_stage,
+    chunk_offsets,
+    commit_stage,
+    copy_chunk,
+    land_all,
+    swizzled,
+)
+from nmoe.fast.kernels.sm90.gatherplan import PRODUCER_THREADS, gather_lag
 from nmoe.fast.kernels.sm90.grouped_gemm import (
     EVICT_FIRST,
     EVICT_LAST,
@@ -38,6 +49,7 @@ from nmoe.fast.kernels.sm90.tiles import (
     EPILOGUES,
     PRODUCER_REGS,
     THREADS,
+    VEC,
     epi_sets,
     epi_smem_layout,
     stages_for,
@@ -155,6 +167,96 @@ def produce_rows(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom,
         mainloop.producer_tail(state)
 
 
+ROW_CHUNKS = BK // VEC
+"""16-byte chunks of one A row's K box: a copying thread's column, the threads sharing a row."""
+
+
+@cute.jit
+def _tile_tokens(m_slot: cute.Tensor, row0: Int32, g_end: Int32, top_k: Int32, ptid: Int32,
+                 toks: cute.Tensor, sizes: cute.Tensor) -> None:
+    """Tokens (slot // top_k, 0 where none) and source bytes (16, or 0 for pad rows and rows past the group)
+    of a copying thread's rows ptid // ROW_CHUNKS + 16 i: each looked up by one of the row's threads."""
+    lane = ptid % 32
+    mine = ptid // ROW_CHUNKS + (PRODUCER_THREADS // ROW_CHUNKS) * (lane % ROW_CHUNKS)
+    tok = Int32(-1)
+    if row0 + mine < g_end:
+        s = Int32(m_slot[row0 + mine])
+        if s >= 0:
+            tok = Int32(Uint32(s) // Uint32(top_k))
+    for i in range_constexpr(BM * ROW_CHUNKS // PRODUCER_THREADS):
+        t = cute.arch.shuffle_sync(tok, lane - lane % ROW_CHUNKS + i)
+        toks[i] = dsl_max(t, Int32(0))
+        sizes[i] = sel(t >= 0, 16, 0)
+
+
+@cute.jit
+def produce_rows_copied(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
+                        x_addr: Int64, m_slot: cute.Tensor, top_k: Int32, s_a: cute.Tensor,
+                        a_outer: cute.Layout, s_b: cute.Tensor, s_offs: cute.Tensor, n_groups: Int32,
+                        m_rows: Int32, t: Int32, n_ctas: Int32, warp_idx: Int32, ptid: Int32,
+                        n_tiles_n: Constexpr[int], k_tiles: Constexpr[int], k: Constexpr[int],
+                        bn: Constexpr[int], stages: Constexpr[int], q: Any = None,
+                        m_count: cute.Tensor | None = None) -> None:
+    """The producer warpgroup with A's rows copied by 16-byte cp.async instead of one TMA each: thread p
+    copies chunk p % 8 of tile rows p // 8 + 16 i, their tokens looked up once per tile, so a chunk costs
+    one wide multiply-add and the copy, and the TMA unit carries only B."""
+    # Row TMAs, one per 128-byte row, set the row-TMA kernel's pace at H = 4096 (ablate.gather_no_mma).
+    s_b_flat = cute.group_modes(s_b, 0, 2)
+    lane = ptid % 32
+    n_rows = BM * ROW_CHUNKS // PRODUCER_THREADS
+    steps, stage_bytes = chunk_offsets(lambda crd: a_outer((crd[1], crd[0], crd[2])), ROW_CHUNKS,
+                                       32 // ROW_CHUNKS, n_rows, stages)
+    c = ptid % ROW_CHUNKS * VEC
+    first = a_outer((ptid // ROW_CHUNKS, c, 0)) * 2
+    s_a_base = cast(Pointer, s_a.iterator).toint()
+    at = {r: s_a_base + swizzled(first + r) for r in sorted({st % SWIZZLE_PERIOD for st in steps})}
+    x_col = x_addr + Int64(c * 2)
+    toks = cute.make_rmem_tensor(n_rows, Int32)
+    sizes = cute.make_rmem_tensor(n_rows, Int32)
+    lag = gather_lag(stages)
+    dynamic = q is not None
+    fills = warp_idx == 0
+    qstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, QUEUE_DEPTH)
+    rstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QUEUE_DEPTH)
+    if const_expr(dynamic):
+        t, qstate, rstate = next_unit(q, m_count, fills, qstate, rstate, lane, 1)
+    e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, n_tiles_n)
+    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+    while e <= n_groups:
+        if e < n_groups:
+            n_tile, row0 = unit_tile(t, before, g_start, n_tiles_n, 1, 1, 0)
+            _tile_tokens(m_slot, row0, g_end, top_k, ptid, toks, sizes)
+            g_b = cute.local_tile(m_b[(None, None, e)], (bn, BK), (n_tile, None))
+            t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1), s_b_flat,
+                                               cute.group_modes(g_b, 0, 2))
+            for kt in range(k_tiles):
+                arm_stage(mainloop, state, warp_idx, tma_atom_b, t_gb[(None, kt)], t_sb[(None, state.index)],
+                          1, GATHER_B_POLICY)
+                g_kt = x_col + Int64(kt * BK * 2)
+                s_stage = state.index * stage_bytes
+                live = Int32(16)
+                if const_expr(k % BK):
+                    live = sel(kt * BK + c < k, 16, 0)
+                for i in range_constexpr(n_rows):
+                    size = sizes[i]
+                    if const_expr(k % BK):
+                        size = size & live
+                    res = steps[i] % SWIZZLE_PERIOD
+                    copy_chunk(g_kt + Int64(Uint32(toks[i])) * Int64(k * 2),
+                               at[res] + s_stage + steps[i] - res, size)
+                commit_stage(mainloop, state, lag, stages)
+                state.advance()
+        if const_expr(dynamic):
+            t, qstate, rstate = next_unit(q, m_count, fills, qstate, rstate, lane, 1)
+        else:
+            t = t + n_ctas
+        e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
+                                                n_tiles_n)
+    land_all(mainloop, state, lag, stages)
+    if warp_idx == 0:
+        mainloop.producer_tail(state)
+
+
 @cute.kernel
 def grouped_gemm_gather_kernel(
     tma_atom_b: cute.CopyAtom, m_b: cute.Tensor, row_atom: cute.CopyAtom, tma_x: cute.Tensor,
@@ -164,18 +266,25 @@ def grouped_gemm_gather_kernel(
     a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout,
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
     pingpong: Constexpr[bool], cn: Constexpr[int], keep_h: Constexpr[bool], deferred: Constexpr[bool],
-    m_count: cute.Tensor, dynamic: Constexpr[bool],
+    m_count: cute.Tensor, dynamic: Constexpr[bool], x_addr: Int64, cp_async: Constexpr[bool],
 ) -> None:
     tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, s_act, mainloop, q = fwd_cta_begin(
         (tma_atom_b, row_atom, tma_atom_d, tma_atom_act), m_offs, n_groups, a_layout, b_layout, d_layout,
-        stages, "ab", GATHER_CLUSTER_M * cn, act, pingpong, 4 if dynamic else 0)
+        stages, "b" if const_expr(cp_async) else "ab", GATHER_CLUSTER_M * cn, act, pingpong,
+        4 if dynamic else 0)
     n_tiles_n = n_tiles_n_of(n, bn)
     k_tiles = n_k_tiles(k)
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-        produce_rows(mainloop, tma_atom_b, m_b, row_atom, tma_x, row_layout(a_layout), m_slot, top_k,
-                     src_rows, s_a, a_layout.outer, s_b, s_offs, n_groups, m_rows, unit, n_units, warp_idx,
-                     tidx, n_tiles_n, k_tiles, bn, stages, GATHER_CLUSTER_M, rank, cn, q, m_count)
+        if const_expr(cp_async):
+            produce_rows_copied(mainloop, tma_atom_b, m_b, x_addr, m_slot, top_k, s_a, a_layout.outer,
+                                s_b, s_offs, n_groups, m_rows, unit, n_units, warp_idx, tidx, n_tiles_n,
+                                k_tiles, k, bn, stages, q, m_count)
+        else:
+            produce_rows(mainloop, tma_atom_b, m_b, row_atom, tma_x, row_layout(a_layout), m_slot, top_k,
+                         src_rows, s_a, a_layout.outer, s_b, s_offs, n_groups, m_rows, unit, n_units,
+                         warp_idx, tidx, n_tiles_n, k_tiles, bn, stages, GATHER_CLUSTER_M, rank, cn, q,
+                         m_count)
     else:
         consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, s_act,
                       tma_atom_act, tma_act, n_groups,
@@ -189,7 +298,7 @@ def grouped_gemm_gather_host(
     top_k: Int32, src_rows: Int32, m_rows: Int32, n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream,
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], w_k_major: Constexpr[bool], act: Constexpr[str],
     pingpong: Constexpr[bool], cn: Constexpr[int], keep_h: Constexpr[bool], deferred: Constexpr[bool],
-    dynamic: Constexpr[bool],
+    dynamic: Constexpr[bool], cp_async: Constexpr[bool],
 ) -> None:
     """y[p, n] = x[slot[p] // top_k] @ B_e^T for permuted row p of group e, zero rows where slot[p] = -1; x's
     rows are gathered as they load, so the permuted copy of x is never written."""
@@ -197,7 +306,8 @@ def grouped_gemm_gather_host(
     # act != "none" it also writes a = act(y), and y is not stored unless keep_h. cn > 1: clusters of cn CTAs
     # on one M tile's cn N tiles, each gathering 1/cn of A's rows for all. deferred: each tile's epilogue
     # leaves under the next tile's wgmmas (grouped_gemm's Pending). dynamic: units taken from the zeroed
-    # counter at pcount, in order, as CTAs free up, instead of every n_ctas-th.
+    # counter at pcount, in order, as CTAs free up, instead of every n_ctas-th. cp_async: A's rows arrive by
+    # 16-byte cp.async (produce_rows_copied), unclustered, instead of row TMAs.
     stages = stages_for(bn, act, pingpong)
     (m_y, m_a, m_offs, tiled_mma, a_layout, b_layout, tma_atom_b, tma_b, tma_atom_d, tma_d, tma_atom_act,
      tma_act) = _gemm_setup(
@@ -210,14 +320,18 @@ def grouped_gemm_gather_host(
         tma_atom_b, tma_b, row_atom, tma_x, tma_atom_d, tma_d, m_y, m_a, tma_atom_act, tma_act, m_offs,
         m_slot, top_k, src_rows, m_rows, n_groups, tiled_mma, a_layout, b_layout,
         epi_smem_layout(epi_sets(pingpong)), n, k, bn, stages, act, pingpong, cn, keep_h, deferred, m_count,
-        dynamic,
+        dynamic, Int64(px.toint()), cp_async,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(GATHER_CLUSTER_M * cn),
              min_blocks_per_mp=1, stream=stream)
 
 
 def compile_args_gather(n: int, k: int, bn: int, act: str = "none", w_k_major: bool = True,
                         pingpong: bool = False, cn: int = 1, keep_h: bool = True,
-                        deferred: bool = False, dynamic: bool = False) -> tuple[Any, tuple[Any, ...]]:
+                        deferred: bool = False, dynamic: bool = False,
+                        cp_async: bool = False) -> tuple[Any, tuple[Any, ...]]:
+    if cp_async and (cn > 1 or GATHER_CLUSTER_M > 1):
+        raise ValueError(f"gathered grouped GEMM by cp.async: rows cannot be multicast, so no cluster (N "
+                         f"{cn}, M {GATHER_CLUSTER_M}); launch it with cn=1")
     if cn > 1 and (n_tiles_n_of(n, bn) % cn or GATHER_CLUSTER_M > 1 or BM // 4 % cn):
         raise ValueError(f"gathered grouped GEMM N cluster of {cn}: needs N tiles ({n_tiles_n_of(n, bn)} "
                          f"of {bn}) in whole clusters, no M cluster (GEMM_GATHER_CLUSTER_M = "
@@ -233,4 +347,4 @@ def compile_args_gather(n: int, k: int, bn: int, act: str = "none", w_k_major: b
     check_schedule(bn, pingpong, act)
     check_deferred(deferred, pingpong)
     return grouped_gemm_gather_host, (*ptrs, *(Int32(0) for _ in range(5)), cuda.CUstream(0), n, k, bn,
-                                      w_k_major, act, pingpong, cn, keep_h, deferred, dynamic)
+                                      w_k_major, act, pingpong, cn, keep_h, deferred, dynamic, cp_async)

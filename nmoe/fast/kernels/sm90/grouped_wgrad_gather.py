@@ -20,13 +20,13 @@ from nmoe.fast.kernels.prims import sel
 from nmoe.fast.kernels.sm90.chunkload import (
     SWIZZLE_PERIOD,
     arm_stage,
+    chunk_offsets,
     commit_stage,
     copy_chunk,
     land_all,
     swizzled,
 )
 from nmoe.fast.kernels.sm90.gatherplan import (
-    PRODUCER_THREADS,
     gather_lag,
     gather_lanes,
     own_row,
@@ -188,28 +188,6 @@ def produce_wgrad_lean(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyA
     land_all(mainloop, state, lag, stages)
     if warp_idx == 0:
         mainloop.producer_tail(state)
-
-
-def chunk_offsets(g_outer: Any, per_row: int, q: int, n_chunks: int, stages: int) -> tuple[list[int], int]:
-    """(chunk i's byte step from a thread's first chunk, a stage's bytes), static; checked while tracing that
-    for every producer thread and stage, its swizzled base at the step's residue mod SWIZZLE_PERIOD plus the
-    step's and the stage's whole periods is the chunk's swizzled layout offset."""
-    offsets = [g_outer((0, 4 * q * i, 0)) for i in range(n_chunks)] + [g_outer((0, 0, 1))]
-    if not all(isinstance(o, int) for o in offsets) or offsets[-1] * 2 % SWIZZLE_PERIOD:
-        raise ValueError(f"gathered wgrad: shared offsets {offsets} are not static, or a stage is not whole "
-                         "swizzle periods")
-    steps, stage_bytes = [o * 2 for o in offsets[:-1]], offsets[-1] * 2
-    for ptid in range(PRODUCER_THREADS):
-        c, r0 = ptid % per_row * VEC, ptid // per_row
-        first = g_outer((c, r0, 0)) * 2
-        for i, step in enumerate(steps):
-            res = step % SWIZZLE_PERIOD
-            for st in (0, stages - 1):
-                want = swizzled(g_outer((c, r0 + 4 * q * i, st)) * 2)
-                if swizzled(first + res) + step - res + st * stage_bytes != want:
-                    raise ValueError(f"gathered wgrad: thread {ptid} chunk {i} stage {st} lands at {want}, "
-                                     "not at its base plus whole swizzle periods")
-    return steps, stage_bytes
 
 
 @cute.jit

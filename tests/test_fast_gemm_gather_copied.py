@@ -1,0 +1,125 @@
+"""The gathering fwd/dgrad with A's rows copied by 16-byte cp.async (GEMM_GATHER_CP_ASYNC) instead of one TMA
+per row: thread p copies chunk p % 8 of tile rows p // 8 + 16 i, their tokens looked up once per tile and
+shuffled within the row's eight threads. Its contract is the row-TMA kernel's: every output bit equal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_fast_gemm_gather import CASES as GATHER_CASES
+from test_fast_gemm_gather_cluster import Case, _case
+from torch import Tensor
+
+from nmoe.fast.gemm import sm90
+from nmoe.fast.kernels.sm90 import gatherplan
+
+gpu = pytest.mark.gpu
+
+# The gathering test's cases (a K tail of 32 columns, skew, T = 5 mostly pad rows), then two with several
+# units per CTA and N tiles of 256 (the layer's), under the uniform and the skewed routing.
+CASES = [*GATHER_CASES, (4096, 8, 512, 1024, 32, 8, "swiglu", "uniform"),
+         (4096, 8, 512, 256, 32, 8, "relu2", "skew")]
+
+
+def _runs(case: Case, monkeypatch: pytest.MonkeyPatch, copied: bool,
+          x: Tensor | None = None) -> list[Tensor]:
+    """h, act(h) and the gathered dgrad dy[slot // K] @ w with rows by cp.async or by row TMA, their outputs
+    carved from a freed NaN block so a row no thread wrote cannot pass for one."""
+    monkeypatch.setattr(sm90, "GEMM_GATHER_CP_ASYNC", copied)
+    x0, w, dy, slot, offs = _case(case)
+    x = x0 if x is None else x
+    k, act = case[1], case[6]
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    poison = torch.full((1 << 26,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    del poison
+    a, h = sm90.grouped_gemm_act_gathered(x, slot, k, w, offs, act)
+    dx = sm90.grouped_gemm_dgrad_gathered(dy, slot, k, w, offs)
+    torch.cuda.synchronize()
+    return [h, a, dx]
+
+
+def test_copied_rows_run_unclustered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cp.async cannot multicast, so the copying kernel never runs in N clusters, and refuses one."""
+    monkeypatch.setattr(sm90, "GEMM_GATHER_CP_ASYNC", True)
+    assert sm90.gather_cluster_n(2048, 256, False) == 1
+    from nmoe.fast.kernels.sm90 import grouped_gemm_gather as km
+    with pytest.raises(ValueError, match="cannot be multicast"):
+        km.compile_args_gather(2048, 4096, 256, "swiglu", cn=2, cp_async=True)
+
+
+def test_copied_rows_cover_every_tile_row_once() -> None:
+    """Thread p's rows p // 8 + 16 i (i < 8) at chunk p % 8 tile a stage's 128 x 8 chunks once each; its
+    i-th row is the one lane lane - lane % 8 + i of its warp looks up, that lane's p // 8 + 16 (lane % 8)."""
+    per_row, threads = 8, gatherplan.PRODUCER_THREADS
+    seen = {(p // per_row + 16 * i, p % per_row) for p in range(threads) for i in range(8)}
+    assert seen == {(r, c) for r in range(128) for c in range(per_row)}
+    for p in range(threads):
+        lane = p % 32
+        for i in range(8):
+            q = p - lane + lane - lane % per_row + i
+            assert q // per_row + 16 * (q % 32 % per_row) == p // per_row + 16 * i
+
+
+def test_copied_kernels_are_compile_checked() -> None:
+    names = {s.name: s for s in sm90.KERNELS if s.name.endswith("_copied") or "_copied_" in s.name}
+    assert set(names) == {"grouped_gemm_act_gathered_swiglu_n256_copied",
+                          "grouped_gemm_act_gathered_relu2_n128_copied_k288",
+                          "grouped_gemm_dgrad_gathered_n256_copied"}
+    for spec in names.values():
+        assert any("cp\\.async\\.cg" in rx for rx in spec.expect["sm_90a"])
+        assert any("tensor\\.2d\\.shared::cta\\.global" in rx for rx in spec.forbid["sm_90a"])
+
+
+@gpu
+@pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}K{c[1]}H{c[2]}N{c[3]}E{c[4]}-{c[6]}" for c in CASES])
+def test_copied_rows_equal_the_row_tma_kernel(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    want = _runs(case, monkeypatch, False)
+    got = _runs(case, monkeypatch, True)
+    for name, g, w in zip(("h", "act(h)", "dgrad"), got, want, strict=True):
+        assert not bool(g.isnan().any()), f"{name}: a row no thread wrote stays NaN"
+        assert torch.equal(g.view(torch.int16), w.view(torch.int16)), f"{name} differs with copied rows"
+
+
+@gpu
+def test_sep_gemm_fast_gather_copied_token_lane(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Row p // 8 + 16 i copied from the token looked up for row p // 8 + 16 (i + 1): uniform routing puts
+    different tokens 16 rows apart, so h changes."""
+    case = CASES[4]
+    slot = _case(case)[3]
+    real = slot[:128]
+    assert bool((real[:-16] // case[1] != real[16:] // case[1]).any()), "rows 16 apart name different tokens"
+    want = _runs(case, monkeypatch, False)[0]
+    got = _runs(case, monkeypatch, True)[0]
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@gpu
+def test_sep_gemm_fast_gather_copied_pad_rows_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pad rows and rows past the group copied from token 0 (the clamped token) instead of zero-filled: with
+    token 0 nonzero, their h is x_0 @ w_e^T, not zeros."""
+    case = CASES[0]
+    x, _, _, slot, _ = _case(case)
+    assert int((slot < 0).sum()) > 0 and bool(x[0].abs().sum() > 0), "pad rows exist and token 0 is nonzero"
+    want = _runs(case, monkeypatch, False)[0]
+    got = _runs(case, monkeypatch, True)[0]
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@gpu
+def test_sep_gemm_fast_gather_copied_k_tail_unmasked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """K = 288: the last box's columns 288..319 of token t's row are token t + 1's first 32 in memory. With
+    those infinite, copying them (times B's zero-filled columns) makes NaN in token t's rows."""
+    case = CASES[0]
+    hid = case[2]
+    assert hid % 64 == 32, "the case has a K tail"
+    x, _, _, slot, _ = _case(case)
+    x = x.cpu()
+    x[1::2, :32] = float("inf")
+    x = x.cuda()
+    assert torch.isinf(x.view(-1)[hid:hid + 32]).all(), "token 0's row is followed by infinite columns"
+    even = (slot >= 0) & ((slot // case[1]) % 2 == 0)
+    want = _runs(case, monkeypatch, False, x)[0]
+    assert bool(even.any()) and torch.isfinite(want[even].float()).all(), "row TMAs keep even tokens finite"
+    got = _runs(case, monkeypatch, True, x)[0]
+    assert torch.equal(got[even].view(torch.int16), want[even].view(torch.int16))
