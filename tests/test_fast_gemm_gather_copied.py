@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fast_gemm_gather import CASES as GATHER_CASES
 from test_fast_gemm_gather_cluster import Case, _case
+from test_fast_gemm_gather_dynamic import CASES, poisoned_runs
 from torch import Tensor
 
 from nmoe.fast.gemm import sm90
@@ -15,28 +15,10 @@ from nmoe.fast.kernels.sm90 import gatherplan
 
 gpu = pytest.mark.gpu
 
-# The gathering test's cases (a K tail of 32 columns, skew, T = 5 mostly pad rows), then two with several
-# units per CTA and N tiles of 256 (the layer's), under the uniform and the skewed routing.
-CASES = [*GATHER_CASES, (4096, 8, 512, 1024, 32, 8, "swiglu", "uniform"),
-         (4096, 8, 512, 256, 32, 8, "relu2", "skew")]
-
-
-def _runs(case: Case, monkeypatch: pytest.MonkeyPatch, copied: bool,
-          x: Tensor | None = None) -> list[Tensor]:
-    """h, act(h) and the gathered dgrad dy[slot // K] @ w with rows by cp.async or by row TMA, their outputs
-    carved from a freed NaN block so a row no thread wrote cannot pass for one."""
+def _runs(case: Case, monkeypatch: pytest.MonkeyPatch, copied: bool, x: Tensor | None = None) -> list[Tensor]:
+    """h, act(h) and the gathered dgrad with A's rows by cp.async or by row TMA, NaN-poisoned."""
     monkeypatch.setattr(sm90, "GEMM_GATHER_CP_ASYNC", copied)
-    x0, w, dy, slot, offs = _case(case)
-    x = x0 if x is None else x
-    k, act = case[1], case[6]
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    poison = torch.full((1 << 26,), float("nan"), dtype=torch.bfloat16, device="cuda")
-    del poison
-    a, h = sm90.grouped_gemm_act_gathered(x, slot, k, w, offs, act)
-    dx = sm90.grouped_gemm_dgrad_gathered(dy, slot, k, w, offs)
-    torch.cuda.synchronize()
-    return [h, a, dx]
+    return poisoned_runs(case, x)
 
 
 def test_copied_rows_run_unclustered(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -74,6 +56,8 @@ def test_copied_kernels_are_compile_checked() -> None:
 @gpu
 @pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}K{c[1]}H{c[2]}N{c[3]}E{c[4]}-{c[6]}" for c in CASES])
 def test_copied_rows_equal_the_row_tma_kernel(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dynamic schedule's cases: a K tail of 32 columns, skew, T = 5 of mostly pad rows, several units
+    per CTA in the layer's 256-wide N tiles."""
     want = _runs(case, monkeypatch, False)
     got = _runs(case, monkeypatch, True)
     for name, g, w in zip(("h", "act(h)", "dgrad"), got, want, strict=True):

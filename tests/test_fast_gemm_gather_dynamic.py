@@ -21,11 +21,11 @@ CASES = [*GATHER_CASES, (4096, 8, 512, 1024, 32, 8, "swiglu", "uniform"),
          (4096, 8, 512, 256, 32, 8, "relu2", "skew")]
 
 
-def _runs(case: Case, monkeypatch: pytest.MonkeyPatch, dynamic: bool) -> list[Tensor]:
-    """h, act(h) and the gathered dgrad dy[slot // K] @ w under the named schedule, their outputs carved from
-    a freed NaN block so a unit no CTA computed cannot pass for one."""
-    monkeypatch.setattr(sm90, "GEMM_GATHER_DYNAMIC", dynamic)
-    x, w, dy, slot, offs = _case(case)
+def poisoned_runs(case: Case, x: Tensor | None = None) -> list[Tensor]:
+    """h, act(h) and the gathered dgrad dy[slot // K] @ w (x: the case's unless given), their outputs carved
+    from a freed NaN block so a unit or row no thread wrote cannot pass for a computed one."""
+    x0, w, dy, slot, offs = _case(case)
+    x = x0 if x is None else x
     k, act = case[1], case[6]
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -35,6 +35,11 @@ def _runs(case: Case, monkeypatch: pytest.MonkeyPatch, dynamic: bool) -> list[Te
     dx = sm90.grouped_gemm_dgrad_gathered(dy, slot, k, w, offs)
     torch.cuda.synchronize()
     return [h, a, dx]
+
+
+def _runs(case: Case, monkeypatch: pytest.MonkeyPatch, dynamic: bool) -> list[Tensor]:
+    monkeypatch.setattr(sm90, "GEMM_GATHER_DYNAMIC", dynamic)
+    return poisoned_runs(case)
 
 
 def test_dynamic_kernels_are_compile_checked() -> None:
