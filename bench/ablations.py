@@ -311,8 +311,8 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ablate.gather_wgrad_no_copies", WGRAD_GATHER,
-        "                    copy_chunk(g, at[",
-        "                    if r < -1:\n                        copy_chunk(g, at[",
+        "                    copy_chunk(g, chunk_at(",
+        "                    if r < -1:\n                        copy_chunk(g, chunk_at(",
         "timing only: the gathered wgrad producer issues no cp.async (lookups, shuffles and the landing "
         "protocol stay)",
     ),

@@ -31,16 +31,18 @@ def test_copied_rows_run_unclustered(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_copied_rows_cover_every_tile_row_once() -> None:
-    """Thread p's rows p // 8 + 16 i (i < 8) at chunk p % 8 tile a stage's 128 x 8 chunks once each; its
-    i-th row is the one lane lane - lane % 8 + i of its warp looks up, that lane's p // 8 + 16 (lane % 8)."""
-    per_row, threads = 8, gatherplan.PRODUCER_THREADS
-    seen = {(p // per_row + 16 * i, p % per_row) for p in range(threads) for i in range(8)}
-    assert seen == {(r, c) for r in range(128) for c in range(per_row)}
+    """The copying producer's map (gatherplan, traced by the kernel): its threads' rows at their chunk columns
+    tile a stage's 128 x 8 chunks once each, and every thread's i-th row is the one the lane it reads the
+    token from looked up."""
+    per_row, threads = gatherplan.ROW_CHUNKS, gatherplan.PRODUCER_THREADS
+    rows = range(gatherplan.ROWS_PER_THREAD)
+    seen = [(gatherplan.copied_row(p, i), p % per_row) for p in range(threads) for i in rows]
+    assert sorted(seen) == [(r, c) for r in range(128) for c in range(per_row)]
     for p in range(threads):
         lane = p % 32
-        for i in range(8):
-            q = p - lane + lane - lane % per_row + i
-            assert q // per_row + 16 * (q % 32 % per_row) == p // per_row + 16 * i
+        for i in rows:
+            src = p - lane + gatherplan.copied_lane(lane, i)
+            assert gatherplan.copied_lookup(src) == gatherplan.copied_row(p, i), (p, i)
 
 
 def test_copied_kernels_are_compile_checked() -> None:

@@ -258,9 +258,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
-        "gemm.fast_gather_copied_token_lane", GATHER,
-        "        t = cute.arch.shuffle_sync(tok, lane - lane % ROW_CHUNKS + i)\n",
-        "        t = cute.arch.shuffle_sync(tok, lane - lane % ROW_CHUNKS + (i + 1) % ROW_CHUNKS)\n",
+        "gemm.fast_gather_copied_token_lane", PLAN,
+        "    return lane - lane % ROW_CHUNKS + i\n",
+        "    return lane - lane % ROW_CHUNKS + (i + 1) % ROW_CHUNKS\n",
         "the copying producer's row p // 8 + 16 i takes the token looked up for row p // 8 + 16 (i + 1)",
         COPIED_TESTS, ("moe_layer",), device="gpu",
     ),
@@ -277,10 +277,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         COPIED_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
-        "gemm.fast_wgrad_gather_row_off_by_one", WGRAD_GATHER,
+        "gemm.fast_wgrad_gather_row_off_by_one", CHUNKLOAD,
         "            t = Int32(Uint32(s) // Uint32(top_k))\n",
         "            t = Int32(Uint32(s + 1) // Uint32(top_k))\n",
-        "the gathered wgrad reads the row of slot + 1's token", GATHER_TESTS, ("moe_layer",), device="gpu",
+        "the cp.async gathering producers (the wgrad's, the copied fwd rows) read slot + 1's token's row",
+        GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
         "gemm.fast_wgrad_gather_pad_rows_read", WGRAD_GATHER,

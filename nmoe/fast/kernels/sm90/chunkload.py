@@ -8,7 +8,7 @@ from typing import Any, cast
 
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Int32, Int64
+from cutlass import Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.base_dsl.typing import Constexpr
 from cutlass.cutlass_dsl.cutlass import min as dsl_min
@@ -102,3 +102,28 @@ def chunk_offsets(g_outer: Any, per_row: int, q: int, n_chunks: int, stages: int
                     raise ValueError(f"gathering producer: thread {ptid} chunk {i} stage {st} lands at "
                                      f"{want}, not at its base plus whole swizzle periods")
     return steps, stage_bytes
+
+
+def swizzled_bases(s_base: Any, first: int | Any, steps: list[int]) -> dict[int, Any]:
+    """A thread's swizzled shared address at each residue mod SWIZZLE_PERIOD of its chunk steps (from
+    chunk_offsets), its first chunk at unswizzled byte `first` of the stage ring at s_base."""
+    return {r: s_base + swizzled(first + r) for r in sorted({st % SWIZZLE_PERIOD for st in steps})}
+
+
+def chunk_at(bases: dict[int, Any], step: int, s_stage: Any) -> Any:
+    """The shared address of the chunk `step` bytes past a thread's first, in the stage s_stage bytes in:
+    its residue's swizzled base plus whole periods, a constant the copy takes as an immediate."""
+    res = step % SWIZZLE_PERIOD
+    return bases[res] + s_stage + (step - res)
+
+
+@cute.jit
+def token_at(m_slot: cute.Tensor, row: Int32, end: Int32, top_k: Any) -> Int32:
+    """Permuted row `row`'s token, slot // top_k (slot < 2^31: its low word), or -1 for a pad row and a row
+    past the group's end."""
+    t = Int32(-1)
+    if row < end:
+        s = Int32(m_slot[row])
+        if s >= 0:
+            t = Int32(Uint32(s) // Uint32(top_k))
+    return t

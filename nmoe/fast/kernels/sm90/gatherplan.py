@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from nmoe.fast.limits import GEMM_BK as BK
+from nmoe.fast.limits import GEMM_BM as BM
+from nmoe.fast.limits import VEC_BYTES
 
 PRODUCER_THREADS = 128
 
@@ -36,3 +38,24 @@ def own_row(lane: Any, warp: Any, q: int) -> Any:
 def source_lane(i: int, lane: Any, per_row: int, q: int) -> Any:
     """The lane holding the source of chunk i's row for `lane`: row ptid // per_row + 4 q i."""
     return i * q + lane // per_row
+
+
+ROW_CHUNKS = BK * 2 // VEC_BYTES
+"""16-byte chunks of one bf16 A row's K box: the threads of a copying producer that share a row."""
+ROWS_PER_THREAD = BM * ROW_CHUNKS // PRODUCER_THREADS
+"""Rows of an A tile each copying thread copies one chunk of, PRODUCER_THREADS // ROW_CHUNKS apart."""
+
+
+def copied_row(ptid: Any, i: int) -> Any:
+    """The tile row of a copying producer thread's i-th chunk (its column is ptid % ROW_CHUNKS)."""
+    return ptid // ROW_CHUNKS + PRODUCER_THREADS // ROW_CHUNKS * i
+
+
+def copied_lookup(ptid: Any) -> Any:
+    """The tile row whose token thread ptid looks up: its row group's ptid % ROW_CHUNKS-th."""
+    return copied_row(ptid, ptid % ROW_CHUNKS)
+
+
+def copied_lane(lane: Any, i: int) -> Any:
+    """The lane holding the token of `lane`'s i-th row: the one of its eight that looked it up."""
+    return lane - lane % ROW_CHUNKS + i

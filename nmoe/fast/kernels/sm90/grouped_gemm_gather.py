@@ -18,15 +18,23 @@ from cutlass.cutlass_dsl.cutlass import max as dsl_max
 
 from nmoe.fast.kernels.prims import sel
 from nmoe.fast.kernels.sm90.chunkload import (
-    SWIZZLE_PERIOD,
     arm_stage,
+    chunk_at,
     chunk_offsets,
     commit_stage,
     copy_chunk,
     land_all,
-    swizzled,
+    swizzled_bases,
+    token_at,
 )
-from nmoe.fast.kernels.sm90.gatherplan import PRODUCER_THREADS, gather_lag
+from nmoe.fast.kernels.sm90.gatherplan import (
+    ROW_CHUNKS,
+    ROWS_PER_THREAD,
+    copied_lane,
+    copied_lookup,
+    copied_row,
+    gather_lag,
+)
 from nmoe.fast.kernels.sm90.grouped_gemm import (
     EVICT_FIRST,
     EVICT_LAST,
@@ -167,24 +175,15 @@ def produce_rows(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom,
         mainloop.producer_tail(state)
 
 
-ROW_CHUNKS = BK // VEC
-"""16-byte chunks of one A row's K box: a copying thread's column, the threads sharing a row."""
-
-
 @cute.jit
 def _tile_tokens(m_slot: cute.Tensor, row0: Int32, g_end: Int32, top_k: Int32, ptid: Int32,
                  toks: cute.Tensor, sizes: cute.Tensor) -> None:
     """Tokens (slot // top_k, 0 where none) and source bytes (16, or 0 for pad rows and rows past the group)
-    of a copying thread's rows ptid // ROW_CHUNKS + 16 i: each looked up by one of the row's threads."""
+    of a copying thread's rows copied_row(ptid, i), each looked up by one of the row's threads."""
     lane = ptid % 32
-    mine = ptid // ROW_CHUNKS + (PRODUCER_THREADS // ROW_CHUNKS) * (lane % ROW_CHUNKS)
-    tok = Int32(-1)
-    if row0 + mine < g_end:
-        s = Int32(m_slot[row0 + mine])
-        if s >= 0:
-            tok = Int32(Uint32(s) // Uint32(top_k))
-    for i in range_constexpr(BM * ROW_CHUNKS // PRODUCER_THREADS):
-        t = cute.arch.shuffle_sync(tok, lane - lane % ROW_CHUNKS + i)
+    tok = token_at(m_slot, row0 + copied_lookup(ptid), g_end, top_k)
+    for i in range_constexpr(ROWS_PER_THREAD):
+        t = cute.arch.shuffle_sync(tok, copied_lane(lane, i))
         toks[i] = dsl_max(t, Int32(0))
         sizes[i] = sel(t >= 0, 16, 0)
 
@@ -203,16 +202,13 @@ def produce_rows_copied(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.Co
     # Row TMAs, one per 128-byte row, set the row-TMA kernel's pace at H = 4096 (ablate.gather_no_mma).
     s_b_flat = cute.group_modes(s_b, 0, 2)
     lane = ptid % 32
-    n_rows = BM * ROW_CHUNKS // PRODUCER_THREADS
     steps, stage_bytes = chunk_offsets(lambda crd: a_outer((crd[1], crd[0], crd[2])), ROW_CHUNKS,
-                                       32 // ROW_CHUNKS, n_rows, stages)
+                                       32 // ROW_CHUNKS, ROWS_PER_THREAD, stages)
     c = ptid % ROW_CHUNKS * VEC
-    first = a_outer((ptid // ROW_CHUNKS, c, 0)) * 2
-    s_a_base = cast(Pointer, s_a.iterator).toint()
-    at = {r: s_a_base + swizzled(first + r) for r in sorted({st % SWIZZLE_PERIOD for st in steps})}
+    at = swizzled_bases(cast(Pointer, s_a.iterator).toint(), a_outer((copied_row(ptid, 0), c, 0)) * 2, steps)
     x_col = x_addr + Int64(c * 2)
-    toks = cute.make_rmem_tensor(n_rows, Int32)
-    sizes = cute.make_rmem_tensor(n_rows, Int32)
+    toks = cute.make_rmem_tensor(ROWS_PER_THREAD, Int32)
+    sizes = cute.make_rmem_tensor(ROWS_PER_THREAD, Int32)
     lag = gather_lag(stages)
     dynamic = q is not None
     fills = warp_idx == 0
@@ -237,13 +233,12 @@ def produce_rows_copied(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.Co
                 live = Int32(16)
                 if const_expr(k % BK):
                     live = sel(kt * BK + c < k, 16, 0)
-                for i in range_constexpr(n_rows):
+                for i in range_constexpr(ROWS_PER_THREAD):
                     size = sizes[i]
                     if const_expr(k % BK):
                         size = size & live
-                    res = steps[i] % SWIZZLE_PERIOD
-                    copy_chunk(g_kt + Int64(Uint32(toks[i])) * Int64(k * 2),
-                               at[res] + s_stage + steps[i] - res, size)
+                    copy_chunk(g_kt + Int64(Uint32(toks[i])) * Int64(k * 2), chunk_at(at, steps[i], s_stage),
+                               size)
                 commit_stage(mainloop, state, lag, stages)
                 state.advance()
         if const_expr(dynamic):
@@ -268,10 +263,11 @@ def grouped_gemm_gather_kernel(
     pingpong: Constexpr[bool], cn: Constexpr[int], keep_h: Constexpr[bool], deferred: Constexpr[bool],
     m_count: cute.Tensor, dynamic: Constexpr[bool], x_addr: Int64, cp_async: Constexpr[bool],
 ) -> None:
+    atoms = (tma_atom_b, tma_atom_d, tma_atom_act) if const_expr(cp_async) else (
+        tma_atom_b, row_atom, tma_atom_d, tma_atom_act)
     tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, s_act, mainloop, q = fwd_cta_begin(
-        (tma_atom_b, row_atom, tma_atom_d, tma_atom_act), m_offs, n_groups, a_layout, b_layout, d_layout,
-        stages, "b" if const_expr(cp_async) else "ab", GATHER_CLUSTER_M * cn, act, pingpong,
-        4 if dynamic else 0)
+        atoms, m_offs, n_groups, a_layout, b_layout, d_layout, stages, "b" if const_expr(cp_async) else "ab",
+        GATHER_CLUSTER_M * cn, act, pingpong, 4 if dynamic else 0)
     n_tiles_n = n_tiles_n_of(n, bn)
     k_tiles = n_k_tiles(k)
     if warp_idx < 4:

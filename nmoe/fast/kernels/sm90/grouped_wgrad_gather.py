@@ -18,13 +18,15 @@ from cutlass.cutlass_dsl.cutlass import max as dsl_max
 
 from nmoe.fast.kernels.prims import sel
 from nmoe.fast.kernels.sm90.chunkload import (
-    SWIZZLE_PERIOD,
     arm_stage,
+    chunk_at,
     chunk_offsets,
     commit_stage,
     copy_chunk,
     land_all,
     swizzled,
+    swizzled_bases,
+    token_at,
 )
 from nmoe.fast.kernels.sm90.gatherplan import (
     gather_lag,
@@ -58,18 +60,6 @@ def _slot_at(m_slot: cute.Tensor, row: Int32, end: Int32) -> Int64:
     if row < end:
         s = Int64(m_slot[row])
     return s
-
-
-@cute.jit
-def _token_at(m_slot: cute.Tensor, row: Int32, end: Int32, top_k: Constexpr[int]) -> Int32:
-    """Permuted row `row`'s token, slot // top_k (slot < 2^31: its low word), or -1 for a pad row and a row
-    past the group's end."""
-    t = Int32(-1)
-    if row < end:
-        s = Int32(m_slot[row])
-        if s >= 0:
-            t = Int32(Uint32(s) // Uint32(top_k))
-    return t
 
 
 @cute.jit
@@ -157,7 +147,7 @@ def produce_wgrad_lean(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyA
     steps, stage_bytes = chunk_offsets(g_outer, per_row, q, n_chunks, stages)
     first = g_outer((c, ptid // per_row, 0)) * 2
     s_base = cast(Pointer, s_g.iterator).toint()
-    at = {r: s_base + swizzled(first + r) for r in sorted({st % SWIZZLE_PERIOD for st in steps})}
+    at = swizzled_bases(s_base, first, steps)
     tok = cute.make_rmem_tensor(1, Int32)
     lag = gather_lag(stages)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
@@ -169,11 +159,11 @@ def produce_wgrad_lean(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyA
             if const_expr(width % box):
                 live = sel(col < width, 16, 0)
             row0 = src_addr + Int64(col * 2)
-            tok[0] = _token_at(m_slot, start + mine, end, top_k)
+            tok[0] = token_at(m_slot, start + mine, end, top_k)
             for kt in range((end - start + BK - 1) // BK):
                 arm_stage(mainloop, state, warp_idx, tma_atom, t_gt[(None, kt)], t_st[(None, state.index)])
                 here = tok[0]
-                tok[0] = _token_at(m_slot, start + (kt + 1) * BK + mine, end, top_k)
+                tok[0] = token_at(m_slot, start + (kt + 1) * BK + mine, end, top_k)
                 s_stage = state.index * stage_bytes
                 for i in range_constexpr(n_chunks):
                     r = cute.arch.shuffle_sync(here, source_lane(i, lane, per_row, q))
@@ -181,8 +171,7 @@ def produce_wgrad_lean(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyA
                     if r >= 0:
                         size = live
                     g = row0 + Int64(Uint32(dsl_max(r, Int32(0)))) * Int64(width * 2)
-                    whole = steps[i] - steps[i] % SWIZZLE_PERIOD
-                    copy_chunk(g, at[steps[i] % SWIZZLE_PERIOD] + s_stage + whole, size)
+                    copy_chunk(g, chunk_at(at, steps[i], s_stage), size)
                 commit_stage(mainloop, state, lag, stages)
                 state.advance()
     land_all(mainloop, state, lag, stages)
