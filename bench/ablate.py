@@ -99,8 +99,9 @@ def _gather_rows(t: int, h: int, i: int, e: int, k: int, compile_only: bool) -> 
     """The up projection (swiglu; h kept, or gathered act(h) alone as the forward with no backward) and its
     x-side wgrad, uniform routing, weights at the layer's init scale: A gathered from x's token rows, from
     permute's copy in row order (in_order), or by TMA from the copy (copied; also on rows split evenly, no pad
-    rows, as in the gemm bench); the wgrad also transposed (x_on_m: x the 128-wide M side, read 2I / 256
-    times instead of 2I / 128); and the down dgrad gathered from dout."""
+    rows, as in the gemm bench); the wgrad also with x on the 128-wide M side (x_on_m: read 2I / 256 times
+    instead of 2I / 128), its x^T @ dy as is or stored transposed as the layer needs it (x_on_m_t); and the
+    down dgrad gathered from dout."""
     import torch
 
     from bench.conftest import capture, replay_median_ms
@@ -130,6 +131,8 @@ def _gather_rows(t: int, h: int, i: int, e: int, k: int, compile_only: bool) -> 
         "wgrad_gathered": lambda: sm90.grouped_gemm_wgrad_gathered(dh, x, p.slot, k, p.offs),
         "wgrad_copied": lambda: sm90.grouped_gemm_wgrad(dh, p.xp, p.offs),
         "wgrad_gathered_x_on_m": lambda: sm90.grouped_gemm_wgrad_gathered(x, dh, p.slot, k, p.offs, "dy"),
+        "wgrad_gathered_x_on_m_t": lambda: sm90.grouped_gemm_wgrad_gathered(dh, x, p.slot, k, p.offs,
+                                                                            transposed=True),
         "wgrad_copied_x_on_m": lambda: sm90.grouped_gemm_wgrad(p.xp, dh, p.offs),
         "down_dgrad_gathered": lambda: sm90.grouped_gemm_dgrad_gathered(dy, p.slot, k, w_down, p.offs),
     }

@@ -291,8 +291,8 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ablate.gather_wgrad_bn128", GLUE,
-        "    bn = pick_bn(k)\n    n_ctas, split = _wgrad_grid(device, m, n, k, bn, e)\n    kernel_side",
-        "    bn = 128\n    n_ctas, split = _wgrad_grid(device, m, n, k, bn, e)\n    kernel_side",
+        "    bn = pick_bn(kk)\n    n_ctas, split = _wgrad_grid(device, m, kn, kk, bn, e)\n    kernel_side",
+        "    bn = 128\n    n_ctas, split = _wgrad_grid(device, m, kn, kk, bn, e)\n    kernel_side",
         "the gathered wgrad in 128-wide tiles: five operand stages (landing lag 3) instead of three (lag 1), "
         "at twice the re-reads of the TMA operand",
     ),
@@ -487,6 +487,14 @@ COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {
                         "t * k), torch.arange(slot.shape[0], dtype=torch.int32, device=x.device))"
                         "[:t * k].view(t, k)\n", "")),
               (replace(_OLD_PRODUCER, id="ablate.layer_wgrad_old_producer"),),
+              (Mutation("ablate.layer_up_wgrad_gathered_on_m", LIMITS,
+                        "GEMM_WGRAD_GATHER_X: Final[bool] = False\n",
+                        "GEMM_WGRAD_GATHER_X: Final[bool] = True\n",
+                        "the up projection's wgrad reads x's rows by index on its M side (x on M, half x on "
+                        "N's gathered reads) and stores dw transposed, no copies of x"),
+               Mutation("ablate.layer_up_wgrad_gathered_on_m_b", LIMITS,
+                        "GEMM_WGRAD_GATHER_X_ON_M: Final[bool] = False\n",
+                        "GEMM_WGRAD_GATHER_X_ON_M: Final[bool] = True\n", "")),
               tuple(replace(m, id=m.id.replace("gather_", "layer_")) for m in _ZERO_CHUNK_READS),
               (replace(_GATHER_CLUSTER_TWO, id="ablate.layer_gather_cluster_m2",
                        description="the gathering fwd/dgrad in M clusters of two sharing each B box "

@@ -84,16 +84,21 @@ CASES = [("swiglu", 1, "bf16", "sigmoid"), ("relu2", 0, "bf16", "softmax"), ("sw
 @pytest.mark.parametrize(("activation", "shared", "dtype", "score", "align", "groups", "down_wgrad"),
                          [(*c, 128, (1, 1), "gathered") for c in CASES]
                          + [("relu2", 1, "bf16", "sigmoid", 8, (4, 2), "gathered"),
-                            ("swiglu", 1, "bf16", "sigmoid", 128, (1, 1), "copied")])
+                            ("swiglu", 1, "bf16", "sigmoid", 128, (1, 1), "copied"),
+                            ("swiglu", 1, "bf16", "sigmoid", 8, (1, 1), "x_on_m")])
 def test_moe_layer_values_and_grads(monkeypatch: pytest.MonkeyPatch, activation: str, shared: int, dtype: str,
                                     score: str, align: int, groups: tuple[int, int], down_wgrad: str) -> None:
     """Routing: the spec's top-k on the fast logits, bit for bit. Values and gradients: float64 autograd on
     the fast routing (bf16), and the spec layer on CPU where its own logits route alike (fp8 needs that).
-    I = 128: the down wgrad gathers dout's rows; "copied" runs the TMA one on dout's copies, as at I > 256."""
+    I = 128: the down wgrad gathers dout's rows; "copied" runs the TMA one on dout's copies, as at I > 256;
+    "x_on_m" gathers x's rows too, on the up wgrad's M side, its dw stored transposed."""
     _sm90()
     from nmoe.fast import limits
     if down_wgrad == "copied":
         monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_DY_MAX_K", 0)
+    if down_wgrad == "x_on_m":
+        monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_X", True)
+        monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_X_ON_M", True)
     from nmoe.fast.moe import moe_layer
     from nmoe.fast.router import router_logits
     from nmoe.reference.router import router_topk

@@ -36,14 +36,16 @@ def _gathered_rows(x: Tensor, slot: Tensor, top_k: int) -> Tensor:
     return torch.where(slot[:, None] >= 0, x[slot.clamp(min=0) // top_k], torch.zeros_like(x[:1]))
 
 
-def _wgrad_gathered(dy: Tensor, x: Tensor, slot: Tensor, top_k: int, offs: Tensor, side: str = "x") -> Tensor:
+def _wgrad_gathered(dy: Tensor, x: Tensor, slot: Tensor, top_k: int, offs: Tensor, side: str = "x",
+                    transposed: bool = False) -> Tensor:
+    """The gathered wgrad's result (transposed moves the token-major side in the kernel, not the result)."""
     if side == "dy":
         return rg.grouped_gemm_wgrad(_gathered_rows(dy, slot, top_k), x, offs)
     return rg.grouped_gemm_wgrad(dy, _gathered_rows(x, slot, top_k), offs)
 
 
 def _wgrad_gathered_add(dy: Tensor, x: Tensor, slot: Tensor, top_k: int, offs: Tensor, side: str,
-                        dw: Tensor) -> None:
+                        dw: Tensor, transposed: bool = False) -> None:
     dw.add_(_wgrad_gathered(dy, x, slot, top_k, offs, side))
 
 
@@ -175,7 +177,7 @@ def test_gathered_down_wgrad_matches_spec(spec_kernels: None, gathered_down: Non
     and every gradient still matches the spec's."""
     sides: list[str] = []
 
-    def gathered(*args: Any, side: str = "x") -> Tensor:
+    def gathered(*args: Any, side: str = "x", transposed: bool = False) -> Tensor:
         sides.append(side)
         return _wgrad_gathered(*args, side=side)
 
@@ -190,23 +192,26 @@ def test_gathered_down_wgrad_matches_spec(spec_kernels: None, gathered_down: Non
         _close(a, b)
 
 
+@pytest.mark.parametrize("on_m", [False, True], ids=["x_on_n", "x_on_m"])
 def test_gathered_up_wgrad_matches_spec(spec_kernels: None, gathered_down: None,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+                                        monkeypatch: pytest.MonkeyPatch, on_m: bool) -> None:
     """With GEMM_WGRAD_GATHER_X the up wgrad reads x's rows through slot too (no copy of x), after the down
-    wgrad, and every gradient still matches the spec's."""
-    sides: list[str] = []
+    wgrad, x on the kernel's M side when GEMM_WGRAD_GATHER_X_ON_M (the down's dout stays on M, untransposed),
+    and every gradient still matches the spec's."""
+    sides: list[tuple[str, bool]] = []
 
-    def gathered(*args: Any, side: str = "x") -> Tensor:
-        sides.append(side)
+    def gathered(*args: Any, side: str = "x", transposed: bool = False) -> Tensor:
+        sides.append((side, transposed))
         return _wgrad_gathered(*args, side=side)
 
     monkeypatch.setattr(sm90, "grouped_gemm_wgrad_gathered", gathered)
     monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_X", True)
+    monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_X_ON_M", on_m)
     x, p, cfg = _case("swiglu", 1, "bf16", "sigmoid", 5)
     dout = torch.randn(T, DIMS["bf16"][0], generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     got_out, got = _grads(fm.moe_layer, x, p, cfg, dout)
     want_out, want = _grads(moe_layer, x, p, cfg, dout)
-    assert sides == ["dy", "x"]
+    assert sides == [("dy", False), ("x", on_m)]
     assert torch.equal(got_out, want_out)
     for a, b in zip(got, want, strict=True):
         _close(a, b)

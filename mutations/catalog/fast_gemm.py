@@ -20,6 +20,7 @@ CLUSTER_TESTS = "tests/test_fast_gemm_gather_cluster.py"
 COPIED_TESTS = "tests/test_fast_gemm_gather_copied.py"
 SCHEDULE_TESTS = "tests/test_fast_wgrad_schedule.py"
 ACC_TESTS = "tests/test_fast_wgrad_accumulate.py"
+TRANSPOSED_TESTS = "tests/test_fast_wgrad_transposed.py"
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
@@ -282,6 +283,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            t = Int32(Uint32(s + 1) // Uint32(top_k))\n",
         "the cp.async gathering producers (the wgrad's, the copied fwd rows) read slot + 1's token's row",
         GATHER_TESTS, ("moe_layer",), device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_wgrad_transposed_tile_swapped", EPILOGUE,
+        "(BM, bn), (m_tile, n_tile))", "(BM, bn), (n_tile, m_tile))",
+        "the transposed wgrad sends tile (m, n) to the box of tile (n, m)", TRANSPOSED_TESTS, ("moe_layer",),
+        device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_wgrad_transposed_group_stride", WGRAD,
+        "stride=(1, n, n * k))", "stride=(1, n, n * k - n))",
+        "the transposed wgrad places group e's dw^T e * n elements early, over the previous group's last "
+        "column", TRANSPOSED_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
         "gemm.fast_wgrad_gather_pad_rows_read", WGRAD_GATHER,

@@ -74,22 +74,22 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "moe.fast_gathered_held_grad_returned_too", FILE,
-        "        sm90.grouped_gemm_wgrad_gathered_add(dy, x, slot, row_of.shape[1], offs, tokens, into)\n"
+        "        sm90.grouped_gemm_wgrad_gathered_add(dy, x, slot, k, offs, tokens, into, transposed)\n"
         "        return None\n",
-        "        sm90.grouped_gemm_wgrad_gathered_add(dy, x, slot, row_of.shape[1], offs, tokens, into)\n"
+        "        sm90.grouped_gemm_wgrad_gathered_add(dy, x, slot, k, offs, tokens, into, transposed)\n"
         "        return into\n",
         "the down wgrad gathered from dout's rows and added into .grad by the kernel is also handed to "
         "autograd, which adds it again", TESTS, ("moe_layer",),
     ),
     sep_mutation(
         "moe.fast_gathered_down_rows_shifted", FILE,
-        "return sm90.grouped_gemm_wgrad_gathered(dy, x, slot, row_of.shape[1], offs, side=tokens)",
-        "return sm90.grouped_gemm_wgrad_gathered(dy.roll(1, 0), x, slot, row_of.shape[1], offs, side=tokens)",
+        "return sm90.grouped_gemm_wgrad_gathered(dy, x, slot, k, offs, side=tokens, ",
+        "return sm90.grouped_gemm_wgrad_gathered(dy.roll(1, 0), x, slot, k, offs, side=tokens, ",
         "the gathered down wgrad reads each slot's previous token's dout row", TESTS, ("moe_layer",),
     ),
     sep_mutation(
         "moe.fast_gathered_up_wgrad_side_swapped", FILE,
-        "side=tokens)", "side=\"dy\" if tokens == \"x\" else tokens)",
+        "side=tokens, ", "side=\"dy\" if tokens == \"x\" else tokens, ",
         "the gathered up wgrad reads dh through slot as if it were token-major and x as permuted rows",
         TESTS, ("moe_layer",),
     ),

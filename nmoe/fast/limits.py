@@ -75,6 +75,10 @@ GEMM_WGRAD_GATHER_X: Final[bool] = False
 """The MoE layer's up wgrad reads x's rows by index as it loads (x on the wgrad's N side, dw in w's layout)
 instead of the TMA wgrad over permuted copies of x's column chunks: off until the lean producer is timed
 against the copies (2.0-3.5x slower with the old producer; ablate.layer_up_wgrad_gathered)."""
+GEMM_WGRAD_GATHER_X_ON_M: Final[bool] = False
+"""With GEMM_WGRAD_GATHER_X, x's gathered rows sit on the wgrad's M side (H: 128 rows a tile) against dh's
+256-wide N tiles, half the gathered reads per FLOP of x on N, and dw leaves by a transposed TMA store
+(SonicMoE's layout); off until measured (ablate.layer_up_wgrad_gathered_on_m)."""
 GEMM_WGRAD_GATHER_LEAN: Final[bool] = True
 """The gathered wgrad's producer copies a chunk with a 32-bit token shuffle, one wide multiply-add and a
 constant shared offset (produce_wgrad_lean) instead of 64-bit shuffles, selects and a swizzle per chunk: under

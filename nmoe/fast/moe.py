@@ -106,7 +106,7 @@ def _held_grad(w: Tensor) -> Tensor | None:
 def _expert_wgrad(dy: Tensor, x: Tensor, slot: Tensor, row_of: Tensor, offs: Tensor, tokens: str,
                   width: int, w: Tensor) -> Tensor | None:
     """dy^T @ x per expert when the `tokens` side is token-major: read through slot by the gathering wgrad
-    (dout on M at I small; x on N when GEMM_WGRAD_GATHER_X) or copied `width` columns at a time into
+    (dout on M at I small; x on N, or on M, when GEMM_WGRAD_GATHER_X) or copied `width` columns at a time into
     permuted order for the TMA-fed wgrad."""
     # The `tokens` side is "x" (the up projection's x) or "dy" (the down projection's dout); chunks are whole
     # 128-wide tiles, permuted by the forward's routing with their columns read in place. Which one is faster
@@ -115,9 +115,10 @@ def _expert_wgrad(dy: Tensor, x: Tensor, slot: Tensor, row_of: Tensor, offs: Ten
     # wgrad was added into w's held .grad in place (_held_grad), autograd's share then being nothing.
     into = _held_grad(w)
     if (limits.GEMM_WGRAD_GATHER_X if tokens == "x" else x.shape[1] <= limits.GEMM_WGRAD_GATHER_DY_MAX_K):
+        transposed, k = tokens == "x" and limits.GEMM_WGRAD_GATHER_X_ON_M, row_of.shape[1]
         if into is None:
-            return sm90.grouped_gemm_wgrad_gathered(dy, x, slot, row_of.shape[1], offs, side=tokens)
-        sm90.grouped_gemm_wgrad_gathered_add(dy, x, slot, row_of.shape[1], offs, tokens, into)
+            return sm90.grouped_gemm_wgrad_gathered(dy, x, slot, k, offs, side=tokens, transposed=transposed)
+        sm90.grouped_gemm_wgrad_gathered_add(dy, x, slot, k, offs, tokens, into, transposed)
         return None
     src, other = (x, dy) if tokens == "x" else (dy, x)
     dw = other.new_empty(offs.shape[0], dy.shape[1], x.shape[1]) if into is None else into

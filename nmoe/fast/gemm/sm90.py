@@ -525,8 +525,9 @@ def grouped_gemm_dgrad_gathered(dy: Tensor, slot: Tensor, top_k: int, w: Tensor,
 
 
 def _wgrad_gathered_run(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_k: int, side: str,
-                        dw: Tensor | None) -> Tensor:
-    """The gathered wgrad into a new dw, or added to `dw` in place (bit for bit a bf16 add of the wgrad)."""
+                        dw: Tensor | None, transposed: bool = False) -> Tensor:
+    """The gathered wgrad into a new dw, or added to `dw` in place (bit for bit a bf16 add of the wgrad);
+    transposed: the kernel computes x^T @ dy (the token-major side on its other side), stored transposed."""
     op = "grouped_gemm_wgrad_gathered"
     check_bf16(op, dy=dy, x=x)
     permuted = x if side == "dy" else dy
@@ -557,11 +558,12 @@ def _wgrad_gathered_run(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_k
     if m == 0:
         return out if accumulate else out.zero_()
     check_offs_on_host(op, offs, m)
-    bn = pick_bn(k)
-    n_ctas, split = _wgrad_grid(device, m, n, k, bn, e)
-    kernel_side = "a" if side == "dy" else "b"
-    launch = WGRAD_GATHER.launcher(arch, n=n, k=k, bn=bn, side=kernel_side, top_k=top_k,
-                                   accumulate=accumulate)
+    kn, kk = (k, n) if transposed else (n, k)
+    bn = pick_bn(kk)
+    n_ctas, split = _wgrad_grid(device, m, kn, kk, bn, e)
+    kernel_side = "a" if (side == "dy") != transposed else "b"
+    launch = WGRAD_GATHER.launcher(arch, n=kn, k=kk, bn=bn, side=kernel_side, top_k=top_k,
+                                   accumulate=accumulate, transposed=transposed)
     tma_side, token_major = (x, dy) if side == "dy" else (dy, x)
     zero = _zero_chunk(op, dy.device).data_ptr()
     _keep, (ws, counters, *split_args) = split.args(dy.device)
@@ -570,11 +572,13 @@ def _wgrad_gathered_run(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_k
     return out
 
 
-def _wgrad_gathered_impl(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_k: int, side: str) -> Tensor:
-    return _wgrad_gathered_run(dy, x, slot, offs, top_k, side, None)
+def _wgrad_gathered_impl(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_k: int, side: str,
+                         transposed: bool) -> Tensor:
+    return _wgrad_gathered_run(dy, x, slot, offs, top_k, side, None, transposed)
 
 
-def _wgrad_gathered_fake(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_k: int, side: str) -> Tensor:
+def _wgrad_gathered_fake(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_k: int, side: str,
+                         transposed: bool) -> Tensor:
     return dy.new_empty(offs.shape[0], dy.shape[1], x.shape[1])
 
 
@@ -582,12 +586,12 @@ _wgrad_gathered_op = fast_op("grouped_gemm_wgrad_gathered", _wgrad_gathered_impl
 
 
 def _wgrad_gathered_add_impl(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_k: int, side: str,
-                             dw: Tensor) -> None:
-    _wgrad_gathered_run(dy, x, slot, offs, top_k, side, dw)
+                             dw: Tensor, transposed: bool) -> None:
+    _wgrad_gathered_run(dy, x, slot, offs, top_k, side, dw, transposed)
 
 
 def _wgrad_gathered_add_fake(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_k: int, side: str,
-                             dw: Tensor) -> None:
+                             dw: Tensor, transposed: bool) -> None:
     return None
 
 
@@ -596,18 +600,19 @@ _wgrad_gathered_add_op = fast_op("grouped_gemm_wgrad_gathered_add", _wgrad_gathe
 
 
 def grouped_gemm_wgrad_gathered(dy: Tensor, x: Tensor, slot: Tensor, top_k: int, offs: Tensor,
-                                side: str = "x") -> Tensor:
+                                side: str = "x", transposed: bool = False) -> Tensor:
     """dw[e] = dy[rows of e]^T @ x[rows of e] where the `side` operand ("x" or "dy") is token-major and read
-    through slot (row p is token slot[p] // top_k, zero where slot = -1): the MoE layer's weight gradients
-    without permute's [R, width] copies."""
-    return _wgrad_gathered_op(dy, x, slot, offs, top_k, side)
+    through slot (row p is token slot[p] // top_k, zero where slot = -1), without permute's [R, width] copies;
+    transposed: x^T @ dy stored transposed, the token-major side on the tile's other side (x on M: half the
+    gathered reads of x on N)."""
+    return _wgrad_gathered_op(dy, x, slot, offs, top_k, side, transposed)
 
 
 def grouped_gemm_wgrad_gathered_add(dy: Tensor, x: Tensor, slot: Tensor, top_k: int, offs: Tensor, side: str,
-                                    dw: Tensor) -> None:
+                                    dw: Tensor, transposed: bool = False) -> None:
     """grouped_gemm_wgrad_gathered added into dw in place, bit for bit a bf16 add of it: a later microbatch's
     expert gradient with no second gradient in memory."""
-    _wgrad_gathered_add_op(dy, x, slot, offs, top_k, side, dw)
+    _wgrad_gathered_add_op(dy, x, slot, offs, top_k, side, dw, transposed)
 
 
 def _wgrad_cols_impl(dy: Tensor, x: Tensor, offs: Tensor, dw: Tensor, col0: int, row0: int = 0,

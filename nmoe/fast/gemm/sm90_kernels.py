@@ -29,8 +29,8 @@ WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad"
                (ARCH,),
                "nmoe.fast.gemm.grouped_gemm_wgrad")
 WGRAD_GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_wgrad_gather", "grouped_gemm_wgrad_gather",
-                      lambda km, n, k, bn, side, top_k, accumulate=False: km.compile_args_gather(
-                          n, k, bn, side, top_k, accumulate),
+                      lambda km, n, k, bn, side, top_k, accumulate=False, transposed=False:
+                          km.compile_args_gather(n, k, bn, side, top_k, accumulate, transposed),
                       (ARCH,),
                       "nmoe.fast.gemm.grouped_gemm_wgrad_gathered")
 
@@ -144,6 +144,13 @@ def _gather_spec(name: str, n: int, k: int, activation: str, pingpong: bool = Fa
 # group, fences it from the generic into the async proxy the tensor cores read, then arrives.
 _EXPECT_WGRAD_GATHER = (*_EXPECT_WGRAD, r"\bcp\.async\.cg\.shared\.global\b", r"\bcp\.async\.commit_group\b",
                         r"\bcp\.async\.wait_group\b", r"\bfence\.proxy\.async\.shared::cta\b")
+# A wgrad whose dw leaves transposed stages M-contiguous subtiles by transposing stmatrix and sends every
+# tile by a 3-d TMA (n, k, group), which bounds it by its group: no masked stores, no 2-d store or add.
+_STMATRIX_TRANS = r"\bstmatrix\.sync\.aligned\.m8n8\.x4\.trans\.shared\.b16\b"
+_TMA_STORE_3D = r"\bcp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.tile\b"
+_TMA_REDUCE_ADD_3D = r"\bcp\.reduce\.async\.bulk\.tensor\.3d\.global\.shared::cta\.add\.tile\b"
+_NOT_TRANSPOSED = (r"\bstmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16\b", _TMA_STORE, _TMA_REDUCE_ADD, _ST_V4,
+                   r"\bld\.global\.v4\.b32\b")
 
 
 def _dgrad_gather_spec(name: str, n: int, k: int, cn: int = 1, deferred: bool = False,
@@ -157,12 +164,22 @@ def _dgrad_gather_spec(name: str, n: int, k: int, cn: int = 1, deferred: bool = 
                       forbid={"sm_90a": (*_FORBID_SM90, *no_rows)})
 
 
-def _wgrad_gather_spec(name: str, n: int, k: int, side: str, accumulate: bool = False) -> KernelSpec:
+def _wgrad_gather_spec(name: str, n: int, k: int, side: str, accumulate: bool = False,
+                       transposed: bool = False) -> KernelSpec:
+    expect: tuple[str, ...] = _EXPECT_WGRAD_GATHER
+    no_out: tuple[str, ...]
+    if transposed:
+        expect = (*(p for p in expect if p not in _NOT_TRANSPOSED), _STMATRIX_TRANS,
+                  _TMA_REDUCE_ADD_3D if accumulate else _TMA_STORE_3D)
+        no_out = (*_NOT_TRANSPOSED, _TMA_STORE_3D if accumulate else _TMA_REDUCE_ADD_3D)
+    else:
+        expect = (*expect, *(_ADDS if accumulate else ()))
+        no_out = (_TMA_STORE if accumulate else _TMA_REDUCE_ADD,)
     return KernelSpec(op="grouped_gemm_wgrad", name=name,
                       compile=WGRAD_GATHER.compiler(n=n, k=k, bn=pick_bn(k), side=side, top_k=8,
-                                                    accumulate=accumulate),
-                      expect={"sm_90a": (*_EXPECT_WGRAD_GATHER, *(_ADDS if accumulate else ()))},
-                      forbid={"sm_90a": (*_FORBID_SM90, _TMA_STORE if accumulate else _TMA_REDUCE_ADD)})
+                                                    accumulate=accumulate, transposed=transposed),
+                      expect={"sm_90a": expect},
+                      forbid={"sm_90a": (*_FORBID_SM90, *no_out)})
 
 
 def _spec(name: str, n: int, k: int, bn: int, w_k_major: bool | None, activation: str = "none",
@@ -240,6 +257,9 @@ KERNELS: tuple[KernelSpec, ...] = (
     _wgrad_gather_spec("grouped_gemm_wgrad_gathered_x_n128", 1024, 1152, "b"),
     _wgrad_gather_spec("grouped_gemm_wgrad_gathered_dy_n128", 4096, 1152, "a"),
     _wgrad_gather_spec("grouped_gemm_wgrad_gathered_dy_accumulate_n256", 1536, 256, "a", accumulate=True),
+    _wgrad_gather_spec("grouped_gemm_wgrad_gathered_x_on_m_n256", 4096, 2048, "a", transposed=True),
+    _wgrad_gather_spec("grouped_gemm_wgrad_gathered_x_on_m_accumulate_n128", 1160, 1152, "a", accumulate=True,
+                       transposed=True),
     _dgrad_gather_spec("grouped_gemm_dgrad_gathered_n128", 1024, 4096),
     _gather_spec("grouped_gemm_act_gathered_swiglu_cn2", 2048, 4096, "swiglu", cn=2),
     _dgrad_gather_spec("grouped_gemm_dgrad_gathered_cn2", 1024, 4096, cn=2),

@@ -61,14 +61,14 @@ class Epilogue(NamedTuple):
 
 def epilogue_copies(tiled_mma: cute.TiledMma, acc: cute.Tensor, s_d: cute.Tensor, ctid: Int32,
                     tma_atom: cute.CopyAtom, act: str = "none", s_act: Any = None,
-                    act_tma_atom: Any = None, pingpong: bool = False) -> Epilogue:
-    """stmatrix from the fp32 accumulator into bf16 smem subtiles (s_d: BM x EPI_N, store_tile's bufs a set),
-    act(h) by scalar stores into s_act (BM x EPI_N / ratio x EPI_BUFS per set), then TMA stores or masked
-    smem -> global chunks; ping-pong: warpgroup wg's own set, barrier and storing warp."""
+                    act_tma_atom: Any = None, pingpong: bool = False, m_major: bool = False) -> Epilogue:
+    """stmatrix from the fp32 accumulator into bf16 smem subtiles (s_d: BM x EPI_N, store_tile's bufs a set;
+    m_major: transposing into M-contiguous ones), act(h) by scalar stores into s_act (BM x EPI_N / ratio x
+    EPI_BUFS per set), then TMA stores or masked smem -> global chunks; ping-pong: each wg its own set."""
     threads = tile_wgs(pingpong) * WG_THREADS
     wg = ctid // WG_THREADS if pingpong else Int32(0)
     tid = ctid - wg * WG_THREADS
-    stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16)
+    stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(m_major, 4), BFloat16)
     r2s = cute.make_tiled_copy_S(stmatrix, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
     if act == "swiglu":
         check_fragment_pairs(r2s, threads)
@@ -269,6 +269,28 @@ def store_tile(epi: Epilogue, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.
             _stage_act(epi, r_bits, sub % batch * (size_sub // EPILOGUES[act]), buf, act)
         emit_subtile(epi, views, epi.r_d, m_d, m_act, row0, n_tile, sub, buf, n, bn, act, accumulate, bufs,
                      keep_h)
+
+
+@cute.jit
+def store_tile_transposed(epi: Epilogue, tma_t: cute.Tensor, e: Int32, m_tile: Int32, n_tile: Int32,
+                          bn: Constexpr[int]) -> None:
+    """The tile into group e of a [groups, N, M] output (each group's y^T): subtiles staged M-contiguous by
+    epilogue_copies(m_major=True), every one sent by TMA, which drops what lies past the group's M or N."""
+    g_tile = cute.local_tile(tma_t[(None, None, e)], (BM, bn), (m_tile, n_tile))
+    b_sd, b_gd = cpasync.tma_partition(epi.tma_atom, 0, cute.make_layout(1), cute.group_modes(epi.s_d, 0, 2),
+                                       cute.zipped_divide(g_tile, (BM, EPI_N)))
+    storing = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == epi.store_warp
+    for sub in range_constexpr(bn // EPI_N):
+        buf = epi.buf0 + sub % EPI_BUFS
+        _subtile_bf16(epi, sub)
+        cute.copy(epi.r2s, epi.r_d, epi.t_rs_d[(None, None, None, buf)])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        epi.bar.arrive_and_wait()
+        if storing:
+            cute.copy(epi.tma_atom, b_sd[(None, buf)], b_gd[(None, (0, sub))])
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(EPI_BUFS - 1, read=True)
+        epi.bar.arrive_and_wait()
 
 
 @cute.jit

@@ -28,6 +28,7 @@ from nmoe.fast.kernels.sm90.epilogue import (
     hold,
     make_pending,
     store_tile,
+    store_tile_transposed,
 )
 from nmoe.fast.kernels.sm90.grouped_gemm import (
     _k_loop,
@@ -281,9 +282,9 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                   warp_idx: Int32, bidx: Int32, n_ctas: Int32, n: Constexpr[int], k: Constexpr[int],
                   bn: Constexpr[int], stages: Constexpr[int], gs: Constexpr[int], q: Any = None,
                   accumulate: Constexpr[bool] = False, deferred: Constexpr[bool] = False,
-                  rank: Int32 | int = 0) -> None:
+                  rank: Int32 | int = 0, transposed: Constexpr[bool] = False) -> None:
     """The two consumer warpgroups of the wgrad: masked K boxes into wgmma, then the fwd's epilogue into dw's
-    rows, group e's n from row e * gs."""
+    rows, group e's n from row e * gs (transposed: into dw[e]^T, a [groups, k, n] tensor, by TMA alone)."""
     # A split group's chunk goes first through its workspace slice and counter. deferred: the tile's bf16
     # subtiles leave under the next tile's wgmmas (`Pending`). Work items come in snake rounds or, with a
     # queue q, as the producer hands them over; CTA `rank` of the cluster takes its item's rank-th M tile.
@@ -292,7 +293,8 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     t_ra, t_rb, acc_shape = mma_fragments(tiled_mma, s_a, s_b, warp_idx, bn)
     acc = cute.make_rmem_tensor(acc_shape, Float32)
 
-    epi = epilogue_copies(tiled_mma, acc, s_d, ctid, tma_atom_d)
+    assert not (deferred and transposed), "a held tile leaves row-major; a transposed one leaves at once"
+    epi = epilogue_copies(tiled_mma, acc, s_d, ctid, tma_atom_d, m_major=transposed)
     mask_bar = pipeline.NamedBarrier(barrier_id=MASK_BARRIER_ID, num_threads=CONSUMER_THREADS)
 
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -329,6 +331,8 @@ def consume_wgrad(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
             if const_expr(deferred):
                 hold(held)
                 p_row0, p_tile, p_end, p_on = e * gs + m_tile * BM, n_tile, e * gs + n, Int32(1)
+            elif const_expr(transposed):
+                store_tile_transposed(epi, tma_d, e, m_tile, n_tile, bn)
             else:
                 store_tile(epi, tma_d, m_d, m_d, e * gs + m_tile * BM, n_tile, e * gs + n, k, bn, "none",
                            accumulate=accumulate)
@@ -438,10 +442,10 @@ def grouped_wgrad_kernel(
                       warp_idx, bidx, n_ctas, n, k, bn, stages, gs, q, accumulate, deferred, rank)
 
 
-def mn_major_setup(bn: int, stages: int) -> tuple[cute.TiledMma, cute.ComposedLayout, cute.ComposedLayout,
-                                                    cute.ComposedLayout]:
+def mn_major_setup(bn: int, stages: int, transposed: bool = False) -> tuple[
+        cute.TiledMma, cute.ComposedLayout, cute.ComposedLayout, cute.ComposedLayout]:
     """The wgrad's MMA and shared layouts: both operands MN-major (rows are the reduction), the output
-    through the fwd's subtiles."""
+    through the fwd's subtiles (M-contiguous ones when it leaves transposed)."""
     mn_major = LayoutEnum.COL_MAJOR
     tile = (BM, bn, BK)
     tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -450,7 +454,7 @@ def mn_major_setup(bn: int, stages: int) -> tuple[cute.TiledMma, cute.ComposedLa
     )
     a_layout = sm90_utils.make_smem_layout_a(mn_major, tile, BFloat16, stages)
     b_layout = sm90_utils.make_smem_layout_b(mn_major, tile, BFloat16, stages)
-    return tiled_mma, a_layout, b_layout, epi_smem_layout()
+    return tiled_mma, a_layout, b_layout, epi_smem_layout(m_major=transposed)
 
 
 def dw_out(pdw: Pointer, n_groups: Int32, n: int, k: int, ld: int, gs: int,
@@ -460,6 +464,15 @@ def dw_out(pdw: Pointer, n_groups: Int32, n: int, k: int, ld: int, gs: int,
     next group's rows, since its row_end is e * gs + n; the rows end at the last group's."""
     m_d = cute.make_tensor(pdw, cute.make_layout(((n_groups - 1) * gs + n, k), stride=(ld, 1)))
     atom, tma_d = epi_tma(m_d, accumulate=accumulate)
+    return m_d, atom, tma_d
+
+
+def dw_out_transposed(pdw: Pointer, n_groups: Int32, n: int, k: int,
+                      accumulate: bool = False) -> tuple[cute.Tensor, cute.CopyAtom, cute.Tensor]:
+    """dw as a contiguous [groups, k, n] tensor seen as (n, k, group), n contiguous: each group's n x k
+    result lands transposed, and TMA bounds every tile by its own group's n and k."""
+    m_d = cute.make_tensor(pdw, cute.make_layout((n, k, n_groups), stride=(1, n, n * k)))
+    atom, tma_d = epi_tma(m_d, accumulate=accumulate, m_major=True)
     return m_d, atom, tma_d
 
 

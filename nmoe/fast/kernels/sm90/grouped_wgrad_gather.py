@@ -39,6 +39,7 @@ from nmoe.fast.kernels.sm90.grouped_gemm_wgrad import (
     Units,
     consume_wgrad,
     dw_out,
+    dw_out_transposed,
     mn_major_setup,
     n_rounds,
     plan_units,
@@ -201,7 +202,7 @@ def grouped_wgrad_gather_kernel(
     m_rows: Int32, n_groups: Int32, thresh: Int32, split_rows: Int32, tiled_mma: cute.TiledMma,
     a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout,
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], top_k: Constexpr[int],
-    side: Constexpr[str], stages: Constexpr[int], accumulate: Constexpr[bool],
+    side: Constexpr[str], stages: Constexpr[int], accumulate: Constexpr[bool], transposed: Constexpr[bool],
 ) -> None:
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom, tma_atom_d))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
@@ -217,7 +218,8 @@ def grouped_wgrad_gather_kernel(
                      bidx, n_ctas, warp_idx, tidx, n, bn, side, stages)
     else:
         consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, u, m_ws, m_count, tma_atom_d, tma_d, m_d, tidx,
-                      warp_idx, bidx, n_ctas, n, k, bn, stages, n, accumulate=accumulate)
+                      warp_idx, bidx, n_ctas, n, k, bn, stages, n, accumulate=accumulate,
+                      transposed=transposed)
 
 
 @cute.jit
@@ -226,16 +228,20 @@ def grouped_wgrad_gather_host(
     pcount: Pointer, m_rows: Int32, n_groups: Int32, n_ctas: Int32, thresh: Int32,
     split_rows: Int32, ws_tiles: Int32, stream: cuda.CUstream, n: Constexpr[int], k: Constexpr[int],
     bn: Constexpr[int], side: Constexpr[str], top_k: Constexpr[int], accumulate: Constexpr[bool],
+    transposed: Constexpr[bool],
 ) -> None:
-    """dw[E, n, k] = (accumulate: dw +=) per group dy[rows, n]^T @ x[rows, k], one side read from token-major
-    rows through slot (zero rows where slot = -1): side "b", x[slot // top_k] (pt = dy [R, n]); side "a",
-    dy[slot // top_k] (pt = x [R, k]). Neither side is permuted into a copy."""
+    """dw[E, n, k] (transposed: dw[E, k, n]) = (accumulate: dw +=) per group dy[rows, n]^T @ x[rows, k], one
+    side read from token-major rows through slot (zero rows where slot = -1): side "b", x[slot // top_k]
+    (pt = dy [R, n]); side "a", dy[slot // top_k] (pt = x [R, k]). Neither side is permuted into a copy."""
     stages = stages_for(bn)
-    m_dw, tma_atom_d, tma_d = dw_out(pdw, n_groups, n, k, k, n, accumulate)
+    if const_expr(transposed):
+        m_dw, tma_atom_d, tma_d = dw_out_transposed(pdw, n_groups, n, k, accumulate)
+    else:
+        m_dw, tma_atom_d, tma_d = dw_out(pdw, n_groups, n, k, k, n, accumulate)
     m_offs = cute.make_tensor(poffs, cute.make_layout(n_groups))
     m_slot = cute.make_tensor(cute.recast_ptr(pslot, dtype=Int32), cute.make_layout(m_rows, stride=2))
     m_ws, m_count = split_tensors(pws, pcount, ws_tiles, n_groups, n, k, bn)
-    tiled_mma, a_layout, b_layout, d_layout = mn_major_setup(bn, stages)
+    tiled_mma, a_layout, b_layout, d_layout = mn_major_setup(bn, stages, transposed)
     if const_expr(side == "b"):
         m_t = cute.make_tensor(pt, cute.make_layout((n, m_rows), stride=(1, n)))
         tma_atom, tma_t = cpasync.make_tiled_tma_atom(
@@ -248,15 +254,15 @@ def grouped_wgrad_gather_host(
         tma_atom, tma_t, m_slot, Int64(psrc.toint()), Int64(pzero.toint()), tma_atom_d, tma_d, m_dw,
         m_offs, m_ws,
         m_count, m_rows, n_groups, thresh, split_rows, tiled_mma, a_layout, b_layout, d_layout, n, k, bn,
-        top_k, side, stages, accumulate,
+        top_k, side, stages, accumulate, transposed,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
 
 
-def compile_args_gather(n: int, k: int, bn: int, side: str, top_k: int,
-                        accumulate: bool = False) -> tuple[Any, tuple[Any, ...]]:
+def compile_args_gather(n: int, k: int, bn: int, side: str, top_k: int, accumulate: bool = False,
+                        transposed: bool = False) -> tuple[Any, tuple[Any, ...]]:
     if side not in ("a", "b"):
         raise ValueError(f"gathered wgrad side {side!r}: 'a' (dy token-major) or 'b' (x token-major)")
     ptrs = (*(pointer(BFloat16, 0) for _ in range(3)), pointer(Int64, 0, 8), pointer(BFloat16, 0),
             pointer(Int32, 0, 4), pointer(Float32, 0), pointer(Int32, 0, 4))
     return grouped_wgrad_gather_host, (*ptrs, *(Int32(0) for _ in range(6)), cuda.CUstream(0), n, k, bn,
-                                       side, top_k, accumulate)
+                                       side, top_k, accumulate, transposed)

@@ -96,19 +96,21 @@ def act_smem_layout(act: str, sets: int = 1) -> cute.Layout:
     return layout
 
 
-def epi_smem_layout(sets: int = 1, bufs: int = EPI_BUFS) -> cute.ComposedLayout:
-    layout: cute.ComposedLayout = sm90_utils.make_smem_layout_epi(BFloat16, LayoutEnum.ROW_MAJOR, (BM, EPI_N),
-                                                                  bufs * sets)
+def epi_smem_layout(sets: int = 1, bufs: int = EPI_BUFS, m_major: bool = False) -> cute.ComposedLayout:
+    """Swizzled bf16 BM x EPI_N output subtiles, N contiguous, or M contiguous (m_major) for a tile that
+    leaves transposed."""
+    major = LayoutEnum.COL_MAJOR if m_major else LayoutEnum.ROW_MAJOR
+    layout: cute.ComposedLayout = sm90_utils.make_smem_layout_epi(BFloat16, major, (BM, EPI_N), bufs * sets)
     return layout
 
 
-def epi_tma(m_y: cute.Tensor, act: str = "none",
-            accumulate: bool = False) -> tuple[cute.CopyAtom, cute.Tensor]:
+def epi_tma(m_y: cute.Tensor, act: str = "none", accumulate: bool = False,
+            m_major: bool = False) -> tuple[cute.CopyAtom, cute.Tensor]:
     """TMA store of one output subtile (of h, or with act given of act(h)); full tiles leave this way,
     asynchronously, tiles cut by a group end or the last N columns through masked per-thread stores.
     accumulate: a TMA reduce-add instead, y = bf16(y + subtile), what a bf16 add of the two would give."""
     if act == "none":
-        layout: Any = cute.slice_(epi_smem_layout(), (None, None, 0))
+        layout: Any = cute.slice_(epi_smem_layout(m_major=m_major), (None, None, 0))
         cols = EPI_N
     else:
         layout, cols = cute.slice_(act_smem_layout(act), (None, None, 0)), act_cols(act)
