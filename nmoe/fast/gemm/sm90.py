@@ -603,8 +603,7 @@ def grouped_gemm_wgrad_gathered(dy: Tensor, x: Tensor, slot: Tensor, top_k: int,
                                 side: str = "x", transposed: bool = False) -> Tensor:
     """dw[e] = dy[rows of e]^T @ x[rows of e] where the `side` operand ("x" or "dy") is token-major and read
     through slot (row p is token slot[p] // top_k, zero where slot = -1), without permute's [R, width] copies;
-    transposed: x^T @ dy stored transposed, the token-major side on the tile's other side (x on M: half the
-    gathered reads of x on N)."""
+    transposed: x^T @ dy stored transposed (x on M: half the gathered reads of x on N)."""
     return _wgrad_gathered_op(dy, x, slot, offs, top_k, side, transposed)
 
 
