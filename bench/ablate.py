@@ -169,16 +169,23 @@ def _layer_step(cfg: tuple[int, ...], routing: str, pass_: str) -> Any:
     return step
 
 
-def _layer_rows(compile_only: bool) -> list[dict[str, Any]]:
-    """The fast MoE layer's fwd and fwd+bwd per LAYER_CONFIGS row and routing, as nmoe bench times it (CUDA
-    graph replays of the bench's seeded inputs; FLOPs 6 T I H K and 18 T I H K)."""
+def _picked(rows: Sequence[Any], configs: str) -> list[Any]:
+    """The rows at the comma-separated indices of `configs` (all when empty), in its order."""
+    if not configs:
+        return list(rows)
+    return [rows[int(i)] for i in configs.split(",")]
+
+
+def _layer_rows(compile_only: bool, configs: str = "") -> list[dict[str, Any]]:
+    """The fast MoE layer's fwd and fwd+bwd per LAYER_CONFIGS row (those picked) and routing, as nmoe bench
+    times it (CUDA graph replays of the bench's seeded inputs; FLOPs 6 T I H K and 18 T I H K)."""
     import torch
 
     from bench.conftest import capture, peak_extra_bytes, replay_median_ms
     from bench.torchbase import LAYER_CONFIGS, layer_flops
 
     out = []
-    for cfg in LAYER_CONFIGS:
+    for cfg in _picked(LAYER_CONFIGS, configs):
         t, h, i, _, k = cfg
         for routing in ("uniform", "zipf"):
             for pass_ in ("fwd", "fwd_bwd"):
@@ -197,11 +204,12 @@ def _layer_rows(compile_only: bool) -> list[dict[str, Any]]:
 
 
 def child(compile_only: bool, which: str, passes: Sequence[str] = PASSES,
-          routings: Sequence[str] = ("uniform",)) -> None:
+          routings: Sequence[str] = ("uniform",), configs: str = "") -> None:
     from nmoe.fast.gemm.sm90 import pick_bn, schedule
 
-    timed = {"layer": lambda: _layer_rows(compile_only), "fp8": lambda: _fp8_rows(compile_only),
-             "gather": lambda: [r for shape in SHAPES for r in _gather_rows(*shape, compile_only)]}
+    timed = {"layer": lambda: _layer_rows(compile_only, configs), "fp8": lambda: _fp8_rows(compile_only),
+             "gather": lambda: [r for shape in _picked(SHAPES, configs)
+                                for r in _gather_rows(*shape, compile_only)]}
     if which in timed:
         for row in timed[which]():
             print(json.dumps(row), flush=True)
@@ -217,11 +225,12 @@ def child(compile_only: bool, which: str, passes: Sequence[str] = PASSES,
                 print(json.dumps(row), flush=True)
 
 
-def _run(copy: Path, compile_only: bool, which: str, passes: str, routings: str) -> subprocess.Popen[str]:
+def _run(copy: Path, compile_only: bool, which: str, passes: str, routings: str,
+         configs: str) -> subprocess.Popen[str]:
     env = child_env(copy, "gpu", 2)
     env["NMOE_KERNEL_CACHE"] = str(copy / ".kernels")
     cmd = [sys.executable, "-m", "bench.ablate", "--child", "--set", which, "--passes", passes,
-           "--routings", routings]
+           "--routings", routings, "--configs", configs]
     cmd += ["--compile-only"] if compile_only else []
     return subprocess.Popen(cmd, cwd=copy, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -238,6 +247,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="gemm set: comma-separated passes to time (default: fwd,dgrad,wgrad)")
     p.add_argument("--routings", default="uniform",
                    help=f"gemm set: comma-separated group sizings of {ROUTINGS} (default: uniform)")
+    p.add_argument("--configs", default="",
+                   help="layer and gather sets: comma-separated indices of their rows (LAYER_CONFIGS, "
+                   "SHAPES) to time (default: all), so a short run can time the deciding row first")
     p.add_argument("--jobs", type=int, default=0,
                    help="variants compiling at once (default: all). The layer set runs each layer as it "
                    "compiles, about 15 GiB of GPU memory apiece at its largest config: 4 fit an 80 GB card")
@@ -246,10 +258,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if bad := sorted(set(args.routings.split(",")) - set(ROUTINGS)):
         p.error(f"--routings {bad} unknown; use some of {ROUTINGS}")
+    if args.configs and not all(c.isdigit() for c in args.configs.split(",")):
+        p.error(f"--configs {args.configs!r}: give comma-separated row indices, e.g. 0,2")
     if args.jobs < 0:
         p.error(f"--jobs {args.jobs}: give a positive count, or 0 for all variants at once")
     if args.child:
-        child(args.compile_only, args.set, args.passes.split(","), args.routings.split(","))
+        child(args.compile_only, args.set, args.passes.split(","), args.routings.split(","), args.configs)
         return 0
     catalog = variants_of(args.set)
     chosen = [v for v in catalog if not args.only or v[0].id in args.only.split(",")]
@@ -269,14 +283,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = list(copies)
     jobs = args.jobs or len(names)
     for wave in (names[i:i + jobs] for i in range(0, len(names), jobs)):
-        compiling = [(n, _run(copies[n], True, args.set, args.passes, args.routings)) for n in wave]
+        compiling = [(n, _run(copies[n], True, args.set, args.passes, args.routings, args.configs))
+                     for n in wave]
         failed |= {n: out for n, proc in compiling if (out := proc.communicate()[0]) and proc.returncode}
     rows: dict[str, Any] = {}
     for name, copy in copies.items():
         if name in failed:
             rows[name] = {"error": failed[name][-2000:]}
             continue
-        out, _ = _run(copy, False, args.set, args.passes, args.routings).communicate()
+        out, _ = _run(copy, False, args.set, args.passes, args.routings, args.configs).communicate()
         timed = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         rows[name] = timed or {"error": out[-2000:]}
     shutil.rmtree(tmp, ignore_errors=True)

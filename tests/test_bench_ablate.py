@@ -72,3 +72,30 @@ def test_compiles_run_in_waves_of_jobs(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert max(alive) == 3 and len(alive) == 2 * 7
     with pytest.raises(SystemExit):
         ab.main(["--jobs", "-1"])
+
+
+def test_configs_pick_rows_and_reach_every_child(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """--configs names the layer or gather rows to time, in its order; every compile and timing child gets
+    it; anything but row indices is refused before any copy."""
+    import bench.ablate as ab
+
+    assert ab._picked("abc", "2,0") == ["c", "a"] and ab._picked("ab", "") == ["a", "b"]
+    seen: list[str] = []
+
+    class Child:
+        returncode = 0
+
+        def communicate(self) -> tuple[str, None]:
+            return ('{"shape": "s", "ms": 1.0, "tflops": 1.0, "bn": 0}', None)
+
+    def run(copy: Path, compile_only: bool, *rest: str) -> Child:
+        seen.append(rest[-1])
+        return Child()
+
+    monkeypatch.setattr(ab, "copy_tree", lambda src, dst: ab.shutil.copytree(src / "nmoe", dst / "nmoe"))
+    monkeypatch.setattr(ab.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
+    monkeypatch.setattr(ab, "_run", run)
+    assert ab.main(["--set", "layer", "--only", variants_of("layer")[0][0].id, "--configs", "0,2"]) == 0
+    assert seen == ["0,2"] * 6
+    with pytest.raises(SystemExit):
+        ab.main(["--set", "layer", "--configs", "c1"])
