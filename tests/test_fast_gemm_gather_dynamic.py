@@ -37,6 +37,14 @@ def poisoned_runs(case: Case, x: Tensor | None = None) -> list[Tensor]:
     return [h, a, dx]
 
 
+def assert_runs_equal(got: list[Tensor], want: list[Tensor], what: str) -> None:
+    """poisoned_runs' h, act(h) and dgrad bit for bit alike, none left NaN (unwritten), `what` naming the
+    change between the two runs."""
+    for name, g, w in zip(("h", "act(h)", "dgrad"), got, want, strict=True):
+        assert not bool(g.isnan().any()), f"{name}: a unit or row no thread wrote stays NaN {what}"
+        assert torch.equal(g.view(torch.int16), w.view(torch.int16)), f"{name} differs {what}"
+
+
 def _runs(case: Case, monkeypatch: pytest.MonkeyPatch, dynamic: bool) -> list[Tensor]:
     monkeypatch.setattr(sm90, "GEMM_GATHER_DYNAMIC", dynamic)
     return poisoned_runs(case)
@@ -57,11 +65,7 @@ def test_dynamic_kernels_are_compile_checked() -> None:
 @gpu
 @pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}K{c[1]}H{c[2]}N{c[3]}E{c[4]}-{c[6]}" for c in CASES])
 def test_dynamic_schedule_equals_the_static_one(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
-    want = _runs(case, monkeypatch, False)
-    got = _runs(case, monkeypatch, True)
-    for name, g, w in zip(("h", "act(h)", "dgrad"), got, want, strict=True):
-        assert not bool(g.isnan().any()), f"{name}: a unit no CTA computed stays NaN"
-        assert torch.equal(g.view(torch.int16), w.view(torch.int16)), f"{name} differs when dynamic"
+    assert_runs_equal(_runs(case, monkeypatch, True), _runs(case, monkeypatch, False), "when dynamic")
 
 
 @gpu

@@ -6,7 +6,6 @@ same MMAs); added into dw, bit for bit a bf16 add. Compile rules need no GPU."""
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from fastcompile import assert_rows_ok, compile_rows
 from test_fast_gemm import into_nan
 from test_fast_gemm_gather import CASES as GATHER_CASES
 from test_fast_gemm_gather import _ids
+from test_fast_wgrad_accumulate import _spec
 from torch import Tensor
 
 from nmoe.fast.dispatch import permute
@@ -25,10 +25,6 @@ STORE, ADD = "grouped_gemm_wgrad_gathered_x_on_m_n256", "grouped_gemm_wgrad_gath
 # tile (TMA drops the rest), N = 384 takes 128-wide tiles; the last case's heavy experts split their rows.
 CASES = [*GATHER_CASES, (8192, 8, 512, 256, 16, 8, "-", "skew")]
 Case = tuple[int, int, int, int, int, int, str, str]
-
-
-def _spec(name: str) -> Any:
-    return next(k for k in sm90.KERNELS if k.name == name)
 
 
 def test_transposed_wgrads_compile_to_transposing_stores() -> None:
