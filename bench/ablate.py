@@ -228,7 +228,7 @@ def child(compile_only: bool, which: str, passes: Sequence[str] = PASSES,
 def _run(copy: Path, compile_only: bool, which: str, passes: str, routings: str,
          configs: str) -> subprocess.Popen[str]:
     env = child_env(copy, "gpu", 2)
-    env["NMOE_KERNEL_CACHE"] = str(copy / ".kernels")
+    env["NMOE_KERNEL_CACHE"] = str(copy.parent / ".kernels")
     cmd = [sys.executable, "-m", "bench.ablate", "--child", "--set", which, "--passes", passes,
            "--routings", routings, "--configs", configs]
     cmd += ["--compile-only"] if compile_only else []
@@ -251,8 +251,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="layer and gather sets: comma-separated indices of their rows (LAYER_CONFIGS, "
                    "SHAPES) to time (default: all), so a short run can time the deciding row first")
     p.add_argument("--jobs", type=int, default=0,
-                   help="variants compiling at once (default: all). The layer set runs each layer as it "
-                   "compiles, about 15 GiB of GPU memory apiece at its largest config: 4 fit an 80 GB card")
+                   help="variants compiling at once after the baseline (default: all). The copies share "
+                   "one content-keyed kernel cache, so the baseline compiles alone first and each variant "
+                   "compiles only what it changes. The layer set runs each layer as it compiles, about "
+                   "15 GiB of GPU memory apiece at its largest config: 4 fit an 80 GB card")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -282,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed: dict[str, str] = {}
     names = list(copies)
     jobs = args.jobs or len(names)
-    for wave in (names[i:i + jobs] for i in range(0, len(names), jobs)):
+    for wave in [names[:1], *(names[i:i + jobs] for i in range(1, len(names), jobs))]:
         compiling = [(n, _run(copies[n], True, args.set, args.passes, args.routings, args.configs))
                      for n in wave]
         failed |= {n: out for n, proc in compiling if (out := proc.communicate()[0]) and proc.returncode}
@@ -291,7 +293,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if name in failed:
             rows[name] = {"error": failed[name][-2000:]}
             continue
-        out, _ = _run(copy, False, args.set, args.passes, args.routings, args.configs).communicate()
+        proc = _run(copy, False, args.set, args.passes, args.routings, args.configs)
+        out = ""
+        for line in proc.stdout or ():
+            out += line
+            if line.startswith("{"):
+                print(f"{name} {line}", end="", flush=True)
+        proc.wait()
         timed = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         rows[name] = timed or {"error": out[-2000:]}
     shutil.rmtree(tmp, ignore_errors=True)

@@ -47,7 +47,8 @@ def test_unknown_routing_is_refused_before_any_copy(capsys: pytest.CaptureFixtur
 
 
 def test_compiles_run_in_waves_of_jobs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """--jobs bounds the compile children alive at once (each layer-set child holds a layer's GPU memory)."""
+    """The baseline compiles alone into the shared kernel cache, then --jobs bounds the compile children alive
+    at once (each layer-set child holds a layer's GPU memory)."""
     import bench.ablate as ab
 
     alive: list[int] = []
@@ -61,15 +62,19 @@ def test_compiles_run_in_waves_of_jobs(monkeypatch: pytest.MonkeyPatch, tmp_path
 
         def communicate(self) -> tuple[str, None]:
             live[0] -= self.compile_only
-            row = '{"shape": "s", "ms": 1.0, "tflops": 1.0, "bn": 0}'
-            return ("" if self.compile_only else row, None)
+            return ("", None)
+
+        stdout = ['{"shape": "s", "ms": 1.0, "tflops": 1.0, "bn": 0}\n']
+
+        def wait(self) -> int:
+            return 0
 
     monkeypatch.setattr(ab, "copy_tree", lambda src, dst: ab.shutil.copytree(src / "nmoe", dst / "nmoe"))
     monkeypatch.setattr(ab.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
     monkeypatch.setattr(ab, "_run", lambda copy, compile_only, *a: Child(compile_only))
     only = ",".join(v[0].id for v in variants_of("layer")[:5])
     assert ab.main(["--set", "layer", "--only", only, "--jobs", "3"]) == 0
-    assert max(alive) == 3 and len(alive) == 2 * 7
+    assert alive[:7] == [1, 1, 2, 3, 1, 2, 3] and len(alive) == 2 * 7
     with pytest.raises(SystemExit):
         ab.main(["--jobs", "-1"])
 
@@ -85,8 +90,13 @@ def test_configs_pick_rows_and_reach_every_child(monkeypatch: pytest.MonkeyPatch
     class Child:
         returncode = 0
 
+        stdout = ['{"shape": "s", "ms": 1.0, "tflops": 1.0, "bn": 0}\n']
+
         def communicate(self) -> tuple[str, None]:
-            return ('{"shape": "s", "ms": 1.0, "tflops": 1.0, "bn": 0}', None)
+            return ("", None)
+
+        def wait(self) -> int:
+            return 0
 
     def run(copy: Path, compile_only: bool, *rest: str) -> Child:
         seen.append(rest[-1])
@@ -99,3 +109,15 @@ def test_configs_pick_rows_and_reach_every_child(monkeypatch: pytest.MonkeyPatch
     assert seen == ["0,2"] * 6
     with pytest.raises(SystemExit):
         ab.main(["--set", "layer", "--configs", "c1"])
+
+
+def test_copies_share_one_kernel_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Every copy's child keys kernels by source content into one cache beside the copies, so the baseline's
+    kernels serve every variant that leaves their sources alone."""
+    import bench.ablate as ab
+
+    envs: list[str] = []
+    monkeypatch.setattr(ab.subprocess, "Popen", lambda *a, env, **k: envs.append(env["NMOE_KERNEL_CACHE"]))
+    for name in ("baseline", "ablate.x"):
+        ab._run(tmp_path / name, True, "layer", "fwd", "uniform", "")
+    assert envs == [str(tmp_path / ".kernels")] * 2
