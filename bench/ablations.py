@@ -257,6 +257,13 @@ _OLD_PRODUCER = Mutation(
     "the gathered wgrad's producer as before produce_wgrad_lean: 64-bit sources shuffled, selected and added "
     "per chunk, each chunk's shared offset swizzled in the loop",
 )
+_WGRAD_GATHER_DYNAMIC = Mutation(
+    "ablate.gather_wgrad_dynamic", LIMITS,
+    "GEMM_WGRAD_GATHER_DYNAMIC: Final[bool] = False\n", "GEMM_WGRAD_GATHER_DYNAMIC: Final[bool] = True\n",
+    "the gathered wgrads take each tile of the heaviest-first list from a device counter (producer warp 0 "
+    "hands it to the other producer warps and the consumers) instead of static snake rounds, so the CTAs on "
+    "one expert's rows stay together",
+)
 _ZERO_CHUNK_READS = (
     replace(_OLD_PRODUCER, id="ablate.gather_wgrad_zero_chunk_reads",
             description="the old producer whose pad rows and rows past the group read the one 16-byte zero "
@@ -291,8 +298,8 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ablate.gather_wgrad_bn128", GLUE,
-        "    bn = pick_bn(kk)\n    n_ctas, split = _wgrad_grid(device, m, kn, kk, bn, e)\n    kernel_side",
-        "    bn = 128\n    n_ctas, split = _wgrad_grid(device, m, kn, kk, bn, e)\n    kernel_side",
+        "    bn = pick_bn(kk)\n    n_ctas, split = _wgrad_grid(",
+        "    bn = 128\n    n_ctas, split = _wgrad_grid(",
         "the gathered wgrad in 128-wide tiles: five operand stages (landing lag 3) instead of three (lag 1), "
         "at twice the re-reads of the TMA operand",
     ),
@@ -311,12 +318,13 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ablate.gather_wgrad_no_copies", WGRAD_GATHER,
-        "                    copy_chunk(g, chunk_at(",
-        "                    if r < -1:\n                        copy_chunk(g, chunk_at(",
+        "            copy_chunk(g, chunk_at(",
+        "            if r < -1:\n                copy_chunk(g, chunk_at(",
         "timing only: the gathered wgrad producer issues no cp.async (lookups, shuffles and the landing "
         "protocol stay)",
     ),
     _OLD_PRODUCER,
+    _WGRAD_GATHER_DYNAMIC,
     Mutation(
         "ablate.gather_cache_all", CHUNKLOAD,
         "cp.async.cg.shared.global", "cp.async.ca.shared.global",
@@ -495,6 +503,16 @@ COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {
                Mutation("ablate.layer_up_wgrad_gathered_on_m_b", LIMITS,
                         "GEMM_WGRAD_GATHER_X_ON_M: Final[bool] = False\n",
                         "GEMM_WGRAD_GATHER_X_ON_M: Final[bool] = True\n", "")),
+              (Mutation("ablate.layer_up_wgrad_gathered_on_m_dynamic", LIMITS,
+                        "GEMM_WGRAD_GATHER_X: Final[bool] = False\n",
+                        "GEMM_WGRAD_GATHER_X: Final[bool] = True\n",
+                        "layer_up_wgrad_gathered_on_m with every gathered wgrad's tiles from the device "
+                        "counter (GEMM_WGRAD_GATHER_DYNAMIC): what the dynamic schedule adds to x on M"),
+               Mutation("ablate.layer_up_wgrad_gathered_on_m_dynamic_b", LIMITS,
+                        "GEMM_WGRAD_GATHER_X_ON_M: Final[bool] = False\n",
+                        "GEMM_WGRAD_GATHER_X_ON_M: Final[bool] = True\n", ""),
+               replace(_WGRAD_GATHER_DYNAMIC, id="ablate.layer_up_wgrad_gathered_on_m_dynamic_c",
+                       description="")),
               tuple(replace(m, id=m.id.replace("gather_", "layer_")) for m in _ZERO_CHUNK_READS),
               (replace(_GATHER_CLUSTER_TWO, id="ablate.layer_gather_cluster_m2",
                        description="the gathering fwd/dgrad in M clusters of two sharing each B box "

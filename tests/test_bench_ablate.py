@@ -64,7 +64,7 @@ def test_compiles_run_in_waves_of_jobs(monkeypatch: pytest.MonkeyPatch, tmp_path
             live[0] -= self.compile_only
             return ("", None)
 
-        stdout = ['{"shape": "s", "ms": 1.0, "tflops": 1.0, "bn": 0}\n']
+        stdout = ('{"shape": "s", "ms": 1.0, "tflops": 1.0, "bn": 0}\n',)
 
         def wait(self) -> int:
             return 0
@@ -90,7 +90,7 @@ def test_configs_pick_rows_and_reach_every_child(monkeypatch: pytest.MonkeyPatch
     class Child:
         returncode = 0
 
-        stdout = ['{"shape": "s", "ms": 1.0, "tflops": 1.0, "bn": 0}\n']
+        stdout = ('{"shape": "s", "ms": 1.0, "tflops": 1.0, "bn": 0}\n',)
 
         def communicate(self) -> tuple[str, None]:
             return ("", None)

@@ -21,6 +21,7 @@ COPIED_TESTS = "tests/test_fast_gemm_gather_copied.py"
 SCHEDULE_TESTS = "tests/test_fast_wgrad_schedule.py"
 ACC_TESTS = "tests/test_fast_wgrad_accumulate.py"
 TRANSPOSED_TESTS = "tests/test_fast_wgrad_transposed.py"
+WGRAD_DYNAMIC_TESTS = "tests/test_fast_wgrad_gather_dynamic.py"
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
@@ -297,9 +298,16 @@ MUTATIONS: tuple[Mutation, ...] = (
         "column", TRANSPOSED_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
+        "gemm.fast_wgrad_gather_dynamic_split_counter", WGRAD_GATHER,
+        "        counter = u.n_groups * u.tiles_per_group\n", "        counter = u.n_groups * 0\n",
+        "the dynamic gathered wgrad takes its tiles from the first split counter (group 0's first tile's "
+        "chunk count) instead of its own: where that tile is split, grabs and chunk counts collide",
+        WGRAD_DYNAMIC_TESTS, ("moe_layer",), device="gpu",
+    ),
+    sep_mutation(
         "gemm.fast_wgrad_gather_pad_rows_read", WGRAD_GATHER,
-        "                    if r >= 0:\n                        size = live\n",
-        "                    size = live\n",
+        "            if r >= 0:\n                size = live\n",
+        "            size = live\n",
         "pad rows (slot -1) and rows past the group read token 0's row instead of landing zeros",
         GATHER_TESTS, ("moe_layer",), device="gpu",
     ),

@@ -79,6 +79,12 @@ GEMM_WGRAD_GATHER_X_ON_M: Final[bool] = False
 """With GEMM_WGRAD_GATHER_X, x's gathered rows sit on the wgrad's M side (H: 128 rows a tile) against dh's
 256-wide N tiles, half the gathered reads per FLOP of x on N, and dw leaves by a transposed TMA store
 (SonicMoE's layout); off until measured (ablate.layer_up_wgrad_gathered_on_m)."""
+GEMM_WGRAD_GATHER_DYNAMIC: Final[bool] = False
+"""The gathered wgrad takes each tile of its heaviest-first list from a device counter (as GEMM_WGRAD_DYNAMIC
+does for the TMA-fed one; producer warp 0 hands it to the other three and the consumers), so the CTAs on one
+expert stay together rather than drifting apart over static snake rounds: the gathering fwd's L2 hits rose
+from 15% to 65% that way (GEMM_GATHER_DYNAMIC). Lean producer only; off until measured
+(ablate.gather_wgrad_dynamic)."""
 GEMM_WGRAD_GATHER_LEAN: Final[bool] = True
 """The gathered wgrad's producer copies a chunk with a 32-bit token shuffle, one wide multiply-add and a
 constant shared offset (produce_wgrad_lean) instead of 64-bit shuffles, selects and a swizzle per chunk: under

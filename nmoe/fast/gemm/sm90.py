@@ -40,6 +40,7 @@ from nmoe.fast.limits import (
     GEMM_WGRAD_CLUSTER_M,
     GEMM_WGRAD_DEFERRED,
     GEMM_WGRAD_DYNAMIC,
+    GEMM_WGRAD_GATHER_DYNAMIC,
     pingpong_bn,
 )
 from nmoe.fast.op import Launcher, fast_op, remember, save_inputs
@@ -560,10 +561,10 @@ def _wgrad_gathered_run(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_k
     check_offs_on_host(op, offs, m)
     kn, kk = (k, n) if transposed else (n, k)
     bn = pick_bn(kk)
-    n_ctas, split = _wgrad_grid(device, m, kn, kk, bn, e)
+    n_ctas, split = _wgrad_grid(device, m, kn, kk, bn, e, GEMM_WGRAD_GATHER_DYNAMIC)
     kernel_side = "a" if (side == "dy") != transposed else "b"
     launch = WGRAD_GATHER.launcher(arch, n=kn, k=kk, bn=bn, side=kernel_side, top_k=top_k,
-                                   accumulate=accumulate, transposed=transposed)
+                                   accumulate=accumulate, transposed=transposed, dynamic=split.dynamic)
     tma_side, token_major = (x, dy) if side == "dy" else (dy, x)
     zero = _zero_chunk(op, dy.device).data_ptr()
     _keep, (ws, counters, *split_args) = split.args(dy.device)

@@ -29,8 +29,8 @@ WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad"
                (ARCH,),
                "nmoe.fast.gemm.grouped_gemm_wgrad")
 WGRAD_GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_wgrad_gather", "grouped_gemm_wgrad_gather",
-                      lambda km, n, k, bn, side, top_k, accumulate=False, transposed=False:
-                          km.compile_args_gather(n, k, bn, side, top_k, accumulate, transposed),
+                      lambda km, n, k, bn, side, top_k, accumulate=False, transposed=False, dynamic=False:
+                          km.compile_args_gather(n, k, bn, side, top_k, accumulate, transposed, dynamic),
                       (ARCH,),
                       "nmoe.fast.gemm.grouped_gemm_wgrad_gathered")
 
@@ -103,7 +103,10 @@ _ROW_MULTICAST = (*_multicast(2), r"\bshfl\.sync\.idx\.b32\b")
 
 # A dynamic schedule's units come from a device counter (acq_rel fetch-and-add, shuffled to the warp); in a
 # cluster CTA 0 hands each to every CTA (_HANDOFF).
-_GRAB = (r"\batom\.global\.acq_rel(\.gpu)?\.add\.u32\b", r"\bshfl\.sync\.idx\.b32\b")
+_ATOM_ADD = r"\batom\.global\.acq_rel(\.gpu)?\.add\.u32\b"
+_GRAB = (_ATOM_ADD, r"\bshfl\.sync\.idx\.b32\b")
+# The gathered wgrad's split path counts finished chunks by one such add already: dynamic, it has more.
+_SECOND_ADD = rf"(?s){_ATOM_ADD}.*{_ATOM_ADD}"
 
 
 # With cp_async, A's rows arrive by 16-byte cp.async in commit groups, landed as the gathered wgrad's are, and
@@ -165,8 +168,8 @@ def _dgrad_gather_spec(name: str, n: int, k: int, cn: int = 1, deferred: bool = 
 
 
 def _wgrad_gather_spec(name: str, n: int, k: int, side: str, accumulate: bool = False,
-                       transposed: bool = False) -> KernelSpec:
-    expect: tuple[str, ...] = _EXPECT_WGRAD_GATHER
+                       transposed: bool = False, dynamic: bool = False) -> KernelSpec:
+    expect: tuple[str, ...] = (*_EXPECT_WGRAD_GATHER, *((_SECOND_ADD,) if dynamic else ()))
     no_out: tuple[str, ...]
     if transposed:
         expect = (*(p for p in expect if p not in _NOT_TRANSPOSED), _STMATRIX_TRANS,
@@ -177,9 +180,10 @@ def _wgrad_gather_spec(name: str, n: int, k: int, side: str, accumulate: bool = 
         no_out = (_TMA_STORE if accumulate else _TMA_REDUCE_ADD,)
     return KernelSpec(op="grouped_gemm_wgrad", name=name,
                       compile=WGRAD_GATHER.compiler(n=n, k=k, bn=pick_bn(k), side=side, top_k=8,
-                                                    accumulate=accumulate, transposed=transposed),
+                                                    accumulate=accumulate, transposed=transposed,
+                                                    dynamic=dynamic),
                       expect={"sm_90a": expect},
-                      forbid={"sm_90a": (*_FORBID_SM90, *no_out)})
+                      forbid={"sm_90a": (*_FORBID_SM90, *no_out, *(() if dynamic else (_SECOND_ADD,)))})
 
 
 def _spec(name: str, n: int, k: int, bn: int, w_k_major: bool | None, activation: str = "none",
@@ -258,6 +262,10 @@ KERNELS: tuple[KernelSpec, ...] = (
     _wgrad_gather_spec("grouped_gemm_wgrad_gathered_dy_n128", 4096, 1152, "a"),
     _wgrad_gather_spec("grouped_gemm_wgrad_gathered_dy_accumulate_n256", 1536, 256, "a", accumulate=True),
     _wgrad_gather_spec("grouped_gemm_wgrad_gathered_x_on_m_n256", 4096, 2048, "a", transposed=True),
+    _wgrad_gather_spec("grouped_gemm_wgrad_gathered_x_on_m_dynamic_n256", 4096, 2048, "a", transposed=True,
+                       dynamic=True),
+    _wgrad_gather_spec("grouped_gemm_wgrad_gathered_dy_accumulate_dynamic_n128", 1536, 1152, "a",
+                       accumulate=True, dynamic=True),
     _wgrad_gather_spec("grouped_gemm_wgrad_gathered_x_on_m_accumulate_n128", 1160, 1152, "a", accumulate=True,
                        transposed=True),
     _dgrad_gather_spec("grouped_gemm_dgrad_gathered_n128", 1024, 4096),

@@ -49,6 +49,7 @@ from nmoe.fast.kernels.sm90.grouped_gemm_wgrad import (
     stages_for,
     wgrad_tile,
 )
+from nmoe.fast.kernels.sm90.tilequeue import QUEUE_DEPTH, TileQueue, next_unit, tile_queue
 from nmoe.fast.kernels.sm90.tiles import PRODUCER_REGS, THREADS, VEC
 from nmoe.fast.limits import GEMM_BK as BK
 from nmoe.fast.limits import GEMM_BM as BM
@@ -130,13 +131,48 @@ def produce_wgrad_gathered(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.C
 
 
 @cute.jit
+def _lean_tile(mainloop: pipeline.PipelineTmaAsync, state: Any, u: Units, t: Int32, tma_atom: cute.CopyAtom,
+               m_t: cute.Tensor, s_t_flat: cute.Tensor, m_slot: cute.Tensor, src_addr: Int64,
+               top_k: Constexpr[int], tok: cute.Tensor, at: Any, steps: Any, stage_bytes: Constexpr[int],
+               mine: Int32, c: Int32, lane: Int32, warp_idx: Int32, width: Constexpr[int],
+               per_row: Constexpr[int], q: Constexpr[int], n_chunks: Constexpr[int], bn: Constexpr[int],
+               side: Constexpr[str], stages: Constexpr[int]) -> Any:
+    """Every K box of tile t (returns the advanced state: a loop carries only the names it assigns)."""
+    box = bn if const_expr(side == "b") else BM
+    lag = gather_lag(stages)
+    start, end, col, t_st, t_gt = _gather_tile(u, t, m_t, tma_atom, s_t_flat, c, bn, side)
+    live = Int32(16)
+    if const_expr(width % box):
+        live = sel(col < width, 16, 0)
+    row0 = src_addr + Int64(col * 2)
+    tok[0] = token_at(m_slot, start + mine, end, top_k)
+    for kt in range((end - start + BK - 1) // BK):
+        arm_stage(mainloop, state, warp_idx, tma_atom, t_gt[(None, kt)], t_st[(None, state.index)])
+        here = tok[0]
+        tok[0] = token_at(m_slot, start + (kt + 1) * BK + mine, end, top_k)
+        s_stage = state.index * stage_bytes
+        for i in range_constexpr(n_chunks):
+            r = cute.arch.shuffle_sync(here, source_lane(i, lane, per_row, q))
+            size = Int32(0)
+            if r >= 0:
+                size = live
+            g = row0 + Int64(Uint32(dsl_max(r, Int32(0)))) * Int64(width * 2)
+            copy_chunk(g, chunk_at(at, steps[i], s_stage), size)
+        commit_stage(mainloop, state, lag, stages)
+        state.advance()
+    return state
+
+
+@cute.jit
 def produce_wgrad_lean(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyAtom, m_t: cute.Tensor,
                        m_slot: cute.Tensor, src_addr: Int64, top_k: Constexpr[int], s_t: cute.Tensor,
                        s_g: cute.Tensor, g_outer: cute.Layout, u: Units, bidx: Int32, n_ctas: Int32,
                        warp_idx: Int32, ptid: Int32, width: Constexpr[int], bn: Constexpr[int],
-                       side: Constexpr[str], stages: Constexpr[int]) -> None:
+                       side: Constexpr[str], stages: Constexpr[int], tq: TileQueue | None = None,
+                       m_count: cute.Tensor | None = None) -> None:
     """produce_wgrad_gathered's copies in fewer instructions: a 32-bit token shuffled per chunk, its row's
-    address one wide multiply-add, its shared offset a constant plus one of a thread's few swizzled bases."""
+    address one wide multiply-add, its shared offset a constant plus one of a thread's few swizzled bases.
+    With a queue tq, tiles come from the device counter (warp 0 fills the ring) instead of snake rounds."""
     # The gathered wgrad's producer is issue-bound: under ncu its time tracked its instruction count.
     s_t_flat = cute.group_modes(s_t, 0, 2)
     box = bn if const_expr(side == "b") else BM
@@ -152,29 +188,24 @@ def produce_wgrad_lean(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyA
     tok = cute.make_rmem_tensor(1, Int32)
     lag = gather_lag(stages)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-    for rnd in range(n_rounds(u.total, n_ctas)):
-        t = snake_tile(rnd, bidx, n_ctas)
-        if t < u.total:
-            start, end, col, t_st, t_gt = _gather_tile(u, t, m_t, tma_atom, s_t_flat, c, bn, side)
-            live = Int32(16)
-            if const_expr(width % box):
-                live = sel(col < width, 16, 0)
-            row0 = src_addr + Int64(col * 2)
-            tok[0] = token_at(m_slot, start + mine, end, top_k)
-            for kt in range((end - start + BK - 1) // BK):
-                arm_stage(mainloop, state, warp_idx, tma_atom, t_gt[(None, kt)], t_st[(None, state.index)])
-                here = tok[0]
-                tok[0] = token_at(m_slot, start + (kt + 1) * BK + mine, end, top_k)
-                s_stage = state.index * stage_bytes
-                for i in range_constexpr(n_chunks):
-                    r = cute.arch.shuffle_sync(here, source_lane(i, lane, per_row, q))
-                    size = Int32(0)
-                    if r >= 0:
-                        size = live
-                    g = row0 + Int64(Uint32(dsl_max(r, Int32(0)))) * Int64(width * 2)
-                    copy_chunk(g, chunk_at(at, steps[i], s_stage), size)
-                commit_stage(mainloop, state, lag, stages)
-                state.advance()
+    if const_expr(tq is None):
+        for rnd in range(n_rounds(u.total, n_ctas)):
+            t = snake_tile(rnd, bidx, n_ctas)
+            if t < u.total:
+                state = _lean_tile(mainloop, state, u, t, tma_atom, m_t, s_t_flat, m_slot, src_addr, top_k,
+                                   tok, at, steps, stage_bytes, mine, c, lane, warp_idx, width, per_row, q,
+                                   n_chunks, bn, side, stages)
+    else:
+        fills = warp_idx == 0
+        counter = u.n_groups * u.tiles_per_group
+        qstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, QUEUE_DEPTH)
+        rstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QUEUE_DEPTH)
+        t, qstate, rstate = next_unit(tq, m_count, fills, qstate, rstate, lane, 1, counter)
+        while t < u.total:
+            state = _lean_tile(mainloop, state, u, t, tma_atom, m_t, s_t_flat, m_slot, src_addr, top_k, tok,
+                               at, steps, stage_bytes, mine, c, lane, warp_idx, width, per_row, q, n_chunks,
+                               bn, side, stages)
+            t, qstate, rstate = next_unit(tq, m_count, fills, qstate, rstate, lane, 1, counter)
     land_all(mainloop, state, lag, stages)
     if warp_idx == 0:
         mainloop.producer_tail(state)
@@ -185,11 +216,12 @@ def _produce(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyAtom, m_t: 
              m_slot: cute.Tensor, src_addr: Int64, zero_addr: Int64, top_k: Constexpr[int], s_t: cute.Tensor,
              s_g: cute.Tensor, g_outer: cute.Layout, u: Units, bidx: Int32, n_ctas: Int32, warp_idx: Int32,
              ptid: Int32, width: Constexpr[int], bn: Constexpr[int], side: Constexpr[str],
-             stages: Constexpr[int]) -> None:
+             stages: Constexpr[int], tq: TileQueue | None, m_count: cute.Tensor) -> None:
     if const_expr(GEMM_WGRAD_GATHER_LEAN):
         produce_wgrad_lean(mainloop, tma_atom, m_t, m_slot, src_addr, top_k, s_t, s_g, g_outer, u, bidx,
-                           n_ctas, warp_idx, ptid, width, bn, side, stages)
+                           n_ctas, warp_idx, ptid, width, bn, side, stages, tq, m_count)
     else:
+        assert tq is None, "the gathered wgrad's old producer deals its tiles in snake rounds only"
         produce_wgrad_gathered(mainloop, tma_atom, m_t, m_slot, src_addr, zero_addr, top_k, s_t, s_g,
                                g_outer, u, bidx, n_ctas, warp_idx, ptid, width, bn, side, stages)
 
@@ -203,22 +235,24 @@ def grouped_wgrad_gather_kernel(
     a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout,
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], top_k: Constexpr[int],
     side: Constexpr[str], stages: Constexpr[int], accumulate: Constexpr[bool], transposed: Constexpr[bool],
+    dynamic: Constexpr[bool],
 ) -> None:
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom, tma_atom_d))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
                                                 stages, "a" if const_expr(side == "b") else "b", 3)
+    tq = tile_queue(4) if const_expr(dynamic) else None
     u = plan_units(s_offs, n_groups, m_rows, thresh, split_rows, tidx, n, k, bn)
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         if const_expr(side == "b"):
             _produce(mainloop, tma_atom, m_t, m_slot, src_addr, zero_addr, top_k, s_a, s_b, b_layout.outer, u,
-                     bidx, n_ctas, warp_idx, tidx, k, bn, side, stages)
+                     bidx, n_ctas, warp_idx, tidx, k, bn, side, stages, tq, m_count)
         else:
             _produce(mainloop, tma_atom, m_t, m_slot, src_addr, zero_addr, top_k, s_b, s_a, a_layout.outer, u,
-                     bidx, n_ctas, warp_idx, tidx, n, bn, side, stages)
+                     bidx, n_ctas, warp_idx, tidx, n, bn, side, stages, tq, m_count)
     else:
         consume_wgrad(mainloop, tiled_mma, s_a, s_b, s_d, u, m_ws, m_count, tma_atom_d, tma_d, m_d, tidx,
-                      warp_idx, bidx, n_ctas, n, k, bn, stages, n, accumulate=accumulate,
+                      warp_idx, bidx, n_ctas, n, k, bn, stages, n, tq, accumulate=accumulate,
                       transposed=transposed)
 
 
@@ -228,7 +262,7 @@ def grouped_wgrad_gather_host(
     pcount: Pointer, m_rows: Int32, n_groups: Int32, n_ctas: Int32, thresh: Int32,
     split_rows: Int32, ws_tiles: Int32, stream: cuda.CUstream, n: Constexpr[int], k: Constexpr[int],
     bn: Constexpr[int], side: Constexpr[str], top_k: Constexpr[int], accumulate: Constexpr[bool],
-    transposed: Constexpr[bool],
+    transposed: Constexpr[bool], dynamic: Constexpr[bool],
 ) -> None:
     """dw[E, n, k] (transposed: dw[E, k, n]) = (accumulate: dw +=) per group dy[rows, n]^T @ x[rows, k], one
     side read from token-major rows through slot (zero rows where slot = -1): side "b", x[slot // top_k]
@@ -254,15 +288,15 @@ def grouped_wgrad_gather_host(
         tma_atom, tma_t, m_slot, Int64(psrc.toint()), Int64(pzero.toint()), tma_atom_d, tma_d, m_dw,
         m_offs, m_ws,
         m_count, m_rows, n_groups, thresh, split_rows, tiled_mma, a_layout, b_layout, d_layout, n, k, bn,
-        top_k, side, stages, accumulate, transposed,
+        top_k, side, stages, accumulate, transposed, dynamic,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
 
 
 def compile_args_gather(n: int, k: int, bn: int, side: str, top_k: int, accumulate: bool = False,
-                        transposed: bool = False) -> tuple[Any, tuple[Any, ...]]:
+                        transposed: bool = False, dynamic: bool = False) -> tuple[Any, tuple[Any, ...]]:
     if side not in ("a", "b"):
         raise ValueError(f"gathered wgrad side {side!r}: 'a' (dy token-major) or 'b' (x token-major)")
     ptrs = (*(pointer(BFloat16, 0) for _ in range(3)), pointer(Int64, 0, 8), pointer(BFloat16, 0),
             pointer(Int32, 0, 4), pointer(Float32, 0), pointer(Int32, 0, 4))
     return grouped_wgrad_gather_host, (*ptrs, *(Int32(0) for _ in range(6)), cuda.CUstream(0), n, k, bn,
-                                       side, top_k, accumulate, transposed)
+                                       side, top_k, accumulate, transposed, dynamic)

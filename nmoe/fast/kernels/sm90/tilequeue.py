@@ -154,12 +154,12 @@ def take_next(q: TileQueue | ClusterQueue, state: Any, lane: Int32) -> tuple[Int
 
 @cute.jit
 def next_unit(q: Any, m_count: cute.Tensor, fills: Any, qstate: Any, rstate: Any, lane: Int32,
-              cm: Constexpr[int]) -> tuple[Int32, Any, Any]:
-    """A producer warp's next unit of a dynamic schedule: the filling warp takes it from the counter and
+              cm: Constexpr[int], at: Int32 | int = 0) -> tuple[Int32, Any, Any]:
+    """A producer warp's next unit of a dynamic schedule: the filling warp takes it from counter `at` and
     hands it over, every other warp reads it from its ring."""
     t = Int32(0)
     if fills:
-        t = grab_tile(m_count, Int32(0), lane)
+        t = grab_tile(m_count, Int32(at), lane)
         qstate = hand_tile(q, qstate, t, lane, cm)
     else:
         t, rstate = take_next(q, rstate, lane)
