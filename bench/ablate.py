@@ -22,6 +22,7 @@ from mutations.model import apply
 
 ROOT = Path(__file__).resolve().parents[1]
 PASSES = ("fwd", "dgrad", "wgrad")
+LAYER_PASSES = ("fwd", "fwd_bwd")
 SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
     (32768, 4096, 1024, 128, 8), (24576, 1536, 256, 128, 8), (32768, 4096, 512, 256, 8),
 )
@@ -176,8 +177,9 @@ def _picked(rows: Sequence[Any], configs: str) -> list[Any]:
     return [rows[int(i)] for i in configs.split(",")]
 
 
-def _layer_rows(compile_only: bool, configs: str = "") -> list[dict[str, Any]]:
-    """The fast MoE layer's fwd and fwd+bwd per LAYER_CONFIGS row (those picked) and routing, as nmoe bench
+def _layer_rows(compile_only: bool, configs: str = "",
+                passes: Sequence[str] = LAYER_PASSES) -> list[dict[str, Any]]:
+    """The fast MoE layer's fwd and/or fwd+bwd per LAYER_CONFIGS row (those picked) and routing, as nmoe bench
     times it (CUDA graph replays of the bench's seeded inputs; FLOPs 6 T I H K and 18 T I H K)."""
     import torch
 
@@ -188,7 +190,7 @@ def _layer_rows(compile_only: bool, configs: str = "") -> list[dict[str, Any]]:
     for cfg in _picked(LAYER_CONFIGS, configs):
         t, h, i, _, k = cfg
         for routing in ("uniform", "zipf"):
-            for pass_ in ("fwd", "fwd_bwd"):
+            for pass_ in passes:
                 step = _layer_step(cfg, routing, pass_)
                 step()
                 torch.cuda.synchronize()
@@ -207,7 +209,8 @@ def child(compile_only: bool, which: str, passes: Sequence[str] = PASSES,
           routings: Sequence[str] = ("uniform",), configs: str = "") -> None:
     from nmoe.fast.gemm.sm90 import pick_bn, schedule
 
-    timed = {"layer": lambda: _layer_rows(compile_only, configs), "fp8": lambda: _fp8_rows(compile_only),
+    timed = {"layer": lambda: _layer_rows(compile_only, configs, passes),
+             "fp8": lambda: _fp8_rows(compile_only),
              "gather": lambda: [r for shape in _picked(SHAPES, configs)
                                 for r in _gather_rows(*shape, compile_only)]}
     if which in timed:
@@ -243,8 +246,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--set", default="gemm", choices=tuple(SETS),
                    help="gemm: the TMA kernels' ablations; gather: the gathering up projection and wgrad; "
                    "layer: the fast MoE layer's choices, timed as the layer; fp8: the fp8 fwd's schedule")
-    p.add_argument("--passes", default=",".join(PASSES),
-                   help="gemm set: comma-separated passes to time (default: fwd,dgrad,wgrad)")
+    p.add_argument("--passes", default="",
+                   help="gemm set: comma-separated passes of fwd,dgrad,wgrad (default: all); layer set: of "
+                   "fwd,fwd_bwd (default: both; fwd_bwd alone skips the no-grad forward's kernels)")
     p.add_argument("--routings", default="uniform",
                    help=f"gemm set: comma-separated group sizings of {ROUTINGS} (default: uniform)")
     p.add_argument("--configs", default="",
@@ -260,6 +264,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if bad := sorted(set(args.routings.split(",")) - set(ROUTINGS)):
         p.error(f"--routings {bad} unknown; use some of {ROUTINGS}")
+    allowed = LAYER_PASSES if args.set == "layer" else PASSES
+    args.passes = args.passes or ",".join(allowed)
+    if bad := sorted(set(args.passes.split(",")) - set(allowed)):
+        p.error(f"--passes {bad} unknown to the {args.set} set; use some of {allowed}")
     if args.configs and not all(c.isdigit() for c in args.configs.split(",")):
         p.error(f"--configs {args.configs!r}: give comma-separated row indices, e.g. 0,2")
     if args.jobs < 0:

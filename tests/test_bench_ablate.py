@@ -121,3 +121,38 @@ def test_copies_share_one_kernel_cache(monkeypatch: pytest.MonkeyPatch, tmp_path
     for name in ("baseline", "ablate.x"):
         ab._run(tmp_path / name, True, "layer", "fwd", "uniform", "")
     assert envs == [str(tmp_path / ".kernels")] * 2
+
+
+def test_passes_are_checked_per_set_and_reach_every_child(monkeypatch: pytest.MonkeyPatch,
+                                                          tmp_path: Path) -> None:
+    """The layer set takes fwd and fwd_bwd (both by default), the gemm set fwd, dgrad and wgrad; a pass the
+    set lacks is refused before any copy."""
+    import bench.ablate as ab
+
+    seen: list[str] = []
+
+    class Child:
+        returncode = 0
+        stdout = ('{"shape": "s", "ms": 1.0, "tflops": 1.0, "bn": 0}\n',)
+
+        def communicate(self) -> tuple[str, None]:
+            return ("", None)
+
+        def wait(self) -> int:
+            return 0
+
+    def run(copy: Path, compile_only: bool, which: str, passes: str, *rest: str) -> Child:
+        seen.append(passes)
+        return Child()
+
+    monkeypatch.setattr(ab, "copy_tree", lambda src, dst: ab.shutil.copytree(src / "nmoe", dst / "nmoe"))
+    monkeypatch.setattr(ab.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
+    monkeypatch.setattr(ab, "_run", run)
+    only = variants_of("layer")[0][0].id
+    assert ab.main(["--set", "layer", "--only", only, "--passes", "fwd_bwd"]) == 0
+    assert seen == ["fwd_bwd"] * 6
+    assert ab.main(["--set", "layer", "--only", only]) == 0
+    assert seen[6:] == ["fwd,fwd_bwd"] * 6
+    for argv in (["--set", "layer", "--passes", "wgrad"], ["--set", "gemm", "--passes", "fwd_bwd"]):
+        with pytest.raises(SystemExit):
+            ab.main(argv)
