@@ -205,7 +205,9 @@ def test_kernels_declare_sm90_only() -> None:
                         "grouped_gemm_wgrad_gathered_dy_n128",
                         "grouped_gemm_wgrad_gathered_dy_accumulate_n256", "grouped_gemm_dgrad_gathered_n128",
                         "grouped_gemm_wgrad_gathered_x_on_m_n256",
-                        "grouped_gemm_wgrad_gathered_x_on_m_accumulate_n128"}
+                        "grouped_gemm_wgrad_gathered_x_on_m_accumulate_n128",
+                        "grouped_gemm_wgrad_gathered_x_on_m_dynamic_n256",
+                        "grouped_gemm_wgrad_gathered_dy_accumulate_dynamic_n128"}
     for spec in KERNELS:
         assert set(spec.expect) == set(spec.forbid) == {"sm_90a"}
         assert any("wgmma" in rx for rx in spec.expect["sm_90a"])
