@@ -7,10 +7,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -26,6 +28,16 @@ LAYER_PASSES = ("fwd", "fwd_bwd")
 SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
     (32768, 4096, 1024, 128, 8), (24576, 1536, 256, 128, 8), (32768, 4096, 512, 256, 8),
 )
+
+
+PROGRESS_ENV = "NMOE_ABLATE_PROGRESS"
+
+
+def _note(what: str) -> None:
+    """Appends `what` under the copy's name to the run's progress file: a hung kernel's row shows there."""
+    if path := os.environ.get(PROGRESS_ENV):
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"{time.strftime('%H:%M:%S')} {Path.cwd().name} {what}\n")
 
 
 def _problems() -> list[tuple[str, int, int, int, int]]:
@@ -62,6 +74,7 @@ def _time(pass_: str, m: int, n: int, k: int, e: int, compile_only: bool, routin
                               "dgrad": (gemm.grouped_gemm_dgrad, ((m, n), (e, n, k))),
                               "wgrad": (gemm.grouped_gemm_wgrad, ((m, n), (m, k)))}[pass_]
     a, b = (torch.randn(*s, device="cuda", dtype=torch.bfloat16) for s in (shape_a, shape_b))
+    _note(f"{pass_} {routing} m={m} n={n} k={k} e={e}")
     if compile_only:
         fn(a, b, offs)
         torch.cuda.synchronize()
@@ -87,6 +100,7 @@ def _fp8_rows(compile_only: bool) -> list[dict[str, Any]]:
         del x, w
         for routing in ROUTINGS:
             args = (xq, xs, wq, ws, _offs(m, e, routing))
+            _note(f"fp8 fwd {routing} {label}")
             gemm.grouped_gemm_fp8(*args)
             torch.cuda.synchronize()
             if not compile_only:
@@ -139,6 +153,7 @@ def _gather_rows(t: int, h: int, i: int, e: int, k: int, compile_only: bool) -> 
     }
     out = []
     for name, fn in runs.items():
+        _note(f"{name} T={t} H={h} I={i} E={e}")
         fn()
         torch.cuda.synchronize()
         if not compile_only:
@@ -192,6 +207,7 @@ def _layer_rows(compile_only: bool, configs: str = "",
         for routing in ("uniform", "zipf"):
             for pass_ in passes:
                 step = _layer_step(cfg, routing, pass_)
+                _note(f"{pass_} {routing} T={t} H={h} I={i} K={k}")
                 step()
                 torch.cuda.synchronize()
                 if not compile_only:
@@ -229,9 +245,11 @@ def child(compile_only: bool, which: str, passes: Sequence[str] = PASSES,
 
 
 def _run(copy: Path, compile_only: bool, which: str, passes: str, routings: str,
-         configs: str) -> subprocess.Popen[str]:
+         configs: str, progress: Path | None = None) -> subprocess.Popen[str]:
     env = child_env(copy, "gpu", 2)
     env["NMOE_KERNEL_CACHE"] = str(copy.parent / ".kernels")
+    if progress is not None:
+        env[PROGRESS_ENV] = str(progress.resolve())
     cmd = [sys.executable, "-m", "bench.ablate", "--child", "--set", which, "--passes", passes,
            "--routings", routings, "--configs", configs]
     cmd += ["--compile-only"] if compile_only else []
@@ -243,6 +261,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.ablate", description=__doc__)
     p.add_argument("--out", type=Path, help="JSON file for the timings")
     p.add_argument("--only", default="", help="comma-separated ablation ids (default: all)")
+    p.add_argument("--progress", type=Path,
+                   help="file each child appends its copy's name and every row to as it starts the row, "
+                   "compiling and timing (default: --out with suffix .progress), so a hung kernel is named")
     p.add_argument("--set", default="gemm", choices=tuple(SETS),
                    help="gemm: the TMA kernels' ablations; gather: the gathering up projection and wgrad; "
                    "layer: the fast MoE layer's choices, timed as the layer; fp8: the fp8 fwd's schedule")
@@ -275,6 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.child:
         child(args.compile_only, args.set, args.passes.split(","), args.routings.split(","), args.configs)
         return 0
+    progress = args.progress or (args.out.with_suffix(".progress") if args.out else None)
     catalog = variants_of(args.set)
     chosen = [v for v in catalog if not args.only or v[0].id in args.only.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="nmoe-ablate-"))
@@ -293,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = list(copies)
     jobs = args.jobs or len(names)
     for wave in [names[:1], *(names[i:i + jobs] for i in range(1, len(names), jobs))]:
-        compiling = [(n, _run(copies[n], True, args.set, args.passes, args.routings, args.configs))
+        compiling = [(n, _run(copies[n], True, args.set, args.passes, args.routings, args.configs, progress))
                      for n in wave]
         failed |= {n: out for n, proc in compiling if (out := proc.communicate()[0]) and proc.returncode}
     rows: dict[str, Any] = {}
@@ -301,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if name in failed:
             rows[name] = {"error": failed[name][-2000:]}
             continue
-        proc = _run(copy, False, args.set, args.passes, args.routings, args.configs)
+        proc = _run(copy, False, args.set, args.passes, args.routings, args.configs, progress)
         out = ""
         for line in proc.stdout or ():
             out += line

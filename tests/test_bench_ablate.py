@@ -99,7 +99,7 @@ def test_configs_pick_rows_and_reach_every_child(monkeypatch: pytest.MonkeyPatch
             return 0
 
     def run(copy: Path, compile_only: bool, *rest: str) -> Child:
-        seen.append(rest[-1])
+        seen.append(rest[3])
         return Child()
 
     monkeypatch.setattr(ab, "copy_tree", lambda src, dst: ab.shutil.copytree(src / "nmoe", dst / "nmoe"))
@@ -116,11 +116,27 @@ def test_copies_share_one_kernel_cache(monkeypatch: pytest.MonkeyPatch, tmp_path
     kernels serve every variant that leaves their sources alone."""
     import bench.ablate as ab
 
-    envs: list[str] = []
-    monkeypatch.setattr(ab.subprocess, "Popen", lambda *a, env, **k: envs.append(env["NMOE_KERNEL_CACHE"]))
+    envs: list[tuple[str, str]] = []
+    monkeypatch.setattr(ab.subprocess, "Popen", lambda *a, env, **k: envs.append(
+        (env["NMOE_KERNEL_CACHE"], env[ab.PROGRESS_ENV])))
     for name in ("baseline", "ablate.x"):
-        ab._run(tmp_path / name, True, "layer", "fwd", "uniform", "")
-    assert envs == [str(tmp_path / ".kernels")] * 2
+        ab._run(tmp_path / name, True, "layer", "fwd", "uniform", "", tmp_path / "p.progress")
+    assert envs == [(str(tmp_path / ".kernels"), str(tmp_path / "p.progress"))] * 2
+
+
+def test_children_name_each_row_in_the_progress_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A child appends its copy's name and the row it starts, so a run cut by a hung kernel names it."""
+    import bench.ablate as ab
+
+    (tmp_path / "ablate.x").mkdir()
+    monkeypatch.chdir(tmp_path / "ablate.x")
+    monkeypatch.delenv(ab.PROGRESS_ENV, raising=False)
+    ab._note("nowhere")
+    monkeypatch.setenv(ab.PROGRESS_ENV, str(tmp_path / "p.progress"))
+    ab._note("up_gathered T=1")
+    ab._note("up_copied T=1")
+    lines = (tmp_path / "p.progress").read_text().splitlines()
+    assert [ln.split(" ", 1)[1] for ln in lines] == ["ablate.x up_gathered T=1", "ablate.x up_copied T=1"]
 
 
 def test_passes_are_checked_per_set_and_reach_every_child(monkeypatch: pytest.MonkeyPatch,
