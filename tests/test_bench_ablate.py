@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,17 +47,38 @@ def test_unknown_routing_is_refused_before_any_copy(capsys: pytest.CaptureFixtur
     assert "zipf9" in capsys.readouterr().err
 
 
+class Child:
+    """A bench.ablate child that compiles at once and times one row."""
+
+    returncode = 0
+    stdout = ('{"shape": "s", "ms": 1.0, "tflops": 1.0, "bn": 0}\n',)
+
+    def communicate(self) -> tuple[str, None]:
+        return ("", None)
+
+    def wait(self) -> int:
+        return 0
+
+
+def _fake_children(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, run: Any) -> Any:
+    """bench.ablate with its copies of nmoe/ alone under tmp_path and its children made by `run`."""
+    import bench.ablate as ab
+
+    monkeypatch.setattr(ab, "copy_tree", lambda src, dst: ab.shutil.copytree(src / "nmoe", dst / "nmoe"))
+    monkeypatch.setattr(ab.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
+    monkeypatch.setattr(ab, "_run", run)
+    return ab
+
+
 def test_compiles_run_in_waves_of_jobs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The baseline compiles alone into the shared kernel cache, then --jobs bounds the compile children alive
     at once (each layer-set child holds a layer's GPU memory)."""
-    import bench.ablate as ab
-
     alive: list[int] = []
     live = [0]
 
-    class Child:
+    class Counted(Child):
         def __init__(self, compile_only: bool) -> None:
-            self.compile_only, self.returncode = compile_only, 0
+            self.compile_only = compile_only
             live[0] += compile_only
             alive.append(live[0])
 
@@ -64,14 +86,7 @@ def test_compiles_run_in_waves_of_jobs(monkeypatch: pytest.MonkeyPatch, tmp_path
             live[0] -= self.compile_only
             return ("", None)
 
-        stdout = ('{"shape": "s", "ms": 1.0, "tflops": 1.0, "bn": 0}\n',)
-
-        def wait(self) -> int:
-            return 0
-
-    monkeypatch.setattr(ab, "copy_tree", lambda src, dst: ab.shutil.copytree(src / "nmoe", dst / "nmoe"))
-    monkeypatch.setattr(ab.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
-    monkeypatch.setattr(ab, "_run", lambda copy, compile_only, *a: Child(compile_only))
+    ab = _fake_children(monkeypatch, tmp_path, lambda copy, compile_only, *a: Counted(compile_only))
     only = ",".join(v[0].id for v in variants_of("layer")[:5])
     assert ab.main(["--set", "layer", "--only", only, "--jobs", "3"]) == 0
     assert alive[:7] == [1, 1, 2, 3, 1, 2, 3] and len(alive) == 2 * 7
@@ -82,29 +97,14 @@ def test_compiles_run_in_waves_of_jobs(monkeypatch: pytest.MonkeyPatch, tmp_path
 def test_configs_pick_rows_and_reach_every_child(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """--configs names the layer or gather rows to time, in its order; every compile and timing child gets
     it; anything but row indices is refused before any copy."""
-    import bench.ablate as ab
-
-    assert ab._picked("abc", "2,0") == ["c", "a"] and ab._picked("ab", "") == ["a", "b"]
     seen: list[str] = []
-
-    class Child:
-        returncode = 0
-
-        stdout = ('{"shape": "s", "ms": 1.0, "tflops": 1.0, "bn": 0}\n',)
-
-        def communicate(self) -> tuple[str, None]:
-            return ("", None)
-
-        def wait(self) -> int:
-            return 0
 
     def run(copy: Path, compile_only: bool, *rest: str) -> Child:
         seen.append(rest[3])
         return Child()
 
-    monkeypatch.setattr(ab, "copy_tree", lambda src, dst: ab.shutil.copytree(src / "nmoe", dst / "nmoe"))
-    monkeypatch.setattr(ab.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
-    monkeypatch.setattr(ab, "_run", run)
+    ab = _fake_children(monkeypatch, tmp_path, run)
+    assert ab._picked("abc", "2,0") == ["c", "a"] and ab._picked("ab", "") == ["a", "b"]
     assert ab.main(["--set", "layer", "--only", variants_of("layer")[0][0].id, "--configs", "0,2"]) == 0
     assert seen == ["0,2"] * 6
     with pytest.raises(SystemExit):
@@ -143,27 +143,13 @@ def test_passes_are_checked_per_set_and_reach_every_child(monkeypatch: pytest.Mo
                                                           tmp_path: Path) -> None:
     """The layer set takes fwd and fwd_bwd (both by default), the gemm set fwd, dgrad and wgrad; a pass the
     set lacks is refused before any copy."""
-    import bench.ablate as ab
-
     seen: list[str] = []
-
-    class Child:
-        returncode = 0
-        stdout = ('{"shape": "s", "ms": 1.0, "tflops": 1.0, "bn": 0}\n',)
-
-        def communicate(self) -> tuple[str, None]:
-            return ("", None)
-
-        def wait(self) -> int:
-            return 0
 
     def run(copy: Path, compile_only: bool, which: str, passes: str, *rest: str) -> Child:
         seen.append(passes)
         return Child()
 
-    monkeypatch.setattr(ab, "copy_tree", lambda src, dst: ab.shutil.copytree(src / "nmoe", dst / "nmoe"))
-    monkeypatch.setattr(ab.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
-    monkeypatch.setattr(ab, "_run", run)
+    ab = _fake_children(monkeypatch, tmp_path, run)
     only = variants_of("layer")[0][0].id
     assert ab.main(["--set", "layer", "--only", only, "--passes", "fwd_bwd"]) == 0
     assert seen == ["fwd_bwd"] * 6

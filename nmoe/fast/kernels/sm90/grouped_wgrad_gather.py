@@ -202,9 +202,9 @@ def produce_wgrad_lean(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyA
         rstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QUEUE_DEPTH)
         t, qstate, rstate = next_unit(tq, m_count, fills, qstate, rstate, lane, 1, counter)
         while t < u.total:
-            state = _lean_tile(mainloop, state, u, t, tma_atom, m_t, s_t_flat, m_slot, src_addr, top_k, tok,
-                               at, steps, stage_bytes, mine, c, lane, warp_idx, width, per_row, q, n_chunks,
-                               bn, side, stages)
+            state = _lean_tile(mainloop, state, u, t, tma_atom, m_t, s_t_flat, m_slot, src_addr, top_k,
+                               tok, at, steps, stage_bytes, mine, c, lane, warp_idx, width, per_row, q,
+                               n_chunks, bn, side, stages)
             t, qstate, rstate = next_unit(tq, m_count, fills, qstate, rstate, lane, 1, counter)
     land_all(mainloop, state, lag, stages)
     if warp_idx == 0:
