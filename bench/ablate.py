@@ -324,14 +324,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows[name] = {"error": failed[name][-2000:]}
             continue
         proc = _run(copy, False, args.set, args.passes, args.routings, args.configs, progress)
-        out = ""
+        lines, timed = [], []
         for line in proc.stdout or ():
-            out += line
+            lines.append(line)
             if line.startswith("{"):
+                timed.append(json.loads(line))
                 print(f"{name} {line}", end="", flush=True)
         proc.wait()
-        timed = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        rows[name] = timed or {"error": out[-2000:]}
+        rows[name] = timed or {"error": "".join(lines)[-2000:]}
     shutil.rmtree(tmp, ignore_errors=True)
     notes = {v[0].id: v[0].description for v in chosen}
     base = {r["shape"]: r["ms"] for r in rows["baseline"]} if isinstance(rows["baseline"], list) else {}

@@ -264,6 +264,15 @@ _WGRAD_GATHER_DYNAMIC = Mutation(
     "hands it to the other producer warps and the consumers) instead of static snake rounds, so the CTAs on "
     "one expert's rows stay together",
 )
+_UP_WGRAD_ON_M = (
+    Mutation("ablate.layer_up_wgrad_gathered_on_m", LIMITS, "GEMM_WGRAD_GATHER_X: Final[bool] = False\n",
+             "GEMM_WGRAD_GATHER_X: Final[bool] = True\n",
+             "the up projection's wgrad reads x's rows by index on its M side (x on M, half x on N's "
+             "gathered reads) and stores dw transposed, no copies of x"),
+    Mutation("ablate.layer_up_wgrad_gathered_on_m_b", LIMITS,
+             "GEMM_WGRAD_GATHER_X_ON_M: Final[bool] = False\n",
+             "GEMM_WGRAD_GATHER_X_ON_M: Final[bool] = True\n", ""),
+)
 _ZERO_CHUNK_READS = (
     replace(_OLD_PRODUCER, id="ablate.gather_wgrad_zero_chunk_reads",
             description="the old producer whose pad rows and rows past the group read the one 16-byte zero "
@@ -495,22 +504,12 @@ COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {
                         "t * k), torch.arange(slot.shape[0], dtype=torch.int32, device=x.device))"
                         "[:t * k].view(t, k)\n", "")),
               (replace(_OLD_PRODUCER, id="ablate.layer_wgrad_old_producer"),),
-              (Mutation("ablate.layer_up_wgrad_gathered_on_m", LIMITS,
-                        "GEMM_WGRAD_GATHER_X: Final[bool] = False\n",
-                        "GEMM_WGRAD_GATHER_X: Final[bool] = True\n",
-                        "the up projection's wgrad reads x's rows by index on its M side (x on M, half x on "
-                        "N's gathered reads) and stores dw transposed, no copies of x"),
-               Mutation("ablate.layer_up_wgrad_gathered_on_m_b", LIMITS,
-                        "GEMM_WGRAD_GATHER_X_ON_M: Final[bool] = False\n",
-                        "GEMM_WGRAD_GATHER_X_ON_M: Final[bool] = True\n", "")),
-              (Mutation("ablate.layer_up_wgrad_gathered_on_m_dynamic", LIMITS,
-                        "GEMM_WGRAD_GATHER_X: Final[bool] = False\n",
-                        "GEMM_WGRAD_GATHER_X: Final[bool] = True\n",
-                        "layer_up_wgrad_gathered_on_m with every gathered wgrad's tiles from the device "
-                        "counter (GEMM_WGRAD_GATHER_DYNAMIC): what the dynamic schedule adds to x on M"),
-               Mutation("ablate.layer_up_wgrad_gathered_on_m_dynamic_b", LIMITS,
-                        "GEMM_WGRAD_GATHER_X_ON_M: Final[bool] = False\n",
-                        "GEMM_WGRAD_GATHER_X_ON_M: Final[bool] = True\n", ""),
+              _UP_WGRAD_ON_M,
+              (replace(_UP_WGRAD_ON_M[0], id="ablate.layer_up_wgrad_gathered_on_m_dynamic",
+                       description="layer_up_wgrad_gathered_on_m with every gathered wgrad's tiles from "
+                       "the device counter (GEMM_WGRAD_GATHER_DYNAMIC): what the dynamic schedule adds to x "
+                       "on M"),
+               replace(_UP_WGRAD_ON_M[1], id="ablate.layer_up_wgrad_gathered_on_m_dynamic_b"),
                replace(_WGRAD_GATHER_DYNAMIC, id="ablate.layer_up_wgrad_gathered_on_m_dynamic_c",
                        description="")),
               tuple(replace(m, id=m.id.replace("gather_", "layer_")) for m in _ZERO_CHUNK_READS),
