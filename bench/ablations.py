@@ -221,7 +221,7 @@ CHUNKLOAD = "nmoe/fast/kernels/sm90/chunkload.py"
 # arriving on their stage's barrier by themselves.
 _LANDING = (
     "    cute.arch.cp_async_commit_group()\n"
-    "    if state.count >= lag:\n"
+    "    if state.count - floor >= lag:\n"
     "        cute.arch.cp_async_wait_group(lag)\n"
     "        cute.arch.fence_proxy(\"async.shared\", space=\"cta\")\n"
     "        back = state.index - lag\n"
@@ -235,14 +235,14 @@ _NOINC = (
 )
 _LAND_ALL = (
     "\n\n@cute.jit\ndef land_all(mainloop: pipeline.PipelineTmaAsync, state: Any, lag: Constexpr[int],\n"
-    "             stages: Constexpr[int]) -> None:\n"
+    "             stages: Constexpr[int], floor: Int32 | int = 0) -> None:\n"
     "    \"\"\"After the producer's last stage (`state` past it): land the up to `lag` stages still in "
     "flight.\"\"\"\n"
 )
 _LANDING += _LAND_ALL + (
     "    cute.arch.cp_async_wait_group(0)\n"
     "    cute.arch.fence_proxy(\"async.shared\", space=\"cta\")\n"
-    "    for i in range(dsl_min(state.count, lag)):\n"
+    "    for i in range(dsl_min(state.count - floor, lag)):\n"
     "        _land(mainloop, (state.index + (stages - 1) - i) % stages)\n"
 )
 _NOINC += _LAND_ALL + "    cute.arch.cp_async_commit_group()\n    cute.arch.cp_async_wait_group(0)\n"

@@ -22,6 +22,7 @@ SCHEDULE_TESTS = "tests/test_fast_wgrad_schedule.py"
 ACC_TESTS = "tests/test_fast_wgrad_accumulate.py"
 TRANSPOSED_TESTS = "tests/test_fast_wgrad_transposed.py"
 WGRAD_DYNAMIC_TESTS = "tests/test_fast_wgrad_gather_dynamic.py"
+QUEUE_TESTS = "tests/test_fast_gather_queue.py"
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
@@ -304,6 +305,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "chunk count) instead of its own: where that tile is split, grabs and chunk counts collide",
         WGRAD_DYNAMIC_TESTS, ("moe_layer",), device="gpu",
     ),
+    sep_mutation(
+        "gemm.fast_gather_queued_no_landing", CHUNKLOAD,
+        "    land_all(mainloop, state, lag, stages, floor)\n    out: Int32 = Int32(state.count)\n",
+        "    out: Int32 = Int32(floor)\n",
+        "a queue-fed cp.async producer hands units with no stages on without landing the stages in flight: "
+        "its queue fills while the consumers wait for them, and the kernel never returns",
+        QUEUE_TESTS, ("grouped_gemm_act", "grouped_gemm_wgrad")),
     sep_mutation(
         "gemm.fast_wgrad_gather_pad_rows_read", WGRAD_GATHER,
         "            if r >= 0:\n                size = live\n",

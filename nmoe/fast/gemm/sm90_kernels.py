@@ -107,6 +107,15 @@ _ATOM_ADD = r"\batom\.global\.acq_rel(\.gpu)?\.add\.u32\b"
 _GRAB = (_ATOM_ADD, r"\bshfl\.sync\.idx\.b32\b")
 # The gathered wgrad's split path counts finished chunks by one such add already: dynamic, it has more.
 _SECOND_ADD = rf"(?s){_ATOM_ADD}.*{_ATOM_ADD}"
+# A queue-fed cp.async producer lands all its copies in flight at a unit with no stages as well as at its end
+# (chunkload.land_pending); a static one waits for all of them once.
+_WAIT_ALL = r"\bcp\.async\.wait_group\s+0;"
+_SECOND_DRAIN = rf"(?s){_WAIT_ALL}.*{_WAIT_ALL}"
+
+
+def _drains(queued: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(expected, forbidden) PTX of a cp.async producer's drains, fed by a tile queue or not."""
+    return ((_SECOND_DRAIN,), ()) if queued else ((), (_SECOND_DRAIN,))
 
 
 # With cp_async, A's rows arrive by 16-byte cp.async in commit groups, landed as the gathered wgrad's are, and
@@ -116,10 +125,11 @@ _COPIED_ROWS = (r"\bcp\.async\.cg\.shared\.global\b", r"\bcp\.async\.commit_grou
 _NO_ROW_TMA = (_ROW_TMA[0],)
 
 
-def _rows(cn: int, cp_async: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _rows(cn: int, cp_async: bool, dynamic: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(expected, forbidden) PTX of how a gathering fwd/dgrad loads A's rows."""
     if cp_async:
-        return _COPIED_ROWS, _NO_ROW_TMA
+        drains, no_drains = _drains(dynamic)
+        return (*_COPIED_ROWS, *drains), (*_NO_ROW_TMA, *no_drains)
     return (_ROW_TMA if cn == 1 else _ROW_MULTICAST), _NO_CP_ASYNC
 
 
@@ -130,7 +140,7 @@ def _gather_spec(name: str, n: int, k: int, activation: str, pingpong: bool = Fa
     (act(h) is staged by scalar stores and leaves in 8-byte chunks)."""
     bn = pingpong_bn(activation) if pingpong else pick_bn(n)
     handoff = (*_GRAB, *(_HANDOFF if cn > 1 else ())) if dynamic else ()
-    rows, no_rows = _rows(cn, cp_async)
+    rows, no_rows = _rows(cn, cp_async, dynamic)
     expect: tuple[str, ...] = (*_EXPECT_EPILOGUE, *rows, *(_TURNS if pingpong else ()), *handoff)
     forbid: tuple[str, ...] = (*_FORBID_EPILOGUE, *no_rows)
     if not keep_h:
@@ -159,7 +169,7 @@ _NOT_TRANSPOSED = (r"\bstmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16\b", _TMA_S
 def _dgrad_gather_spec(name: str, n: int, k: int, cn: int = 1, deferred: bool = False,
                        dynamic: bool = False, cp_async: bool = False) -> KernelSpec:
     handoff = (*_GRAB, *(_HANDOFF if cn > 1 else ())) if dynamic else ()
-    rows, no_rows = _rows(cn, cp_async)
+    rows, no_rows = _rows(cn, cp_async, dynamic)
     return KernelSpec(op="grouped_gemm_dgrad", name=name,
                       compile=GATHER.compiler(n=n, k=k, bn=pick_bn(n), act="none", w_k_major=False, cn=cn,
                                               deferred=deferred, dynamic=dynamic, cp_async=cp_async),
@@ -169,7 +179,8 @@ def _dgrad_gather_spec(name: str, n: int, k: int, cn: int = 1, deferred: bool = 
 
 def _wgrad_gather_spec(name: str, n: int, k: int, side: str, accumulate: bool = False,
                        transposed: bool = False, dynamic: bool = False) -> KernelSpec:
-    expect: tuple[str, ...] = (*_EXPECT_WGRAD_GATHER, *((_SECOND_ADD,) if dynamic else ()))
+    drains, no_drains = _drains(dynamic)
+    expect: tuple[str, ...] = (*_EXPECT_WGRAD_GATHER, *drains, *((_SECOND_ADD,) if dynamic else ()))
     no_out: tuple[str, ...]
     if transposed:
         expect = (*(p for p in expect if p not in _NOT_TRANSPOSED), _STMATRIX_TRANS,
@@ -183,7 +194,8 @@ def _wgrad_gather_spec(name: str, n: int, k: int, side: str, accumulate: bool = 
                                                     accumulate=accumulate, transposed=transposed,
                                                     dynamic=dynamic),
                       expect={"sm_90a": expect},
-                      forbid={"sm_90a": (*_FORBID_SM90, *no_out, *(() if dynamic else (_SECOND_ADD,)))})
+                      forbid={"sm_90a": (*_FORBID_SM90, *no_out, *no_drains,
+                                         *(() if dynamic else (_SECOND_ADD,)))})
 
 
 def _spec(name: str, n: int, k: int, bn: int, w_k_major: bool | None, activation: str = "none",

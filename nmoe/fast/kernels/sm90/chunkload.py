@@ -59,11 +59,11 @@ def _land(mainloop: pipeline.PipelineTmaAsync, index: Int32) -> None:
 
 @cute.jit
 def commit_stage(mainloop: pipeline.PipelineTmaAsync, state: Any, lag: Constexpr[int],
-                 stages: Constexpr[int]) -> None:
-    """Commit this thread's copies of the stage `state` names; from stage `lag` on, land the stage issued
-    `lag` before it: wait for its copies, fence them into the async proxy wgmma reads through, arrive."""
+                 stages: Constexpr[int], floor: Int32 | int = 0) -> None:
+    """Commit this thread's copies of the stage `state` names; from the `lag`-th stage past `floor` (the
+    count at the last land_pending) on, land the stage issued `lag` before it: wait, fence, arrive."""
     cute.arch.cp_async_commit_group()
-    if state.count >= lag:
+    if state.count - floor >= lag:
         cute.arch.cp_async_wait_group(lag)
         cute.arch.fence_proxy("async.shared", space="cta")
         back = state.index - lag
@@ -74,12 +74,23 @@ def commit_stage(mainloop: pipeline.PipelineTmaAsync, state: Any, lag: Constexpr
 
 @cute.jit
 def land_all(mainloop: pipeline.PipelineTmaAsync, state: Any, lag: Constexpr[int],
-             stages: Constexpr[int]) -> None:
+             stages: Constexpr[int], floor: Int32 | int = 0) -> None:
     """After the producer's last stage (`state` past it): land the up to `lag` stages still in flight."""
     cute.arch.cp_async_wait_group(0)
     cute.arch.fence_proxy("async.shared", space="cta")
-    for i in range(dsl_min(state.count, lag)):
+    for i in range(dsl_min(state.count - floor, lag)):
         _land(mainloop, (state.index + (stages - 1) - i) % stages)
+
+
+@cute.jit
+def land_pending(mainloop: pipeline.PipelineTmaAsync, state: Any, lag: Constexpr[int],
+                 stages: Constexpr[int], floor: Int32) -> Int32:
+    """A dynamic producer at a unit with no stages: land what is in flight now (returns the new floor). Else
+    it could hand units on until its queue is full while the consumers wait for stages only it lands."""
+    land_all(mainloop, state, lag, stages, floor)
+    out: Int32 = Int32(state.count)
+    return out
+
 
 
 def chunk_offsets(g_outer: Any, per_row: int, q: int, n_chunks: int, stages: int) -> tuple[list[int], int]:

@@ -21,6 +21,16 @@ def gather_lag(stages: int) -> int:
     return stages - 2
 
 
+def queued_lag(stages: int, depth: int) -> int:
+    """gather_lag for a producer fed by a tile queue of `depth` units: each unit it may run ahead holds a
+    stage or lands all (chunkload.land_pending), so its stages in flight land before the queue fills."""
+    lag = gather_lag(stages)
+    if lag > depth:
+        raise ValueError(f"a dynamic gathering producer with {stages} stages lands each {lag} later, more "
+                         f"than its tile queue's {depth} units: it could fill the queue before they land")
+    return lag
+
+
 def gather_lanes(per_row: int) -> tuple[int, int, int]:
     """(q, rows per warp, chunks per thread) of the gathered wgrad box: a warp copies q rows per chunk
     instruction and looks up its 16 distinct rows of a stage once, one lane each, not once per chunk."""

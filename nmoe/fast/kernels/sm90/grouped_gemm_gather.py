@@ -24,6 +24,7 @@ from nmoe.fast.kernels.sm90.chunkload import (
     commit_stage,
     copy_chunk,
     land_all,
+    land_pending,
     swizzled_bases,
     token_at,
 )
@@ -34,6 +35,7 @@ from nmoe.fast.kernels.sm90.gatherplan import (
     copied_lookup,
     copied_row,
     gather_lag,
+    queued_lag,
 )
 from nmoe.fast.kernels.sm90.grouped_gemm import (
     EVICT_FIRST,
@@ -209,8 +211,8 @@ def produce_rows_copied(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.Co
     x_col = x_addr + Int64(c * 2)
     toks = cute.make_rmem_tensor(ROWS_PER_THREAD, Int32)
     sizes = cute.make_rmem_tensor(ROWS_PER_THREAD, Int32)
-    lag = gather_lag(stages)
     dynamic = q is not None
+    lag = queued_lag(stages, QUEUE_DEPTH) if const_expr(dynamic) else gather_lag(stages)
     fills = warp_idx == 0
     qstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, QUEUE_DEPTH)
     rstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QUEUE_DEPTH)
@@ -218,6 +220,7 @@ def produce_rows_copied(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.Co
         t, qstate, rstate = next_unit(q, m_count, fills, qstate, rstate, lane, 1)
     e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, n_tiles_n)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+    floor = Int32(0)
     while e <= n_groups:
         if e < n_groups:
             n_tile, row0 = unit_tile(t, before, g_start, n_tiles_n, 1, 1, 0)
@@ -239,15 +242,17 @@ def produce_rows_copied(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.Co
                         size = size & live
                     copy_chunk(g_kt + Int64(Uint32(toks[i])) * Int64(k * 2), chunk_at(at, steps[i], s_stage),
                                size)
-                commit_stage(mainloop, state, lag, stages)
+                commit_stage(mainloop, state, lag, stages, floor)
                 state.advance()
+        elif const_expr(dynamic):
+            floor = land_pending(mainloop, state, lag, stages, floor)
         if const_expr(dynamic):
             t, qstate, rstate = next_unit(q, m_count, fills, qstate, rstate, lane, 1)
         else:
             t = t + n_ctas
         e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
                                                 n_tiles_n)
-    land_all(mainloop, state, lag, stages)
+    land_all(mainloop, state, lag, stages, floor)
     if warp_idx == 0:
         mainloop.producer_tail(state)
 

@@ -24,6 +24,7 @@ from nmoe.fast.kernels.sm90.chunkload import (
     commit_stage,
     copy_chunk,
     land_all,
+    land_pending,
     swizzled,
     swizzled_bases,
     token_at,
@@ -32,6 +33,7 @@ from nmoe.fast.kernels.sm90.gatherplan import (
     gather_lag,
     gather_lanes,
     own_row,
+    queued_lag,
     source_lane,
 )
 from nmoe.fast.kernels.sm90.grouped_gemm import cta_setup, cta_start
@@ -136,7 +138,7 @@ def _lean_tile(mainloop: pipeline.PipelineTmaAsync, state: Any, u: Units, t: Int
                top_k: Constexpr[int], tok: cute.Tensor, at: Any, steps: Any, stage_bytes: Constexpr[int],
                mine: Int32, c: Int32, lane: Int32, warp_idx: Int32, width: Constexpr[int],
                per_row: Constexpr[int], q: Constexpr[int], n_chunks: Constexpr[int], bn: Constexpr[int],
-               side: Constexpr[str], stages: Constexpr[int]) -> Any:
+               side: Constexpr[str], stages: Constexpr[int], floor: Int32 | int = 0) -> Any:
     """Every K box of tile t (returns the advanced state: a loop carries only the names it assigns)."""
     box = bn if const_expr(side == "b") else BM
     lag = gather_lag(stages)
@@ -158,7 +160,7 @@ def _lean_tile(mainloop: pipeline.PipelineTmaAsync, state: Any, u: Units, t: Int
                 size = live
             g = row0 + Int64(Uint32(dsl_max(r, Int32(0)))) * Int64(width * 2)
             copy_chunk(g, chunk_at(at, steps[i], s_stage), size)
-        commit_stage(mainloop, state, lag, stages)
+        commit_stage(mainloop, state, lag, stages, floor)
         state.advance()
     return state
 
@@ -195,18 +197,24 @@ def produce_wgrad_lean(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyA
                 state = _lean_tile(mainloop, state, u, t, tma_atom, m_t, s_t_flat, m_slot, src_addr, top_k,
                                    tok, at, steps, stage_bytes, mine, c, lane, warp_idx, width, per_row, q,
                                    n_chunks, bn, side, stages)
+        land_all(mainloop, state, lag, stages)
     else:
+        lag = queued_lag(stages, QUEUE_DEPTH)
         fills = warp_idx == 0
         counter = u.n_groups * u.tiles_per_group
         qstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, QUEUE_DEPTH)
         rstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QUEUE_DEPTH)
+        floor = Int32(0)
         t, qstate, rstate = next_unit(tq, m_count, fills, qstate, rstate, lane, 1, counter)
         while t < u.total:
+            start, end = wgrad_tile(u, t)[3:5]
+            if end <= start:
+                floor = land_pending(mainloop, state, lag, stages, floor)
             state = _lean_tile(mainloop, state, u, t, tma_atom, m_t, s_t_flat, m_slot, src_addr, top_k,
                                tok, at, steps, stage_bytes, mine, c, lane, warp_idx, width, per_row, q,
-                               n_chunks, bn, side, stages)
+                               n_chunks, bn, side, stages, floor)
             t, qstate, rstate = next_unit(tq, m_count, fills, qstate, rstate, lane, 1, counter)
-    land_all(mainloop, state, lag, stages)
+        land_all(mainloop, state, lag, stages, floor)
     if warp_idx == 0:
         mainloop.producer_tail(state)
 
