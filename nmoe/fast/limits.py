@@ -54,7 +54,8 @@ GEMM_B_EVICT_LAST: Final[bool] = False
 GEMM_GATHER_CP_ASYNC: Final[bool] = False
 """The gathering fwd/dgrad copy A's rows by 16-byte cp.async (each thread 8 fixed rows of a tile, looked up
 once per tile: one copy instruction a chunk), unclustered, instead of one TMA per 128-byte row, which sets
-their pace at H = 4096 (ablate.gather_no_mma). Off until measured (ablate.gather_cp_async)."""
+their pace at H = 4096 (ablate.gather_no_mma). Off until measured (ablate.gather_cp_async; at 134b8b4 its
+dynamic form stood still at c1, its queue full of zero-filled units: now chunkload.land_pending)."""
 GEMM_GATHER_ROWS_EVICT_FIRST: Final[bool] = False
 """The gathering fwd/dgrad's row TMAs mark their rows first to leave L2: a row serves its M tile's N tiles at
 once, while each of the expert's M tiles reads its B boxes again (H200 ncu at c3: 12.7 GB of DRAM reads at
@@ -73,18 +74,20 @@ chunks: the copy's 4RH bytes weigh more against 2RHI FLOPs the smaller I (H100 l
 1.07x at I = 256, 1.00x at 512, 0.97-0.98x at 1024; at 26d6355 the copies ran 0.93x at I = 256)."""
 GEMM_WGRAD_GATHER_X: Final[bool] = False
 """The MoE layer's up wgrad reads x's rows by index as it loads (x on the wgrad's N side, dw in w's layout)
-instead of the TMA wgrad over permuted copies of x's column chunks: off until the lean producer is timed
-against the copies (2.0-3.5x slower with the old producer; ablate.layer_up_wgrad_gathered)."""
+instead of the TMA wgrad over permuted copies of x's column chunks. Off: with the lean producer the gathered
+x wgrads ran 9.8-10.2 ms against the TMA wgrad's 7.1 at c1 and 5.6-5.9 against 3.9-4.1 at c3 (H100, 134b8b4),
+more than the copies they spare (about RH reads and writes of x)."""
 GEMM_WGRAD_GATHER_X_ON_M: Final[bool] = False
 """With GEMM_WGRAD_GATHER_X, x's gathered rows sit on the wgrad's M side (H: 128 rows a tile) against dh's
 256-wide N tiles, half the gathered reads per FLOP of x on N, and dw leaves by a transposed TMA store
-(SonicMoE's layout); off until measured (ablate.layer_up_wgrad_gathered_on_m)."""
+(SonicMoE's layout). Off, as GEMM_WGRAD_GATHER_X: 9.84 / 9.76 ms (as is / transposed) against x on N's 10.24
+and the TMA wgrad's 7.10 at c1 (H100, 134b8b4); layer fwd+bwd 39.02 ms at c1 (24ecb5d's default: 37.0)."""
 GEMM_WGRAD_GATHER_DYNAMIC: Final[bool] = False
 """The gathered wgrad takes each tile of its heaviest-first list from a device counter (as GEMM_WGRAD_DYNAMIC
 does for the TMA-fed one; producer warp 0 hands it to the other three and the consumers), so the CTAs on one
 expert stay together rather than drifting apart over static snake rounds: the gathering fwd's L2 hits rose
-from 15% to 65% that way (GEMM_GATHER_DYNAMIC). Lean producer only; off until measured
-(ablate.gather_wgrad_dynamic)."""
+from 15% to 65% that way (GEMM_GATHER_DYNAMIC). Lean producer only. Off: H100 ablate.gather_wgrad_dynamic
+(134b8b4) 1.13x / 1.02x / 1.04x at c1 (x on N / on M / transposed), 0.97-0.99x at c3."""
 GEMM_WGRAD_GATHER_LEAN: Final[bool] = True
 """The gathered wgrad's producer copies a chunk with a 32-bit token shuffle, one wide multiply-add and a
 constant shared offset (produce_wgrad_lean) instead of 64-bit shuffles, selects and a swizzle per chunk: under
