@@ -5,6 +5,7 @@ timings one at a time. Usage (GPU): python -m bench.ablate [--set SET] --out FIL
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import itertools
 import json
 import os
@@ -31,13 +32,17 @@ SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
 
 
 PROGRESS_ENV = "NMOE_ABLATE_PROGRESS"
+ROW_TIMEOUT_ENV = "NMOE_ABLATE_ROW_TIMEOUT"
 
 
 def _note(what: str) -> None:
-    """Appends `what` under the copy's name to the run's progress file: a hung kernel's row shows there."""
+    """Appends `what` under the copy's name to the run's progress file: a hung kernel's row shows there. With
+    a row timeout the child exits, its stacks dumped, if the row outlasts it (a kernel wait never returns)."""
     if path := os.environ.get(PROGRESS_ENV):
         with open(path, "a", encoding="utf-8") as f:
             f.write(f"{time.strftime('%H:%M:%S')} {Path.cwd().name} {what}\n")
+    if seconds := os.environ.get(ROW_TIMEOUT_ENV):
+        faulthandler.dump_traceback_later(float(seconds), exit=True)
 
 
 def _problems() -> list[tuple[str, int, int, int, int]]:
@@ -245,11 +250,13 @@ def child(compile_only: bool, which: str, passes: Sequence[str] = PASSES,
 
 
 def _run(copy: Path, compile_only: bool, which: str, passes: str, routings: str,
-         configs: str, progress: Path | None = None) -> subprocess.Popen[str]:
+         configs: str, progress: Path | None = None, row_timeout: float = 0) -> subprocess.Popen[str]:
     env = child_env(copy, "gpu", 2)
     env["NMOE_KERNEL_CACHE"] = str(copy.parent / ".kernels")
     if progress is not None:
         env[PROGRESS_ENV] = str(progress.resolve())
+    if row_timeout > 0:
+        env[ROW_TIMEOUT_ENV] = str(row_timeout)
     cmd = [sys.executable, "-m", "bench.ablate", "--child", "--set", which, "--passes", passes,
            "--routings", routings, "--configs", configs]
     cmd += ["--compile-only"] if compile_only else []
@@ -280,6 +287,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "one content-keyed kernel cache, so the baseline compiles alone first and each variant "
                    "compiles only what it changes. The layer set runs each layer as it compiles, about "
                    "15 GiB of GPU memory apiece at its largest config: 4 fit an 80 GB card")
+    p.add_argument("--row-timeout", type=float, default=600.0,
+                   help="seconds a child may spend on one row, its compiles included, before it exits with "
+                   "its stacks dumped and its copy's rows become an error (default: 600; 0: none), so a "
+                   "variant whose kernel never returns costs that, not the run")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -315,15 +326,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = list(copies)
     jobs = args.jobs or len(names)
     for wave in [names[:1], *(names[i:i + jobs] for i in range(1, len(names), jobs))]:
-        compiling = [(n, _run(copies[n], True, args.set, args.passes, args.routings, args.configs, progress))
-                     for n in wave]
+        compiling = [(n, _run(copies[n], True, args.set, args.passes, args.routings, args.configs, progress,
+                              args.row_timeout)) for n in wave]
         failed |= {n: out for n, proc in compiling if (out := proc.communicate()[0]) and proc.returncode}
     rows: dict[str, Any] = {}
     for name, copy in copies.items():
         if name in failed:
             rows[name] = {"error": failed[name][-2000:]}
             continue
-        proc = _run(copy, False, args.set, args.passes, args.routings, args.configs, progress)
+        proc = _run(copy, False, args.set, args.passes, args.routings, args.configs, progress,
+                    args.row_timeout)
         lines, timed = [], []
         for line in proc.stdout or ():
             lines.append(line)
@@ -331,7 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 timed.append(json.loads(line))
                 print(f"{name} {line}", end="", flush=True)
         proc.wait()
-        rows[name] = timed or {"error": "".join(lines)[-2000:]}
+        failure = {"error": "".join(lines)[-2000:], "timed": timed}
+        rows[name] = timed if timed and not proc.returncode else failure
     shutil.rmtree(tmp, ignore_errors=True)
     notes = {v[0].id: v[0].description for v in chosen}
     base = {r["shape"]: r["ms"] for r in rows["baseline"]} if isinstance(rows["baseline"], list) else {}

@@ -158,3 +158,44 @@ def test_passes_are_checked_per_set_and_reach_every_child(monkeypatch: pytest.Mo
     for argv in (["--set", "layer", "--passes", "wgrad"], ["--set", "gemm", "--passes", "fwd_bwd"]):
         with pytest.raises(SystemExit):
             ab.main(argv)
+
+
+def test_a_row_past_its_timeout_ends_its_child(tmp_path: Path) -> None:
+    """A child whose row outlasts --row-timeout exits with its stacks dumped, even while blocked outside
+    Python (as in a wait for a kernel that never returns); the progress file names the row."""
+    import os
+    import subprocess
+    import sys
+
+    import bench.ablate as ab
+
+    (tmp_path / "ablate.x").mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), ab.ROW_TIMEOUT_ENV: "1",
+           ab.PROGRESS_ENV: str(tmp_path / "p.progress")}
+    code = "import time\nfrom bench.ablate import _note\n_note('stuck T=1')\ntime.sleep(60)\n"
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path / "ablate.x", env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode != 0 and "Timeout" in done.stderr and "time.sleep" not in done.stdout
+    assert (tmp_path / "p.progress").read_text().split(" ", 1)[1] == "ablate.x stuck T=1\n"
+
+
+def test_a_child_that_fails_after_some_rows_is_an_error_with_them(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A timing child that ends badly (its row timeout, a crash) leaves its copy's rows as an error holding
+    the rows it did time; the other copies are timed all the same, and the run exits 1."""
+    import json
+
+    class Cut(Child):
+        returncode = 1
+
+        def wait(self) -> int:
+            return 1
+
+    ab = _fake_children(monkeypatch, tmp_path, lambda copy, compile_only, *a: (
+        Cut() if copy.name != "baseline" and not compile_only else Child()))
+    out = tmp_path_factory.mktemp("out") / "ab.json"
+    only = variants_of("layer")[0][0].id
+    assert ab.main(["--set", "layer", "--only", only, "--out", str(out)]) == 1
+    rows = json.loads(out.read_text())["rows"]
+    assert rows["baseline"] == [json.loads(Child.stdout[0])]
+    assert rows[only]["timed"] == [json.loads(Child.stdout[0])] and "error" in rows[only]
