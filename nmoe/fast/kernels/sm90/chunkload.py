@@ -92,7 +92,6 @@ def land_pending(mainloop: pipeline.PipelineTmaAsync, state: Any, lag: Constexpr
     return out
 
 
-
 def chunk_offsets(g_outer: Any, per_row: int, q: int, n_chunks: int, stages: int) -> tuple[list[int], int]:
     """(chunk i's byte step from a thread's first chunk, a stage's bytes) of g_outer(column, row, stage),
     static; checked while tracing: for every producer thread and stage, its swizzled base at the step's
