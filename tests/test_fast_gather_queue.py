@@ -82,8 +82,8 @@ def test_units_without_stages_stand_still_unless_landed() -> None:
 
 
 def test_queued_lag_is_bounded_by_the_queue() -> None:
-    """Landing at empty units, any mix of units finishes for every depth queued_lag allows; one lag past the
-    queue's depth stands still on one-stage units, and queued_lag refuses those depths."""
+    """Landing at empty units, one-stage units, runs of empty ones and random mixes finish for every depth
+    queued_lag allows; one lag past the queue's depth stands still on one-stage units, and it is refused."""
     queue = (ROOT / "nmoe/fast/kernels/sm90/tilequeue.py").read_text()
     assert re.search(rf"^QUEUE_DEPTH = {DEPTH}$", queue, re.M), "the model's depth is the kernels' queue's"
     rng = random.Random(7)
