@@ -138,10 +138,10 @@ def _lean_tile(mainloop: pipeline.PipelineTmaAsync, state: Any, u: Units, t: Int
                top_k: Constexpr[int], tok: cute.Tensor, at: Any, steps: Any, stage_bytes: Constexpr[int],
                mine: Int32, c: Int32, lane: Int32, warp_idx: Int32, width: Constexpr[int],
                per_row: Constexpr[int], q: Constexpr[int], n_chunks: Constexpr[int], bn: Constexpr[int],
-               side: Constexpr[str], stages: Constexpr[int], floor: Int32 | int = 0) -> Any:
+               side: Constexpr[str], stages: Constexpr[int], lag: Constexpr[int],
+               floor: Int32 | int = 0) -> Any:
     """Every K box of tile t (returns the advanced state: a loop carries only the names it assigns)."""
     box = bn if const_expr(side == "b") else BM
-    lag = gather_lag(stages)
     start, end, col, t_st, t_gt = _gather_tile(u, t, m_t, tma_atom, s_t_flat, c, bn, side)
     live = Int32(16)
     if const_expr(width % box):
@@ -188,7 +188,7 @@ def produce_wgrad_lean(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyA
     s_base = cast(Pointer, s_g.iterator).toint()
     at = swizzled_bases(s_base, first, steps)
     tok = cute.make_rmem_tensor(1, Int32)
-    lag = gather_lag(stages)
+    lag = gather_lag(stages) if const_expr(tq is None) else queued_lag(stages, QUEUE_DEPTH)
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     if const_expr(tq is None):
         for rnd in range(n_rounds(u.total, n_ctas)):
@@ -196,10 +196,9 @@ def produce_wgrad_lean(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyA
             if t < u.total:
                 state = _lean_tile(mainloop, state, u, t, tma_atom, m_t, s_t_flat, m_slot, src_addr, top_k,
                                    tok, at, steps, stage_bytes, mine, c, lane, warp_idx, width, per_row, q,
-                                   n_chunks, bn, side, stages)
+                                   n_chunks, bn, side, stages, lag)
         land_all(mainloop, state, lag, stages)
     else:
-        lag = queued_lag(stages, QUEUE_DEPTH)
         fills = warp_idx == 0
         counter = u.n_groups * u.tiles_per_group
         qstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, QUEUE_DEPTH)
@@ -207,12 +206,12 @@ def produce_wgrad_lean(mainloop: pipeline.PipelineTmaAsync, tma_atom: cute.CopyA
         floor = Int32(0)
         t, qstate, rstate = next_unit(tq, m_count, fills, qstate, rstate, lane, 1, counter)
         while t < u.total:
-            start, end = wgrad_tile(u, t)[3:5]
-            if end <= start:
-                floor = land_pending(mainloop, state, lag, stages, floor)
+            issued = state.count
             state = _lean_tile(mainloop, state, u, t, tma_atom, m_t, s_t_flat, m_slot, src_addr, top_k,
                                tok, at, steps, stage_bytes, mine, c, lane, warp_idx, width, per_row, q,
-                               n_chunks, bn, side, stages, floor)
+                               n_chunks, bn, side, stages, lag, floor)
+            if state.count == issued:
+                floor = land_pending(mainloop, state, lag, stages, floor)
             t, qstate, rstate = next_unit(tq, m_count, fills, qstate, rstate, lane, 1, counter)
         land_all(mainloop, state, lag, stages, floor)
     if warp_idx == 0:
