@@ -168,10 +168,11 @@ def test_a_row_past_its_timeout_ends_its_child(tmp_path: Path) -> None:
     import sys
 
     import bench.ablate as ab
+    from nmoe.checkout import tree_pythonpath
 
     (tmp_path / "ablate.x").mkdir()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), ab.ROW_TIMEOUT_ENV: "1",
-           ab.PROGRESS_ENV: str(tmp_path / "p.progress")}
+    env = {**os.environ, "PYTHONPATH": tree_pythonpath(ROOT, os.environ.get("PYTHONPATH")),
+           ab.ROW_TIMEOUT_ENV: "1", ab.PROGRESS_ENV: str(tmp_path / "p.progress")}
     code = "import time\nfrom bench.ablate import _note\n_note('stuck T=1')\ntime.sleep(60)\n"
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path / "ablate.x", env=env,
                           capture_output=True, text=True, timeout=30)

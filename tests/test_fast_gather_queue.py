@@ -19,6 +19,7 @@ import pytest
 from fastcompile import assert_rows_ok, compile_rows
 from test_fast_wgrad_accumulate import _spec
 
+from nmoe.checkout import tree_pythonpath
 from nmoe.fast.kernels.sm90.gatherplan import queued_lag
 
 gpu = pytest.mark.gpu
@@ -30,11 +31,13 @@ DEPTH = 4
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _finishes(stages: int, lag: int, units: list[int], land_at_empty: bool, depth: int = DEPTH) -> bool:
-    """Play a queue-fed gathering pipeline out: the producer hands unit i once the consumers have read unit
-    i - depth, then issues its stages (the ring as in _pipeline_finishes), landing stage p - lag after p and,
-    with land_at_empty, all at a unit with no stages; its last hand (the end) too needs a free slot, then it
-    lands the rest. The consumers read unit i + 1 once unit i is done. False at a standstill."""
+def pipeline_finishes(stages: int, lag: int, units: list[int], land_at_empty: bool = True,
+                      depth: int | None = DEPTH) -> bool:
+    """Play a gathering pipeline out: the producer takes stage p's slot once stage p - stages is released and
+    lands p - lag after issuing p (with land_at_empty, all at a unit with no stages; the rest at its end); the
+    consumers need stage j landed, release j - 1 once j's MMAs are issued and a unit's last stage once its
+    MMAs drain, then read the next unit. With a queue, the producer hands unit i (and its end) only once the
+    consumers have read unit i - depth. False at a standstill."""
     starts = [sum(units[:i]) for i in range(len(units) + 1)]
     total = starts[-1]
     handed = issued = arrived = consumed = 0
@@ -42,7 +45,7 @@ def _finishes(stages: int, lag: int, units: list[int], land_at_empty: bool, dept
     released: set[int] = set()
     while read <= len(units) or consumed < total:
         moved = False
-        free = handed < depth or handed - depth < read
+        free = depth is None or handed < depth or handed - depth < read
         if handed <= len(units) and (handed == 0 or issued == starts[handed]) and free:
             handed += 1
             if handed > len(units):
@@ -76,9 +79,9 @@ def test_units_without_stages_stand_still_unless_landed() -> None:
     """A tile of three stages, then units with none: handing them on fills the queue while the tile's last
     stages wait to land; landing all at the first of them lets it finish."""
     units = [3, 0, 0, 0, 0, 0]
-    assert not _finishes(4, 2, units, land_at_empty=False)
-    assert _finishes(4, 2, units, land_at_empty=True)
-    assert _finishes(4, 2, [3, 1, 1, 1, 1, 1], land_at_empty=False), "units with stages land the ones before"
+    assert not pipeline_finishes(4, 2, units, land_at_empty=False)
+    assert pipeline_finishes(4, 2, units)
+    assert pipeline_finishes(4, 2, [3, 1, 1, 1, 1, 1], land_at_empty=False), "later stages land earlier ones"
 
 
 def test_queued_lag_is_bounded_by_the_queue() -> None:
@@ -90,8 +93,8 @@ def test_queued_lag_is_bounded_by_the_queue() -> None:
     for stages in range(3, DEPTH + 3):
         mixes = [[1] * 20, [5, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0],
                  [rng.choice((0, 0, 1, 2, 9)) for _ in range(40)]]
-        assert all(_finishes(stages, queued_lag(stages, DEPTH), m, land_at_empty=True) for m in mixes), stages
-    assert not _finishes(DEPTH + 3, DEPTH + 1, [1] * 20, land_at_empty=True)
+        assert all(pipeline_finishes(stages, queued_lag(stages, DEPTH), m) for m in mixes), stages
+    assert not pipeline_finishes(DEPTH + 3, DEPTH + 1, [1] * 20)
     with pytest.raises(ValueError, match="could fill the queue"):
         queued_lag(DEPTH + 3, DEPTH)
 
@@ -100,8 +103,8 @@ def test_sep_gemm_fast_gather_queued_no_landing() -> None:
     """Separating: the model stands still without the landing at an empty unit and finishes with it (above).
     Which the kernels do: a queue-fed producer waits for all its copies twice (at an empty unit and at its
     end), a static one once; the rules tell one wait from two."""
-    assert not _finishes(4, 2, [3, 0, 0, 0, 0, 0], land_at_empty=False)
-    assert _finishes(4, 2, [3, 0, 0, 0, 0, 0], land_at_empty=True)
+    assert not pipeline_finishes(4, 2, [3, 0, 0, 0, 0, 0], land_at_empty=False)
+    assert pipeline_finishes(4, 2, [3, 0, 0, 0, 0, 0])
     rows = compile_rows("nmoe.fast.gemm.sm90", (*QUEUED, *STATIC))
     assert_rows_ok(rows["sm_90a"], "sm_90a", len(QUEUED) + len(STATIC))
     one = "cp.async.wait_group \t0;"
@@ -132,8 +135,6 @@ for copied in (True, False):
         down = sm90.grouped_gemm_dgrad_gathered(dy, p.slot, k, w_down, p.offs)
     torch.cuda.synchronize()
     outs[copied] = [*up, down]
-print("same", all(torch.equal(a.view(torch.int16), b.view(torch.int16))
-                  for a, b in zip(outs[True], outs[False])))
 """
 
 _EMPTY_EXPERTS = """
@@ -154,18 +155,22 @@ for dynamic in (True, False):
         dy_side = sm90.grouped_gemm_wgrad_gathered(x, dh, p.slot, k, p.offs, "dy")
     torch.cuda.synchronize()
     outs[dynamic] = [on_m, dy_side]
-print("same", all(torch.equal(a.view(torch.int16), b.view(torch.int16))
-                  for a, b in zip(outs[True], outs[False])))
+"""
+
+
+_SAME = """
+pairs = zip(outs[True], outs[False])
+print("same", all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in pairs))
 """
 
 
 def _returns(code: str, seconds: int) -> str:
-    """The child's stdout; a run still going after `seconds` (compiles included) fails the test, not the
-    session."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    """The child's stdout (`code` fills outs[True] and outs[False]; it prints whether every bit is the same);
+    a run still going after `seconds` (compiles included) fails the test, not the session."""
+    env = {**os.environ, "PYTHONPATH": tree_pythonpath(ROOT, os.environ.get("PYTHONPATH"))}
     try:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=seconds,
-                              env=env, cwd=ROOT)
+        done = subprocess.run([sys.executable, "-c", code + _SAME], capture_output=True, text=True,
+                              timeout=seconds, env=env, cwd=ROOT)
     except subprocess.TimeoutExpired:
         pytest.fail(f"the kernels did not return within {seconds} s: a producer stood still")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from test_fast_gather_queue import pipeline_finishes
 from test_fast_gemm import into_nan
 from torch import Tensor
 
@@ -304,33 +305,6 @@ def test_zero_chunk_is_made_eagerly_never_inside_a_capture(monkeypatch: pytest.M
     assert sm90._zero_chunk("grouped_gemm_act_gathered", torch.device("cuda", 0)) is made
 
 
-def _pipeline_finishes(stages: int, lag: int, tiles: list[int]) -> bool:
-    """Play the gathering pipeline out: the producer takes stage p's slot once stage p - stages is released
-    and lands p - lag after issuing p (the rest at its end); the consumers need stage j landed and release
-    j - 1 once j's MMAs are issued, a tile's last stage once its MMAs drain. False at a standstill."""
-    total = sum(tiles)
-    last_of_tile = {sum(tiles[:i + 1]) - 1 for i in range(len(tiles))}
-    issued = arrived = consumed = 0
-    released: set[int] = set()
-    while consumed < total:
-        moved = False
-        if issued < total and (issued < stages or issued - stages in released):
-            issued += 1
-            arrived = total if issued == total else max(arrived, issued - lag)
-            moved = True
-        if consumed < arrived:
-            j = consumed
-            if j >= 1 and j - 1 not in last_of_tile:
-                released.add(j - 1)
-            if j in last_of_tile:
-                released.add(j)
-            consumed += 1
-            moved = True
-        if not moved:
-            return False
-    return True
-
-
 def test_sep_gemm_fast_gather_lag_too_deep() -> None:
     """The gathering producers land a stage (wait for its copies, fence, arrive) gather_lag stages after
     issuing it. One stage more and the slot the producer needs is freed only by the consumers' reading a
@@ -340,8 +314,8 @@ def test_sep_gemm_fast_gather_lag_too_deep() -> None:
     rng = random.Random(5)
     for stages in range(3, 9):
         tilings = [[1] * 20, [40], [rng.randint(1, 6) for _ in range(30)]]
-        assert not _pipeline_finishes(stages, stages - 1, [40]), "one stage deeper stands still"
-        assert all(_pipeline_finishes(stages, gather_lag(stages), t) for t in tilings), stages
+        assert not pipeline_finishes(stages, stages - 1, [40], depth=None), "one stage deeper stands still"
+        assert all(pipeline_finishes(stages, gather_lag(stages), t, depth=None) for t in tilings), stages
     with pytest.raises(ValueError, match="3 or more pipeline stages"):
         gather_lag(2)
 
