@@ -332,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: dict[str, Any] = {}
     for name, copy in copies.items():
         if name in failed:
-            rows[name] = {"error": failed[name][-2000:]}
+            rows[name] = {"error": failed[name][-2000:], "timed": []}
             continue
         proc = _run(copy, False, args.set, args.passes, args.routings, args.configs, progress,
                     args.row_timeout)
