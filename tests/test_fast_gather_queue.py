@@ -126,7 +126,7 @@ w = (torch.randn(e, 2 * i, h, device="cuda", generator=g) * h**-0.5).to(torch.bf
 w_down = (torch.randn(e, h, i, device="cuda", generator=g) * i**-0.5).to(torch.bfloat16)
 dy = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
 p = permute(x, torch.rand(t, e, device="cuda", generator=g).topk(k, dim=1).indices, e, 128)
-assert int(p.offs[-1]) + 64 * 128 <= p.slot.shape[0], "at least 512 zero-filled units past offs[-1]"
+assert p.slot.shape[0] - int(p.offs[-1]) >= 32 * 128, "at least 32 zero-filled row blocks past offs[-1]"
 outs = {}
 for copied in (True, False):
     sm90.GEMM_GATHER_CP_ASYNC = copied
