@@ -44,11 +44,11 @@ _GATHER_STATIC = Mutation(
     "the gathering fwd and dgrad take every SM-count-th unit instead of each next one from a device counter "
     "as CTAs free up: CTAs sharing an expert's B boxes drift apart",
 )
-_GATHER_CP_ASYNC = Mutation(
-    "ablate.gather_cp_async", LIMITS,
-    "GEMM_GATHER_CP_ASYNC: Final[bool] = False\n", "GEMM_GATHER_CP_ASYNC: Final[bool] = True\n",
-    "the gathering fwd and dgrad copy A's rows by 16-byte cp.async (one instruction a chunk, each thread's "
-    "8 rows looked up once per tile), unclustered, instead of one TMA per 128-byte row in N clusters of two",
+_GATHER_ROW_TMA = Mutation(
+    "ablate.gather_row_tma", LIMITS,
+    "GEMM_GATHER_CP_ASYNC: Final[bool] = True\n", "GEMM_GATHER_CP_ASYNC: Final[bool] = False\n",
+    "the gathering fwd and dgrad load A's rows by one TMA per 128-byte row in N clusters of two, instead of "
+    "16-byte cp.async (one instruction a chunk, each thread's 8 rows looked up once per tile), unclustered",
 )
 _FWD_DYNAMIC = Mutation(
     "ablate.fwd_dynamic", LIMITS,
@@ -370,7 +370,7 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     _GATHER_ROWS_EVICT_FIRST,
     _GATHER_B_EVICT_LAST,
     _GATHER_STATIC,
-    _GATHER_CP_ASYNC,
+    _GATHER_ROW_TMA,
     _GATHER_PINGPONG,
     replace(_BN128, id="ablate.gather_bn128",
             description="every grouped GEMM in 128-wide N tiles: six operand stages instead of four, at "
@@ -445,7 +445,7 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
             "the layer"),
     *map(_as_layer, (_WGRAD_STATIC, _WGRAD_CLUSTER_TWO, _DEAD_ROWS_MMA, _PINGPONG_FULL_TAIL, _PINGPONG,
                      _GATHER_ROWS_EVICT_FIRST, _TMA_A_EVICT_FIRST, _TMA_B_EVICT_LAST, _GATHER_B_EVICT_LAST,
-                     _GATHER_STATIC, _FWD_DYNAMIC, _PINGPONG_BN128, _GATHER_PINGPONG, _GATHER_CP_ASYNC)),
+                     _GATHER_STATIC, _FWD_DYNAMIC, _PINGPONG_BN128, _GATHER_PINGPONG, _GATHER_ROW_TMA)),
 )
 # Ablations of more than one edit, applied in order; the first names the variant and says what it measures.
 _EVICT_BOTH = (replace(_GATHER_ROWS_EVICT_FIRST, id="ablate.gather_evict_both",

@@ -35,7 +35,8 @@ def _case(case: Case) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
 
 def _runs(case: Case, monkeypatch: pytest.MonkeyPatch, cn: int) -> list[Tensor]:
     """h, act(h) and the gathered dgrad dy[slot // K] @ w (N = hid: whole clusters only where hid allows),
-    with GEMM_GATHER_CLUSTER_N = cn."""
+    with GEMM_GATHER_CLUSTER_N = cn (rows by TMA: cp.async cannot multicast)."""
+    monkeypatch.setattr(sm90, "GEMM_GATHER_CP_ASYNC", False)
     monkeypatch.setattr(sm90, "GEMM_GATHER_CLUSTER_N", cn)
     x, w, dy, slot, offs = _case(case)
     k, act = case[1], case[6]
@@ -46,6 +47,7 @@ def _runs(case: Case, monkeypatch: pytest.MonkeyPatch, cn: int) -> list[Tensor]:
 
 
 def test_schedule_clusters_only_whole_cooperative_n_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sm90, "GEMM_GATHER_CP_ASYNC", False)
     monkeypatch.setattr(sm90, "GEMM_GATHER_CLUSTER_N", 2)
     assert sm90.gather_cluster_n(2048, 256, False) == 2
     assert sm90.gather_cluster_n(256, 256, False) == 1, "one N tile: no pair to share A with"
