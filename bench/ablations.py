@@ -25,30 +25,11 @@ _PINGPONG = Mutation(
     "the TMA-fed fwd and dgrad ping-pong at every K (each consumer warpgroup its own 128 x 192 tile, one's "
     "epilogue under the other's MMAs), against the default's cooperative 128 x bn tile above K = 1024",
 )
-_GATHER_CLUSTER_N1 = Mutation(
-    "ablate.gather_cluster_n1", LIMITS,
-    "GEMM_GATHER_CLUSTER_N: Final[int] = 2\n", "GEMM_GATHER_CLUSTER_N: Final[int] = 1\n",
-    "the gathering fwd and dgrad unclustered, each CTA gathering all of its tile's A rows, against N "
-    "clusters of two CTAs (one M tile, adjacent N tiles) that each gather half of them for both by multicast "
-    "row TMA",
-)
-_GATHER_CLUSTER_N4 = Mutation(
-    "ablate.gather_cluster_n4", LIMITS,
-    "GEMM_GATHER_CLUSTER_N: Final[int] = 2\n", "GEMM_GATHER_CLUSTER_N: Final[int] = 4\n",
-    "N clusters of up to four CTAs where the N tiles fill them (two, else none): a quarter of a tile's A "
-    "rows gathered per CTA",
-)
 _GATHER_STATIC = Mutation(
     "ablate.gather_static", LIMITS,
     "GEMM_GATHER_DYNAMIC: Final[bool] = True\n", "GEMM_GATHER_DYNAMIC: Final[bool] = False\n",
     "the gathering fwd and dgrad take every SM-count-th unit instead of each next one from a device counter "
     "as CTAs free up: CTAs sharing an expert's B boxes drift apart",
-)
-_GATHER_ROW_TMA = Mutation(
-    "ablate.gather_row_tma", LIMITS,
-    "GEMM_GATHER_CP_ASYNC: Final[bool] = True\n", "GEMM_GATHER_CP_ASYNC: Final[bool] = False\n",
-    "the gathering fwd and dgrad load A's rows by one TMA per 128-byte row in N clusters of two, instead of "
-    "16-byte cp.async (one instruction a chunk, each thread's 8 rows looked up once per tile), unclustered",
 )
 _FWD_DYNAMIC = Mutation(
     "ablate.fwd_dynamic", LIMITS,
@@ -60,13 +41,6 @@ _PINGPONG_BN128 = Mutation(
     "ablate.pingpong_bn128", LIMITS,
     "GEMM_PINGPONG_BN: Final[int] = 192\n", "GEMM_PINGPONG_BN: Final[int] = 128\n",
     "ping-pong tiles 128 x 128 (five operand stages, two thirds of the MMAs per A read) instead of 128 x 192",
-)
-_GATHER_ROWS_EVICT_FIRST = Mutation(
-    "ablate.gather_rows_evict_first", LIMITS,
-    "GEMM_GATHER_ROWS_EVICT_FIRST: Final[bool] = False\n",
-    "GEMM_GATHER_ROWS_EVICT_FIRST: Final[bool] = True\n",
-    "the gathering fwd/dgrad's row TMAs evict their rows from L2 first, so the expert's weights, which each "
-    "of its M tiles reads again, stay",
 )
 _GATHER_B_EVICT_LAST = Mutation(
     "ablate.gather_b_evict_last", LIMITS,
@@ -280,11 +254,6 @@ _ZERO_CHUNK_READS = (
     Mutation("ablate.gather_wgrad_zero_chunk_reads_b", WGRAD_GATHER, "state.index)) * 2), size)",
              "state.index)) * 2), Int32(16))", ""),
 )
-_GATHER_CLUSTER_TWO = Mutation(
-    "ablate.gather_cluster_two", LIMITS,
-    "GEMM_GATHER_CLUSTER_M: Final[int] = 1\n", "GEMM_GATHER_CLUSTER_M: Final[int] = 2\n",
-    "the gathering fwd/dgrad in 2-CTA clusters sharing each B box by multicast, like the TMA-fed ones",
-)
 _WGRAD_REGS = (
     Mutation("ablate.gather_wgrad_regs_48", WGRAD_GATHER,
              '        cute.arch.setmaxregister_decrease(PRODUCER_REGS)\n        if const_expr(side == "b"):',
@@ -363,14 +332,9 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
     _GATHER_DEFERRED,
     replace(_MASKED_STORES, id="ablate.gather_lsu_stores",
             description="every tile's h and act(h) leave by per-thread 16-byte stores (the LSU) instead of "
-            "TMA: whether the epilogue's TMA stores queue on the SM's TMA unit with the gathered rows' many "
-            "one-row TMAs"),
-    _GATHER_CLUSTER_N1,
-    _GATHER_CLUSTER_N4,
-    _GATHER_ROWS_EVICT_FIRST,
+            "TMA: whether the epilogue's TMA stores queue on the SM's TMA unit ahead of B's loads"),
     _GATHER_B_EVICT_LAST,
     _GATHER_STATIC,
-    _GATHER_ROW_TMA,
     _GATHER_PINGPONG,
     replace(_BN128, id="ablate.gather_bn128",
             description="every grouped GEMM in 128-wide N tiles: six operand stages instead of four, at "
@@ -439,33 +403,15 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
         "the down wgrad copies dout's columns in chunks as wide as a (I) instead of dh (2I for swiglu): "
         "twice the launches, each with a skewed routing's tail",
     ),
-    *map(_as_layer, (_NO_PINGPONG, _GATHER_CLUSTER_N1, _GATHER_CLUSTER_N4)),
+    _as_layer(_NO_PINGPONG),
     replace(_MASKED_STORES, id="ablate.layer_lsu_stores",
             description="every grouped GEMM's full tiles leave by per-thread stores instead of TMA, timed as "
             "the layer"),
     *map(_as_layer, (_WGRAD_STATIC, _WGRAD_CLUSTER_TWO, _DEAD_ROWS_MMA, _PINGPONG_FULL_TAIL, _PINGPONG,
-                     _GATHER_ROWS_EVICT_FIRST, _TMA_A_EVICT_FIRST, _TMA_B_EVICT_LAST, _GATHER_B_EVICT_LAST,
-                     _GATHER_STATIC, _FWD_DYNAMIC, _PINGPONG_BN128, _GATHER_PINGPONG, _GATHER_ROW_TMA)),
+                     _TMA_A_EVICT_FIRST, _TMA_B_EVICT_LAST, _GATHER_B_EVICT_LAST,
+                     _GATHER_STATIC, _FWD_DYNAMIC, _PINGPONG_BN128, _GATHER_PINGPONG)),
 )
 # Ablations of more than one edit, applied in order; the first names the variant and says what it measures.
-_EVICT_BOTH = (replace(_GATHER_ROWS_EVICT_FIRST, id="ablate.gather_evict_both",
-                       description="gather_rows_evict_first and gather_b_evict_last together"),
-               replace(_GATHER_B_EVICT_LAST, id="ablate.gather_evict_both_b"))
-_CLUSTER_TWO_UNCLUSTERED_N = replace(_GATHER_CLUSTER_N1, id="ablate.gather_cluster_two_n1")
-"""An M cluster of the gathering kernel excludes an N cluster (compile_args_gather refuses both)."""
-GATHER_COMPOUNDS: tuple[tuple[Mutation, ...], ...] = (
-    _EVICT_BOTH,
-    (_GATHER_CLUSTER_TWO, _CLUSTER_TWO_UNCLUSTERED_N),
-    (
-        replace(_GATHER_CLUSTER_TWO, id="ablate.gather_cluster_two_noinc",
-                description="gather_cluster_two with gather_noinc's landing (as SonicMoE's up projection; "
-                "timing only): whether the landing, not the clusters, made the clustered gathering kernels "
-                "slower"),
-        replace(_CLUSTER_TWO_UNCLUSTERED_N, id="ablate.gather_cluster_two_noinc_n1"),
-        replace(_GATHER_NOINC, id="ablate.gather_cluster_two_noinc_landing"),
-    ),
-)
-
 
 _FP8_PER_SUBTILE = Mutation(
     "ablate.fp8_per_subtile_stores", LIMITS,
@@ -481,7 +427,7 @@ _FP8_TWO_SUBTILES = Mutation(
 )
 
 COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {
-    "gather": (*GATHER_COMPOUNDS, _WGRAD_REGS, _ZERO_CHUNK_READS,
+    "gather": (_WGRAD_REGS, _ZERO_CHUNK_READS,
                (replace(_GATHER_DEFERRED, id="ablate.gather_deferred_lsu_stores",
                         description="the gathering kernels hold each tile's h in registers and send "
                         "one subtile, with act(h), under each K box of the next tile by per-thread stores"),
@@ -513,15 +459,8 @@ COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {
                replace(_WGRAD_GATHER_DYNAMIC, id="ablate.layer_up_wgrad_gathered_on_m_dynamic_c",
                        description="")),
               tuple(replace(m, id=m.id.replace("gather_", "layer_")) for m in _ZERO_CHUNK_READS),
-              (replace(_GATHER_CLUSTER_TWO, id="ablate.layer_gather_cluster_m2",
-                       description="the gathering fwd/dgrad in M clusters of two sharing each B box "
-                       "by multicast (two M tiles read each weight box once, in step), not N clusters"),
-               replace(_CLUSTER_TWO_UNCLUSTERED_N, id="ablate.layer_gather_cluster_m2_n1")),
-              (replace(_EVICT_BOTH[0], id="ablate.layer_gather_evict_both"),
-               replace(_EVICT_BOTH[1], id="ablate.layer_gather_evict_both_b")),
-              (replace(_EVICT_BOTH[0], id="ablate.layer_evict_all",
-                       description="every fwd/dgrad TMA's rows evict-first and weights evict-last"),
-               replace(_EVICT_BOTH[1], id="ablate.layer_evict_all_b"),
+              (replace(_GATHER_B_EVICT_LAST, id="ablate.layer_evict_all",
+                       description="every fwd/dgrad TMA's weights evict-last, the TMA-fed rows evict-first"),
                replace(_TMA_A_EVICT_FIRST, id="ablate.layer_evict_all_a"),
                replace(_TMA_B_EVICT_LAST, id="ablate.layer_evict_all_tma_b"))),
     "gemm": ((replace(_TMA_A_EVICT_FIRST, id="ablate.evict_both",

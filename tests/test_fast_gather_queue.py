@@ -1,4 +1,4 @@
-"""A cp.async gathering producer fed by a tile queue (the copied fwd/dgrad, the dynamic gathered wgrad) lands
+"""A cp.async gathering producer fed by a tile queue (the dynamic gathered fwd/dgrad and wgrad) lands
 each stage gather_lag stages after issuing it, so the consumers finish a tile only once the producer has
 issued more. A unit with no stages (the zero-filled rows past offs[-1], a wgrad tile of an empty group) issues
 none: the producer would hand such units on until its queue is full while the consumers wait for stages only
@@ -23,10 +23,10 @@ from nmoe.checkout import tree_pythonpath
 from nmoe.fast.kernels.sm90.gatherplan import queued_lag
 
 gpu = pytest.mark.gpu
-QUEUED = ("grouped_gemm_act_gathered_swiglu_n256_copied", "grouped_gemm_dgrad_gathered_n256_copied",
+QUEUED = ("grouped_gemm_act_gathered_swiglu_n256_dynamic", "grouped_gemm_dgrad_gathered_n256_dynamic",
           "grouped_gemm_wgrad_gathered_x_on_m_dynamic_n256",
           "grouped_gemm_wgrad_gathered_dy_accumulate_dynamic_n128")
-STATIC = ("grouped_gemm_act_gathered_relu2_n128_copied_k288", "grouped_gemm_wgrad_gathered_x_on_m_n256")
+STATIC = ("grouped_gemm_act_gathered_relu2_n128_k288", "grouped_gemm_wgrad_gathered_x_on_m_n256")
 DEPTH = 4
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,7 +115,7 @@ def test_sep_gemm_fast_gather_queued_no_landing() -> None:
         assert any(re.search(rx, two) and not re.search(rx, one) for rx in _spec(name).forbid["sm_90a"])
 
 
-_COPIED = """
+_ZERO_FILLED = """
 import torch
 from nmoe.fast.dispatch import permute
 from nmoe.fast.gemm import sm90
@@ -125,16 +125,15 @@ x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
 w = (torch.randn(e, 2 * i, h, device="cuda", generator=g) * h**-0.5).to(torch.bfloat16)
 w_down = (torch.randn(e, h, i, device="cuda", generator=g) * i**-0.5).to(torch.bfloat16)
 dy = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
-p = permute(x, torch.rand(t, e, device="cuda", generator=g).topk(k, dim=1).indices, e, 128)
+ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=1).indices
+p, dyp = permute(x, ids, e, 128), permute(dy, ids, e, 128).xp
 assert p.slot.shape[0] - int(p.offs[-1]) >= 32 * 128, "at least 32 zero-filled row blocks past offs[-1]"
-outs = {}
-for copied in (True, False):
-    sm90.GEMM_GATHER_CP_ASYNC = copied
-    for _ in range(3):
-        up = sm90.grouped_gemm_act_gathered(x, p.slot, k, w, p.offs, "swiglu")
-        down = sm90.grouped_gemm_dgrad_gathered(dy, p.slot, k, w_down, p.offs)
-    torch.cuda.synchronize()
-    outs[copied] = [*up, down]
+for _ in range(3):
+    up = sm90.grouped_gemm_act_gathered(x, p.slot, k, w, p.offs, "swiglu")
+    down = sm90.grouped_gemm_dgrad_gathered(dy, p.slot, k, w_down, p.offs)
+torch.cuda.synchronize()
+tma = [*sm90.grouped_gemm_act_h(p.xp, w, p.offs, "swiglu"), sm90.grouped_gemm_dgrad(dyp, w_down, p.offs)]
+outs = {True: [*up, down], False: tma}
 """
 
 _EMPTY_EXPERTS = """
@@ -178,10 +177,10 @@ def _returns(code: str, seconds: int) -> str:
 
 
 @gpu
-def test_copied_fwd_and_dgrad_return_past_many_zero_filled_units() -> None:
+def test_gathered_fwd_and_dgrad_return_past_many_zero_filled_units() -> None:
     """c1 of the gather set: hundreds of zero-filled units after the last expert's (it stood still on the
-    first call); three calls each, every bit equal to the row-TMA kernels'."""
-    assert _returns(_COPIED, 400).split() == ["same", "True"]
+    first call at 134b8b4); three calls each, every bit equal to the TMA-fed kernels' on permute's copies."""
+    assert _returns(_ZERO_FILLED, 400).split() == ["same", "True"]
 
 
 @gpu

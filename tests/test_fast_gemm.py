@@ -195,19 +195,28 @@ def test_kernels_declare_sm90_only() -> None:
     fused = {s.name for s in KERNELS if s.op == "grouped_gemm_act" and "gathered" not in s.name}
     assert fused == {f"grouped_gemm_act_{a}_n{bn}" for a in gemm.ACTIVATIONS for bn in GEMM_BN_CHOICES} | {
         "grouped_gemm_act_swiglu_pingpong", "grouped_gemm_act_swiglu_deferred_n256"}
-    gathered = {s.name for s in KERNELS
-                if "gathered" in s.name and "_cn" not in s.name and "copied" not in s.name}
+    gathered = {s.name for s in KERNELS if "gathered" in s.name}
     assert gathered == {"grouped_gemm_act_gathered_swiglu_n256", "grouped_gemm_act_gathered_relu2_n128",
+                        "grouped_gemm_act_gathered_relu2_n128_k288",
                         "grouped_gemm_act_gathered_relu2_n128_deferred",
                         "grouped_gemm_act_gathered_swiglu_pingpong",
                         "grouped_gemm_act_gathered_swiglu_n256_dynamic",
+                        "grouped_gemm_act_gathered_swiglu_n256_act_only_dynamic",
+                        "grouped_gemm_act_gathered_swiglu_n256_deferred",
+                        "grouped_gemm_act_gathered_swiglu_n256_act_only_deferred",
+                        "grouped_gemm_dgrad_gathered_n256", "grouped_gemm_dgrad_gathered_n256_deferred",
+                        "grouped_gemm_dgrad_gathered_n256_dynamic",
                         "grouped_gemm_wgrad_gathered_x_n256", "grouped_gemm_wgrad_gathered_x_n128",
                         "grouped_gemm_wgrad_gathered_dy_n128",
-                        "grouped_gemm_wgrad_gathered_dy_accumulate_n256", "grouped_gemm_dgrad_gathered_n128",
+                        "grouped_gemm_wgrad_gathered_dy_accumulate_n256",
                         "grouped_gemm_wgrad_gathered_x_on_m_n256",
                         "grouped_gemm_wgrad_gathered_x_on_m_accumulate_n128",
                         "grouped_gemm_wgrad_gathered_x_on_m_dynamic_n256",
                         "grouped_gemm_wgrad_gathered_dy_accumulate_dynamic_n128"}
+    for spec in KERNELS:
+        if spec.name.startswith(("grouped_gemm_act_gathered", "grouped_gemm_dgrad_gathered")):
+            assert any("cp\\.async\\.cg" in rx for rx in spec.expect["sm_90a"]), spec.name
+            assert any("tensor\\.2d\\.shared::cta\\.global" in rx for rx in spec.forbid["sm_90a"]), spec.name
     for spec in KERNELS:
         assert set(spec.expect) == set(spec.forbid) == {"sm_90a"}
         assert any("wgmma" in rx for rx in spec.expect["sm_90a"])

@@ -17,9 +17,9 @@ import pytest
 import torch
 from fastcompile import assemble
 from test_fast_gemm import ROOT, child_env, cumsum, into_nan, offs_of, zipf_counts
-from test_fast_gemm_gather_cluster import CASES as GATHER_CASES
-from test_fast_gemm_gather_cluster import Case as GatherCase
-from test_fast_gemm_gather_cluster import _case as gather_case
+from test_fast_gemm_gather_dynamic import WIDE_CASES as GATHER_CASES
+from test_fast_gemm_gather_dynamic import Case as GatherCase
+from test_fast_gemm_gather_dynamic import case_tensors as gather_case
 from test_fast_wgrad_schedule import SKEWED
 
 from nmoe.fast.gemm import sm90 as gemm
@@ -155,7 +155,7 @@ def test_sep_gemm_fast_deferred_subtile_skipped(monkeypatch: pytest.MonkeyPatch)
 def test_deferred_gathered_equals_the_plain_one(case: GatherCase, keep_h: bool,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The gathering up projection (h and act(h), or act(h) alone) and the gathered dgrad: K boxes from 1 to
-    32 under 8 subtiles, N clusters of two where N allows, pad rows and a zero-filled tail."""
+    32 under 8 subtiles, several N tiles per M tile, pad rows and a zero-filled tail."""
     x, w, dy, slot, offs = gather_case(case)
     k, act, m = case[1], case[6], slot.shape[0]
     shapes = [(m, w.shape[1]), (m, gemm.act_width(w, act))][0 if keep_h else 1:]
@@ -198,7 +198,7 @@ for spec in sm90.KERNELS:
     if "deferred" not in spec.name:
         continue
     ptx = out["ptx"][spec.name] = spec.compile("sm_90a")
-    if spec.name == "grouped_gemm_act_gathered_swiglu_cn2_deferred":
+    if spec.name == "grouped_gemm_act_gathered_swiglu_n256_deferred":
         lines = ptx.splitlines()
         mma = [i for i, ln in enumerate(lines) if "wgmma.mma_async" in ln]
         batches = [i for j, i in enumerate(mma) if j == 0 or i - mma[j - 1] > 40]

@@ -1,4 +1,4 @@
-"""The gathered up projection (nmoe.fast.gemm.sm90.grouped_gemm_act_gathered): A rows read by one TMA box each
+"""The gathered up projection (nmoe.fast.gemm.sm90.grouped_gemm_act_gathered): A rows read by 16-byte cp.async
 straight from the token rows permute names, never copied. Its contract is the fused kernel's on permute's
 copy: every output bit equal (same MMA order per row), pad and tail rows zero. Argument checks need no GPU."""
 
@@ -15,6 +15,7 @@ from torch import Tensor
 
 from nmoe.fast.dispatch import permute
 from nmoe.fast.gemm import sm90
+from nmoe.fast.kernels.sm90 import gatherplan
 
 gpu = pytest.mark.gpu
 
@@ -143,15 +144,6 @@ def _assert_off_by_one_separates(slot: Tensor, x: Tensor, k: int) -> None:
 
 
 @gpu
-def test_sep_gemm_fast_gather_row_off_by_one() -> None:
-    t, k = 64, 2
-    x = torch.randn(t, 256).to(torch.bfloat16).cuda()
-    slot, got, want = _pair(t, k, 256, 256, 4, x)
-    _assert_off_by_one_separates(slot, x, k)
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-
-
-@gpu
 def test_sep_gemm_fast_gather_unswizzled() -> None:
     t, k = 64, 2
     x = torch.randn(t, 256).to(torch.bfloat16).cuda()
@@ -167,7 +159,7 @@ def test_sep_gemm_fast_gather_unswizzled() -> None:
 def test_sep_gemm_fast_gather_k_tail_unmasked() -> None:
     """K = 288: the last box's columns 288..319 of token t's row are, in memory, token t + 1's first 32
     columns. With those infinite, a kernel reading them (times B's zero-filled columns) makes NaN in token
-    t's rows; the row box's zero fill past K keeps them finite and equal to the TMA path's."""
+    t's rows; the producer's zero fill past K (source size 0) keeps them finite and equal to the TMA path."""
     t, k, hid = 64, 2, 288
     x = torch.randn(t, hid).to(torch.bfloat16)
     x[1::2, :32] = float("inf")
@@ -196,16 +188,31 @@ def test_sep_gemm_fast_gather_pad_rows_read() -> None:
 
 
 @gpu
-def test_sep_gemm_fast_gather_row_lane_rotated() -> None:
-    """Tile row r of a warp's 32 loaded from the source row looked up for row r + 1 (mod 32): with distinct
-    tokens in adjacent permuted rows, every such row changes."""
+def test_sep_gemm_fast_gather_token_lane() -> None:
+    """Tile row p // 8 + 16 i copied from the token looked up for row p // 8 + 16 (i + 1): with uniform
+    routing, rows 16 apart in the first tile name different tokens, so h changes."""
     t, k = 64, 2
     x = torch.randn(t, 256).to(torch.bfloat16).cuda()
     slot, got, want = _pair(t, k, 256, 256, 4, x)
-    real = slot[:17]
-    assert bool((real >= 0).all()) and bool((real[:-1] // k != real[1:] // k).any()), (
-        "the first warp's first rows name tokens that differ from their next lane's")
+    real = slot[:128]
+    assert bool((real >= 0).all()) and bool((real[:-16] // k != real[16:] // k).any()), (
+        "rows 16 apart in the first tile name different tokens")
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_copied_rows_cover_every_tile_row_once() -> None:
+    """The producer's map (gatherplan, traced by the kernel): its threads' rows at their chunk columns tile a
+    stage's 128 x 8 chunks once each, and every thread's i-th row is the one the lane it reads the token from
+    looked up."""
+    per_row, threads = gatherplan.ROW_CHUNKS, gatherplan.PRODUCER_THREADS
+    rows = range(gatherplan.ROWS_PER_THREAD)
+    seen = [(gatherplan.copied_row(p, i), p % per_row) for p in range(threads) for i in rows]
+    assert sorted(seen) == [(r, c) for r in range(128) for c in range(per_row)]
+    for p in range(threads):
+        lane = p % 32
+        for i in rows:
+            src = p - lane + gatherplan.copied_lane(lane, i)
+            assert gatherplan.copied_lookup(src) == gatherplan.copied_row(p, i), (p, i)
 
 
 def _wgrad_pair(t: int, k: int, hid: int, n: int, e: int, x: Tensor, routing: str = "uniform",

@@ -16,8 +16,6 @@ GATHER = "nmoe/fast/kernels/sm90/grouped_gemm_gather.py"
 TESTS = "tests/test_fast_gemm.py"
 ACT_TESTS = "tests/test_fast_gemm_act.py"
 GATHER_TESTS = "tests/test_fast_gemm_gather.py"
-CLUSTER_TESTS = "tests/test_fast_gemm_gather_cluster.py"
-COPIED_TESTS = "tests/test_fast_gemm_gather_copied.py"
 SCHEDULE_TESTS = "tests/test_fast_wgrad_schedule.py"
 ACC_TESTS = "tests/test_fast_wgrad_accumulate.py"
 TRANSPOSED_TESTS = "tests/test_fast_wgrad_transposed.py"
@@ -227,63 +225,35 @@ MUTATIONS: tuple[Mutation, ...] = (
         "never written", GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
-        "gemm.fast_gather_row_off_by_one", GATHER,
-        "            src = Int32(s) // top_k\n",
-        "            src = (Int32(s) + 1) // top_k\n",
-        "the gathered up projection reads the row of slot + 1's token", GATHER_TESTS, ("moe_layer",),
-        device="gpu",
-    ),
-    sep_mutation(
-        "gemm.fast_gather_pad_rows_read", GATHER,
-        "    src = src_rows\n    if row < g_end:\n",
-        "    src = Int32(0)\n    if row < g_end:\n",
-        "the gathered up projection's pad rows (slot -1) read token 0's row instead of TMA's zero fill",
-        GATHER_TESTS, ("moe_layer",), device="gpu",
-    ),
-    sep_mutation(
-        "gemm.fast_gather_row_lane_rotated", GATHER,
-        "cute.arch.shuffle_sync(src, i)", "cute.arch.shuffle_sync(src, (i + 1) % 32)",
-        "each tile row is loaded from the source row its warp's next lane looked up",
-        GATHER_TESTS, ("moe_layer",), device="gpu",
-    ),
-    sep_mutation(
         "gemm.fast_gather_unswizzled", CHUNKLOAD,
         "    out: Any = byte ^ (((byte >> 7) & 7) << 4)\n", "    out: Any = byte\n",
         "the gathered wgrad's chunks written without the 128-byte swizzle the tensor cores read",
         GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
-        "gemm.fast_gather_k_tail_unmasked", GATHER,
-        "    m_x = cute.make_tensor(px, cute.make_layout((src_rows, k), stride=(k, 1)))\n",
-        "    m_x = cute.make_tensor(px, cute.make_layout((src_rows, k + BK), stride=(k, 1)))\n",
-        "the row TMA's K extent runs a box past K, so the last box's columns past K are read from the next "
-        "token's row instead of zero-filled",
+        "gemm.fast_gather_token_lane", PLAN,
+        "    return lane - lane % ROW_CHUNKS + i\n",
+        "    return lane - lane % ROW_CHUNKS + (i + 1) % ROW_CHUNKS\n",
+        "the gathering producer's row p // 8 + 16 i takes the token looked up for row p // 8 + 16 (i + 1)",
         GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
-        "gemm.fast_gather_copied_token_lane", PLAN,
-        "    return lane - lane % ROW_CHUNKS + i\n",
-        "    return lane - lane % ROW_CHUNKS + (i + 1) % ROW_CHUNKS\n",
-        "the copying producer's row p // 8 + 16 i takes the token looked up for row p // 8 + 16 (i + 1)",
-        COPIED_TESTS, ("moe_layer",), device="gpu",
-    ),
-    sep_mutation(
-        "gemm.fast_gather_copied_pad_rows_read", GATHER,
+        "gemm.fast_gather_pad_rows_read", GATHER,
         "        sizes[i] = sel(t >= 0, 16, 0)\n", "        sizes[i] = Int32(16)\n",
-        "the copying producer reads pad rows and rows past the group as token 0's row instead of zeros",
-        COPIED_TESTS, ("moe_layer",), device="gpu",
+        "the gathering producer reads pad rows and rows past the group as token 0's row instead of zeros",
+        GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
-        "gemm.fast_gather_copied_k_tail_unmasked", GATHER,
+        "gemm.fast_gather_k_tail_unmasked", GATHER,
         "                        size = size & live\n", "                        size = size\n",
-        "the copying producer reads the last K box's columns past K (the next token's row) instead of zeros",
-        COPIED_TESTS, ("moe_layer",), device="gpu",
+        "the gathering producer reads the last K box's columns past K (the next token's row), not zeros",
+        GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
         "gemm.fast_wgrad_gather_row_off_by_one", CHUNKLOAD,
         "            t = Int32(Uint32(s) // Uint32(top_k))\n",
         "            t = Int32(Uint32(s + 1) // Uint32(top_k))\n",
-        "the cp.async gathering producers (the wgrad's, the copied fwd rows) read slot + 1's token's row",
+        "the cp.async gathering producers (the wgrad's, the fwd/dgrad's rows) read slot + 1's token's row",
         GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
@@ -331,20 +301,6 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    return stages - 2\n", "    return stages - 1\n",
         "the gathering producers land a stage one stage later, so the slot they wait for is freed only after "
         "a stage they have not landed: the pipeline stands still", GATHER_TESTS, ("grouped_gemm_act",),
-    ),
-    sep_mutation(
-        "gemm.fast_gather_cluster_rows_same_half", GATHER,
-        "        first = first + rank * (BM // cn)\n",
-        "        first = first + 0 * rank * (BM // cn)\n",
-        "both CTAs of a gathering N cluster multicast the first half of A's rows: the byte count completes, "
-        "the second half of every tile is never loaded", CLUSTER_TESTS, ("moe_layer",), device="gpu",
-    ),
-    sep_mutation(
-        "gemm.fast_gather_cluster_same_n_tile", FILE,
-        "        n_tile = n_unit * cn + rank\n",
-        "        n_tile = n_unit * cn\n",
-        "both CTAs of a gathering N cluster compute and store the unit's first N tile", CLUSTER_TESTS,
-        ("moe_layer",), device="gpu",
     ),
     sep_mutation(
         "gemm.fast_dead_rows_off_by_one", FILE,

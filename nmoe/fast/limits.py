@@ -38,31 +38,15 @@ GEMM_PINGPONG_ACT_BN: Final[int] = 128
 GEMM_CLUSTER_M: Final[int] = 2
 """CTAs of an sm_90a TMA-fed fwd/dgrad cluster: they take M tiles side by side and share each B box by TMA
 multicast, so B's L2 reads are cut by this factor."""
-GEMM_GATHER_CLUSTER_M: Final[int] = 1
-"""The same for the fwd/dgrad that gather A row by row: alone, since clustered (2) they gain nothing on the
-H200 (row TMA: 0.96-1.00x; with cp.async rows they ran 1.1-1.5x slower), and 2 x 2 with the N cluster lost
-0.60-0.95x on the H100's gathered ups (7e6d5b3, removed)."""
-GEMM_GATHER_CLUSTER_N: Final[int] = 2
-"""CTAs of an N cluster of the gathering fwd/dgrad (cooperative, where the N tiles fill whole clusters): each
-gathers 1/this of A's rows for one M tile's adjacent N tiles by multicast row TMA, half the row TMAs per CTA
-(H200, MoE layer: fwd 1.01-1.045x, fwd+bwd 1.00-1.043x over unclustered)."""
 GEMM_A_EVICT_FIRST: Final[bool] = False
 """The TMA-fed fwd/dgrad's (bf16 and fp8) A TMAs mark A's rows first to leave L2: one M tile's rows serve its
-N tiles at once (as GEMM_GATHER_ROWS_EVICT_FIRST below)."""
+N tiles at once."""
 GEMM_B_EVICT_LAST: Final[bool] = False
 """The TMA-fed fwd/dgrad's B TMAs mark the expert's weights last to leave L2 (as GEMM_GATHER_B_EVICT_LAST)."""
-GEMM_GATHER_CP_ASYNC: Final[bool] = True
-"""The gathering fwd/dgrad copy A's rows by 16-byte cp.async (each thread 8 fixed rows of a tile, looked up
-once per tile: one copy instruction a chunk), unclustered, instead of one TMA per 128-byte row, which set
-their pace at H = 4096 (ablate.gather_no_mma). H100 at faa55a0 (ablate.gather_row_tma's rows): gathered ups
-0.87-0.93x the time, the gathered dgrad 0.84-0.90x, the MoE layer's fwd+bwd 0.96-0.98x."""
-GEMM_GATHER_ROWS_EVICT_FIRST: Final[bool] = False
-"""The gathering fwd/dgrad's row TMAs mark their rows first to leave L2: a row serves its M tile's N tiles at
-once, while each of the expert's M tiles reads its B boxes again (H200 ncu at c3: 12.7 GB of DRAM reads at
-34% L2 hits under router-uniform routing, 4.1-4.4 GB at 71% under Zipf and the blocked synthetic one)."""
 GEMM_GATHER_B_EVICT_LAST: Final[bool] = False
-"""The gathering fwd/dgrad's B TMAs mark the expert's weights last to leave L2, for the same reason (H100,
-static schedule: gathered ups and dgrad 0.98-1.02x, ablate.gather_b_evict_last)."""
+"""The gathering fwd/dgrad's B TMAs mark the expert's weights last to leave L2: each of the expert's M tiles
+reads its B boxes again (H100, static schedule: gathered ups and dgrad 0.98-1.02x,
+ablate.gather_b_evict_last)."""
 GEMM_WGRAD_DYNAMIC: Final[bool] = True
 """sm_90a TMA-fed wgrad: each CTA takes its next tile of the heaviest-first list from a device counter (a
 skewed routing's heavy tiles then spread like a greedy schedule) when True, else in static snake rounds

@@ -64,11 +64,10 @@ def tile_upper_bound(m: int, n: int, n_groups: int, bn: int, cm: int = 1) -> int
     return (-(-m // GEMM_BM) + cm * (n_groups + 1)) // cm * -(-n // bn)
 
 
-def fwd_ctas(device: int, m: int, n: int, n_groups: int, bn: int, cm: int, cn: int = 1) -> int:
-    """Persistent CTAs of a fwd/dgrad launch in clusters of cm (M) or cn (N) CTAs: whole clusters, one CTA per
-    SM at most, no more clusters than work units."""
-    size = cm * cn
-    return size * min(runtime.sm_count(device) // size, tile_upper_bound(m, n, n_groups, bn * cn, cm))
+def fwd_ctas(device: int, m: int, n: int, n_groups: int, bn: int, cm: int) -> int:
+    """Persistent CTAs of a fwd/dgrad launch in clusters of cm M tiles: whole clusters, one CTA per SM at
+    most, no more clusters than work units."""
+    return cm * min(runtime.sm_count(device) // cm, tile_upper_bound(m, n, n_groups, bn, cm))
 
 
 _OFFS_BUILT_ON_DEVICE = contextvars.ContextVar("nmoe_offs_built_on_device", default=False)

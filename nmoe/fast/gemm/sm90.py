@@ -30,9 +30,6 @@ from nmoe.fast.limits import (
     GEMM_CLUSTER_M,
     GEMM_FWD_DEFERRED,
     GEMM_FWD_DYNAMIC,
-    GEMM_GATHER_CLUSTER_M,
-    GEMM_GATHER_CLUSTER_N,
-    GEMM_GATHER_CP_ASYNC,
     GEMM_GATHER_DEFERRED,
     GEMM_GATHER_DYNAMIC,
     GEMM_GATHER_PINGPONG,
@@ -54,12 +51,6 @@ def whole_clusters(widest: int, tiles: int) -> int:
     while c > 1 and tiles % c:
         c //= 2
     return c
-
-
-def gather_cluster_n(n: int, bn: int, pingpong: bool) -> int:
-    """The gathering kernel's N cluster over its cooperative N tiles (ping-pong, or rows by cp.async, which
-    cannot multicast: none)."""
-    return whole_clusters(1 if pingpong or GEMM_GATHER_CP_ASYNC else GEMM_GATHER_CLUSTER_N, -(-n // bn))
 
 
 def wgrad_cluster(n: int) -> int:
@@ -470,16 +461,14 @@ def _gathered_gemm(op: str, src: Tensor, src_name: str, slot: Tensor, w: Tensor,
         return h.zero_(), a.zero_()
     check_offs_on_host(op, offs, m)
     bn, pp = schedule(op, n, k, gathered=True, act=activation)
-    cn = gather_cluster_n(n, bn, pp)
-    n_ctas = fwd_ctas(device, m, n, w.shape[0], bn, GEMM_GATHER_CLUSTER_M, cn)
+    n_ctas = fwd_ctas(device, m, n, w.shape[0], bn, 1)
     dynamic = GEMM_GATHER_DYNAMIC
-    launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act=activation, w_k_major=w_k_major, pingpong=pp, cn=cn,
-                             keep_h=keep_h, deferred=GEMM_GATHER_DEFERRED and not pp, dynamic=dynamic,
-                             cp_async=GEMM_GATHER_CP_ASYNC)
+    launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act=activation, w_k_major=w_k_major, pingpong=pp,
+                             keep_h=keep_h, deferred=GEMM_GATHER_DEFERRED and not pp, dynamic=dynamic)
     h_ptr = h.data_ptr() if keep_h else a.data_ptr()
     _keep, count = unit_counter(dynamic, src.device)
     launch(device, src.data_ptr(), slot.contiguous().data_ptr(), w.data_ptr(), h_ptr, a.data_ptr(),
-           offs.contiguous().data_ptr(), count, top_k, src.shape[0], m, w.shape[0], n_ctas)
+           offs.contiguous().data_ptr(), count, top_k, m, w.shape[0], n_ctas)
     return h, a
 
 

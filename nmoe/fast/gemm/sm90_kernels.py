@@ -19,9 +19,9 @@ DGRAD = Kernel(_FWD_MODULE, "grouped_gemm_dgrad",
                    km.compile_args(n, k, bn, False, "none", pingpong, deferred, dynamic),
                (ARCH,), "nmoe.fast.gemm.grouped_gemm_dgrad")
 GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_gather", "grouped_gemm_gather",
-                lambda km, n, k, bn, act, w_k_major, pingpong=False, cn=1, keep_h=True, deferred=False,
-                dynamic=False, cp_async=False: km.compile_args_gather(n, k, bn, act, w_k_major, pingpong, cn,
-                                                                      keep_h, deferred, dynamic, cp_async),
+                lambda km, n, k, bn, act, w_k_major, pingpong=False, keep_h=True, deferred=False,
+                dynamic=False: km.compile_args_gather(n, k, bn, act, w_k_major, pingpong, keep_h, deferred,
+                                                      dynamic),
                 (ARCH,), "nmoe.fast.gemm.grouped_gemm_act_gathered")
 WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad",
                lambda km, n, k, bn, ld, gs=0, dynamic=False, accumulate=False, deferred=False, cm=1:
@@ -87,18 +87,8 @@ _FORBID_EPILOGUE = (*_FORBID_SM90, r"\b(mul|add|sub|div|fma)(\.r[nzmp])?\.ftz\.f
                     r"\bdiv\.(approx|full)(\.ftz)?\.f32\b")
 
 
-# The gathered up projection and dgrad: each A row by its own 2-D TMA box (1 x BK), its source row shuffled to
-# the issuing lane, onto the stage barrier B's TMA arrives on; no cp.async.
-_ROW_TMA = (r"\bcp\.async\.bulk\.tensor\.2d\.shared::cta\.global\b", r"\bshfl\.sync\.idx\.b32\b")
-_NO_CP_ASYNC = (r"\bcp\.async\.(cg|ca)\.shared\.global\b",)
-
-
 # Ping-pong warpgroups hand the mainloop to each other by a named barrier's non-blocking arrive.
 _TURNS = (r"\bbar\.arrive\b",)
-
-
-# An N cluster's CTAs each multicast their share of A's rows to the cluster and release a stage to all of it.
-_ROW_MULTICAST = (*_multicast(2), r"\bshfl\.sync\.idx\.b32\b")
 
 
 # A dynamic schedule's units come from a device counter (acq_rel fetch-and-add, shuffled to the warp); in a
@@ -118,38 +108,34 @@ def _drains(queued: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return ((_SECOND_DRAIN,), ()) if queued else ((), (_SECOND_DRAIN,))
 
 
-# With cp_async, A's rows arrive by 16-byte cp.async in commit groups, landed as the gathered wgrad's are, and
-# no row TMA is issued (B's TMA box is 3-D).
+# The gathered up projection and dgrad: A's rows by 16-byte cp.async in commit groups, landed as the gathered
+# wgrad's are, and no 2-D TMA load (B's TMA box is 3-D, and no row is loaded by TMA).
 _COPIED_ROWS = (r"\bcp\.async\.cg\.shared\.global\b", r"\bcp\.async\.commit_group\b",
                 r"\bcp\.async\.wait_group\b", r"\bfence\.proxy\.async\.shared::cta\b")
-_NO_ROW_TMA = (_ROW_TMA[0],)
+_NO_ROW_TMA = r"\bcp\.async\.bulk\.tensor\.2d\.shared::cta\.global\b"
 
 
-def _rows(cn: int, cp_async: bool, dynamic: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(expected, forbidden) PTX of how a gathering fwd/dgrad loads A's rows."""
-    if cp_async:
-        drains, no_drains = _drains(dynamic)
-        return (*_COPIED_ROWS, *drains), (*_NO_ROW_TMA, *no_drains)
-    return (_ROW_TMA if cn == 1 else _ROW_MULTICAST), _NO_CP_ASYNC
+def _rows(dynamic: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(expected, forbidden) PTX of how a gathering fwd/dgrad loads A's rows, fed by a tile queue or not."""
+    drains, no_drains = _drains(dynamic)
+    return (*_COPIED_ROWS, *drains, *(_GRAB if dynamic else ())), (_NO_ROW_TMA, *no_drains)
 
 
-def _gather_spec(name: str, n: int, k: int, activation: str, pingpong: bool = False,
-                 cn: int = 1, keep_h: bool = True, deferred: bool = False,
-                 dynamic: bool = False, cp_async: bool = False) -> KernelSpec:
+def _gather_spec(name: str, n: int, k: int, activation: str, pingpong: bool = False, keep_h: bool = True,
+                 deferred: bool = False, dynamic: bool = False) -> KernelSpec:
     """keep_h False: h is never staged or stored, so no stmatrix and none of its 16-byte masked stores
     (act(h) is staged by scalar stores and leaves in 8-byte chunks)."""
     bn = pingpong_bn(activation) if pingpong else pick_bn(n)
-    handoff = (*_GRAB, *(_HANDOFF if cn > 1 else ())) if dynamic else ()
-    rows, no_rows = _rows(cn, cp_async, dynamic)
-    expect: tuple[str, ...] = (*_EXPECT_EPILOGUE, *rows, *(_TURNS if pingpong else ()), *handoff)
+    rows, no_rows = _rows(dynamic)
+    expect: tuple[str, ...] = (*_EXPECT_EPILOGUE, *rows, *(_TURNS if pingpong else ()))
     forbid: tuple[str, ...] = (*_FORBID_EPILOGUE, *no_rows)
     if not keep_h:
         expect = tuple(rx for rx in expect if rx not in (_STMATRIX, _ST_V4))
         forbid = (*forbid, _STMATRIX, _ST_V4)
     return KernelSpec(op="grouped_gemm_act", name=name,
                       compile=GATHER.compiler(n=n, k=k, bn=bn, act=activation, w_k_major=True,
-                                              pingpong=pingpong, cn=cn, keep_h=keep_h, deferred=deferred,
-                                              dynamic=dynamic, cp_async=cp_async),
+                                              pingpong=pingpong, keep_h=keep_h, deferred=deferred,
+                                              dynamic=dynamic),
                       expect={"sm_90a": expect}, forbid={"sm_90a": forbid})
 
 
@@ -166,14 +152,13 @@ _NOT_TRANSPOSED = (r"\bstmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16\b", _TMA_S
                    r"\bld\.global\.v4\.b32\b")
 
 
-def _dgrad_gather_spec(name: str, n: int, k: int, cn: int = 1, deferred: bool = False,
-                       dynamic: bool = False, cp_async: bool = False) -> KernelSpec:
-    handoff = (*_GRAB, *(_HANDOFF if cn > 1 else ())) if dynamic else ()
-    rows, no_rows = _rows(cn, cp_async, dynamic)
+def _dgrad_gather_spec(name: str, n: int, k: int, deferred: bool = False,
+                       dynamic: bool = False) -> KernelSpec:
+    rows, no_rows = _rows(dynamic)
     return KernelSpec(op="grouped_gemm_dgrad", name=name,
-                      compile=GATHER.compiler(n=n, k=k, bn=pick_bn(n), act="none", w_k_major=False, cn=cn,
-                                              deferred=deferred, dynamic=dynamic, cp_async=cp_async),
-                      expect={"sm_90a": (*_EXPECT_SM90, *rows, *handoff)},
+                      compile=GATHER.compiler(n=n, k=k, bn=pick_bn(n), act="none", w_k_major=False,
+                                              deferred=deferred, dynamic=dynamic),
+                      expect={"sm_90a": (*_EXPECT_SM90, *rows)},
                       forbid={"sm_90a": (*_FORBID_SM90, *no_rows)})
 
 
@@ -269,6 +254,7 @@ KERNELS: tuple[KernelSpec, ...] = (
     _gather_spec("grouped_gemm_act_gathered_swiglu_n256", 2048, 4096, "swiglu"),
     _gather_spec("grouped_gemm_act_gathered_swiglu_pingpong", 2048, 4096, "swiglu", pingpong=True),
     _gather_spec("grouped_gemm_act_gathered_relu2_n128", 1152, 2048, "relu2"),
+    _gather_spec("grouped_gemm_act_gathered_relu2_n128_k288", 1152, 288, "relu2"),
     _wgrad_gather_spec("grouped_gemm_wgrad_gathered_x_n256", 2048, 4096, "b"),
     _wgrad_gather_spec("grouped_gemm_wgrad_gathered_x_n128", 1024, 1152, "b"),
     _wgrad_gather_spec("grouped_gemm_wgrad_gathered_dy_n128", 4096, 1152, "a"),
@@ -280,23 +266,16 @@ KERNELS: tuple[KernelSpec, ...] = (
                        accumulate=True, dynamic=True),
     _wgrad_gather_spec("grouped_gemm_wgrad_gathered_x_on_m_accumulate_n128", 1160, 1152, "a", accumulate=True,
                        transposed=True),
-    _dgrad_gather_spec("grouped_gemm_dgrad_gathered_n128", 1024, 4096),
-    _gather_spec("grouped_gemm_act_gathered_swiglu_cn2", 2048, 4096, "swiglu", cn=2),
-    _dgrad_gather_spec("grouped_gemm_dgrad_gathered_cn2", 1024, 4096, cn=2),
-    _gather_spec("grouped_gemm_act_gathered_swiglu_cn4", 2048, 4096, "swiglu", cn=4),
-    _gather_spec("grouped_gemm_act_gathered_swiglu_cn2_act_only", 2048, 4096, "swiglu", cn=2, keep_h=False),
-    _gather_spec("grouped_gemm_act_gathered_swiglu_cn2_deferred", 2048, 4096, "swiglu", cn=2, deferred=True),
-    _gather_spec("grouped_gemm_act_gathered_swiglu_cn2_act_only_deferred", 2048, 4096, "swiglu", cn=2,
+    _dgrad_gather_spec("grouped_gemm_dgrad_gathered_n256", 1024, 4096),
+    _gather_spec("grouped_gemm_act_gathered_swiglu_n256_act_only_dynamic", 2048, 4096, "swiglu", keep_h=False,
+                 dynamic=True),
+    _gather_spec("grouped_gemm_act_gathered_swiglu_n256_deferred", 2048, 4096, "swiglu", deferred=True),
+    _gather_spec("grouped_gemm_act_gathered_swiglu_n256_act_only_deferred", 2048, 4096, "swiglu",
                  keep_h=False, deferred=True),
     _gather_spec("grouped_gemm_act_gathered_relu2_n128_deferred", 1152, 2048, "relu2", deferred=True),
-    _dgrad_gather_spec("grouped_gemm_dgrad_gathered_cn2_deferred", 1024, 4096, cn=2, deferred=True),
-    _gather_spec("grouped_gemm_act_gathered_swiglu_cn2_dynamic", 1024, 4096, "swiglu", cn=2, dynamic=True),
+    _dgrad_gather_spec("grouped_gemm_dgrad_gathered_n256_deferred", 1024, 4096, deferred=True),
     _gather_spec("grouped_gemm_act_gathered_swiglu_n256_dynamic", 2048, 4096, "swiglu", dynamic=True),
-    _dgrad_gather_spec("grouped_gemm_dgrad_gathered_cn2_dynamic", 1024, 4096, cn=2, dynamic=True),
-    _gather_spec("grouped_gemm_act_gathered_swiglu_n256_copied", 2048, 4096, "swiglu", dynamic=True,
-                 cp_async=True),
-    _gather_spec("grouped_gemm_act_gathered_relu2_n128_copied_k288", 1152, 288, "relu2", cp_async=True),
-    _dgrad_gather_spec("grouped_gemm_dgrad_gathered_n256_copied", 1024, 4096, dynamic=True, cp_async=True),
+    _dgrad_gather_spec("grouped_gemm_dgrad_gathered_n256_dynamic", 1024, 4096, dynamic=True),
     _spec("grouped_gemm_act_swiglu_deferred_n256", 2048, 4096, 256, True, "swiglu", deferred=True),
     _spec("grouped_gemm_fwd_pingpong_dynamic", 4096, 1024, pingpong_bn("none"), True, pingpong=True,
           dynamic=True),

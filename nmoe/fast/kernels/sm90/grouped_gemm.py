@@ -81,28 +81,13 @@ def _group_end(s_offs: cute.Tensor, e: Int32, n_groups: Int32, m_rows: Int32) ->
 
 
 @cute.jit
-def _tile_at(t: Int32, before: Int32, g_start: Int32, n_tiles_n: Constexpr[int], cm: Constexpr[int] = 1,
+def unit_tile(t: Int32, before: Int32, g_start: Int32, n_tiles_n: Constexpr[int], cm: Constexpr[int] = 1,
              rank: Int32 | int = 0) -> tuple[Int32, Int32]:
     """(n tile, first row) of CTA `rank`'s tile in work unit t inside the group whose units start at linear
     index `before`: a unit is cm M tiles stacked, the CTAs of one cluster, sharing their B tile."""
     local = t - before
     m_unit = local // n_tiles_n
     return local - m_unit * n_tiles_n, g_start + (m_unit * cm + rank) * BM
-
-
-@cute.jit
-def unit_tile(t: Int32, before: Int32, g_start: Int32, units_n: Constexpr[int], cm: Constexpr[int],
-              cn: Constexpr[int], rank: Int32 | int) -> tuple[Int32, Int32]:
-    """(n tile, first row) of CTA `rank`'s tile in unit t, a unit being cm M tiles by cn N tiles (units_n per
-    M unit): a cluster's CTAs side by side along M (cm > 1, sharing B) or along N (cn > 1, sharing A)."""
-    rank_m = rank
-    if const_expr(cn > 1):
-        rank_m = 0
-    n_unit, row0 = _tile_at(t, before, g_start, units_n, cm, rank_m)
-    n_tile = n_unit
-    if const_expr(cn > 1):
-        n_tile = n_unit * cn + rank
-    return n_tile, row0
 
 
 @cute.jit
@@ -238,7 +223,7 @@ def produce_tiles(mainloop: pipeline.PipelineTmaAsync, tma_atom_a: cute.CopyAtom
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     while e <= n_groups:
         if e < n_groups:
-            n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n, cm, rank)
+            n_tile, row0 = unit_tile(t, before, g_start, n_tiles_n, cm, rank)
             g_a = cute.local_tile(cute.domain_offset((row0, 0), m_a), (BM, bk), (0, None))
             g_b = cute.local_tile(m_b[(None, None, e)], (bn, bk), (n_tile, None))
             t_sa, t_ga = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1), s_a_flat,
@@ -349,16 +334,16 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                   bn: Constexpr[int],
                   k_tiles: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
                   cm: Constexpr[int] = 1, rank: Int32 | int = 0, pingpong: Constexpr[bool] = False,
-                  cn: Constexpr[int] = 1, keep_h: Constexpr[bool] = True,
+                  keep_h: Constexpr[bool] = True,
                   deferred: Constexpr[bool] = False, q: Any = None) -> None:
     """The two consumer warpgroups: wgmma over each tile's K boxes, then the epilogue (none for a cluster's
     tile past its group's end, which only keeps the shared B stages flowing)."""
     # Ping-pong: warpgroup wg takes the CTA's units wg, wg + 2, ... and steps its ring cursor over the other's
-    # stages; the mainloops take turns unit by unit (ORDER_BARRIER_ID). cn > 1: units of cn N tiles
-    # (unit_tile). deferred (cooperative): a tile's bf16 subtiles (and act(h) of them) leave under the next
-    # tile's wgmmas (`Pending`). q: units arrive through a tile queue instead of t, t + n_ctas, ...; every
-    # warpgroup reads every slot, a ping-pong one the next as soon as its MMAs are issued (whether to hand the
-    # mainloop over), so that read waits only on the producer's loads of the unit just issued.
+    # stages; the mainloops take turns unit by unit (ORDER_BARRIER_ID). deferred (cooperative): a tile's bf16
+    # subtiles (and act(h) of them) leave under the next tile's wgmmas (`Pending`). q: units arrive through a
+    # tile queue instead of t, t + n_ctas, ...; every warpgroup reads every slot, a ping-pong one the next as
+    # soon as its MMAs are issued (whether to hand the mainloop over), so that read waits only on the
+    # producer's loads of the unit just issued.
     check_deferred(deferred, pingpong)
     cute.arch.setmaxregister_increase(CONSUMER_REGS)
     ctid = tidx - WG_THREADS
@@ -371,13 +356,13 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
     read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-    units_n = n_tiles_n_of(n, bn) // cn
+    n_tiles_n = n_tiles_n_of(n, bn)
     dynamic = q is not None
     lane = tidx % 32
     qstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QUEUE_DEPTH)
     if const_expr(dynamic):
         t, qstate = take_next(q, qstate, lane)
-    e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, units_n, cm)
+    e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, n_tiles_n, cm)
     ordered = 2 * WG_THREADS
     mine_done = pipeline.NamedBarrier(barrier_id=ORDER_BARRIER_ID + wg, num_threads=ordered)
     other_done = pipeline.NamedBarrier(barrier_id=ORDER_BARRIER_ID + 1 - wg, num_threads=ordered)
@@ -393,7 +378,7 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
         if const_expr(pingpong):
             mine = turn % 2 == wg
         if mine:
-            n_tile, row0 = unit_tile(t, before, g_start, units_n, cm, cn, rank)
+            n_tile, row0 = unit_tile(t, before, g_start, n_tiles_n, cm, rank)
             if turn > 0 and const_expr(pingpong):
                 other_done.arrive_and_wait()
             acc.fill(0.0)
@@ -414,7 +399,8 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                 if const_expr(dynamic):
                     t, qstate = take_next(q, qstate, lane)
                     t_next = t
-                nxt = _seek(s_offs, n_groups, m_rows, t_next, e, g_start, g_end, before, here, units_n, cm)[0]
+                nxt = _seek(s_offs, n_groups, m_rows, t_next, e, g_start, g_end, before, here, n_tiles_n,
+                            cm)[0]
                 if nxt <= n_groups:
                     mine_done.arrive()
 
@@ -436,7 +422,7 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
             t = t + n_ctas
         turn = turn + 1
         e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end,
-                                                before, here, units_n, cm)
+                                                before, here, n_tiles_n, cm)
     if const_expr(deferred):
         emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(subs))
     drain_stores(epi.store_warp)

@@ -29,7 +29,6 @@ from nmoe.fast.kernels.sm90.epilogue import (
 )
 from nmoe.fast.kernels.sm90.grouped_gemm import (
     _seek,
-    _tile_at,
     b_tma,
     cluster_dims,
     cluster_units,
@@ -39,6 +38,7 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     mma_fragments,
     pointer,
     produce_tiles,
+    unit_tile,
 )
 from nmoe.fast.kernels.sm90.tiles import (
     CONSUMER_REGS,
@@ -229,7 +229,7 @@ def grouped_gemm_fp8_kernel(
         t = unit
         e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, n_tiles_n, cm)
         while e <= n_groups:
-            n_tile, row0 = _tile_at(t, before, g_start, n_tiles_n, cm, rank)
+            n_tile, row0 = unit_tile(t, before, g_start, n_tiles_n, cm, rank)
             acc.fill(0.0)
             if e < n_groups:
                 # Rows past the group are computed, then masked at the store; past M they read row M - 1.

@@ -1,5 +1,5 @@
 """sm_90a grouped GEMM whose A rows are gathered by index as they load (the up projection from token rows,
-the dgrad from dy rows) by one TMA box per row beside the B TMA, with the consumers and epilogue of
+the dgrad from dy rows) by 16-byte cp.async beside the B TMA, with the consumers and epilogue of
 grouped_gemm. Import after nmoe.fast.runtime.import_cutlass("sm_90a")."""
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from nmoe.fast.kernels.sm90.gatherplan import (
     queued_lag,
 )
 from nmoe.fast.kernels.sm90.grouped_gemm import (
-    EVICT_FIRST,
     EVICT_LAST,
     _gemm_setup,
     _seek,
@@ -51,10 +50,9 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     n_k_tiles,
     n_tiles_n_of,
     pointer,
-    tma_hints,
     unit_tile,
 )
-from nmoe.fast.kernels.sm90.tilequeue import QUEUE_DEPTH, drain_filler, next_unit
+from nmoe.fast.kernels.sm90.tilequeue import QUEUE_DEPTH, next_unit
 from nmoe.fast.kernels.sm90.tiles import (
     EPILOGUES,
     PRODUCER_REGS,
@@ -65,116 +63,9 @@ from nmoe.fast.kernels.sm90.tiles import (
     stages_for,
 )
 from nmoe.fast.limits import GEMM_BK as BK
-from nmoe.fast.limits import GEMM_BM as BM
 from nmoe.fast.limits import GEMM_GATHER_B_EVICT_LAST as GATHER_B_EVICT_LAST
-from nmoe.fast.limits import GEMM_GATHER_CLUSTER_M as GATHER_CLUSTER_M
-from nmoe.fast.limits import GEMM_GATHER_ROWS_EVICT_FIRST as ROWS_EVICT_FIRST
 
-ROW_POLICY = EVICT_FIRST if ROWS_EVICT_FIRST else 0
 GATHER_B_POLICY = EVICT_LAST if GATHER_B_EVICT_LAST else 0
-
-
-def row_layout(a_layout: cute.ComposedLayout) -> cute.ComposedLayout:
-    """One A row (1 x BK) under the A tile's 128-byte swizzle: TMA swizzles by shared address, so a row box
-    landing at its row's 128-byte line takes the place the whole-tile box would give it."""
-    layout: cute.ComposedLayout = cute.make_composed_layout(a_layout.inner, 0,
-                                                            cute.make_layout((1, BK), stride=(BK, 1)))
-    return layout
-
-
-def row_tma(m_x: cute.Tensor, a_layout: cute.ComposedLayout,
-            cn: int = 1) -> tuple[cute.CopyAtom, cute.Tensor]:
-    """TMA of one source row's BK box: rows past the source and columns past K arrive as zeros; cn > 1: the
-    whole box multicast to the cn CTAs of an N cluster."""
-    op = cpasync.CopyBulkTensorTileG2SMulticastOp() if cn > 1 else cpasync.CopyBulkTensorTileG2SOp()
-    atom, tensor = cpasync.make_tiled_tma_atom(op, m_x, row_layout(a_layout), (1, BK))
-    return atom, tensor
-
-
-@cute.jit
-def _source_row(m_slot: cute.Tensor, row: Int32, g_end: Int32, top_k: Int32, src_rows: Int32) -> Int32:
-    """The source row feeding permuted row `row` (slot // top_k), or src_rows, out of the source's bounds
-    and so zero-filled by TMA, for pad rows (slot -1) and rows past the group."""
-    src = src_rows
-    if row < g_end:
-        s = m_slot[row]
-        if s >= Int64(0):
-            src = Int32(s) // top_k
-    return src
-
-
-@cute.jit
-def _copy_row(atom: cute.CopyAtom, tma_x: cute.Tensor, src: Int32, kt: Int32, dst: Int32,
-              a_row: cute.ComposedLayout, bar: Any, cn: Constexpr[int] = 1) -> None:
-    """TMA of source row src's K box kt into the A row whose 128-byte line starts at shared byte dst (cn > 1:
-    at the same line of every CTA of the N cluster, onto each one's barrier at bar's offset)."""
-    s_row = cute.make_tensor(cute.make_ptr(BFloat16, dst, cute.AddressSpace.smem, assumed_align=128), a_row)
-    g_row = cute.local_tile(tma_x, (1, BK), (src, kt))
-    t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_row, 0, 2),
-                                     cute.group_modes(g_row, 0, 2))
-    cute.copy(atom, t_g, t_s, tma_bar_ptr=bar, **tma_hints(cn, ROW_POLICY))
-
-
-@cute.jit
-def produce_rows(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
-                 row_atom: cute.CopyAtom, tma_x: cute.Tensor, a_row: cute.ComposedLayout, m_slot: cute.Tensor,
-                 top_k: Int32, src_rows: Int32, s_a: cute.Tensor, a_outer: cute.Layout, s_b: cute.Tensor,
-                 s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, t: Int32, n_ctas: Int32,
-                 warp_idx: Int32, ptid: Int32, n_tiles_n: Constexpr[int], k_tiles: Constexpr[int],
-                 bn: Constexpr[int], stages: Constexpr[int], cm: Constexpr[int] = 1,
-                 rank: Int32 | int = 0, cn: Constexpr[int] = 1, q: Any = None,
-                 m_count: cute.Tensor | None = None) -> None:
-    """The producer warpgroup with A gathered: warp 0 arms each stage for A and B and TMA-loads B, and each
-    warp loads its share of A's tile rows by one row TMA each, so A is never copied into permuted order."""
-    # Warp w loads its BM / (4 cn) tile rows onto the same barrier; each source row is looked up once per tile
-    # by its row's lane and shuffled to the issuing lane. cn > 1: CTA `rank` of an N cluster loads rows
-    # [rank, rank + 1) * BM / cn for every CTA of the cluster (multicast); each CTA loads its own B.
-    per_warp = BM // 4 // cn
-    s_b_flat = cute.group_modes(s_b, 0, 2)
-    a_base = cast(Pointer, s_a.iterator).toint()
-    lane = ptid % 32
-    first = (ptid // 32) * per_warp
-    if const_expr(cn > 1):
-        first = first + rank * (BM // cn)
-    # q: units from a device counter instead of t, t + n_ctas, ...: warp 0 of the cluster's CTA 0 takes each
-    # and hands it to every other reader (hand_tile); the others read it from their ring.
-    units_n = n_tiles_n // cn
-    b_rank = rank
-    if const_expr(cn > 1):
-        b_rank = 0
-    dynamic = q is not None
-    fills = (warp_idx == 0) & (rank == 0)
-    qstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, QUEUE_DEPTH)
-    rstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, QUEUE_DEPTH)
-    if const_expr(dynamic):
-        t, qstate, rstate = next_unit(q, m_count, fills, qstate, rstate, lane, cm * cn)
-    e, g_start, g_end, before, here = first_unit(s_offs, n_groups, m_rows, t, units_n, cm)
-    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-    while e <= n_groups:
-        if e < n_groups:
-            n_tile, row0 = unit_tile(t, before, g_start, units_n, cm, cn, rank)
-            src = _source_row(m_slot, row0 + first + lane, g_end, top_k, src_rows)
-            g_b = cute.local_tile(m_b[(None, None, e)], (bn, BK), (n_tile, None))
-            t_sb, t_gb = cpasync.tma_partition(tma_atom_b, b_rank, cute.make_layout(cm), s_b_flat,
-                                               cute.group_modes(g_b, 0, 2))
-            for kt in range(k_tiles):
-                arm_stage(mainloop, state, warp_idx, tma_atom_b, t_gb[(None, kt)],
-                          t_sb[(None, state.index)], cm, GATHER_B_POLICY)
-                bar = mainloop.producer_get_barrier(state)
-                for i in range_constexpr(per_warp):
-                    _copy_row(row_atom, tma_x, cute.arch.shuffle_sync(src, i), kt,
-                              a_base + a_outer((first + i, 0, state.index)) * 2, a_row, bar, cn)
-                state.advance()
-        if const_expr(dynamic):
-            t, qstate, rstate = next_unit(q, m_count, fills, qstate, rstate, lane, cm * cn)
-        else:
-            t = t + n_ctas
-        e, g_start, g_end, before, here = _seek(s_offs, n_groups, m_rows, t, e, g_start, g_end, before, here,
-                                                units_n, cm)
-    if const_expr(dynamic and cm * cn > 1):
-        drain_filler(q, qstate, fills)
-    if warp_idx == 0:
-        mainloop.producer_tail(state)
 
 
 @cute.jit
@@ -191,17 +82,15 @@ def _tile_tokens(m_slot: cute.Tensor, row0: Int32, g_end: Int32, top_k: Int32, p
 
 
 @cute.jit
-def produce_rows_copied(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
-                        x_addr: Int64, m_slot: cute.Tensor, top_k: Int32, s_a: cute.Tensor,
-                        a_outer: cute.Layout, s_b: cute.Tensor, s_offs: cute.Tensor, n_groups: Int32,
-                        m_rows: Int32, t: Int32, n_ctas: Int32, warp_idx: Int32, ptid: Int32,
-                        n_tiles_n: Constexpr[int], k_tiles: Constexpr[int], k: Constexpr[int],
-                        bn: Constexpr[int], stages: Constexpr[int], q: Any = None,
-                        m_count: cute.Tensor | None = None) -> None:
-    """The producer warpgroup with A's rows copied by 16-byte cp.async instead of one TMA each: thread p
-    copies chunk p % 8 of tile rows p // 8 + 16 i, their tokens looked up once per tile, so a chunk costs
-    one wide multiply-add and the copy, and the TMA unit carries only B."""
-    # Row TMAs, one per 128-byte row, set the row-TMA kernel's pace at H = 4096 (ablate.gather_no_mma).
+def produce_rows(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom, m_b: cute.Tensor,
+                 x_addr: Int64, m_slot: cute.Tensor, top_k: Int32, s_a: cute.Tensor, a_outer: cute.Layout,
+                 s_b: cute.Tensor, s_offs: cute.Tensor, n_groups: Int32, m_rows: Int32, t: Int32,
+                 n_ctas: Int32, warp_idx: Int32, ptid: Int32, n_tiles_n: Constexpr[int],
+                 k_tiles: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], stages: Constexpr[int],
+                 q: Any = None, m_count: cute.Tensor | None = None) -> None:
+    """The producer warpgroup: thread p copies chunk p % 8 of tile rows p // 8 + 16 i by 16-byte cp.async,
+    their tokens looked up once per tile, so a chunk costs one wide multiply-add and the copy and the TMA
+    unit carries only B (one TMA per 128-byte row had set the pace at H = 4096: 0.84-0.93x its time)."""
     s_b_flat = cute.group_modes(s_b, 0, 2)
     lane = ptid % 32
     steps, stage_bytes = chunk_offsets(lambda crd: a_outer((crd[1], crd[0], crd[2])), ROW_CHUNKS,
@@ -223,7 +112,7 @@ def produce_rows_copied(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.Co
     floor = Int32(0)
     while e <= n_groups:
         if e < n_groups:
-            n_tile, row0 = unit_tile(t, before, g_start, n_tiles_n, 1, 1, 0)
+            n_tile, row0 = unit_tile(t, before, g_start, n_tiles_n)
             _tile_tokens(m_slot, row0, g_end, top_k, ptid, toks, sizes)
             g_b = cute.local_tile(m_b[(None, None, e)], (bn, BK), (n_tile, None))
             t_sb, t_gb = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1), s_b_flat,
@@ -259,84 +148,60 @@ def produce_rows_copied(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.Co
 
 @cute.kernel
 def grouped_gemm_gather_kernel(
-    tma_atom_b: cute.CopyAtom, m_b: cute.Tensor, row_atom: cute.CopyAtom, tma_x: cute.Tensor,
-    tma_atom_d: cute.CopyAtom, tma_d: cute.Tensor, m_d: cute.Tensor, m_act: cute.Tensor,
-    tma_atom_act: cute.CopyAtom, tma_act: cute.Tensor, m_offs: cute.Tensor, m_slot: cute.Tensor,
-    top_k: Int32, src_rows: Int32, m_rows: Int32, n_groups: Int32, tiled_mma: cute.TiledMma,
-    a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout, d_layout: cute.ComposedLayout,
-    n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
-    pingpong: Constexpr[bool], cn: Constexpr[int], keep_h: Constexpr[bool], deferred: Constexpr[bool],
-    m_count: cute.Tensor, dynamic: Constexpr[bool], x_addr: Int64, cp_async: Constexpr[bool],
+    tma_atom_b: cute.CopyAtom, m_b: cute.Tensor, tma_atom_d: cute.CopyAtom, tma_d: cute.Tensor,
+    m_d: cute.Tensor, m_act: cute.Tensor, tma_atom_act: cute.CopyAtom, tma_act: cute.Tensor,
+    m_offs: cute.Tensor, m_slot: cute.Tensor, top_k: Int32, m_rows: Int32, n_groups: Int32,
+    tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
+    d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
+    stages: Constexpr[int], act: Constexpr[str], pingpong: Constexpr[bool], keep_h: Constexpr[bool],
+    deferred: Constexpr[bool], m_count: cute.Tensor, dynamic: Constexpr[bool], x_addr: Int64,
 ) -> None:
-    atoms = (tma_atom_b, tma_atom_d, tma_atom_act) if const_expr(cp_async) else (
-        tma_atom_b, row_atom, tma_atom_d, tma_atom_act)
     tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, s_act, mainloop, q = fwd_cta_begin(
-        atoms, m_offs, n_groups, a_layout, b_layout, d_layout, stages, "b" if const_expr(cp_async) else "ab",
-        GATHER_CLUSTER_M * cn, act, pingpong, 4 if dynamic else 0)
+        (tma_atom_b, tma_atom_d, tma_atom_act), m_offs, n_groups, a_layout, b_layout, d_layout, stages, "b",
+        1, act, pingpong, 4 if dynamic else 0)
     n_tiles_n = n_tiles_n_of(n, bn)
     k_tiles = n_k_tiles(k)
     if warp_idx < 4:
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-        if const_expr(cp_async):
-            produce_rows_copied(mainloop, tma_atom_b, m_b, x_addr, m_slot, top_k, s_a, a_layout.outer,
-                                s_b, s_offs, n_groups, m_rows, unit, n_units, warp_idx, tidx, n_tiles_n,
-                                k_tiles, k, bn, stages, q, m_count)
-        else:
-            produce_rows(mainloop, tma_atom_b, m_b, row_atom, tma_x, row_layout(a_layout), m_slot, top_k,
-                         src_rows, s_a, a_layout.outer, s_b, s_offs, n_groups, m_rows, unit, n_units,
-                         warp_idx, tidx, n_tiles_n, k_tiles, bn, stages, GATHER_CLUSTER_M, rank, cn, q,
-                         m_count)
+        produce_rows(mainloop, tma_atom_b, m_b, x_addr, m_slot, top_k, s_a, a_layout.outer, s_b, s_offs,
+                     n_groups, m_rows, unit, n_units, warp_idx, tidx, n_tiles_n, k_tiles, k, bn, stages, q,
+                     m_count)
     else:
         consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, s_act,
-                      tma_atom_act, tma_act, n_groups,
-                      m_rows, tidx, warp_idx, n_units, unit, n, bn, k_tiles,
-                      stages, act, GATHER_CLUSTER_M, rank, pingpong, cn, keep_h, deferred, q)
+                      tma_atom_act, tma_act, n_groups, m_rows, tidx, warp_idx, n_units, unit, n, bn, k_tiles,
+                      stages, act, 1, rank, pingpong, keep_h, deferred, q)
 
 
 @cute.jit
 def grouped_gemm_gather_host(
     px: Pointer, pslot: Pointer, pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer, pcount: Pointer,
-    top_k: Int32, src_rows: Int32, m_rows: Int32, n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream,
+    top_k: Int32, m_rows: Int32, n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream,
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], w_k_major: Constexpr[bool], act: Constexpr[str],
-    pingpong: Constexpr[bool], cn: Constexpr[int], keep_h: Constexpr[bool], deferred: Constexpr[bool],
-    dynamic: Constexpr[bool], cp_async: Constexpr[bool],
+    pingpong: Constexpr[bool], keep_h: Constexpr[bool], deferred: Constexpr[bool], dynamic: Constexpr[bool],
 ) -> None:
     """y[p, n] = x[slot[p] // top_k] @ B_e^T for permuted row p of group e, zero rows where slot[p] = -1; x's
     rows are gathered as they load, so the permuted copy of x is never written."""
-    # x is [src_rows, k]; B_e = w[e] for K-major w [E, n, k], else w[e]^T of w [E, k, n] (the dgrad). With
-    # act != "none" it also writes a = act(y), and y is not stored unless keep_h. cn > 1: clusters of cn CTAs
-    # on one M tile's cn N tiles, each gathering 1/cn of A's rows for all. deferred: each tile's epilogue
+    # x is [*, k]; B_e = w[e] for K-major w [E, n, k], else w[e]^T of w [E, k, n] (the dgrad). With act !=
+    # "none" it also writes a = act(y), and y is not stored unless keep_h. deferred: each tile's epilogue
     # leaves under the next tile's wgmmas (grouped_gemm's Pending). dynamic: units taken from the zeroed
-    # counter at pcount, in order, as CTAs free up, instead of every n_ctas-th. cp_async: A's rows arrive by
-    # 16-byte cp.async (produce_rows_copied), unclustered, instead of row TMAs.
+    # counter at pcount, in order, as CTAs free up, instead of every n_ctas-th.
     stages = stages_for(bn, act, pingpong)
     (m_y, m_a, m_offs, tiled_mma, a_layout, b_layout, tma_atom_b, tma_b, tma_atom_d, tma_d, tma_atom_act,
-     tma_act) = _gemm_setup(
-        pw, py, pa, poffs, m_rows, n_groups, n, k, bn, stages, w_k_major, act, GATHER_CLUSTER_M, pingpong)
+     tma_act) = _gemm_setup(pw, py, pa, poffs, m_rows, n_groups, n, k, bn, stages, w_k_major, act, 1,
+                            pingpong)
     m_slot = cute.make_tensor(pslot, cute.make_layout(m_rows))
-    m_x = cute.make_tensor(px, cute.make_layout((src_rows, k), stride=(k, 1)))
-    row_atom, tma_x = row_tma(m_x, a_layout, cn)
     m_count = cute.make_tensor(pcount, cute.make_layout(1))
     grouped_gemm_gather_kernel(
-        tma_atom_b, tma_b, row_atom, tma_x, tma_atom_d, tma_d, m_y, m_a, tma_atom_act, tma_act, m_offs,
-        m_slot, top_k, src_rows, m_rows, n_groups, tiled_mma, a_layout, b_layout,
-        epi_smem_layout(epi_sets(pingpong)), n, k, bn, stages, act, pingpong, cn, keep_h, deferred, m_count,
-        dynamic, Int64(px.toint()), cp_async,
-    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(GATHER_CLUSTER_M * cn),
-             min_blocks_per_mp=1, stream=stream)
+        tma_atom_b, tma_b, tma_atom_d, tma_d, m_y, m_a, tma_atom_act, tma_act, m_offs, m_slot, top_k, m_rows,
+        n_groups, tiled_mma, a_layout, b_layout, epi_smem_layout(epi_sets(pingpong)), n, k, bn, stages, act,
+        pingpong, keep_h, deferred, m_count, dynamic, Int64(px.toint()),
+    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(1), min_blocks_per_mp=1,
+             stream=stream)
 
 
 def compile_args_gather(n: int, k: int, bn: int, act: str = "none", w_k_major: bool = True,
-                        pingpong: bool = False, cn: int = 1, keep_h: bool = True,
-                        deferred: bool = False, dynamic: bool = False,
-                        cp_async: bool = False) -> tuple[Any, tuple[Any, ...]]:
-    if cp_async and (cn > 1 or GATHER_CLUSTER_M > 1):
-        raise ValueError(f"gathered grouped GEMM by cp.async: rows cannot be multicast, so no cluster (N "
-                         f"{cn}, M {GATHER_CLUSTER_M}); launch it with cn=1")
-    if cn > 1 and (n_tiles_n_of(n, bn) % cn or GATHER_CLUSTER_M > 1 or BM // 4 % cn):
-        raise ValueError(f"gathered grouped GEMM N cluster of {cn}: needs N tiles ({n_tiles_n_of(n, bn)} "
-                         f"of {bn}) in whole clusters, no M cluster (GEMM_GATHER_CLUSTER_M = "
-                         f"{GATHER_CLUSTER_M}) and {BM // 4} rows per producer warp divisible by it")
+                        pingpong: bool = False, keep_h: bool = True, deferred: bool = False,
+                        dynamic: bool = False) -> tuple[Any, tuple[Any, ...]]:
     if act not in EPILOGUES or (act != "none" and not w_k_major):
         raise ValueError(f"gathered grouped GEMM epilogue {act!r} (w_k_major={w_k_major}) unsupported; the "
                          f"fwd takes one of {sorted(EPILOGUES)}, the dgrad only 'none'")
@@ -347,5 +212,5 @@ def compile_args_gather(n: int, k: int, bn: int, act: str = "none", w_k_major: b
             pointer(Int32, 0, 4), pointer(Int32, 0, 4))
     check_schedule(bn, pingpong, act)
     check_deferred(deferred, pingpong)
-    return grouped_gemm_gather_host, (*ptrs, *(Int32(0) for _ in range(5)), cuda.CUstream(0), n, k, bn,
-                                      w_k_major, act, pingpong, cn, keep_h, deferred, dynamic, cp_async)
+    return grouped_gemm_gather_host, (*ptrs, *(Int32(0) for _ in range(4)), cuda.CUstream(0), n, k, bn,
+                                      w_k_major, act, pingpong, keep_h, deferred, dynamic)
