@@ -200,7 +200,7 @@ def test_sep_gemm_fast_gather_token_lane() -> None:
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
-def test_copied_rows_cover_every_tile_row_once() -> None:
+def test_producer_rows_cover_every_tile_row_once() -> None:
     """The producer's map (gatherplan, traced by the kernel): its threads' rows at their chunk columns tile a
     stage's 128 x 8 chunks once each, and every thread's i-th row is the one the lane it reads the token from
     looked up."""
