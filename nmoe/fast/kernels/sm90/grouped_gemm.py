@@ -82,7 +82,7 @@ def _group_end(s_offs: cute.Tensor, e: Int32, n_groups: Int32, m_rows: Int32) ->
 
 @cute.jit
 def unit_tile(t: Int32, before: Int32, g_start: Int32, n_tiles_n: Constexpr[int], cm: Constexpr[int] = 1,
-             rank: Int32 | int = 0) -> tuple[Int32, Int32]:
+              rank: Int32 | int = 0) -> tuple[Int32, Int32]:
     """(n tile, first row) of CTA `rank`'s tile in work unit t inside the group whose units start at linear
     index `before`: a unit is cm M tiles stacked, the CTAs of one cluster, sharing their B tile."""
     local = t - before
