@@ -273,6 +273,59 @@ def test_gathered_dgrad_and_dy_side_wgrad_equal_the_kernels_on_permutes_copy(
     assert torch.equal(got_dw.view(torch.int16), want_dw.view(torch.int16)), "dw2 differs from the TMA path"
 
 
+def _spilled(t: int, k: int, hid: int, inter: int, e: int, align: int,
+             routing: str) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+    """(gathered dgrad's dz, the spilling one's dz and dyp, permute's copy of dout, offs[-1]) on the GPU;
+    dyp in a block the allocator held NaN in, so rows past offs[-1] (unwritten) are NaN."""
+    g = torch.Generator().manual_seed(t + hid)
+    dout = torch.randn(t, hid, generator=g).to(torch.bfloat16).cuda()
+    w2 = (torch.randn(e, hid, inter, generator=g) / inter**0.5).to(torch.bfloat16).cuda()
+    p = permute(dout, _ids(t, k, e, routing, g).cuda(), e, align)
+    want = sm90.grouped_gemm_dgrad_gathered(dout, p.slot, k, w2, p.offs)
+    got, dyp = into_nan([(p.xp.shape[0], hid), tuple(want.shape)],
+                        lambda: sm90.grouped_gemm_dgrad_gathered_spill(dout, p.slot, k, w2, p.offs))
+    return want, got, dyp, p.xp, int(p.offs[-1])
+
+
+@gpu
+@pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}K{c[1]}H{c[2]}N{c[3]}E{c[4]}" for c in CASES])
+def test_spilling_dgrad_writes_permutes_copy_of_dout(case: tuple[int, int, int, int, int, int, str, str]
+                                                     ) -> None:
+    """The spilling dgrad: dz bit for bit the gathered dgrad's, dyp up to offs[-1] permute's copy of dout
+    (pad rows zero), and the TMA wgrad on dyp bit for bit the one on permute's copy (rows past offs[-1],
+    NaN, unread)."""
+    t, k, hid, inter, e, align, _, routing = case
+    want, got, dyp, xp, end = _spilled(t, k, hid, inter, e, align, routing)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "dz differs from the gathered dgrad's"
+    assert torch.equal(dyp[:end].view(torch.int16), xp[:end].view(torch.int16)), "dyp is not permute's copy"
+    a = torch.randn(xp.shape[0], inter, device="cuda").to(torch.bfloat16)
+    offs = torch.tensor([end], dtype=torch.int32, device="cuda")
+    if end < xp.shape[0]:
+        assert dyp[end:].isnan().all(), "rows past offs[-1] stay unwritten (NaN here)"
+    want_dw = sm90.grouped_gemm_wgrad(xp, a, offs)
+    got_dw = sm90.grouped_gemm_wgrad(dyp, a, offs)
+    assert torch.equal(got_dw.view(torch.int16), want_dw.view(torch.int16)), "dw on dyp differs"
+
+
+@gpu
+def test_sep_gemm_fast_dgrad_spill_unswizzled() -> None:
+    """Chunk c of a row read from the stage at c instead of c ^ (row % 8): rows' 16-byte chunks differ, so 7
+    rows of every 8 leave with their chunks shuffled."""
+    _, _, dyp, xp, end = _spilled(200, 2, 256, 256, 4, 128, "uniform")
+    chunks = xp[:end].view(end, -1, 8)
+    assert not torch.equal(chunks[:, 0], chunks[:, 1]), "a row's chunks differ"
+    assert torch.equal(dyp[:end].view(torch.int16), xp[:end].view(torch.int16))
+
+
+@gpu
+def test_sep_gemm_fast_dgrad_spill_k_tail_unmasked() -> None:
+    """H = 288: the last K box's chunks past column 288 hold zeros (the producer's fill); stored unmasked they
+    land on the next row's first 32 columns, which are not all zero here."""
+    _, _, dyp, xp, end = _spilled(300, 4, 288, 256, 8, 128, "uniform")
+    assert bool((xp[1:end, :32] != 0).any()), "a row after a live one starts with nonzero columns"
+    assert torch.equal(dyp[:end].view(torch.int16), xp[:end].view(torch.int16))
+
+
 def test_gathered_wgrad_refuses_bad_arguments() -> None:
     dy = torch.zeros(256, 128, dtype=torch.bfloat16)
     x = torch.zeros(4, 64, dtype=torch.bfloat16)

@@ -250,6 +250,21 @@ MUTATIONS: tuple[Mutation, ...] = (
         GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
+        "gemm.fast_dgrad_spill_unswizzled", GATHER,
+        "    at = swizzled_bases(cast(Pointer, s_a.iterator).toint(), "
+        "a_outer((copied_row(wtid, 0), c, 0)) * 2, steps)\n",
+        "    at = {r: cast(Pointer, s_a.iterator).toint() + a_outer((copied_row(wtid, 0), c, 0)) * 2 + r "
+        "for r in sorted({st % 1024 for st in steps})}\n",
+        "the spilling dgrad reads each row chunk of the stage unswizzled (chunk c at c, not c ^ row % 8)",
+        GATHER_TESTS, ("moe_layer",), device="gpu",
+    ),
+    sep_mutation(
+        "gemm.fast_dgrad_spill_k_tail_unmasked", GATHER,
+        "            tail = sel(kt * BK + c < k, 1, 0) if k % BK else 1\n", "            tail = 1\n",
+        "the spilling dgrad stores the last K box's chunks past K, over the next row's first columns",
+        GATHER_TESTS, ("moe_layer",), device="gpu",
+    ),
+    sep_mutation(
         "gemm.fast_wgrad_gather_row_off_by_one", CHUNKLOAD,
         "            t = Int32(Uint32(s) // Uint32(top_k))\n",
         "            t = Int32(Uint32(s + 1) // Uint32(top_k))\n",

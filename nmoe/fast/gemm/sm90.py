@@ -435,9 +435,11 @@ def _zero_chunk(op: str, device: torch.device) -> Tensor:
 
 
 def _gathered_gemm(op: str, src: Tensor, src_name: str, slot: Tensor, w: Tensor, offs: Tensor, top_k: int,
-                   activation: str, w_k_major: bool, keep_h: bool = True) -> tuple[Tensor, Tensor]:
+                   activation: str, w_k_major: bool, keep_h: bool = True,
+                   spill: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(h, act(h) or h): the gathering kernel over src's token rows; w [E, N, K] read K-major (the up
-    projection, h [R, N]) or N-major (a dgrad, h [R, K]); keep_h False: h is [0, N], never stored."""
+    projection, h [R, N]) or N-major (a dgrad, h [R, K]); keep_h False: h is [0, N], never stored; spill
+    [R, K] (a dgrad): gets src's rows in permuted order up to offs[-1]."""
     check_bf16(op, **{src_name: src, "w": w})
     red = 2 if w_k_major else 1
     if src.dim() != 2 or w.dim() != 3 or src.shape[1] != w.shape[red]:
@@ -460,15 +462,17 @@ def _gathered_gemm(op: str, src: Tensor, src_name: str, slot: Tensor, w: Tensor,
     if k == 0 or w.shape[0] == 0:
         return h.zero_(), a.zero_()
     check_offs_on_host(op, offs, m)
-    bn, pp = schedule(op, n, k, gathered=True, act=activation)
+    bn, pp = schedule(op, n, k, pingpong=False if spill is not None else None, gathered=True, act=activation)
     n_ctas = fwd_ctas(device, m, n, w.shape[0], bn, 1)
     dynamic = GEMM_GATHER_DYNAMIC
     launch = GATHER.launcher(arch, n=n, k=k, bn=bn, act=activation, w_k_major=w_k_major, pingpong=pp,
-                             keep_h=keep_h, deferred=GEMM_GATHER_DEFERRED and not pp, dynamic=dynamic)
+                             keep_h=keep_h, deferred=GEMM_GATHER_DEFERRED and not pp, dynamic=dynamic,
+                             spill=spill is not None)
     h_ptr = h.data_ptr() if keep_h else a.data_ptr()
     _keep, count = unit_counter(dynamic, src.device)
     launch(device, src.data_ptr(), slot.contiguous().data_ptr(), w.data_ptr(), h_ptr, a.data_ptr(),
-           offs.contiguous().data_ptr(), count, top_k, m, w.shape[0], n_ctas)
+           offs.contiguous().data_ptr(), count, 0 if spill is None else spill.data_ptr(), top_k, m,
+           w.shape[0], n_ctas)
     return h, a
 
 
@@ -512,6 +516,29 @@ def grouped_gemm_dgrad_gathered(dy: Tensor, slot: Tensor, top_k: int, w: Tensor,
     """dx[p] = dy[slot[p] // top_k] @ w[e] for permuted row p of group e (zero rows where slot = -1): the
     down projection's dgrad straight from the layer's token-major output gradient, without permuting it."""
     return _dgrad_gathered_op(dy, slot, w, offs, top_k)
+
+
+def _dgrad_spill_impl(dy: Tensor, slot: Tensor, w: Tensor, offs: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+    dyp = dy.new_empty(slot.shape[0], dy.shape[1])
+    dx = _gathered_gemm("grouped_gemm_dgrad_gathered_spill", dy, "dy", slot, w, offs, top_k, "none", False,
+                        spill=dyp)[0]
+    return dx, dyp
+
+
+def _dgrad_spill_fake(dy: Tensor, slot: Tensor, w: Tensor, offs: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+    return dy.new_empty(slot.shape[0], w.shape[2]), dy.new_empty(slot.shape[0], dy.shape[1])
+
+
+_dgrad_spill_op = fast_op("grouped_gemm_dgrad_gathered_spill", _dgrad_spill_impl, _dgrad_spill_fake)
+
+
+def grouped_gemm_dgrad_gathered_spill(dy: Tensor, slot: Tensor, top_k: int, w: Tensor,
+                                      offs: Tensor) -> tuple[Tensor, Tensor]:
+    """(grouped_gemm_dgrad_gathered, dyp): dyp [R, H] holds dy's rows in permuted order up to offs[-1] (zero
+    where slot = -1; rows past offs[-1] unwritten), copied out of the rows the dgrad gathered, so the down
+    wgrad reads them by TMA without a copy pass (the N tile 0 CTAs' consumers store them beside the MMAs)."""
+    out: tuple[Tensor, Tensor] = _dgrad_spill_op(dy, slot, w, offs, top_k)
+    return out
 
 
 def _wgrad_gathered_run(dy: Tensor, x: Tensor, slot: Tensor, offs: Tensor, top_k: int, side: str,

@@ -20,8 +20,8 @@ DGRAD = Kernel(_FWD_MODULE, "grouped_gemm_dgrad",
                (ARCH,), "nmoe.fast.gemm.grouped_gemm_dgrad")
 GATHER = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_gather", "grouped_gemm_gather",
                 lambda km, n, k, bn, act, w_k_major, pingpong=False, keep_h=True, deferred=False,
-                dynamic=False: km.compile_args_gather(n, k, bn, act, w_k_major, pingpong, keep_h, deferred,
-                                                      dynamic),
+                dynamic=False, spill=False: km.compile_args_gather(n, k, bn, act, w_k_major, pingpong, keep_h,
+                                                                   deferred, dynamic, spill),
                 (ARCH,), "nmoe.fast.gemm.grouped_gemm_act_gathered")
 WGRAD = Kernel("nmoe.fast.kernels.sm90.grouped_gemm_wgrad", "grouped_gemm_wgrad",
                lambda km, n, k, bn, ld, gs=0, dynamic=False, accumulate=False, deferred=False, cm=1:
@@ -152,14 +152,19 @@ _NOT_TRANSPOSED = (r"\bstmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16\b", _TMA_S
                    r"\bld\.global\.v4\.b32\b")
 
 
-def _dgrad_gather_spec(name: str, n: int, k: int, deferred: bool = False,
-                       dynamic: bool = False) -> KernelSpec:
+# A spilling dgrad's consumers copy each landed row chunk out in permuted order: a predicated 16-byte shared
+# load beside a 16-byte global store, which no other gathered fwd/dgrad has.
+_SPILL = (r"@p ld\.shared\.v4\.b32 \{a, b, c, d\}", r"@p st\.global\.v4\.b32 \[")
+
+
+def _dgrad_gather_spec(name: str, n: int, k: int, deferred: bool = False, dynamic: bool = False,
+                       spill: bool = False) -> KernelSpec:
     rows, no_rows = _rows(dynamic)
     return KernelSpec(op="grouped_gemm_dgrad", name=name,
                       compile=GATHER.compiler(n=n, k=k, bn=pick_bn(n), act="none", w_k_major=False,
-                                              deferred=deferred, dynamic=dynamic),
-                      expect={"sm_90a": (*_EXPECT_SM90, *rows)},
-                      forbid={"sm_90a": (*_FORBID_SM90, *no_rows)})
+                                              deferred=deferred, dynamic=dynamic, spill=spill),
+                      expect={"sm_90a": (*_EXPECT_SM90, *rows, *(_SPILL if spill else ()))},
+                      forbid={"sm_90a": (*_FORBID_SM90, *no_rows, *(() if spill else _SPILL))})
 
 
 def _wgrad_gather_spec(name: str, n: int, k: int, side: str, accumulate: bool = False,
@@ -276,6 +281,9 @@ KERNELS: tuple[KernelSpec, ...] = (
     _dgrad_gather_spec("grouped_gemm_dgrad_gathered_n256_deferred", 1024, 4096, deferred=True),
     _gather_spec("grouped_gemm_act_gathered_swiglu_n256_dynamic", 2048, 4096, "swiglu", dynamic=True),
     _dgrad_gather_spec("grouped_gemm_dgrad_gathered_n256_dynamic", 1024, 4096, dynamic=True),
+    _dgrad_gather_spec("grouped_gemm_dgrad_gathered_n256_spill_dynamic", 1024, 4096, dynamic=True,
+                       spill=True),
+    _dgrad_gather_spec("grouped_gemm_dgrad_gathered_n128_spill_k_tail", 1152, 1000, dynamic=True, spill=True),
     _spec("grouped_gemm_act_swiglu_deferred_n256", 2048, 4096, 256, True, "swiglu", deferred=True),
     _spec("grouped_gemm_fwd_pingpong_dynamic", 4096, 1024, pingpong_bn("none"), True, pingpong=True,
           dynamic=True),

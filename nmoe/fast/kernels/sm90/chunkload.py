@@ -52,6 +52,17 @@ def copy_chunk(g: Int64, s_addr: Int32, src_bytes: Int32, *, loc: Any = None, ip
                     has_side_effects=True, loc=loc, ip=ip)
 
 
+@dsl_user_op
+def spill_chunk(s_addr: Int32, g: Int64, on: Int32, *, loc: Any = None, ip: Any = None) -> None:
+    """16 bytes of a landed stage from shared s_addr to global byte address g where on != 0 (else nothing):
+    a gathered row written back out in permuted order."""
+    operands = [Int32(s_addr).ir_value(loc=loc, ip=ip), Int64(g).ir_value(loc=loc, ip=ip),
+                Int32(on).ir_value(loc=loc, ip=ip)]
+    llvm.inline_asm(None, operands, "{ .reg .pred p; .reg .b32 a, b, c, d; setp.ne.b32 p, $2, 0; "
+                    "@p ld.shared.v4.b32 {a, b, c, d}, [$0]; @p st.global.v4.b32 [$1], {a, b, c, d}; }",
+                    "r,l,r", has_side_effects=True, loc=loc, ip=ip)
+
+
 @cute.jit
 def _land(mainloop: pipeline.PipelineTmaAsync, index: Int32) -> None:
     cute.arch.mbarrier_arrive(cast(pipeline.MbarrierArray, mainloop.sync_object_full).get_barrier(index))

@@ -293,14 +293,17 @@ def _k_loop(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma, acc: 
             t_ra: cute.Tensor, t_rb: cute.Tensor, read: Any, release: Any, held: Any, p_row0: Int32,
             p_tile: Int32, p_end: Int32, p_on: Int32, k_tiles: Int32 | int, subs: Constexpr[int],
             deferred: Constexpr[bool], half: Constexpr[bool] = False, issue: Constexpr[bool] = True,
-            landed: Callable[[Int32, Any], None] = lambda stage, kt: None) -> tuple[Any, Any]:
+            landed: Callable[[Int32, Any], None] = lambda stage, kt: None,
+            issued: Callable[[Int32, Any], None] = lambda stage, kt: None) -> tuple[Any, Any]:
     """A tile's mainloop: each K box's wgmmas (none if not issue: dead rows), the box before it freed once
     they retire (deferred: one held subtile leaves under each box, in step with the partner warpgroup's
-    epilogue barrier; landed(stage, kt): a step before box kt's wgmmas); returns (read, release) advanced."""
+    epilogue barrier; landed / issued(stage, kt): steps before / after box kt's wgmmas); returns (read,
+    release) advanced."""
     mainloop.consumer_wait(read)
     landed(read.index, Int32(0))
     if const_expr(issue):
         _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index, half)
+        issued(read.index, Int32(0))
     if const_expr(deferred):
         emit_held(held, p_row0, p_tile, p_end, p_on, Int32(0), Int32(1))
     read.advance()
@@ -309,6 +312,7 @@ def _k_loop(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma, acc: 
         landed(read.index, _kt)
         if const_expr(issue):
             _issue_mmas(tiled_mma, acc, t_ra, t_rb, read.index, half)
+            issued(read.index, _kt)
         if const_expr(deferred):
             emit_held(held, p_row0, p_tile, p_end, p_on, _kt, _kt + 1)
         if const_expr(issue):
@@ -325,6 +329,14 @@ def _k_loop(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma, acc: 
     return read, release
 
 
+def _after_box(spill: Any) -> Callable[[Int32, Int32, Int32], Callable[[Int32, Any], None]]:
+    """consume_tiles' per-tile step after a K box's wgmmas: spill's, or none."""
+    if spill is not None:
+        out: Callable[[Int32, Int32, Int32], Callable[[Int32, Any], None]] = spill
+        return out
+    return lambda row0, n_tile, g_end: lambda stage, kt: None
+
+
 @cute.jit
 def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma, s_a: cute.Tensor,
                   s_b: cute.Tensor, s_d: cute.Tensor, s_offs: cute.Tensor, tma_atom_d: cute.CopyAtom,
@@ -335,9 +347,10 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                   k_tiles: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
                   cm: Constexpr[int] = 1, rank: Int32 | int = 0, pingpong: Constexpr[bool] = False,
                   keep_h: Constexpr[bool] = True,
-                  deferred: Constexpr[bool] = False, q: Any = None) -> None:
+                  deferred: Constexpr[bool] = False, q: Any = None, spill: Any = None) -> None:
     """The two consumer warpgroups: wgmma over each tile's K boxes, then the epilogue (none for a cluster's
-    tile past its group's end, which only keeps the shared B stages flowing)."""
+    tile past its group's end, which only keeps the shared B stages flowing); spill(row0, n_tile, g_end):
+    a cooperative tile's step after each K box's wgmmas."""
     # Ping-pong: warpgroup wg takes the CTA's units wg, wg + 2, ... and steps its ring cursor over the other's
     # stages; the mainloops take turns unit by unit (ORDER_BARRIER_ID). deferred (cooperative): a tile's bf16
     # subtiles (and act(h) of them) leave under the next tile's wgmmas (`Pending`). q: units arrive through a
@@ -373,6 +386,7 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     p_row0, p_tile, p_end, p_on = Int32(0), Int32(0), Int32(0), Int32(0)
     turn = Int32(0)
     wg_row = wg % tile_wgs(pingpong) * (BM // tile_wgs(pingpong))
+    after_box = _after_box(spill)
     while e <= n_groups:
         mine = True
         if const_expr(pingpong):
@@ -388,7 +402,8 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                                             p_row0, p_tile, p_end, p_on, k_tiles, subs, deferred, True)
                 else:
                     read, release = _k_loop(mainloop, tiled_mma, acc, t_ra, t_rb, read, release, held,
-                                            p_row0, p_tile, p_end, p_on, k_tiles, subs, deferred)
+                                            p_row0, p_tile, p_end, p_on, k_tiles, subs, deferred,
+                                            issued=after_box(row0, n_tile, g_end))
             elif e < n_groups and const_expr(k_tiles > 0):
                 read, release = _k_loop(mainloop, tiled_mma, acc, t_ra, t_rb, read, release, held,
                                         p_row0, p_tile, p_end, p_on, k_tiles, subs, deferred, issue=False)

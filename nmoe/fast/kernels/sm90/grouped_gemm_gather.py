@@ -4,6 +4,7 @@ grouped_gemm. Import after nmoe.fast.runtime.import_cutlass("sm_90a")."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import cuda.bindings.driver as cuda
@@ -18,6 +19,7 @@ from cutlass.cutlass_dsl.cutlass import max as dsl_max
 
 from nmoe.fast.kernels.prims import sel
 from nmoe.fast.kernels.sm90.chunkload import (
+    SWIZZLE_PERIOD,
     arm_stage,
     chunk_at,
     chunk_offsets,
@@ -25,10 +27,12 @@ from nmoe.fast.kernels.sm90.chunkload import (
     copy_chunk,
     land_all,
     land_pending,
+    spill_chunk,
     swizzled_bases,
     token_at,
 )
 from nmoe.fast.kernels.sm90.gatherplan import (
+    PRODUCER_THREADS,
     ROW_CHUNKS,
     ROWS_PER_THREAD,
     copied_lane,
@@ -54,15 +58,18 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
 )
 from nmoe.fast.kernels.sm90.tilequeue import QUEUE_DEPTH, next_unit
 from nmoe.fast.kernels.sm90.tiles import (
+    CONSUMER_WGS,
     EPILOGUES,
     PRODUCER_REGS,
     THREADS,
     VEC,
+    WG_THREADS,
     epi_sets,
     epi_smem_layout,
     stages_for,
 )
 from nmoe.fast.limits import GEMM_BK as BK
+from nmoe.fast.limits import GEMM_BM as BM
 from nmoe.fast.limits import GEMM_GATHER_B_EVICT_LAST as GATHER_B_EVICT_LAST
 
 GATHER_B_POLICY = EVICT_LAST if GATHER_B_EVICT_LAST else 0
@@ -146,6 +153,45 @@ def produce_rows(mainloop: pipeline.PipelineTmaAsync, tma_atom_b: cute.CopyAtom,
         mainloop.producer_tail(state)
 
 
+SPILL_ROWS = ROWS_PER_THREAD // CONSUMER_WGS
+"""Rows of a K box each consumer thread spills one chunk of: its warpgroup's half, as a producer thread's."""
+
+TileStep = Callable[[Int32, Any], None]
+
+
+def spill_rows(s_a: cute.Tensor, a_outer: cute.Layout, xp_addr: Int64, k: int, stages: int,
+               ctid: Int32) -> Callable[[Int32, Int32, Int32], TileStep]:
+    """consume_tiles' spill: after each K box's wgmmas, a consumer thread copies its chunks of the box's
+    landed rows (N tile 0's, before the group's end) to xp [R, k] in permuted order: no pass copies them."""
+    steps, stage_bytes = chunk_offsets(lambda crd: a_outer((crd[1], crd[0], crd[2])), ROW_CHUNKS,
+                                       32 // ROW_CHUNKS, SPILL_ROWS, stages)
+    half_bytes = a_outer((BM // CONSUMER_WGS, 0, 0)) * 2
+    if half_bytes % SWIZZLE_PERIOD:
+        raise ValueError(f"gathered spill: a warpgroup's half stage starts {half_bytes} bytes in, not at a "
+                         "whole swizzle period")
+    wtid, wg = ctid % WG_THREADS, ctid // WG_THREADS
+    c = wtid % ROW_CHUNKS * VEC
+    at = swizzled_bases(cast(Pointer, s_a.iterator).toint(), a_outer((copied_row(wtid, 0), c, 0)) * 2, steps)
+    half = wg * half_bytes
+    first = wg * (BM // CONSUMER_WGS) + copied_row(wtid, 0)
+    pitch = PRODUCER_THREADS // ROW_CHUNKS
+
+    def tile(row0: Int32, n_tile: Int32, g_end: Int32) -> TileStep:
+        rows = [row0 + first + pitch * i for i in range(SPILL_ROWS)]
+        on = [sel(n_tile == 0, 1, 0) & sel(r < g_end, 1, 0) for r in rows]
+        dst = [xp_addr + Int64(r) * Int64(k * 2) + Int64(c * 2) for r in rows]
+
+        def box(stage: Int32, kt: Any) -> None:
+            s_stage = stage * stage_bytes + half
+            tail = sel(kt * BK + c < k, 1, 0) if k % BK else 1
+            for i in range(SPILL_ROWS):
+                spill_chunk(chunk_at(at, steps[i], s_stage), dst[i] + Int64(kt * BK * 2), on[i] & tail)
+
+        return box
+
+    return tile
+
+
 @cute.kernel
 def grouped_gemm_gather_kernel(
     tma_atom_b: cute.CopyAtom, m_b: cute.Tensor, tma_atom_d: cute.CopyAtom, tma_d: cute.Tensor,
@@ -154,7 +200,8 @@ def grouped_gemm_gather_kernel(
     tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
     d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int],
     stages: Constexpr[int], act: Constexpr[str], pingpong: Constexpr[bool], keep_h: Constexpr[bool],
-    deferred: Constexpr[bool], m_count: cute.Tensor, dynamic: Constexpr[bool], x_addr: Int64,
+    deferred: Constexpr[bool], m_count: cute.Tensor, dynamic: Constexpr[bool], x_addr: Int64, xp_addr: Int64,
+    spill: Constexpr[bool],
 ) -> None:
     tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, s_act, mainloop, q = fwd_cta_begin(
         (tma_atom_b, tma_atom_d, tma_atom_act), m_offs, n_groups, a_layout, b_layout, d_layout, stages, "b",
@@ -167,20 +214,25 @@ def grouped_gemm_gather_kernel(
                      n_groups, m_rows, unit, n_units, warp_idx, tidx, n_tiles_n, k_tiles, k, bn, stages, q,
                      m_count)
     else:
+        spiller = None
+        if const_expr(spill):
+            spiller = spill_rows(s_a, a_layout.outer, xp_addr, k, stages, tidx - WG_THREADS)
         consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, s_act,
                       tma_atom_act, tma_act, n_groups, m_rows, tidx, warp_idx, n_units, unit, n, bn, k_tiles,
-                      stages, act, 1, rank, pingpong, keep_h, deferred, q)
+                      stages, act, 1, rank, pingpong, keep_h, deferred, q, spiller)
 
 
 @cute.jit
 def grouped_gemm_gather_host(
     px: Pointer, pslot: Pointer, pw: Pointer, py: Pointer, pa: Pointer, poffs: Pointer, pcount: Pointer,
-    top_k: Int32, m_rows: Int32, n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream,
+    pxp: Pointer, top_k: Int32, m_rows: Int32, n_groups: Int32, n_ctas: Int32, stream: cuda.CUstream,
     n: Constexpr[int], k: Constexpr[int], bn: Constexpr[int], w_k_major: Constexpr[bool], act: Constexpr[str],
     pingpong: Constexpr[bool], keep_h: Constexpr[bool], deferred: Constexpr[bool], dynamic: Constexpr[bool],
+    spill: Constexpr[bool],
 ) -> None:
     """y[p, n] = x[slot[p] // top_k] @ B_e^T for permuted row p of group e, zero rows where slot[p] = -1; x's
-    rows are gathered as they load, so the permuted copy of x is never written."""
+    rows are gathered as they load, so the permuted copy of x is never written (spill: written to xp [R, k]
+    beside the MMAs, every group's rows, where the wgrad wants it)."""
     # x is [*, k]; B_e = w[e] for K-major w [E, n, k], else w[e]^T of w [E, k, n] (the dgrad). With act !=
     # "none" it also writes a = act(y), and y is not stored unless keep_h. deferred: each tile's epilogue
     # leaves under the next tile's wgmmas (grouped_gemm's Pending). dynamic: units taken from the zeroed
@@ -194,23 +246,26 @@ def grouped_gemm_gather_host(
     grouped_gemm_gather_kernel(
         tma_atom_b, tma_b, tma_atom_d, tma_d, m_y, m_a, tma_atom_act, tma_act, m_offs, m_slot, top_k, m_rows,
         n_groups, tiled_mma, a_layout, b_layout, epi_smem_layout(epi_sets(pingpong)), n, k, bn, stages, act,
-        pingpong, keep_h, deferred, m_count, dynamic, Int64(px.toint()),
+        pingpong, keep_h, deferred, m_count, dynamic, Int64(px.toint()), Int64(pxp.toint()), spill,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(1), min_blocks_per_mp=1,
              stream=stream)
 
 
 def compile_args_gather(n: int, k: int, bn: int, act: str = "none", w_k_major: bool = True,
                         pingpong: bool = False, keep_h: bool = True, deferred: bool = False,
-                        dynamic: bool = False) -> tuple[Any, tuple[Any, ...]]:
+                        dynamic: bool = False, spill: bool = False) -> tuple[Any, tuple[Any, ...]]:
     if act not in EPILOGUES or (act != "none" and not w_k_major):
         raise ValueError(f"gathered grouped GEMM epilogue {act!r} (w_k_major={w_k_major}) unsupported; the "
                          f"fwd takes one of {sorted(EPILOGUES)}, the dgrad only 'none'")
     if not keep_h and act == "none":
         raise ValueError("gathered grouped GEMM without h (keep_h=False) needs an activation epilogue: with "
                          "act 'none' it would store nothing")
+    if spill and (w_k_major or pingpong):
+        raise ValueError("gathered grouped GEMM spill writes the dgrad's dy rows (w_k_major=False) from the "
+                         f"cooperative consumers; got w_k_major={w_k_major}, pingpong={pingpong}")
     ptrs = (pointer(BFloat16, 0), pointer(Int64, 0, 8), *(pointer(BFloat16, 0) for _ in range(3)),
-            pointer(Int32, 0, 4), pointer(Int32, 0, 4))
+            pointer(Int32, 0, 4), pointer(Int32, 0, 4), pointer(BFloat16, 0))
     check_schedule(bn, pingpong, act)
     check_deferred(deferred, pingpong)
     return grouped_gemm_gather_host, (*ptrs, *(Int32(0) for _ in range(4)), cuda.CUstream(0), n, k, bn,
-                                      w_k_major, act, pingpong, keep_h, deferred, dynamic)
+                                      w_k_major, act, pingpong, keep_h, deferred, dynamic, spill)
