@@ -369,6 +369,11 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     replace(_GATHER_DEFERRED, id="ablate.layer_gather_deferred",
             description="the layer's gathering up projection (swiglu fused) and down-projection dgrad with "
             "the deferred epilogue"),
+    Mutation("ablate.layer_dgrad_spill", LIMITS, "GEMM_DGRAD_SPILL: Final[bool] = False\n",
+             "GEMM_DGRAD_SPILL: Final[bool] = True\n",
+             "the down dgrad writes dout's permuted copy from the rows it gathered (at I above "
+             "GEMM_WGRAD_GATHER_DY_MAX_K), and the down wgrad reads it whole, instead of copy passes of "
+             "dout's column chunks"),
     *(Mutation(f"ablate.layer_down_wgrad_{what}", LIMITS, "GEMM_WGRAD_GATHER_DY_MAX_K: Final[int] = 256\n",
                f"GEMM_WGRAD_GATHER_DY_MAX_K: Final[int] = {to}\n", "the down projection's wgrad " + how)
       for what, to, how in (
@@ -398,8 +403,8 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ablate.layer_down_chunks_a_wide", MOE,
-        "            dw2 = _expert_wgrad(dout, aw, slot, row_of, offs, \"dy\", h.shape[1], w2)\n",
-        "            dw2 = _expert_wgrad(dout, aw, slot, row_of, offs, \"dy\", aw.shape[1], w2)\n",
+        "            dw2 = _expert_wgrad(dout, aw, slot, row_of, offs, \"dy\", h.shape[1], w2, dyp)\n",
+        "            dw2 = _expert_wgrad(dout, aw, slot, row_of, offs, \"dy\", aw.shape[1], w2, dyp)\n",
         "the down wgrad copies dout's columns in chunks as wide as a (I) instead of dh (2I for swiglu): "
         "twice the launches, each with a skewed routing's tail",
     ),

@@ -50,8 +50,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "moe.fast_gather_off_by_one", FILE,
-        "part = spread_rows(src[:, c0:c0 + cols], slot, row_of)",
-        "part = spread_rows(src.roll(1, 0)[:, c0:c0 + cols], slot, row_of)",
+        "spread_rows(src[:, c0:c0 + cols], slot, row_of)",
+        "spread_rows(src.roll(1, 0)[:, c0:c0 + cols], slot, row_of)",
         "the wgrads' permuted copies of x and dout hold the previous token's rows", TESTS, ("moe_layer",),
     ),
     sep_mutation(

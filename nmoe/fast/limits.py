@@ -56,6 +56,10 @@ GEMM_WGRAD_GATHER_DY_MAX_K: Final[int] = 256
 rows by index as it loads when I is at most this, else the TMA wgrad reads permuted copies of dout's column
 chunks: the copy's 4RH bytes weigh more against 2RHI FLOPs the smaller I (H100 layer fwd+bwd, 002f283:
 1.07x at I = 256, 1.00x at 512, 0.97-0.98x at 1024; at 26d6355 the copies ran 0.93x at I = 256)."""
+GEMM_DGRAD_SPILL: Final[bool] = False
+"""Where the MoE layer's down wgrad reads a permuted copy of dout (I above GEMM_WGRAD_GATHER_DY_MAX_K), the
+gathered down dgrad writes that copy whole from the rows it gathered (N tile 0's consumers, beside the MMAs)
+instead of a pass copying column chunks after it: 2RH bytes held until the wgrad. Off until measured."""
 GEMM_WGRAD_GATHER_X: Final[bool] = False
 """The MoE layer's up wgrad reads x's rows by index as it loads (x on the wgrad's N side, dw in w's layout)
 instead of the TMA wgrad over permuted copies of x's column chunks. Off: with the lean producer the gathered

@@ -17,7 +17,9 @@ Saved for the backward, per token (K slots, up width N = 2I swiglu or I relu2, E
                                             transient permuted copies of column chunks of dout and of x
                                             (made once dx is reduced), each no larger than dh, spread on the
                                             forward's routing; at I <= 256 the down wgrad reads dout's rows
-                                            by index instead (limits.GEMM_WGRAD_GATHER_DY_MAX_K)
+                                            by index instead (limits.GEMM_WGRAD_GATHER_DY_MAX_K); above
+                                            it, with limits.GEMM_DGRAD_SPILL, the down dgrad writes dout's
+                                            whole copy (2KH bytes, held until the down wgrad) from its rows
   h [slots, N] bf16                        2KN bytes: the up-projection output; a = act(h) is recomputed
                                             (elementwise), redoing the up GEMM would cost a third of the fwd;
                                             the backward writes dh over h (no second [slots, N] buffer)
@@ -104,17 +106,18 @@ def _held_grad(w: Tensor) -> Tensor | None:
 
 
 def _expert_wgrad(dy: Tensor, x: Tensor, slot: Tensor, row_of: Tensor, offs: Tensor, tokens: str,
-                  width: int, w: Tensor) -> Tensor | None:
+                  width: int, w: Tensor, copied: Tensor | None = None) -> Tensor | None:
     """dy^T @ x per expert when the `tokens` side is token-major: read through slot by the gathering wgrad
-    (dout on M at I small; x on N, or on M, when GEMM_WGRAD_GATHER_X) or copied `width` columns at a time into
-    permuted order for the TMA-fed wgrad."""
+    (dout on M at I small; x on N, or on M, when GEMM_WGRAD_GATHER_X) or, permuted, by the TMA-fed wgrad:
+    `copied` (the spilling dgrad's) or copies of `width` columns at a time."""
     # The `tokens` side is "x" (the up projection's x) or "dy" (the down projection's dout); chunks are whole
     # 128-wide tiles, permuted by the forward's routing with their columns read in place. Which one is faster
     # is measured (GEMM_WGRAD_GATHER_DY_MAX_K, GEMM_WGRAD_GATHER_X); with the old producer gathering x ran
     # 2.0-3.5x slower than copy + TMA on the wgrad's N side (H100 gather rows at 002f283). None when the
     # wgrad was added into w's held .grad in place (_held_grad), autograd's share then being nothing.
     into = _held_grad(w)
-    if (limits.GEMM_WGRAD_GATHER_X if tokens == "x" else x.shape[1] <= limits.GEMM_WGRAD_GATHER_DY_MAX_K):
+    if copied is None and (limits.GEMM_WGRAD_GATHER_X if tokens == "x"
+                           else x.shape[1] <= limits.GEMM_WGRAD_GATHER_DY_MAX_K):
         transposed, k = tokens == "x" and limits.GEMM_WGRAD_GATHER_X_ON_M, row_of.shape[1]
         if into is None:
             return sm90.grouped_gemm_wgrad_gathered(dy, x, slot, k, offs, side=tokens, transposed=transposed)
@@ -123,9 +126,9 @@ def _expert_wgrad(dy: Tensor, x: Tensor, slot: Tensor, row_of: Tensor, offs: Ten
     src, other = (x, dy) if tokens == "x" else (dy, x)
     dw = other.new_empty(offs.shape[0], dy.shape[1], x.shape[1]) if into is None else into
     add = into is not None
-    cols = sm90.wgrad_cols(src.shape[1], width)
+    cols = src.shape[1] if copied is not None else sm90.wgrad_cols(src.shape[1], width)
     for c0 in range(0, src.shape[1], cols):
-        part = spread_rows(src[:, c0:c0 + cols], slot, row_of)
+        part = copied if copied is not None else spread_rows(src[:, c0:c0 + cols], slot, row_of)
         if tokens == "x":
             sm90.grouped_gemm_wgrad_cols(dy, part, offs, dw, c0, accumulate=add)
         else:
@@ -232,11 +235,14 @@ class _Routed(torch.autograd.Function):
         dout = dout.contiguous()
         scale = float(torch.tensor(cfg.route_scale, dtype=torch.float32))
         wrow = _slot_weights(weights, slot) * scale
-        aw = dot = None
+        aw = dot = dyp = None
         if need_h or dot_w:
             # Per permuted row r, one pass: a = act(h), aw_r = bf16(a_r * w_r), dot_r = <a_r, dz_r> and h
             # overwritten by act_bwd(bf16(dz_r * w_r), h) = dh, with w_r = w[slot r] * scale.
-            dz = sm90.grouped_gemm_dgrad_gathered(dout, slot, k, w2, offs)
+            if need_w2 and limits.GEMM_DGRAD_SPILL and w2.shape[2] > limits.GEMM_WGRAD_GATHER_DY_MAX_K:
+                dz, dyp = sm90.grouped_gemm_dgrad_gathered_spill(dout, slot, k, w2, offs)
+            else:
+                dz = sm90.grouped_gemm_dgrad_gathered(dout, slot, k, w2, offs)
             aw, dot = expert_rows_bwd(dz, h, wrow, cfg.activation)
             del dz
         elif need_w2:
@@ -249,8 +255,8 @@ class _Routed(torch.autograd.Function):
             dweights = (dot * scale).index_select(0, row_of.view(-1)).view(t, k)
         if need_w2:
             assert aw is not None
-            dw2 = _expert_wgrad(dout, aw, slot, row_of, offs, "dy", h.shape[1], w2)
-        del aw
+            dw2 = _expert_wgrad(dout, aw, slot, row_of, offs, "dy", h.shape[1], w2, dyp)
+        del aw, dyp
         dx_s = dw_up_s = dw2_s = None
         if s_up is not None:
             dx_s, dw_up_s, dw2_s = _shared_bwd(dout, x, s_up, s_w2, h_s, offs_s, cfg.activation,
