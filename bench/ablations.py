@@ -369,6 +369,13 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     replace(_GATHER_DEFERRED, id="ablate.layer_gather_deferred",
             description="the layer's gathering up projection (swiglu fused) and down-projection dgrad with "
             "the deferred epilogue"),
+    Mutation(
+        "ablate.layer_up_chunks_wide", MOE,
+        "                dw_up = _expert_wgrad(dh, x, slot, row_of, offs, \"x\", dh.shape[1], w_up)\n",
+        "                dw_up = _expert_wgrad(dh, x, slot, row_of, offs, \"x\", 2 * dh.shape[1], w_up)\n",
+        "the up wgrad copies x's columns in chunks twice as wide as dh (half the launches, twice the "
+        "transient copy)",
+    ),
     Mutation("ablate.layer_dgrad_spill", LIMITS, "GEMM_DGRAD_SPILL: Final[bool] = False\n",
              "GEMM_DGRAD_SPILL: Final[bool] = True\n",
              "the down dgrad writes dout's permuted copy from the rows it gathered (at I above "

@@ -206,6 +206,8 @@ def test_kernels_declare_sm90_only() -> None:
                         "grouped_gemm_act_gathered_swiglu_n256_act_only_deferred",
                         "grouped_gemm_dgrad_gathered_n256", "grouped_gemm_dgrad_gathered_n256_deferred",
                         "grouped_gemm_dgrad_gathered_n256_dynamic",
+                        "grouped_gemm_dgrad_gathered_n256_spill_dynamic",
+                        "grouped_gemm_dgrad_gathered_n128_spill_k_tail",
                         "grouped_gemm_wgrad_gathered_x_n256", "grouped_gemm_wgrad_gathered_x_n128",
                         "grouped_gemm_wgrad_gathered_dy_n128",
                         "grouped_gemm_wgrad_gathered_dy_accumulate_n256",

@@ -72,7 +72,8 @@ def test_dynamic_kernels_are_compile_checked() -> None:
              and s.name.startswith(("grouped_gemm_act_gathered", "grouped_gemm_dgrad_gathered"))}
     assert set(names) == {"grouped_gemm_act_gathered_swiglu_n256_dynamic",
                           "grouped_gemm_act_gathered_swiglu_n256_act_only_dynamic",
-                          "grouped_gemm_dgrad_gathered_n256_dynamic"}
+                          "grouped_gemm_dgrad_gathered_n256_dynamic",
+                          "grouped_gemm_dgrad_gathered_n256_spill_dynamic"}
     for spec in names.values():
         expect = " ".join(spec.expect["sm_90a"])
         assert "atom" in expect and "st\\.async" not in expect
