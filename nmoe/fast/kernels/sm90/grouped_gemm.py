@@ -296,9 +296,9 @@ def _k_loop(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma, acc: 
             landed: Callable[[Int32, Any], None] = lambda stage, kt: None,
             issued: Callable[[Int32, Any], None] = lambda stage, kt: None) -> tuple[Any, Any]:
     """A tile's mainloop: each K box's wgmmas (none if not issue: dead rows), the box before it freed once
-    they retire (deferred: one held subtile leaves under each box, in step with the partner warpgroup's
-    epilogue barrier; landed / issued(stage, kt): steps before / after box kt's wgmmas); returns (read,
-    release) advanced."""
+    they retire; returns (read, release) advanced."""
+    # deferred: one held subtile leaves under each box, in step with the partner warpgroup's epilogue barrier.
+    # landed / issued(stage, kt): steps before / after box kt's wgmmas.
     mainloop.consumer_wait(read)
     landed(read.index, Int32(0))
     if const_expr(issue):
