@@ -105,6 +105,11 @@ def _held_grad(w: Tensor) -> Tensor | None:
     return g
 
 
+def _down_wgrad_gathers(inter: int) -> bool:
+    """Whether the down wgrad reads dout's rows by index (I small), not a permuted copy of dout."""
+    return inter <= limits.GEMM_WGRAD_GATHER_DY_MAX_K
+
+
 def _expert_wgrad(dy: Tensor, x: Tensor, slot: Tensor, row_of: Tensor, offs: Tensor, tokens: str,
                   width: int, w: Tensor, copied: Tensor | None = None) -> Tensor | None:
     """dy^T @ x per expert when the `tokens` side is token-major: read through slot by the gathering wgrad
@@ -116,8 +121,7 @@ def _expert_wgrad(dy: Tensor, x: Tensor, slot: Tensor, row_of: Tensor, offs: Ten
     # 2.0-3.5x slower than copy + TMA on the wgrad's N side (H100 gather rows at 002f283). None when the
     # wgrad was added into w's held .grad in place (_held_grad), autograd's share then being nothing.
     into = _held_grad(w)
-    if copied is None and (limits.GEMM_WGRAD_GATHER_X if tokens == "x"
-                           else x.shape[1] <= limits.GEMM_WGRAD_GATHER_DY_MAX_K):
+    if copied is None and (limits.GEMM_WGRAD_GATHER_X if tokens == "x" else _down_wgrad_gathers(x.shape[1])):
         transposed, k = tokens == "x" and limits.GEMM_WGRAD_GATHER_X_ON_M, row_of.shape[1]
         if into is None:
             return sm90.grouped_gemm_wgrad_gathered(dy, x, slot, k, offs, side=tokens, transposed=transposed)
@@ -239,7 +243,7 @@ class _Routed(torch.autograd.Function):
         if need_h or dot_w:
             # Per permuted row r, one pass: a = act(h), aw_r = bf16(a_r * w_r), dot_r = <a_r, dz_r> and h
             # overwritten by act_bwd(bf16(dz_r * w_r), h) = dh, with w_r = w[slot r] * scale.
-            if need_w2 and limits.GEMM_DGRAD_SPILL and w2.shape[2] > limits.GEMM_WGRAD_GATHER_DY_MAX_K:
+            if need_w2 and limits.GEMM_DGRAD_SPILL and not _down_wgrad_gathers(w2.shape[2]):
                 dz, dyp = sm90.grouped_gemm_dgrad_gathered_spill(dout, slot, k, w2, offs)
             else:
                 dz = sm90.grouped_gemm_dgrad_gathered(dout, slot, k, w2, offs)

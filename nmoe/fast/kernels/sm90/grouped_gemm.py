@@ -329,12 +329,9 @@ def _k_loop(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma, acc: 
     return read, release
 
 
-def _after_box(spill: Any) -> Callable[[Int32, Int32, Int32], Callable[[Int32, Any], None]]:
-    """consume_tiles' per-tile step after a K box's wgmmas: spill's, or none."""
-    if spill is not None:
-        out: Callable[[Int32, Int32, Int32], Callable[[Int32, Any], None]] = spill
-        return out
-    return lambda row0, n_tile, g_end: lambda stage, kt: None
+def no_spill(row0: Int32, n_tile: Int32, g_end: Int32) -> Callable[[Int32, Any], None]:
+    """consume_tiles' default per-tile step after a K box's wgmmas: none."""
+    return lambda stage, kt: None
 
 
 @cute.jit
@@ -347,7 +344,8 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                   k_tiles: Constexpr[int], stages: Constexpr[int], act: Constexpr[str],
                   cm: Constexpr[int] = 1, rank: Int32 | int = 0, pingpong: Constexpr[bool] = False,
                   keep_h: Constexpr[bool] = True,
-                  deferred: Constexpr[bool] = False, q: Any = None, spill: Any = None) -> None:
+                  deferred: Constexpr[bool] = False, q: Any = None,
+                  spill: Callable[[Int32, Int32, Int32], Callable[[Int32, Any], None]] = no_spill) -> None:
     """The two consumer warpgroups: wgmma over each tile's K boxes, then the epilogue (none for a cluster's
     tile past its group's end, which only keeps the shared B stages flowing); spill(row0, n_tile, g_end):
     a cooperative tile's step after each K box's wgmmas."""
@@ -386,7 +384,6 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
     p_row0, p_tile, p_end, p_on = Int32(0), Int32(0), Int32(0), Int32(0)
     turn = Int32(0)
     wg_row = wg % tile_wgs(pingpong) * (BM // tile_wgs(pingpong))
-    after_box = _after_box(spill)
     while e <= n_groups:
         mine = True
         if const_expr(pingpong):
@@ -403,7 +400,7 @@ def consume_tiles(mainloop: pipeline.PipelineTmaAsync, tiled_mma: cute.TiledMma,
                 else:
                     read, release = _k_loop(mainloop, tiled_mma, acc, t_ra, t_rb, read, release, held,
                                             p_row0, p_tile, p_end, p_on, k_tiles, subs, deferred,
-                                            issued=after_box(row0, n_tile, g_end))
+                                            issued=spill(row0, n_tile, g_end))
             elif e < n_groups and const_expr(k_tiles > 0):
                 read, release = _k_loop(mainloop, tiled_mma, acc, t_ra, t_rb, read, release, held,
                                         p_row0, p_tile, p_end, p_on, k_tiles, subs, deferred, issue=False)

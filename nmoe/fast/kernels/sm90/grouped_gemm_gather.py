@@ -53,6 +53,7 @@ from nmoe.fast.kernels.sm90.grouped_gemm import (
     fwd_cta_begin,
     n_k_tiles,
     n_tiles_n_of,
+    no_spill,
     pointer,
     unit_tile,
 )
@@ -214,7 +215,7 @@ def grouped_gemm_gather_kernel(
                      n_groups, m_rows, unit, n_units, warp_idx, tidx, n_tiles_n, k_tiles, k, bn, stages, q,
                      m_count)
     else:
-        spiller = None
+        spiller: Callable[[Int32, Int32, Int32], TileStep] = no_spill
         if const_expr(spill):
             spiller = spill_rows(s_a, a_layout.outer, xp_addr, k, stages, tidx - WG_THREADS)
         consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, s_act,
