@@ -238,14 +238,11 @@ _WGRAD_GATHER_DYNAMIC = Mutation(
     "hands it to the other producer warps and the consumers) instead of static snake rounds, so the CTAs on "
     "one expert's rows stay together",
 )
-_UP_WGRAD_ON_M = (
-    Mutation("ablate.layer_up_wgrad_gathered_on_m", LIMITS, "GEMM_WGRAD_GATHER_X: Final[bool] = False\n",
-             "GEMM_WGRAD_GATHER_X: Final[bool] = True\n",
-             "the up projection's wgrad reads x's rows by index on its M side (x on M, half x on N's "
-             "gathered reads) and stores dw transposed, no copies of x"),
-    Mutation("ablate.layer_up_wgrad_gathered_on_m_b", LIMITS,
-             "GEMM_WGRAD_GATHER_X_ON_M: Final[bool] = False\n",
-             "GEMM_WGRAD_GATHER_X_ON_M: Final[bool] = True\n", ""),
+_UP_WGRAD_GATHERED = Mutation(
+    "ablate.layer_up_wgrad_gathered", LIMITS, "GEMM_WGRAD_GATHER_X_MAX_N: Final[int] = 512\n",
+    "GEMM_WGRAD_GATHER_X_MAX_N: Final[int] = 1 << 30\n",
+    "the up projection's wgrad reads x's rows by index (on its M side, dw stored transposed) at every up "
+    "width N, not only at N <= 512: no copies of x",
 )
 _ZERO_CHUNK_READS = (
     replace(_OLD_PRODUCER, id="ablate.gather_wgrad_zero_chunk_reads",
@@ -376,20 +373,26 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
         "the up wgrad copies x's columns in chunks twice as wide as dh (half the launches, twice the "
         "transient copy)",
     ),
-    Mutation("ablate.layer_dgrad_spill", LIMITS, "GEMM_DGRAD_SPILL: Final[bool] = False\n",
-             "GEMM_DGRAD_SPILL: Final[bool] = True\n",
-             "the down dgrad writes dout's permuted copy from the rows it gathered (at I above "
-             "GEMM_WGRAD_GATHER_DY_MAX_K), and the down wgrad reads it whole, instead of copy passes of "
-             "dout's column chunks"),
+    Mutation("ablate.layer_dgrad_no_spill", LIMITS, "GEMM_DGRAD_SPILL: Final[bool] = True\n",
+             "GEMM_DGRAD_SPILL: Final[bool] = False\n",
+             "at I above GEMM_WGRAD_GATHER_DY_MAX_K the down wgrad reads copies of dout's column chunks made "
+             "by copy passes after the down dgrad, instead of the whole copy the dgrad writes from the rows "
+             "it gathered"),
     *(Mutation(f"ablate.layer_down_wgrad_{what}", LIMITS, "GEMM_WGRAD_GATHER_DY_MAX_K: Final[int] = 256\n",
                f"GEMM_WGRAD_GATHER_DY_MAX_K: Final[int] = {to}\n", "the down projection's wgrad " + how)
       for what, to, how in (
-          ("copied", 0, "by TMA over permuted copies of dout's column chunks at every I, instead of reading "
-           "dout's rows by index as it loads (cp.async) at I <= 256"),
+          ("copied", 0, "by TMA over the permuted copy of dout the down dgrad writes, at every I, instead of "
+           "reading dout's rows by index as it loads (cp.async) at I <= 256"),
           ("gathered", 1 << 30, "reads dout's rows by index at every I, not only at I <= 256"))),
-    Mutation("ablate.layer_up_wgrad_gathered", LIMITS, "GEMM_WGRAD_GATHER_X: Final[bool] = False\n",
-             "GEMM_WGRAD_GATHER_X: Final[bool] = True\n",
-             "the up projection's wgrad reads x's rows by index as it loads (x on N), no copies of x"),
+    _UP_WGRAD_GATHERED,
+    Mutation("ablate.layer_up_wgrad_copied", LIMITS, "GEMM_WGRAD_GATHER_X_MAX_N: Final[int] = 512\n",
+             "GEMM_WGRAD_GATHER_X_MAX_N: Final[int] = 0\n",
+             "the up projection's wgrad by TMA over permuted copies of x's column chunks at every up width "
+             "N, instead of reading x's rows by index at N <= 512"),
+    Mutation("ablate.layer_up_wgrad_on_n", LIMITS, "GEMM_WGRAD_GATHER_X_ON_M: Final[bool] = True\n",
+             "GEMM_WGRAD_GATHER_X_ON_M: Final[bool] = False\n",
+             "where the up wgrad gathers x (N <= 512), x's rows on its N side and dw in w's layout, instead "
+             "of on its M side with dw stored transposed"),
     Mutation(
         "ablate.layer_align128", "bench/ablate.py",
         "    mc, p, x, leaves = layer_inputs(cfg, routing, LAYER_ALIGN)\n",
@@ -462,26 +465,16 @@ COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {
                         "t * k), torch.arange(slot.shape[0], dtype=torch.int32, device=x.device))"
                         "[:t * k].view(t, k)\n", "")),
               (replace(_OLD_PRODUCER, id="ablate.layer_wgrad_old_producer"),),
-              _UP_WGRAD_ON_M,
-              (replace(_UP_WGRAD_ON_M[0], id="ablate.layer_up_wgrad_gathered_on_m_dynamic",
-                       description="layer_up_wgrad_gathered_on_m with every gathered wgrad's tiles from "
-                       "the device counter (GEMM_WGRAD_GATHER_DYNAMIC): what the dynamic schedule adds to x "
-                       "on M"),
-               replace(_UP_WGRAD_ON_M[1], id="ablate.layer_up_wgrad_gathered_on_m_dynamic_b"),
-               replace(_WGRAD_GATHER_DYNAMIC, id="ablate.layer_up_wgrad_gathered_on_m_dynamic_c",
+              (replace(_UP_WGRAD_GATHERED, id="ablate.layer_up_wgrad_gathered_dynamic",
+                       description="layer_up_wgrad_gathered with every gathered wgrad's tiles from the "
+                       "device counter (GEMM_WGRAD_GATHER_DYNAMIC): what the dynamic schedule adds to x on M"),
+               replace(_WGRAD_GATHER_DYNAMIC, id="ablate.layer_up_wgrad_gathered_dynamic_b",
                        description="")),
               tuple(replace(m, id=m.id.replace("gather_", "layer_")) for m in _ZERO_CHUNK_READS),
               (replace(_GATHER_B_EVICT_LAST, id="ablate.layer_evict_all",
                        description="every fwd/dgrad TMA's weights evict-last, the TMA-fed rows evict-first"),
                replace(_TMA_A_EVICT_FIRST, id="ablate.layer_evict_all_a"),
-               replace(_TMA_B_EVICT_LAST, id="ablate.layer_evict_all_tma_b")),
-              (Mutation("ablate.layer_dgrad_spill_every_i", LIMITS, "GEMM_DGRAD_SPILL: Final[bool] = False\n",
-                        "GEMM_DGRAD_SPILL: Final[bool] = True\n",
-                        "the down dgrad spills dout's copy at every I, and the down wgrad reads it by TMA at "
-                        "I <= 256 too, not dout's rows by index"),
-               Mutation("ablate.layer_dgrad_spill_every_i_b", LIMITS,
-                        "GEMM_WGRAD_GATHER_DY_MAX_K: Final[int] = 256\n",
-                        "GEMM_WGRAD_GATHER_DY_MAX_K: Final[int] = 0\n", ""))),
+               replace(_TMA_B_EVICT_LAST, id="ablate.layer_evict_all_tma_b"))),
     "gemm": ((replace(_TMA_A_EVICT_FIRST, id="ablate.evict_both",
                       description="a_evict_first and b_evict_last together"),
               replace(_TMA_B_EVICT_LAST, id="ablate.evict_both_b")),

@@ -189,11 +189,11 @@ def test_sep_gemm_fast_gather_pad_rows_read() -> None:
 
 @gpu
 def test_sep_gemm_fast_gather_token_lane() -> None:
-    """Tile row p // 8 + 16 i copied from the token looked up for row p // 8 + 16 (i + 1): with uniform
-    routing, rows 16 apart in the first tile name different tokens, so h changes."""
-    t, k = 64, 2
+    """Tile row p // 8 + 16 i copied from the token looked up for row p // 8 + 16 (i + 1): every token routed
+    to both of two experts, the first tile's 128 rows are real and rows 16 apart name different tokens."""
+    t, k = 256, 2
     x = torch.randn(t, 256).to(torch.bfloat16).cuda()
-    slot, got, want = _pair(t, k, 256, 256, 4, x)
+    slot, got, want = _pair(t, k, 256, 256, 2, x)
     real = slot[:128]
     assert bool((real >= 0).all()) and bool((real[:-16] // k != real[16:] // k).any()), (
         "rows 16 apart in the first tile name different tokens")

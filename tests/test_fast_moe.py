@@ -86,22 +86,21 @@ CASES = [("swiglu", 1, "bf16", "sigmoid"), ("relu2", 0, "bf16", "softmax"), ("sw
                          + [("relu2", 1, "bf16", "sigmoid", 8, (4, 2), "gathered"),
                             ("swiglu", 1, "bf16", "sigmoid", 128, (1, 1), "copied"),
                             ("relu2", 0, "bf16", "sigmoid", 8, (1, 1), "spilled"),
-                            ("swiglu", 1, "bf16", "sigmoid", 8, (1, 1), "x_on_m")])
+                            ("swiglu", 1, "bf16", "sigmoid", 8, (1, 1), "x_copied")])
 def test_moe_layer_values_and_grads(monkeypatch: pytest.MonkeyPatch, activation: str, shared: int, dtype: str,
                                     score: str, align: int, groups: tuple[int, int], down_wgrad: str) -> None:
     """Routing: the spec's top-k on the fast logits, bit for bit. Values and gradients: float64 autograd on
     the fast routing (bf16), and the spec layer on CPU where its own logits route alike (fp8 needs that).
-    I = 128: the down wgrad gathers dout's rows; "copied" runs the TMA one on dout's copies, as at I > 256,
-    "spilled" on the copy the down dgrad writes; "x_on_m" gathers x's rows too, on the up wgrad's M side,
-    its dw stored transposed."""
+    I = 128: the down wgrad gathers dout's rows, the up wgrad x's (on its M side, dw stored transposed);
+    "copied" runs the TMA down wgrad on dout's copies, as at I > 256, "spilled" on the copy the down dgrad
+    writes; "x_copied" runs the TMA up wgrad on x's copies, as at N > 512."""
     _sm90()
     from nmoe.fast import limits
     if down_wgrad in ("copied", "spilled"):
         monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_DY_MAX_K", 0)
         monkeypatch.setattr(limits, "GEMM_DGRAD_SPILL", down_wgrad == "spilled")
-    if down_wgrad == "x_on_m":
-        monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_X", True)
-        monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_X_ON_M", True)
+    if down_wgrad == "x_copied":
+        monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_X_MAX_N", 0)
     from nmoe.fast.moe import moe_layer
     from nmoe.fast.router import router_logits
     from nmoe.reference.router import router_topk
@@ -214,18 +213,20 @@ def test_moe_layer_eager_never_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @gpu
-@pytest.mark.parametrize("down_wgrad", ["gathered", "copied", "spilled"])
+@pytest.mark.parametrize("down_wgrad", ["gathered", "copied", "spilled", "x_copied"])
 def test_a_later_microbatch_adds_routed_wgrads_in_place_bit_for_bit(monkeypatch: pytest.MonkeyPatch,
                                                                     down_wgrad: str) -> None:
     """Inside adding_to_grads the routed experts' wgrads are added into their held .grad by the wgrad
-    kernels' reduce-add (the down one gathered from dout's rows, or on its copies, or on the one the dgrad
-    spills): bit for bit autograd's bf16 add of the two microbatches' gradients, in the same tensors; every
-    other one as autograd adds it."""
+    kernels' reduce-add (the down one gathered from dout's rows, on its copies or on the one the dgrad spills;
+    the up one gathered from x's rows or on their copies): bit for bit autograd's bf16 add of the two
+    microbatches' gradients, in the same tensors; every other one as autograd adds it."""
     _sm90()
     from nmoe.fast import limits
     if down_wgrad in ("copied", "spilled"):
         monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_DY_MAX_K", 0)
         monkeypatch.setattr(limits, "GEMM_DGRAD_SPILL", down_wgrad == "spilled")
+    if down_wgrad == "x_copied":
+        monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_X_MAX_N", 0)
     from nmoe.accumulate import adding_to_grads
     from nmoe.fast.moe import moe_layer
     cfg = _cfg("swiglu", 1, "bf16", "sigmoid")

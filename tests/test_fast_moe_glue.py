@@ -60,6 +60,15 @@ def _dgrad_gathered(dy: Tensor, slot: Tensor, top_k: int, w: Tensor, offs: Tenso
     return rg.grouped_gemm_dgrad(_gathered_rows(dy, slot, top_k), w, offs)
 
 
+def _dgrad_gathered_spill(dy: Tensor, slot: Tensor, top_k: int, w: Tensor,
+                          offs: Tensor) -> tuple[Tensor, Tensor]:
+    """The spilling kernel's definition: the gathered dgrad and dy's permuted rows up to offs[-1], the rows
+    past it (never written by the kernel) NaN here."""
+    rows = _gathered_rows(dy, slot, top_k)
+    rows[int(offs[-1]):] = float("nan")
+    return _dgrad_gathered(dy, slot, top_k, w, offs), rows
+
+
 def _act_gathered(x: Tensor, slot: Tensor, top_k: int, w: Tensor, offs: Tensor,
                   activation: str, keep_h: bool = True) -> tuple[Tensor, Tensor]:
     """The gathered kernel's definition: permute's rows (x[slot // top_k], zero where slot = -1), _act_h;
@@ -111,10 +120,13 @@ def spec_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sm90, "grouped_gemm_act_gathered", _act_gathered)
     monkeypatch.setattr(sm90, "grouped_gemm_wgrad_gathered", _wgrad_gathered)
     monkeypatch.setattr(sm90, "grouped_gemm_dgrad_gathered", _dgrad_gathered)
+    monkeypatch.setattr(sm90, "grouped_gemm_dgrad_gathered_spill", _dgrad_gathered_spill)
     monkeypatch.setattr(sm90, "grouped_gemm_wgrad_gathered_add", _wgrad_gathered_add)
     monkeypatch.setattr(sm90, "grouped_gemm_wgrad_cols", _wgrad_cols)
     monkeypatch.setattr(sm90, "wgrad_cols", lambda k, n: 8)  # x's and dout's copies in several chunks
     monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_DY_MAX_K", 0)  # dout copied, as at I > 256
+    monkeypatch.setattr(limits, "GEMM_DGRAD_SPILL", False)  # in column chunks, by spread_rows
+    monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_X_MAX_N", 0)  # x copied, as at N > 512
 
 
 @pytest.fixture
@@ -192,12 +204,39 @@ def test_gathered_down_wgrad_matches_spec(spec_kernels: None, gathered_down: Non
         _close(a, b)
 
 
+def test_spilled_dout_copy_feeds_the_down_wgrad(spec_kernels: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With GEMM_DGRAD_SPILL the down dgrad's permuted copy of dout (rows past offs[-1] never written) feeds
+    the down wgrad whole: spread_rows copies x's chunks only, and every gradient matches the spec's."""
+    monkeypatch.setattr(limits, "GEMM_DGRAD_SPILL", True)
+    spills: list[int] = []
+    spread: list[int] = []
+
+    def spill(*args: Any) -> tuple[Tensor, Tensor]:
+        spills.append(1)
+        return _dgrad_gathered_spill(*args)
+
+    def spread_rows(src: Tensor, slot: Tensor, row_of: Tensor) -> Tensor:
+        spread.append(src.shape[1])
+        return _gathered_rows(src, slot, row_of.shape[1])
+
+    monkeypatch.setattr(sm90, "grouped_gemm_dgrad_gathered_spill", spill)
+    monkeypatch.setattr(fm, "spread_rows", spread_rows)
+    x, p, cfg = _case("swiglu", 1, "bf16", "sigmoid", 3)
+    dout = torch.randn(T, DIMS["bf16"][0], generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    got_out, got = _grads(fm.moe_layer, x, p, cfg, dout)
+    want_out, want = _grads(moe_layer, x, p, cfg, dout)
+    assert spills == [1] and sum(spread) == x.shape[1]
+    assert torch.equal(got_out, want_out)
+    for a, b in zip(got, want, strict=True):
+        _close(a, b)
+
+
 @pytest.mark.parametrize("on_m", [False, True], ids=["x_on_n", "x_on_m"])
 def test_gathered_up_wgrad_matches_spec(spec_kernels: None, gathered_down: None,
                                         monkeypatch: pytest.MonkeyPatch, on_m: bool) -> None:
-    """With GEMM_WGRAD_GATHER_X the up wgrad reads x's rows through slot too (no copy of x), after the down
-    wgrad, x on the kernel's M side when GEMM_WGRAD_GATHER_X_ON_M (the down's dout stays on M, untransposed),
-    and every gradient still matches the spec's."""
+    """At N <= GEMM_WGRAD_GATHER_X_MAX_N the up wgrad reads x's rows through slot too (no copy of x), after
+    the down wgrad, x on the kernel's M side when GEMM_WGRAD_GATHER_X_ON_M (the down's dout stays on M,
+    untransposed), and every gradient still matches the spec's."""
     sides: list[tuple[str, bool]] = []
 
     def gathered(*args: Any, side: str = "x", transposed: bool = False) -> Tensor:
@@ -205,7 +244,7 @@ def test_gathered_up_wgrad_matches_spec(spec_kernels: None, gathered_down: None,
         return _wgrad_gathered(*args, side=side)
 
     monkeypatch.setattr(sm90, "grouped_gemm_wgrad_gathered", gathered)
-    monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_X", True)
+    monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_X_MAX_N", 2 * DIMS["bf16"][1])
     monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_X_ON_M", on_m)
     x, p, cfg = _case("swiglu", 1, "bf16", "sigmoid", 5)
     dout = torch.randn(T, DIMS["bf16"][0], generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
@@ -218,16 +257,16 @@ def test_gathered_up_wgrad_matches_spec(spec_kernels: None, gathered_down: None,
 
 
 @pytest.mark.parametrize(("tokens", "width", "want"), [("dy", 256, "gathered"), ("dy", 264, "cols"),
-                                                      ("x", 8, "cols")])
-def test_only_a_narrow_down_wgrad_gathers(monkeypatch: pytest.MonkeyPatch, tokens: str, width: int,
-                                          want: str) -> None:
-    """The shipped bounds: dout's rows gathered up to I = 256, copied above it; x (the up wgrad's N side)
-    copied (GEMM_WGRAD_GATHER_X off)."""
+                                                      ("x", 512, "gathered"), ("x", 520, "cols")])
+def test_only_narrow_wgrads_gather(monkeypatch: pytest.MonkeyPatch, tokens: str, width: int,
+                                   want: str) -> None:
+    """The shipped bounds: dout's rows gathered up to I = 256, copied above it; x's rows gathered up to an
+    up width of N = 512, copied above it."""
     calls: list[str] = []
     monkeypatch.setattr(sm90, "grouped_gemm_wgrad_gathered", lambda *a, **kw: calls.append("gathered"))
     monkeypatch.setattr(sm90, "grouped_gemm_wgrad_cols", lambda *a, **kw: calls.append("cols"))
     monkeypatch.setattr(fm, "spread_rows", lambda src, slot, row_of: src)
-    assert limits.GEMM_WGRAD_GATHER_DY_MAX_K == 256 and not limits.GEMM_WGRAD_GATHER_X
+    assert limits.GEMM_WGRAD_GATHER_DY_MAX_K == 256 and limits.GEMM_WGRAD_GATHER_X_MAX_N == 512
     rows, other = torch.zeros(4, 16, dtype=torch.bfloat16), torch.zeros(4, width, dtype=torch.bfloat16)
     dy, x = (other, rows) if tokens == "x" else (rows, other)
     slot, row_of = torch.arange(4), torch.arange(4).view(4, 1)
@@ -249,7 +288,7 @@ def test_sep_moe_fast_gathered_up_wgrad_side_swapped(spec_kernels: None, gathere
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The gathered up wgrad with its sides swapped reads dh's permuted rows by token and x as permuted
     rows: x has T rows, the permuted rows T * K or more, so w13's gradient moves (or shapes cannot meet)."""
-    monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_X", True)
+    monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_X_MAX_N", 2 * DIMS["bf16"][1])
     assert T * K > T
     got, _ = _run(fm.moe_layer, SWIGLU_SHARED)
     want, _ = _run(moe_layer, SWIGLU_SHARED)

@@ -56,20 +56,21 @@ GEMM_WGRAD_GATHER_DY_MAX_K: Final[int] = 256
 rows by index as it loads when I is at most this, else the TMA wgrad reads permuted copies of dout's column
 chunks: the copy's 4RH bytes weigh more against 2RHI FLOPs the smaller I (H100 layer fwd+bwd, 002f283:
 1.07x at I = 256, 1.00x at 512, 0.97-0.98x at 1024; at 26d6355 the copies ran 0.93x at I = 256)."""
-GEMM_DGRAD_SPILL: Final[bool] = False
+GEMM_DGRAD_SPILL: Final[bool] = True
 """Where the MoE layer's down wgrad reads a permuted copy of dout (I above GEMM_WGRAD_GATHER_DY_MAX_K), the
 gathered down dgrad writes that copy whole from the rows it gathered (N tile 0's consumers, beside the MMAs)
-instead of a pass copying column chunks after it: 2RH bytes held until the wgrad. Off until measured."""
-GEMM_WGRAD_GATHER_X: Final[bool] = False
-"""The MoE layer's up wgrad reads x's rows by index as it loads (x on the wgrad's N side, dw in w's layout)
-instead of the TMA wgrad over permuted copies of x's column chunks. Off: with the lean producer the gathered
-x wgrads ran 9.8-10.2 ms against the TMA wgrad's 7.1 at c1 and 5.6-5.9 against 3.9-4.1 at c3 (H100, 134b8b4),
-more than the copies they spare (about RH reads and writes of x)."""
-GEMM_WGRAD_GATHER_X_ON_M: Final[bool] = False
-"""With GEMM_WGRAD_GATHER_X, x's gathered rows sit on the wgrad's M side (H: 128 rows a tile) against dh's
+instead of a pass copying column chunks after it: 2RH bytes held until the wgrad, peak unchanged at c1 and c3.
+H100 layer fwd+bwd, two runs at 563ceba against both baselines: c3 0.975-0.990x, c1 0.975-1.011x."""
+GEMM_WGRAD_GATHER_X_MAX_N: Final[int] = 512
+"""The MoE layer's up wgrad (x = the token rows, dy = dh, N = its width: 2I swiglu, I relu2) reads x's rows
+by index as it loads when N is at most this, else the TMA wgrad reads permuted copies of x's column chunks:
+the copies' 4RH bytes weigh more against 2RNH FLOPs the smaller N. H100 layer fwd+bwd, x gathered on M at
+563ceba: 0.93-0.97x at N = 512 (c2), 1.00-1.02x at 1024 (c3), 1.07x at 2048 (c1)."""
+GEMM_WGRAD_GATHER_X_ON_M: Final[bool] = True
+"""Where the up wgrad gathers x, x's rows sit on the wgrad's M side (H: 128 rows a tile) against dh's
 256-wide N tiles, half the gathered reads per FLOP of x on N, and dw leaves by a transposed TMA store
-(SonicMoE's layout). Off, as GEMM_WGRAD_GATHER_X: 9.84 / 9.76 ms (as is / transposed) against x on N's 10.24
-and the TMA wgrad's 7.10 at c1 (H100, 134b8b4); layer fwd+bwd 39.02 ms at c1 (24ecb5d's default: 37.0)."""
+(SonicMoE's layout): c2 layer fwd+bwd 3.998 / 4.031 ms (uniform / Zipf) against x on N's 4.103 / 4.161
+(H100, 563ceba); at c1 9.84 / 9.76 ms (as is / transposed) against x on N's 10.24 (H100, 134b8b4)."""
 GEMM_WGRAD_GATHER_DYNAMIC: Final[bool] = False
 """The gathered wgrad takes each tile of its heaviest-first list from a device counter (as GEMM_WGRAD_DYNAMIC
 does for the TMA-fed one; producer warp 0 hands it to the other three and the consumers), so the CTAs on one

@@ -19,7 +19,9 @@ Saved for the backward, per token (K slots, up width N = 2I swiglu or I relu2, E
                                             forward's routing; at I <= 256 the down wgrad reads dout's rows
                                             by index instead (limits.GEMM_WGRAD_GATHER_DY_MAX_K); above
                                             it, with limits.GEMM_DGRAD_SPILL, the down dgrad writes dout's
-                                            whole copy (2KH bytes, held until the down wgrad) from its rows
+                                            whole copy (2KH bytes, held until the down wgrad) from its rows;
+                                            at N <= 512 the up wgrad reads x's rows by index
+                                            (limits.GEMM_WGRAD_GATHER_X_MAX_N)
   h [slots, N] bf16                        2KN bytes: the up-projection output; a = act(h) is recomputed
                                             (elementwise), redoing the up GEMM would cost a third of the fwd;
                                             the backward writes dh over h (no second [slots, N] buffer)
@@ -105,23 +107,26 @@ def _held_grad(w: Tensor) -> Tensor | None:
     return g
 
 
-def _down_wgrad_gathers(inter: int) -> bool:
-    """Whether the down wgrad reads dout's rows by index (I small), not a permuted copy of dout."""
-    return inter <= limits.GEMM_WGRAD_GATHER_DY_MAX_K
+def _wgrad_gathers(tokens: str, width: int) -> bool:
+    """Whether a wgrad reads its token side's rows by index, not a permuted copy: its other side (the down
+    wgrad's a, I wide; the up wgrad's dh, N wide) is narrow enough that the copy would cost more."""
+    if tokens == "x":
+        return width <= limits.GEMM_WGRAD_GATHER_X_MAX_N
+    return width <= limits.GEMM_WGRAD_GATHER_DY_MAX_K
 
 
 def _expert_wgrad(dy: Tensor, x: Tensor, slot: Tensor, row_of: Tensor, offs: Tensor, tokens: str,
                   width: int, w: Tensor, copied: Tensor | None = None) -> Tensor | None:
     """dy^T @ x per expert when the `tokens` side is token-major: read through slot by the gathering wgrad
-    (dout on M at I small; x on N, or on M, when GEMM_WGRAD_GATHER_X) or, permuted, by the TMA-fed wgrad:
-    `copied` (the spilling dgrad's) or copies of `width` columns at a time."""
+    (_wgrad_gathers: dout on M, x on M or N) or, permuted, by the TMA-fed wgrad: `copied` (the spilling
+    dgrad's) or copies of `width` columns at a time."""
     # The `tokens` side is "x" (the up projection's x) or "dy" (the down projection's dout); chunks are whole
     # 128-wide tiles, permuted by the forward's routing with their columns read in place. Which one is faster
-    # is measured (GEMM_WGRAD_GATHER_DY_MAX_K, GEMM_WGRAD_GATHER_X); with the old producer gathering x ran
-    # 2.0-3.5x slower than copy + TMA on the wgrad's N side (H100 gather rows at 002f283). None when the
+    # is measured (GEMM_WGRAD_GATHER_DY_MAX_K, GEMM_WGRAD_GATHER_X_MAX_N): gathering pays where the other
+    # side is narrow, so the copy weighs more against the MMAs. None when the
     # wgrad was added into w's held .grad in place (_held_grad), autograd's share then being nothing.
     into = _held_grad(w)
-    if copied is None and (limits.GEMM_WGRAD_GATHER_X if tokens == "x" else _down_wgrad_gathers(x.shape[1])):
+    if copied is None and _wgrad_gathers(tokens, (dy if tokens == "x" else x).shape[1]):
         transposed, k = tokens == "x" and limits.GEMM_WGRAD_GATHER_X_ON_M, row_of.shape[1]
         if into is None:
             return sm90.grouped_gemm_wgrad_gathered(dy, x, slot, k, offs, side=tokens, transposed=transposed)
@@ -243,7 +248,7 @@ class _Routed(torch.autograd.Function):
         if need_h or dot_w:
             # Per permuted row r, one pass: a = act(h), aw_r = bf16(a_r * w_r), dot_r = <a_r, dz_r> and h
             # overwritten by act_bwd(bf16(dz_r * w_r), h) = dh, with w_r = w[slot r] * scale.
-            if need_w2 and limits.GEMM_DGRAD_SPILL and not _down_wgrad_gathers(w2.shape[2]):
+            if need_w2 and limits.GEMM_DGRAD_SPILL and not _wgrad_gathers("dy", w2.shape[2]):
                 dz, dyp = sm90.grouped_gemm_dgrad_gathered_spill(dout, slot, k, w2, offs)
             else:
                 dz = sm90.grouped_gemm_dgrad_gathered(dout, slot, k, w2, offs)
