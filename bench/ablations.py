@@ -467,7 +467,8 @@ COMPOUNDS: dict[str, tuple[tuple[Mutation, ...], ...]] = {
               (replace(_OLD_PRODUCER, id="ablate.layer_wgrad_old_producer"),),
               (replace(_UP_WGRAD_GATHERED, id="ablate.layer_up_wgrad_gathered_dynamic",
                        description="layer_up_wgrad_gathered with every gathered wgrad's tiles from the "
-                       "device counter (GEMM_WGRAD_GATHER_DYNAMIC): what the dynamic schedule adds to x on M"),
+                       "device counter (GEMM_WGRAD_GATHER_DYNAMIC): what the dynamic schedule adds to x on "
+                       "M"),
                replace(_WGRAD_GATHER_DYNAMIC, id="ablate.layer_up_wgrad_gathered_dynamic_b",
                        description="")),
               tuple(replace(m, id=m.id.replace("gather_", "layer_")) for m in _ZERO_CHUNK_READS),
