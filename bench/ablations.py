@@ -373,6 +373,11 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
         "the up wgrad copies x's columns in chunks twice as wide as dh (half the launches, twice the "
         "transient copy)",
     ),
+    Mutation("ablate.layer_dgrad_spill_tile0", "nmoe/fast/kernels/sm90/grouped_gemm_gather.py",
+             "            owner = sel(kt % n_tiles == n_tile, 1, 0) if n_tiles > 1 else 1\n",
+             "            owner = sel(n_tile == 0, 1, 0) if n_tiles > 1 else 1\n",
+             "the spilling down dgrad's N tile 0 stores every K box's rows (its CTAs alone carry the copy's "
+             "stores), instead of box kt from N tile kt % n_tiles"),
     Mutation("ablate.layer_dgrad_no_spill", LIMITS, "GEMM_DGRAD_SPILL: Final[bool] = True\n",
              "GEMM_DGRAD_SPILL: Final[bool] = False\n",
              "at I above GEMM_WGRAD_GATHER_DY_MAX_K the down wgrad reads copies of dout's column chunks made "

@@ -13,6 +13,7 @@ from test_fast_gather_queue import pipeline_finishes
 from test_fast_gemm import into_nan
 from torch import Tensor
 
+from nmoe.fast import limits
 from nmoe.fast.dispatch import permute
 from nmoe.fast.gemm import sm90
 from nmoe.fast.kernels.sm90 import gatherplan
@@ -314,6 +315,16 @@ def test_sep_gemm_fast_dgrad_spill_unswizzled() -> None:
     _, _, dyp, xp, end = _spilled(200, 2, 256, 256, 4, 128, "uniform")
     chunks = xp[:end].view(end, -1, 8)
     assert not torch.equal(chunks[:, 0], chunks[:, 1]), "a row's chunks differ"
+    assert torch.equal(dyp[:end].view(torch.int16), xp[:end].view(torch.int16))
+
+
+@gpu
+def test_sep_gemm_fast_dgrad_spill_box_owner_fixed() -> None:
+    """I = 512 spans several N tiles and H = 256 several K boxes, so boxes with kt % n_tiles != 0 exist; left
+    unwritten, their columns of dyp stay NaN instead of permute's copy."""
+    bn, _ = sm90.schedule("grouped_gemm_dgrad_gathered_spill", 512, 256, pingpong=False, gathered=True)
+    assert 512 // bn > 1 and 256 // limits.GEMM_BK > 1, "several N tiles and several K boxes"
+    _, _, dyp, xp, end = _spilled(200, 2, 256, 512, 4, 128, "uniform")
     assert torch.equal(dyp[:end].view(torch.int16), xp[:end].view(torch.int16))
 
 

@@ -259,6 +259,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         GATHER_TESTS, ("moe_layer",), device="gpu",
     ),
     sep_mutation(
+        "gemm.fast_dgrad_spill_box_owner_fixed", GATHER,
+        "            owner = sel(kt % n_tiles == n_tile, 1, 0) if n_tiles > 1 else 1\n",
+        "            owner = sel(kt % n_tiles == 0, 1, 0) if n_tiles > 1 else 1\n",
+        "every N tile of the spilling dgrad stores the K boxes N tile 0 owns (kt % n_tiles == 0), none the "
+        "others: their columns of the copy are never written",
+        GATHER_TESTS, ("moe_layer",), device="gpu",
+    ),
+    sep_mutation(
         "gemm.fast_dgrad_spill_k_tail_unmasked", GATHER,
         "            tail = sel(kt * BK + c < k, 1, 0) if k % BK else 1\n", "            tail = 1\n",
         "the spilling dgrad stores the last K box's chunks past K, over the next row's first columns",

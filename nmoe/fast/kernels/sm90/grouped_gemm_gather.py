@@ -161,9 +161,9 @@ TileStep = Callable[[Int32, Any], None]
 
 
 def spill_rows(s_a: cute.Tensor, a_outer: cute.Layout, xp_addr: Int64, k: int, stages: int,
-               ctid: Int32) -> Callable[[Int32, Int32, Int32], TileStep]:
-    """consume_tiles' spill: after each K box's wgmmas, a consumer thread copies its chunks of the box's
-    landed rows (N tile 0's, before the group's end) to xp [R, k] in permuted order: no pass copies them."""
+               ctid: Int32, n_tiles: int) -> Callable[[Int32, Int32, Int32], TileStep]:
+    """consume_tiles' spill: after box kt's wgmmas, N tile kt % n_tiles's consumer threads copy their chunks
+    of its landed rows (before the group's end) to xp [R, k] in permuted order: no pass copies them."""
     steps, stage_bytes = chunk_offsets(lambda crd: a_outer((crd[1], crd[0], crd[2])), ROW_CHUNKS,
                                        32 // ROW_CHUNKS, SPILL_ROWS, stages)
     half_bytes = a_outer((BM // CONSUMER_WGS, 0, 0)) * 2
@@ -179,14 +179,16 @@ def spill_rows(s_a: cute.Tensor, a_outer: cute.Layout, xp_addr: Int64, k: int, s
 
     def tile(row0: Int32, n_tile: Int32, g_end: Int32) -> TileStep:
         rows = [row0 + first + pitch * i for i in range(SPILL_ROWS)]
-        on = [sel(n_tile == 0, 1, 0) & sel(r < g_end, 1, 0) for r in rows]
+        on = [sel(r < g_end, 1, 0) for r in rows]
         dst = [xp_addr + Int64(r) * Int64(k * 2) + Int64(c * 2) for r in rows]
 
         def box(stage: Int32, kt: Any) -> None:
             s_stage = stage * stage_bytes + half
             tail = sel(kt * BK + c < k, 1, 0) if k % BK else 1
+            owner = sel(kt % n_tiles == n_tile, 1, 0) if n_tiles > 1 else 1
             for i in range(SPILL_ROWS):
-                spill_chunk(chunk_at(at, steps[i], s_stage), dst[i] + Int64(kt * BK * 2), on[i] & tail)
+                spill_chunk(chunk_at(at, steps[i], s_stage), dst[i] + Int64(kt * BK * 2),
+                            on[i] & tail & owner)
 
         return box
 
@@ -217,7 +219,7 @@ def grouped_gemm_gather_kernel(
     else:
         spiller: Callable[[Int32, Int32, Int32], TileStep] = no_spill
         if const_expr(spill):
-            spiller = spill_rows(s_a, a_layout.outer, xp_addr, k, stages, tidx - WG_THREADS)
+            spiller = spill_rows(s_a, a_layout.outer, xp_addr, k, stages, tidx - WG_THREADS, n_tiles_n)
         consume_tiles(mainloop, tiled_mma, s_a, s_b, s_d, s_offs, tma_atom_d, tma_d, m_d, m_act, s_act,
                       tma_atom_act, tma_act, n_groups, m_rows, tidx, warp_idx, n_units, unit, n, bn, k_tiles,
                       stages, act, 1, rank, pingpong, keep_h, deferred, q, spiller)
