@@ -536,7 +536,7 @@ def grouped_gemm_dgrad_gathered_spill(dy: Tensor, slot: Tensor, top_k: int, w: T
                                       offs: Tensor) -> tuple[Tensor, Tensor]:
     """(grouped_gemm_dgrad_gathered, dyp): dyp [R, H] holds dy's rows in permuted order up to offs[-1] (zero
     where slot = -1; rows past offs[-1] unwritten), copied out of the rows the dgrad gathered, so the down
-    wgrad reads them by TMA without a copy pass (the N tile 0 CTAs' consumers store them beside the MMAs)."""
+    wgrad reads them by TMA without a copy pass (N tile kt % n_tiles stores K box kt beside its MMAs)."""
     out: tuple[Tensor, Tensor] = _dgrad_spill_op(dy, slot, w, offs, top_k)
     return out
 
