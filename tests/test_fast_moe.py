@@ -72,6 +72,17 @@ def _oracle(x: Tensor, p: MoEParams, cfg: ModelConfig, ids: Tensor,
     return out.detach(), list(torch.autograd.grad(out, leaves, dout.cpu().double()))
 
 
+def _wgrad_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """The wgrads' sources at this file's I = 128: "gathered" as shipped (dout's and x's rows by index),
+    "copied" / "spilled" dout's copies as at I > 256, "x_copied" x's copies as at N > 512."""
+    from nmoe.fast import limits
+    if path in ("copied", "spilled"):
+        monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_DY_MAX_K", 0)
+        monkeypatch.setattr(limits, "GEMM_DGRAD_SPILL", path == "spilled")
+    if path == "x_copied":
+        monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_X_MAX_N", 0)
+
+
 def _rel(a: Tensor, b: Tensor) -> float:
     return float((a.detach().cpu().double() - b).norm() / b.norm().clamp_min(1e-30))
 
@@ -95,12 +106,7 @@ def test_moe_layer_values_and_grads(monkeypatch: pytest.MonkeyPatch, activation:
     "copied" runs the TMA down wgrad on dout's copies, as at I > 256, "spilled" on the copy the down dgrad
     writes; "x_copied" runs the TMA up wgrad on x's copies, as at N > 512."""
     _sm90()
-    from nmoe.fast import limits
-    if down_wgrad in ("copied", "spilled"):
-        monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_DY_MAX_K", 0)
-        monkeypatch.setattr(limits, "GEMM_DGRAD_SPILL", down_wgrad == "spilled")
-    if down_wgrad == "x_copied":
-        monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_X_MAX_N", 0)
+    _wgrad_path(monkeypatch, down_wgrad)
     from nmoe.fast.moe import moe_layer
     from nmoe.fast.router import router_logits
     from nmoe.reference.router import router_topk
@@ -221,12 +227,7 @@ def test_a_later_microbatch_adds_routed_wgrads_in_place_bit_for_bit(monkeypatch:
     the up one gathered from x's rows or on their copies): bit for bit autograd's bf16 add of the two
     microbatches' gradients, in the same tensors; every other one as autograd adds it."""
     _sm90()
-    from nmoe.fast import limits
-    if down_wgrad in ("copied", "spilled"):
-        monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_DY_MAX_K", 0)
-        monkeypatch.setattr(limits, "GEMM_DGRAD_SPILL", down_wgrad == "spilled")
-    if down_wgrad == "x_copied":
-        monkeypatch.setattr(limits, "GEMM_WGRAD_GATHER_X_MAX_N", 0)
+    _wgrad_path(monkeypatch, down_wgrad)
     from nmoe.accumulate import adding_to_grads
     from nmoe.fast.moe import moe_layer
     cfg = _cfg("swiglu", 1, "bf16", "sigmoid")

@@ -123,8 +123,8 @@ def _expert_wgrad(dy: Tensor, x: Tensor, slot: Tensor, row_of: Tensor, offs: Ten
     # The `tokens` side is "x" (the up projection's x) or "dy" (the down projection's dout); chunks are whole
     # 128-wide tiles, permuted by the forward's routing with their columns read in place. Which one is faster
     # is measured (GEMM_WGRAD_GATHER_DY_MAX_K, GEMM_WGRAD_GATHER_X_MAX_N): gathering pays where the other
-    # side is narrow, so the copy weighs more against the MMAs. None when the
-    # wgrad was added into w's held .grad in place (_held_grad), autograd's share then being nothing.
+    # side is narrow, so the copy weighs more against the MMAs. None when the wgrad was added into w's held
+    # .grad in place (_held_grad), autograd's share then being nothing.
     into = _held_grad(w)
     if copied is None and _wgrad_gathers(tokens, (dy if tokens == "x" else x).shape[1]):
         transposed, k = tokens == "x" and limits.GEMM_WGRAD_GATHER_X_ON_M, row_of.shape[1]
