@@ -60,7 +60,7 @@ GEMM_DGRAD_SPILL: Final[bool] = True
 """Where the MoE layer's down wgrad reads a permuted copy of dout (I above GEMM_WGRAD_GATHER_DY_MAX_K), the
 gathered down dgrad writes that copy whole from the rows it gathered (box kt from N tile kt % n_tiles)
 instead of a pass copying column chunks after it: 2RH bytes held until the wgrad, peak unchanged at c1 and c3.
-H100 layer fwd+bwd at 563ceba (N tile 0 storing every box), two runs: c3 0.975-0.990x, c1 0.975-1.011x."""
+H100 layer fwd+bwd at 563ceba, two runs: c3 0.975-0.990x, c1 0.975-1.011x (boxes spread: 1.00x, fa0c04f)."""
 GEMM_WGRAD_GATHER_X_MAX_N: Final[int] = 512
 """The MoE layer's up wgrad (x = the token rows, dy = dh, N = its width: 2I swiglu, I relu2) reads x's rows
 by index as it loads when N is at most this, else the TMA wgrad reads permuted copies of x's column chunks:
