@@ -378,6 +378,9 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
              "            owner = sel(n_tile == 0, 1, 0) if n_tiles > 1 else 1\n",
              "the spilling down dgrad's N tile 0 stores every K box's rows (its CTAs alone carry the copy's "
              "stores), instead of box kt from N tile kt % n_tiles"),
+    Mutation("ablate.layer_pdl", LIMITS, "FAST_PDL: Final[bool] = False\n", "FAST_PDL: Final[bool] = True\n",
+             "every fast kernel launched under programmatic dependent launch, waiting for the grid before it "
+             "as its first step, so its launch overlaps that grid's tail"),
     Mutation("ablate.layer_dgrad_no_spill", LIMITS, "GEMM_DGRAD_SPILL: Final[bool] = True\n",
              "GEMM_DGRAD_SPILL: Final[bool] = False\n",
              "at I above GEMM_WGRAD_GATHER_DY_MAX_K the down wgrad reads copies of dout's column chunks made "

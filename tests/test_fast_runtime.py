@@ -229,7 +229,7 @@ def _spec(ptx: str | Exception, expect: tuple[str, ...] = (r"\.target sm_90a", r
         return ptx
 
     return runtime.KernelSpec(op="toy", name="toy_fwd", compile=compile_, expect={"sm_90a": expect},
-                              forbid={"sm_90a": forbid})
+                              forbid={"sm_90a": forbid}, launched_here=False)
 
 
 def test_compilecheck_row_ok() -> None:

@@ -10,7 +10,8 @@ FAMILIES: tuple[str, ...] = (
     "formats", "activation", "combine", "router", "dispatch", "rdep", "gemm", "norm", "rope", "attention",
     "loss", "optim", "moe", "model", "fast_activation", "fast_combine", "fast_swiglu", "fast_router",
     "fast_dispatch", "fast_gemm", "fast_gemm_fp8", "fast_formats", "fast_norm", "fast_loss",
-    "fast_optim", "fast_moe", "fast_rope", "fast_attention", "fast_model", "fast_rdep", "train",
+    "fast_optim", "fast_moe", "fast_rope", "fast_attention", "fast_model", "fast_rdep", "fast_launch",
+    "train",
 )
 
 TESTS_BY_FILE: dict[str, tuple[str, ...]] = {

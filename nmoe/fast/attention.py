@@ -397,7 +397,7 @@ def _fa4_spec(stage: str, d_qk: int, d_v: int) -> KernelSpec:
         op="mla_attention", name=f"fa4_{stage}_d{d_qk}_{d_v}",
         compile=FA4.compiler(stage=stage, d_qk=d_qk, d_v=d_v),
         expect={a: (rf"\.target {a}\b", _TMA, *_MMA[a]) for a in SUPPORTED_ARCHS},
-        forbid={a: _FORBID for a in SUPPORTED_ARCHS},
+        forbid={a: _FORBID for a in SUPPORTED_ARCHS}, launched_here=False,
     )
 
 

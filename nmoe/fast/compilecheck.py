@@ -22,6 +22,7 @@ from typing import Any
 
 from nmoe.fast import FAST_MODULES, runtime
 from nmoe.fast.arch import SUPPORTED_ARCHS
+from nmoe.fast.limits import FAST_PDL
 from nmoe.fast.runtime import KernelSpec
 from nmoe.provenance import REPO_ROOT
 
@@ -84,9 +85,24 @@ def row(op: str, kernel: str, arch: str, status: str = "fail", error: str | None
             "error": error}
 
 
+PDL_WAIT = r"\bgriddepcontrol\.wait;"
+PDL_WAIT_FIRST = r"\A(?:(?!\b(?:ld|st|atom|red)\.global|\bcp\.async)[\s\S])*\bgriddepcontrol\.wait;"
+"""The wait before any global load, store, atomic or async copy: a kernel launched early under PDL."""
+
+
+def pdl_rules(spec: KernelSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(expected, forbidden) additions: under limits.FAST_PDL every kernel nmoe launches waits for the grid
+    before it ahead of any memory access (prims.await_upstream); otherwise none waits."""
+    if not spec.launched_here:
+        return (), ()
+    return ((PDL_WAIT_FIRST,), ()) if FAST_PDL else ((), (PDL_WAIT,))
+
+
 def check(spec: KernelSpec, arch: str, ptx_dir: Path | None = None) -> dict[str, Any]:
-    expect = spec.expect.get(arch, ())
-    forbid = spec.forbid.get(arch, ())
+    declared = spec.expect.get(arch, ())
+    pdl_expect, pdl_forbid = pdl_rules(spec)
+    expect = (*declared, *pdl_expect) if declared else declared
+    forbid = (*spec.forbid.get(arch, ()), *pdl_forbid)
     r = row(spec.op, spec.name, arch, expect=expect, forbid=forbid)
     t0 = time.perf_counter()
     try:

@@ -17,6 +17,11 @@ MAX_RANKS: Final[int] = 32
 ROUTER_MAX_K: Final[int] = 32
 ROUTER_MAX_GROUPS: Final[int] = 32
 
+FAST_PDL: Final[bool] = False
+"""Programmatic dependent launch: every fast kernel is launched so it may start while the one before it ends,
+and waits (griddepcontrol.wait) as its first step, so its launch hides under that tail; for the ~0.2-0.3 ms
+outside kernels in each graphed MoE layer step (H100, fa0c04f). Off until measured (ablate.layer_pdl)."""
+
 GEMM_BM: Final[int] = 128
 """M tile of every grouped GEMM (sm_90a and sm_100a): groups are padded to it in tile counts."""
 GEMM_BK: Final[int] = 64

@@ -40,6 +40,8 @@ class KernelSpec:
     compile: Callable[[str], str]
     expect: Mapping[str, tuple[str, ...]]
     forbid: Mapping[str, tuple[str, ...]]
+    launched_here: bool = True
+    """Built and launched by nmoe, so it starts with prims.await_upstream (flash-attn-4's kernels are not)."""
 
 
 # 128-bit global accesses: sm_90a spells them v4.b32, sm_100a also v2.b64.

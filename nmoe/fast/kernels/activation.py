@@ -14,7 +14,7 @@ from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 
-from nmoe.fast.kernels.prims import load_tail, out_bits, store_full, store_tail
+from nmoe.fast.kernels.prims import PDL, await_upstream, load_tail, out_bits, store_full, store_tail
 
 THREADS = 256
 DTYPES: dict[str, Any] = {"bfloat16": BFloat16, "float32": Float32}
@@ -54,6 +54,7 @@ def _bwd_bits(dy: cute.TensorSSA, x: cute.TensorSSA, dtype_name: str) -> cute.Te
 @cute.kernel
 def relu2_fwd_kernel(px: Pointer, py: Pointer, n: Int64,
                      vec: Constexpr[int], dtype_name: Constexpr[str]) -> None:
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     i = Int64(bidx) * THREADS + Int64(tidx)
@@ -72,6 +73,7 @@ def relu2_fwd_kernel(px: Pointer, py: Pointer, n: Int64,
 @cute.kernel
 def relu2_bwd_kernel(pdy: Pointer, px: Pointer, pdx: Pointer, n: Int64,
                      vec: Constexpr[int], dtype_name: Constexpr[str]) -> None:
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     i = Int64(bidx) * THREADS + Int64(tidx)
@@ -97,7 +99,7 @@ def _grid(n: Int64, vec: int) -> list[Any]:
 def relu2_fwd_host(px: Pointer, py: Pointer, n: Int64, stream: cuda.CUstream,
                    vec: Constexpr[int], dtype_name: Constexpr[str]) -> None:
     relu2_fwd_kernel(px, py, n, vec, dtype_name).launch(
-        grid=_grid(n, vec), block=[THREADS, 1, 1], stream=stream
+        grid=_grid(n, vec), block=[THREADS, 1, 1], stream=stream, use_pdl=PDL
     )
 
 
@@ -105,7 +107,7 @@ def relu2_fwd_host(px: Pointer, py: Pointer, n: Int64, stream: cuda.CUstream,
 def relu2_bwd_host(pdy: Pointer, px: Pointer, pdx: Pointer, n: Int64, stream: cuda.CUstream,
                    vec: Constexpr[int], dtype_name: Constexpr[str]) -> None:
     relu2_bwd_kernel(pdy, px, pdx, n, vec, dtype_name).launch(
-        grid=_grid(n, vec), block=[THREADS, 1, 1], stream=stream
+        grid=_grid(n, vec), block=[THREADS, 1, 1], stream=stream, use_pdl=PDL
     )
 
 

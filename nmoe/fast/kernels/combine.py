@@ -17,7 +17,7 @@ from cutlass.cute.typing import Pointer
 
 from nmoe.constants import ACT_H_COLUMNS
 from nmoe.fast.kernels.activation import relu2_bwd_f32, relu2_f32
-from nmoe.fast.kernels.prims import add_rn, mul_rn, out_bits
+from nmoe.fast.kernels.prims import PDL, add_rn, await_upstream, mul_rn, out_bits
 from nmoe.fast.kernels.swiglu import swiglu_bwd_pairs, swiglu_pairs
 
 THREADS = 128
@@ -70,6 +70,7 @@ def _combine_token(gy: cute.Tensor, mrow: cute.Tensor, mw: cute.Tensor, pshared:
 def combine_fwd_kernel(py: Pointer, pw: Pointer, pshared: Pointer, pout: Pointer, t_rows: Int64, h: Int64,
                        scale: Float32, k: Constexpr[int], vec: Constexpr[int],
                        has_shared: Constexpr[bool]) -> None:
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     t_blk, chunk, _ = cute.arch.block_idx()
     t = Int64(t_blk)
@@ -86,6 +87,7 @@ def combine_gather_fwd_kernel(pyp: Pointer, prow: Pointer, pw: Pointer, pshared:
                               t_rows: Int64, n_rows: Int64, h: Int64, scale: Float32, k: Constexpr[int],
                               vec: Constexpr[int], has_shared: Constexpr[bool]) -> None:
     """combine_fwd with slot s's row read from yp[row_of[s]]: the [T, K, H] copy is never written."""
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     t_blk, chunk, _ = cute.arch.block_idx()
     t = Int64(t_blk)
@@ -110,6 +112,7 @@ def _warp_row() -> tuple[Int64, Int64]:
 def combine_bwd_kernel(pdout: Pointer, py: Pointer, pw: Pointer, pdy: Pointer, pdw: Pointer, t_rows: Int64,
                        h: Int64, scale: Float32, k: Constexpr[int], vec: Constexpr[int]) -> None:
     """One warp per token: dy_k = bf16(g*w_k) with g = dout*scale, dw_k = warp-reduced sum_h g*y_k."""
+    await_upstream()
     lane, t = _warp_row()
     if t < t_rows:
         nvec = h // vec
@@ -169,6 +172,7 @@ def expert_rows_bwd_kernel(pdz: Pointer, ph: Pointer, pw: Pointer, paw: Pointer,
                            n: Int64, vec: Constexpr[int], act: Constexpr[str], width: Constexpr[int]) -> None:
     """One warp per row r (w = w[r]): a = bf16(act(h)); aw = bf16(w*a); dot = warp-reduced sum dz*a;
     h <- bf16(act_bwd(bf16(dz*w), h)). As combine_bwd and combine with K = 1 between act and act_bwd."""
+    await_upstream()
     lane, r = _warp_row()
     if r < rows:
         nvec = n // vec
@@ -202,7 +206,7 @@ def combine_fwd_host(py: Pointer, pw: Pointer, pshared: Pointer, pout: Pointer, 
                      has_shared: Constexpr[bool]) -> None:
     chunks = (h // vec + THREADS - 1) // THREADS
     combine_fwd_kernel(py, pw, pshared, pout, t_rows, h, scale, k, vec, has_shared).launch(
-        grid=[t_rows, chunks, 1], block=[THREADS, 1, 1], stream=stream
+        grid=[t_rows, chunks, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=PDL
     )
 
 
@@ -213,7 +217,7 @@ def combine_gather_fwd_host(pyp: Pointer, prow: Pointer, pw: Pointer, pshared: P
     chunks = (h // vec + THREADS - 1) // THREADS
     kernel = combine_gather_fwd_kernel(pyp, prow, pw, pshared, pout, t_rows, n_rows, h, scale, k, vec,
                                        has_shared)
-    kernel.launch(grid=[t_rows, chunks, 1], block=[THREADS, 1, 1], stream=stream)
+    kernel.launch(grid=[t_rows, chunks, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=PDL)
 
 
 @cute.jit
@@ -222,7 +226,7 @@ def combine_bwd_host(pdout: Pointer, py: Pointer, pw: Pointer, pdy: Pointer, pdw
                      vec: Constexpr[int]) -> None:
     warps = THREADS // WARP
     combine_bwd_kernel(pdout, py, pw, pdy, pdw, t_rows, h, scale, k, vec).launch(
-        grid=[(t_rows + warps - 1) // warps, 1, 1], block=[THREADS, 1, 1], stream=stream
+        grid=[(t_rows + warps - 1) // warps, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=PDL
     )
 
 
@@ -232,7 +236,7 @@ def expert_rows_bwd_host(pdz: Pointer, ph: Pointer, pw: Pointer, paw: Pointer, p
     warps = THREADS // WARP
     width = ACT_H_COLUMNS[act]
     expert_rows_bwd_kernel(pdz, ph, pw, paw, pdot, rows, n, vec, act, width).launch(
-        grid=[(rows + warps - 1) // warps, 1, 1], block=[THREADS, 1, 1], stream=stream
+        grid=[(rows + warps - 1) // warps, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=PDL
     )
 
 

@@ -22,7 +22,7 @@ from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 from cutlass.cutlass_dsl.cutlass import min as dmin
 
-from nmoe.fast.kernels.prims import out_bits, store_full, trap
+from nmoe.fast.kernels.prims import PDL, await_upstream, out_bits, store_full, trap
 
 LANES = 32
 WARPS = 8
@@ -65,6 +65,7 @@ def _zero_smem(h: cute.Tensor, n: Constexpr[int], tidx: Int32) -> None:
 
 @cute.kernel
 def fill_slot_kernel(pslot: Pointer, n_rows: Int32) -> None:
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     r = Int32(bidx) * THREADS + Int32(tidx)
@@ -77,6 +78,7 @@ def fill_slot_kernel(pslot: Pointer, n_rows: Int32) -> None:
 def tile_count_kernel(pids: Pointer, ptile: Pointer, n_slots: Int32, n_tiles: Int32,
                       n_experts: Constexpr[int]) -> None:
     """tile_counts[e, tile] = slots of expert e in the tile (expert-major, so the scan reads rows)."""
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     hist = _smem_i32(n_experts)
@@ -112,6 +114,7 @@ def _warp_inclusive_scan(v: Int32, lane: Int32) -> Int32:
 def scan_kernel(ptile: Pointer, pcounts: Pointer, poffs: Pointer, pstart: Pointer, n_tiles: Int32,
                 align: Int32, n_experts: Constexpr[int]) -> None:
     """One CTA: exclusive tile prefix per expert (in place), real counts, padded segment starts/ends."""
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     lane = Int32(tidx) % LANES
     warp = Int32(tidx) // LANES
@@ -185,6 +188,7 @@ def rank_kernel(pids: Pointer, ptile: Pointer, pstart: Pointer, pslot: Pointer, 
                 n_slots: Int32, n_tiles: Int32, n_rows: Int32, n_experts: Constexpr[int]) -> None:
     """slot[row] = s and row_of[s] = row for every real slot, row = segment start + slots of the same
     expert before s."""
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     lane = Int32(tidx) % LANES
@@ -265,6 +269,7 @@ def spread_rows_kernel(px: Pointer, pslot: Pointer, prow: Pointer, pxp: Pointer,
     """Warp w stores x[w] (x's rows src_vecs vectors apart) to its K rows row_of[w*K + k], each vector loaded
     once: x is read in one pass, where a gather in row order reads each token K times, far apart. Pad rows
     (slot -1) get zeros."""
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     lane = Int32(tidx) % LANES
@@ -287,6 +292,7 @@ def spread_rows_kernel(px: Pointer, pslot: Pointer, prow: Pointer, pxp: Pointer,
 def scatter_rows_kernel(pyp: Pointer, pslot: Pointer, py: Pointer, pseen: Pointer, n_rows: Int32,
                         n_slots: Int32, row_vecs: Int32, vec: Constexpr[int]) -> None:
     """y[slot[r]] = yp[r] for real rows; seen[s] counts arrivals so a bad slot map aborts loudly."""
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     lane = Int32(tidx) % LANES
@@ -317,6 +323,7 @@ def _scatter_one(src: cute.Tensor, dst: cute.Tensor, mseen: cute.Tensor, s: Int6
 
 @cute.kernel
 def check_seen_kernel(pseen: Pointer, n_slots: Int32) -> None:
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     s = Int32(bidx) * THREADS + Int32(tidx)
@@ -341,18 +348,19 @@ def permute_host(pids: Pointer, px: Pointer, ptile: Pointer, pcounts: Pointer, p
     """copies False (x has no columns): the routing alone, no row-copy launch over every row."""
     if const_expr(has_rows):
         fill_slot_kernel(pslot, n_rows).launch(
-            grid=[_blocks(n_rows, THREADS), 1, 1], block=[THREADS, 1, 1], stream=stream)
+            grid=[_blocks(n_rows, THREADS), 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=PDL)
     if const_expr(has_slots):
         tile_count_kernel(pids, ptile, n_slots, n_tiles, n_experts).launch(
-            grid=[n_tiles, 1, 1], block=[THREADS, 1, 1], stream=stream)
+            grid=[n_tiles, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=PDL)
     scan_kernel(ptile, pcounts, poffs, pstart, n_tiles, align, n_experts).launch(
-        grid=[1, 1, 1], block=[SCAN_THREADS, 1, 1], stream=stream)
+        grid=[1, 1, 1], block=[SCAN_THREADS, 1, 1], stream=stream, use_pdl=PDL)
     if const_expr(has_slots):
         rank_kernel(pids, ptile, pstart, pslot, prow, n_slots, n_tiles, n_rows, n_experts).launch(
-            grid=[n_tiles, 1, 1], block=[THREADS, 1, 1], stream=stream)
+            grid=[n_tiles, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=PDL)
     if const_expr(has_rows and copies):
         spread_rows_kernel(px, pslot, prow, pxp, n_tokens, n_rows, top_k, row_vecs, row_vecs, vec).launch(
-            grid=[_blocks(n_rows, ROW_WARPS), 1, 1], block=[ROW_WARPS * LANES, 1, 1], stream=stream)
+            grid=[_blocks(n_rows, ROW_WARPS), 1, 1], block=[ROW_WARPS * LANES, 1, 1], stream=stream,
+            use_pdl=PDL)
 
 
 @cute.jit
@@ -360,7 +368,7 @@ def spread_host(px: Pointer, pslot: Pointer, prow: Pointer, pxp: Pointer, n_toke
                 top_k: Int32, row_vecs: Int32, src_vecs: Int32, stream: cuda.CUstream,
                 vec: Constexpr[int]) -> None:
     spread_rows_kernel(px, pslot, prow, pxp, n_tokens, n_rows, top_k, row_vecs, src_vecs, vec).launch(
-        grid=[_blocks(n_rows, ROW_WARPS), 1, 1], block=[ROW_WARPS * LANES, 1, 1], stream=stream)
+        grid=[_blocks(n_rows, ROW_WARPS), 1, 1], block=[ROW_WARPS * LANES, 1, 1], stream=stream, use_pdl=PDL)
 
 
 @cute.jit
@@ -369,10 +377,11 @@ def unpermute_host(pyp: Pointer, pslot: Pointer, py: Pointer, pseen: Pointer, n_
                    has_rows: Constexpr[bool], has_slots: Constexpr[bool]) -> None:
     if const_expr(has_rows):
         scatter_rows_kernel(pyp, pslot, py, pseen, n_rows, n_slots, row_vecs, vec).launch(
-            grid=[_blocks(n_rows, ROW_WARPS), 1, 1], block=[ROW_WARPS * LANES, 1, 1], stream=stream)
+            grid=[_blocks(n_rows, ROW_WARPS), 1, 1], block=[ROW_WARPS * LANES, 1, 1], stream=stream,
+            use_pdl=PDL)
     if const_expr(has_slots):
         check_seen_kernel(pseen, n_slots).launch(
-            grid=[_blocks(n_slots, THREADS), 1, 1], block=[THREADS, 1, 1], stream=stream)
+            grid=[_blocks(n_slots, THREADS), 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=PDL)
 
 
 EMBED_DTYPES: dict[str, Any] = {"bfloat16": BFloat16, "float32": Float32}
@@ -384,6 +393,7 @@ def embed_bwd_kernel(pdy: Pointer, porder: Pointer, pstarts: Pointer, pout: Poin
     """Row `bidx` of the table's gradient: the fp32 sum of dy's rows order[starts[row]:starts[row + 1]]
     (int64 positions, ascending), rounded once; CTA 0 traps unless starts spans exactly [0, n_tok] (an id
     outside [0, vocab) would otherwise be dropped)."""
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     row = Int64(bidx)
@@ -413,7 +423,7 @@ def embed_bwd_host(pdy: Pointer, porder: Pointer, pstarts: Pointer, pout: Pointe
                    vocab: Int32, stream: cuda.CUstream, h: Constexpr[int], threads: Constexpr[int],
                    dtype: Constexpr[str]) -> None:
     embed_bwd_kernel(pdy, porder, pstarts, pout, n_tok, vocab, h, threads, dtype).launch(
-        grid=[vocab, 1, 1], block=[threads, 1, 1], stream=stream)
+        grid=[vocab, 1, 1], block=[threads, 1, 1], stream=stream, use_pdl=PDL)
 
 
 def pointer(dtype: Any, address: int, align: int) -> Any:

@@ -18,7 +18,7 @@ from cutlass.cutlass_dsl import select_
 
 from nmoe.constants import E4M3_MAX, F32_CANONICAL_NAN, NVFP4_BLOCK
 from nmoe.constants import FP8_WEIGHT_BLOCK as WEIGHT_BLOCK
-from nmoe.fast.kernels.prims import add_rn, div_rn, f2i, fma_rn, i2f, mul_rn, sel
+from nmoe.fast.kernels.prims import PDL, add_rn, await_upstream, div_rn, f2i, fma_rn, i2f, mul_rn, sel
 
 THREADS = 256
 QUANT_VECS = 2  # vectors each mx_quant / nvfp4_quant thread loads before encoding: twice the bytes in flight
@@ -208,6 +208,7 @@ def mx_quant_kernel(px: Pointer, pq: Pointer, ps: Pointer, nvec: Int64, vec: Con
     """`group` lanes of one warp hold one block of group*vec elements; their max meets by shuffles.
     Each thread loads QUANT_VECS CTA-strided vectors up front (each warp load stays contiguous); lanes past
     the end re-read the last vector, so the loads need no branch, and store nothing."""
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     n = nvec * vec
@@ -236,7 +237,7 @@ def mx_quant_host(px: Pointer, pq: Pointer, ps: Pointer, nvec: Int64, stream: cu
                   vec: Constexpr[int], group: Constexpr[int], dtype_name: Constexpr[str]) -> None:
     mx_quant_kernel(px, pq, ps, nvec, vec, group, dtype_name).launch(
         grid=[(nvec + THREADS * QUANT_VECS - 1) // (THREADS * QUANT_VECS), 1, 1], block=[THREADS, 1, 1],
-        stream=stream
+        stream=stream, use_pdl=PDL
     )
 
 
@@ -246,6 +247,7 @@ def mxw_quant_kernel(px: Pointer, pq: Pointer, ps: Pointer, rows: Int64, k: Int6
     """One CTA per 128x128 block (row blocks on the grid's x: y stops at 65535), `tpr` lanes per row.
     Each thread keeps all its vectors in registers: the block's max |x| meets by warp shuffles and shared
     memory, then the same registers are encoded, so the block is read from memory once."""
+    await_upstream()
     tpr = WEIGHT_BLOCK // vec
     passes = WEIGHT_BLOCK * tpr // THREADS
     tidx, _, _ = cute.arch.thread_idx()
@@ -282,7 +284,7 @@ def mxw_quant_kernel(px: Pointer, pq: Pointer, ps: Pointer, rows: Int64, k: Int6
 def mxw_quant_host(px: Pointer, pq: Pointer, ps: Pointer, rows: Int64, k: Int64, stream: cuda.CUstream,
                    vec: Constexpr[int], dtype_name: Constexpr[str]) -> None:
     mxw_quant_kernel(px, pq, ps, rows, k, vec, dtype_name).launch(
-        grid=[rows // WEIGHT_BLOCK, k // WEIGHT_BLOCK, 1], block=[THREADS, 1, 1], stream=stream
+        grid=[rows // WEIGHT_BLOCK, k // WEIGHT_BLOCK, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=PDL
     )
 
 
@@ -303,6 +305,7 @@ def _mx_dequant_vec(gq: Any, gy: Any, i: Int64, b: Int32, vec: Constexpr[int]) -
 @cute.kernel
 def mx_dequant_kernel(pq: Pointer, ps: Pointer, py: Pointer, nvec: Int64, vec: Constexpr[int],
                       block: Constexpr[int]) -> None:
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     i = Int64(bidx) * THREADS + Int64(tidx)
@@ -318,7 +321,7 @@ def mx_dequant_kernel(pq: Pointer, ps: Pointer, py: Pointer, nvec: Int64, vec: C
 def mx_dequant_host(pq: Pointer, ps: Pointer, py: Pointer, nvec: Int64, stream: cuda.CUstream,
                     vec: Constexpr[int], block: Constexpr[int]) -> None:
     mx_dequant_kernel(pq, ps, py, nvec, vec, block).launch(
-        grid=[(nvec + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream
+        grid=[(nvec + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=PDL
     )
 
 
@@ -327,6 +330,7 @@ def mxw_dequant_kernel(pq: Pointer, ps: Pointer, py: Pointer, rows: Int64, k: In
                        vec: Constexpr[int]) -> None:
     """Grid (rows, column chunks): the scale index needs no division by the dynamic K, and rows, E x N of a
     weight stack, go on x, whose limit is 2^31 - 1, not the 65535 of y."""
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     row, bx, _ = cute.arch.block_idx()
     kv = k // vec
@@ -345,7 +349,7 @@ def mxw_dequant_kernel(pq: Pointer, ps: Pointer, py: Pointer, rows: Int64, k: In
 def mxw_dequant_host(pq: Pointer, ps: Pointer, py: Pointer, rows: Int64, k: Int64, stream: cuda.CUstream,
                      vec: Constexpr[int]) -> None:
     mxw_dequant_kernel(pq, ps, py, rows, k, vec).launch(
-        grid=[rows, (k // vec + THREADS - 1) // THREADS, 1], block=[THREADS, 1, 1], stream=stream
+        grid=[rows, (k // vec + THREADS - 1) // THREADS, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=PDL
     )
 
 
@@ -355,6 +359,7 @@ def nvfp4_amax_kernel(px: Pointer, pamax: Pointer, nvec: Int64, vec: Constexpr[i
     """Grid-stride max of finite |x| as fp32 bits, one atomic max per warp (non-negative bits order).
     AMAX_VECS loads issue before any is read; indices past the end re-read the last vector (a max
     ignores repeats), so no branch holds the loads apart."""
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     gdim, _, _ = cute.arch.grid_dim()
@@ -381,7 +386,7 @@ def nvfp4_amax_kernel(px: Pointer, pamax: Pointer, nvec: Int64, vec: Constexpr[i
 def nvfp4_amax_host(px: Pointer, pamax: Pointer, nvec: Int64, ctas: Int32, stream: cuda.CUstream,
                     vec: Constexpr[int], dtype_name: Constexpr[str]) -> None:
     nvfp4_amax_kernel(px, pamax, nvec, vec, dtype_name).launch(
-        grid=[ctas, 1, 1], block=[THREADS, 1, 1], stream=stream
+        grid=[ctas, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=PDL
     )
 
 
@@ -391,6 +396,7 @@ def nvfp4_quant_kernel(px: Pointer, pamax: Pointer, pq: Pointer, ps: Pointer, pg
     """Pinned fp32 order: g = amax/2688; s_b = e4m3((amax_b/6)/g); codes = e2m1(x/(s_b*g)), `group` lanes
     per 16-element block; NaN/Inf blocks get scale 0x7F and codes 0. Each thread takes QUANT_VECS vectors
     as mx_quant does (loads first, index clamped), sharing g and the index math between them."""
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     n = nvec * vec
@@ -436,7 +442,7 @@ def nvfp4_quant_host(px: Pointer, pamax: Pointer, pq: Pointer, ps: Pointer, pg: 
                      dtype_name: Constexpr[str]) -> None:
     nvfp4_quant_kernel(px, pamax, pq, ps, pg, nvec, vec, group, dtype_name).launch(
         grid=[(nvec + THREADS * QUANT_VECS - 1) // (THREADS * QUANT_VECS), 1, 1], block=[THREADS, 1, 1],
-        stream=stream
+        stream=stream, use_pdl=PDL
     )
 
 
@@ -444,6 +450,7 @@ def nvfp4_quant_host(px: Pointer, pamax: Pointer, pq: Pointer, ps: Pointer, pg: 
 def nvfp4_dequant_kernel(pq: Pointer, ps: Pointer, pg: Pointer, py: Pointer, nblk: Int64) -> None:
     """One thread per 16-element block. NaN bits as torch on x86 gives them: the tensor scale's NaN
     wins, then the block scale's, and 0 * Inf is 0xFFC00000."""
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     i = Int64(bidx) * THREADS + Int64(tidx)
@@ -471,7 +478,7 @@ def nvfp4_dequant_kernel(pq: Pointer, ps: Pointer, pg: Pointer, py: Pointer, nbl
 def nvfp4_dequant_host(pq: Pointer, ps: Pointer, pg: Pointer, py: Pointer, nblk: Int64,
                        stream: cuda.CUstream) -> None:
     nvfp4_dequant_kernel(pq, ps, pg, py, nblk).launch(
-        grid=[(nblk + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream
+        grid=[(nblk + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=PDL
     )
 
 

@@ -17,7 +17,7 @@ from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 from cutlass.cutlass_dsl import select_
 
-from nmoe.fast.kernels.prims import load_tail, out_bits, store_full, store_tail, trap
+from nmoe.fast.kernels.prims import PDL, await_upstream, load_tail, out_bits, store_full, store_tail, trap
 
 FMATH: Any = cute.math  # typed Any: the DSL's math module declares its functions dynamically
 
@@ -73,6 +73,7 @@ def _lse_scratch(threads: Constexpr[int]) -> cute.Tensor:
 @cute.kernel
 def ce_fwd_kernel(plog: Pointer, pgrad: Pointer, ptgt: Pointer, pcoef: Pointer, ploss: Pointer, v: Int32,
                   grad: Constexpr[bool], threads: Constexpr[int], unroll: Constexpr[int]) -> None:
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     row = Int64(bidx)
@@ -133,7 +134,7 @@ def ce_fwd_host(plog: Pointer, pgrad: Pointer, ptgt: Pointer, pcoef: Pointer, pl
                 v: Int32, stream: cuda.CUstream, grad: Constexpr[bool], threads: Constexpr[int],
                 unroll: Constexpr[int]) -> None:
     ce_fwd_kernel(plog, pgrad, ptgt, pcoef, ploss, v, grad, threads, unroll).launch(
-        grid=[rows, 1, 1], block=[threads, 1, 1], stream=stream
+        grid=[rows, 1, 1], block=[threads, 1, 1], stream=stream, use_pdl=PDL
     )
 
 
@@ -143,6 +144,7 @@ SCALE_VEC = 8  # fp32 in (two 16-byte loads), bf16 out (one 16-byte store)
 @cute.kernel
 def ce_scale_kernel(pg: Pointer, ps: Pointer, pout: Pointer, n: Int64, threads: Constexpr[int]) -> None:
     """out = bf16(g * s), s = ps[0], over flat fp32 g[0:n]: one vector per thread, the last one guarded."""
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     i = Int64(bidx) * threads + Int64(tidx)
@@ -162,7 +164,7 @@ def ce_scale_kernel(pg: Pointer, ps: Pointer, pout: Pointer, n: Int64, threads: 
 def ce_scale_host(pg: Pointer, ps: Pointer, pout: Pointer, n: Int64, stream: cuda.CUstream,
                   threads: Constexpr[int]) -> None:
     ce_scale_kernel(pg, ps, pout, n, threads).launch(
-        grid=[(n // SCALE_VEC + threads) // threads, 1, 1], block=[threads, 1, 1], stream=stream
+        grid=[(n // SCALE_VEC + threads) // threads, 1, 1], block=[threads, 1, 1], stream=stream, use_pdl=PDL
     )
 
 

@@ -14,7 +14,7 @@ from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 
-from nmoe.fast.kernels.prims import out_bits
+from nmoe.fast.kernels.prims import PDL, await_upstream, out_bits
 from nmoe.fast.limits import VEC_BYTES
 
 THREADS = 256
@@ -46,6 +46,7 @@ def _join(pa: Pointer, pb: Pointer, pd: Pointer, rows: Int64, i: Int64, dn: Cons
 @cute.kernel
 def mla_k_kernel(pkv: Pointer, pkpe: Pointer, pk: Pointer, rows: Int64, h: Constexpr[int], dn: Constexpr[int],
                  dr: Constexpr[int], dv: Constexpr[int]) -> None:
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     i = Int64(bidx) * THREADS + Int64(tidx)
@@ -58,6 +59,7 @@ def mla_kv_grad_kernel(pdk: Pointer, pdkv: Pointer, pdkpe: Pointer, rows: Int64,
                        dn: Constexpr[int], dr: Constexpr[int], dv: Constexpr[int]) -> None:
     """Threads [0, rows * dn / VEC) copy dk's nope vectors into dkv's rows (dn + dv apart); the next
     tokens * dr / VEC sum dk_pe's vectors."""
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     i = Int64(bidx) * THREADS + Int64(tidx)
@@ -86,7 +88,7 @@ def mla_k_host(pkv: Pointer, pkpe: Pointer, pk: Pointer, rows: Int64, stream: cu
                h: Constexpr[int], dn: Constexpr[int], dr: Constexpr[int], dv: Constexpr[int]) -> None:
     n = rows * ((dn + dr) // VEC)
     mla_k_kernel(pkv, pkpe, pk, rows, h, dn, dr, dv).launch(
-        grid=[(n + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream
+        grid=[(n + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=PDL
     )
 
 
@@ -95,7 +97,7 @@ def mla_kv_grad_host(pdk: Pointer, pdkv: Pointer, pdkpe: Pointer, rows: Int64, s
                      h: Constexpr[int], dn: Constexpr[int], dr: Constexpr[int], dv: Constexpr[int]) -> None:
     n = rows * (dn // VEC) + rows // h * (dr // VEC)
     mla_kv_grad_kernel(pdk, pdkv, pdkpe, rows, h, dn, dr, dv).launch(
-        grid=[(n + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream
+        grid=[(n + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=PDL
     )
 
 

@@ -19,7 +19,7 @@ from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 from cutlass.cutlass_dsl import select_
 
-from nmoe.fast.kernels.prims import add_rn, div_rn, mul_rn, sqrt_rn
+from nmoe.fast.kernels.prims import PDL, add_rn, await_upstream, div_rn, mul_rn, sqrt_rn
 
 WARP = 32
 DTYPES: dict[str, Any] = {"bfloat16": BFloat16, "float16": Float16, "float32": Float32}
@@ -165,6 +165,7 @@ def _fwd_row(mx: Any, ma: Any, ms: Any, mw: Any, my: Any, row: Int64, eps: Float
 def rmsnorm_fwd_kernel(px: Pointer, pw: Pointer, py: Pointer, rows: Int64, eps: Float32, d: Constexpr[int],
                        vec: Constexpr[int], nper: Constexpr[int], threads: Constexpr[int],
                        pitch: Constexpr[int]) -> None:
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     mx = _rows(px, rows, d, pitch)
@@ -177,6 +178,7 @@ def rmsnorm_fwd_kernel(px: Pointer, pw: Pointer, py: Pointer, rows: Int64, eps: 
 def add_rmsnorm_fwd_kernel(px: Pointer, pa: Pointer, pw: Pointer, ps: Pointer, py: Pointer, rows: Int64,
                            eps: Float32, d: Constexpr[int], vec: Constexpr[int], nper: Constexpr[int],
                            threads: Constexpr[int]) -> None:
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     mx = cute.make_tensor(px, cute.make_layout(rows * d))
@@ -192,7 +194,7 @@ def rmsnorm_fwd_host(px: Pointer, pw: Pointer, py: Pointer, rows: Int64, eps: Fl
                      d: Constexpr[int], vec: Constexpr[int], nper: Constexpr[int], threads: Constexpr[int],
                      x_dtype: Constexpr[str], w_dtype: Constexpr[str], pitch: Constexpr[int]) -> None:
     rmsnorm_fwd_kernel(px, pw, py, rows, eps, d, vec, nper, threads, pitch).launch(
-        grid=[rows, 1, 1], block=[threads, 1, 1], stream=stream
+        grid=[rows, 1, 1], block=[threads, 1, 1], stream=stream, use_pdl=PDL
     )
 
 
@@ -202,7 +204,7 @@ def add_rmsnorm_fwd_host(px: Pointer, pa: Pointer, pw: Pointer, ps: Pointer, py:
                          nper: Constexpr[int], threads: Constexpr[int], x_dtype: Constexpr[str],
                          w_dtype: Constexpr[str]) -> None:
     add_rmsnorm_fwd_kernel(px, pa, pw, ps, py, rows, eps, d, vec, nper, threads).launch(
-        grid=[rows, 1, 1], block=[threads, 1, 1], stream=stream
+        grid=[rows, 1, 1], block=[threads, 1, 1], stream=stream, use_pdl=PDL
     )
 
 
@@ -280,6 +282,7 @@ def _bwd_rows(pdy: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw: Pointer
 def rmsnorm_bwd_kernel(pdy: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw: Pointer, rows: Int64,
                        eps: Float32, d: Constexpr[int], vec: Constexpr[int], nper: Constexpr[int],
                        threads: Constexpr[int], pitch: Constexpr[int]) -> None:
+    await_upstream()
     _bwd_rows(pdy, px, pw, pdx, pdw, None, rows, eps, d, vec, nper, threads, pitch)
 
 
@@ -287,6 +290,7 @@ def rmsnorm_bwd_kernel(pdy: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw
 def add_rmsnorm_bwd_kernel(pdy: Pointer, pds: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw: Pointer,
                            rows: Int64, eps: Float32, d: Constexpr[int], vec: Constexpr[int],
                            nper: Constexpr[int], threads: Constexpr[int]) -> None:
+    await_upstream()
     _bwd_rows(pdy, px, pw, pdx, pdw, pds, rows, eps, d, vec, nper, threads, d)
 
 
@@ -299,7 +303,7 @@ def rmsnorm_bwd_host(pdy: Pointer, px: Pointer, pw: Pointer, pdx: Pointer, pdw: 
     (a CTA that does not fit would run in a second wave). The carveout stays the driver's default."""
     rmsnorm_bwd_kernel(pdy, px, pw, pdx, pdw, rows, eps, d, vec, nper, threads, pitch).launch(
         grid=[ctas, 1, 1], block=[threads, 1, 1], stream=stream, min_blocks_per_mp=ctas_per_sm,
-        preferred_smem_carveout=-1
+        preferred_smem_carveout=-1, use_pdl=PDL
     )
 
 
@@ -312,7 +316,7 @@ def add_rmsnorm_bwd_host(pdy: Pointer, pds: Pointer, px: Pointer, pw: Pointer, p
     """rmsnorm_bwd_host's grid for add_rmsnorm's backward: dx written as ds + dx."""
     add_rmsnorm_bwd_kernel(pdy, pds, px, pw, pdx, pdw, rows, eps, d, vec, nper, threads).launch(
         grid=[ctas, 1, 1], block=[threads, 1, 1], stream=stream, min_blocks_per_mp=ctas_per_sm,
-        preferred_smem_carveout=-1
+        preferred_smem_carveout=-1, use_pdl=PDL
     )
 
 
@@ -321,6 +325,7 @@ def rmsnorm_dw_kernel(pparts: Pointer, pdw: Pointer, nparts: Int32, d: Int64, ve
     """dw[c] = sum over the CTA partials in index order (deterministic), one rounding to w's dtype.
     DW_UNROLL partials load at once (indices clamped in range) before their in-order adds: the chain of
     nparts dependent adds waits on one load latency per chunk instead of per partial."""
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     cv = Int64(bidx) * DW_THREADS + Int64(tidx)
@@ -347,7 +352,8 @@ def rmsnorm_dw_kernel(pparts: Pointer, pdw: Pointer, nparts: Int32, d: Int64, ve
 def rmsnorm_dw_host(pparts: Pointer, pdw: Pointer, nparts: Int32, d: Int64, stream: cuda.CUstream,
                     vec: Constexpr[int], w_dtype: Constexpr[str]) -> None:
     rmsnorm_dw_kernel(pparts, pdw, nparts, d, vec).launch(
-        grid=[(d // vec + DW_THREADS - 1) // DW_THREADS, 1, 1], block=[DW_THREADS, 1, 1], stream=stream
+        grid=[(d // vec + DW_THREADS - 1) // DW_THREADS, 1, 1], block=[DW_THREADS, 1, 1], stream=stream,
+        use_pdl=PDL
     )
 
 

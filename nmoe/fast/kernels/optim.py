@@ -14,7 +14,7 @@ from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 
-from nmoe.fast.kernels.prims import add_rn, div_rn, mul_rn, out_bits, sqrt_rn, sub_rn
+from nmoe.fast.kernels.prims import PDL, add_rn, await_upstream, div_rn, mul_rn, out_bits, sqrt_rn, sub_rn
 
 THREADS = 256
 DTYPES: dict[str, Any] = {"bfloat16": BFloat16, "float32": Float32}
@@ -92,6 +92,7 @@ def adamw_kernel(pp: Pointer, pg: Pointer, pm: Pointer, pv: Pointer, ps: Pointer
                  decay: Float32, b1: Float32, omb1: Float32, b2: Float32, omb2: Float32, bc1: Float32,
                  bc2: Float32, lr: Float32, eps: Float32, vec: Constexpr[int], scaled: Constexpr[bool],
                  low: Constexpr[bool]) -> None:
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     i = Int64(bidx) * THREADS + Int64(tidx)
@@ -147,7 +148,7 @@ def adamw_host(pp: Pointer, pg: Pointer, pm: Pointer, pv: Pointer, ps: Pointer, 
     bf16) picks how they are read and stored."""
     adamw_kernel(pp, pg, pm, pv, ps, pl, n, decay, b1, omb1, b2, omb2, bc1, bc2, lr, eps, vec, scaled,
                  low).launch(
-        grid=[(n // vec + THREADS) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream
+        grid=[(n // vec + THREADS) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=PDL
     )
 
 

@@ -17,8 +17,12 @@ from cutlass.base_dsl.typing import Constexpr
 from cutlass.cutlass_dsl import select_
 
 from nmoe.constants import BF16_CANONICAL_NAN, F32_CANONICAL_NAN
+from nmoe.fast.limits import FAST_PDL
 
 _NVVM: Any = nvvm  # the generated dialect module has no stubs
+
+PDL: bool = FAST_PDL
+"""Every launch's use_pdl and await_upstream's switch: one reading of limits.FAST_PDL."""
 
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
@@ -26,6 +30,14 @@ _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 def dsl_user_op(fn: _Fn) -> _Fn:
     """CuTeDSL's op decorator (it threads loc/ip), typed for mypy."""
     return cast(_Fn, _untyped_user_op(fn))
+
+
+def await_upstream() -> None:
+    """Every kernel's first step: under PDL, wait for the grid before it to end and flush (nothing is read or
+    written earlier), then let the next grid launch into this one's tail."""
+    if PDL:
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
 
 
 @dsl_user_op

@@ -37,7 +37,7 @@ from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 
 from nmoe.fast.kernels.dispatch import LANES, ROW_WARPS, UNIT_TYPES, _copy_row, _row_views
-from nmoe.fast.kernels.prims import trap
+from nmoe.fast.kernels.prims import PDL, await_upstream, trap
 from nmoe.fast.limits import MAX_EXPERTS, MAX_RANKS
 
 THREADS = 256
@@ -118,6 +118,7 @@ def counts_kernel(pcounts: Pointer, ppeers: Pointer, pepoch: Pointer, pdoff: Poi
                   capacity: Int32, off_cnt: Int64, off_flag: Int64, limit_ns: Int64, status: Int64) -> None:
     """One CTA: post this rank's expert histogram to every peer, await all, then the write offsets this
     rank uses at each owner, its receive counts, and the capacity check (every rank sees every count)."""
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     tid = Int32(tidx)
     peers = cute.make_tensor(ppeers, cute.make_layout(world))
@@ -190,6 +191,7 @@ def counts_kernel(pcounts: Pointer, ppeers: Pointer, pepoch: Pointer, pdoff: Poi
 def label_kernel(precv_counts: Pointer, plocal: Pointer, prow: Pointer, peid: Pointer, n_local: Int32,
                  capacity: Int32) -> None:
     """CTA le < n_local labels its received segment with le; CTA n_local marks the tail rows -1."""
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     le = Int32(bidx)
@@ -218,6 +220,7 @@ def send_rows_kernel(px: Pointer, pids: Pointer, pslot: Pointer, pcounts: Pointe
                      ids64: Constexpr[bool]) -> None:
     """Warp j moves expert-sorted slot j: x[t] to row doff[e] + (j - segment start) of owner e // n_local,
     with row_id = me*T*K + t*K + k, so every owner holds (local expert, src, t, k) order."""
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     lane = Int32(tidx) % LANES
@@ -252,6 +255,7 @@ def sync_kernel(ppeers: Pointer, pepoch: Pointer, world: Int32, me: Int32, off_f
                 status: Int64, kind: Constexpr[int]) -> None:
     """After the row kernel: post flag `kind` to every peer, then await every peer's. Rows carry the
     dispatch count; a return counts its own calls (a backward returns again after the forward's)."""
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     tid = Int32(tidx)
     peers = cute.make_tensor(ppeers, cute.make_layout(world))
@@ -275,6 +279,7 @@ def return_rows_kernel(py: Pointer, pnrecv: Pointer, prow: Pointer, ppeers: Poin
     """Warp p sends received row p's output to its source's slot row_id % (T*K) (source row_id // (T*K)),
     in the source's return buffer `buf` (the call's parity, every rank's alike). row_id and n_recv come from
     the dispatch being answered: the window's own, or a copy kept while other dispatches reused the window."""
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     lane = Int32(tidx) % LANES
@@ -316,14 +321,14 @@ def dispatch_host(px: Pointer, pids: Pointer, pslot: Pointer, pcounts: Pointer, 
                   ids64: Constexpr[bool]) -> None:
     counts_kernel(pcounts, ppeers, pepoch, pdoff, plocal, precv_counts, world, me, n_experts, n_local,
                   capacity, off_cnt, off_flag, limit_ns, status).launch(
-        grid=[1, 1, 1], block=[THREADS, 1, 1], stream=stream)
+        grid=[1, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=PDL)
     label_kernel(precv_counts, plocal, prow, peid, n_local, capacity).launch(
-        grid=[n_local + 1, 1, 1], block=[THREADS, 1, 1], stream=stream)
+        grid=[n_local + 1, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=PDL)
     send_rows_kernel(px, pids, pslot, pcounts, poffs, pdoff, plocal, ppeers, n_slots, top_k, world, me,
                      n_experts, n_local, capacity, row_vecs, off_x, off_row, vec, unit, ids64).launch(
-        grid=[_blocks(n_slots, ROW_WARPS), 1, 1], block=[ROW_WARPS * LANES, 1, 1], stream=stream)
+        grid=[_blocks(n_slots, ROW_WARPS), 1, 1], block=[ROW_WARPS * LANES, 1, 1], stream=stream, use_pdl=PDL)
     sync_kernel(ppeers, pepoch, world, me, off_flag, limit_ns, status, FLAG_ROWS).launch(
-        grid=[1, 1, 1], block=[LANES, 1, 1], stream=stream)
+        grid=[1, 1, 1], block=[LANES, 1, 1], stream=stream, use_pdl=PDL)
 
 
 @cute.jit
@@ -333,9 +338,10 @@ def return_host(py: Pointer, pnrecv: Pointer, prow: Pointer, ppeers: Pointer, pe
                 unit: Constexpr[str]) -> None:
     return_rows_kernel(py, pnrecv, prow, ppeers, pepoch, n_slots, world, capacity, row_vecs, off_out, status,
                        buf, vec, unit).launch(
-        grid=[_blocks(capacity, ROW_WARPS), 1, 1], block=[ROW_WARPS * LANES, 1, 1], stream=stream)
+        grid=[_blocks(capacity, ROW_WARPS), 1, 1], block=[ROW_WARPS * LANES, 1, 1], stream=stream,
+        use_pdl=PDL)
     sync_kernel(ppeers, pepoch, world, me, off_flag, limit_ns, status, FLAG_RETURN).launch(
-        grid=[1, 1, 1], block=[LANES, 1, 1], stream=stream)
+        grid=[1, 1, 1], block=[LANES, 1, 1], stream=stream, use_pdl=PDL)
 
 
 def pointer(dtype: Any, address: int, align: int) -> Any:

@@ -18,7 +18,7 @@ from cutlass.base_dsl.typing import Constexpr
 from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 
-from nmoe.fast.kernels.prims import add_rn, mul_rn, out_bits, sub_rn
+from nmoe.fast.kernels.prims import PDL, add_rn, await_upstream, mul_rn, out_bits, sub_rn
 
 THREADS = 256
 DTYPES: dict[str, Any] = {"bfloat16": BFloat16, "float32": Float32}
@@ -49,6 +49,7 @@ def rope_kernel(px: Pointer, pcos: Pointer, psin: Pointer, py: Pointer, n: Int64
                 d: Constexpr[int], ld: Constexpr[int], vec: Constexpr[int], dtype_name: Constexpr[str],
                 inverse: Constexpr[bool]) -> None:
     """x viewed as [outer, S, inner, d] (n elements, rows ld apart); row r's table row is (r // inner) % S."""
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     i = Int64(bidx) * THREADS + Int64(tidx)
@@ -77,7 +78,7 @@ def rope_host(px: Pointer, pcos: Pointer, psin: Pointer, py: Pointer, n: Int64, 
               stream: cuda.CUstream, d: Constexpr[int], ld: Constexpr[int], vec: Constexpr[int],
               dtype_name: Constexpr[str], inverse: Constexpr[bool]) -> None:
     rope_kernel(px, pcos, psin, py, n, inner, s_len, d, ld, vec, dtype_name, inverse).launch(
-        grid=[(n // vec + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream
+        grid=[(n // vec + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=PDL
     )
 
 

@@ -18,7 +18,19 @@ from cutlass.cute.typing import Pointer
 from cutlass.cutlass_dsl.cutlass import min as dmin
 from cutlass.cutlass_dsl.cutlass import select_
 
-from nmoe.fast.kernels.prims import add_rn, canonical_nan, div_rn, f2i, i2f, mul_rn, sel, sub_rn, trap
+from nmoe.fast.kernels.prims import (
+    PDL,
+    add_rn,
+    await_upstream,
+    canonical_nan,
+    div_rn,
+    f2i,
+    i2f,
+    mul_rn,
+    sel,
+    sub_rn,
+    trap,
+)
 
 WARPS = 4
 LANES = 32
@@ -241,6 +253,7 @@ def _store_outputs(mw: cute.Tensor, mids: cute.Tensor, t: Int32, n_tokens: Int32
 def router_topk_kernel(plog: Pointer, pbias: Pointer, pw: Pointer, pids: Pointer, n_tokens: Int32,
                        n_experts: Constexpr[int], k: Constexpr[int], softmax: Constexpr[bool],
                        n_groups: Constexpr[int], topk_groups: Constexpr[int]) -> None:
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     lane = Int32(tidx) % LANES
@@ -260,7 +273,7 @@ def router_topk_host(plog: Pointer, pbias: Pointer, pw: Pointer, pids: Pointer, 
                      stream: cuda.CUstream, n_experts: Constexpr[int], k: Constexpr[int],
                      softmax: Constexpr[bool], n_groups: Constexpr[int], topk_groups: Constexpr[int]) -> None:
     router_topk_kernel(plog, pbias, pw, pids, n_tokens, n_experts, k, softmax, n_groups, topk_groups).launch(
-        grid=[(n_tokens + WARPS - 1) // WARPS, 1, 1], block=[WARPS * LANES, 1, 1], stream=stream
+        grid=[(n_tokens + WARPS - 1) // WARPS, 1, 1], block=[WARPS * LANES, 1, 1], stream=stream, use_pdl=PDL
     )
 
 
@@ -298,6 +311,7 @@ def _count_slot(mids: cute.Tensor, hist: cute.Tensor, s: Int32, n_slots: Int32,
 @cute.kernel
 def expert_counts_kernel(pids: Pointer, pcounts: Pointer, n_slots: Int32, n_experts: Constexpr[int]) -> None:
     """Per-CTA shared histogram, then one global add per expert; integer adds commute, so exact."""
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     hist = cute.make_tensor(cute.arch.alloc_smem(Int32, n_experts, alignment=16),
@@ -327,7 +341,7 @@ def expert_counts_host(pids: Pointer, pcounts: Pointer, n_slots: Int32, stream: 
                        n_experts: Constexpr[int]) -> None:
     per = COUNT_THREADS * COUNT_ITEMS
     expert_counts_kernel(pids, pcounts, n_slots, n_experts).launch(
-        grid=[(n_slots + per - 1) // per, 1, 1], block=[COUNT_THREADS, 1, 1], stream=stream
+        grid=[(n_slots + per - 1) // per, 1, 1], block=[COUNT_THREADS, 1, 1], stream=stream, use_pdl=PDL
     )
 
 

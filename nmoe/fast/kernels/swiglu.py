@@ -17,7 +17,7 @@ from cutlass.cute.typing import Pointer
 
 from nmoe.fast.kernels.activation import elementwise_args
 from nmoe.fast.kernels.activation import pointers as pointers
-from nmoe.fast.kernels.prims import add_rn, mul_rn, out_bits, store_full, store_tail
+from nmoe.fast.kernels.prims import PDL, add_rn, await_upstream, mul_rn, out_bits, store_full, store_tail
 
 THREADS = 256
 
@@ -110,6 +110,7 @@ def _store_tail(m: cute.Tensor, base: Int64, n: Int64, v: cute.Tensor, width: Co
 def swiglu_fwd_kernel(ph: Pointer, py: Pointer, n: Int64, vec: Constexpr[int],
                       dtype_name: Constexpr[str]) -> None:
     """n = number of outputs; thread i owns outputs [i*vec, i*vec+vec) and their 2*vec interleaved inputs."""
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     i = Int64(bidx) * THREADS + Int64(tidx)
@@ -126,6 +127,7 @@ def swiglu_fwd_kernel(ph: Pointer, py: Pointer, n: Int64, vec: Constexpr[int],
 @cute.kernel
 def swiglu_bwd_kernel(pdy: Pointer, ph: Pointer, pdh: Pointer, n: Int64, vec: Constexpr[int],
                       dtype_name: Constexpr[str]) -> None:
+    await_upstream()
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     i = Int64(bidx) * THREADS + Int64(tidx)
@@ -149,15 +151,17 @@ def _grid(n: Int64, vec: int) -> list[Any]:
 @cute.jit
 def swiglu_fwd_host(ph: Pointer, py: Pointer, n: Int64, stream: cuda.CUstream, vec: Constexpr[int],
                     dtype_name: Constexpr[str]) -> None:
-    swiglu_fwd_kernel(ph, py, n, vec, dtype_name).launch(grid=_grid(n, vec), block=[THREADS, 1, 1],
-                                                        stream=stream)
+    swiglu_fwd_kernel(ph, py, n, vec, dtype_name).launch(
+        grid=_grid(n, vec), block=[THREADS, 1, 1], stream=stream, use_pdl=PDL
+    )
 
 
 @cute.jit
 def swiglu_bwd_host(pdy: Pointer, ph: Pointer, pdh: Pointer, n: Int64, stream: cuda.CUstream,
                     vec: Constexpr[int], dtype_name: Constexpr[str]) -> None:
-    swiglu_bwd_kernel(pdy, ph, pdh, n, vec, dtype_name).launch(grid=_grid(n, vec), block=[THREADS, 1, 1],
-                                                              stream=stream)
+    swiglu_bwd_kernel(pdy, ph, pdh, n, vec, dtype_name).launch(
+        grid=_grid(n, vec), block=[THREADS, 1, 1], stream=stream, use_pdl=PDL
+    )
 
 
 HOSTS: dict[str, tuple[Any, int]] = {"swiglu_fwd": (swiglu_fwd_host, 2), "swiglu_bwd": (swiglu_bwd_host, 3)}

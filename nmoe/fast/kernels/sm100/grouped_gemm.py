@@ -29,6 +29,7 @@ from cutlass.cute.runtime import make_ptr
 from cutlass.cute.typing import Pointer
 from cutlass.memory import SmemAllocator, TmemAllocator
 
+from nmoe.fast.kernels.prims import PDL, await_upstream
 from nmoe.fast.limits import GEMM_BM as BM
 from nmoe.fast.limits import SF_ROWS
 
@@ -166,6 +167,7 @@ def grouped_gemm_sm100_kernel(
     tx_bytes: Constexpr[int], fmt_name: Constexpr[str], n: Constexpr[int], k: Constexpr[int],
     bn: Constexpr[int], stages: Constexpr[int],
 ) -> None:
+    await_upstream()
     fmt = FORMATS[fmt_name]
     scaled = fmt.scaled
     tidx, _, _ = cute.arch.thread_idx()
@@ -458,7 +460,7 @@ def grouped_gemm_sm100_host(
         m_d, m_offs, m_xs, m_ws, m_rows, n_groups, a_layout, b_layout, sfa_layout, sfb_layout,
         tx_bytes, fmt_name, n, k, bn, stages,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=[1, 1, 1], min_blocks_per_mp=1,
-             stream=stream)
+             stream=stream, use_pdl=PDL)
 
 
 _PTR_TYPES: dict[str, tuple[Any, Any]] = {

@@ -22,6 +22,7 @@ from cutlass.cutlass_dsl.cutlass import min as dsl_min
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
+from nmoe.fast.kernels.prims import PDL, await_upstream
 from nmoe.fast.kernels.sm90.epilogue import (
     act_by_tma,
     drain_stores,
@@ -481,6 +482,7 @@ def grouped_gemm_kernel(
     bn: Constexpr[int], stages: Constexpr[int], act: Constexpr[str], pingpong: Constexpr[bool],
     deferred: Constexpr[bool], m_count: cute.Tensor, dynamic: Constexpr[bool],
 ) -> None:
+    await_upstream()
     tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, s_act, mainloop, q = fwd_cta_begin(
         (tma_atom_a, tma_atom_b, tma_atom_d, tma_atom_act), m_offs, n_groups, a_layout, b_layout, d_layout,
         stages, "ab", CLUSTER_M, act, pingpong, 1 if dynamic else 0)
@@ -583,7 +585,7 @@ def grouped_gemm_host(
         tiled_mma, a_layout, b_layout, epi_smem_layout(epi_sets(pingpong)), n, k, bn, stages, act, pingpong,
         deferred, cute.make_tensor(pcount, cute.make_layout(1)), dynamic,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(CLUSTER_M), min_blocks_per_mp=1,
-             stream=stream)
+             stream=stream, use_pdl=PDL)
 
 
 def pointer(dtype: Any, address: int, align: int = 16) -> Any:

@@ -20,7 +20,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from nmoe.constants import E8M0_NAN, F32_CANONICAL_NAN, FP8_WEIGHT_BLOCK, MXFP8_BLOCK_SM90
 from nmoe.fast.kernels.formats import e8m0_value_bits
-from nmoe.fast.kernels.prims import i2f, sel
+from nmoe.fast.kernels.prims import PDL, await_upstream, i2f, sel
 from nmoe.fast.kernels.sm90.epilogue import (
     drain_stores,
     epilogue_copies,
@@ -197,6 +197,7 @@ def grouped_gemm_fp8_kernel(
     d_layout: cute.ComposedLayout, n: Constexpr[int], k: Constexpr[int], stages: Constexpr[int],
     overlap: Constexpr[bool], staged: Constexpr[bool], cm: Constexpr[int], at_once: Constexpr[bool],
 ) -> None:
+    await_upstream()
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b, tma_atom_d))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, Float8E4M3FN, a_layout, b_layout, d_layout,
                                                 stages, cm=cm)
@@ -289,7 +290,7 @@ def grouped_gemm_fp8_host(
         tiled_mma, a_layout, b_layout, epi_smem_layout(bufs=epi_bufs(BN, staged)), n, k, stages, overlap,
         staged, cm, at_once,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(cm), min_blocks_per_mp=1,
-             stream=stream)
+             stream=stream, use_pdl=PDL)
 
 
 def compile_args(n: int, k: int, overlap: bool = False, staged: bool = False, cm: int = 1,

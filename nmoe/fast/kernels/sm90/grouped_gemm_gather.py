@@ -17,7 +17,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.typing import Pointer
 from cutlass.cutlass_dsl.cutlass import max as dsl_max
 
-from nmoe.fast.kernels.prims import sel
+from nmoe.fast.kernels.prims import PDL, await_upstream, sel
 from nmoe.fast.kernels.sm90.chunkload import (
     SWIZZLE_PERIOD,
     arm_stage,
@@ -206,6 +206,7 @@ def grouped_gemm_gather_kernel(
     deferred: Constexpr[bool], m_count: cute.Tensor, dynamic: Constexpr[bool], x_addr: Int64, xp_addr: Int64,
     spill: Constexpr[bool],
 ) -> None:
+    await_upstream()
     tidx, warp_idx, unit, n_units, rank, s_offs, s_a, s_b, s_d, s_act, mainloop, q = fwd_cta_begin(
         (tma_atom_b, tma_atom_d, tma_atom_act), m_offs, n_groups, a_layout, b_layout, d_layout, stages, "b",
         1, act, pingpong, 4 if dynamic else 0)
@@ -251,7 +252,7 @@ def grouped_gemm_gather_host(
         n_groups, tiled_mma, a_layout, b_layout, epi_smem_layout(epi_sets(pingpong)), n, k, bn, stages, act,
         pingpong, keep_h, deferred, m_count, dynamic, Int64(px.toint()), Int64(pxp.toint()), spill,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(1), min_blocks_per_mp=1,
-             stream=stream)
+             stream=stream, use_pdl=PDL)
 
 
 def compile_args_gather(n: int, k: int, bn: int, act: str = "none", w_k_major: bool = True,

@@ -21,6 +21,7 @@ from cutlass.cutlass_dsl.cutlass import max as dsl_max
 from cutlass.cutlass_dsl.cutlass import min as dsl_min
 from cutlass.tensor_utils import LayoutEnum
 
+from nmoe.fast.kernels.prims import PDL, await_upstream
 from nmoe.fast.kernels.sm90.epilogue import (
     drain_stores,
     emit_held,
@@ -408,6 +409,7 @@ def grouped_wgrad_kernel(
     stages: Constexpr[int], gs: Constexpr[int], dynamic: Constexpr[bool], accumulate: Constexpr[bool],
     deferred: Constexpr[bool], cm: Constexpr[int],
 ) -> None:
+    await_upstream()
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom_a, tma_atom_b, tma_atom_d))
     q: Any = None
     rank: Int32 | int = 0
@@ -514,7 +516,7 @@ def grouped_wgrad_host(
         n_groups, thresh, split_rows, tiled_mma, a_layout, b_layout, d_layout, n, k, bn, stages, gs, dynamic,
         accumulate, deferred, cm,
     ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], cluster=cluster_dims(cm), min_blocks_per_mp=1,
-             stream=stream)
+             stream=stream, use_pdl=PDL)
 
 
 def check_cluster(n: int, cm: int) -> None:

@@ -16,7 +16,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.typing import Pointer
 from cutlass.cutlass_dsl.cutlass import max as dsl_max
 
-from nmoe.fast.kernels.prims import sel
+from nmoe.fast.kernels.prims import PDL, await_upstream, sel
 from nmoe.fast.kernels.sm90.chunkload import (
     arm_stage,
     chunk_at,
@@ -244,6 +244,7 @@ def grouped_wgrad_gather_kernel(
     side: Constexpr[str], stages: Constexpr[int], accumulate: Constexpr[bool], transposed: Constexpr[bool],
     dynamic: Constexpr[bool],
 ) -> None:
+    await_upstream()
     tidx, bidx, n_ctas, warp_idx = cta_start((tma_atom, tma_atom_d))
     s_offs, s_a, s_b, s_d, mainloop = cta_setup(m_offs, n_groups, BFloat16, a_layout, b_layout, d_layout,
                                                 stages, "a" if const_expr(side == "b") else "b", 3)
@@ -296,7 +297,7 @@ def grouped_wgrad_gather_host(
         m_offs, m_ws,
         m_count, m_rows, n_groups, thresh, split_rows, tiled_mma, a_layout, b_layout, d_layout, n, k, bn,
         top_k, side, stages, accumulate, transposed, dynamic,
-    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
+    ).launch(grid=[n_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream, use_pdl=PDL)
 
 
 def compile_args_gather(n: int, k: int, bn: int, side: str, top_k: int, accumulate: bool = False,
