@@ -5,6 +5,7 @@ the limit forced on in a fresh process, in the PTX of kernels compiled for both 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import re
@@ -132,8 +133,8 @@ def test_limit_keys_the_kernel_cache() -> None:
 _PYTEST_UNDER_PDL = ("import sys\nfrom nmoe.fast import limits\nlimits.FAST_PDL = True\nimport pytest\n"
                      "raise SystemExit(pytest.main(sys.argv[1:]))")
 UNDER_PDL_TESTS = ("tests/test_fast_moe_graph.py", "tests/test_fast_moe.py", "-k",
-                   "graph or (values_and_grads and gathered)")
-"""The routing graphs, the layer's one-graph replays and its values and gradients: 10 tests."""
+                   "(graph and not fp8) or (values_and_grads and gathered and bf16)")
+"""The routing graphs, the bf16 layer's one-graph replays and its values and gradients: 7 tests."""
 
 
 @pytest.mark.gpu
@@ -141,8 +142,9 @@ def test_layer_and_routing_graphs_pass_under_pdl(tmp_path: Path) -> None:
     """With the limit on (a fresh process, its kernels compiled into their own cache: the disk cache keys
     sources, not the limit's value), the layer and routing GPU tests pass as they do with it off."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "NMOE_KERNEL_CACHE": str(tmp_path / "kernels")}
-    cmd = [sys.executable, "-c", _PYTEST_UNDER_PDL, "-q", "-p", "no:cacheprovider", "-m", "gpu",
+    workers = ["-n", "4"] if importlib.util.find_spec("xdist") else []
+    cmd = [sys.executable, "-c", _PYTEST_UNDER_PDL, "-q", "-p", "no:cacheprovider", "-m", "gpu", *workers,
            *UNDER_PDL_TESTS]
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=1800)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
-    assert re.search(r"\b10 passed\b", p.stdout) and " failed" not in p.stdout, p.stdout[-2000:]
+    assert re.search(r"\b7 passed\b", p.stdout) and " failed" not in p.stdout, p.stdout[-2000:]
