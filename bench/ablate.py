@@ -26,6 +26,7 @@ from mutations.model import apply
 ROOT = Path(__file__).resolve().parents[1]
 PASSES = ("fwd", "dgrad", "wgrad")
 LAYER_PASSES = ("fwd", "fwd_bwd")
+STEP_CONFIG = ROOT / "configs" / "moonlet.toml"
 SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
     (32768, 4096, 1024, 128, 8), (24576, 1536, 256, 128, 8), (32768, 4096, 512, 256, 8),
 )
@@ -190,6 +191,41 @@ def _layer_step(cfg: tuple[int, ...], routing: str, pass_: str) -> Any:
     return step
 
 
+def _step_rows(compile_only: bool) -> list[dict[str, Any]]:
+    """moonlet's training step at 2 x 4096 tokens as `nmoe train` runs it with train.cuda_graph: forward and
+    backward replayed as one graph, clip, AdamW and the bias update eager (FLOPs as the trainer counts)."""
+    import torch
+
+    from bench.conftest import cuda_median_ms
+    from bench.stepprofile import random_batch, trainer_model
+    from nmoe.config import load_config
+    from nmoe.train.graphstep import GraphedStep
+    from nmoe.train.loop import flops_per_token
+    from nmoe.train.optim import clip_scale
+
+    cfg = load_config(STEP_CONFIG, env={}, overrides=["--data.batch_size=2", "--train.grad_accum=1"])
+    model, opt = trainer_model(cfg)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    inputs, targets = random_batch(cfg)
+    b, s = cfg.data.batch_size, cfg.data.seq_len
+    shape = f"train_step moonlet B={b} S={s} graphed"
+    _note(shape)
+    graphed = GraphedStep(model, lambda m, x, y: m(x, y), inputs, targets)
+
+    def step() -> None:
+        graphed(inputs, targets)
+        opt.set_grad_scale(clip_scale(params, cfg.optim.grad_clip)[1])
+        opt.step()
+        model.update_router_bias(model.router_counts())
+
+    step()
+    torch.cuda.synchronize()
+    if compile_only:
+        return []
+    ms = cuda_median_ms(step, warmup=3, reps=10)
+    return [{"shape": shape, "ms": ms, "tflops": flops_per_token(model, cfg) * b * s / ms / 1e9, "bn": 0}]
+
+
 def _picked(rows: Sequence[Any], configs: str) -> list[Any]:
     """The rows at the comma-separated indices of `configs` (all when empty), in its order."""
     if not configs:
@@ -231,7 +267,7 @@ def child(compile_only: bool, which: str, passes: Sequence[str] = PASSES,
     from nmoe.fast.gemm.sm90 import pick_bn, schedule
 
     timed = {"layer": lambda: _layer_rows(compile_only, configs, passes),
-             "fp8": lambda: _fp8_rows(compile_only),
+             "fp8": lambda: _fp8_rows(compile_only), "step": lambda: _step_rows(compile_only),
              "gather": lambda: [r for shape in _picked(SHAPES, configs)
                                 for r in _gather_rows(*shape, compile_only)]}
     if which in timed:
@@ -273,7 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "compiling and timing (default: --out with suffix .progress), so a hung kernel is named")
     p.add_argument("--set", default="gemm", choices=tuple(SETS),
                    help="gemm: the TMA kernels' ablations; gather: the gathering up projection and wgrad; "
-                   "layer: the fast MoE layer's choices, timed as the layer; fp8: the fp8 fwd's schedule")
+                   "layer: the fast MoE layer's choices, timed as the layer; fp8: the fp8 fwd's schedule; "
+                   "step: moonlet's graphed training step (about 70 GB apiece: one compile child at a time)")
     p.add_argument("--passes", default="",
                    help="gemm set: comma-separated passes of fwd,dgrad,wgrad (default: all); layer set: of "
                    "fwd,fwd_bwd (default: both; fwd_bwd alone skips the no-grad forward's kernels)")
@@ -304,6 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--configs {args.configs!r}: give comma-separated row indices, e.g. 0,2")
     if args.jobs < 0:
         p.error(f"--jobs {args.jobs}: give a positive count, or 0 for all variants at once")
+    if args.set == "step" and args.jobs > 1:
+        p.error(f"--jobs {args.jobs}: the step set's children hold a moonlet model each (~70 GB); use 1")
     if args.child:
         child(args.compile_only, args.set, args.passes.split(","), args.routings.split(","), args.configs)
         return 0
@@ -324,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         copies[name] = copy
     failed: dict[str, str] = {}
     names = list(copies)
-    jobs = args.jobs or len(names)
+    jobs = args.jobs or (1 if args.set == "step" else len(names))
     for wave in [names[:1], *(names[i:i + jobs] for i in range(1, len(names), jobs))]:
         compiling = [(n, _run(copies[n], True, args.set, args.passes, args.routings, args.configs, progress,
                               args.row_timeout)) for n in wave]

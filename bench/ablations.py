@@ -355,6 +355,13 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
 MOE = "nmoe/fast/moe.py"
 
 
+_PDL = Mutation(
+    "ablate.layer_pdl", LIMITS, "FAST_PDL: Final[bool] = False\n", "FAST_PDL: Final[bool] = True\n",
+    "every fast kernel launched under programmatic dependent launch, waiting for the grid before it as its "
+    "first step, so its launch overlaps that grid's tail",
+)
+
+
 def _as_layer(m: Mutation) -> Mutation:
     """A kernel ablation timed as the MoE layer: ablate.X becomes ablate.layer_X."""
     return replace(m, id=m.id.replace("ablate.", "ablate.layer_", 1))
@@ -378,9 +385,7 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
              "            owner = sel(n_tile == 0, 1, 0) if n_tiles > 1 else 1\n",
              "the spilling down dgrad's N tile 0 stores every K box's rows (its CTAs alone carry the copy's "
              "stores), instead of box kt from N tile kt % n_tiles"),
-    Mutation("ablate.layer_pdl", LIMITS, "FAST_PDL: Final[bool] = False\n", "FAST_PDL: Final[bool] = True\n",
-             "every fast kernel launched under programmatic dependent launch, waiting for the grid before it "
-             "as its first step, so its launch overlaps that grid's tail"),
+    _PDL,
     Mutation("ablate.layer_dgrad_no_spill", LIMITS, "GEMM_DGRAD_SPILL: Final[bool] = True\n",
              "GEMM_DGRAD_SPILL: Final[bool] = False\n",
              "at I above GEMM_WGRAD_GATHER_DY_MAX_K the down wgrad reads copies of dout's column chunks made "
@@ -530,8 +535,14 @@ FP8_ABLATIONS: tuple[Mutation, ...] = (
             "stores queue on the SM's TMA unit ahead of the short-K downs' operand loads"),
     _FP8_PER_SUBTILE,
 )
-SETS: dict[str, tuple[Mutation, ...]] = {"gemm": ABLATIONS, "gather": GATHER_ABLATIONS,
-                                         "layer": LAYER_ABLATIONS, "fp8": FP8_ABLATIONS}
+STEP_ABLATIONS: tuple[Mutation, ...] = (
+    replace(_PDL, id="ablate.step_pdl", description=_PDL.description + ", timed as moonlet's graphed "
+            "training step (norms, rope, cross-entropy and AdamW launched so too)"),
+)
+SETS: dict[str, tuple[Mutation, ...]] = {
+    "gemm": ABLATIONS, "gather": GATHER_ABLATIONS, "layer": LAYER_ABLATIONS, "fp8": FP8_ABLATIONS,
+    "step": STEP_ABLATIONS,
+}
 
 
 def variants_of(which: str) -> list[tuple[Mutation, ...]]:

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_ablation_anchors_match_once() -> None:
     parts = tuple(m for c in COMPOUNDS.values() for v in c for m in v[:1])
-    assert set(SETS) == {"gemm", "gather", "layer", "fp8"} and all(SETS.values())
+    assert set(SETS) == {"gemm", "gather", "layer", "fp8", "step"} and all(SETS.values())
     assert check_anchors(ROOT, tuple(a for s in SETS.values() for a in s) + parts) == []
 
 
@@ -200,3 +200,25 @@ def test_a_child_that_fails_after_some_rows_is_an_error_with_them(
     rows = json.loads(out.read_text())["rows"]
     assert rows["baseline"] == [json.loads(Child.stdout[0])]
     assert rows[only]["timed"] == [json.loads(Child.stdout[0])] and "error" in rows[only]
+
+
+def test_step_set_compiles_one_child_at_a_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A step-set child holds a moonlet model and its optimizer (~70 GB): by default its compile children
+    run one after another, and more at once is refused before any copy."""
+    live, peak = [0], [0]
+
+    class Counted(Child):
+        def __init__(self, compile_only: bool) -> None:
+            self.compile_only = compile_only
+            live[0] += compile_only
+            peak[0] = max(peak[0], live[0])
+
+        def communicate(self) -> tuple[str, None]:
+            live[0] -= self.compile_only
+            return ("", None)
+
+    ab = _fake_children(monkeypatch, tmp_path, lambda copy, compile_only, *a: Counted(compile_only))
+    assert ab.main(["--set", "step"]) == 0
+    assert peak == [1]
+    with pytest.raises(SystemExit):
+        ab.main(["--set", "step", "--jobs", "2"])
