@@ -197,27 +197,17 @@ def _step_rows(compile_only: bool) -> list[dict[str, Any]]:
     import torch
 
     from bench.conftest import cuda_median_ms
-    from bench.stepprofile import random_batch, trainer_model
+    from bench.stepprofile import graphed_step, random_batch, trainer_model
     from nmoe.config import load_config
-    from nmoe.train.graphstep import GraphedStep
     from nmoe.train.loop import flops_per_token
-    from nmoe.train.optim import clip_scale
 
     cfg = load_config(STEP_CONFIG, env={}, overrides=["--data.batch_size=2", "--train.grad_accum=1"])
     model, opt = trainer_model(cfg)
-    params = [p for g in opt.param_groups for p in g["params"]]
     inputs, targets = random_batch(cfg)
     b, s = cfg.data.batch_size, cfg.data.seq_len
     shape = f"train_step moonlet B={b} S={s} graphed"
     _note(shape)
-    graphed = GraphedStep(model, lambda m, x, y: m(x, y), inputs, targets)
-
-    def step() -> None:
-        graphed(inputs, targets)
-        opt.set_grad_scale(clip_scale(params, cfg.optim.grad_clip)[1])
-        opt.step()
-        model.update_router_bias(model.router_counts())
-
+    step = graphed_step(model, opt, cfg, inputs, targets)
     step()
     torch.cuda.synchronize()
     if compile_only:

@@ -208,6 +208,24 @@ def fast_step(model: Any, opt: Any, cfg: Any, inputs: Any, targets: Any) -> Call
     return step
 
 
+def graphed_step(model: Any, opt: Any, cfg: Any, inputs: Any, targets: Any) -> Callable[[], None]:
+    """The trainer's step under train.cuda_graph (one microbatch): forward and backward replayed as one CUDA
+    graph, clip, optimizer and bias update eager. Every .grad must be None when it is made (capture)."""
+    from nmoe.train.graphstep import GraphedStep
+    from nmoe.train.optim import clip_scale
+
+    params = [p for g in opt.param_groups for p in g["params"]]
+    graphed = GraphedStep(model, lambda m, x, y: m(x, y), inputs, targets)
+
+    def step() -> None:
+        graphed(inputs, targets)
+        opt.set_grad_scale(clip_scale(params, cfg.optim.grad_clip)[1])
+        opt.step()
+        model.update_router_bias(model.router_counts())
+
+    return step
+
+
 def with_floors(parts: dict[str, Any], model: Any, cfg: Any, tokens: int,
                 ceil: Mapping[str, float]) -> dict[str, Any]:
     """Each GEMM family's FLOP floor (flops_parts, the MFU accounting; shared experts run in the grouped

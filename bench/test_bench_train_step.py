@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from conftest import ceilings, cuda_median_ms, record
-from stepprofile import fast_step, profile_step, random_batch, trainer_model, with_floors
+from stepprofile import fast_step, graphed_step, profile_step, random_batch, trainer_model, with_floors
 from torchbase import TorchMoonlet
 
 from nmoe.config import Config, load_config
@@ -66,9 +66,7 @@ def _torch_step_ms(cfg: Config) -> tuple[float, float]:
 
 
 def test_bench_train_step_moonlet(benchmark: Any) -> None:
-    from nmoe.train.graphstep import GraphedStep
     from nmoe.train.loop import flops_per_token
-    from nmoe.train.optim import clip_scale
     from nmoe.train.stepstats import peak_flops
 
     dtype = [f"--train.param_dtype={PARAM_DTYPE}"] if PARAM_DTYPE else []
@@ -80,7 +78,6 @@ def test_bench_train_step_moonlet(benchmark: Any) -> None:
     torch.cuda.empty_cache()
     b, s = cfg.data.batch_size, cfg.data.seq_len
     model, opt = trainer_model(cfg)
-    params = [p for g in opt.param_groups for p in g["params"]]
     inputs, targets = random_batch(cfg)
     step = fast_step(model, opt, cfg, inputs, targets)
 
@@ -88,15 +85,7 @@ def test_bench_train_step_moonlet(benchmark: Any) -> None:
     parts = profile_step(step)
     opt.zero_grad(set_to_none=True)
     torch.cuda.empty_cache()
-    graphed = GraphedStep(model, lambda m, x, y: m(x, y), inputs, targets)
-
-    def graph_step() -> None:
-        graphed(inputs, targets)
-        opt.set_grad_scale(clip_scale(params, cfg.optim.grad_clip)[1])
-        opt.step()
-        model.update_router_bias(model.router_counts())
-
-    graph_ms, graph_peak_gb = _timed(graph_step)
+    graph_ms, graph_peak_gb = _timed(graphed_step(model, opt, cfg, inputs, targets))
     fpt, peak = flops_per_token(model, cfg), peak_flops(torch.device("cuda", torch.cuda.current_device()))
     n = b * s
     shape = {"B": b, "S": s, "param_dtype": cfg.train.param_dtype,
