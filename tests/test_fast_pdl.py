@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -87,21 +88,27 @@ NO_WAIT_PTX = GOOD_PTX.replace("griddepcontrol.wait;\n", "")
 
 
 def test_pdl_rules_follow_the_limit_and_spare_flash_attention() -> None:
-    good = GOOD_PTX
     late = "ld.global.u32 %r2, [%rd1];\ngriddepcontrol.wait;"
     tma_first = "cp.async.bulk.tensor.4d.shared::cluster.global [a], [b];\ngriddepcontrol.wait;"
-    assert re.search(PDL_WAIT_FIRST, good) and re.search(PDL_WAIT, good)
     assert not re.search(PDL_WAIT_FIRST, late) and not re.search(PDL_WAIT_FIRST, tma_first)
-    assert re.search(PDL_WAIT, late)
+    assert re.search(PDL_WAIT, late) and re.search(PDL_WAIT, GOOD_PTX)
+    assert not re.search(PDL_WAIT, NO_WAIT_PTX)
     want = ((PDL_WAIT_FIRST,), ()) if limits.FAST_PDL else ((), (PDL_WAIT,))
     assert pdl_rules(_spec(True)) == want
     assert pdl_rules(_spec(False)) == ((), ())
     assert all(not s.launched_here for s in attention.KERNELS if s.name.startswith("fa4_"))
 
 
-_UNDER_PDL = ("import sys\nfrom nmoe.fast import limits\nlimits.FAST_PDL = True\n"
-              "from nmoe.fast import compilecheck\nraise SystemExit(compilecheck.main(sys.argv[1:]))")
-"""compilecheck in a fresh process with the limit on: the kernels and the PTX rules read it at import."""
+def _under_pdl(module: str, args: Sequence[str], cache: str,
+               timeout: float) -> subprocess.CompletedProcess[str]:
+    """`module`.main(args) in a fresh process with limits.FAST_PDL on (kernels and PTX rules read it at
+    import), its kernels in `cache`: the disk cache keys sources, not the limit's value."""
+    code = (f"import sys\nfrom nmoe.fast import limits\nlimits.FAST_PDL = True\nimport {module}\n"
+            f"raise SystemExit({module}.main(sys.argv[1:]))")
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "NMOE_KERNEL_CACHE": cache}
+    env.pop("CUTE_DSL_ARCH", None)
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=REPO_ROOT,
+                          env=env, timeout=timeout)
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
@@ -110,11 +117,8 @@ def test_sep_launch_fast_pdl_wait_dropped(arch: str) -> None:
     from a first one, then holds on two kernels compiled with the limit on."""
     assert re.search(PDL_WAIT_FIRST, GOOD_PTX) and not re.search(PDL_WAIT_FIRST, NO_WAIT_PTX)
     names = ("combine_gather_fwd", "spread_rows_v128")
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "NMOE_KERNEL_CACHE": "off"}
-    env.pop("CUTE_DSL_ARCH", None)
-    cmd = [sys.executable, "-c", _UNDER_PDL, "--arch", arch, "--json", "--kernels", ",".join(names)]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, env=env,
-                       timeout=compilecheck.TIMEOUT_S)
+    p = _under_pdl("nmoe.fast.compilecheck", ["--arch", arch, "--json", "--kernels", ",".join(names)], "off",
+                   compilecheck.TIMEOUT_S)
     assert p.returncode == 0, p.stderr[-2000:]
     rows = json.loads(p.stdout.strip().splitlines()[-1])
     assert sorted(r["kernel"] for r in rows) == sorted(names), rows
@@ -130,8 +134,6 @@ def test_limit_keys_the_kernel_cache() -> None:
     assert Path(limits.__file__).resolve() in {p.resolve() for p in source_files("nmoe.fast.kernels.prims")}
 
 
-_PYTEST_UNDER_PDL = ("import sys\nfrom nmoe.fast import limits\nlimits.FAST_PDL = True\nimport pytest\n"
-                     "raise SystemExit(pytest.main(sys.argv[1:]))")
 UNDER_PDL_TESTS = ("tests/test_fast_moe_graph.py", "tests/test_fast_moe.py", "-k",
                    "(graph and not fp8) or (values_and_grads and gathered and bf16)")
 """The routing graphs, the bf16 layer's one-graph replays and its values and gradients: 7 tests."""
@@ -141,10 +143,8 @@ UNDER_PDL_TESTS = ("tests/test_fast_moe_graph.py", "tests/test_fast_moe.py", "-k
 def test_layer_and_routing_graphs_pass_under_pdl(tmp_path: Path) -> None:
     """With the limit on (a fresh process, its kernels compiled into their own cache: the disk cache keys
     sources, not the limit's value), the layer and routing GPU tests pass as they do with it off."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "NMOE_KERNEL_CACHE": str(tmp_path / "kernels")}
     workers = ["-n", "4"] if importlib.util.find_spec("xdist") else []
-    cmd = [sys.executable, "-c", _PYTEST_UNDER_PDL, "-q", "-p", "no:cacheprovider", "-m", "gpu", *workers,
-           *UNDER_PDL_TESTS]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=1800)
+    args = ["-q", "-p", "no:cacheprovider", "-m", "gpu", *workers, *UNDER_PDL_TESTS]
+    p = _under_pdl("pytest", args, str(tmp_path / "kernels"), 1800)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
     assert re.search(r"\b7 passed\b", p.stdout) and " failed" not in p.stdout, p.stdout[-2000:]

@@ -22,7 +22,7 @@ from nmoe.fast.limits import FAST_PDL
 _NVVM: Any = nvvm  # the generated dialect module has no stubs
 
 PDL: bool = FAST_PDL
-"""Every launch's use_pdl and await_upstream's switch: one reading of limits.FAST_PDL."""
+"""limits.FAST_PDL as the kernels read it at import: every launch's use_pdl and await_upstream's switch."""
 
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
