@@ -435,12 +435,65 @@ def test_sep_moe_fast_down_wgrad_chunk_at_row0(spec_kernels: None) -> None:
     _check_chunks("w2", lambda dw, c0: dw[:, c0:c0 + 8])
 
 
-def test_sep_moe_fast_topk_grad_unnormalised(spec_kernels: None) -> None:
-    """Sigmoid scores of K=3 picks sum far from 1, so the renormalisation's derivative matters."""
-    got, w = _run(fm.moe_layer, SWIGLU_SHARED)
-    want, _ = _run(moe_layer, SWIGLU_SHARED)
-    assert bool(torch.allclose(w.sum(-1), torch.ones(T), atol=1e-5))
-    _close(got["router_w"], want["router_w"])
+def _topk_case(score: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(logits, ids, weights, dL/dweights) in float64: distinct picks by biased logits, as routing picks."""
+    g = torch.Generator().manual_seed(7)
+    logits = 2 * torch.randn(T, E, generator=g, dtype=torch.float64)
+    ids = (logits + torch.randn(T, E, generator=g, dtype=torch.float64)).topk(K, dim=-1).indices
+    s = torch.sigmoid(logits) if score == "sigmoid" else torch.softmax(logits, dim=-1)
+    picked = s.gather(1, ids)
+    dw = torch.randn(T, K, generator=g, dtype=torch.float64)
+    return logits, ids, picked / picked.sum(-1, keepdim=True), dw
+
+
+@pytest.mark.parametrize("score", ["sigmoid", "softmax"])
+def test_sep_moe_fast_topk_grad_unnormalised(score: str) -> None:
+    """Oracle: float64 autograd of weights = s[ids] / sum s[ids] over all E logits. It is zero off the picks
+    (softmax's normaliser cancels); the renormalisation's term moves the picks' gradient far."""
+    logits, ids, w, dw = _topk_case(score)
+    lg = logits.clone().requires_grad_()
+    s = torch.sigmoid(lg) if score == "sigmoid" else torch.softmax(lg, dim=-1)
+    picked = s.gather(1, ids)
+    (want,) = torch.autograd.grad(picked / picked.sum(-1, keepdim=True), lg, dw)
+    off = torch.ones_like(want, dtype=torch.bool).scatter_(1, ids, False)
+    assert float(want[off].abs().max()) < 1e-12 * float(want.norm())
+    l_ids = logits.gather(1, ids) if score == "sigmoid" else None
+    raw = dw * w * (torch.sigmoid(-l_ids) if l_ids is not None else 1)
+    assert float((raw - want.gather(1, ids)).norm()) > 0.3 * float(want.norm())
+    got = fm._topk_grad(w.float(), dw.float(), None if l_ids is None else l_ids.float())
+    err = float((torch.zeros_like(want).scatter_(1, ids, got.double()) - want).norm() / want.norm())
+    assert err < 1e-6, f"relative error {err:.3g} against float64 autograd"
+
+
+@pytest.mark.parametrize(("score", "groups"), [("sigmoid", (4, 2)), ("softmax", (1, 1))])
+def test_router_topk_node_grad_is_the_spec_s(spec_kernels: None, score: str, groups: tuple[int, int]) -> None:
+    """The expert-parallel path's top-k node: its [T,E] gradient is the spec's autograd gradient of the
+    logits through the same picks (grouped picks too)."""
+    logits, _, _, _ = _topk_case(score)
+    bias, dw = 0.3 * torch.randn(E, dtype=torch.float32), torch.randn(T, K, dtype=torch.float32)
+    lg = logits.float().requires_grad_()
+    w, ids = fm._apply(fm._RouterTopk, lg, bias, K, score, *groups)
+    (got,) = torch.autograd.grad(w, lg, dw)
+    lg_spec = logits.float().requires_grad_()
+    w_spec, ids_spec = rr.router_topk(lg_spec, bias, K, score, *groups)
+    (want,) = torch.autograd.grad(w_spec, lg_spec, dw)
+    assert torch.equal(ids, ids_spec) and float(want.norm()) > 0
+    assert float((got - want).norm() / want.norm()) < 1e-6
+
+
+def test_sparse_logit_grads_equal_the_dense_ones() -> None:
+    """logits_grads of [T,K] values at ids (bf16 split scattered, or scattered then fp32) is bit for bit the
+    dense [T,E] gradient's."""
+    from nmoe.fast.router import logits_grads
+    gen = torch.Generator().manual_seed(11)
+    _, ids, _, _ = _topk_case("sigmoid")
+    vals = torch.randn(T, K, generator=gen)
+    dense = torch.zeros(T, E).scatter_(1, ids, vals)
+    for dtype in (torch.bfloat16, torch.float32):
+        x, wr = torch.randn(T, 16, generator=gen).to(dtype), torch.randn(E, 16, generator=gen).to(dtype)
+        for got, want in zip(logits_grads(vals, x, wr, True, True, None, ids),
+                             logits_grads(dense, x, wr, True, True), strict=True):
+            assert got is not None and want is not None and torch.equal(got, want)
 
 
 def test_offs_check_off_inside_the_layer(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -29,8 +29,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "moe.fast_shared_dx_dropped", FILE,
-        "dx_r, dwr = logits_grads(dlogits, x, wr, need_x, need_wr, dx_s)",
-        "dx_r, dwr = logits_grads(dlogits, x, wr, need_x, need_wr, None)",
+        "dx_r, dwr = logits_grads(dlogits, x, wr, need_x, need_wr, dx_s, ids)",
+        "dx_r, dwr = logits_grads(dlogits, x, wr, need_x, need_wr, None, ids)",
         "the shared expert's share of dx is left out of the router dx GEMM's addend (only the routed and "
         "router dx flow back)",
         TESTS, ("moe_layer",),
@@ -101,9 +101,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "moe.fast_topk_grad_unnormalised", FILE,
-        "        w = s / s.sum(-1, keepdim=True)\n",
-        "        w = s\n",
-        "router top-k backward differentiates the raw scores, not the renormalised weights", TESTS,
+        "    d = (g - (g * weights).sum(-1, keepdim=True)) * weights\n",
+        "    d = g * weights\n",
+        "router top-k backward drops the renormalisation's term: the raw scores' derivative",
+        TESTS,
         ("moe_layer",),
     ),
 )

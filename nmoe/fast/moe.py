@@ -27,10 +27,11 @@ Saved for the backward, per token (K slots, up width N = 2I swiglu or I relu2, E
                                             the backward writes dh over h (no second [slots, N] buffer)
   weights fp32 [T,K], ids int64 [T,K],      16K + 8*(rows/T) bytes: routing
   row_of int32 [T,K], slot int64 [rows]
-  logits fp32 [T,E]                         4E bytes: router_topk's backward (softmax needs every score)
+  picked logits fp32 [T,K], sigmoid only   4K bytes: router_topk's backward, from the weights themselves
+                                            (they move with the picked logits only), no [T,E] logits kept
 With no backward to come (no grad mode, or no input requiring grad) nothing is kept for one: bf16 experts
 never write h (the up projection stores a = act(h) only, 2KN bytes per token less memory and HBM writes),
-fp8 drops h once act(h) exists, and the logits go once routed.
+fp8 drops h once act(h) exists.
 bf16 experts keep no expert outputs y [T,K,H]: dweights_k = scale * <a_k, dout @ W2_e> (the down GEMM's
 dgrad computes dout @ W2_e anyway), saving 2KH bytes per token for a row dot product.
 fp8 experts: the forward quantizes (1x128 activations, 128x128 weights) and runs the sm90 fp8 GEMM; the
@@ -146,35 +147,35 @@ def _expert_wgrad(dy: Tensor, x: Tensor, slot: Tensor, row_of: Tensor, offs: Ten
     return None if add else dw
 
 
-def _topk_grad(logits: Tensor, ids: Tensor, dw: Tensor, score_func: str) -> Tensor:
-    """dL/dlogits from dL/dweights: the analytic derivative of weights = s[ids] / sum s[ids]."""
-    with torch.enable_grad():
-        lg = logits.detach().requires_grad_()
-        if score_func == "sigmoid":
-            s = torch.sigmoid(lg.gather(1, ids))
-        else:
-            s = torch.softmax(lg, dim=-1).gather(1, ids)
-        w = s / s.sum(-1, keepdim=True)
-        (dl,) = torch.autograd.grad(w, lg, dw)
-    return dl
+def _topk_grad(weights: Tensor, g: Tensor, picked: Tensor | None) -> Tensor:
+    """dL/dlogits at the picks [T,K], zero elsewhere: weights = s[ids] / sum s[ids] moves with the picked
+    logits only (softmax's normaliser cancels), and sigmoid's s'(l) / sum s = weights * s(-l)."""
+    d = (g - (g * weights).sum(-1, keepdim=True)) * weights
+    return d if picked is None else d * torch.sigmoid(-picked)
+
+
+def _picked_logits(logits: Tensor, ids: Tensor, score_func: str) -> Tensor | None:
+    """What _topk_grad needs of the logits: the picked ones under sigmoid, none under softmax."""
+    return logits.gather(1, ids) if score_func == "sigmoid" else None
 
 
 class _RouterTopk(torch.autograd.Function):
-    """Fast top-k forward; backward is _topk_grad (the expert-parallel path's router)."""
+    """Fast top-k forward; backward is _topk_grad scattered over [T,E] (the expert-parallel path's router)."""
 
     @staticmethod
     def forward(ctx: FunctionCtx, logits: Tensor, bias: Tensor, k: int, score_func: str, n_groups: int,
                 topk_groups: int) -> tuple[Tensor, Tensor]:
         w, ids = router_topk(logits, bias, k, score_func, n_groups, topk_groups)
-        ctx.save_for_backward(logits, ids)
-        ctx.score_func = score_func  # type: ignore[attr-defined]
+        ctx.save_for_backward(w, ids, _picked_logits(logits, ids, score_func))  # type: ignore[arg-type]
+        ctx.n_experts = logits.shape[1]  # type: ignore[attr-defined]
         ctx.mark_non_differentiable(ids)
         return w, ids
 
     @staticmethod
     def backward(ctx: Any, dw: Tensor, _: Any) -> tuple[Tensor, None, None, None, None, None]:
-        logits, ids = ctx.saved_tensors
-        return _topk_grad(logits, ids, dw, ctx.score_func), None, None, None, None, None
+        w, ids, picked = ctx.saved_tensors
+        d = _topk_grad(w, dw, picked)
+        return d.new_zeros(d.shape[0], ctx.n_experts).scatter_(1, ids, d), None, None, None, None, None
 
 
 class _Routed(torch.autograd.Function):
@@ -192,7 +193,7 @@ class _Routed(torch.autograd.Function):
         logits = router_logits(x, wr)
         weights, ids = router_topk(logits, bias, cfg.n_activated_experts, cfg.score_func, cfg.n_expert_groups,
                                    cfg.n_limited_groups)
-        kept_logits = logits if grad else None
+        picked = _picked_logits(logits, ids, cfg.score_func) if grad else None
         del logits
         shared = h_s = offs_s = None
         if s_up is not None:
@@ -217,7 +218,7 @@ class _Routed(torch.autograd.Function):
             out = combine(fp8_y[0], weights, cfg.route_scale, shared)
         else:
             out = combine_gather(yp, row_of, weights, cfg.route_scale, shared)
-        saved: list[Tensor | None] = [x, wr, kept_logits, w_up, w2, weights, ids, slot, row_of, offs, s_up,
+        saved: list[Tensor | None] = [x, wr, picked, w_up, w2, weights, ids, slot, row_of, offs, s_up,
                                       s_w2, h_s, offs_s, *fp8_y]
         ctx.save_for_backward(*saved)  # type: ignore[arg-type]
         # h, the largest saved tensor, is held outside saved_tensors so the backward can drop it as soon as
@@ -229,7 +230,7 @@ class _Routed(torch.autograd.Function):
     @staticmethod
     @_sync_free
     def backward(ctx: Any, dout: Tensor, dweights_out: Tensor, _: Any) -> tuple[Tensor | None, ...]:
-        x, wr, logits, w_up, w2, weights, ids, slot, row_of, offs, s_up, s_w2, h_s, offs_s, *fp8_y = \
+        x, wr, picked, w_up, w2, weights, ids, slot, row_of, offs, s_up, s_w2, h_s, offs_s, *fp8_y = \
             ctx.saved_tensors
         h, ctx.h = ctx.h, None
         if h is None:
@@ -273,8 +274,8 @@ class _Routed(torch.autograd.Function):
         dx_r = dwr = None
         if need_w:
             assert dweights is not None
-            dlogits = _topk_grad(logits, ids, dweights + dweights_out, cfg.score_func)
-            dx_r, dwr = logits_grads(dlogits, x, wr, need_x, need_wr, dx_s)
+            dlogits = _topk_grad(weights, dweights + dweights_out, picked)
+            dx_r, dwr = logits_grads(dlogits, x, wr, need_x, need_wr, dx_s, ids)
         if need_h:
             dh = h  # expert_rows_bwd wrote it over h
             if need_x:

@@ -137,27 +137,33 @@ def _mm_f32(a: Tensor, b: Tensor) -> Tensor:
     return torch.mm(a, b, out_dtype=torch.float32) if a.is_cuda else torch.mm(a.float(), b.float())
 
 
-def _split_bf16(g: Tensor) -> Tensor:
-    """fp32 [T,E] as bf16 [T,2E] = [hi | lo], hi + lo = g to 16 of its 24 significand bits: one bf16 GEMM
-    over the pair sums both terms in its fp32 accumulator, where an fp32 GEMM would run on CUDA cores."""
+def _split_bf16(g: Tensor, ids: Tensor | None, e: int) -> Tensor:
+    """fp32 g as bf16 [T,2E] = [hi | lo], hi + lo = g to 16 of its 24 significand bits: one bf16 GEMM over
+    the pair sums both terms in its fp32 accumulator, where an fp32 GEMM would run on CUDA cores."""
     hi = g.to(torch.bfloat16)
-    return torch.cat([hi, (g - hi.float()).to(torch.bfloat16)], dim=1)
+    pair = torch.cat([hi, (g - hi.float()).to(torch.bfloat16)], dim=1)
+    if ids is None:
+        return pair
+    return pair.new_zeros(g.shape[0], 2 * e).scatter_(1, torch.cat([ids, ids + e], dim=1), pair)
 
 
 def logits_grads(g: Tensor, x: Tensor, wr: Tensor, need_dx: bool, need_dwr: bool,
-                 dx_add: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
-    """(dx, dwr) of router_logits for g = dL/dlogits; dx_add (x's other gradient) joins dx in its GEMM (addmm,
-    beta 1). bf16 operands: g split into two bf16 halves (2^-16 relative, under the bf16 results' rounding),
-    dx out of its GEMM as bf16; else full-fp32 GEMMs whatever the process's matmul precision."""
+                 dx_add: Tensor | None = None,
+                 ids: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
+    """(dx, dwr) of router_logits for g = dL/dlogits ([T,K] at columns ids, zero elsewhere, given ids);
+    dx_add (x's other gradient) joins dx in its GEMM (addmm, beta 1). bf16 operands: g split into two bf16
+    halves (2^-16 relative, under the bf16 results' rounding), dx out of its GEMM as bf16; else fp32 GEMMs."""
+    e, h = wr.shape
     if x.dtype == wr.dtype == torch.bfloat16:
-        gp = _split_bf16(g.float())
-        e, h = wr.shape
+        gp = _split_bf16(g.float(), ids, e)
         dx = None
         if need_dx:
             w2 = torch.cat([wr, wr])
             dx = torch.mm(gp, w2) if dx_add is None else torch.addmm(dx_add, gp, w2)
         dwr = _mm_f32(gp.t(), x).view(2, e, h).sum(0).to(wr.dtype) if need_dwr else None
         return dx, dwr
+    if ids is not None:
+        g = g.new_zeros(g.shape[0], e).scatter_(1, ids, g)
     prev = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
