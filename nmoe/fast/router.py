@@ -152,7 +152,7 @@ def logits_grads(g: Tensor, x: Tensor, wr: Tensor, need_dx: bool, need_dwr: bool
                  ids: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
     """(dx, dwr) of router_logits for g = dL/dlogits ([T,K] at columns ids, zero elsewhere, given ids);
     dx_add (x's other gradient) joins dx in its GEMM (addmm, beta 1). bf16 operands: g split into two bf16
-    halves (2^-16 relative, under the bf16 results' rounding), dx out of its GEMM as bf16; else fp32 GEMMs."""
+    halves (2^-16 relative, under the bf16 results' rounding), bf16 dx from its GEMM; else full fp32 GEMMs."""
     e, h = wr.shape
     if x.dtype == wr.dtype == torch.bfloat16:
         gp = _split_bf16(g.float(), ids, e)
