@@ -26,7 +26,6 @@ from mutations.model import apply
 ROOT = Path(__file__).resolve().parents[1]
 PASSES = ("fwd", "dgrad", "wgrad")
 LAYER_PASSES = ("fwd", "fwd_bwd")
-STEP_CONFIG = ROOT / "configs" / "moonlet.toml"
 SHAPES: tuple[tuple[int, int, int, int, int], ...] = (
     (32768, 4096, 1024, 128, 8), (24576, 1536, 256, 128, 8), (32768, 4096, 512, 256, 8),
 )
@@ -197,11 +196,10 @@ def _step_rows(compile_only: bool) -> list[dict[str, Any]]:
     import torch
 
     from bench.conftest import cuda_median_ms
-    from bench.stepprofile import graphed_step, random_batch, trainer_model
-    from nmoe.config import load_config
+    from bench.stepprofile import graphed_step, one_microbatch, random_batch, trainer_model
     from nmoe.train.loop import flops_per_token
 
-    cfg = load_config(STEP_CONFIG, env={}, overrides=["--data.batch_size=2", "--train.grad_accum=1"])
+    cfg = one_microbatch(2)
     model, opt = trainer_model(cfg)
     inputs, targets = random_batch(cfg)
     b, s = cfg.data.batch_size, cfg.data.seq_len

@@ -38,6 +38,7 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
                               r"|vectorized|where"),
 )
 PHASES: tuple[str, ...] = ("forward", "backward", "clip", "optimizer", "bias_update")
+MOONLET = Path(__file__).resolve().parents[1] / "configs" / "moonlet.toml"
 
 
 def categorize(kernel: str) -> str:
@@ -159,6 +160,14 @@ Phase = Callable[[str], AbstractContextManager[Any]]
 
 def no_phase(name: str) -> AbstractContextManager[Any]:
     return contextlib.nullcontext()
+
+
+def one_microbatch(batch: int, *overrides: str) -> Any:
+    """moonlet's config at `batch` sequences and train.grad_accum 1: the step the benches time."""
+    from nmoe.config import load_config
+
+    return load_config(MOONLET, env={}, overrides=[f"--data.batch_size={batch}", "--train.grad_accum=1",
+                                                    *overrides])
 
 
 def trainer_model(cfg: Any) -> tuple[Any, Any]:

@@ -19,17 +19,23 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from conftest import ceilings, cuda_median_ms, record
-from stepprofile import fast_step, graphed_step, profile_step, random_batch, trainer_model, with_floors
+from stepprofile import (
+    fast_step,
+    graphed_step,
+    one_microbatch,
+    profile_step,
+    random_batch,
+    trainer_model,
+    with_floors,
+)
 from torchbase import TorchMoonlet
 
-from nmoe.config import Config, load_config
+from nmoe.config import Config
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "moonlet.toml"
 BATCH = int(os.environ.get("NMOE_BENCH_TRAIN_BATCH", "2"))
 # train.param_dtype of the fast model when set ("fp32" or "bf16"); unset, the config's (moonlet: bf16).
 PARAM_DTYPE = os.environ.get("NMOE_BENCH_TRAIN_PARAM_DTYPE", "")
@@ -71,8 +77,7 @@ def test_bench_train_step_moonlet(benchmark: Any) -> None:
 
     dtype = [f"--train.param_dtype={PARAM_DTYPE}"] if PARAM_DTYPE else []
     dtype += [f"--train.optim_state_dtype={STATE_DTYPE}"] if STATE_DTYPE else []
-    one = ["--train.grad_accum=1"]  # the baseline steps one microbatch
-    cfg = load_config(CONFIG, env={}, overrides=[f"--data.batch_size={BATCH}", *one, *dtype])
+    cfg = one_microbatch(BATCH, *dtype)  # the baseline steps one microbatch
     base_ms, base_peak = _torch_step_ms(cfg)
     gc.collect()
     torch.cuda.empty_cache()

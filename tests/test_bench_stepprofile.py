@@ -95,3 +95,12 @@ def test_small_kernels_are_traced_to_their_op_and_caller() -> None:
     rows = op_rows(recs)
     assert [(r["op"], r["ms"], r["launches"]) for r in rows] == [("aten::copy_", 0.5, 1),
                                                                  ("aten::add", 0.5, 2)]
+
+
+def test_one_microbatch_is_moonlet_at_the_batch_with_one_microbatch() -> None:
+    """The benches' step config: moonlet at the asked batch, grad_accum 1, further overrides applied."""
+    from bench.stepprofile import one_microbatch
+
+    cfg = one_microbatch(3, "--train.param_dtype=fp32")
+    assert (cfg.data.batch_size, cfg.train.grad_accum, cfg.train.param_dtype) == (3, 1, "fp32")
+    assert cfg.model.n_routed_experts == 64

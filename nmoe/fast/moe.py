@@ -62,7 +62,7 @@ from nmoe.fast.experts import expert_gemm
 from nmoe.fast.gemm import grouped_gemm_dgrad, grouped_gemm_wgrad, sm90
 from nmoe.fast.gemm.routing import offs_built_on_device
 from nmoe.fast.rdep.ep import Exchange, ep_routed
-from nmoe.fast.router import expert_counts, logits_grads, router_logits, router_topk
+from nmoe.fast.router import expert_counts, logits_grads, picks_dense, router_logits, router_topk
 from nmoe.layout import MoEParams, MoERouting, check_moe_params
 
 __all__ = ["MoEParams", "MoERouting", "moe_layer"]
@@ -174,8 +174,7 @@ class _RouterTopk(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dw: Tensor, _: Any) -> tuple[Tensor, None, None, None, None, None]:
         w, ids, picked = ctx.saved_tensors
-        d = _topk_grad(w, dw, picked)
-        return d.new_zeros(d.shape[0], ctx.n_experts).scatter_(1, ids, d), None, None, None, None, None
+        return picks_dense(_topk_grad(w, dw, picked), ids, ctx.n_experts), None, None, None, None, None
 
 
 class _Routed(torch.autograd.Function):

@@ -137,6 +137,11 @@ def _mm_f32(a: Tensor, b: Tensor) -> Tensor:
     return torch.mm(a, b, out_dtype=torch.float32) if a.is_cuda else torch.mm(a.float(), b.float())
 
 
+def picks_dense(g: Tensor, ids: Tensor, e: int) -> Tensor:
+    """[T,E] from g [T,K] at columns ids, zero elsewhere: a top-k gradient as the logits' shape."""
+    return g.new_zeros(g.shape[0], e).scatter_(1, ids, g)
+
+
 def _split_bf16(g: Tensor, ids: Tensor | None, e: int) -> Tensor:
     """fp32 g as bf16 [T,2E] = [hi | lo], hi + lo = g to 16 of its 24 significand bits: one bf16 GEMM over
     the pair sums both terms in its fp32 accumulator, where an fp32 GEMM would run on CUDA cores."""
@@ -163,7 +168,7 @@ def logits_grads(g: Tensor, x: Tensor, wr: Tensor, need_dx: bool, need_dwr: bool
         dwr = _mm_f32(gp.t(), x).view(2, e, h).sum(0).to(wr.dtype) if need_dwr else None
         return dx, dwr
     if ids is not None:
-        g = g.new_zeros(g.shape[0], e).scatter_(1, ids, g)
+        g = picks_dense(g, ids, e)
     prev = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
