@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import torch
 from fastcompile import compile_rows
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_fast_gemm import child_env
 from torch import Tensor
 
 from nmoe.fast import FAST_MODULES, activation, op, runtime
@@ -364,8 +364,7 @@ def test_disk_cache_round_trip_on_gpu(tmp_path: Path) -> None:
         "print(json.dumps({'sha': hashlib.sha256(y.tobytes()).hexdigest(),\n"
         "                  'how': [e.how for e in runtime.kernel_cache().events]}))\n"
     )
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path, runtime.CACHE_ENV: str(tmp_path)}
+    env = child_env({runtime.CACHE_ENV: str(tmp_path)})
     runs = []
     for _ in range(2):
         proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,

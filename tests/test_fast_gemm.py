@@ -38,9 +38,11 @@ gpu = pytest.mark.gpu
 # ---------------------------------------------------------------------------------------------------------
 
 
-def child_env() -> dict[str, str]:
-    """This process's environment with the checkout first on PYTHONPATH (tree_pythonpath), for a child."""
-    return {**os.environ, "PYTHONPATH": tree_pythonpath(ROOT, os.environ.get("PYTHONPATH"))}
+def child_env(extra: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -> dict[str, str]:
+    """This process's environment with the checkout first on PYTHONPATH (tree_pythonpath, so the installed
+    CuTeDSL stays reachable), `extra` set and `drop` unset, for a child."""
+    env = {**os.environ, "PYTHONPATH": tree_pythonpath(ROOT, os.environ.get("PYTHONPATH")), **(extra or {})}
+    return {k: v for k, v in env.items() if k not in drop}
 
 
 def ends_to_ranges(ends: Sequence[int]) -> list[tuple[int, int]]:

@@ -5,7 +5,6 @@ FP8_SM90 contract of parity/registry.py against a float64 oracle decoded here wi
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from fastcompile import assemble, assert_rows_ok, compile_rows
-from test_fast_gemm import cumsum, ends_to_ranges, ulp_bf16, uniform_counts, zipf_counts
+from test_fast_gemm import child_env, cumsum, ends_to_ranges, ulp_bf16, uniform_counts, zipf_counts
 from torch import Tensor
 
 from nmoe.fast import gemm, op, runtime
@@ -235,9 +234,7 @@ def probe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """ptxas on the sm_90a PTX (where installed) and the accumulator fragment's (row, col) per thread."""
     script = tmp_path_factory.mktemp("fp8") / "probe.py"
     script.write_text(_PROBE)
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path}
-    env.pop("CUTE_DSL_ARCH", None)
+    env = child_env(drop=("CUTE_DSL_ARCH",))
     proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import torch
 from fastcompile import assemble
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_fast_gemm import child_env
 from torch import Tensor
 
 from nmoe.fast import op, runtime
@@ -264,8 +264,7 @@ print(json.dumps({"rows": rows, "probes": probes, "cols": cols}))
 def probe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     script = tmp_path_factory.mktemp("sm100") / "probe.py"
     script.write_text(_PROBE)
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "CUTE_DSL_ARCH": "sm_100a"}
+    env = child_env({"CUTE_DSL_ARCH": "sm_100a"})
     proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

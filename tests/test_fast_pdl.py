@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
-import os
 import re
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from test_fast_gemm import child_env
 
 from nmoe.fast import attention, compilecheck, limits
 from nmoe.fast.arch import SUPPORTED_ARCHS
@@ -105,8 +105,7 @@ def _under_pdl(module: str, args: Sequence[str], cache: str,
     import), its kernels in `cache`: the disk cache keys sources, not the limit's value."""
     code = (f"import sys\nfrom nmoe.fast import limits\nlimits.FAST_PDL = True\nimport {module}\n"
             f"raise SystemExit({module}.main(sys.argv[1:]))")
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "NMOE_KERNEL_CACHE": cache}
-    env.pop("CUTE_DSL_ARCH", None)
+    env = child_env({"NMOE_KERNEL_CACHE": cache}, drop=("CUTE_DSL_ARCH",))
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=REPO_ROOT,
                           env=env, timeout=timeout)
 

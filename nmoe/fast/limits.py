@@ -20,7 +20,8 @@ ROUTER_MAX_GROUPS: Final[int] = 32
 FAST_PDL: Final[bool] = False
 """Programmatic dependent launch: every fast kernel is launched so it may start while the one before it ends,
 and waits (griddepcontrol.wait) as its first step, so its launch hides under that tail; for the ~0.2-0.3 ms
-outside kernels in each graphed MoE layer step (H100, fa0c04f). Off until measured (ablate.layer_pdl)."""
+outside kernels in each graphed MoE layer step (H100, fa0c04f). Off: H100 layer fwd and fwd+bwd 0.98-1.03x
+against its baseline's 0.99-1.01x (c251dcb, ablate.layer_pdl); moonlet's step (ablate.step_pdl) untimed."""
 
 GEMM_BM: Final[int] = 128
 """M tile of every grouped GEMM (sm_90a and sm_100a): groups are padded to it in tile counts."""
