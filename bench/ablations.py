@@ -262,6 +262,11 @@ _WGRAD_REGS = (
              "    cute.arch.setmaxregister_increase(CONSUMER_REGS)\n",
              "    cute.arch.setmaxregister_increase(224)\n", ""),
 )
+_GATHER_LAG_TWO = Mutation(
+    "ablate.gather_lag_two", LIMITS, "GEMM_GATHER_LAG: Final[int] = 1\n", "GEMM_GATHER_LAG: Final[int] = 2\n",
+    "the gathering producers land each stage two stages after issuing it (a stage more in flight, one fewer "
+    "landed ahead of the consumers; stages - 2 at 256-wide tiles, the lag before c251dcb's A/B)",
+)
 GATHER_ABLATIONS: tuple[Mutation, ...] = (
     Mutation(
         "ablate.gather_no_fence", CHUNKLOAD,
@@ -278,12 +283,7 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "the gathered wgrad in 128-wide tiles: five operand stages (landing lag 3) instead of three (lag 1), "
         "at twice the re-reads of the TMA operand",
     ),
-    Mutation(
-        "ablate.gather_lag_one", "nmoe/fast/kernels/sm90/gatherplan.py",
-        "    return stages - 2\n", "    return 1\n",
-        "the producers land each stage one stage after issuing it (fewer copies in flight): what the "
-        "lag buys",
-    ),
+    _GATHER_LAG_TWO,
     Mutation(
         "ablate.gather_no_mma", KERNEL,
         "    for kb in range_constexpr(K_BLOCKS):\n        a = t_ra[",
@@ -437,7 +437,7 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
             "the layer"),
     *map(_as_layer, (_WGRAD_STATIC, _WGRAD_CLUSTER_TWO, _DEAD_ROWS_MMA, _PINGPONG_FULL_TAIL, _PINGPONG,
                      _TMA_A_EVICT_FIRST, _TMA_B_EVICT_LAST, _GATHER_B_EVICT_LAST,
-                     _GATHER_STATIC, _FWD_DYNAMIC, _PINGPONG_BN128, _GATHER_PINGPONG)),
+                     _GATHER_STATIC, _FWD_DYNAMIC, _PINGPONG_BN128, _GATHER_PINGPONG, _GATHER_LAG_TWO)),
 )
 # Ablations of more than one edit, applied in order; the first names the variant and says what it measures.
 

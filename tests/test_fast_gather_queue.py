@@ -21,6 +21,7 @@ from test_fast_wgrad_accumulate import _spec
 
 from nmoe.checkout import tree_pythonpath
 from nmoe.fast.kernels.sm90.gatherplan import queued_lag
+from nmoe.fast.limits import GEMM_GATHER_LAG
 
 gpu = pytest.mark.gpu
 QUEUED = ("grouped_gemm_act_gathered_swiglu_n256_dynamic", "grouped_gemm_dgrad_gathered_n256_dynamic",
@@ -90,13 +91,15 @@ def test_queued_lag_is_bounded_by_the_queue() -> None:
     queue = (ROOT / "nmoe/fast/kernels/sm90/tilequeue.py").read_text()
     assert re.search(rf"^QUEUE_DEPTH = {DEPTH}$", queue, re.M), "the model's depth is the kernels' queue's"
     rng = random.Random(7)
-    for stages in range(3, DEPTH + 3):
+    for stages in range(3, DEPTH + 4):
         mixes = [[1] * 20, [5, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0],
                  [rng.choice((0, 0, 1, 2, 9)) for _ in range(40)]]
-        assert all(pipeline_finishes(stages, queued_lag(stages, DEPTH), m) for m in mixes), stages
+        for lag in range(1, min(stages - 2, DEPTH) + 1):
+            assert all(pipeline_finishes(stages, queued_lag(stages, DEPTH, lag), m) for m in mixes), stages
     assert not pipeline_finishes(DEPTH + 3, DEPTH + 1, [1] * 20)
     with pytest.raises(ValueError, match="could fill the queue"):
-        queued_lag(DEPTH + 3, DEPTH)
+        queued_lag(DEPTH + 3, DEPTH, DEPTH + 1)
+    assert queued_lag(DEPTH + 3, DEPTH) == GEMM_GATHER_LAG <= DEPTH, "the kernels' lag fits the queue"
 
 
 def test_sep_gemm_fast_gather_queued_no_landing() -> None:

@@ -378,15 +378,23 @@ def test_zero_chunk_is_made_eagerly_never_inside_a_capture(monkeypatch: pytest.M
 
 def test_sep_gemm_fast_gather_lag_too_deep() -> None:
     """The gathering producers land a stage (wait for its copies, fence, arrive) gather_lag stages after
-    issuing it. One stage more and the slot the producer needs is freed only by the consumers' reading a
-    stage the producer has not landed: the pipeline stands still, for every depth and any tiling."""
+    issuing it. Separating: at stages - 1 the slot the producer needs is freed only by the consumers' reading a
+    stage it has not landed, so the pipeline stands still; at 1 to stages - 2 it finishes for any tiling.
+    gather_lag accepts exactly those lags (GEMM_GATHER_LAG by default) and refuses the rest."""
     from nmoe.fast.kernels.sm90.gatherplan import gather_lag
+    from nmoe.fast.limits import GEMM_GATHER_LAG
 
     rng = random.Random(5)
     for stages in range(3, 9):
         tilings = [[1] * 20, [40], [rng.randint(1, 6) for _ in range(30)]]
         assert not pipeline_finishes(stages, stages - 1, [40], depth=None), "one stage deeper stands still"
-        assert all(pipeline_finishes(stages, gather_lag(stages), t, depth=None) for t in tilings), stages
+        for lag in range(1, stages - 1):
+            assert gather_lag(stages, lag) == lag
+            assert all(pipeline_finishes(stages, lag, t, depth=None) for t in tilings), (stages, lag)
+        for bad in (0, stages - 1):
+            with pytest.raises(ValueError, match=f"GEMM_GATHER_LAG = {bad}: .* 1 to {stages - 2} stages"):
+                gather_lag(stages, bad)
+    assert gather_lag(4) == GEMM_GATHER_LAG
     with pytest.raises(ValueError, match="3 or more pipeline stages"):
         gather_lag(2)
 

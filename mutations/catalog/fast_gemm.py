@@ -321,9 +321,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "gemm.fast_gather_lag_too_deep", PLAN,
-        "    return stages - 2\n", "    return stages - 1\n",
-        "the gathering producers land a stage one stage later, so the slot they wait for is freed only after "
-        "a stage they have not landed: the pipeline stands still", GATHER_TESTS, ("grouped_gemm_act",),
+        "    deepest = stages - 2\n", "    deepest = stages - 1\n",
+        "the gathering producers may land a stage one stage later than the deepest lag that finishes, so the "
+        "slot they wait for is freed only after a stage they have not landed: the pipeline stands still",
+        GATHER_TESTS, ("grouped_gemm_act",),
     ),
     sep_mutation(
         "gemm.fast_dead_rows_off_by_one", FILE,

@@ -107,6 +107,10 @@ GEMM_GATHER_DEFERRED: Final[bool] = False
 """The same for the fwd and dgrad that gather A row by row (the MoE layer's up projection with its fused
 activation, and its down projection's dgrad), cooperative at every K, so nothing else overlaps their
 epilogue. Off: H200 MoE layer fwd 1.00-1.01x, fwd+bwd 1.00-1.01x (ablate.layer_gather_deferred)."""
+GEMM_GATHER_LAG: Final[int] = 1
+"""Stages a gathering producer's cp.async copies stay in flight before it lands them (1 to stages - 2): each
+one more is a landed stage fewer for the consumers to run ahead on. H100 c2 (4 stages), 1 against 2: gathered
+wgrad 1.38x x on N, 1.22-1.25x x on M; gathering fwd/dgrad 0.99-1.01x (c251dcb; ablate.gather_lag_two)."""
 GEMM_GATHER_DYNAMIC: Final[bool] = True
 """The gathering fwd/dgrad take each unit from a device counter, in order, as CTAs free up, instead of every
 SM-count-th, so CTAs sharing an expert's B boxes start together however far their static shares drifted.

@@ -8,23 +8,27 @@ from typing import Any
 
 from nmoe.fast.limits import GEMM_BK as BK
 from nmoe.fast.limits import GEMM_BM as BM
-from nmoe.fast.limits import VEC_BYTES
+from nmoe.fast.limits import GEMM_GATHER_LAG, VEC_BYTES
 
 PRODUCER_THREADS = 128
 
 
-def gather_lag(stages: int) -> int:
+def gather_lag(stages: int, lag: int = GEMM_GATHER_LAG) -> int:
     """Stages a gathering producer leaves in flight before it lands its oldest: at most stages - 2, since the
     slot it acquires next is freed only once the consumers have read the stage after the one it holds."""
     if stages < 3:
         raise ValueError(f"a gathering producer needs 3 or more pipeline stages, got {stages}")
-    return stages - 2
+    deepest = stages - 2
+    if not 1 <= lag <= deepest:
+        raise ValueError(f"GEMM_GATHER_LAG = {lag}: a gathering producer with {stages} stages lands its "
+                         f"copies 1 to {deepest} stages behind (more stands the pipeline still); set it so")
+    return lag
 
 
-def queued_lag(stages: int, depth: int) -> int:
+def queued_lag(stages: int, depth: int, lag: int = GEMM_GATHER_LAG) -> int:
     """gather_lag for a producer fed by a tile queue of `depth` units: each unit it may run ahead holds a
     stage or lands all (chunkload.land_pending), so its stages in flight land before the queue fills."""
-    lag = gather_lag(stages)
+    lag = gather_lag(stages, lag)
     if lag > depth:
         raise ValueError(f"a dynamic gathering producer with {stages} stages lands each {lag} later, more "
                          f"than its tile queue's {depth} units: it could fill the queue before they land")
