@@ -377,10 +377,9 @@ def test_zero_chunk_is_made_eagerly_never_inside_a_capture(monkeypatch: pytest.M
 
 
 def test_sep_gemm_fast_gather_lag_too_deep() -> None:
-    """The gathering producers land a stage (wait for its copies, fence, arrive) gather_lag stages after
-    issuing it. Separating: at stages - 1 the slot the producer needs is freed only by the consumers' reading a
-    stage it has not landed, so the pipeline stands still; at 1 to stages - 2 it finishes for any tiling.
-    gather_lag accepts exactly those lags (GEMM_GATHER_LAG by default) and refuses the rest."""
+    """Producers land a stage gather_lag stages after issuing it. Separating: at stages - 1 the slot they
+    need is freed only by the consumers' reading a stage not yet landed, so the pipeline stands still; at 1 to
+    stages - 2 it finishes for any tiling. gather_lag accepts exactly those (default GEMM_GATHER_LAG)."""
     from nmoe.fast.kernels.sm90.gatherplan import gather_lag
     from nmoe.fast.limits import GEMM_GATHER_LAG
 
