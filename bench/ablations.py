@@ -262,6 +262,13 @@ _WGRAD_REGS = (
              "    cute.arch.setmaxregister_increase(CONSUMER_REGS)\n",
              "    cute.arch.setmaxregister_increase(224)\n", ""),
 )
+SWIGLU = "nmoe/fast/kernels/swiglu.py"
+_QUOTIENT = "        s[j] = unit_quotient(num[j], add_rn(1.0, ef[j]))\n"
+_ACT_IEEE_DIV = Mutation(
+    "ablate.gather_act_ieee_div", SWIGLU, _QUOTIENT, "        s[j] = num[j] / add_rn(1.0, ef[j])\n",
+    "the swiglu's sigmoid quotient (fused, standalone and in the expert rows' backward) by div.rn.f32, its "
+    "range check and slow-path call included, instead of that division's fast path alone: the same bits",
+)
 _GATHER_LAG_TWO = Mutation(
     "ablate.gather_lag_two", LIMITS, "GEMM_GATHER_LAG: Final[int] = 1\n", "GEMM_GATHER_LAG: Final[int] = 2\n",
     "the gathering producers land each stage two stages after issuing it (a stage more in flight, one fewer "
@@ -315,17 +322,17 @@ GATHER_ABLATIONS: tuple[Mutation, ...] = (
         "N(0, 1)): what the gates' magnitude costs the fused activation (H200: up to 1.83x)",
     ),
     Mutation(
-        "ablate.gather_act_no_exp", "nmoe/fast/kernels/swiglu.py",
+        "ablate.gather_act_no_exp", SWIGLU,
         "    e = cute.math.exp(-cute.math.absf(gv))  # type: ignore[attr-defined]\n",
         "    e = cute.math.absf(gv)  # type: ignore[attr-defined]\n",
         "timing only: the fused (and standalone) swiglu takes |g| for exp(-|g|): what expf costs",
     ),
     Mutation(
-        "ablate.gather_act_no_div", "nmoe/fast/kernels/swiglu.py",
-        "cute.full_like(gv, 1.0), e) / den.load())", "cute.full_like(gv, 1.0), e) * den.load())",
+        "ablate.gather_act_no_div", SWIGLU, _QUOTIENT, "        s[j] = num[j] * add_rn(1.0, ef[j])\n",
         "timing only: the fused (and standalone) swiglu multiplies by 1 + e instead of dividing: what the "
-        "IEEE division costs",
+        "division costs",
     ),
+    _ACT_IEEE_DIV,
     _GATHER_DEFERRED,
     replace(_MASKED_STORES, id="ablate.gather_lsu_stores",
             description="every tile's h and act(h) leave by per-thread 16-byte stores (the LSU) instead of "
@@ -438,6 +445,7 @@ LAYER_ABLATIONS: tuple[Mutation, ...] = (
     *map(_as_layer, (_WGRAD_STATIC, _WGRAD_CLUSTER_TWO, _DEAD_ROWS_MMA, _PINGPONG_FULL_TAIL, _PINGPONG,
                      _TMA_A_EVICT_FIRST, _TMA_B_EVICT_LAST, _GATHER_B_EVICT_LAST,
                      _GATHER_STATIC, _FWD_DYNAMIC, _PINGPONG_BN128, _GATHER_PINGPONG, _GATHER_LAG_TWO)),
+    replace(_ACT_IEEE_DIV, id="ablate.layer_act_ieee_div"),
 )
 # Ablations of more than one edit, applied in order; the first names the variant and says what it measures.
 

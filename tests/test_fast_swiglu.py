@@ -4,12 +4,16 @@ sm_90a/sm_100a GPUs (bitwise except where expf's last bits decide a bf16 roundin
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from fastcompile import assert_rows_ok, compile_rows
+from test_fast_gemm import child_env
 from torch import Tensor
 
 from nmoe.fast import _swiglu as fast
@@ -91,7 +95,9 @@ def test_kernel_specs() -> None:
     for spec in fast.KERNELS:
         assert spec.op == spec.name.removesuffix("_f32").removesuffix("_fwd")
         for arch in SUPPORTED_ARCHS:
-            assert r"\bmul\.rn\.f32\b" in spec.expect[arch] and r"\bdiv\.rn\.f32\b" in spec.expect[arch]
+            expect, forbid = spec.expect[arch], spec.forbid[arch]
+            assert r"\bmul\.rn\.f32\b" in expect and r"\brcp\.approx\.ftz\.f32\b" in expect
+            assert r"\bdiv\.rn\.f32\b" in forbid, "the sigmoid's quotient is div.rn's fast path alone"
 
 
 @pytest.mark.heavy
@@ -225,3 +231,91 @@ def test_sep_swiglu_fast_du_not_silu() -> None:
     mutant[:, 1::2] = (dy.float() * h[:, 0::2].float()).to(BF16)
     assert _max_ulp(correct, mutant) > 1
     _check(fast.swiglu_bwd(dy.cuda(), h.cuda()).cpu(), correct, _oracle_bwd(dy, h))
+
+
+# ------------------------------------------------------------------------------------------------------
+# The sigmoid's quotient (swiglu.unit_quotient) against IEEE division, over every fp32 e in [0, 1]
+
+_QUOTIENT_PROBE = r'''
+import json, sys
+from nmoe.fast import runtime
+runtime.import_cutlass("sm_90a")
+import cuda.bindings.driver as cuda
+import cutlass.cute as cute
+from cutlass import Int32
+from cutlass.cute.runtime import make_ptr
+from nmoe.fast.kernels.prims import add_rn, div_rn, f2i, fma_rn, i2f, mul_rn, rcp_approx
+from nmoe.fast.kernels.swiglu import unit_quotient
+
+THREADS, BLOCKS = 256, 2048
+
+
+@cute.jit
+def uncorrected(num, den):
+    r = rcp_approx(den)
+    return mul_rn(num, fma_rn(r, fma_rn(-den, r, 1.0), r))
+
+
+@cute.kernel
+def check(pbad: cute.Pointer, last: Int32):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    ours, cut = Int32(0), Int32(0)
+    for i in range(bidx * THREADS + tidx, last + 1, THREADS * BLOCKS):
+        e = i2f(i)
+        den = add_rn(1.0, e)
+        for num in (1.0, e):
+            ieee = f2i(div_rn(num, den))
+            if f2i(unit_quotient(num, den)) != ieee:
+                ours = ours + 1
+            if f2i(uncorrected(num, den)) != ieee:
+                cut = cut + 1
+    bad = cute.make_tensor(pbad, cute.make_layout(2))
+    cute.arch.atomic_add((bad.iterator + 0).llvm_ptr, ours, sem="relaxed", scope="gpu")
+    cute.arch.atomic_add((bad.iterator + 1).llvm_ptr, cut, sem="relaxed", scope="gpu")
+
+
+@cute.jit
+def run(pbad: cute.Pointer, last: Int32, stream: cuda.CUstream):
+    check(pbad, last).launch(grid=[BLOCKS, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+
+LAST = 0x3F800000
+ptr = make_ptr(Int32, 16, cute.AddressSpace.gmem, assumed_align=4)
+compiled = cute.compile(run, ptr, Int32(LAST), cuda.CUstream(0))
+if sys.argv[1:] == ["--compile-only"]:
+    print(json.dumps({"compiled": True}))
+    raise SystemExit(0)
+import torch
+bad = torch.zeros(2, dtype=torch.int32, device="cuda")
+compiled(make_ptr(Int32, bad.data_ptr(), cute.AddressSpace.gmem, assumed_align=4), Int32(LAST),
+         cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+torch.cuda.synchronize()
+print(json.dumps({"ours": int(bad[0]), "uncorrected": int(bad[1]), "pairs": 2 * (LAST + 1)}))
+'''
+
+
+def _quotient_probe(tmp_path: Path, *args: str) -> dict[str, int]:
+    script = tmp_path / "quotient.py"
+    script.write_text(_QUOTIENT_PROBE)
+    env = child_env({"CUTE_DSL_ARCH": "sm_90a"})
+    proc = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out: dict[str, int] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
+@pytest.mark.heavy
+def test_quotient_probe_compiles(tmp_path: Path) -> None:
+    """The GPU proof below compiles without a GPU, so a broken probe shows on CPU, not first on a lease."""
+    assert _quotient_probe(tmp_path, "--compile-only") == {"compiled": True}
+
+
+@pytest.mark.gpu
+def test_sep_swiglu_fast_quotient_uncorrected(tmp_path: Path) -> None:
+    """Separating: the refined reciprocal times num, uncorrected, misses div.rn.f32 on some of the 2^31
+    (num, 1 + e) pairs the sigmoid divides (num 1 or e, e every fp32 in [0, 1]); unit_quotient misses none."""
+    out = _quotient_probe(tmp_path)
+    assert out["uncorrected"] > 0, out
+    assert out["ours"] == 0, out

@@ -22,4 +22,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         "fast swiglu backward du = dy*g (sigmoid dropped) instead of dy*silu(g)", TESTS, ("swiglu",),
         device="gpu",
     ),
+    sep_mutation(
+        "swiglu.fast_quotient_uncorrected", FILE,
+        "    return fma_rn(y, fma_rn(-den, q, num), q)\n", "    return q\n",
+        "the sigmoid's quotient stops at num times the refined reciprocal, without div.rn's one correction "
+        "step, so some quotients are an ulp off IEEE division", TESTS, ("swiglu", "swiglu_bwd"), device="gpu",
+    ),
 )

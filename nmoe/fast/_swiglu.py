@@ -96,6 +96,14 @@ def swiglu_bwd(dy: Tensor, h: Tensor) -> Tensor:
 # range-reduced argument and is exempt); approximate division is not IEEE; local memory means spills.
 ELEMENTWISE_FORBID = (r"\b(mul|add|sub|div|fma)(\.r[nzmp])?\.ftz\.f32\b",
                       r"\bdiv\.(approx|full)(\.ftz)?\.f32\b", r"\b(ld|st)\.local\b")
+
+
+def quotient_rules(act: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(expected, forbidden) PTX wherever a swiglu computes its sigmoid: the quotient as div.rn's fast path
+    (swiglu.unit_quotient), no div.rn.f32, whose range check and slow-path call split the code around it."""
+    return ((r"\brcp\.approx\.ftz\.f32\b",), (r"\bdiv\.rn\.f32\b",)) if act == "swiglu" else ((), ())
+
+
 _LD128 = r"\bld\.global(\.nc)?\.(v4\.(b|f|u)32|v2\.(b|u)64|v8\.(b|f|u)32)\b"
 _ST128 = r"\bst\.global\.(v4\.(b|f|u)32|v2\.(b|u)64|v8\.(b|f|u)32)\b"
 
@@ -103,11 +111,12 @@ _ST128 = r"\bst\.global\.(v4\.(b|f|u)32|v2\.(b|u)64|v8\.(b|f|u)32)\b"
 def _spec(kernel: Kernel, dtype_name: str) -> KernelSpec:
     suffix = "" if dtype_name == "bfloat16" else "_f32"
     rounding = (r"\bcvt\.rn\.bf16x2\.f32\b",) if dtype_name == "bfloat16" else ()
+    quotient = quotient_rules("swiglu")
     return runtime.portable_spec(
         kernel.name.removesuffix("_fwd"), f"{kernel.name}{suffix}",
         kernel.compiler(dtype=dtype_name, vec=_VEC[dtype_name]),
-        (_LD128, _ST128, r"\bmul\.rn\.f32\b", r"\badd\.rn\.f32\b", r"\bdiv\.rn\.f32\b", *rounding),
-        ELEMENTWISE_FORBID)
+        (_LD128, _ST128, r"\bmul\.rn\.f32\b", r"\badd\.rn\.f32\b", *quotient[0], *rounding),
+        (*ELEMENTWISE_FORBID, *quotient[1]))
 
 
 KERNELS: tuple[KernelSpec, ...] = tuple(

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from nmoe.constants import ACT_H_COLUMNS
 from nmoe.fast import runtime
-from nmoe.fast._swiglu import ELEMENTWISE_FORBID
+from nmoe.fast._swiglu import ELEMENTWISE_FORBID, quotient_rules
 from nmoe.fast.activation import ACTIVATIONS
 from nmoe.fast.limits import VEC_BYTES
 from nmoe.fast.op import Kernel, fast_op, save_inputs
@@ -234,14 +234,21 @@ def _spec(name: str, kernel: Kernel, k: int, has_shared: bool, *extra: str) -> K
 # its activations keep the standalone kernels' forbid list (libdevice expf holds fma and ex2.approx.ftz).
 _ROWS_EXPECT = (runtime.LD128, runtime.ST128, r"mul\.rn\.f32", r"\badd\.rn\.f32\b", r"\bcvt\.rn\.bf16\.f32\b",
                 r"\bshfl\.sync\.bfly\.b32\b")
+
+
+def _rows_spec(act: str) -> KernelSpec:
+    quotient, no_div = quotient_rules(act)
+    return runtime.portable_spec("moe_layer", f"expert_rows_bwd_{act}",
+                                 EXPERT_ROWS_BWD.compiler(vec=_VEC, act=act), (*_ROWS_EXPECT, *quotient),
+                                 (*ELEMENTWISE_FORBID, *no_div))
+
+
 # combine_gather also loads each slot's int32 row index sign-extended into a 64-bit row offset.
 KERNELS: tuple[KernelSpec, ...] = (
     _spec("combine_fwd", COMBINE_FWD, 8, True, r"\badd\.rn\.f32\b"),
     _spec("combine_fwd_k1", COMBINE_FWD, 1, False),
     _spec("combine_bwd", COMBINE_BWD, 8, False, r"\badd\.rn\.f32\b", r"\bshfl\.sync\.bfly\.b32\b"),
-    *(runtime.portable_spec("moe_layer", f"expert_rows_bwd_{act}",
-                            EXPERT_ROWS_BWD.compiler(vec=_VEC, act=act), _ROWS_EXPECT, ELEMENTWISE_FORBID)
-      for act in ACTIVATIONS),
+    *(_rows_spec(act) for act in ACTIVATIONS),
     runtime.portable_spec("combine_gather", "combine_gather_fwd",
                           COMBINE_GATHER_FWD.compiler(k=8, vec=_VEC, shared=True),
                           (runtime.LD128, runtime.ST128, r"mul\.rn\.f32", r"\badd\.rn\.f32\b",

@@ -4,6 +4,7 @@ the parity report; the glue (nmoe.fast.gemm.sm90) launches the kernels and re-ex
 
 from __future__ import annotations
 
+from nmoe.fast._swiglu import quotient_rules
 from nmoe.fast.limits import pingpong_bn
 from nmoe.fast.op import Kernel
 from nmoe.fast.runtime import KernelSpec
@@ -81,7 +82,8 @@ _HANDOFF = (r"\bst\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.b32\b"
 
 
 # The fused epilogue must round like the standalone activations: canonical NaN selects, no ftz arithmetic
-# (libdevice expf's ex2.approx.ftz acts on a range-reduced argument and is exempt), IEEE division.
+# (libdevice expf's ex2.approx.ftz acts on a range-reduced argument and is exempt), IEEE division (swiglu's
+# sigmoid quotient as div.rn's fast path, quotient_rules).
 _EXPECT_EPILOGUE = (*_EXPECT_SM90, r"\bsetp\.nan\.f32\b")
 _FORBID_EPILOGUE = (*_FORBID_SM90, r"\b(mul|add|sub|div|fma)(\.r[nzmp])?\.ftz\.f32\b",
                     r"\bdiv\.(approx|full)(\.ftz)?\.f32\b")
@@ -127,8 +129,9 @@ def _gather_spec(name: str, n: int, k: int, activation: str, pingpong: bool = Fa
     (act(h) is staged by scalar stores and leaves in 8-byte chunks)."""
     bn = pingpong_bn(activation) if pingpong else pick_bn(n)
     rows, no_rows = _rows(dynamic)
-    expect: tuple[str, ...] = (*_EXPECT_EPILOGUE, *rows, *(_TURNS if pingpong else ()))
-    forbid: tuple[str, ...] = (*_FORBID_EPILOGUE, *no_rows)
+    quotient, no_div = quotient_rules(activation)
+    expect: tuple[str, ...] = (*_EXPECT_EPILOGUE, *quotient, *rows, *(_TURNS if pingpong else ()))
+    forbid: tuple[str, ...] = (*_FORBID_EPILOGUE, *no_div, *no_rows)
     if not keep_h:
         expect = tuple(rx for rx in expect if rx not in (_STMATRIX, _ST_V4))
         forbid = (*forbid, _STMATRIX, _ST_V4)
@@ -206,8 +209,8 @@ def _spec(name: str, n: int, k: int, bn: int, w_k_major: bool | None, activation
         op=op,
         name=name,
         compile=compile,
-        expect={"sm_90a": (*_EXPECT_EPILOGUE, *extra) if fused else expect},
-        forbid={"sm_90a": _FORBID_EPILOGUE if fused else _FORBID_SM90},
+        expect={"sm_90a": (*_EXPECT_EPILOGUE, *quotient_rules(activation)[0], *extra) if fused else expect},
+        forbid={"sm_90a": (*_FORBID_EPILOGUE, *quotient_rules(activation)[1]) if fused else _FORBID_SM90},
     )
 
 

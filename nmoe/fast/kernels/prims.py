@@ -73,6 +73,14 @@ def fma_rn(a: Any, b: Any, c: Any) -> Float32:
     return _rn("fma", a, b, c)
 
 
+@dsl_user_op
+def rcp_approx(a: Any, *, loc: Any = None, ip: Any = None) -> Float32:
+    """`rcp.approx.ftz.f32` (MUFU.RCP): the seed that IEEE division refines; not correctly rounded alone."""
+    x = Float32(a).ir_value(loc=loc, ip=ip)
+    return Float32(llvm.call_intrinsic(Float32.mlir_type, "llvm.nvvm.rcp.approx.ftz.f", [x], [], [], loc=loc,
+                                       ip=ip))
+
+
 def sqrt_rn(a: Any) -> Float32:
     return _rn("sqrt", a)
 

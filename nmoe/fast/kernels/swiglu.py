@@ -1,7 +1,8 @@
 """CuTeDSL kernels for interleaved swiglu fwd/bwd: flat over output pairs, 128-bit vectors, guarded tail.
 
-Every fp32 op the reference rounds separately is a separate `.rn` op here (no FMA contraction), so the only
-difference from the reference is expf's last bits. Import only after nmoe.fast.runtime.import_cutlass(arch).
+Every fp32 op the reference rounds separately is a separate `.rn` op here (no FMA contraction; the sigmoid's
+division is IEEE division's own fast path, unit_quotient), so the only difference from the reference is expf's
+last bits. Import only after nmoe.fast.runtime.import_cutlass(arch).
 """
 
 from __future__ import annotations
@@ -17,7 +18,17 @@ from cutlass.cute.typing import Pointer
 
 from nmoe.fast.kernels.activation import elementwise_args
 from nmoe.fast.kernels.activation import pointers as pointers
-from nmoe.fast.kernels.prims import PDL, add_rn, await_upstream, mul_rn, out_bits, store_full, store_tail
+from nmoe.fast.kernels.prims import (
+    PDL,
+    add_rn,
+    await_upstream,
+    fma_rn,
+    mul_rn,
+    out_bits,
+    rcp_approx,
+    store_full,
+    store_tail,
+)
 
 THREADS = 256
 
@@ -28,17 +39,28 @@ def _frag(vec: Constexpr[int]) -> cute.Tensor:
 
 
 @cute.jit
+def unit_quotient(num: Float32, den: Float32) -> Float32:
+    """The sigmoid's (1 or e) / (1 + e), e in [0, 1]: div.rn.f32's own fast path (refined reciprocal, one
+    corrected quotient) without its range check and slow-path branch, which only a tiny num takes; its den is
+    then exactly 1, where this path is exact too."""
+    r = rcp_approx(den)
+    y = fma_rn(r, fma_rn(-den, r, 1.0), r)
+    q = mul_rn(num, y)
+    return fma_rn(y, fma_rn(-den, q, num), q)
+
+
+@cute.jit
 def _sigmoid(g: cute.Tensor, vec: Constexpr[int]) -> cute.Tensor:
     """s = 1/(1+e) for g >= 0 else e/(1+e), e = exp(-|g|): the reference's subnormal-preserving form."""
     gv = g.load()
     e = cute.math.exp(-cute.math.absf(gv))  # type: ignore[attr-defined]
     ef = _frag(vec)
     ef.store(e)
-    den = _frag(vec)
-    for j in range_constexpr(vec):
-        den[j] = add_rn(1.0, ef[j])
+    num = _frag(vec)
+    num.store(cute.where(gv >= cute.full_like(gv, 0.0), cute.full_like(gv, 1.0), e))
     s = _frag(vec)
-    s.store(cute.where(gv >= cute.full_like(gv, 0.0), cute.full_like(gv, 1.0), e) / den.load())
+    for j in range_constexpr(vec):
+        s[j] = unit_quotient(num[j], add_rn(1.0, ef[j]))
     return s
 
 
