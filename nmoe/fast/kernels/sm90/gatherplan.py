@@ -14,8 +14,9 @@ PRODUCER_THREADS = 128
 
 
 def gather_lag(stages: int, lag: int = GEMM_GATHER_LAG) -> int:
-    """Stages a gathering producer leaves in flight before it lands its oldest: at most stages - 2, since the
-    slot it acquires next is freed only once the consumers have read the stage after the one it holds."""
+    """Stages a gathering producer leaves in flight before it lands its oldest (GEMM_GATHER_LAG): at most
+    stages - 2, since the slot it acquires next is freed only once the consumers have read the stage after the
+    one it holds."""
     if stages < 3:
         raise ValueError(f"a gathering producer needs 3 or more pipeline stages, got {stages}")
     deepest = stages - 2
