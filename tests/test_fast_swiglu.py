@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import math
+import random
+import struct
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -293,6 +296,48 @@ compiled(make_ptr(Int32, bad.data_ptr(), cute.AddressSpace.gmem, assumed_align=4
 torch.cuda.synchronize()
 print(json.dumps({"ours": int(bad[0]), "uncorrected": int(bad[1]), "pairs": 2 * (LAST + 1)}))
 '''
+
+
+def _rn32(x: Fraction) -> Fraction:
+    """x rounded once to fp32 (nearest, ties to even, subnormal spacing below 2^-126), exactly."""
+    if x == 0:
+        return x
+    mag = abs(x)
+    top = mag.numerator.bit_length() - mag.denominator.bit_length()
+    top -= Fraction(2) ** top > mag
+    ulp = Fraction(2) ** (max(top, -126) - 23)
+    units = mag / ulp
+    n = units.numerator // units.denominator
+    n += (units - n > Fraction(1, 2)) or (units - n == Fraction(1, 2) and n % 2 == 1)
+    return (n * ulp) if x > 0 else -(n * ulp)
+
+
+def _f32_step(x: Fraction, steps: int) -> Fraction:
+    """The fp32 `steps` ulps from positive fp32 x."""
+    bits = struct.unpack("<I", struct.pack("<f", float(x)))[0] + steps
+    return Fraction(struct.unpack("<f", struct.pack("<I", bits))[0])
+
+
+def test_unit_quotient_rounds_like_ieee_division() -> None:
+    """unit_quotient's sequence in exact arithmetic, each op rounded once to fp32: from any reciprocal seed
+    within an ulp of 1/(1 + e) (whatever MUFU's last bit) it returns the correctly rounded (1 or e)/(1 + e);
+    separating: without its correction step it misses some. The kernel itself is held to div.rn on a GPU."""
+    rng = random.Random(11)
+    es = [_rn32(Fraction(2.0 ** rng.uniform(-30, 0))) for _ in range(3000)]
+    tiny = Fraction(2) ** -24
+    es += [Fraction(0), Fraction(1), tiny, _f32_step(tiny, 1), Fraction(2) ** -149,
+           _f32_step(Fraction(1), -1), Fraction(1, 2)]
+    uncorrected_misses = 0
+    for e in es:
+        den = _rn32(1 + e)
+        for num in (Fraction(1), e):
+            want = _rn32(num / den)
+            for seed in (_f32_step(_rn32(1 / den), d) for d in (-1, 0, 1)):
+                y = _rn32(seed * _rn32(1 - den * seed) + seed)
+                q = _rn32(num * y)
+                assert _rn32(y * _rn32(num - den * q) + q) == want, (e, num, seed)
+                uncorrected_misses += q != want
+    assert uncorrected_misses > 0
 
 
 def _quotient_probe(tmp_path: Path, *args: str) -> dict[str, int]:
