@@ -6,8 +6,9 @@
 # and one GEMM: run it first on a new launch path. sonic times SonicMoE on the MoE layer rows in its own
 # process (SONIC_PYTHONPATH from the peer install; its kernels compiled for ~16 minutes on the H200, so they
 # compile in the background while tests, parity and mutate run, and are timed only after those, right before
-# bench, which puts those rows beside ours; NMOE_SONIC_CACHE names a CuTeDSL file-cache folder for them,
-# reuse untried). moonlet trains configs/moonlet.toml for NMOE_MOONLET_STEPS (default 200) steps and writes
+# bench, which puts those rows beside ours; its GEMMs go through quack's autotuner, which compiles and times
+# every config on a first call. NMOE_SONIC_CACHE names a folder, one per GPU kind, for CuTeDSL's file cache
+# and quack's autotune choices and objects; reuse untried). moonlet trains configs/moonlet.toml for NMOE_MOONLET_STEPS (default 200) steps and writes
 # its metrics table, PNG and report JSON (its checkpoint of ~40 GB goes to NMOE_MOONLET_CKPT;
 # NMOE_MOONLET_ARGS adds overrides). profile writes where one eager moonlet step's GPU time goes, by op
 # family and by the ops that launch the small kernels (bench/stepprofile.py; NMOE_MOONLET_ARGS applies).
@@ -28,7 +29,7 @@ if [[ $stages == *,sonic,* ]]; then
   rm -f "$out/sonic.go"
   echo "== sonic: compiling in the background (log $out/sonic.log); timed before bench"
   env PYTHONPATH="$SONIC_PYTHONPATH:$PWD" \
-    ${NMOE_SONIC_CACHE:+CUTE_DSL_CACHE_DIR="$NMOE_SONIC_CACHE"} \
+    ${NMOE_SONIC_CACHE:+CUTE_DSL_CACHE_DIR="$NMOE_SONIC_CACHE/cute" QUACK_CACHE_DIR="$NMOE_SONIC_CACHE/quack"} \
     python3 bench/sonicpeer.py --out "$out/sonic.json" --go "$out/sonic.go" > "$out/sonic.log" 2>&1 &
   sonic_pid=$!
 fi
