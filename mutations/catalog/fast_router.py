@@ -55,8 +55,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     sep_mutation(
         "router.fast_logits_grad_lo_dropped", GLUE,
-        "    pair = torch.cat([hi, (g - hi.float()).to(torch.bfloat16)], dim=1)",
-        "    pair = torch.cat([hi, torch.zeros_like(hi)], dim=1)",
+        "    lo = (g - hi.float()).to(torch.bfloat16)\n",
+        "    lo = torch.zeros_like(hi)\n",
         "the router gradient enters its bf16 GEMMs as its bf16 rounding alone (8 of 24 bits)", OPS_TESTS,
         ("router_logits",),
     ),

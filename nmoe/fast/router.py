@@ -146,10 +146,13 @@ def _split_bf16(g: Tensor, ids: Tensor | None, e: int) -> Tensor:
     """fp32 g as bf16 [T,2E] = [hi | lo], hi + lo = g to 16 of its 24 significand bits: one bf16 GEMM over
     the pair sums both terms in its fp32 accumulator, where an fp32 GEMM would run on CUDA cores."""
     hi = g.to(torch.bfloat16)
-    pair = torch.cat([hi, (g - hi.float()).to(torch.bfloat16)], dim=1)
+    lo = (g - hi.float()).to(torch.bfloat16)
     if ids is None:
-        return pair
-    return pair.new_zeros(g.shape[0], 2 * e).scatter_(1, torch.cat([ids, ids + e], dim=1), pair)
+        return torch.cat([hi, lo], dim=1)
+    pair = hi.new_zeros(g.shape[0], 2, e)
+    pair[:, 0].scatter_(1, ids, hi)
+    pair[:, 1].scatter_(1, ids, lo)
+    return pair.view(g.shape[0], 2 * e)
 
 
 def logits_grads(g: Tensor, x: Tensor, wr: Tensor, need_dx: bool, need_dwr: bool,

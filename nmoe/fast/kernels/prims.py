@@ -41,11 +41,15 @@ def await_upstream() -> None:
 
 
 @dsl_user_op
-def _rn(op: str, *operands: Any, loc: Any = None, ip: Any = None) -> Float32:
-    """One fp32 op rounded to nearest even; the explicit rounding keeps ptxas from fusing it into an FMA."""
+def _nvvm_f32(name: str, *operands: Any, loc: Any = None, ip: Any = None) -> Float32:
+    """The fp32 NVVM intrinsic `name` of fp32 operands."""
     args = [Float32(x).ir_value(loc=loc, ip=ip) for x in operands]
-    name = f"llvm.nvvm.{op}.rn.f"
     return Float32(llvm.call_intrinsic(Float32.mlir_type, name, args, [], [], loc=loc, ip=ip))
+
+
+def _rn(op: str, *operands: Any) -> Float32:
+    """One fp32 op rounded to nearest even; the explicit rounding keeps ptxas from fusing it into an FMA."""
+    return _nvvm_f32(f"llvm.nvvm.{op}.rn.f", *operands)
 
 
 def add_rn(a: Any, b: Any) -> Float32:
@@ -73,12 +77,9 @@ def fma_rn(a: Any, b: Any, c: Any) -> Float32:
     return _rn("fma", a, b, c)
 
 
-@dsl_user_op
-def rcp_approx(a: Any, *, loc: Any = None, ip: Any = None) -> Float32:
+def rcp_approx(a: Any) -> Float32:
     """`rcp.approx.ftz.f32` (MUFU.RCP): the seed that IEEE division refines; not correctly rounded alone."""
-    x = Float32(a).ir_value(loc=loc, ip=ip)
-    return Float32(llvm.call_intrinsic(Float32.mlir_type, "llvm.nvvm.rcp.approx.ftz.f", [x], [], [], loc=loc,
-                                       ip=ip))
+    return _nvvm_f32("llvm.nvvm.rcp.approx.ftz.f", a)
 
 
 def sqrt_rn(a: Any) -> Float32:
